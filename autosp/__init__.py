@@ -1,0 +1,24 @@
+"""AutoSP: automatic DeepSpeed-Ulysses sequence parallelism as a ``torch.compile`` backend.
+
+The single responsibility of this package is to turn an unmodified single-device
+causal-LM training step into an exactly equivalent sequence-parallel one: shard
+the tokens, wrap every ``scaled_dot_product_attention`` in all-to-alls, make the
+loss and gradients those of the full sequence, and export the resulting
+collective schedule for the simulator.  Entry points: `compile`,
+`prepare_inputs`, `sync_gradients`.
+"""
+
+from autosp import ops  # noqa: F401 - registers the autosp:: collective ops
+from autosp.api import SequenceParallelModel, compile, sync_gradients
+from autosp.config import AutoSPConfig
+from autosp.errors import AutoSPError
+from autosp.inputs import prepare_inputs
+
+__all__ = [
+    "AutoSPConfig",
+    "AutoSPError",
+    "SequenceParallelModel",
+    "compile",
+    "prepare_inputs",
+    "sync_gradients",
+]

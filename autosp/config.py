@@ -1,0 +1,41 @@
+"""AutoSP's user-facing configuration: one frozen dataclass, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from autosp.errors import AutoSPError
+
+COMPILERS = ("inductor", "aot_eager")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoSPConfig:
+    """How `autosp.compile` makes a model sequence-parallel."""
+
+    sp_size: int
+    """Ranks that share one sequence (the Ulysses degree); must divide the process group's size."""
+    compiler: str = "inductor"
+    """Code generator after the AutoSP passes: "inductor" (fast kernels) or "aot_eager" (quick to compile)."""
+    ignore_index: int = -100
+    """Label value that does not count in the loss (PyTorch and Hugging Face use -100)."""
+    pad_to_multiple: bool = True
+    """Pad a sequence whose length is not a multiple of sp_size at its end (with ignored labels; exact
+    under causal attention).  False raises an error for such a sequence instead."""
+    pad_token_id: int = 0
+    """Token id used for that padding (its outputs never reach the loss)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sp_size, int) or self.sp_size < 1:
+            raise AutoSPError(f"sp_size must be a positive integer, got {self.sp_size!r}")
+        if self.compiler not in COMPILERS:
+            raise AutoSPError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
+
+    @classmethod
+    def from_options(cls, *, sp_size: int, compiler: str, options: dict) -> AutoSPConfig:
+        """Build a config from `autosp.compile`'s keyword options; unknown names are an error."""
+        known = {f.name for f in fields(cls)} - {"sp_size", "compiler"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise AutoSPError(f"unknown autosp.compile option(s) {unknown}; valid options are {sorted(known)}")
+        return cls(sp_size=sp_size, compiler=compiler, **options)

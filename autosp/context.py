@@ -1,0 +1,58 @@
+"""Per-model compile state shared by the compiled model and its passes.
+
+`TraceContext` says what the passes need to know about the call being traced
+(the shard layout, which inputs were passed, the SP group).  It is owned by one
+`SequenceParallelModel`: nothing here is global, so two compiled models in one
+process never see each other's state.  `CompileReport` collects what the passes
+found (attention layers, collectives inserted) for logs, tests and export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autosp.inputs import ShardLayout
+
+
+@dataclass
+class AttentionSite:
+    """One attention call the pass rewrote."""
+
+    module: str
+    """Qualified name of the module that called scaled_dot_product_attention."""
+    num_heads: int
+    num_kv_heads: int
+    """Key/value heads as the model computes them (before any replication)."""
+    kv_replication: int
+    """Factor by which key/value heads were replicated so each rank gets whole GQA groups (1: none)."""
+    is_causal: bool
+
+
+@dataclass
+class CompileReport:
+    """What one compiled model's passes did, graph by graph (appended on every trace)."""
+
+    attention_sites: list[AttentionSite] = field(default_factory=list)
+    pass_op_deltas: list[tuple[str, dict[str, int]]] = field(default_factory=list)
+    forward_graphs: list[object] = field(default_factory=list)
+    """Post-pass Dynamo graphs (torch.fx.GraphModule), latest last."""
+
+    @property
+    def all_attention_causal(self) -> bool:
+        return all(site.is_causal for site in self.attention_sites)
+
+
+@dataclass
+class TraceContext:
+    """Facts about the call being traced; updated by the compiled model before each call."""
+
+    sp_size: int
+    sp_rank: int
+    group_name: str
+    ignore_index: int
+    layout: ShardLayout | None = None
+    labels_passed: bool = False
+    positions_passed: bool = True
+    input_roles: dict[int, str] = field(default_factory=dict)
+    """id() of each local input tensor -> its role ("input_ids", "labels", "position_ids")."""
+    report: CompileReport = field(default_factory=CompileReport)

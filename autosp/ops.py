@@ -1,0 +1,91 @@
+"""Collective custom ops used by the sequence-parallel graph.
+
+Each op is a ``torch.library.custom_op`` with a fake (shape) implementation and an
+autograd formula, so Dynamo, AOTAutograd and Inductor treat it as one opaque node
+in forward and backward graphs.  The process group travels as an argument: its
+c10d name, resolved by torch's own registry at run time (no registry of ours).
+
+- ``autosp::all_to_all(x, scatter_dim, gather_dim, group_name, group_size)``:
+  split ``x`` into ``group_size`` chunks along ``scatter_dim``, send chunk j to
+  group rank j, concatenate what arrives along ``gather_dim`` in rank order.
+  Its gradient is the all-to-all with the two dims swapped.
+- ``autosp::all_reduce_sum(x, group_name)``: sum over the group; the gradient is
+  the identity.  See Note [Loss all-reduce gradient].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+__all__ = ["all_reduce_sum", "all_to_all"]
+
+
+def _all_to_all_shape(shape: torch.Size, scatter_dim: int, gather_dim: int, group_size: int) -> list[int]:
+    out = list(shape)
+    if out[scatter_dim] % group_size:
+        raise ValueError(
+            f"all_to_all: dim {scatter_dim} of size {out[scatter_dim]} is not divisible by the group size {group_size}"
+        )
+    out[scatter_dim] //= group_size
+    out[gather_dim] *= group_size
+    return out
+
+
+@torch.library.custom_op("autosp::all_to_all", mutates_args=())
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group_name: str, group_size: int) -> torch.Tensor:
+    group = _resolve_process_group(group_name)
+    # [P, ...chunk]: chunk j (along scatter_dim) goes to rank j.
+    send = torch.stack(torch.chunk(x, group_size, dim=scatter_dim)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[j] came from rank j: concatenate in rank order along gather_dim.
+    return torch.cat(recv.unbind(0), dim=gather_dim).contiguous()
+
+
+@all_to_all.register_fake
+def _(x, scatter_dim, gather_dim, group_name, group_size):
+    return x.new_empty(_all_to_all_shape(x.shape, scatter_dim, gather_dim, group_size))
+
+
+def _all_to_all_backward(ctx, grad):
+    return all_to_all(grad, ctx.gather_dim, ctx.scatter_dim, ctx.group_name, ctx.group_size), None, None, None, None
+
+
+def _all_to_all_setup_context(ctx, inputs, output):
+    _, ctx.scatter_dim, ctx.gather_dim, ctx.group_name, ctx.group_size = inputs
+
+
+all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup_context)
+
+
+# Note [Loss all-reduce gradient]
+# Every rank of an SP group computes the partial loss of its shard and the
+# all-reduce makes the total visible on every rank.  Each rank then calls
+# backward on its copy with seed 1.  Differentiating "total = sum_r partial_r"
+# with an all-reduce in backward would hand each partial a gradient of P (one per
+# rank's seed) and scale every parameter gradient by P.  Only one copy of the
+# total is the objective, so the backward is the identity: partial_r receives
+# gradient 1 on its own rank, and summing parameter gradients over the group
+# (autosp.sync_gradients) yields the gradient of the total exactly once.
+
+
+@torch.library.custom_op("autosp::all_reduce_sum", mutates_args=())
+def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+    return out
+
+
+@all_reduce_sum.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
+
+
+def _all_reduce_sum_backward(ctx, grad):
+    # See Note [Loss all-reduce gradient]
+    return grad, None
+
+
+all_reduce_sum.register_autograd(_all_reduce_sum_backward)

@@ -1,0 +1,73 @@
+"""Small helpers shared by the passes: naming nodes' modules, binding call arguments, fake values."""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections import Counter
+
+import torch
+from torch import fx
+
+EXAMPLE_VALUE = "example_value"
+"""Dynamo's node.meta key for a node's fake tensor."""
+
+
+def module_name(node: fx.Node) -> str:
+    """The qualified name of the innermost module whose code produced ``node`` (best effort)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        name = list(stack.values())[-1][0]
+        return name.replace("L['self'].", "").replace("L['self']", "<model>")
+    return f"<graph node {node.name}>"
+
+
+def bind(fn, node: fx.Node) -> inspect.BoundArguments:
+    """Bind a call_function node's args and kwargs to ``fn``'s Python signature, defaults applied."""
+    bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return bound
+
+
+def fake_value(node: fx.Node | object):
+    """The fake tensor Dynamo recorded for ``node`` (or the constant itself)."""
+    if isinstance(node, fx.Node):
+        return node.meta.get(EXAMPLE_VALUE, node.meta.get("val"))
+    return node
+
+
+def shape_of(node: fx.Node) -> tuple[int, ...]:
+    value = fake_value(node)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"graph node {node.name} has no tensor metadata")
+    return tuple(value.shape)
+
+
+def op_counts(gm: fx.GraphModule) -> Counter:
+    """How many nodes call each target (for per-pass diffs in the logs)."""
+    counts: Counter = Counter()
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            target = node.target
+            counts[target if isinstance(target, str) else getattr(target, "__name__", str(target))] += 1
+    return counts
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def normalized_index(index, ndim: int) -> list[slice | object]:
+    """A tensor index as one entry per dimension (Ellipsis expanded; only slices/None-free indices)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(item is None for item in items):
+        return []
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        fill = [slice(None)] * (ndim - (len(items) - 1))
+        items = items[:at] + fill + items[at + 1 :]
+    return items + [slice(None)] * (ndim - len(items))
+
+
+def is_full_slice(item) -> bool:
+    return isinstance(item, slice) and item.start in (None, 0) and item.stop is None and item.step in (None, 1)

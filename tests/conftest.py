@@ -1,0 +1,11 @@
+"""Session-wide test environment, set before anything imports DeepSpeed."""
+
+import os
+import pathlib
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_ROOT / ".torch_extensions"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,127 @@
+"""Run a function on N real gloo ranks, each in its own spawned process.
+
+The function must be importable by name (defined at module level) because ranks
+are started with the ``spawn`` method.  It is called as ``fn(rank, world_size,
+*args)`` after ``torch.distributed`` has been initialised with gloo on a free
+local port, with one intra-op thread per rank.  The parent collects results over
+a queue and enforces a deadline: if any rank raises, the others are killed and
+`RankFailure` names the rank and carries its traceback; a rank that exits without
+a result or a run that passes its deadline fails the same way, so a broken rank
+can never hang the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+_POLL_S = 0.05
+_GRACE_S = 3.0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died or hung; the message holds each rank's story."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, results, init_timeout_s, env):
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=init_timeout_s),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    init_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    Raises `RankFailure` when a rank raises (with its traceback), exits without
+    reporting, or when the whole run exceeds ``timeout_s`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, args, results, init_timeout_s, child_env),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) + len(errors) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=_POLL_S)
+                (values if status == "ok" else errors)[rank] = payload
+                continue
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r not in values and r not in errors and not p.is_alive() and p.exitcode != 0:
+                    errors[r] = f"process exited with code {p.exitcode} without a result"
+            if errors:
+                # One rank failed: the others are probably stuck in a collective.  Keep
+                # listening briefly so that every rank's own story is reported.
+                deadline = min(deadline, now + _GRACE_S)
+            if now > deadline:
+                reason = f"no result after {timeout_s:.0f} s (hung?)" if not errors else "stopped after another rank failed"
+                for r in range(world_size):
+                    if r not in values and r not in errors:
+                        errors[r] = reason
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        results.close()
+
+    if errors:
+        stories = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise RankFailure(f"{len(errors)} of {world_size} ranks failed running {fn.__name__}:\n{stories}")
+    return [values[r] for r in range(world_size)]
