@@ -48,7 +48,6 @@ class SequenceParallelModel(nn.Module):
         backend = make_backend(self._ctx, config.compiler) if config.sp_size > 1 else config.compiler
         self._compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
         self._accepts_positions = _accepts(module.forward, "position_ids")
-        self._accepts_use_cache = "use_cache" in inspect.signature(module.forward).parameters
 
     @property
     def report(self) -> CompileReport:
@@ -76,8 +75,6 @@ class SequenceParallelModel(nn.Module):
             local = shard_batch(kwargs, layout, ignore_index=cfg.ignore_index, pad_token_id=cfg.pad_token_id)
         if not self._accepts_positions:
             local.pop("position_ids")
-        if self._accepts_use_cache and "use_cache" not in local:
-            local["use_cache"] = False  # a KV cache of one shard is of no use in training
         ctx = self._ctx
         ctx.layout = layout
         ctx.labels_passed = local.get("labels") is not None

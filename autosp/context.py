@@ -36,6 +36,8 @@ class CompileReport:
     pass_op_deltas: list[tuple[str, dict[str, int]]] = field(default_factory=list)
     forward_graphs: list[object] = field(default_factory=list)
     """Post-pass Dynamo graphs (torch.fx.GraphModule), latest last."""
+    aot_graphs: list[tuple[str, object]] = field(default_factory=list)
+    """("forward" | "backward", aten-level torch.fx.GraphModule) as AOTAutograd partitioned them."""
 
     @property
     def all_attention_causal(self) -> bool:

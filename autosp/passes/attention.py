@@ -115,8 +115,9 @@ def insert_all_to_all_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceCont
         if args["attn_mask"] is not None:
             raise AutoSPError(
                 f"module {where} passes an attn_mask to scaled_dot_product_attention; AutoSP supports causal "
-                "(is_causal=True) or unmasked attention only.  Hugging Face models: do not pass an attention_mask "
-                "(autosp.prepare_inputs drops an all-ones mask)"
+                "(is_causal=True) or unmasked attention only.  Hugging Face models build such a mask from a padding "
+                "attention_mask (autosp.prepare_inputs refuses one), from position_ids when use_cache=False "
+                "(leave use_cache at its default), or for sliding-window attention (not supported)"
             )
         q_shape, k_shape = shape_of(args["query"]), shape_of(args["key"])
         if len(q_shape) != 4:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -54,7 +55,9 @@ def _rank_main(fn, rank, world_size, port, args, results, init_timeout_s, env):
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", value))
+        # Plain pickle: torch's queue reducers would pass tensors by shared-memory handles,
+        # which die with this process.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
 
@@ -124,4 +127,4 @@ def run_on_ranks(
     if errors:
         stories = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
         raise RankFailure(f"{len(errors)} of {world_size} ranks failed running {fn.__name__}:\n{stories}")
-    return [values[r] for r in range(world_size)]
+    return [pickle.loads(values[r]) for r in range(world_size)]

@@ -1,0 +1,81 @@
+"""A :class:`Cluster`: a hardware preset instantiated for a number of nodes, with its topology.
+
+Rank ``r`` runs on device ``r``, which sits on node ``r // devices_per_node``. A cluster may have more devices
+than a workload has ranks (the extra devices idle); never fewer. Build one with :meth:`Cluster.from_preset`,
+passing a preset name (``"a100-80gb-sxm"``) or a :class:`~simulator.hardware.HardwarePreset` of your own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from simulator.hardware import DeviceSpec, HardwarePreset, NetworkSpec, get_network, get_preset
+from simulator.topology import Topology, build_topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Devices plus topology. Prefer :meth:`from_preset` to calling the constructor."""
+
+    preset: HardwarePreset
+    """Node type."""
+    nodes: int
+    """Number of nodes."""
+    devices_per_node: int
+    """Devices per node (defaults to the preset's)."""
+    network: NetworkSpec | None
+    """Inter-node network (``None`` for a single node without a network)."""
+    topology: Topology = field(repr=False, compare=False)
+    """The link graph (see :mod:`simulator.topology`)."""
+
+    @classmethod
+    def from_preset(cls, preset: str | HardwarePreset, *, nodes: int = 1, devices_per_node: int | None = None,
+                    network: str | NetworkSpec | None = None) -> Cluster:
+        """A cluster of ``nodes`` nodes of ``preset``; ``network`` overrides the preset's inter-node network."""
+        if isinstance(preset, str):
+            preset = get_preset(preset)
+        if isinstance(network, str):
+            network = get_network(network)
+        per_node = preset.devices_per_node if devices_per_node is None else devices_per_node
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
+        if not isinstance(per_node, int) or per_node < 1:
+            raise ValueError(f"devices_per_node must be a positive integer, got {per_node!r}")
+        net = network if network is not None else preset.network
+        topology = build_topology(preset, nodes=nodes, devices_per_node=per_node, network=net)
+        return cls(preset=preset, nodes=nodes, devices_per_node=per_node, network=net,
+                   topology=topology)
+
+    @property
+    def device(self) -> DeviceSpec:
+        """The (homogeneous) device of every rank."""
+        return self.preset.device
+
+    @property
+    def world_size(self) -> int:
+        """Number of devices."""
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The node hosting ``rank``."""
+        return rank // self.devices_per_node
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly summary for reports."""
+        dev = self.device
+        return {
+            "preset": self.preset.name,
+            "calibrated": self.preset.calibrated,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "world_size": self.world_size,
+            "device": dev.name,
+            "peak_flops_per_s": dev.peak_flops_per_s,
+            "memory_bandwidth_bytes_per_s": dev.memory_bandwidth_bytes_per_s,
+            "memory_bytes": dev.memory_bytes,
+            "intra_node": {"kind": self.preset.intra_node_kind,
+                           "bandwidth_bytes_per_s": self.preset.intra_node.effective_bandwidth_bytes_per_s,
+                           "latency_s": self.preset.intra_node.latency_s},
+            "network": None if self.network is None or self.nodes == 1 else self.network.name,
+        }

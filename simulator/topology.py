@@ -1,0 +1,127 @@
+"""The interconnect graph of a cluster: devices, node fabrics, PCIe, NICs and the inter-node switch.
+
+:func:`build_topology` turns a :class:`~simulator.hardware.HardwarePreset` and a node count into a directed
+``networkx`` graph (one edge per link direction, so full-duplex links carry both directions at full speed):
+
+    gpu{r} <-> fabric{n}          node-local NVSwitch / Infinity Fabric / loopback, one per node
+    gpu{r} <-> pcie{r} <-> nic{r} the device's PCIe switch and NIC (GPUDirect RDMA path), multi-node only
+    nic{r} <-> ib                 a non-blocking fat tree abstracted as one switch
+
+Routes between devices are latency-weighted shortest paths (intra-node traffic stays on the node fabric), cached
+per source. :class:`Topology` exposes them as tuples of integer link indices so that the cost model and the
+bandwidth-sharing network can work on flat arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from simulator.hardware import HardwarePreset, LinkSpec, NetworkSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One direction of one physical link."""
+
+    index: int
+    """Position in :attr:`Topology.links`."""
+    src: str
+    """Graph node the data leaves."""
+    dst: str
+    """Graph node the data enters."""
+    kind: str
+    """``"nvswitch"``, ``"xgmi"``, ``"loopback"``, ``"pcie"`` or ``"network"``."""
+    bandwidth_bytes_per_s: float
+    """Effective (achievable) bandwidth in this direction."""
+    latency_s: float
+    """Per-hop latency."""
+
+
+class Topology:
+    """A directed link graph plus cached device-to-device routes."""
+
+    def __init__(self, graph: nx.DiGraph, num_devices: int) -> None:
+        self.graph = graph
+        self.num_devices = num_devices
+        self.links: list[Link] = []
+        for u, v, data in graph.edges(data=True):
+            data["index"] = len(self.links)
+            self.links.append(Link(index=data["index"], src=u, dst=v, kind=data["kind"],
+                                   bandwidth_bytes_per_s=data["bandwidth_bytes_per_s"], latency_s=data["latency_s"]))
+        self.link_bandwidth_bytes_per_s = [link.bandwidth_bytes_per_s for link in self.links]
+        self._routes: dict[int, dict[str, list[str]]] = {}
+        self._paths: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._latency: dict[tuple[int, int], float] = {}
+
+    @staticmethod
+    def device_node(rank: int) -> str:
+        """Graph node name of device ``rank``."""
+        return f"gpu{rank}"
+
+    def path(self, src: int, dst: int) -> tuple[int, ...]:
+        """Link indices from device ``src`` to device ``dst`` (empty when equal)."""
+        key = (src, dst)
+        cached = self._paths.get(key)
+        if cached is not None:
+            return cached
+        if not (0 <= src < self.num_devices and 0 <= dst < self.num_devices):
+            raise ValueError(f"ranks {src}->{dst} outside this cluster's {self.num_devices} devices; "
+                             "use more nodes or a smaller world size")
+        if src == dst:
+            links: tuple[int, ...] = ()
+        else:
+            routes = self._routes.get(src)
+            if routes is None:
+                routes = nx.single_source_dijkstra_path(self.graph, self.device_node(src), weight="latency_s")
+                self._routes[src] = routes
+            nodes = routes[self.device_node(dst)]
+            links = tuple(self.graph.edges[u, v]["index"] for u, v in zip(nodes, nodes[1:]))
+        self._paths[key] = links
+        self._latency[key] = sum(self.links[i].latency_s for i in links)
+        return links
+
+    def path_latency_s(self, src: int, dst: int) -> float:
+        """Sum of the per-hop latencies from ``src`` to ``dst``."""
+        self.path(src, dst)
+        return self._latency[(src, dst)]
+
+    def bottleneck_bandwidth_bytes_per_s(self, src: int, dst: int) -> float:
+        """The slowest link's bandwidth on the route (infinite for ``src == dst``)."""
+        links = self.path(src, dst)
+        return min((self.links[i].bandwidth_bytes_per_s for i in links), default=float("inf"))
+
+
+def _add_duplex(graph: nx.DiGraph, a: str, b: str, spec: LinkSpec, kind: str, extra_latency_s: float = 0.0) -> None:
+    attrs = {"bandwidth_bytes_per_s": spec.effective_bandwidth_bytes_per_s,
+             "latency_s": spec.latency_s + extra_latency_s, "kind": kind}
+    graph.add_edge(a, b, **attrs)
+    graph.add_edge(b, a, **attrs)
+
+
+def build_topology(preset: HardwarePreset, *, nodes: int, devices_per_node: int,
+                   network: NetworkSpec | None) -> Topology:
+    """The link graph of ``nodes`` nodes of ``devices_per_node`` devices each, joined by ``network``."""
+    if nodes < 1 or devices_per_node < 1:
+        raise ValueError(f"nodes ({nodes}) and devices_per_node ({devices_per_node}) must be positive")
+    if nodes > 1 and (network is None or preset.host_link is None):
+        raise ValueError(f"preset {preset.name!r} has no inter-node network; use nodes=1 or pass a network "
+                         "(and a preset with a host link)")
+    graph = nx.DiGraph()
+    for n in range(nodes):
+        fabric = f"fabric{n}"
+        graph.add_node(fabric, kind=preset.intra_node_kind, node=n)
+        for local in range(devices_per_node):
+            rank = n * devices_per_node + local
+            gpu = Topology.device_node(rank)
+            graph.add_node(gpu, kind="device", node=n, rank=rank)
+            _add_duplex(graph, gpu, fabric, preset.intra_node, preset.intra_node_kind)
+            if nodes > 1:
+                pcie, nic = f"pcie{rank}", f"nic{rank}"
+                graph.add_node(pcie, kind="pcie_switch", node=n)
+                graph.add_node(nic, kind="nic", node=n)
+                _add_duplex(graph, gpu, pcie, preset.host_link, "pcie")
+                _add_duplex(graph, pcie, nic, preset.host_link, "pcie")
+                _add_duplex(graph, nic, "ib", network.nic, "network", network.switch_latency_s / 2)
+    return Topology(graph, nodes * devices_per_node)
