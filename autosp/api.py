@@ -82,15 +82,15 @@ class SequenceParallelModel(nn.Module):
         ctx.input_roles = {id(local[k]): k for k in ("input_ids", "labels", "position_ids") if local.get(k) is not None}
         try:
             return self._compiled(**local)
-        except torch._dynamo.exc.Unsupported as err:
-            raise AutoSPError(
-                "the model does not trace as one graph (AutoSP compiles with fullgraph=True, since a graph "
-                f"break would split attention from its all-to-alls); remove the graph break: {err}"
-            ) from err
         except torch._dynamo.exc.BackendCompilerFailed as err:
             if isinstance(err.inner_exception, AutoSPError):
                 raise err.inner_exception from None
             raise
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
+            raise AutoSPError(
+                "the model does not trace as one graph (AutoSP compiles with fullgraph=True, since a graph "
+                f"break would split attention from its all-to-alls); remove the graph break: {err}"
+            ) from err
         finally:
             ctx.input_roles = {}
 

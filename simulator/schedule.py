@@ -92,7 +92,7 @@ def compile_program(program: RankProgram, device: DeviceSpec) -> CompiledProgram
         # Same-stream predecessors are implied by stream order; a blocking collective's compute-stream
         # predecessors are implied by its dependency on the last compute-stream op.
         keep = tuple(sorted(d for d in deps if stream_of[d] != stream
-                            and not (kind == BLOCKING and stream_of[d] == COMPUTE_STREAM and d != last_compute))))
+                            and not (kind == BLOCKING and stream_of[d] == COMPUTE_STREAM and d != last_compute)))
         cross.append(keep)
         for d in keep:
             notify[d] = True

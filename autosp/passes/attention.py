@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from autosp import ops
 from autosp.context import AttentionSite, TraceContext
 from autosp.errors import AutoSPError
 from autosp.passes.graph_utils import bind, module_name, shape_of

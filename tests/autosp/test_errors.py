@@ -1,0 +1,210 @@
+"""Each user mistake gets a clear AutoSPError before any collective can run (fake group, one process)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autosp
+from autosp import AutoSPError
+from experiments.models import build_model
+from tests.autosp.cases import make_sample
+from tests.harness import fake_process_group
+
+
+def _call(model, ids, labels=None, *, world=2, **compile_options):
+    with fake_process_group(world, rank=0):
+        compiled = autosp.compile(model, sp_size=world, compiler="aot_eager", **compile_options)
+        return compiled(**autosp.prepare_inputs(ids, labels=labels))
+
+
+def test_errors_sp_size_must_divide_the_group():
+    with fake_process_group(4):
+        with pytest.raises(AutoSPError, match="sp_size=3 does not divide"):
+            autosp.compile(build_model("plain-llama"), sp_size=3)
+
+
+def test_errors_unknown_option_names_the_valid_ones():
+    with fake_process_group(2):
+        with pytest.raises(AutoSPError, match="valid options are"):
+            autosp.compile(build_model("plain-llama"), sp_size=2, checkpointing_level=3)
+
+
+def test_errors_without_process_group():
+    with pytest.raises(AutoSPError, match="init_process_group"):
+        autosp.compile(build_model("plain-llama"), sp_size=2)
+
+
+def test_errors_unprepared_inputs():
+    ids, labels = make_sample(16, 256, seed=0)
+    with fake_process_group(2):
+        compiled = autosp.compile(build_model("plain-llama"), sp_size=2, compiler="aot_eager")
+        with pytest.raises(AutoSPError, match="prepare_inputs"):
+            compiled(input_ids=ids, labels=labels)
+
+
+class _MlpOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(256, 16)
+        self.out = nn.Linear(16, 256)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.out(self.embed(input_ids))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1))
+
+
+def test_errors_no_attention_found():
+    ids, labels = make_sample(16, 256, seed=0)
+    with pytest.raises(AutoSPError, match="no torch.nn.functional.scaled_dot_product_attention"):
+        _call(_MlpOnly(), ids, labels)
+
+
+def test_errors_eager_attention_names_the_module():
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, attn_implementation="eager")
+    ids, labels = make_sample(16, 256, seed=0)
+    with pytest.raises(AutoSPError, match=r"layers\.0\.self_attn computes attention with matmul \+ softmax"):
+        _call(transformers.LlamaForCausalLM(config), ids, labels)
+
+
+class _GraphBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = build_model("plain-llama", layers=1)
+
+    def forward(self, input_ids, labels=None):
+        if input_ids.sum().item() > 0:  # data-dependent control flow: a graph break
+            input_ids = input_ids + 0
+        return self.inner(input_ids, labels)
+
+
+def test_errors_graph_break_says_fullgraph_and_where():
+    ids, labels = make_sample(16, 256, seed=0)
+    with pytest.raises(AutoSPError, match=r"(?s)one graph.*graph break.*test_errors\.py"):
+        _call(_GraphBreak(), ids, labels)
+
+
+def test_errors_padding_attention_mask_refused():
+    ids, labels = make_sample(16, 256, seed=0)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    with pytest.raises(AutoSPError, match="padding"):
+        autosp.prepare_inputs(ids, labels=labels, attention_mask=mask)
+    # An all-ones mask is dropped: causal attention is exact without it.
+    assert "attention_mask" not in autosp.prepare_inputs(ids, labels=labels, attention_mask=torch.ones_like(ids))
+
+
+class _MaskedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = build_model("plain-llama", layers=1)
+        self.qkv = nn.Linear(64, 192)
+
+    def forward(self, input_ids, labels=None):
+        x = self.inner.embed(input_ids)
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        x = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape_as(x)
+        logits = self.inner.lm_head(x)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1))
+
+
+def test_errors_model_built_attention_mask_refused_naming_the_module():
+    ids, labels = make_sample(16, 256, seed=0)
+    with pytest.raises(AutoSPError, match="passes an attn_mask"):
+        _call(_MaskedAttention(), ids, labels)
+
+
+@pytest.mark.parametrize(
+    "labels, message",
+    [
+        (torch.zeros(2, 15, dtype=torch.long), "must equal input_ids shape|has shape"),
+        (torch.zeros(2, 16), "integer ids"),
+        (torch.zeros(2, 16, 1, dtype=torch.long), r"\[batch, sequence\]"),
+    ],
+)
+def test_errors_labels_of_wrong_shape_or_dtype(labels, message):
+    ids, _ = make_sample(16, 256, seed=0)
+    with pytest.raises(AutoSPError, match=message):
+        autosp.prepare_inputs(ids, labels=labels)
+
+
+def test_errors_empty_sequence():
+    with pytest.raises(AutoSPError, match="empty sequence"):
+        autosp.prepare_inputs(torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_errors_sequence_shorter_than_sp_size():
+    ids, labels = make_sample(3, 256, seed=0)
+    with pytest.raises(AutoSPError, match="shorter than sp_size=4"):
+        _call(build_model("plain-llama"), ids, labels, world=4)
+
+
+def test_errors_indivisible_sequence_when_padding_disabled():
+    ids, labels = make_sample(15, 256, seed=0)
+    with pytest.raises(AutoSPError, match="not divisible by sp_size=2"):
+        _call(build_model("plain-llama"), ids, labels, pad_to_multiple=False)
+
+
+def test_errors_heads_not_divisible_by_sp_size():
+    ids, labels = make_sample(64, 256, seed=0)
+    with pytest.raises(AutoSPError, match="4 attention heads, not divisible by sp_size=8"):
+        _call(build_model("plain-llama", heads=4, kv_heads=4), ids, labels, world=8)
+
+
+class _Unshifted(nn.Module):
+    """Computes a loss that does not shift labels (a token-classification loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = build_model("plain-llama", layers=1)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.inner(input_ids)
+        return F.cross_entropy(logits.reshape(-1, 256), labels.reshape(-1))
+
+
+def test_errors_loss_without_label_shift_refused():
+    ids, labels = make_sample(16, 256, seed=0)
+    with pytest.raises(AutoSPError, match="shifts its labels"):
+        _call(_Unshifted(), ids, labels)
+
+
+class _Bidirectional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = build_model("plain-llama", layers=1)
+        self.qkv = nn.Linear(64, 192)
+
+    def forward(self, input_ids, labels=None):
+        x = self.inner.embed(input_ids)
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=False).transpose(1, 2).reshape_as(x)
+        logits = self.inner.lm_head(x)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1))
+
+
+def test_errors_padding_under_non_causal_attention_refused():
+    ids, labels = make_sample(15, 256, seed=0)
+    with pytest.raises(AutoSPError, match="non-causal attention"):
+        _call(_Bidirectional(), ids, labels)
+
+
+def test_errors_sp_size_one_warns_and_compiles_plainly():
+    model = build_model("plain-llama", layers=1)
+    ids, labels = make_sample(16, 256, seed=0)
+    expected = model(ids, labels)
+    with fake_process_group(1):
+        with pytest.warns(UserWarning, match="sp_size=1"):
+            compiled = autosp.compile(model, sp_size=1, compiler="aot_eager")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loss = compiled(**autosp.prepare_inputs(ids, labels=labels))
+    torch.testing.assert_close(loss, expected)
