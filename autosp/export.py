@@ -1,0 +1,226 @@
+"""Export a compiled AutoSP program as a simulator Workload (the collective schedule).
+
+Input: the forward and backward aten graphs AOTAutograd produced for one rank
+(`CompileReport.aot_graphs`).  Output: `simulator.workload.Workload`, plain data:
+every op in program order with its class, FLOPs and bytes, every collective with
+its group and message size, and every tensor's size and lifetime.
+
+Note [Tensor lifetimes in the export]
+A node's output is allocated when the node runs and freed after its last user.
+Views (view, transpose, slice, expand...) allocate nothing: they extend the
+lifetime of the tensor they alias.  Forward outputs that the backward graph
+reads (saved activations: AOTAutograd names the backward placeholder after the
+forward node) live until their last use in backward.  Parameters, gradients and
+optimizer state are static memory, not tensors.
+
+FLOPs: matmuls 2·M·N·K; attention counted here (torch's counter misses the CPU
+kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to two),
+halved under causal masking; elementwise ops one FLOP per output element.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+_MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+_VIEWS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
+    "squeeze", "alias", "as_strided", "detach", "split", "unbind", "chunk", "split_with_sizes", "diagonal",
+    "_reshape_alias", "view_as_real", "view_as_complex", "unflatten", "flatten", "getitem",
+}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "_log_softmax", "_softmax", "nll_loss_forward",
+               "nll_loss_backward", "_log_softmax_backward_data", "var_mean", "native_layer_norm"}
+_MEMORY = {"clone", "copy", "_to_copy", "cat", "stack", "constant_pad_nd", "index", "embedding",
+           "embedding_dense_backward", "new_zeros", "zeros", "full", "empty", "scatter", "gather", "repeat_interleave",
+           "index_put", "slice_scatter", "select_scatter", "arange", "ones", "zeros_like", "full_like", "empty_like"}
+
+
+def _packet(target) -> str:
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _arg(node: fx.Node, name: str, default=None):
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return default
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+    return default
+
+
+def attention_flops(q_shape, k_shape, *, causal: bool, backward: bool) -> int:
+    """FLOPs of scaled-dot-product attention for q [B, H, Sq, D] and k [B, Hk, Sk, D]."""
+    *batch, s_q, d = q_shape
+    s_k = k_shape[-2]
+    flops = 4 * math.prod(batch) * s_q * s_k * d
+    if causal:
+        flops //= 2
+    return int(flops * 2.5) if backward else flops
+
+
+def _classify(node: fx.Node) -> tuple[str, int]:
+    """(op_class, flops) of a compute node."""
+    target, packet = node.target, _packet(node.target)
+    if "scaled_dot_product" in packet or "flash_attention" in packet or "efficient_attention" in packet:
+        q, k = node.args[1:3] if "backward" in packet else node.args[0:2]
+        causal = bool(_arg(node, "is_causal", False))
+        return "attention", attention_flops(
+            q.meta["val"].shape, k.meta["val"].shape, causal=causal, backward="backward" in packet
+        )
+    if target in _MATMULS:
+        a, b = (node.args[1], node.args[2]) if target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
+        sa, sb = a.meta["val"].shape, b.meta["val"].shape
+        return "matmul", 2 * math.prod(sa) * sb[-1]
+    outputs = _tensors(node.meta.get("val"))
+    elements = sum(t.numel() for t in outputs)
+    if packet in _REDUCTIONS:
+        return "reduction", sum(t.numel() for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
+    if packet in _MEMORY:
+        return "memory", 0
+    return "elementwise", elements
+
+
+_COLLECTIVES = {"all_to_all": "all_to_all", "all_reduce_sum": "all_reduce"}
+
+
+@dataclass
+class _Emitter:
+    """Accumulates one rank's ops and tensors across the forward and backward graphs."""
+
+    group: str
+
+    def __post_init__(self):
+        self.ops: list[Op] = []
+        self.tensors: dict[int, int] = {}
+        self.frees_at: dict[int, list[int]] = {}
+        self.collectives = 0
+
+    def program(self, static: StaticMemory) -> RankProgram:
+        ops = [
+            Op(**{**_op_fields(op), "frees": tuple(sorted(set(op.frees) | set(self.frees_at.get(op.id, []))))})
+            for op in self.ops
+        ]
+        return RankProgram(ops=tuple(ops), tensors=dict(self.tensors), static_memory=static)
+
+
+def _op_fields(op: Op) -> dict:
+    return {f: getattr(op, f) for f in Op.__dataclass_fields__}
+
+
+def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, int]) -> None:
+    """Append ``gm``'s ops; ``live`` maps node names of tensors carried across graphs to tensor ids."""
+    root: dict[fx.Node, int | None] = {}  # node -> tensor id it aliases (None: static or untracked)
+    last_use: dict[int, int] = {}
+    node_op: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            root[node] = live.get(node.name)
+            continue
+        if node.op == "output":
+            for arg in node.all_input_nodes:
+                tid = root.get(arg)
+                if tid is not None:
+                    live[arg.name] = tid
+                    last_use.pop(tid, None)  # carried into backward: freed there
+            continue
+        if node.op != "call_function":
+            continue
+        packet = _packet(node.target)
+        deps = tuple(sorted({node_op[a] for a in node.all_input_nodes if a in node_op}))
+        inputs = [root.get(a) for a in node.all_input_nodes]
+        op_id = len(em.ops)
+        if packet in _VIEWS or node.target.__module__ == "_operator":
+            root[node] = next((t for t in inputs if t is not None), None)
+            kind, op_class, flops, allocates = "compute", "other", 0, ()
+            read = written = 0
+        else:
+            written = _nbytes(node.meta.get("val"))
+            allocates = ()
+            root[node] = None
+            if written:
+                tid = len(em.tensors)
+                em.tensors[tid] = written
+                root[node] = tid
+                allocates = (tid,)
+            read = sum(_nbytes(a.meta.get("val")) for a in node.all_input_nodes)
+            if packet in _COLLECTIVES and "autosp" in str(node.target):
+                kind, op_class, flops = "collective", "other", 0
+            else:
+                kind = "compute"
+                op_class, flops = _classify(node)
+        collective = None
+        if kind == "collective":
+            em.collectives += 1
+            collective = Collective(kind=_COLLECTIVES[packet], group=em.group, message_bytes=read,
+                                    key=f"{phase}.{node.name}.{em.collectives}")
+        em.ops.append(Op(id=op_id, name=f"{phase}.{node.name}", kind=kind, op_class=op_class, phase=phase,
+                         flops=int(flops), bytes_read=int(read), bytes_written=int(written), deps=deps,
+                         allocates=allocates, collective=collective))
+        node_op[node] = op_id
+        for t in inputs:
+            if t is not None:
+                last_use[t] = op_id
+        if root.get(node) is not None:
+            last_use.setdefault(root[node], op_id)
+    for tid, op_id in last_use.items():
+        em.frees_at.setdefault(op_id, []).append(tid)
+
+
+def export_workload(
+    aot_graphs: list[tuple[str, fx.GraphModule]],
+    *,
+    name: str,
+    sp_size: int,
+    parameter_bytes: int,
+    optimizer_bytes_per_parameter_byte: float = 6.0,
+    zero_shards: int = 1,
+    metadata: dict | None = None,
+) -> Workload:
+    """One symmetric Workload of world ``sp_size`` from the latest forward and backward graphs.
+
+    Static memory: parameters and gradients (same dtype as parameters) and optimizer
+    state (default 6 bytes per parameter byte: fp32 Adam moments and master weights
+    for bf16 parameters, i.e. 12 bytes per 2-byte parameter), the optimizer state and
+    gradients divided over ``zero_shards`` ranks (ZeRO-1/2 across the SP group).
+    """
+    graphs = dict(aot_graphs)
+    if "forward" not in graphs or "backward" not in graphs:
+        raise ValueError("export needs a forward and a backward graph: run one training step (with backward) first")
+    em = _Emitter(group="sp")
+    live: dict[str, int] = {}
+    _emit_graph(graphs["forward"], "forward", em, live)
+    _emit_graph(graphs["backward"], "backward", em, live)
+    static = StaticMemory(
+        parameter_bytes=int(parameter_bytes),
+        gradient_bytes=int(parameter_bytes // zero_shards),
+        optimizer_bytes=int(parameter_bytes * optimizer_bytes_per_parameter_byte // zero_shards),
+    )
+    log.info("exported %d ops (%d collectives), %d tensors", len(em.ops), em.collectives, len(em.tensors))
+    return Workload(
+        name=name, world_size=sp_size, groups={"sp": [list(range(sp_size))]}, ranks={0: em.program(static)},
+        symmetric=True, metadata={"sp_size": sp_size, **(metadata or {})},
+    )
