@@ -224,3 +224,45 @@ def export_workload(
         name=name, world_size=sp_size, groups={"sp": [list(range(sp_size))]}, ranks={0: em.program(static)},
         symmetric=True, metadata={"sp_size": sp_size, **(metadata or {})},
     )
+
+
+def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
+                    dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager"):
+    """Compile and run one training step of ``build_model()`` on fake tensors and a fake group.
+
+    Paper-scale graphs without paper-scale memory: the model is built inside a
+    FakeTensorMode (parameters have shapes, no storage) and the collectives run on
+    a fake process group of ``sp_size`` ranks, so the real AutoSP passes and
+    AOTAutograd produce the real forward and backward graphs.  Returns the
+    compiled model (its ``report.aot_graphs`` feed `export_workload`) and the
+    parameter bytes.  The process must not have a process group of its own.
+    """
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autosp.api import compile as autosp_compile
+    from autosp.inputs import prepare_inputs
+
+    if dist.is_initialized():
+        raise RuntimeError("trace_fake_step needs a process without a process group (it creates a fake one)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=sp_size)
+    try:
+        previous = torch.get_default_dtype()
+        # Non-fake constants (e.g. an empty KV-cache tensor created in forward) may mix with fakes.
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            torch.set_default_dtype(dtype)
+            try:
+                model = build_model()
+            finally:
+                torch.set_default_dtype(previous)
+            ids = torch.randint(0, vocab_size, (1, seq_len))
+            inputs = prepare_inputs(ids, labels=ids)
+        compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler)
+        out = compiled(**inputs)
+        (out if isinstance(out, torch.Tensor) else out.loss).backward()
+        parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    return compiled, parameter_bytes

@@ -9,6 +9,7 @@ single-device and sequence-parallel runs are comparable exactly.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -75,6 +76,51 @@ TINY_MODELS: dict[str, Callable[..., nn.Module]] = {
     "hf-gpt2": _hf_gpt2,
     "hf-qwen2": _hf_qwen2,
     "hf-mistral": _hf_mistral,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaperModel:
+    """Architecture of a model the paper trains (Hugging Face Llama configs, public model cards)."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+
+    def hf_config(self, *, num_layers: int | None = None, max_positions: int = 262144):
+        import transformers
+
+        return transformers.LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=num_layers or self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, max_position_embeddings=max_positions,
+            tie_word_embeddings=self.tie_word_embeddings, attn_implementation="sdpa",
+        )
+
+    def parameter_count(self) -> int:
+        """Parameters of the full model (embedding, layers, final norm, output head)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        kv = h // self.num_heads * self.num_kv_heads
+        per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+
+PAPER_MODELS: dict[str, PaperModel] = {
+    m.name: m
+    for m in (
+        PaperModel(name="llama-3.2-3b", hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24,
+                   num_kv_heads=8, vocab_size=128256, tie_word_embeddings=True),
+        PaperModel(name="llama-3.1-8b", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                   num_kv_heads=8, vocab_size=128256),
+        PaperModel(name="llama-2-13b", hidden_size=5120, intermediate_size=13824, num_layers=40, num_heads=40,
+                   num_kv_heads=40, vocab_size=32000),
+    )
 }
 
 
