@@ -1,0 +1,90 @@
+"""`python -m experiments.reproduce --quick` runs and writes every table, plot and trace it promises."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from experiments.paper_scale import simulate_autosp_step
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    proc = subprocess.run([sys.executable, "-m", "experiments.reproduce", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def _rows(path):
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
+
+
+@pytest.mark.slow
+def test_reproduce_max_seq_len_table_has_every_system_and_model(quick_results):
+    rows = _rows(quick_results / "max-seq-len.csv")
+    assert {(r["model"], r["system"]) for r in rows} == {
+        (m, s) for m in ("llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
+        for s in ("zero3", "ring_attention", "ulysses", "autosp")
+    }
+    for r in (r for r in rows if r["system"] == "autosp"):
+        simulated = float(r["simulated_tokens"])
+        assert math.isfinite(simulated) and simulated > 0
+        assert float(r["simulated_over_published"]) == pytest.approx(simulated / float(r["published_tokens"]), 1e-2)
+    assert (quick_results / "max-seq-len.md").read_text().count("|") > 20
+
+
+@pytest.mark.slow
+def test_reproduce_iteration_table_records_simulated_against_published(quick_results):
+    rows = [r for r in _rows(quick_results / "iteration-time.csv") if r["system"] == "autosp"]
+    assert {int(r["seq_len"]) for r in rows} == {8000, 24000, 90000}
+    for r in rows:
+        assert r["simulated_s"] or r["note"] == "simulated OOM"
+        if r["simulated_s"]:
+            assert math.isfinite(float(r["simulated_s"])) and float(r["simulated_over_published"]) > 0
+
+
+@pytest.mark.slow
+def test_reproduce_plots_and_traces_exist_and_parse(quick_results):
+    for png in ("max-seq-len.png", "timeline-llama-3.1-8b-2layers-8k.png", "memory-llama-3.1-8b-2layers-8k.png"):
+        assert (quick_results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((quick_results / "trace-llama-3.1-8b-2layers-8k.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert any(e.get("ph") == "X" for e in events)
+
+
+def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
+    # See Note [Layer extrapolation]: x(L) = x(1) + (L-1)(x(2) - x(1)), checked against L = 4 traced directly.
+    import torch
+
+    from autosp.export import export_workload, trace_fake_step
+    from experiments.models import PAPER_MODELS
+    from experiments.paper_scale import ADAM_BYTES_PER_PARAMETER_BYTE
+    from simulator import Cluster, simulate
+
+    model = PAPER_MODELS["llama-3.2-3b"]
+    seq_len, cluster = 4096, Cluster.from_preset("a100-80gb-sxm")
+
+    def direct(layers):
+        import transformers
+
+        torch._dynamo.reset()
+        compiled, pbytes = trace_fake_step(lambda: transformers.LlamaForCausalLM(model.hf_config(num_layers=layers)),
+                                           seq_len=seq_len, sp_size=8, vocab_size=model.vocab_size)
+        w = export_workload(compiled.report.aot_graphs, name="x", sp_size=8, parameter_bytes=pbytes,
+                            optimizer_bytes_per_parameter_byte=ADAM_BYTES_PER_PARAMETER_BYTE, zero_shards=8)
+        r = simulate(w, cluster)
+        return r.step_time_s, r.ranks[0].peak_memory_bytes - r.ranks[0].static_memory_bytes
+
+    (t1, m1), (t2, m2), (t4, m4) = direct(1), direct(2), direct(4)
+    assert t1 + 3 * (t2 - t1) == pytest.approx(t4, rel=0.02)
+    assert m1 + 3 * (m2 - m1) == pytest.approx(m4, rel=0.05)
+    step = simulate_autosp_step("llama-3.2-3b", seq_len)
+    assert step.step_time_s > 0 and step.peak_memory_bytes > step.static_memory_bytes
