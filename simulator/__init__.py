@@ -43,7 +43,34 @@ _EXPORTS = {
     "WorkloadError": "simulator.workload",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Cluster",
+    "Collective",
+    "DeviceSpec",
+    "HardwarePreset",
+    "LinkSpec",
+    "NetworkSpec",
+    "OomEvent",
+    "Op",
+    "OpClassEfficiency",
+    "ProgramBuilder",
+    "RankProgram",
+    "RankResult",
+    "Result",
+    "SCHEMA_VERSION",
+    "SearchResult",
+    "SimulationDeadlock",
+    "StaticMemory",
+    "Workload",
+    "WorkloadError",
+    "get_network",
+    "get_preset",
+    "load_cpu_gloo",
+    "max_sequence_length",
+    "preset_names",
+    "simulate",
+    "validate_workload",
+]
 
 
 def __getattr__(name: str):

@@ -14,10 +14,11 @@ instances using link ``l``. A link gives each of its users an equal share ``bw_l
 a collective progresses at the pace of its most constrained link and instance:
 ``rate = min over (instance, link) of (bw_l / k_l) / load_l`` in "fraction of the transfer per second". Rates are
 recomputed whenever a transfer starts or ends, which is exact for piecewise-constant sharing; stale completion
-timers are ignored through a per-flow generation counter. Alone, a collective takes ``max_l load_l / bw_l``: the
-bottleneck link of the alpha-beta model. Equal sharing is simpler than max-min fairness and can under-use a link
-whose users are bottlenecked elsewhere; compute kernels do not slow down while communication runs (no SM or HBM
-contention is modelled).
+timers are ignored through a per-flow generation counter. A collective first waits its alpha term (using no
+bandwidth), then moves its bytes; alone, the transfer takes ``max_l load_l / bw_l``, the bottleneck link of the
+alpha-beta model. Equal sharing is simpler than max-min fairness and can under-use a link whose users are
+bottlenecked elsewhere; compute kernels do not slow down while communication runs (no SM or HBM contention is
+modelled).
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ class CollectivePlanner:
                 for link in topo.path(src, dst):
                     loads[link] = loads.get(link, 0.0) + per_byte
                 worst_latency = max(worst_latency, topo.path_latency_s(src, dst))
-            steps = 1 if kind in ("send", "recv") else algorithm_steps(kind, len(members))
-            latency_s = max(latency_s, steps * worst_latency)
+            latency_s = max(latency_s, algorithm_steps(kind, len(members)) * worst_latency)
             seconds_per_byte = max(seconds_per_byte, max((v / bandwidth[i] for i, v in loads.items()), default=0.0))
             all_loads.append(loads)
         return CollectivePlan(latency_s=latency_s, loads=tuple(all_loads), seconds_per_byte=seconds_per_byte)
@@ -83,8 +83,6 @@ class CollectivePlanner:
     def isolated_time_s(self, kind: str, members: Sequence[int], message_bytes: float, root: int | None = None) -> float:
         """Time of one collective on an otherwise idle network: ``alpha + bytes * max_l load_l / bw_l``."""
         plan = self.plan(kind, (members,), root)
-        if message_bytes <= 0 and plan.latency_s == 0:
-            return 0.0
         return plan.latency_s + message_bytes * plan.seconds_per_byte
 
 

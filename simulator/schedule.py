@@ -73,7 +73,7 @@ def compile_program(program: RankProgram, device: DeviceSpec) -> CompiledProgram
     durations[[k != COMPUTE for k in kinds]] = 0.0
     position = {op.id: i for i, op in enumerate(ops)}
     stream_of = [COMPUTE_STREAM if k in (COMPUTE, WAIT) else comm_stream_name(op.collective.group)
-                 for op, k in zip(ops, kinds)]
+                 for op, k in zip(ops, kinds, strict=True)]
     compute_stream: list[int] = []
     comm_streams: dict[str, list[int]] = {}
     cross: list[tuple[int, ...]] = []

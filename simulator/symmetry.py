@@ -116,7 +116,7 @@ def plan_ranks(workload: Workload, planner: CollectivePlanner, *, collapse: bool
     class_of = _rank_classes(workload)
     reps = sorted(set(class_of.values()))
     if len(reps) == workload.world_size:
-        return _full(workload, "every rank runs a different program", class_of)
+        return _full(workload, "no two ranks run the same program", class_of)
     used: dict[int, dict[str, set[tuple[str, int | None]]]] = {}
     for rep in reps:
         groups: dict[str, set[tuple[str, int | None]]] = {}

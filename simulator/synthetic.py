@@ -139,15 +139,22 @@ def llama_ulysses_workload(*, seq_len: int, sp_degree: int = 8, shape: LlamaShap
         return e.kernel(name, "matmul", phase, flops=2 * m * k * n, read=(m * k + k * n) * b, write=m * n * b,
                         save_for=save_for, deps=deps)
 
+    def gather(layer: int, phase: str, after: int) -> tuple[int, int]:
+        """ZeRO-3 all-gather of one layer's parameters, issued once op ``after`` is done (one-layer prefetch)."""
+        params = g.tensor(layer_bytes)
+        name = f"L{layer}{'.bwd' if phase == bwd else ''}.allgather_params"
+        return g.start(name, kind="all_gather", group="zero", message_bytes=layer_bytes // p, phase=phase,
+                       deps=[after], allocates=[params]), params
+
     # Embedding and forward blocks.
-    e.kernel("embed", "memory", fwd, read=act, write=act, save_for=-1)
+    prefetched = gather(0, fwd, e.kernel("embed", "memory", fwd, read=act, write=act, save_for=-1))
     for layer in range(shape.layers):
         first, pre = g.num_ops, f"L{layer}"
-        params = g.tensor(layer_bytes)
-        ag = g.start(f"{pre}.allgather_params", kind="all_gather", group="zero", message_bytes=layer_bytes // p,
-                     allocates=[params])
+        ag, params = prefetched
         norm(f"{pre}.norm1", fwd, layer)
-        g.wait(ag)
+        arrived = g.wait(ag)
+        if layer + 1 < shape.layers:
+            prefetched = gather(layer + 1, fwd, arrived)
         q = matmul(f"{pre}.q_proj", fwd, s_l, h, h)
         rope(f"{pre}.rope_q", fwd, h, None)
         hq = a2a(f"{pre}.a2a_q", act, fwd, [g.num_ops - 1], layer)
@@ -182,17 +189,19 @@ def llama_ulysses_workload(*, seq_len: int, sp_degree: int = 8, shape: LlamaShap
              write=logits, save_for=-1)
     e.kernel("cross_entropy", "reduction", fwd, flops=4 * s_l * shape.vocab, read=logits, write=s_l * 4)
     g.collective("loss_all_reduce", kind="all_reduce", group="sp", message_bytes=4)
-    e.kernel("cross_entropy_bwd", "elementwise", bwd, flops=4 * s_l * shape.vocab, read=logits, write=logits)
+    ce_bwd = e.kernel("cross_entropy_bwd", "elementwise", bwd, flops=4 * s_l * shape.vocab, read=logits,
+                      write=logits)
+    prefetched = gather(shape.layers - 1, bwd, ce_bwd)
     e.kernel("lm_head_dgrad", "matmul", bwd, flops=2 * s_l * h * shape.vocab, read=logits, write=act)
     e.kernel("lm_head_wgrad", "matmul", bwd, flops=2 * s_l * h * shape.vocab, read=logits + act,
              write=shape.vocab * h * b, frees=e.saved.pop(-1, []))
     # Backward blocks, last layer first.
     for layer in reversed(range(shape.layers)):
         first, pre = g.num_ops, f"L{layer}.bwd"
-        params, grads = g.tensor(layer_bytes), g.tensor(layer_bytes)
-        ag = g.start(f"{pre}.allgather_params", kind="all_gather", group="zero", message_bytes=layer_bytes // p,
-                     phase=bwd, allocates=[params])
-        g.wait(ag)
+        (ag, params), grads = prefetched, g.tensor(layer_bytes)
+        arrived = g.wait(ag)
+        if layer > 0:
+            prefetched = gather(layer - 1, bwd, arrived)
         for name, k, n in (("down", f, h), ("up", h, f), ("gate", h, f)):
             matmul(f"{pre}.{name}_dgrad", bwd, s_l, n, k)
             e.kernel(f"{pre}.{name}_wgrad", "matmul", bwd, flops=2 * s_l * k * n, read=(s_l * k + s_l * n) * b,

@@ -14,6 +14,7 @@ bandwidth-sharing network can work on flat arrays.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import networkx as nx
@@ -77,7 +78,7 @@ class Topology:
                 routes = nx.single_source_dijkstra_path(self.graph, self.device_node(src), weight="latency_s")
                 self._routes[src] = routes
             nodes = routes[self.device_node(dst)]
-            links = tuple(self.graph.edges[u, v]["index"] for u, v in zip(nodes, nodes[1:]))
+            links = tuple(self.graph.edges[u, v]["index"] for u, v in itertools.pairwise(nodes))
         self._paths[key] = links
         self._latency[key] = sum(self.links[i].latency_s for i in links)
         return links

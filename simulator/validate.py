@@ -34,7 +34,7 @@ def validate_workload(workload: Workload) -> None:
         hint = "give only rank 0's program" if workload.symmetric else f"give one program for each of ranks 0..{world - 1}"
         raise WorkloadError(f"workload.ranks has ranks {sorted(workload.ranks)}; {hint}")
     if workload.symmetric:
-        _validate_program(workload.ranks[0], "rank 0")
+        _validate_program(workload.ranks[0], "rank 0", workload.groups)
         _validate_symmetric(workload)
         return
     checked: set[int] = set()
@@ -42,7 +42,7 @@ def validate_workload(workload: Workload) -> None:
     for rank in range(world):
         program = workload.program(rank)
         if id(program) not in checked:
-            _validate_program(program, f"rank {rank}")
+            _validate_program(program, f"rank {rank}", workload.groups)
             checked.add(id(program))
         issued[rank] = _check_rank_collectives(workload, rank, program)
     _validate_matching(workload, issued)
@@ -69,7 +69,19 @@ def _where(where: str, op) -> str:
     return f"{where} op {op.id} ({op.name!r})"
 
 
-def _validate_program(program: RankProgram, where: str) -> None:
+class _Loc:
+    """Formats as :func:`_where` only when an error message is built (validation is on the hot path)."""
+
+    __slots__ = ("where", "op")
+
+    def __init__(self, where: str, op) -> None:
+        self.where, self.op = where, op
+
+    def __format__(self, spec: str) -> str:
+        return _where(self.where, self.op)
+
+
+def _validate_program(program: RankProgram, where: str, groups) -> None:
     for tid, size in program.tensors.items():
         if size < 0:
             raise WorkloadError(f"{where}: tensor {tid} has negative size {size}")
@@ -79,7 +91,7 @@ def _validate_program(program: RankProgram, where: str) -> None:
     started: dict[str, Collective] = {}
     waited: set[str] = set()
     for pos, op in enumerate(program.ops):
-        loc = _where(where, op)
+        loc = _Loc(where, op)
         if op.id in position:
             raise WorkloadError(f"{loc}: duplicate op id; op ids must be unique within a rank")
         if op.kind not in OP_KINDS:
@@ -97,7 +109,7 @@ def _validate_program(program: RankProgram, where: str) -> None:
                     "execution order and make deps point backwards"
                 )
         position[op.id] = pos
-        _check_collective_fields(op, loc, started, waited)
+        _check_collective_fields(op, loc, started, waited, groups)
         for tid in op.allocates:
             if tid not in program.tensors:
                 raise WorkloadError(f"{loc}: allocates tensor {tid}, which is missing from the program's tensors")
@@ -114,7 +126,7 @@ def _validate_program(program: RankProgram, where: str) -> None:
             freed.add(tid)
 
 
-def _check_collective_fields(op, loc: str, started: dict[str, Collective], waited: set[str]) -> None:
+def _check_collective_fields(op, loc: _Loc, started: dict[str, Collective], waited: set[str], groups) -> None:
     coll = op.collective
     if op.kind == "compute":
         if coll is not None:
@@ -124,6 +136,8 @@ def _check_collective_fields(op, loc: str, started: dict[str, Collective], waite
         raise WorkloadError(f"{loc}: kind {op.kind!r} needs a collective description")
     if coll.kind not in COLLECTIVE_KINDS:
         raise WorkloadError(f"{loc}: collective kind {coll.kind!r} is not one of {COLLECTIVE_KINDS}")
+    if coll.group not in groups:
+        raise WorkloadError(f"{loc}: group {coll.group!r} is not in workload.groups ({sorted(groups)}); add it")
     if coll.message_bytes < 0:
         raise WorkloadError(f"{loc}: collective message_bytes must be non-negative")
     if coll.kind in P2P_KINDS and coll.peer is None:
@@ -149,7 +163,7 @@ def _check_rank_collectives(workload: Workload, rank: int, program: RankProgram)
         if op.kind not in ("collective", "collective_start"):
             continue
         coll = op.collective
-        loc = _where(f"rank {rank}", op)
+        loc = _Loc(f"rank {rank}", op)
         if coll.group not in workload.groups:
             raise WorkloadError(f"{loc}: group {coll.group!r} is not in workload.groups ({sorted(workload.groups)})")
         members = workload.group_instance(coll.group, rank)

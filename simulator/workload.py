@@ -81,9 +81,12 @@ class Op:
     bytes_written: int = 0
     """Bytes written to device memory. An op with zero FLOPs and zero bytes (a view) takes no time."""
     deps: tuple[int, ...] = ()
-    """Ids of earlier ops on the same rank that must finish before this op starts. Program order implies nothing
-    beyond stream order: ops on the compute stream run in program order, collectives of one group run in
-    program order on that group's comm stream, and any cross-stream ordering must be listed here."""
+    """Ids of earlier ops on the same rank that must finish before this op starts (a collective "finishes" when
+    the whole collective completes, so depending on a ``collective_start`` waits for its result). Program order
+    implies nothing beyond stream order: compute ops and waits run in program order on the compute stream,
+    collectives of one group run in program order on that group's comm stream, and any cross-stream ordering
+    (e.g. a ``collective_start`` on the compute op producing its input) must be listed here. A blocking
+    ``collective`` is issued only when the compute stream reaches it."""
     allocates: tuple[int, ...] = ()
     """Tensor ids allocated when this op starts (its outputs and workspaces)."""
     frees: tuple[int, ...] = ()

@@ -1,0 +1,121 @@
+"""Command line: simulate a workload JSON on a hardware preset and write result.json, trace.json and PNG plots.
+
+Run ``python -m simulator --help``. Exit status 0 on success (also when the workload runs out of memory: that is a
+result, reported in result.json and on stdout), 2 on a usage or input error with a message saying what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from simulator.cluster import Cluster
+from simulator.engine import simulate
+from simulator.hardware import get_preset, preset_names
+from simulator.workload import Workload, WorkloadError
+
+EPILOG = """\
+outputs (in --out):
+  result.json    step time, per-stream busy time, exposed communication, overlap, peak memory, OOM per rank
+  trace.json     Perfetto / Chrome trace (open at https://ui.perfetto.dev): one process per simulated rank,
+                 one thread per stream, a memory counter track
+  timeline.png   per-stream timeline;  memory.png  memory over time (skipped with --no-plots)
+
+example:
+  python -m simulator workload.json --cluster a100-80gb-sxm --nodes 2 --out runs/a100x16
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m simulator",
+        description="Simulate one training step of an exported collective schedule (a simulator.Workload JSON) "
+                    "on a cluster built from a hardware preset.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("workload", nargs="?", type=Path, help="workload JSON written by Workload.to_json")
+    parser.add_argument("--cluster", default="a100-80gb-sxm", metavar="PRESET",
+                        help=f"hardware preset: {', '.join(preset_names())} (default: %(default)s)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="number of nodes (default: just enough for the workload's world size)")
+    parser.add_argument("--devices-per-node", type=int, default=None, help="override the preset's devices per node")
+    parser.add_argument("--network", default=None, help="inter-node network preset (default: the preset's)")
+    parser.add_argument("--memory-gib", type=float, default=None, help="override device memory capacity (GiB)")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (created if missing)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    parser.add_argument("--no-collapse", action="store_true", help="simulate every rank even when symmetric")
+    parser.add_argument("--include-ops", action="store_true", help="add every simulated op's times to result.json")
+    parser.add_argument("--list-clusters", action="store_true", help="list hardware presets and exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    return parser
+
+
+def _list_clusters() -> None:
+    for name in preset_names():
+        preset = get_preset(name)
+        dev = preset.device
+        print(f"{name:16s} {preset.devices_per_node} x {dev.name}: {dev.peak_flops_per_s / 1e12:.1f} TFLOP/s, "
+              f"{dev.memory_bandwidth_bytes_per_s / 1e9:.0f} GB/s, {dev.memory_bytes / 2**30:.0f} GiB; "
+              f"{preset.intra_node_kind} {preset.intra_node.bandwidth_bytes_per_s / 1e9:.0f} GB/s per direction"
+              f"{'' if preset.network is None else ', network ' + preset.network.name}"
+              f"{' (calibrated)' if preset.calibrated else ''}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.workload is None or args.out is None:
+        raise ValueError("give a workload JSON and --out DIR (or --list-clusters); see --help")
+    if not args.workload.is_file():
+        raise ValueError(f"workload file {args.workload} does not exist; pass the path of a Workload.to_json file")
+    workload = Workload.from_json(args.workload)
+    preset = get_preset(args.cluster)
+    if args.memory_gib is not None:
+        if args.memory_gib <= 0:
+            raise ValueError("--memory-gib must be positive")
+        preset = dataclasses.replace(preset, device=dataclasses.replace(
+            preset.device, memory_bytes=int(args.memory_gib * 2**30)))
+    per_node = args.devices_per_node or preset.devices_per_node
+    nodes = args.nodes if args.nodes is not None else max(1, -(-workload.world_size // per_node))
+    cluster = Cluster.from_preset(preset, nodes=nodes, devices_per_node=per_node, network=args.network)
+    result = simulate(workload, cluster, collapse_symmetric=not args.no_collapse)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result.to_json(args.out / "result.json", include_ops=args.include_ops)
+    from simulator.trace import write_chrome_trace
+
+    write_chrome_trace(result, args.out / "trace.json")
+    if not args.no_plots:
+        from simulator.plots import plot_memory, plot_timeline
+
+        plot_timeline(result, args.out / "timeline.png")
+        plot_memory(result, args.out / "memory.png")
+    overlap = result.overlap_fraction
+    print(f"{workload.name} on {nodes} x {cluster.devices_per_node} {preset.name}")
+    print(f"  step time        {result.step_time_s * 1e3:.3f} ms")
+    print(f"  exposed comm     {result.exposed_comm_s * 1e3:.3f} ms"
+          f"{'' if overlap is None else f' (overlap {overlap:.1%})'}")
+    print(f"  peak memory      {result.peak_memory_bytes / 2**30:.2f} GiB of {cluster.device.memory_bytes / 2**30:.2f}")
+    print(f"  fits             {'yes' if result.fits else 'NO: ' + result.oom.message()}")
+    print(f"  wrote            {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    if args.list_clusters:
+        _list_clusters()
+        return 0
+    try:
+        return _run(args)
+    except (WorkloadError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Matplotlib PNGs of a simulated step: a per-stream timeline and memory over time.
+
+matplotlib is imported lazily inside the functions, with the non-interactive Agg backend, so importing the
+simulator never needs it and headless machines can render. :func:`plot_timeline` draws one row per stream of each
+simulated rank (kernels coloured by phase, transfers per group, stalls and peer waits in grey);
+:func:`plot_memory` draws each simulated rank's total memory with the device capacity and any OOM point.
+"""
+
+from __future__ import annotations
+
+import os
+
+from simulator.result import Result
+from simulator.schedule import BLOCKING, COMPUTE, COMPUTE_STREAM, WAIT
+
+_COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green", "stall": "dimgrey",
+            "peer wait": "lightgrey", "transfer": "tab:purple"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_timeline(result: Result, path: str | os.PathLike[str], *, max_ranks: int = 8) -> None:
+    """Write a Gantt-style PNG of the first ``max_ranks`` simulated ranks' streams to ``path``."""
+    plt = _pyplot()
+    rows: list[tuple[str, dict[str, list[tuple[float, float]]]]] = []
+    for rank in sorted(result.timelines)[:max_ranks]:
+        tl = result.timelines[rank]
+        cp = tl.compiled
+        streams = {COMPUTE_STREAM: {}}
+        for group in sorted(cp.comm_streams):
+            streams[f"comm:{group}"] = {}
+        for pos, op in enumerate(cp.program.ops):
+            kind, begin, end = cp.kinds[pos], float(tl.begin_s[pos]), float(tl.end_s[pos])
+            if kind == COMPUTE:
+                streams[COMPUTE_STREAM].setdefault(op.phase, []).append((begin, end - begin))
+            elif kind == WAIT:
+                streams[COMPUTE_STREAM].setdefault("stall", []).append((begin, end - begin))
+            else:
+                lane = streams[cp.stream_of[pos]]
+                transfer = float(tl.transfer_start_s[pos])
+                lane.setdefault("peer wait", []).append((begin, transfer - begin))
+                lane.setdefault("transfer", []).append((transfer, end - transfer))
+                if kind == BLOCKING:
+                    stall = float(tl.stall_begin_s[pos])
+                    streams[COMPUTE_STREAM].setdefault("stall", []).append((stall, end - stall))
+        for name, bars in streams.items():
+            rows.append((f"rank {rank} {name}", bars))
+    fig, ax = plt.subplots(figsize=(14, 0.6 * len(rows) + 1.5))
+    labelled: set[str] = set()
+    for y, (_, bars) in enumerate(reversed(rows)):
+        for category, spans in bars.items():
+            spans = [(b, w) for b, w in spans if w > 0]
+            if not spans:
+                continue
+            colour = _COLOURS.get(category, "tab:purple")
+            legend = category if category not in labelled else None
+            labelled.add(category)
+            ax.broken_barh([(b * 1e3, w * 1e3) for b, w in spans], (y - 0.4, 0.8), facecolors=colour,
+                           label=legend)
+    ax.set_yticks(range(len(rows)), [label for label, _ in reversed(rows)])
+    ax.set_xlabel("time (ms)")
+    ax.set_title(f"{result.workload_name}: step {result.step_time_s * 1e3:.2f} ms")
+    ax.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_memory(result: Result, path: str | os.PathLike[str], *, max_ranks: int = 8) -> None:
+    """Write a PNG of memory over time (GiB) of the first ``max_ranks`` simulated ranks to ``path``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 5))
+    gib = 2.0**30
+    for rank in sorted(result.timelines)[:max_ranks]:
+        mem = result.timelines[rank].memory
+        times = list(mem.times_s * 1e3) + [result.step_time_s * 1e3]
+        totals = list(mem.total_bytes / gib) + [mem.total_bytes[-1] / gib]
+        ax.step(times, totals, where="post", label=f"rank {rank}")
+    capacity = result.ranks[0].memory_capacity_bytes / gib
+    ax.axhline(capacity, color="red", linestyle="--", label=f"capacity {capacity:.1f} GiB")
+    oom = result.oom
+    if oom is not None:
+        ax.plot([oom.time_s * 1e3], [oom.bytes_needed / gib], "rx", markersize=12, label=f"OOM: {oom.op_name}")
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel("memory (GiB)")
+    ax.set_title(f"{result.workload_name}: peak {result.peak_memory_bytes / gib:.2f} GiB")
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""Tests of the simulator package: schema, cost model, topology, engine timelines, memory, search, CLI."""

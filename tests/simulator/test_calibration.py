@@ -1,0 +1,34 @@
+"""The cpu-gloo calibration's fit and preset document (the measurements themselves run in the script)."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulator.cost_model import all_to_all_time_s
+from simulator.hardware import preset_from_dict
+
+
+def test_calibration_fit_recovers_a_known_alpha_and_bandwidth():
+    calibrate = pytest.importorskip("experiments.calibrate_cpu")
+    alpha, bandwidth = 50e-6, 3e9
+    samples = {world: {n: all_to_all_time_s(n, world, latency_s=alpha, bandwidth_bytes_per_s=bandwidth)
+                       for n in calibrate.A2A_BYTES} for world in calibrate.WORLDS}
+    fit_alpha, fit_bandwidth = calibrate.fit_alpha_beta(samples)
+    assert fit_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fit_bandwidth == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_calibration_preset_document_loads_as_a_calibrated_preset():
+    calibrate = pytest.importorskip("experiments.calibrate_cpu")
+    compute = {"matmul_fp32_flops_per_s": 1e11, "matmul_bf16_flops_per_s": 2e11, "elementwise_bytes_per_s": 2e10,
+               "copy_bytes_per_s": 1e10, "reduction_bytes_per_s": 3e10, "attention_flops_per_s": 5e10,
+               "kernel_launch_overhead_s": 2e-6}
+    a2a = {w: {n: all_to_all_time_s(n, w, latency_s=1e-4, bandwidth_bytes_per_s=2e9) for n in calibrate.A2A_BYTES}
+           for w in calibrate.WORLDS}
+    preset = preset_from_dict(calibrate.build_preset(compute, a2a))
+    assert preset.calibrated and preset.name == "cpu-gloo"
+    assert preset.device.peak_flops_per_s == 1e11
+    assert preset.device.efficiency["attention"].flops == pytest.approx(0.5)
+    assert preset.device.efficiency["memory"].memory == pytest.approx(0.5)
+    assert preset.intra_node.latency_s == pytest.approx(0.5e-4)  # alpha split over two hops
+    assert preset.intra_node.bandwidth_bytes_per_s == pytest.approx(2e9)
