@@ -4,11 +4,14 @@ RMSNorm, rotary position embeddings computed from positions, SwiGLU MLP and
 causal ``F.scaled_dot_product_attention`` with optional grouped-query attention.
 It builds its own positions (``torch.arange``) when none are passed and computes
 the classic shifted loss (``logits[:, :-1]`` against ``labels[:, 1:]``), so it
-exercises the paths of AutoSP that Hugging Face models do not.
+exercises the paths of AutoSP that Hugging Face models do not.  An optional
+``attention`` callable (default ``F.scaled_dot_product_attention``) lets the
+hand-written sequence-parallel baselines swap in their distributed attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +64,15 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+AttentionFn = Callable[..., torch.Tensor]
+"""``fn(q, k, v, *, is_causal, enable_gqa) -> out``: q/out [B, H, S, D], k/v [B, Hkv, S, D], as SDPA."""
+
+
 class Attention(nn.Module):
-    def __init__(self, config: PlainLlamaConfig):
+    def __init__(self, config: PlainLlamaConfig, attention: AttentionFn | None = None):
         super().__init__()
         self.config = config
+        self.attention_fn = attention if attention is not None else F.scaled_dot_product_attention
         d, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
         self.q_proj = nn.Linear(config.hidden_size, h * d, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=False)
@@ -78,15 +86,15 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         v = self.v_proj(x).view(b, s, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = rotary(q, positions, c.rope_theta), rotary(k, positions, c.rope_theta)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
+        out = self.attention_fn(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class Block(nn.Module):
-    def __init__(self, config: PlainLlamaConfig):
+    def __init__(self, config: PlainLlamaConfig, attention: AttentionFn | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, attention)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -99,13 +107,17 @@ class Block(nn.Module):
 
 
 class PlainLlama(nn.Module):
-    """``forward(input_ids, labels=None)`` returns the mean next-token loss if labels are given, else logits."""
+    """``forward(input_ids, labels=None)`` returns the mean next-token loss if labels are given, else logits.
 
-    def __init__(self, config: PlainLlamaConfig):
+    ``attention`` replaces ``F.scaled_dot_product_attention`` in every block (see `AttentionFn`);
+    it is kept on each `Attention` module as ``attention_fn``.
+    """
+
+    def __init__(self, config: PlainLlamaConfig, *, attention: AttentionFn | None = None):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config, attention) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

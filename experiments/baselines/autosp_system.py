@@ -1,0 +1,43 @@
+"""``build_system("autosp", ...)``: this project's compiler pass behind the common `System` interface.
+
+A thin adapter: `autosp.compile` makes the sequence-parallel program from the
+unmodified model, `autosp.prepare_inputs` hands it the full-length sample (it
+cuts out the rank's shard itself), and `autosp.sync_gradients` sums gradients
+over the SP group.  The loss it returns is already the full-sample loss on every
+rank.  Extra ``options`` are `autosp.AutoSPConfig` fields.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autosp
+from experiments.baselines.common import loss_of, named_gradients
+
+
+class AutoSPSystem:
+    """Exact: loss and gradients equal single-device training (tested in tests/autosp and tests/experiments)."""
+
+    name = "autosp"
+
+    def __init__(
+        self, model: nn.Module, *, sp_size: int, process_group: dist.ProcessGroup | None = None,
+        compiler: str = "aot_eager", **options,
+    ):
+        self.model = model
+        self.compiled = autosp.compile(model, sp_size=sp_size, process_group=process_group, compiler=compiler,
+                                       **options)
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(self.compiled(**autosp.prepare_inputs(input_ids, labels=labels)))
+        loss.backward()
+        autosp.sync_gradients(self.compiled)
+        return loss.detach()
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return named_gradients(self.model)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
