@@ -8,7 +8,7 @@ collective schedule for the simulator.  Entry points: `compile`,
 `prepare_inputs`, `sync_gradients`.
 """
 
-from autosp import ops  # noqa: F401 - registers the autosp:: collective ops
+from autosp import ops  # noqa: F401 - registers the autosp_testbed:: collective ops
 from autosp.api import SequenceParallelModel, compile, sync_gradients
 from autosp.config import AutoSPConfig
 from autosp.errors import AutoSPError

@@ -167,7 +167,7 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 root[node] = tid
                 allocates = (tid,)
             read = sum(_nbytes(a.meta.get("val")) for a in node.all_input_nodes)
-            if packet in _COLLECTIVES and "autosp" in str(node.target):
+            if packet in _COLLECTIVES and "autosp_testbed" in str(node.target):
                 kind, op_class, flops = "collective", "other", 0
             else:
                 kind = "compute"

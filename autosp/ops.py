@@ -4,12 +4,14 @@ Each op is a ``torch.library.custom_op`` with a fake (shape) implementation and 
 autograd formula, so Dynamo, AOTAutograd and Inductor treat it as one opaque node
 in forward and backward graphs.  The process group travels as an argument: its
 c10d name, resolved by torch's own registry at run time (no registry of ours).
+The namespace is ``autosp_testbed``: DeepSpeed's own AutoSP registers
+``autosp::all_to_all`` with another signature, and both must live in one process.
 
-- ``autosp::all_to_all(x, scatter_dim, gather_dim, group_name, group_size)``:
+- ``autosp_testbed::all_to_all(x, scatter_dim, gather_dim, group_name, group_size)``:
   split ``x`` into ``group_size`` chunks along ``scatter_dim``, send chunk j to
   group rank j, concatenate what arrives along ``gather_dim`` in rank order.
   Its gradient is the all-to-all with the two dims swapped.
-- ``autosp::all_reduce_sum(x, group_name)``: sum over the group; the gradient is
+- ``autosp_testbed::all_reduce_sum(x, group_name)``: sum over the group; the gradient is
   the identity.  See Note [Loss all-reduce gradient].
 """
 
@@ -33,7 +35,7 @@ def _all_to_all_shape(shape: torch.Size, scatter_dim: int, gather_dim: int, grou
     return out
 
 
-@torch.library.custom_op("autosp::all_to_all", mutates_args=())
+@torch.library.custom_op("autosp_testbed::all_to_all", mutates_args=())
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group_name: str, group_size: int) -> torch.Tensor:
     group = _resolve_process_group(group_name)
     # [P, ...chunk]: chunk j (along scatter_dim) goes to rank j.
@@ -71,7 +73,7 @@ all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_set
 # (autosp.sync_gradients) yields the gradient of the total exactly once.
 
 
-@torch.library.custom_op("autosp::all_reduce_sum", mutates_args=())
+@torch.library.custom_op("autosp_testbed::all_reduce_sum", mutates_args=())
 def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     out = x.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))

@@ -107,7 +107,7 @@ def insert_all_to_all_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceCont
             "no torch.nn.functional.scaled_dot_product_attention call found in the model's graph; AutoSP "
             "needs the model's attention to use SDPA (Hugging Face: attn_implementation='sdpa')"
         )
-    a2a = torch.ops.autosp.all_to_all.default
+    a2a = torch.ops.autosp_testbed.all_to_all.default
     for node in sites:
         where = module_name(node)
         args = bind(_sdpa_signature, node).arguments

@@ -137,7 +137,7 @@ def exact_causal_lm_loss_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceC
         raise AutoSPError(f"{where}: labels are sliced [:, 1:] but no matching logits[:, :-1] was found")
     log.info("loss in %s: removed the model's %s label shift; mean over the whole sequence", where, pattern)
 
-    all_reduce = torch.ops.autosp.all_reduce_sum.default
+    all_reduce = torch.ops.autosp_testbed.all_reduce_sum.default
     with graph.inserting_before(loss):
         local_sum = graph.call_function(F.cross_entropy, (call["input"], call["target"]), {
             "ignore_index": ctx.ignore_index, "reduction": "sum", "label_smoothing": call["label_smoothing"],

@@ -10,8 +10,8 @@ from experiments.models import build_model, vocab_size
 from tests.autosp.cases import make_sample
 from tests.harness import fake_process_group
 
-A2A = torch.ops.autosp.all_to_all.default
-ALL_REDUCE = torch.ops.autosp.all_reduce_sum.default
+A2A = torch.ops.autosp_testbed.all_to_all.default
+ALL_REDUCE = torch.ops.autosp_testbed.all_reduce_sum.default
 
 
 def _compile_and_step(model_name: str, *, world: int, seq_len: int, rank: int = 1, **overrides):
