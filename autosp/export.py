@@ -21,88 +21,15 @@ halved under causal masking; elementwise ops one FLOP per output element.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
+from autosp.costs import VIEWS, classify, nbytes_of, packet_name
 from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
 
 log = logging.getLogger(__name__)
-
-aten = torch.ops.aten
-_MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
-_VIEWS = {
-    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
-    "squeeze", "alias", "as_strided", "detach", "split", "unbind", "chunk", "split_with_sizes", "diagonal",
-    "_reshape_alias", "view_as_real", "view_as_complex", "unflatten", "flatten", "getitem",
-}
-_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "_log_softmax", "_softmax", "nll_loss_forward",
-               "nll_loss_backward", "_log_softmax_backward_data", "var_mean", "native_layer_norm"}
-_MEMORY = {"clone", "copy", "_to_copy", "cat", "stack", "constant_pad_nd", "index", "embedding",
-           "embedding_dense_backward", "new_zeros", "zeros", "full", "empty", "scatter", "gather", "repeat_interleave",
-           "index_put", "slice_scatter", "select_scatter", "arange", "ones", "zeros_like", "full_like", "empty_like"}
-
-
-def _packet(target) -> str:
-    name = getattr(target, "__name__", str(target))
-    return name.split(".")[0]
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _nbytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
-
-
-def _arg(node: fx.Node, name: str, default=None):
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return default
-    for i, arg in enumerate(schema.arguments):
-        if arg.name == name:
-            return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
-    return default
-
-
-def attention_flops(q_shape, k_shape, *, causal: bool, backward: bool) -> int:
-    """FLOPs of scaled-dot-product attention for q [B, H, Sq, D] and k [B, Hk, Sk, D]."""
-    *batch, s_q, d = q_shape
-    s_k = k_shape[-2]
-    flops = 4 * math.prod(batch) * s_q * s_k * d
-    if causal:
-        flops //= 2
-    return int(flops * 2.5) if backward else flops
-
-
-def _classify(node: fx.Node) -> tuple[str, int]:
-    """(op_class, flops) of a compute node."""
-    target, packet = node.target, _packet(node.target)
-    if "scaled_dot_product" in packet or "flash_attention" in packet or "efficient_attention" in packet:
-        q, k = node.args[1:3] if "backward" in packet else node.args[0:2]
-        causal = bool(_arg(node, "is_causal", False))
-        return "attention", attention_flops(
-            q.meta["val"].shape, k.meta["val"].shape, causal=causal, backward="backward" in packet
-        )
-    if target in _MATMULS:
-        a, b = (node.args[1], node.args[2]) if target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
-        sa, sb = a.meta["val"].shape, b.meta["val"].shape
-        return "matmul", 2 * math.prod(sa) * sb[-1]
-    outputs = _tensors(node.meta.get("val"))
-    elements = sum(t.numel() for t in outputs)
-    if packet in _REDUCTIONS:
-        return "reduction", sum(t.numel() for a in node.all_input_nodes for t in _tensors(a.meta.get("val")))
-    if packet in _MEMORY:
-        return "memory", 0
-    return "elementwise", elements
-
 
 _COLLECTIVES = {"all_to_all": "all_to_all", "all_reduce_sum": "all_reduce"}
 
@@ -149,16 +76,16 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
             continue
         if node.op != "call_function":
             continue
-        packet = _packet(node.target)
+        packet = packet_name(node.target)
         deps = tuple(sorted({node_op[a] for a in node.all_input_nodes if a in node_op}))
         inputs = [root.get(a) for a in node.all_input_nodes]
         op_id = len(em.ops)
-        if packet in _VIEWS or node.target.__module__ == "_operator":
+        if packet in VIEWS or node.target.__module__ == "_operator":
             root[node] = next((t for t in inputs if t is not None), None)
             kind, op_class, flops, allocates = "compute", "other", 0, ()
             read = written = 0
         else:
-            written = _nbytes(node.meta.get("val"))
+            written = nbytes_of(node.meta.get("val"))
             allocates = ()
             root[node] = None
             if written:
@@ -166,12 +93,12 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 em.tensors[tid] = written
                 root[node] = tid
                 allocates = (tid,)
-            read = sum(_nbytes(a.meta.get("val")) for a in node.all_input_nodes)
+            read = sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes)
             if packet in _COLLECTIVES and "autosp_testbed" in str(node.target):
                 kind, op_class, flops = "collective", "other", 0
             else:
                 kind = "compute"
-                op_class, flops = _classify(node)
+                op_class, flops = classify(node)
         collective = None
         if kind == "collective":
             em.collectives += 1

@@ -1,0 +1,87 @@
+"""What one aten node costs: its op class, FLOPs and bytes (shared by SAC and the schedule export).
+
+FLOPs: matmuls 2·M·N·K; attention counted here (torch's FLOP counter misses the
+CPU kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to
+two), halved under causal masking; reductions one FLOP per input element;
+elementwise ops one FLOP per output element; views and data movement none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+VIEWS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
+    "squeeze", "alias", "as_strided", "detach", "split", "unbind", "chunk", "split_with_sizes", "diagonal",
+    "_reshape_alias", "view_as_real", "view_as_complex", "unflatten", "flatten", "getitem",
+}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "_log_softmax", "_softmax", "nll_loss_forward",
+               "nll_loss_backward", "_log_softmax_backward_data", "var_mean", "native_layer_norm"}
+_MEMORY = {"clone", "copy", "_to_copy", "cat", "stack", "constant_pad_nd", "index", "embedding",
+           "embedding_dense_backward", "new_zeros", "zeros", "full", "empty", "scatter", "gather", "repeat_interleave",
+           "index_put", "slice_scatter", "select_scatter", "arange", "ones", "zeros_like", "full_like", "empty_like"}
+
+
+def packet_name(target) -> str:
+    """The op's overload packet name: aten.mm.default -> \"mm\"."""
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def tensors_of(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+def nbytes_of(value) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_of(value))
+
+
+def schema_arg(node: fx.Node, name: str, default=None):
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return default
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+    return default
+
+
+def attention_flops(q_shape, k_shape, *, causal: bool, backward: bool) -> int:
+    """FLOPs of scaled-dot-product attention for q [B, H, Sq, D] and k [B, Hk, Sk, D]."""
+    *batch, s_q, d = q_shape
+    s_k = k_shape[-2]
+    flops = 4 * math.prod(batch) * s_q * s_k * d
+    if causal:
+        flops //= 2
+    return int(flops * 2.5) if backward else flops
+
+
+def classify(node: fx.Node) -> tuple[str, int]:
+    """(op_class, flops) of a compute node."""
+    target, packet = node.target, packet_name(node.target)
+    if "scaled_dot_product" in packet or "flash_attention" in packet or "efficient_attention" in packet:
+        q, k = node.args[1:3] if "backward" in packet else node.args[0:2]
+        causal = bool(schema_arg(node, "is_causal", False))
+        return "attention", attention_flops(
+            q.meta["val"].shape, k.meta["val"].shape, causal=causal, backward="backward" in packet
+        )
+    if target in MATMULS:
+        a, b = (node.args[1], node.args[2]) if target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
+        sa, sb = a.meta["val"].shape, b.meta["val"].shape
+        return "matmul", 2 * math.prod(sa) * sb[-1]
+    outputs = tensors_of(node.meta.get("val"))
+    elements = sum(t.numel() for t in outputs)
+    if packet in _REDUCTIONS:
+        return "reduction", sum(t.numel() for a in node.all_input_nodes for t in tensors_of(a.meta.get("val")))
+    if packet in _MEMORY:
+        return "memory", 0
+    return "elementwise", elements
