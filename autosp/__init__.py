@@ -5,7 +5,8 @@ causal-LM training step into an exactly equivalent sequence-parallel one: shard
 the tokens, wrap every ``scaled_dot_product_attention`` in all-to-alls, make the
 loss and gradients those of the full sequence, and export the resulting
 collective schedule for the simulator.  Entry points: `compile`,
-`prepare_inputs`, `sync_gradients`.
+`prepare_inputs`, `sync_gradients`; with DeepSpeed, `deepspeed_initialize`
+(and `sequence_parallel_sampler` for data loading).
 """
 
 from autosp import ops  # noqa: F401 - registers the autosp_testbed:: collective ops
@@ -13,12 +14,17 @@ from autosp.api import SequenceParallelModel, compile, sync_gradients
 from autosp.config import AutoSPConfig
 from autosp.errors import AutoSPError
 from autosp.inputs import prepare_inputs
+from autosp.integrations.deepspeed_engine import SequenceParallelMPU, deepspeed_initialize
+from autosp.sampler import sequence_parallel_sampler
 
 __all__ = [
     "AutoSPConfig",
     "AutoSPError",
+    "SequenceParallelMPU",
     "SequenceParallelModel",
     "compile",
+    "deepspeed_initialize",
     "prepare_inputs",
+    "sequence_parallel_sampler",
     "sync_gradients",
 ]

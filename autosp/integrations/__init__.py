@@ -1,0 +1,1 @@
+"""Integrations of AutoSP with training frameworks (DeepSpeed)."""

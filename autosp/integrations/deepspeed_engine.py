@@ -1,0 +1,283 @@
+"""AutoSP through DeepSpeed: ``autosp.deepspeed_initialize`` and the engine it returns.
+
+A DeepSpeed user keeps their training loop::
+
+    engine, optimizer, _, _ = autosp.deepspeed_initialize(model=model, optimizer=optimizer, config=ds_config)
+    loss = engine(**autosp.prepare_inputs(input_ids, labels=labels)).loss
+    engine.backward(loss)
+    engine.step()
+
+with ``"sequence_parallel_size": P`` in the DeepSpeed config (and, optionally,
+DeepSpeed's own spelling of the compile settings, ``"compile": {"deepcompile":
+true, "passes": ["autosp"]}``, which this project's pass then serves).  The
+engine's module is the `SequenceParallelModel`; DeepSpeed's ZeRO stages 0, 1 and 2
+reduce its gradients.
+
+See Note [DeepSpeed gradient reduction under AutoSP].
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from autosp.api import SequenceParallelModel
+from autosp.config import AutoSPConfig
+from autosp.errors import AutoSPError
+from autosp.groups import SequenceParallelGroups, build_groups
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ZERO_STAGES = (0, 1, 2)
+"""ZeRO stages whose gradient reduction composes exactly with AutoSP."""
+
+AUTOSP_SECTION = "autosp"
+"""Optional DeepSpeed-config section with `AutoSPConfig` options (``compiler``, ``pad_to_multiple``, ...)."""
+
+# DeepSpeed config optimizers that run as plain torch code on a CPU machine.  Every other
+# "type" builds a C++/CUDA extension on first use (FusedAdam, FusedLamb, CPU Adam, ...), which
+# takes minutes or fails without a compiler toolchain.
+_CPU_SAFE_OPTIMIZERS = ("adagrad",)
+_TORCH_ADAM_OPTIMIZERS = ("adam", "adamw")
+
+# Note [DeepSpeed gradient reduction under AutoSP]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# AutoSP's loss on every rank is the full-sequence loss; each rank's backward gives the
+# part of the gradient that flows through its tokens.  The single-device gradient is the
+# SUM of those parts over the SP group, and data-parallel replicas (SP groups training
+# different samples) are AVERAGED.  DeepSpeed's engine does exactly this when it is told
+# about sequence parallelism through an mpu with DeepSpeed-Ulysses' interface
+# (deepspeed.runtime.sequence_parallel.parallel_state_sp):
+#   - ZeRO 0: buffered all-reduce over the "sequence data parallel" group (every rank:
+#     SP x DP), divided by world / sequence_parallel_size = the number of replicas;
+#   - ZeRO 1/2: reduce(-scatter) of each partition over the same group, divided by the
+#     same factor (stage_1_and_2.average_tensor / allreduce_bucket);
+#   - parameters and optimizer state are partitioned over that group, so every rank
+#     holds one partition of the one replicated model.
+# So gradients are reduced once, by DeepSpeed, and `autosp.sync_gradients` must NOT be
+# called on top.  Gradient-norm clipping also counts each SP group once: the "model
+# parallel" group is aliased to the SP group (as DeepSpeed's Ulysses mpu does), and the
+# ZeRO 0 norm counts only model-parallel rank 0's (identical, already reduced) copy.
+# ZeRO 3 gathers parameters with per-module hooks that run inside the compiled forward;
+# AutoSP compiles the model as one graph (fullgraph), which those hooks break, and the
+# combination is refused before anything is built (tests/autosp/test_deepspeed.py).
+
+
+class SequenceParallelMPU:
+    """AutoSP's groups in the "mpu" interface DeepSpeed uses for Ulysses sequence parallelism.
+
+    Hand it to ``deepspeed.initialize(mpu=...)``; `deepspeed_initialize` does.  The
+    method names are DeepSpeed's (``parallel_state_sp``); the data-parallel methods
+    give the replicas (SP groups), which DeepSpeed's data loader and batch-size
+    arithmetic use.
+    """
+
+    def __init__(self, groups: SequenceParallelGroups):
+        self.groups = groups
+
+    # DeepSpeed recognises a Ulysses mpu by this method's presence.
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        if sequence_parallel_size != self.groups.sp_size:
+            raise AutoSPError(
+                f"the SP groups were built for sequence_parallel_size={self.groups.sp_size}, "
+                f"not {sequence_parallel_size}"
+            )
+
+    def get_sequence_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.sp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.groups.sp_size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.groups.sp_rank
+
+    def get_sequence_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.groups.group)
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.groups.group)
+
+    def get_data_parallel_world_size(self) -> int:
+        """Replicas: SP groups that train different samples."""
+        return self.groups.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.dp_rank
+
+    # As in DeepSpeed's Ulysses mpu: "model parallel" is the SP group.
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank
+
+
+def _load_config(config: dict | str | os.PathLike) -> dict:
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    with open(config) as f:
+        return json.load(f)
+
+
+def _on_cpu_accelerator() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
+def _check_optimizer_entry(ds_config: dict, optimizer: Any) -> None:
+    entry = ds_config.get("optimizer")
+    if entry is None:
+        return
+    if optimizer is not None:
+        raise AutoSPError(
+            "both an optimizer argument and an \"optimizer\" entry in the DeepSpeed config were given; "
+            "keep one (a torch optimizer is recommended)"
+        )
+    kind = str(entry.get("type", "")).lower()
+    params = entry.get("params", {}) or {}
+    if not _on_cpu_accelerator():
+        return
+    if kind in _CPU_SAFE_OPTIMIZERS or (kind in _TORCH_ADAM_OPTIMIZERS and params.get("torch_adam")):
+        return
+    raise AutoSPError(
+        f"the DeepSpeed config's optimizer type {entry.get('type')!r} JIT-builds a C++/CUDA extension "
+        "(FusedAdam, FusedLamb, CPU Adam...) on first use, which takes minutes on a CPU machine; pass a torch "
+        "optimizer instead, e.g. autosp.deepspeed_initialize(..., optimizer=torch.optim.AdamW("
+        "model.parameters(), lr=...)) and drop the \"optimizer\" entry, or set \"params\": "
+        "{\"torch_adam\": true} for Adam/AdamW"
+    )
+
+
+def _zero_stage(ds_config: dict) -> int:
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage not in SUPPORTED_ZERO_STAGES:
+        raise AutoSPError(
+            f"ZeRO stage {stage} does not compose with AutoSP: ZeRO 3 gathers parameters with per-module hooks "
+            "inside the forward, which AutoSP's one-graph compile cannot hold.  Use "
+            f"\"zero_optimization\": {{\"stage\": 0, 1 or 2}} (supported: {list(SUPPORTED_ZERO_STAGES)}); "
+            "ZeRO 2 already partitions gradients and optimizer state"
+        )
+    return stage
+
+
+def _take_compile_section(ds_config: dict) -> None:
+    """Accept DeepSpeed's spelling ``"compile": {"deepcompile": true, "passes": ["autosp"]}``.
+
+    This project's pass replaces DeepCompile's AutoSP, so the section is removed
+    before DeepSpeed sees it; DeepCompile passes other than "autosp" do not compose.
+    """
+    section = ds_config.get("compile")
+    if not section:
+        return
+    if section.get("deepcompile"):
+        passes = list(section.get("passes") or [])
+        others = [p for p in passes if p != "autosp"]
+        if others or not passes:
+            raise AutoSPError(
+                f"DeepCompile passes {others or ['(default ZeRO passes)']} do not compose with AutoSP; use "
+                "\"compile\": {\"deepcompile\": true, \"passes\": [\"autosp\"]} (or drop the \"compile\" section) "
+                "and choose the ZeRO stage in \"zero_optimization\""
+            )
+        ignored = sorted(set(section) - {"deepcompile", "passes"})
+        if ignored:
+            log.warning("DeepCompile options %s do not apply to AutoSP's compile and are ignored", ignored)
+    del ds_config["compile"]
+
+
+def _sp_size(ds_config: dict, sp_size: int | None) -> int:
+    in_config = ds_config.get("sequence_parallel_size")
+    if in_config is None and sp_size is None:
+        raise AutoSPError(
+            "the DeepSpeed config has no \"sequence_parallel_size\"; add \"sequence_parallel_size\": P "
+            "(the ranks that share one sequence; it must divide the world size)"
+        )
+    if in_config is not None and sp_size is not None and int(in_config) != sp_size:
+        raise AutoSPError(
+            f"sp_size={sp_size} disagrees with the DeepSpeed config's sequence_parallel_size={in_config}; give one"
+        )
+    size = int(in_config if in_config is not None else sp_size)
+    ds_config["sequence_parallel_size"] = size
+    return size
+
+
+def _check_data_parallel_size(ds_config: dict, groups: SequenceParallelGroups) -> None:
+    # With both sizes in the config DeepSpeed builds its own device mesh; AutoSP's groups are
+    # the single source of truth, so the entry is checked and removed.
+    dp = ds_config.pop("data_parallel_size", None)
+    if dp is not None and int(dp) != groups.dp_size:
+        raise AutoSPError(
+            f"data_parallel_size={dp} in the DeepSpeed config, but world / sequence_parallel_size = "
+            f"{groups.dp_size}; drop data_parallel_size or make it {groups.dp_size}"
+        )
+
+
+def deepspeed_initialize(
+    *,
+    model: nn.Module,
+    config: dict | str | os.PathLike,
+    optimizer: Any = None,
+    sp_size: int | None = None,
+    compiler: str | None = None,
+    **kwargs: Any,
+) -> tuple:
+    """``deepspeed.initialize`` with AutoSP sequence parallelism; returns what it returns.
+
+    ``model`` is the unmodified single-device model and ``config`` a DeepSpeed config
+    (dict or JSON path) with ``"sequence_parallel_size"`` (or pass ``sp_size``).  An
+    optional ``"autosp"`` section holds `AutoSPConfig` options; ``compiler`` overrides
+    its ``compiler``.  Other keyword arguments (``lr_scheduler``, ``training_data``,
+    ``model_parameters``, ...) go to ``deepspeed.initialize``; ``training_data`` gets a
+    loader in which all ranks of an SP group see the same samples.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; ``engine.module``
+    is the `SequenceParallelModel`.  Call the engine with ``**autosp.prepare_inputs(...)``
+    (the full-length sample on every rank of the SP group), then ``engine.backward(loss)``
+    and ``engine.step()``; do not call ``autosp.sync_gradients`` or ``engine.compile()``.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "mpu" in kwargs:
+        raise AutoSPError("deepspeed_initialize builds the mpu from AutoSP's SP groups; do not pass mpu")
+    ds_config = _load_config(config)
+    size = _sp_size(ds_config, sp_size)
+    _zero_stage(ds_config)
+    _check_optimizer_entry(ds_config, optimizer)
+    _take_compile_section(ds_config)
+    options = dict(ds_config.pop(AUTOSP_SECTION, None) or {})
+    if compiler is not None:
+        options["compiler"] = compiler
+    options.setdefault("compiler", "inductor")
+    autosp_config = AutoSPConfig.from_options(sp_size=size, compiler=options.pop("compiler"), options=options)
+
+    import deepspeed.comm as ds_comm
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    elif not ds_comm.is_initialized():
+        # Make deepspeed.comm wrap the user's process group (and its backend: gloo on CPU).
+        ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    if "LOCAL_RANK" not in os.environ:
+        raise AutoSPError(
+            "DeepSpeed needs the LOCAL_RANK environment variable (this rank's index on its node); launch with "
+            "torchrun or the deepspeed launcher, or set LOCAL_RANK in each process before deepspeed_initialize"
+        )
+    groups = build_groups(size)
+    _check_data_parallel_size(ds_config, groups)
+    sp_model = SequenceParallelModel(model, autosp_config, groups)
+    log.info(
+        "AutoSP + DeepSpeed: sp_size=%d x data-parallel replicas=%d, ZeRO stage %d, compiler=%s",
+        groups.sp_size, groups.dp_size, _zero_stage(ds_config), autosp_config.compiler,
+    )
+    return deepspeed.initialize(
+        model=sp_model, optimizer=optimizer, config=ds_config, mpu=SequenceParallelMPU(groups), **kwargs
+    )

@@ -1,0 +1,143 @@
+"""AutoSP through deepspeed.initialize: ZeRO 0/1/2 training equals single-device training.
+
+Each rank builds the same model twice from one seed: a single-device reference
+(trained on every data-parallel replica's sample, gradients averaged over the
+replicas) and a copy handed to `autosp.deepspeed_initialize`.  Over two optimizer
+steps the loss, every gradient (DeepSpeed's reduced gradient, read before the
+step) and every parameter after the steps equal the reference (fp32: rtol 1e-4 /
+atol 1e-6).  Gradient clipping is on in some cases, with a limit the reference
+gradient norm exceeds, so a gradient norm counted once too often would show.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from tests.autosp.cases import loss_of, make_sample
+from tests.harness import run_on_ranks
+
+FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
+STEPS = 2
+SEQ_LEN = 24
+CLIP = 0.5
+
+
+def _make_optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    if kind == "adam":
+        # eps well above float noise: Adam's first step g / (|g| + eps) would otherwise turn rounding
+        # differences in near-zero gradients into O(lr) parameter differences (ill-conditioned, not wrong).
+        return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
+    raise ValueError(kind)
+
+
+def _ds_config(*, zero_stage: int, sp_size: int, clip: float | None) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "sequence_parallel_size": sp_size,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,  # torch SGD under ZeRO
+        "gradient_clipping": clip or 0.0,
+        "compile": {"deepcompile": True, "passes": ["autosp"]},  # DeepSpeed's spelling, served by AutoSP
+        "autosp": {"compiler": "aot_eager"},
+        "steps_per_print": 10**9,
+    }
+
+
+def _full_grad(param):
+    from deepspeed.utils import safe_get_full_grad
+
+    grad = safe_get_full_grad(param)  # ZeRO 1/2: the reduced partitions, gathered
+    return None if grad is None else grad.detach().clone().reshape(param.shape)
+
+
+def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model="hf-llama"):
+    import autosp
+    from experiments.models import build_model, vocab_size
+
+    os.environ["LOCAL_RANK"] = str(rank)  # one node: what torchrun sets
+    torch.manual_seed(0)
+    reference = build_model(model)
+    candidate = copy.deepcopy(reference)
+    dp_size, dp_rank = world // sp_size, rank // sp_size
+    vocab = vocab_size(reference)
+
+    ref_opt = _make_optimizer(optimizer, reference.parameters())
+    engine, *_ = autosp.deepspeed_initialize(
+        model=candidate, optimizer=_make_optimizer(optimizer, candidate.parameters()),
+        config=_ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip),
+    )
+    assert engine.module.groups.sp_size == sp_size and engine.module.module is candidate
+
+    out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": [], "ref_norm": []}
+    for step in range(STEPS):
+        samples = [make_sample(SEQ_LEN, vocab, seed=1000 * step + d) for d in range(dp_size)]
+        losses = []
+        for ids, labels in samples:  # data parallelism averages the replicas' gradients
+            loss = loss_of(reference(input_ids=ids, labels=labels))
+            (loss / dp_size).backward()
+            losses.append(loss.detach())
+        out["ref_loss"].append(losses[dp_rank])
+        out["ref_grads"].append({n: p.grad.detach().clone() for n, p in reference.named_parameters()})
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip if clip else float("inf"))
+        out["ref_norm"].append(float(norm))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+
+        ids, labels = samples[dp_rank]
+        loss = loss_of(engine(**autosp.prepare_inputs(ids, labels=labels)))
+        engine.backward(loss)
+        out["loss"].append(loss.detach())
+        out["grads"].append({n: _full_grad(p) for n, p in candidate.named_parameters()})
+        engine.step()
+
+    out["params"] = {n: p.detach().clone() for n, p in candidate.named_parameters()}
+    out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    return out
+
+
+def _cases_on_rank(rank, world, cases):
+    return [_train_case(rank, world, **case) for case in cases]
+
+
+def _check(results, cases):
+    for rank, per_case in enumerate(results):
+        for case, r in zip(cases, per_case):
+            where = f"rank {rank} {case}"
+            for step in range(STEPS):
+                torch.testing.assert_close(r["loss"][step], r["ref_loss"][step], **FP32_TOL,
+                                           msg=lambda m, w=f"{where} step {step} loss": f"{w}: {m}")
+                assert r["grads"][step].keys() == r["ref_grads"][step].keys()
+                for name, grad in r["grads"][step].items():
+                    assert grad is not None, f"{where}: no gradient for {name}"
+                    torch.testing.assert_close(grad, r["ref_grads"][step][name], **FP32_TOL,
+                                               msg=lambda m, w=f"{where} step {step} grad {name}": f"{w}: {m}")
+                if case.get("clip"):  # the limit bites, so a wrong norm would change the update
+                    assert r["ref_norm"][step] > case["clip"]
+            for name, param in r["params"].items():
+                torch.testing.assert_close(param, r["ref_params"][name], **FP32_TOL,
+                                           msg=lambda m, w=f"{where} param {name}": f"{w}: {m}")
+
+
+ZERO_CASES = [
+    {"zero_stage": 0, "optimizer": "sgd", "clip": CLIP},
+    {"zero_stage": 1, "optimizer": "adam"},
+    {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP},
+]
+
+
+def test_deepspeed_zero_0_1_2_two_ranks_match_single_device():
+    cases = [{**c, "sp_size": 2} for c in ZERO_CASES]
+    _check(run_on_ranks(_cases_on_rank, 2, cases, timeout_s=400), cases)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero_0_1_2_sequence_times_data_parallel_match_single_device():
+    cases = [{**c, "sp_size": 2} for c in ZERO_CASES]
+    _check(run_on_ranks(_cases_on_rank, 4, cases, timeout_s=600), cases)
