@@ -45,7 +45,7 @@ class SequenceParallelModel(nn.Module):
             sp_size=config.sp_size, sp_rank=groups.sp_rank, group_name=groups.sp_group_name,
             ignore_index=config.ignore_index,
         )
-        backend = make_backend(self._ctx, config.compiler) if config.sp_size > 1 else config.compiler
+        backend = make_backend(self._ctx, config) if config.sp_size > 1 else config.compiler
         self._compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
         self._accepts_positions = _accepts(module.forward, "position_ids")
 

@@ -1,11 +1,19 @@
 """The ``torch.compile`` backend: AutoSP passes on the Dynamo graph, then a code generator.
 
-`make_backend` returns a backend closed over one model's `TraceContext`; Dynamo
-calls it with the graph of one rank's shard.  After the pass pipeline the graph
-goes through AOTAutograd (which derives the backward, including the all-to-alls'
-own backward) to Inductor or to eager kernels (`AutoSPConfig.compiler`).  The
-forward and backward graphs AOTAutograd produces are recorded in the model's
-`CompileReport` for tests and for the schedule export.
+`make_backend` returns a backend closed over one model's `TraceContext` and
+`AutoSPConfig`; Dynamo calls it with the graph of one rank's shard.  After the
+pass pipeline the graph goes through AOTAutograd, which derives the backward
+(including the all-to-alls' own backward) as one joint graph.  Activation
+checkpointing tags that joint graph (autosp.passes.checkpointing) before the
+min-cut partitioner splits it into forward and backward; the overlap pass
+(autosp.passes.overlap) then splits each all-to-all into start and wait.  The
+graphs go to Inductor or to eager kernels (`AutoSPConfig.compiler`) and are
+recorded in the model's `CompileReport` for tests and for the schedule export.
+
+Extension points used: AOTAutograd's ``partition_fn`` and compiler callbacks
+(aot_eager), Inductor's ``inner_compile`` and its ``joint_custom_pre_pass`` set
+through ``config_patches`` for this one compile (inductor).  Nothing global is
+changed, so two compiles in one process do not interact.
 """
 
 from __future__ import annotations
@@ -13,43 +21,80 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 from torch import fx
 
+from autosp.config import AutoSPConfig
 from autosp.context import CompileReport, TraceContext
+from autosp.passes.checkpointing import make_recompute_tagger
+from autosp.passes.overlap import overlap_all_to_alls_pass
 from autosp.pipeline import run_passes
 
 log = logging.getLogger(__name__)
 
+JointGraphPass = Callable[[fx.Graph], None]
 
-def _aot_eager(gm: fx.GraphModule, example_inputs, report: CompileReport):
-    from functorch.compile import make_boxed_func
+
+def _finish(kind: str, graph: fx.GraphModule, config: AutoSPConfig, report: CompileReport) -> fx.GraphModule:
+    """Last rewrites of one partitioned graph, then record it."""
+    if config.overlap_communication:
+        graph = overlap_all_to_alls_pass(graph)
+    report.aot_graphs.append((kind, graph))
+    return graph
+
+
+def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, report: CompileReport,
+               tag_joint: JointGraphPass):
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
-    def recorder(kind: str):
-        def compiler(graph: fx.GraphModule, inputs):
-            report.aot_graphs.append((kind, graph))
-            return make_boxed_func(graph.forward)
+    def compiler(kind: str):
+        def compile_graph(graph: fx.GraphModule, inputs):
+            return make_boxed_func(_finish(kind, graph, config, report).forward)
 
-        return compiler
+        return compile_graph
 
-    return aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))(gm, example_inputs)
+    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        tag_joint(joint.graph)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                        partition_fn=partition)(gm, example_inputs)
 
 
-def _inductor(gm: fx.GraphModule, example_inputs, report: CompileReport):
+def _joint_pass_for_inductor(tag_joint: JointGraphPass, config: AutoSPConfig):
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class RecomputeTags(CustomGraphPass):
+        """Inductor's hook for a pass over the joint graph, before its min-cut partitioner."""
+
+        def __call__(self, graph: fx.Graph) -> None:
+            tag_joint(graph)
+
+        def uuid(self):
+            return ("autosp-recompute-tags", config.checkpointing, config.sac_recompute_limit,
+                    config.sac_memory_budget)
+
+    return RecomputeTags()
+
+
+def _inductor(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, report: CompileReport,
+              tag_joint: JointGraphPass):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
-        report.aot_graphs.append(("backward" if kwargs.get("is_backward") else "forward", graph))
+        graph = _finish("backward" if kwargs.get("is_backward") else "forward", graph, config, report)
         return compile_fx_inner(graph, inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                      config_patches={"joint_custom_pre_pass": _joint_pass_for_inductor(tag_joint, config)})
 
 
 CODE_GENERATORS = {"aot_eager": _aot_eager, "inductor": _inductor}
 
 
-def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, compiler: str):
+def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, config: AutoSPConfig):
     start = time.perf_counter()
     gm = run_passes(gm, example_inputs, ctx=ctx)
     ctx.report.forward_graphs.append(gm)
@@ -57,8 +102,13 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, com
         "AutoSP rewrote %d attention call(s) for sp_size=%d in %.2f s", len(ctx.report.attention_sites),
         ctx.sp_size, time.perf_counter() - start,
     )
-    return CODE_GENERATORS[compiler](gm, example_inputs, ctx.report)
+    tag_joint = make_recompute_tagger(
+        setting=config.checkpointing, recompute_limit=config.sac_recompute_limit,
+        memory_budget=config.sac_memory_budget, record=ctx.report.checkpoint_plans.append,
+    )
+    return CODE_GENERATORS[config.compiler](gm, example_inputs, config=config, report=ctx.report,
+                                            tag_joint=tag_joint)
 
 
-def make_backend(ctx: TraceContext, compiler: str):
-    return functools.partial(autosp_backend, ctx=ctx, compiler=compiler)
+def make_backend(ctx: TraceContext, config: AutoSPConfig):
+    return functools.partial(autosp_backend, ctx=ctx, config=config)

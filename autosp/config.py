@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from autosp.errors import AutoSPError
 
 COMPILERS = ("inductor", "aot_eager")
+CHECKPOINTING = ("sac", "none", "default", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,12 +25,35 @@ class AutoSPConfig:
     under causal attention).  False raises an error for such a sequence instead."""
     pad_token_id: int = 0
     """Token id used for that padding (its outputs never reach the loss)."""
+    checkpointing: str = "sac"
+    """Which forward activations the backward recomputes instead of keeping:
+    "sac" (sequence-aware: keep attention outputs and collective results, recompute
+    cheap ops, and matmuls within ``sac_recompute_limit``/``sac_memory_budget``),
+    "none" (keep everything the backward reads), "default" (PyTorch's min-cut
+    partitioner heuristics), "full" (recompute every op except collectives)."""
+    sac_recompute_limit: float = 0.25
+    """SAC recomputes matmuls, cheapest per byte freed first, while the extra FLOPs stay
+    within this fraction of the forward pass's FLOPs (attention included; at long
+    sequences attention dominates, so more matmuls qualify)."""
+    sac_memory_budget: float | None = None
+    """If set, SAC keeps at most this fraction (0..1) of the bytes of the tensors it may
+    recompute, recomputing further matmuls past ``sac_recompute_limit`` to get there."""
+    overlap_communication: bool = True
+    """Issue the all-to-alls asynchronously (start early, wait late) so they run while
+    independent computation proceeds, forward and backward; numerics are unchanged."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or self.sp_size < 1:
             raise AutoSPError(f"sp_size must be a positive integer, got {self.sp_size!r}")
         if self.compiler not in COMPILERS:
             raise AutoSPError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise AutoSPError(f"checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
+        if not 0 <= self.sac_recompute_limit:
+            raise AutoSPError(f"sac_recompute_limit must be >= 0 (a fraction of forward FLOPs), got "
+                              f"{self.sac_recompute_limit!r}")
+        if self.sac_memory_budget is not None and not 0 <= self.sac_memory_budget <= 1:
+            raise AutoSPError(f"sac_memory_budget must be None or a fraction in [0, 1], got {self.sac_memory_budget!r}")
 
     @classmethod
     def from_options(cls, *, sp_size: int, compiler: str, options: dict) -> AutoSPConfig:

@@ -37,7 +37,10 @@ class CompileReport:
     forward_graphs: list[object] = field(default_factory=list)
     """Post-pass Dynamo graphs (torch.fx.GraphModule), latest last."""
     aot_graphs: list[tuple[str, object]] = field(default_factory=list)
-    """("forward" | "backward", aten-level torch.fx.GraphModule) as AOTAutograd partitioned them."""
+    """("forward" | "backward", aten-level torch.fx.GraphModule) as AOTAutograd partitioned them
+    (after the overlap pass, i.e. as they run)."""
+    checkpoint_plans: list[object] = field(default_factory=list)
+    """autosp.passes.checkpointing.CheckpointPlan of each joint graph, latest last."""
 
     @property
     def all_attention_causal(self) -> bool:

@@ -32,6 +32,9 @@ from simulator.workload import Collective, Op, RankProgram, StaticMemory, Worklo
 log = logging.getLogger(__name__)
 
 _COLLECTIVES = {"all_to_all": "all_to_all", "all_reduce_sum": "all_reduce"}
+"""Blocking collectives of the autosp_testbed namespace -> simulator collective kind."""
+_ASYNC_PHASES = {"all_to_all_start": "collective_start", "all_to_all_wait": "collective_wait"}
+"""The overlap pass's split all-to-all (see autosp.passes.overlap)."""
 
 
 @dataclass
@@ -45,6 +48,7 @@ class _Emitter:
         self.tensors: dict[int, int] = {}
         self.frees_at: dict[int, list[int]] = {}
         self.collectives = 0
+        self.started: dict[fx.Node, Collective] = {}
 
     def program(self, static: StaticMemory) -> RankProgram:
         ops = [
@@ -94,16 +98,22 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 root[node] = tid
                 allocates = (tid,)
             read = sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes)
-            if packet in _COLLECTIVES and "autosp_testbed" in str(node.target):
+            ours = getattr(node.target, "namespace", None) == "autosp_testbed"
+            if ours and packet in _COLLECTIVES:
                 kind, op_class, flops = "collective", "other", 0
+            elif ours and packet in _ASYNC_PHASES:
+                kind, op_class, flops = _ASYNC_PHASES[packet], "other", 0
             else:
                 kind = "compute"
                 op_class, flops = classify(node)
         collective = None
-        if kind == "collective":
+        if kind in ("collective", "collective_start"):
             em.collectives += 1
-            collective = Collective(kind=_COLLECTIVES[packet], group=em.group, message_bytes=read,
+            collective = Collective(kind=_COLLECTIVES.get(packet, "all_to_all"), group=em.group, message_bytes=read,
                                     key=f"{phase}.{node.name}.{em.collectives}")
+            em.started[node] = collective
+        elif kind == "collective_wait":
+            collective = em.started[node.args[0]]
         em.ops.append(Op(id=op_id, name=f"{phase}.{node.name}", kind=kind, op_class=op_class, phase=phase,
                          flops=int(flops), bytes_read=int(read), bytes_written=int(written), deps=deps,
                          allocates=allocates, collective=collective))

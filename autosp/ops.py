@@ -13,6 +13,10 @@ The namespace is ``autosp_testbed``: DeepSpeed's own AutoSP registers
   Its gradient is the all-to-all with the two dims swapped.
 - ``autosp_testbed::all_reduce_sum(x, group_name)``: sum over the group; the gradient is
   the identity.  See Note [Loss all-reduce gradient].
+- ``autosp_testbed::all_to_all_start(x, scatter_dim, group_name, group_size)`` and
+  ``autosp_testbed::all_to_all_wait(in_flight, gather_dim)``: the same all-to-all
+  split in two, so that computation can run between them.  See Note [All-to-all as
+  start and wait].
 """
 
 from __future__ import annotations
@@ -21,7 +25,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["all_reduce_sum", "all_to_all"]
+__all__ = ["all_reduce_sum", "all_to_all", "all_to_all_start", "all_to_all_wait"]
+
+
+def _send_layout(x: torch.Tensor, scatter_dim: int, group_size: int) -> torch.Tensor:
+    """[P, ...chunk]: chunk j (along ``scatter_dim``) goes to rank j."""
+    return torch.stack(torch.chunk(x, group_size, dim=scatter_dim)).contiguous()
+
+
+def _receive_layout(recv: torch.Tensor, gather_dim: int) -> torch.Tensor:
+    """recv[j] came from rank j: concatenate in rank order along ``gather_dim``."""
+    return torch.cat(recv.unbind(0), dim=gather_dim).contiguous()
 
 
 def _all_to_all_shape(shape: torch.Size, scatter_dim: int, gather_dim: int, group_size: int) -> list[int]:
@@ -37,13 +51,10 @@ def _all_to_all_shape(shape: torch.Size, scatter_dim: int, gather_dim: int, grou
 
 @torch.library.custom_op("autosp_testbed::all_to_all", mutates_args=())
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group_name: str, group_size: int) -> torch.Tensor:
-    group = _resolve_process_group(group_name)
-    # [P, ...chunk]: chunk j (along scatter_dim) goes to rank j.
-    send = torch.stack(torch.chunk(x, group_size, dim=scatter_dim)).contiguous()
+    send = _send_layout(x, scatter_dim, group_size)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    # recv[j] came from rank j: concatenate in rank order along gather_dim.
-    return torch.cat(recv.unbind(0), dim=gather_dim).contiguous()
+    dist.all_to_all_single(recv, send, group=_resolve_process_group(group_name))
+    return _receive_layout(recv, gather_dim)
 
 
 @all_to_all.register_fake
@@ -91,3 +102,46 @@ def _all_reduce_sum_backward(ctx, grad):
 
 
 all_reduce_sum.register_autograd(_all_reduce_sum_backward)
+
+
+# Note [All-to-all as start and wait]
+# The overlap pass (autosp.passes.overlap) runs on the partitioned forward and
+# backward graphs, which are not differentiated again, so these two ops need no
+# autograd formula.  ``all_to_all_start`` lays out the send buffer and issues
+# torch's functional all_to_all_single, which returns the receive buffer at once
+# while the collective proceeds in the background; torch's c10d layer ties the
+# in-flight work to that buffer, and ``_c10d_functional.wait_tensor`` in
+# ``all_to_all_wait`` blocks on it.  Between the two the buffer is touched by
+# nothing else.  The result equals ``all_to_all`` exactly: same chunks, same order.
+
+
+@torch.library.custom_op("autosp_testbed::all_to_all_start", mutates_args=())
+def all_to_all_start(x: torch.Tensor, scatter_dim: int, group_name: str, group_size: int) -> torch.Tensor:
+    send = _send_layout(x, scatter_dim, group_size)
+    splits = [1] * group_size
+    return torch.ops._c10d_functional.all_to_all_single(send, splits, splits, group_name)
+
+
+@all_to_all_start.register_fake
+def _(x, scatter_dim, group_name, group_size):
+    if x.shape[scatter_dim] % group_size:
+        raise ValueError(
+            f"all_to_all_start: dim {scatter_dim} of size {x.shape[scatter_dim]} is not divisible by the group "
+            f"size {group_size}"
+        )
+    chunk = list(x.shape)
+    chunk[scatter_dim] //= group_size
+    return x.new_empty([group_size, *chunk])
+
+
+@torch.library.custom_op("autosp_testbed::all_to_all_wait", mutates_args=())
+def all_to_all_wait(in_flight: torch.Tensor, gather_dim: int) -> torch.Tensor:
+    recv = torch.ops._c10d_functional.wait_tensor(in_flight)
+    return _receive_layout(recv, gather_dim)
+
+
+@all_to_all_wait.register_fake
+def _(in_flight, gather_dim):
+    shape = list(in_flight.shape[1:])
+    shape[gather_dim] *= in_flight.shape[0]
+    return in_flight.new_empty(shape)

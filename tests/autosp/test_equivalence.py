@@ -19,7 +19,8 @@ FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
 
 
-def _run_case(rank, world, *, model, sp_size, seq_len, dtype="float32", overrides=None, compiler="aot_eager"):
+def _run_case(rank, world, *, model, sp_size, seq_len, dtype="float32", overrides=None, compiler="aot_eager",
+              options=None):
     import autosp
     from experiments.models import build_model, vocab_size
 
@@ -35,7 +36,7 @@ def _run_case(rank, world, *, model, sp_size, seq_len, dtype="float32", override
         (loss / dp_size).backward()
         ref_losses.append(loss.detach())
 
-    compiled = autosp.compile(candidate, sp_size=sp_size, compiler=compiler)
+    compiled = autosp.compile(candidate, sp_size=sp_size, compiler=compiler, **(options or {}))
     ids, labels = samples[dp_rank]
     loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
     loss.backward()
@@ -94,6 +95,17 @@ def test_equivalence_data_parallel_times_sequence_parallel_matches_single_device
     _check(run_on_ranks(_cases_on_rank, 4, cases, timeout_s=400), FP32_TOL)
 
 
+def test_equivalence_every_checkpointing_setting_with_and_without_overlap():
+    cases = [
+        {"model": "hf-llama", "sp_size": 2, "seq_len": 32,
+         "options": {"checkpointing": setting, "overlap_communication": overlap}}
+        for setting in ("sac", "none", "default", "full") for overlap in (True, False)
+    ]
+    # SAC recomputing every matmul too (a zero memory budget), as it would at long sequences.
+    cases.append({"model": "plain-llama", "sp_size": 2, "seq_len": 32, "options": {"sac_memory_budget": 0.0}})
+    _check(run_on_ranks(_cases_on_rank, 2, cases, timeout_s=600), FP32_TOL)
+
+
 def test_equivalence_gqa_with_fewer_kv_heads_than_ranks():
     cases = [{"model": "plain-llama", "sp_size": 2, "seq_len": 24, "overrides": {"heads": 4, "kv_heads": 1}}]
     results = run_on_ranks(_cases_on_rank, 2, cases, timeout_s=300)
@@ -130,5 +142,9 @@ def test_equivalence_two_compiles_with_different_sp_sizes_in_one_process():
 @pytest.mark.slow
 @pytest.mark.inductor
 def test_equivalence_inductor_two_ranks():
-    cases = [{"model": "hf-llama", "sp_size": 2, "seq_len": 32, "compiler": "inductor"}]
+    cases = [
+        {"model": "hf-llama", "sp_size": 2, "seq_len": 32, "compiler": "inductor"},  # SAC and overlap on
+        {"model": "hf-llama", "sp_size": 2, "seq_len": 32, "compiler": "inductor",
+         "options": {"checkpointing": "none", "overlap_communication": False}},
+    ]
     _check(run_on_ranks(_cases_on_rank, 2, cases, timeout_s=600), FP32_TOL)

@@ -12,12 +12,14 @@ from tests.harness import fake_process_group
 
 A2A = torch.ops.autosp_testbed.all_to_all.default
 ALL_REDUCE = torch.ops.autosp_testbed.all_reduce_sum.default
+A2A_START = torch.ops.autosp_testbed.all_to_all_start.default
+A2A_WAIT = torch.ops.autosp_testbed.all_to_all_wait.default
 
 
-def _compile_and_step(model_name: str, *, world: int, seq_len: int, rank: int = 1, **overrides):
+def _compile_and_step(model_name: str, *, world: int, seq_len: int, rank: int = 1, options=None, **overrides):
     model = build_model(model_name, **overrides)
     with fake_process_group(world, rank=rank):
-        compiled = autosp.compile(model, sp_size=world, compiler="aot_eager")
+        compiled = autosp.compile(model, sp_size=world, compiler="aot_eager", **(options or {}))
         ids, labels = make_sample(seq_len, vocab_size(model), seed=0)
         out = compiled(**autosp.prepare_inputs(ids, labels=labels))
         (out if isinstance(out, torch.Tensor) else out.loss).backward()
@@ -29,14 +31,17 @@ def _count(gm, target) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
 @pytest.mark.parametrize("model_name", ["plain-llama", "hf-llama", "hf-gpt2"])
-def test_graph_four_all_to_alls_per_attention_layer_forward_and_backward(model_name):
+def test_graph_four_all_to_alls_per_attention_layer_forward_and_backward(model_name, overlap):
     layers = 2
-    compiled, forward, backward = _compile_and_step(model_name, world=4, seq_len=64, layers=layers)
+    compiled, forward, backward = _compile_and_step(model_name, world=4, seq_len=64, layers=layers,
+                                                    options={"overlap_communication": overlap})
     assert len(compiled.report.attention_sites) == layers
-    assert _count(forward, A2A) == 4 * layers
-    # Backward: exactly the four all-to-alls' own gradients; none of forward's recomputed.
-    assert _count(backward, A2A) == 4 * layers
+    blocking, started = (0, 4 * layers) if overlap else (4 * layers, 0)
+    for graph in (forward, backward):
+        # Backward: exactly the four all-to-alls' own gradients; none of forward's recomputed.
+        assert (_count(graph, A2A), _count(graph, A2A_START), _count(graph, A2A_WAIT)) == (blocking, started, started)
     assert _count(forward, ALL_REDUCE) == 1  # the exact loss
 
 
@@ -90,7 +95,8 @@ def test_graph_nothing_of_size_s_by_s_per_rank(model_name):
 
 def test_graph_shapes_are_local_except_inside_attention():
     seq_len, world = 64, 4
-    compiled, forward, _ = _compile_and_step("plain-llama", world=world, seq_len=seq_len)
+    compiled, forward, _ = _compile_and_step("plain-llama", world=world, seq_len=seq_len,
+                                             options={"overlap_communication": False})
     gathered = [n for n in forward.graph.nodes if n.op == "call_function" and n.target == A2A]
     q_in = gathered[0].args[0].meta["val"]
     q_out = gathered[0].meta["val"]
