@@ -263,16 +263,16 @@ def deepspeed_initialize(
 
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    elif not ds_comm.is_initialized():
-        # Make deepspeed.comm wrap the user's process group (and its backend: gloo on CPU).
-        ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     if "LOCAL_RANK" not in os.environ:
         raise AutoSPError(
             "DeepSpeed needs the LOCAL_RANK environment variable (this rank's index on its node); launch with "
             "torchrun or the deepspeed launcher, or set LOCAL_RANK in each process before deepspeed_initialize"
         )
-    groups = build_groups(size)
+    groups = build_groups(size)  # checks that sequence_parallel_size divides the world
     _check_data_parallel_size(ds_config, groups)
+    if not ds_comm.is_initialized():
+        # Make deepspeed.comm wrap the user's process group (and its backend: gloo on CPU).
+        ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     sp_model = SequenceParallelModel(model, autosp_config, groups)
     log.info(
         "AutoSP + DeepSpeed: sp_size=%d x data-parallel replicas=%d, ZeRO stage %d, compiler=%s",

@@ -57,7 +57,7 @@ def _full_grad(param):
     return None if grad is None else grad.detach().clone().reshape(param.shape)
 
 
-def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model="hf-llama"):
+def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model="hf-llama", data=False):
     import autosp
     from experiments.models import build_model, vocab_size
 
@@ -69,13 +69,17 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
     vocab = vocab_size(reference)
 
     ref_opt = _make_optimizer(optimizer, reference.parameters())
-    engine, *_ = autosp.deepspeed_initialize(
+    dataset = torch.utils.data.TensorDataset(torch.arange(16)) if data else None
+    engine, _, loader, _ = autosp.deepspeed_initialize(
         model=candidate, optimizer=_make_optimizer(optimizer, candidate.parameters()),
-        config=_ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip),
+        config=_ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip), training_data=dataset,
     )
     assert engine.module.groups.sp_size == sp_size and engine.module.module is candidate
 
     out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": [], "ref_norm": []}
+    if data:  # DeepSpeed's loader and AutoSP's sampler: the same samples within an SP group
+        out["loader_ids"] = list(loader.data_sampler)  # (iterating it spawns workers, not allowed here)
+        out["sampler_ids"] = list(autosp.sequence_parallel_sampler(dataset, engine, seed=3))
     for step in range(STEPS):
         samples = [make_sample(SEQ_LEN, vocab, seed=1000 * step + d) for d in range(dp_size)]
         losses = []
@@ -108,7 +112,7 @@ def _cases_on_rank(rank, world, cases):
 
 def _check(results, cases):
     for rank, per_case in enumerate(results):
-        for case, r in zip(cases, per_case):
+        for case, r in zip(cases, per_case, strict=True):
             where = f"rank {rank} {case}"
             for step in range(STEPS):
                 torch.testing.assert_close(r["loss"][step], r["ref_loss"][step], **FP32_TOL,
@@ -125,8 +129,17 @@ def _check(results, cases):
                                            msg=lambda m, w=f"{where} param {name}": f"{w}: {m}")
 
 
+def _check_data(results, sp_size):
+    ids = [(r[0]["loader_ids"], r[0]["sampler_ids"]) for r in results]
+    for rank, got in enumerate(ids):
+        assert got == ids[rank - rank % sp_size], f"rank {rank} reads other samples than its SP group"
+    replicas = ids[::sp_size]
+    flat = [i for loader_ids, _ in replicas for i in loader_ids]
+    assert sorted(flat) == list(range(16)), "replicas must split the dataset between them"
+
+
 ZERO_CASES = [
-    {"zero_stage": 0, "optimizer": "sgd", "clip": CLIP},
+    {"zero_stage": 0, "optimizer": "sgd", "clip": CLIP, "data": True},
     {"zero_stage": 1, "optimizer": "adam"},
     {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP},
 ]
@@ -134,10 +147,86 @@ ZERO_CASES = [
 
 def test_deepspeed_zero_0_1_2_two_ranks_match_single_device():
     cases = [{**c, "sp_size": 2} for c in ZERO_CASES]
-    _check(run_on_ranks(_cases_on_rank, 2, cases, timeout_s=400), cases)
+    results = run_on_ranks(_cases_on_rank, 2, cases, timeout_s=400)
+    _check(results, cases)
+    _check_data(results, 2)
 
 
 @pytest.mark.slow
 def test_deepspeed_zero_0_1_2_sequence_times_data_parallel_match_single_device():
     cases = [{**c, "sp_size": 2} for c in ZERO_CASES]
-    _check(run_on_ranks(_cases_on_rank, 4, cases, timeout_s=600), cases)
+    results = run_on_ranks(_cases_on_rank, 4, cases, timeout_s=600)
+    _check(results, cases)
+    _check_data(results, 2)
+
+
+# --- errors and the sampler: no training, no ranks ---------------------------------------------------
+
+
+def _config(**overrides) -> dict:
+    return {**_ds_config(zero_stage=0, sp_size=2, clip=None), **overrides}
+
+
+def _model():
+    from experiments.models import build_model
+
+    return build_model("plain-llama")
+
+
+def test_deepspeed_zero_3_is_refused_naming_the_stages_that_work():
+    import autosp
+
+    with pytest.raises(autosp.AutoSPError, match=r"ZeRO stage 3 does not compose.*\[0, 1, 2\]"):
+        autosp.deepspeed_initialize(model=_model(), config=_config(zero_optimization={"stage": 3}))
+
+
+def test_deepspeed_jit_building_config_optimizer_is_refused_on_cpu():
+    import autosp
+
+    for entry in ({"type": "Adam", "params": {"lr": 1e-3}}, {"type": "Lamb"}):
+        with pytest.raises(autosp.AutoSPError, match="JIT-builds.*torch.optim.AdamW"):
+            autosp.deepspeed_initialize(model=_model(), config=_config(optimizer=entry))
+
+
+def test_deepspeed_other_deepcompile_passes_are_refused():
+    import autosp
+
+    for passes in (["autosp", "z1"], []):
+        with pytest.raises(autosp.AutoSPError, match="do not compose with AutoSP"):
+            autosp.deepspeed_initialize(model=_model(), config=_config(compile={"deepcompile": True, "passes": passes}))
+
+
+def test_deepspeed_missing_or_conflicting_sequence_parallel_size_is_refused():
+    import autosp
+
+    config = _config()
+    del config["sequence_parallel_size"]
+    with pytest.raises(autosp.AutoSPError, match="add \"sequence_parallel_size\""):
+        autosp.deepspeed_initialize(model=_model(), config=config)
+    with pytest.raises(autosp.AutoSPError, match="disagrees"):
+        autosp.deepspeed_initialize(model=_model(), config=_config(), sp_size=4)
+
+
+def test_deepspeed_sp_size_not_dividing_the_world_is_refused(monkeypatch):
+    import autosp
+    from tests.harness.fake_group import fake_process_group
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with fake_process_group(4), pytest.raises(autosp.AutoSPError, match="sp_size=3 does not divide"):
+        autosp.deepspeed_initialize(model=_model(), config=_config(sequence_parallel_size=3))
+
+
+def test_sequence_parallel_sampler_same_indices_within_an_sp_group():
+    import autosp
+    from autosp.groups import SequenceParallelGroups
+
+    dataset = list(range(10))
+    by_rank = []
+    for rank in range(6):  # world 6 = SP 3 x DP 2
+        groups = SequenceParallelGroups(group=None, sp_group=None, sp_size=3, sp_rank=rank % 3, dp_size=2,
+                                        dp_rank=rank // 3)
+        by_rank.append(list(autosp.sequence_parallel_sampler(dataset, groups, seed=1)))
+    assert by_rank[0] == by_rank[1] == by_rank[2] and by_rank[3] == by_rank[4] == by_rank[5]
+    assert sorted(by_rank[0] + by_rank[3]) == dataset
+    with pytest.raises(autosp.AutoSPError, match="cannot find AutoSP's groups"):
+        autosp.sequence_parallel_sampler(dataset, object())
