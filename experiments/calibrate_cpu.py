@@ -3,8 +3,13 @@
 Run ``python -m experiments.calibrate_cpu`` (about a minute on 2 cores; ``--quick`` halves it, ``--out PATH``
 writes elsewhere). With one thread per process, as the gloo tests run, it measures: fp32 matmul FLOP/s (the
 preset's peak), elementwise, copy and reduction memory bandwidth, causal ``scaled_dot_product_attention``
-throughput, the fixed per-kernel launch cost, and ``all_to_all_single`` over 2 and 4 local gloo processes at
-several message sizes. The all-to-all times are fitted by least squares to the simulator's own model,
+throughput, the fixed per-op cost (an aten op called from an FX graph on tiny tensors, as ``aot_eager`` runs
+compiled graphs: Python and dispatcher time, which dominates tiny CPU models), the host cost of entering a compiled
+graph (a toy forward + backward compiled with ``aot_eager``, its ops' cost removed, per graph), and AutoSP's
+all-to-all custom op (``autosp.ops.all_to_all``: layout copies and ``all_to_all_single``, as the compiled program
+calls it) over 2 and 4 local gloo processes at several message sizes. None of these is a measurement of a model
+step, so ``experiments.validate_simulator`` checks the preset out of sample. The all-to-all times are fitted by
+least squares to the simulator's own model,
 ``T = (p-1) * alpha + (p-1)/p * n / bandwidth`` (see ``simulator.cost_model.all_to_all_time_s``), giving the
 loopback link's latency (alpha split over the two hops of a device-switch-device route) and bandwidth.
 """
@@ -71,31 +76,75 @@ def measure_compute(repeat: int) -> dict[str, float]:
     attn_s = _best_time_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeat=repeat)
     out["attention_flops_per_s"] = 4 * heads * seq * seq * dim / 2 / attn_s  # causal: half of QK^T and PV
     t1, t2 = torch.randn(1), torch.randn(1)
-    out["kernel_launch_overhead_s"] = _best_time_s(lambda: torch.add(t1, t2), repeat=repeat)
+    out["eager_add_call_s"] = _best_time_s(lambda: torch.add(t1, t2), repeat=repeat)
+    out["kernel_launch_overhead_s"] = _fx_op_call_s(repeat)
+    out["graph_call_overhead_s"] = _graph_call_overhead_s(repeat, out["kernel_launch_overhead_s"])
     return out
+
+
+def _fx_op_call_s(repeat: int, ops: int = 200) -> float:
+    """Per-op time of a chain of tiny ``aten.mul.Tensor`` calls in an FX GraphModule (how aot_eager runs)."""
+    from torch import fx
+
+    graph = fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    node = x
+    for _ in range(ops):
+        node = graph.call_function(torch.ops.aten.mul.Tensor, (node, y))
+    graph.output(node)
+    gm = fx.GraphModule({}, graph)
+    a, b = torch.randn(4), torch.randn(4)
+    return _best_time_s(lambda: gm(a, b), repeat=repeat) / ops
+
+
+def _graph_call_overhead_s(repeat: int, op_s: float) -> float:
+    """Host time of entering one aot_eager-compiled graph: a toy forward + backward step, minus its ops, / 2."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    step_fn = torch.compile(lambda x: layer(x).sum(), fullgraph=True,
+                            backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    x = torch.randn(4, 8)
+    step_fn(x).backward()
+    step_s = _best_time_s(lambda: step_fn(x).backward(), repeat=repeat)
+    ops = sum(1 for gm in graphs for n in gm.graph.nodes if n.op == "call_function")
+    torch._dynamo.reset()
+    return max(step_s - ops * op_s, 0.0) / 2
 
 
 def _a2a_rank(rank: int, world: int, sizes: list[int], iters: int) -> dict[str, float]:
     import torch.distributed as dist
 
+    from autosp.ops import all_to_all
+
+    group = dist.group.WORLD.group_name
+    heads, head_dim = 4 * world, 16  # [1, S/P, H, D] -> [1, S, H/P, D], as around attention
     times = {}
     for nbytes in sizes:
-        numel = max(world, nbytes // 4 // world * world)
-        src, dst = torch.ones(numel), torch.empty(numel)
+        tokens = max(1, nbytes // 4 // (heads * head_dim))
+        x = torch.ones(1, tokens, heads, head_dim)
         for _ in range(2):
-            dist.all_to_all_single(dst, src)
+            all_to_all(x, 2, 1, group, world)
         samples = []
         for _ in range(iters):
             dist.barrier()
             start = time.perf_counter()
-            dist.all_to_all_single(dst, src)
+            all_to_all(x, 2, 1, group, world)
             samples.append(time.perf_counter() - start)
-        times[str(numel * 4)] = statistics.median(samples)
+        times[str(x.numel() * 4)] = statistics.median(samples)
     return times
 
 
 def measure_all_to_all(iters: int) -> dict[int, dict[int, float]]:
-    """Median ``all_to_all_single`` time per world size and per-rank message bytes (slowest rank)."""
+    """Median time of AutoSP's all-to-all op per world size and per-rank message bytes (slowest rank)."""
     results = {}
     for world in WORLDS:
         per_rank = run_ranks(_a2a_rank, world, list(A2A_BYTES), iters)
@@ -130,7 +179,9 @@ def build_preset(compute: dict[str, float], a2a: dict[int, dict[int, float]]) ->
         "name": "cpu-gloo",
         "calibrated": True,
         "notes": "one CPU process per rank with one thread; peak = measured fp32 matmul, memory bandwidth = "
-                 "measured elementwise add; the loopback 'fabric' is gloo over TCP on 127.0.0.1; memory_bytes is "
+                 "measured elementwise add; per-op cost = an aten op called from an FX graph (aot_eager); the "
+                 "loopback 'fabric' is gloo over TCP on 127.0.0.1, timed through AutoSP's all-to-all op; with more "
+                 "ranks than calibration.cpus the ranks share the cores; memory_bytes is "
                  f"the machine's RAM split over {devices} ranks",
         "sources": ["python -m experiments.calibrate_cpu"],
         "devices_per_node": devices,
@@ -141,6 +192,7 @@ def build_preset(compute: dict[str, float], a2a: dict[int, dict[int, float]]) ->
             "memory_bandwidth_bytes_per_s": ew,
             "memory_bytes": int(total_ram // devices),
             "kernel_launch_overhead_s": compute["kernel_launch_overhead_s"],
+            "graph_call_overhead_s": compute.get("graph_call_overhead_s", 0.0),
             "efficiency": {
                 "matmul": eff(1.0, 1.0),
                 "attention": eff(compute["attention_flops_per_s"] / peak, 1.0),
@@ -175,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     compute = measure_compute(repeat=3 if args.quick else 5)
     print("compute:", json.dumps({k: f"{v:.3g}" for k, v in compute.items()}))
     a2a = measure_all_to_all(iters=10 if args.quick else 25)
-    print("all_to_all_single (s):", json.dumps({w: {n: f"{t:.3g}" for n, t in by.items()} for w, by in a2a.items()}))
+    print("autosp all_to_all (s):", json.dumps({w: {n: f"{t:.3g}" for n, t in by.items()} for w, by in a2a.items()}))
     preset = build_preset(compute, a2a)
     fit = preset["calibration"]["fit"]
     print(f"fit: alpha {fit['alpha_s'] * 1e6:.1f} us, bandwidth {fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")

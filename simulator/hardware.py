@@ -60,6 +60,9 @@ class DeviceSpec:
     """Device-memory capacity usable by the program."""
     kernel_launch_overhead_s: float
     """Fixed cost added to every compute op that does any work."""
+    graph_call_overhead_s: float = 0.0
+    """Host time of entering one compiled graph (guards, runtime wrappers, autograd engine), charged once per
+    phase before its first compute op; 0 on GPUs, where it hides behind queued kernels (see ``cpu-gloo``)."""
     efficiency: Mapping[str, OpClassEfficiency] = field(default_factory=lambda: dict(DEFAULT_GPU_EFFICIENCY))
     """Op class -> achieved fractions of the peaks; a class missing here uses ``"other"``."""
 
@@ -213,6 +216,7 @@ def preset_from_dict(data: Mapping[str, Any]) -> HardwarePreset:
             memory_bandwidth_bytes_per_s=float(dev["memory_bandwidth_bytes_per_s"]),
             memory_bytes=int(dev["memory_bytes"]),
             kernel_launch_overhead_s=float(dev["kernel_launch_overhead_s"]),
+            graph_call_overhead_s=float(dev.get("graph_call_overhead_s", 0.0)),
             efficiency={k: OpClassEfficiency(flops=float(v["flops"]), memory=float(v["memory"]))
                         for k, v in dev["efficiency"].items()},
         )

@@ -71,6 +71,13 @@ def compile_program(program: RankProgram, device: DeviceSpec) -> CompiledProgram
     durations = compute_times_s([op.flops for op in ops], [op.bytes_read + op.bytes_written for op in ops],
                                 [op.op_class for op in ops], device)
     durations[[k != COMPUTE for k in kinds]] = 0.0
+    if device.graph_call_overhead_s:
+        # One compiled-graph entry per phase, paid by the phase's first compute op (see DeviceSpec).
+        seen_phases: set[str] = set()
+        for i, op in enumerate(ops):
+            if kinds[i] == COMPUTE and op.phase not in seen_phases:
+                seen_phases.add(op.phase)
+                durations[i] += device.graph_call_overhead_s
     position = {op.id: i for i, op in enumerate(ops)}
     stream_of = [COMPUTE_STREAM if k in (COMPUTE, WAIT) else comm_stream_name(op.collective.group)
                  for op, k in zip(ops, kinds, strict=True)]
