@@ -65,3 +65,36 @@ def test_validate_simulator_smallest_table_is_complete_and_finite(tmp_path):
     table = (tmp_path / "validation.md").read_text()
     assert row["config"] in table and "median |error|" in table
     assert (tmp_path / "validation.csv").read_text().count("\n") == 2
+
+
+def test_graph_call_overhead_is_charged_once_per_phase_before_its_first_op():
+    import dataclasses
+
+    from simulator.builder import ProgramBuilder
+    from simulator.hardware import get_preset
+    from simulator.schedule import compile_program
+
+    b = ProgramBuilder()
+    for phase in ("forward", "forward", "backward", "backward"):
+        b.compute(f"{phase}.op", flops=1000, op_class="matmul", phase=phase)
+    program = b.build()
+    device = get_preset("a100-80gb-sxm").device
+    base = compile_program(program, device).durations_s
+    charged = compile_program(program, dataclasses.replace(device, graph_call_overhead_s=1e-3)).durations_s
+    assert [c - d for c, d in zip(charged, base, strict=True)] == pytest.approx([1e-3, 0.0, 1e-3, 0.0])
+
+
+def test_cpu_gloo_cluster_shares_cores_when_ranks_outnumber_them(tmp_path):
+    import json
+
+    from simulator.hardware import CPU_GLOO_JSON
+
+    document = json.loads(CPU_GLOO_JSON.read_text())
+    document["calibration"]["cpus"] = 2
+    path = tmp_path / "preset.json"
+    path.write_text(json.dumps(document))
+    two, four = vs.cpu_gloo_cluster(2, path), vs.cpu_gloo_cluster(4, path)
+    assert four.device.peak_flops_per_s == pytest.approx(two.device.peak_flops_per_s / 2)
+    assert four.device.kernel_launch_overhead_s == pytest.approx(two.device.kernel_launch_overhead_s * 2)
+    fit = document["calibration"]["fit_per_world"]["4"]
+    assert four.preset.intra_node.latency_s == pytest.approx(fit["alpha_s"] / 2)
