@@ -4,20 +4,29 @@
 builds one tiny model, a single-device reference of a training step on the full
 sequence, and every requested system (`experiments.baselines`) from copies of
 the same weights.  It records each system's compile (first-step) time, its loss
-and gradient error against the reference, and then times steps of all systems
-interleaved, rotating the order every round, so machine noise hits every system
-alike and ratios measured in one run are meaningful.
+and gradient error against the reference, the rank's peak tensor memory of one
+untimed step (`experiments.peak_memory`, where present), and then times steps of
+all systems interleaved, rotating the order every round, so machine noise hits
+every system alike and ratios measured in one run are meaningful.
+
+`max_seq_len_on_rank` searches, per system, the longest sequence whose measured
+peak memory stays under a per-rank cap (see Note [Memory-cap search]).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,11 +38,16 @@ class MeasureSpec:
     systems: tuple[str, ...]
     """Systems to compare (experiments.baselines names)."""
     steps: int = 5
-    """Timed steps per system after the first (compile) step."""
+    """Timed steps per system after the first (compile) step and the warm-up steps."""
+    warmup: int = 1
+    """Untimed rounds of steps of every system after all are built (a later build may make an
+    earlier system recompile); peak memory is then measured on one more untimed step."""
     compiler: str = "aot_eager"
     """Code generator for the compiled systems."""
     layers: int = 2
     hidden: int = 64
+    model_options: dict = field(default_factory=dict)
+    """Further size overrides for the preset (e.g. ``{"kv_heads": 4}``)."""
 
 
 def _sample(seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,26 +69,73 @@ def _errors(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
     return worst
 
 
+def peak_memory_available() -> bool:
+    """Whether `experiments.peak_memory` (the per-rank CPU peak-memory tracker) is installed."""
+    try:
+        import experiments.peak_memory  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _resident_tensors(system) -> list[torch.Tensor]:
+    """Parameters and gradients a system holds on this rank before a step (ZeRO-3: its partitions)."""
+    model = getattr(system, "model", None)
+    if model is None and hasattr(system, "engine"):
+        model = system.engine.module
+    tensors = []
+    for p in model.parameters() if model is not None else ():
+        tensors.append(getattr(p, "ds_tensor", p))
+        tensors.append(p.grad)
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _measured_step(system, ids, labels, measure_memory: bool) -> int | None:
+    """One untimed step; this rank's peak tensor bytes during it (None without the tracker)."""
+    system.zero_grad()
+    if not measure_memory:
+        system.step(ids, labels)
+        return None
+    from experiments.peak_memory import PeakMemory
+
+    with PeakMemory(static=_resident_tensors(system), keep_breakdown=False) as pm:
+        system.step(ids, labels)
+    return int(pm.peak_bytes)
+
+
+def _quiet_rank() -> None:
+    # DeepSpeed's ZeRO-3 calls a deprecated torch.distributed function on every step.
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
+
+
 def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
-    from experiments.baselines import build_system
+    from experiments.baselines import BaselineUnsupported, build_system
     from experiments.models import build_model, vocab_size
 
     spec = MeasureSpec(**{**spec_dict, "systems": tuple(spec_dict["systems"])})
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # what a launcher sets; deepspeed.initialize (zero3) needs it
+    _quiet_rank()
+    measure_memory = peak_memory_available()
     torch.manual_seed(0)
-    base = build_model(spec.model, layers=spec.layers, hidden=spec.hidden)
+    base = build_model(spec.model, layers=spec.layers, hidden=spec.hidden, **spec.model_options)
     ids, labels = _sample(spec.seq_len, vocab_size(base))
 
     reference = copy.deepcopy(base)
     out = reference(input_ids=ids, labels=labels)
     ref_loss = out if isinstance(out, torch.Tensor) else out.loss
     ref_loss.backward()
+    ref_loss = ref_loss.detach()
     ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
 
     systems, results = {}, {}
     for name in spec.systems:
         dist.barrier()
         start = time.perf_counter()
-        system = build_system(name, copy.deepcopy(base), sp_size=world, compiler=spec.compiler)
+        try:
+            system = build_system(name, copy.deepcopy(base), sp_size=world, compiler=spec.compiler)
+        except BaselineUnsupported as err:  # a result (the same on every rank), not a failure
+            results[name] = {"unsupported": str(err)}
+            continue
         loss = system.step(ids, labels)
         first_step_s = time.perf_counter() - start
         systems[name] = system
@@ -84,8 +145,17 @@ def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
             "loss_error": abs(float(loss) - float(ref_loss)),
             "grad_max_rel_error": _errors(system.gradients(), ref_grads),
             "step_s": [],
+            "peak_memory_bytes": None,
         }
-    names = list(spec.systems)
+    names = list(systems)
+    # Warm-up rounds after every system is built: building one (ZeRO-3 above all) can change global
+    # state that another's compiled code guards on, so the first step after it may recompile.
+    for _ in range(spec.warmup):
+        for name in names:
+            systems[name].zero_grad()
+            systems[name].step(ids, labels)
+    for name in names:
+        results[name]["peak_memory_bytes"] = _measured_step(systems[name], ids, labels, measure_memory)
     for round_ in range(spec.steps):
         order = names[round_ % len(names):] + names[: round_ % len(names)]
         for name in order:
@@ -96,5 +166,117 @@ def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
             dist.barrier()
             results[name]["step_s"].append(time.perf_counter() - start)
     for r in results.values():
-        r["median_step_s"] = statistics.median(r["step_s"])
+        if "step_s" in r:
+            r["median_step_s"] = statistics.median(r["step_s"]) if r["step_s"] else float("nan")
     return {"rank": rank, "ref_loss": float(ref_loss), "systems": results, "spec": asdict(spec)}
+
+
+# --- the longest sequence under a memory cap ------------------------------------------------------------
+
+# Note [Memory-cap search]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A CPU has no out-of-memory point worth hitting, so the cap is virtual: a sequence "fits" when the
+# largest per-rank peak tensor memory of one training step (PeakMemory, measured on the step after
+# the compiling one, maximum over ranks by all_reduce) stays at or under ``cap_bytes``.  Every
+# probe builds the system afresh on a fresh Dynamo cache (no recompile limits, no dynamic shapes),
+# so a probe costs a compile: the search must need few.  Peak memory grows about linearly with the
+# length (activations; attention is flash-style, O(S) memory), so after each probe the next length
+# is where the straight line through the two probes nearest the cap crosses it (secant method; the
+# first guess scales the first probe proportionally), rounded to ``granularity`` and kept strictly
+# between the longest length that fitted and the shortest that did not.  It stops when those two are
+# ``granularity`` apart, at ``max_len``, or after ``max_probes`` probes (bounded run time); the
+# answer is always a length that was measured to fit.  Monotone growth of peak memory with length,
+# true for every system here, is what makes the bracket valid.
+
+
+def next_probe(probes: list[tuple[int, int]], cap_bytes: int, *, granularity: int, max_len: int) -> int | None:
+    """The next length to probe given ``probes`` [(seq_len, peak_bytes)], or None when the search is done.
+
+    A pure function (see Note [Memory-cap search]); lengths are multiples of ``granularity``.
+    """
+    fits = [s for s, p in probes if p <= cap_bytes]
+    fails = [s for s, p in probes if p > cap_bytes]
+    lo = max(fits, default=0)
+    hi = min(fails, default=max_len + granularity)
+    if hi - lo <= granularity or (not fails and lo >= max_len):
+        return None
+    ordered = sorted(probes, key=lambda sp: abs(sp[1] - cap_bytes))
+    if len(probes) == 1:
+        (s0, p0), = probes
+        guess = s0 * cap_bytes / max(p0, 1)
+    else:
+        (s0, p0), (s1, p1) = ordered[0], ordered[1]
+        slope = (p1 - p0) / (s1 - s0) if s1 != s0 and p1 != p0 else 0.0
+        guess = s0 + (cap_bytes - p0) / slope if slope > 0 else 2 * s0
+    length = int(guess // granularity) * granularity
+    return max(lo + granularity, min(length, hi - granularity, max_len))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryCapSpec:
+    model: str
+    """Tiny model preset (experiments.models.TINY_MODELS)."""
+    systems: tuple[str, ...]
+    """Systems to search (experiments.baselines names)."""
+    cap_bytes: int
+    """Per-rank memory cap: a length fits when every rank's peak stays at or under it."""
+    start: int = 512
+    """First length probed (a multiple of ``granularity``)."""
+    max_len: int = 65536
+    """The search stops here even if this length still fits."""
+    granularity: int = 256
+    """The search stops at this many tokens (a multiple of 2 × ranks, for ring attention's chunks)."""
+    max_probes: int = 5
+    """Probes per system at most (each compiles the system afresh)."""
+    compiler: str = "aot_eager"
+    layers: int = 2
+    hidden: int = 64
+    model_options: dict = field(default_factory=dict)
+    """Further size overrides for the preset (e.g. ``{"kv_heads": 4}``)."""
+
+
+def _probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> int:
+    """Largest peak bytes over the ranks of one step of ``name`` at ``seq_len``."""
+    from experiments.baselines import build_system
+    from experiments.models import vocab_size
+
+    torch._dynamo.reset()
+    ids, labels = _sample(seq_len, vocab_size(base))
+    system = build_system(name, copy.deepcopy(base), sp_size=world, compiler=spec.compiler)
+    system.step(ids, labels)
+    peak = torch.tensor([_measured_step(system, ids, labels, True)], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    del system
+    return int(peak.item())
+
+
+def max_seq_len_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
+    """Per system: the longest length that fitted under the cap, and every probe ``[seq_len, peak_bytes]``."""
+    from experiments.baselines import BaselineUnsupported
+    from experiments.models import build_model
+
+    spec = MemoryCapSpec(**{**spec_dict, "systems": tuple(spec_dict["systems"])})
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    _quiet_rank()
+    if not peak_memory_available():
+        raise RuntimeError("the memory-cap search needs experiments.peak_memory")
+    torch.manual_seed(0)
+    base = build_model(spec.model, layers=spec.layers, hidden=spec.hidden, **spec.model_options)
+    results = {}
+    for name in spec.systems:
+        start_s = time.perf_counter()
+        probes: list[tuple[int, int]] = []
+        try:
+            length = spec.start
+            while length is not None and len(probes) < spec.max_probes:
+                probes.append((length, _probe(name, base, length, world, spec)))
+                length = next_probe(probes, spec.cap_bytes, granularity=spec.granularity, max_len=spec.max_len)
+        except BaselineUnsupported as err:
+            results[name] = {"unsupported": str(err), "probes": probes}
+            continue
+        fit = max((s for s, p in probes if p <= spec.cap_bytes), default=0)
+        fail = min((s for s, p in probes if p > spec.cap_bytes), default=None)
+        results[name] = {"max_seq_len": fit, "first_failure": fail, "probes": probes,
+                         "search_s": time.perf_counter() - start_s}
+        log.info("memory cap %s: %d tokens fit (%d probes)", name, fit, len(probes))
+    return {"rank": rank, "systems": results, "spec": asdict(spec)}

@@ -7,8 +7,12 @@ Tables (``--only NAME`` runs one):
   published figures of all four systems, with the simulated/published ratio;
 - ``iteration-time``: simulated AutoSP step time at 8K, 24K and 90K tokens beside
   the published iteration times;
-- ``measured-cpu``: the systems side by side on real gloo ranks (step-time ratio
-  to hand-written Ulysses, loss and gradient error against single-device training).
+- ``measured-cpu``: the systems side by side on real gloo ranks with a small
+  Hugging Face Llama (first-step/compile time, median step time and its ratio to
+  hand-written Ulysses, loss and gradient error against single-device training,
+  per-rank peak tensor memory);
+- ``memory-cap``: the longest sequence each system trains on CPU gloo ranks under
+  a fixed per-rank memory cap (measured peak memory, a short secant search).
 
 Outputs go to ``--out`` (default ``results/``): CSV and Markdown per table, PNG
 plots, a Perfetto trace (open in ui.perfetto.dev) and memory plot of one
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
 import pathlib
 import sys
@@ -31,6 +36,9 @@ from tqdm import tqdm
 REFERENCE_CSV = pathlib.Path(__file__).resolve().parent / "data" / "autosp-paper-figures.csv"
 DISAGREEMENT = 0.20
 SYSTEMS = ("zero3", "ring_attention", "ulysses", "autosp")
+MEASURED_SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp")
+CPU_MODEL, CPU_MODEL_OPTIONS = "hf-llama", {"kv_heads": 4}  # 8 query heads, 4 kv heads: GQA splits over 4 ranks
+EXACT_GRAD_ERROR = 1e-3  # above this relative gradient error a system is flagged inexact
 
 
 def published_figures() -> list[dict[str, str]]:
@@ -91,7 +99,90 @@ def table_iteration_time(args) -> list[dict]:
     return rows
 
 
-TABLES: dict[str, Callable] = {"max-seq-len": table_max_seq_len, "iteration-time": table_iteration_time}
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def table_measured_cpu(args) -> list[dict]:
+    from experiments.measure import measure_on_rank, peak_memory_available
+    from experiments.spawn import run_ranks
+
+    with_memory = peak_memory_available()
+    rows = []
+    for ranks in tqdm(args.cpu_ranks, desc="measured-cpu (gloo ranks per run)", file=sys.stderr):
+        spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "seq_len": args.cpu_seq_len,
+                "systems": list(MEASURED_SYSTEMS), "steps": args.cpu_steps, "compiler": "aot_eager"}
+        per_rank = run_ranks(measure_on_rank, ranks, spec)
+        by_system = {name: [r["systems"][name] for r in per_rank] for name in MEASURED_SYSTEMS}
+        ulysses = by_system["ulysses"]
+        ulysses_s = max(r["median_step_s"] for r in ulysses) if "median_step_s" in ulysses[0] else None
+        for name, results in by_system.items():
+            row = {"system": name, "ranks": ranks, "seq_len": args.cpu_seq_len}
+            if "unsupported" in results[0]:
+                rows.append({**row, "first_step_s": "", "median_step_ms": "", "ratio_to_ulysses": "",
+                             "loss_error": "", "grad_max_rel_error": "",
+                             **({"peak_mib": "", "peak_mib_by_rank": ""} if with_memory else {}),
+                             "note": f"unsupported: {results[0]['unsupported']}"})
+                continue
+            step_s = max(r["median_step_s"] for r in results)
+            grad_error = max(r["grad_max_rel_error"] for r in results)
+            row.update({
+                "first_step_s": f"{max(r['first_step_s'] for r in results):.1f}",
+                "median_step_ms": f"{step_s * 1e3:.1f}",
+                "ratio_to_ulysses": _fmt(step_s / ulysses_s if ulysses_s else None, ".2f"),
+                "loss_error": f"{max(r['loss_error'] for r in results):.1e}",
+                "grad_max_rel_error": f"{grad_error:.1e}",
+            })
+            if with_memory:
+                peaks = [r["peak_memory_bytes"] / 2**20 for r in results]
+                row.update({"peak_mib": f"{max(peaks):.2f}", "peak_mib_by_rank": "/".join(f"{p:.2f}" for p in peaks)})
+            row["note"] = "inexact" if grad_error > EXACT_GRAD_ERROR else ""
+            rows.append(row)
+    return rows
+
+
+def table_memory_cap(args) -> list[dict]:
+    from experiments.measure import max_seq_len_on_rank, peak_memory_available
+    from experiments.spawn import run_ranks
+
+    if not peak_memory_available():
+        logging.getLogger(__name__).warning("memory-cap: experiments.peak_memory is missing; table skipped")
+        return []
+    rows = []
+    for ranks in tqdm(args.cap_ranks, desc="memory-cap (search per gloo run)", file=sys.stderr):
+        spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "systems": list(MEASURED_SYSTEMS),
+                "cap_bytes": int(args.memory_cap_mib * 2**20), "start": args.cap_start,
+                "granularity": args.cap_granularity, "max_probes": args.cap_probes, "max_len": args.cap_max_len}
+        results = run_ranks(max_seq_len_on_rank, ranks, spec)[0]["systems"]
+        for name in MEASURED_SYSTEMS:
+            r = results[name]
+            probes = ", ".join(f"{s}:{p / 2**20:.1f}" for s, p in r["probes"])
+            row = {"system": name, "ranks": ranks, "cap_mib": f"{args.memory_cap_mib:g}"}
+            if "unsupported" in r:
+                rows.append({**row, "max_seq_len": "", "first_failure": "", "probes_tokens_mib": probes,
+                             "search_s": "", "note": f"unsupported: {r['unsupported']}"})
+                continue
+            closed = r["first_failure"] is not None and r["first_failure"] - r["max_seq_len"] <= args.cap_granularity
+            note = "" if closed else ("reached the search limit" if r["first_failure"] is None
+                                      else "probe budget spent: a lower bound")
+            rows.append({**row, "max_seq_len": r["max_seq_len"], "first_failure": r["first_failure"] or "",
+                         "probes_tokens_mib": probes, "search_s": f"{r['search_s']:.0f}", "note": note})
+    return rows
+
+
+TABLES: dict[str, Callable] = {
+    "max-seq-len": table_max_seq_len, "iteration-time": table_iteration_time,
+    "measured-cpu": table_measured_cpu, "memory-cap": table_memory_cap,
+}
 
 
 def write_table(name: str, rows: list[dict], out: pathlib.Path) -> None:
@@ -133,6 +224,39 @@ def plot_max_seq_len(rows: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def _bar_plot(rows: list[dict], value: str, ylabel: str, title: str, path: pathlib.Path) -> None:
+    """Grouped bars of column ``value`` per system, one group per rank count (rows without a value skipped)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({int(r["ranks"]) for r in rows})
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / max(len(ranks), 1)
+    for i, p in enumerate(ranks):
+        values = [next((float(r[value]) for r in rows if r["system"] == s and int(r["ranks"]) == p and r[value] != ""),
+                       0.0) for s in systems]
+        ax.bar([x + i * width for x in range(len(systems))], values, width, label=f"{p} ranks")
+    ax.set_xticks([x + width * (len(ranks) - 1) / 2 for x in range(len(systems))], systems, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+PLOTS = {
+    "measured-cpu": lambda rows, path: _bar_plot(rows, "median_step_ms", "median step (ms)",
+                                                 "CPU gloo: median training step", path),
+    "memory-cap": lambda rows, path: _bar_plot(rows, "max_seq_len", "longest sequence (tokens)",
+                                               f"CPU gloo: longest sequence under {rows[0]['cap_mib']} MiB per rank",
+                                               path),
+}
+
+
 def write_simulated_step(args, out: pathlib.Path) -> None:
     """Perfetto trace, timeline and memory plots of one simulated AutoSP step (2 layers shown)."""
     from experiments.models import PAPER_MODELS
@@ -158,21 +282,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder")
     parser.add_argument("--iteration-model", default="llama-3.1-8b",
                         help="paper model simulated for the (unlabelled) published iteration times")
+    parser.add_argument("--memory-cap-mib", type=float, default=None,
+                        help="per-rank cap of the memory-cap table (default 16; --quick: 8)")
     args = parser.parse_args(argv)
     args.granularity = 8192 if args.quick else 1024
+    # CPU measurements: --quick is one 2-rank run of a short sequence, a few timed steps.
+    args.cpu_ranks = (2,) if args.quick else (2, 4)
+    args.cpu_seq_len = 256 if args.quick else 1024
+    args.cpu_steps = 3 if args.quick else 8
+    args.cap_ranks = (2,)
+    args.memory_cap_mib = args.memory_cap_mib or (8.0 if args.quick else 16.0)
+    args.cap_start, args.cap_granularity = 512, 256 if args.quick else 128
+    args.cap_probes = 2 if args.quick else 5
+    args.cap_max_len = 32768
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    run_info = {"command": "python -m experiments.reproduce" + (" --quick" if args.quick else ""),
+                "preset": "quick" if args.quick else "default", "cpu_model": CPU_MODEL,
+                "cpu_model_options": CPU_MODEL_OPTIONS, "cpu_ranks": list(args.cpu_ranks),
+                "cpu_seq_len": args.cpu_seq_len, "cpu_steps": args.cpu_steps, "memory_cap_mib": args.memory_cap_mib,
+                "max_seq_len_granularity": args.granularity, "torch": _version("torch"),
+                "deepspeed": _version("deepspeed"), "transformers": _version("transformers"), "table_s": {}}
     for name, build in TABLES.items():
         if args.only and name != args.only:
             continue
+        table_start = time.perf_counter()
         rows = build(args)
+        run_info["table_s"][name] = round(time.perf_counter() - table_start, 1)
+        if not rows:
+            continue
         write_table(name, rows, args.out)
         if name == "max-seq-len":
             plot_max_seq_len(rows, args.out / "max-seq-len.png")
-        print(f"\n## {name}\n\n" + (args.out / f"{name}.md").read_text())
+        elif name in PLOTS:
+            PLOTS[name](rows, args.out / f"{name}.png")
+        print(f"\n## {name} ({time.perf_counter() - table_start:.0f} s)\n\n" + (args.out / f"{name}.md").read_text())
     if not args.only:
         write_simulated_step(args, args.out)
+        run_info["total_s"] = round(time.perf_counter() - start, 1)
+        (args.out / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
     print(f"results in {args.out}/ ({time.perf_counter() - start:.0f} s)")
     return 0
 

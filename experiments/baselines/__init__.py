@@ -6,7 +6,9 @@ through the `System` protocol: ``step(input_ids, labels)`` gets the same
 full-length sample on every rank of a sequence-parallel (SP) group, runs forward,
 backward and the gradient synchronisation, and returns the loss; ``gradients()``
 gives each parameter's gradient as single-device training would have it, for
-error measurement.  Systems: ``autosp`` (this project's compiler pass),
+error measurement.  Systems: ``autosp`` (this project's compiler pass, default
+settings), ``autosp-nosac`` (the same with sequence-aware activation
+checkpointing off: ``checkpointing="none"``),
 ``ulysses`` (hand-written DeepSpeed-Ulysses on ``DistributedAttention``),
 ``ring`` (hand-written exact, load-balanced ring attention), ``zero3`` (DeepSpeed
 ZeRO-3 data parallelism, no SP) and ``deepspeed-autosp`` (DeepSpeed's own AutoSP
@@ -47,7 +49,7 @@ class System(Protocol):
         ...
 
 
-SYSTEMS = ("autosp", "ulysses", "ring", "zero3", "deepspeed-autosp")
+SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp")
 """Names `build_system` accepts."""
 
 
@@ -70,8 +72,11 @@ def build_system(
     Raises `BaselineUnsupported` (a ``NotImplementedError``) where a system cannot
     run this model, with the reason.
     """
-    if name == "autosp":
-        from experiments.baselines.autosp_system import AutoSPSystem as cls
+    if name in ("autosp", "autosp-nosac"):
+        from experiments.baselines.autosp_system import AutoSPSystem, autosp_options
+
+        options = {**autosp_options(name), **options}
+        return _checked(AutoSPSystem, name, model, sp_size, process_group, compiler, options)
     elif name == "ulysses":
         from experiments.baselines.ulysses import UlyssesSystem as cls
     elif name == "ring":
@@ -82,9 +87,15 @@ def build_system(
         from experiments.baselines.deepspeed_autosp import DeepSpeedAutoSPSystem as cls
     else:
         raise ValueError(f"unknown system {name!r}; choose one of {list(SYSTEMS)}")
+    return _checked(cls, name, model, sp_size, process_group, compiler, options)
+
+
+def _checked(cls, name, model, sp_size, process_group, compiler, options) -> System:
     if sp_size < 1:
         raise ValueError(f"sp_size must be a positive number of ranks, got {sp_size}")
-    return cls(model, sp_size=sp_size, process_group=process_group, compiler=compiler, **options)
+    system = cls(model, sp_size=sp_size, process_group=process_group, compiler=compiler, **options)
+    system.name = name
+    return system
 
 
 __all__ = ["SYSTEMS", "BaselineUnsupported", "System", "build_system"]

@@ -5,9 +5,16 @@ unmodified model, `autosp.prepare_inputs` hands it the full-length sample (it
 cuts out the rank's shard itself), and `autosp.sync_gradients` sums gradients
 over the SP group.  The loss it returns is already the full-sample loss on every
 rank.  Extra ``options`` are `autosp.AutoSPConfig` fields.
+
+``autosp-nosac`` is the same system with ``checkpointing="none"``; with an
+`autosp.AutoSPConfig` that has no ``checkpointing`` field (no SAC to turn off) it
+is plain ``autosp``.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 import torch
 import torch.distributed as dist
@@ -15,6 +22,18 @@ from torch import nn
 
 import autosp
 from experiments.baselines.common import loss_of, named_gradients
+
+log = logging.getLogger(__name__)
+
+
+def autosp_options(name: str) -> dict:
+    """The `autosp.compile` options of the registry entry ``name`` ("autosp" or "autosp-nosac")."""
+    if name == "autosp":
+        return {}
+    if "checkpointing" not in {f.name for f in dataclasses.fields(autosp.AutoSPConfig)}:
+        log.info("%s: this autosp has no checkpointing option (no SAC); running its defaults", name)
+        return {}
+    return {"checkpointing": "none"}
 
 
 class AutoSPSystem:
