@@ -88,3 +88,69 @@ def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
     assert m1 + 3 * (m2 - m1) == pytest.approx(m4, rel=0.05)
     step = simulate_autosp_step("llama-3.2-3b", seq_len)
     assert step.step_time_s > 0 and step.peak_memory_bytes > step.static_memory_bytes
+
+
+MEASURED = {"autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp"}
+
+
+@pytest.mark.slow
+def test_reproduce_measured_cpu_table_has_every_system_with_finite_numbers(quick_results):
+    rows = _rows(quick_results / "measured-cpu.csv")
+    assert {r["system"] for r in rows} == MEASURED
+    assert {int(r["ranks"]) for r in rows} == {2}
+    for r in rows:
+        for column in ("first_step_s", "median_step_ms", "ratio_to_ulysses", "loss_error", "grad_max_rel_error",
+                       "peak_mib"):
+            assert math.isfinite(float(r[column])), (r["system"], column, r[column])
+        assert float(r["median_step_ms"]) > 0 and float(r["peak_mib"]) > 0
+        if r["system"] != "deepspeed-autosp":  # the exact systems
+            assert float(r["grad_max_rel_error"]) < 1e-3 and r["note"] == "", r
+    ulysses = next(r for r in rows if r["system"] == "ulysses")
+    assert float(ulysses["ratio_to_ulysses"]) == pytest.approx(1.0)
+    assert float(next(r for r in rows if r["system"] == "deepspeed-autosp")["grad_max_rel_error"]) > 1e-3
+
+
+@pytest.mark.slow
+def test_reproduce_memory_cap_table_finds_a_length_for_every_system(quick_results):
+    rows = _rows(quick_results / "memory-cap.csv")
+    assert {r["system"] for r in rows} == MEASURED
+    for r in rows:
+        probes = [p.split(":") for p in r["probes_tokens_mib"].split(", ")]
+        cap = float(r["cap_mib"])
+        fits = [int(s) for s, mib in probes if float(mib) <= cap]
+        assert int(r["max_seq_len"]) == max(fits, default=0), r
+    assert (quick_results / "memory-cap.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_paper_builds_from_quick_results_with_every_placeholder_filled(quick_results, tmp_path):
+    from experiments.paper import PLACEHOLDER, build_paper
+
+    built = build_paper(quick_results, tmp_path / "build")
+    text = built.read_text()
+    assert not PLACEHOLDER.search(text) and "{{" not in text
+    assert "| system | ranks | seq_len |" in text  # the measured-cpu table
+    for image in ("max-seq-len.png", "measured-cpu.png", "memory-cap.png"):
+        assert f"(figures/{image})" in text
+        assert (tmp_path / "build" / "figures" / image).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_paper_placeholders_are_filled_from_the_results_folder(tmp_path):
+    from experiments.paper import MissingResult, build_paper
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "t.md").write_text("| a | b |\n|---|---|\n| x | 1 |\n")
+    (results / "t.csv").write_text("a,b\nx,1\ny,2\n")
+    (results / "f.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (results / "run.json").write_text(json.dumps({"preset": "quick", "ranks": [2, 4], "t": {"x": 1.5}}))
+    source = tmp_path / "paper.md"
+    source.write_text("{{table:t}}\n{{cell:t:a=y:b}} {{run:preset}} {{run:ranks}} {{run:t}}\n{{figure:f.png|cap}}\n"
+                      "{{table:absent|optional}}\n")
+    text = build_paper(results, tmp_path / "out", source).read_text()
+    assert text.splitlines()[:4] == ["| a | b |", "|---|---|", "| x | 1 |", "2 quick 2, 4 x 1.5"]
+    assert "![cap](figures/f.png)" in text and (tmp_path / "out" / "figures" / "f.png").exists()
+    assert "not in the results folder" in text
+    source.write_text("{{table:absent}}")
+    with pytest.raises(MissingResult, match="absent.md is missing"):
+        build_paper(results, tmp_path / "out", source)

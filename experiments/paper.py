@@ -1,0 +1,141 @@
+"""``python -m experiments.paper``: build the write-up from a results folder written by ``experiments.reproduce``.
+
+    python -m experiments.reproduce --out results          # or --quick
+    python -m experiments.paper --results results --out paper/build
+
+The source ``paper/paper.md`` holds prose and placeholders; every table, figure
+and number in the built ``paper/build/paper.md`` comes from the results folder
+(nothing is typed by hand).  Placeholders:
+
+- ``{{table:NAME}}``: the Markdown table ``NAME.md`` (``NAME`` may contain a
+  sub-folder, e.g. ``validation/validation``);
+- ``{{figure:FILE|caption}}``: the image ``FILE`` (copied to ``figures/``);
+- ``{{cell:TABLE:COL=VALUE,...:COLUMN}}``: one value of ``TABLE.csv``, from the
+  first row whose columns equal the given values;
+- ``{{run:KEY}}``: a value of ``run.json`` (the settings and timings of the run).
+
+A placeholder ending in ``|optional}}`` (tables only) becomes a note naming the
+command that produces it when its file is missing; any other missing input is
+an error (`MissingResult`) that says which table to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import pathlib
+import re
+import shutil
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).resolve().parents[1] / "paper" / "paper.md"
+PLACEHOLDER = re.compile(r"\{\{(table|figure|cell|run):([^{}]*)\}\}")
+PRODUCERS = {
+    "validation/validation": "python -m experiments.validate_simulator --out RESULTS/validation",
+}
+
+
+class MissingResult(FileNotFoundError):
+    """The results folder lacks a table, figure or value the paper needs; the message says how to make it."""
+
+
+def _read_csv(path: pathlib.Path) -> list[dict[str, str]]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+class Builder:
+    def __init__(self, results: pathlib.Path, out: pathlib.Path):
+        self.results, self.out = results, out
+        self.figures: list[pathlib.Path] = []
+
+    def _missing(self, what: str) -> MissingResult:
+        return MissingResult(f"{self.results}/{what} is missing: run python -m experiments.reproduce --out "
+                             f"{self.results} (all tables), then build the paper again")
+
+    def table(self, arg: str) -> str:
+        name, _, flag = arg.partition("|")
+        path = self.results / f"{name}.md"
+        if not path.exists():
+            if flag == "optional":
+                command = PRODUCERS.get(name, "python -m experiments.reproduce").replace("RESULTS", "results")
+                return f"*(This table is not in the results folder: `{command}` writes it.)*"
+            raise self._missing(f"{name}.md")
+        return path.read_text().strip()
+
+    def figure(self, arg: str) -> str:
+        name, _, caption = arg.partition("|")
+        path = self.results / name
+        if not path.exists():
+            raise self._missing(name)
+        self.figures.append(path)
+        return f"![{caption or name}](figures/{path.name})"
+
+    def cell(self, arg: str) -> str:
+        try:
+            table, where, column = arg.split(":")
+        except ValueError:
+            raise ValueError(f"malformed cell placeholder {{{{cell:{arg}}}}}: use TABLE:COL=VALUE,...:COLUMN") from None
+        path = self.results / f"{table}.csv"
+        if not path.exists():
+            raise self._missing(f"{table}.csv")
+        conditions = dict(kv.split("=", 1) for kv in where.split(",") if kv)
+        for row in _read_csv(path):
+            if all(row.get(k) == v for k, v in conditions.items()):
+                if column not in row:
+                    raise ValueError(f"{path.name} has no column {column!r} (columns: {list(row)})")
+                return row[column]
+        raise MissingResult(f"{path.name} has no row with {conditions}")
+
+    def run(self, key: str) -> str:
+        path = self.results / "run.json"
+        if not path.exists():
+            raise self._missing("run.json")
+        value = json.loads(path.read_text())
+        for part in key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                raise MissingResult(f"run.json has no {key!r}")
+            value = value[part]
+        if isinstance(value, dict):
+            return ", ".join(f"{k} {v}" for k, v in value.items())
+        return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    def render(self, text: str) -> str:
+        return PLACEHOLDER.sub(lambda m: getattr(self, m.group(1))(m.group(2).strip()), text)
+
+
+def build_paper(results: pathlib.Path, out: pathlib.Path, source: pathlib.Path = SOURCE) -> pathlib.Path:
+    """Render ``source`` with the results in ``results`` into ``out/paper.md`` (+ ``out/figures/``)."""
+    builder = Builder(results, out)
+    text = builder.render(source.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "figures").mkdir(exist_ok=True)
+    for figure in builder.figures:
+        shutil.copy2(figure, out / "figures" / figure.name)
+    target = out / "paper.md"
+    target.write_text(text)
+    log.info("wrote %s with %d figures", target, len(builder.figures))
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.paper", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=pathlib.Path, default=pathlib.Path("results"),
+                        help="folder written by python -m experiments.reproduce")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("paper/build"), help="output folder")
+    parser.add_argument("--source", type=pathlib.Path, default=SOURCE, help="paper source with placeholders")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        build_paper(args.results, args.out, args.source)
+    except MissingResult as err:
+        parser.exit(1, f"error: {err}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
