@@ -206,7 +206,18 @@ def test_baselines_zigzag_shard_has_global_positions():
 def test_baselines_unknown_system_names_the_choices():
     with pytest.raises(ValueError, match="ring"):
         build_system("megatron", torch.nn.Linear(2, 2), sp_size=2)
-    assert set(SYSTEMS) == {"autosp", "ulysses", "ring", "zero3", "deepspeed-autosp"}
+    assert set(SYSTEMS) == {"autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp"}
+
+
+def test_baselines_autosp_nosac_turns_checkpointing_off_where_autosp_has_it():
+    import dataclasses
+
+    import autosp
+    from experiments.baselines.autosp_system import autosp_options
+
+    has_checkpointing = "checkpointing" in {f.name for f in dataclasses.fields(autosp.AutoSPConfig)}
+    assert autosp_options("autosp") == {}
+    assert autosp_options("autosp-nosac") == ({"checkpointing": "none"} if has_checkpointing else {})
 
 
 def test_baselines_layout_refuses_a_length_it_cannot_split():
