@@ -94,6 +94,11 @@ def init_distributed() -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # The deepspeed launcher (unlike torchrun) leaves every CPU rank all cores' threads:
+        # oversubscribed, spinning OpenMP threads make steps ~50x slower.  Share the cores.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ["WORLD_SIZE"])
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
     dist.init_process_group("nccl" if cuda else "gloo")
     return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
