@@ -15,7 +15,14 @@ memory is to keep what is expensive to rebuild and recompute the rest:
 - matmuls: recomputed cheapest per byte freed first, while their FLOPs stay
   within ``sac_recompute_limit`` of the forward pass's FLOPs.  Attention is part
   of that total, so the longer the sequence the more matmuls qualify; a
-  ``sac_memory_budget`` recomputes further matmuls until the kept bytes fit.
+  ``sac_memory_budget`` recomputes further matmuls until the kept bytes fit;
+- always kept: tensors read across an attention boundary (a reader comes after
+  a later attention than the producer): the residual stream between layers,
+  rotary tables.  Recomputing those would chain the recomputation of one layer
+  through every earlier layer, and the partitioner would keep that whole chain
+  alive from the start of the backward.  With them kept, each layer's
+  recomputation happens just before its own backward, as with per-layer
+  checkpointing.
 
 The decision (`choose_recomputation`) is a pure function of plain per-node
 costs.  `tag_recomputation` applies it to AOTAutograd's joint graph through the
@@ -24,8 +31,8 @@ supported extension point, ``node.meta["recompute"]`` (torch.utils.checkpoint's
 forces a node into the backward, MUST_SAVE bans its recomputation.  The
 partitioner still chooses the cut (what is actually saved) and orders the
 recomputation just before its use.  The other settings use the same tags:
-"none" bans every recomputation, "full" recomputes every op except collectives,
-"default" leaves the partitioner's heuristics alone (collectives banned).
+"none" bans every recomputation, "full" recomputes every op except collectives
+and the attention-boundary tensors (per-layer checkpointing), "default" leaves the partitioner's heuristics alone (collectives banned).
 """
 
 from __future__ import annotations
@@ -109,6 +116,28 @@ def _forward_ops(graph: fx.Graph) -> list[fx.Node]:
     ]
 
 
+def _attention_segments(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Forward node -> how many attention ops precede it in program order."""
+    segments, seen = {}, 0
+    for node in nodes:
+        segments[node] = seen
+        if classify(node)[0] == "attention":
+            seen += 1
+    return segments
+
+
+def _crosses_attention(node: fx.Node, segments: dict[fx.Node, int], segment: int | None = None) -> bool:
+    """Whether a reader of ``node`` (looking through views) comes after a later attention."""
+    segment = segments[node] if segment is None else segment
+    for user in node.users:
+        if segments.get(user, -1) > segment:
+            return True
+        if user.op == "call_function" and packet_name(user.target) in VIEWS and _crosses_attention(user, segments,
+                                                                                                   segment):
+            return True
+    return False
+
+
 def tag_recomputation(
     graph: fx.Graph, *, setting: str, recompute_limit: float, memory_budget: float | None
 ) -> CheckpointPlan:
@@ -116,7 +145,9 @@ def tag_recomputation(
     saved, recompute = [], []
     candidates, costs = [], {}
     forward_flops = 0
-    for node in _forward_ops(graph):
+    forward = _forward_ops(graph)
+    segments = _attention_segments(forward)
+    for node in forward:
         if packet_name(node.target) in VIEWS:
             continue  # aliases: the partitioner recomputes views for free
         op_class, flops = classify(node)
@@ -128,6 +159,8 @@ def tag_recomputation(
             continue  # never tagged: the partitioner never recomputes random ops by itself
         elif setting == "none":
             saved.append(node)
+        elif setting in ("full", "sac") and op_class != "attention" and _crosses_attention(node, segments):
+            saved.append(node)  # See Note [Sequence-aware checkpointing]: the residual stream between layers
         elif setting == "full":
             recompute.append(node)
         elif setting == "sac":

@@ -1,0 +1,173 @@
+"""``python -m experiments.bench_sac_overlap``: checkpointing settings and overlap, side by side on real gloo ranks.
+
+For each sequence length, every variant is built from the same weights on 2
+gloo ranks: AutoSP with each activation-checkpointing setting ("sac", "none",
+"default" = PyTorch's min-cut partitioner, "full"), with the all-to-alls
+overlapped and blocking, and hand-written Ulysses (DeepSpeed's
+DistributedAttention, no checkpointing).  Each is measured in one run:
+
+- per-rank peak tensor memory of one step (experiments.peak_memory, parameters
+  included, gradients as backward creates them);
+- median step time over timed steps interleaved across variants (the order
+  rotates every round, so machine noise hits every variant alike), as a ratio to
+  Ulysses at the same length.
+
+Flash attention keeps every activation O(S), so per-rank peak memory is affine in
+S: the script fits ``peak = static + per_token · S`` per variant over the
+measured lengths (the fit's worst residual is printed) and reports the longest
+sequence that fits a per-rank memory cap (``--cap-mib``), next to Ulysses'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import logging
+import pathlib
+import statistics
+import sys
+import time
+
+log = logging.getLogger(__name__)
+
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "autosp sac": ("autosp", {"checkpointing": "sac"}),
+    "autosp sac blocking": ("autosp", {"checkpointing": "sac", "overlap_communication": False}),
+    "autosp none": ("autosp", {"checkpointing": "none"}),
+    "autosp none blocking": ("autosp", {"checkpointing": "none", "overlap_communication": False}),
+    "autosp default": ("autosp", {"checkpointing": "default"}),
+    "autosp full": ("autosp", {"checkpointing": "full"}),
+    "ulysses": ("ulysses", {}),
+}
+"""Label -> (experiments.baselines system, autosp.compile options)."""
+BASELINE = "ulysses"
+
+
+def _bench_on_rank(rank: int, world: int, spec: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from experiments.baselines import build_system
+    from experiments.models import build_model, vocab_size
+    from experiments.peak_memory import PeakMemory
+
+    torch.manual_seed(0)
+    base = build_model(spec["model"], layers=spec["layers"], hidden=spec["hidden"])
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab_size(base), (1, spec["seq_len"]), generator=generator)
+    labels = ids.clone()
+    systems, results = {}, {}
+    for label in spec["variants"]:
+        name, options = VARIANTS[label]
+        model = copy.deepcopy(base)
+        dist.barrier()
+        start = time.perf_counter()
+        system = build_system(name, model, sp_size=world, compiler=spec["compiler"], **options)
+        loss = system.step(ids, labels)
+        compile_s = time.perf_counter() - start
+        system.zero_grad()
+        with PeakMemory(static=list(model.parameters()), keep_breakdown=False) as memory:
+            system.step(ids, labels)
+        systems[label] = system
+        results[label] = {"loss": float(loss), "compile_s": compile_s, "peak_bytes": memory.peak_bytes,
+                          "step_s": []}
+        if rank == 0:
+            log.info("S=%d %s: compiled in %.1f s, peak %.1f MiB", spec["seq_len"], label, compile_s,
+                     memory.peak_bytes / 2**20)
+    labels_order = list(spec["variants"])
+    for round_ in range(spec["steps"]):
+        shift = round_ % len(labels_order)
+        for label in labels_order[shift:] + labels_order[:shift]:
+            systems[label].zero_grad()
+            dist.barrier()
+            start = time.perf_counter()
+            systems[label].step(ids, labels)
+            dist.barrier()
+            results[label]["step_s"].append(time.perf_counter() - start)
+    for r in results.values():
+        r["median_step_s"] = statistics.median(r["step_s"])
+    return results
+
+
+def _fit_affine(points: list[tuple[int, int]]) -> tuple[float, float, float]:
+    """Least squares ``bytes = static + per_token · S``; returns (static, per_token, worst relative residual)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if len(points) == 1:
+        return 0.0, ys[0] / xs[0], 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
+    static = my - slope * mx
+    worst = max(abs(static + slope * x - y) / y for x, y in points)
+    return static, slope, worst
+
+
+def run(args) -> tuple[list[dict], list[dict]]:
+    from tqdm import tqdm
+
+    from experiments.spawn import run_ranks
+
+    rows = []
+    for seq_len in tqdm(args.seq_lens, desc="sequence lengths", file=sys.stderr):
+        spec = {"model": args.model, "layers": args.layers, "hidden": args.hidden, "seq_len": seq_len,
+                "variants": list(VARIANTS), "steps": args.steps, "compiler": "aot_eager"}
+        per_rank = run_ranks(_bench_on_rank, args.ranks, spec)
+        base_step = statistics.median(per_rank[0][BASELINE]["step_s"])
+        for label in VARIANTS:
+            step_s = per_rank[0][label]["median_step_s"]
+            rows.append({
+                "variant": label, "seq_len": seq_len, "ranks": args.ranks,
+                "step_ms": round(1e3 * step_s, 2), "step_vs_ulysses": round(step_s / base_step, 3),
+                "peak_mib": round(max(r[label]["peak_bytes"] for r in per_rank) / 2**20, 2),
+                "compile_s": round(per_rank[0][label]["compile_s"], 2),
+            })
+    cap_bytes = args.cap_mib * 2**20
+    caps = []
+    for label in VARIANTS:
+        points = [(r["seq_len"], r["peak_mib"] * 2**20) for r in rows if r["variant"] == label]
+        static, per_token, residual = _fit_affine(points)
+        caps.append({"variant": label, "static_mib": round(static / 2**20, 2),
+                     "kib_per_token": round(per_token / 2**10, 3), "fit_worst_residual": round(residual, 4),
+                     "max_seq_len_at_cap": int((cap_bytes - static) / per_token) if per_token > 0 else 0})
+    base_len = next(c["max_seq_len_at_cap"] for c in caps if c["variant"] == BASELINE)
+    for c in caps:
+        c["vs_ulysses"] = round(c["max_seq_len_at_cap"] / base_len, 2) if base_len else float("nan")
+    return rows, caps
+
+
+def _markdown(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096], help="tokens per sample")
+    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (the SP degree)")
+    parser.add_argument("--model", default="hf-llama", help="tiny model preset (experiments.models)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--cap-mib", type=float, default=1024.0, help="per-rank memory cap for the max-length table")
+    parser.add_argument("--quick", action="store_true", help="two short lengths, two timed steps")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_sac_overlap"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seq_lens, args.steps = [256, 512], 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    rows, caps = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, table in (("steps", rows), ("max_seq_len_at_cap", caps)):
+        with open(args.out / f"{name}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(table[0]))
+            writer.writeheader()
+            writer.writerows(table)
+        (args.out / f"{name}.md").write_text(_markdown(table) + "\n")
+    sys.stdout.write(_markdown(rows) + "\n\n" + f"per-rank memory cap {args.cap_mib:g} MiB:\n" + _markdown(caps) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
