@@ -164,7 +164,7 @@ def export_workload(
 
 
 def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
-                    dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager"):
+                    dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", **options):
     """Compile and run one training step of ``build_model()`` on fake tensors and a fake group.
 
     Paper-scale graphs without paper-scale memory: the model is built inside a
@@ -172,7 +172,8 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     a fake process group of ``sp_size`` ranks, so the real AutoSP passes and
     AOTAutograd produce the real forward and backward graphs.  Returns the
     compiled model (its ``report.aot_graphs`` feed `export_workload`) and the
-    parameter bytes.  The process must not have a process group of its own.
+    parameter bytes.  ``options`` are `autosp.compile` options (e.g. checkpointing).
+    The process must not have a process group of its own.
     """
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
@@ -196,7 +197,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
                 torch.set_default_dtype(previous)
             ids = torch.randint(0, vocab_size, (1, seq_len))
             inputs = prepare_inputs(ids, labels=ids)
-        compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler)
+        compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **options)
         out = compiled(**inputs)
         (out if isinstance(out, torch.Tensor) else out.loss).backward()
         parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -42,7 +42,8 @@ class SimulatedStep:
         return self.peak_memory_bytes <= self.capacity_bytes
 
 
-def _simulate_layers(model: PaperModel, seq_len: int, layers: int, sp_size: int, cluster: Cluster, zero_shards: int):
+def _simulate_layers(model: PaperModel, seq_len: int, layers: int, sp_size: int, cluster: Cluster, zero_shards: int,
+                     autosp_options: dict | None = None):
     import torch
     import transformers
 
@@ -53,7 +54,7 @@ def _simulate_layers(model: PaperModel, seq_len: int, layers: int, sp_size: int,
     torch._dynamo.reset()
     compiled, parameter_bytes = trace_fake_step(
         lambda: transformers.LlamaForCausalLM(model.hf_config(num_layers=layers)),
-        seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size,
+        seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size, **(autosp_options or {}),
     )
     workload = export_workload(
         compiled.report.aot_graphs, name=f"{model.name}/autosp/L={layers}/S={seq_len}", sp_size=sp_size,
@@ -66,12 +67,14 @@ def _simulate_layers(model: PaperModel, seq_len: int, layers: int, sp_size: int,
 
 
 def simulate_autosp_step(model_name: str, seq_len: int, *, sp_size: int = 8, cluster: Cluster | None = None,
-                         zero_shards: int = 8) -> SimulatedStep:
-    """One AutoSP training step of a paper model, simulated with layer extrapolation (see the Note)."""
+                         zero_shards: int = 8, autosp_options: dict | None = None) -> SimulatedStep:
+    """One AutoSP training step of a paper model, simulated with layer extrapolation (see the Note).
+
+    ``autosp_options`` are `autosp.compile` options (default: its defaults, SAC and overlap on)."""
     model = PAPER_MODELS[model_name]
     cluster = cluster or Cluster.from_preset("a100-80gb-sxm")
-    t1, m1, _ = _simulate_layers(model, seq_len, 1, sp_size, cluster, zero_shards)
-    t2, m2, _ = _simulate_layers(model, seq_len, 2, sp_size, cluster, zero_shards)
+    t1, m1, _ = _simulate_layers(model, seq_len, 1, sp_size, cluster, zero_shards, autosp_options)
+    t2, m2, _ = _simulate_layers(model, seq_len, 2, sp_size, cluster, zero_shards, autosp_options)
     layers = model.num_layers
     parameter_bytes = model.parameter_count() * BF16_BYTES
     static = parameter_bytes + (parameter_bytes + int(parameter_bytes * ADAM_BYTES_PER_PARAMETER_BYTE)) // zero_shards
