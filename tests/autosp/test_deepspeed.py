@@ -6,7 +6,8 @@ replicas) and a copy handed to `autosp.deepspeed_initialize`.  Over two optimize
 steps the loss, every gradient (DeepSpeed's reduced gradient, read before the
 step) and every parameter after the steps equal the reference (fp32: rtol 1e-4 /
 atol 1e-6).  Gradient clipping is on in some cases, with a limit the reference
-gradient norm exceeds, so a gradient norm counted once too often would show.
+gradient norm exceeds, so a gradient norm counted once too often would show; the
+ZeRO 2 case also accumulates gradients over two micro-batches.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ def _make_optimizer(kind: str, params):
     raise ValueError(kind)
 
 
-def _ds_config(*, zero_stage: int, sp_size: int, clip: float | None) -> dict:
+def _ds_config(*, zero_stage: int, sp_size: int, clip: float | None, gas: int = 1) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gas,
         "sequence_parallel_size": sp_size,
         "zero_optimization": {"stage": zero_stage},
         "zero_allow_untested_optimizer": True,  # torch SGD under ZeRO
@@ -57,7 +58,7 @@ def _full_grad(param):
     return None if grad is None else grad.detach().clone().reshape(param.shape)
 
 
-def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model="hf-llama", data=False):
+def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model="hf-llama", data=False, gas=1):
     import autosp
     from experiments.models import build_model, vocab_size
 
@@ -72,7 +73,7 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
     dataset = torch.utils.data.TensorDataset(torch.arange(16)) if data else None
     engine, _, loader, _ = autosp.deepspeed_initialize(
         model=candidate, optimizer=_make_optimizer(optimizer, candidate.parameters()),
-        config=_ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip), training_data=dataset,
+        config=_ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip, gas=gas), training_data=dataset,
     )
     assert engine.module.groups.sp_size == sp_size and engine.module.module is candidate
 
@@ -81,25 +82,29 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
         out["loader_ids"] = list(loader.data_sampler)  # (iterating it spawns workers, not allowed here)
         out["sampler_ids"] = list(autosp.sequence_parallel_sampler(dataset, engine, seed=3))
     for step in range(STEPS):
-        samples = [make_sample(SEQ_LEN, vocab, seed=1000 * step + d) for d in range(dp_size)]
+        # samples[m][d]: micro-batch m of replica d.  Replicas and micro-batches are averaged.
+        samples = [[make_sample(SEQ_LEN, vocab, seed=1000 * step + 10 * m + d) for d in range(dp_size)]
+                   for m in range(gas)]
         losses = []
-        for ids, labels in samples:  # data parallelism averages the replicas' gradients
+        for ids, labels in (s for micro in samples for s in micro):
             loss = loss_of(reference(input_ids=ids, labels=labels))
-            (loss / dp_size).backward()
+            (loss / (dp_size * gas)).backward()
             losses.append(loss.detach())
-        out["ref_loss"].append(losses[dp_rank])
+        out["ref_loss"].append(losses[(gas - 1) * dp_size + dp_rank])  # this rank's last micro-batch
         out["ref_grads"].append({n: p.grad.detach().clone() for n, p in reference.named_parameters()})
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip if clip else float("inf"))
         out["ref_norm"].append(float(norm))
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
 
-        ids, labels = samples[dp_rank]
-        loss = loss_of(engine(**autosp.prepare_inputs(ids, labels=labels)))
-        engine.backward(loss)
-        out["loss"].append(loss.detach())
-        out["grads"].append({n: _full_grad(p) for n, p in candidate.named_parameters()})
-        engine.step()
+        for m in range(gas):
+            ids, labels = samples[m][dp_rank]
+            loss = loss_of(engine(**autosp.prepare_inputs(ids, labels=labels)))
+            engine.backward(loss)
+            if m == gas - 1:  # the accumulation boundary: gradients reduced
+                out["loss"].append(loss.detach())
+                out["grads"].append({n: _full_grad(p) for n, p in candidate.named_parameters()})
+            engine.step()  # steps the optimizer at the boundary only
 
     out["params"] = {n: p.detach().clone() for n, p in candidate.named_parameters()}
     out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -141,7 +146,7 @@ def _check_data(results, sp_size):
 ZERO_CASES = [
     {"zero_stage": 0, "optimizer": "sgd", "clip": CLIP, "data": True},
     {"zero_stage": 1, "optimizer": "adam"},
-    {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP},
+    {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP, "gas": 2},
 ]
 
 
