@@ -180,8 +180,10 @@ def train(args: argparse.Namespace) -> dict | None:
     config = hf_config(args)
     model = build_model(config, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    engine, *_ = autosp.deepspeed_initialize(model=model, optimizer=optimizer, config=ds_config(args, sp_size, dtype))
+    config_dict = ds_config(args, sp_size, dtype)
+    # A torch optimizer unless --deepspeed-config names one (refused on CPU if it would JIT-build ops).
+    optimizer = None if "optimizer" in config_dict else torch.optim.AdamW(model.parameters(), lr=args.lr)
+    engine, *_ = autosp.deepspeed_initialize(model=model, optimizer=optimizer, config=config_dict)
     groups = engine.module.groups
     log.info("model %s: %.3g B parameters, %d layers; world %d = SP %d x DP %d; seq %d; ZeRO %d; %s; %s on %s",
              args.model, n_params / 1e9, config.num_hidden_layers, world, groups.sp_size, groups.dp_size,
