@@ -16,6 +16,12 @@ Flash attention keeps every activation O(S), so per-rank peak memory is affine i
 S: the script fits ``peak = static + per_token · S`` per variant over the
 measured lengths (the fit's worst residual is printed) and reports the longest
 sequence that fits a per-rank memory cap (``--cap-mib``), next to Ulysses'.
+
+``--paper-scale MODEL`` adds the same comparison at paper scale, simulated: the
+real passes trace the model on fake tensors and a fake group of 8 (one and two
+layers, extrapolated; experiments.paper_scale), and the exported schedule's
+memory timeline on 8×A100-80GB gives the peak per rank and the longest
+trainable sequence for each checkpointing setting.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ def _bench_on_rank(rank: int, world: int, spec: dict) -> dict:
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab_size(base), (1, spec["seq_len"]), generator=generator)
     labels = ids.clone()
-    systems, results = {}, {}
+    systems, models, results = {}, {}, {}
     for label in spec["variants"]:
         name, options = VARIANTS[label]
         model = copy.deepcopy(base)
@@ -65,16 +71,21 @@ def _bench_on_rank(rank: int, world: int, spec: dict) -> dict:
         start = time.perf_counter()
         system = build_system(name, model, sp_size=world, compiler=spec["compiler"], **options)
         loss = system.step(ids, labels)
-        compile_s = time.perf_counter() - start
+        systems[label], models[label] = system, model
+        results[label] = {"loss": float(loss), "compile_s": time.perf_counter() - start, "step_s": []}
+    # A warm-up round once all are built: building one variant may change state another's compiled
+    # code guards on, so its first step afterwards could recompile.
+    for system in systems.values():
         system.zero_grad()
-        with PeakMemory(static=list(model.parameters()), keep_breakdown=False) as memory:
+        system.step(ids, labels)
+    for label, system in systems.items():
+        system.zero_grad()
+        with PeakMemory(static=list(models[label].parameters()), keep_breakdown=False) as memory:
             system.step(ids, labels)
-        systems[label] = system
-        results[label] = {"loss": float(loss), "compile_s": compile_s, "peak_bytes": memory.peak_bytes,
-                          "step_s": []}
+        results[label]["peak_bytes"] = memory.peak_bytes
         if rank == 0:
-            log.info("S=%d %s: compiled in %.1f s, peak %.1f MiB", spec["seq_len"], label, compile_s,
-                     memory.peak_bytes / 2**20)
+            log.info("S=%d %s: compiled in %.1f s, peak %.1f MiB", spec["seq_len"], label,
+                     results[label]["compile_s"], memory.peak_bytes / 2**20)
     labels_order = list(spec["variants"])
     for round_ in range(spec["steps"]):
         shift = round_ % len(labels_order)
@@ -135,6 +146,31 @@ def run(args) -> tuple[list[dict], list[dict]]:
     return rows, caps
 
 
+PAPER_SCALE_SETTINGS = ("sac", "none", "default", "full")
+
+
+def run_paper_scale(model: str, seq_len: int, granularity: int) -> list[dict]:
+    from tqdm import tqdm
+
+    from experiments.paper_scale import max_trainable_seq_len, simulate_autosp_step
+
+    rows = []
+    for setting in tqdm(PAPER_SCALE_SETTINGS, desc=f"{model} (simulated)", file=sys.stderr):
+        options = {"checkpointing": setting}
+        step = simulate_autosp_step(model, seq_len, autosp_options=options)
+        rows.append({
+            "model": model, "checkpointing": setting, "seq_len": seq_len,
+            "step_s": round(step.step_time_s, 3), "peak_gib": round(step.peak_memory_bytes / 2**30, 2),
+            "activation_gib": round((step.peak_memory_bytes - step.static_memory_bytes) / 2**30, 2),
+            "max_seq_len": max_trainable_seq_len(model, granularity=granularity, autosp_options=options),
+        })
+    none = next(r for r in rows if r["checkpointing"] == "none")
+    for r in rows:
+        r["max_seq_vs_none"] = round(r["max_seq_len"] / none["max_seq_len"], 2) if none["max_seq_len"] else "n/a"
+        r["step_vs_none"] = round(r["step_s"] / none["step_s"], 3)
+    return rows
+
+
 def _markdown(rows: list[dict]) -> str:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -152,20 +188,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--cap-mib", type=float, default=1024.0, help="per-rank memory cap for the max-length table")
     parser.add_argument("--quick", action="store_true", help="two short lengths, two timed steps")
+    parser.add_argument("--paper-scale", metavar="MODEL", help="also simulate MODEL (e.g. llama-3.1-8b) on 8xA100")
+    parser.add_argument("--paper-seq-len", type=int, default=65536, help="sequence length of the paper-scale step")
+    parser.add_argument("--granularity", type=int, default=8192, help="paper-scale max-length search step")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_sac_overlap"))
     args = parser.parse_args(argv)
     if args.quick:
         args.seq_lens, args.steps = [256, 512], 2
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     rows, caps = run(args)
+    tables = {"steps": rows, "max_seq_len_at_cap": caps}
+    if args.paper_scale:
+        tables["paper_scale"] = run_paper_scale(args.paper_scale, args.paper_seq_len, args.granularity)
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, table in (("steps", rows), ("max_seq_len_at_cap", caps)):
+    for name, table in tables.items():
         with open(args.out / f"{name}.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(table[0]))
             writer.writeheader()
             writer.writerows(table)
         (args.out / f"{name}.md").write_text(_markdown(table) + "\n")
     sys.stdout.write(_markdown(rows) + "\n\n" + f"per-rank memory cap {args.cap_mib:g} MiB:\n" + _markdown(caps) + "\n")
+    if args.paper_scale:
+        sys.stdout.write("\nsimulated at paper scale (8xA100-80GB, SP 8):\n" + _markdown(tables["paper_scale"]) + "\n")
     return 0
 
 
