@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).resolve().parents[1] / "paper" / "paper.md"
 PLACEHOLDER = re.compile(r"\{\{(table|figure|cell|run):([^{}]*)\}\}")
+SOURCE_COMMENT = re.compile(r"<!--.*?-->\n?", re.DOTALL)  # notes for the source's editors only
 PRODUCERS = {
     "validation/validation": "python -m experiments.validate_simulator --out RESULTS/validation",
 }
@@ -110,7 +111,7 @@ class Builder:
 def build_paper(results: pathlib.Path, out: pathlib.Path, source: pathlib.Path = SOURCE) -> pathlib.Path:
     """Render ``source`` with the results in ``results`` into ``out/paper.md`` (+ ``out/figures/``)."""
     builder = Builder(results, out)
-    text = builder.render(source.read_text())
+    text = builder.render(SOURCE_COMMENT.sub("", source.read_text()))
     out.mkdir(parents=True, exist_ok=True)
     (out / "figures").mkdir(exist_ok=True)
     for figure in builder.figures:

@@ -171,9 +171,13 @@ def table_memory_cap(args) -> list[dict]:
                 rows.append({**row, "max_seq_len": "", "first_failure": "", "probes_tokens_mib": probes,
                              "search_s": "", "note": f"unsupported: {r['unsupported']}"})
                 continue
-            closed = r["first_failure"] is not None and r["first_failure"] - r["max_seq_len"] <= args.cap_granularity
-            note = "" if closed else ("reached the search limit" if r["first_failure"] is None
-                                      else "probe budget spent: a lower bound")
+            fit, fail = r["max_seq_len"], r["first_failure"]
+            if fail is None and fit >= args.cap_max_len:
+                note = f"fits up to the search limit ({args.cap_max_len} tokens)"
+            elif fail is None or fail - fit > args.cap_granularity:
+                note = f"probe budget ({args.cap_probes}) spent: a lower bound"
+            else:
+                note = ""
             rows.append({**row, "max_seq_len": r["max_seq_len"], "first_failure": r["first_failure"] or "",
                          "probes_tokens_mib": probes, "search_s": f"{r['search_s']:.0f}", "note": note})
     return rows

@@ -12,12 +12,14 @@ import pytest
 
 from experiments.paper_scale import simulate_autosp_step
 
+pytestmark = pytest.mark.timeout(1800)  # the first test to use quick_results pays for the whole quick run
+
 
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
     proc = subprocess.run([sys.executable, "-m", "experiments.reproduce", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
