@@ -104,8 +104,8 @@ def _measured_step(system, ids, labels, measure_memory: bool) -> int | None:
 
 
 def _quiet_rank() -> None:
-    # DeepSpeed's ZeRO-3 calls a deprecated torch.distributed function on every step.
-    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
+    # DeepSpeed calls deprecated torch.distributed functions (reduce_scatter_tensor, ...) on every step.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
