@@ -26,6 +26,7 @@ import argparse
 import csv
 import json
 import logging
+import math
 import pathlib
 import sys
 import time
@@ -145,7 +146,11 @@ def table_measured_cpu(args) -> list[dict]:
             if with_memory:
                 peaks = [r["peak_memory_bytes"] / 2**20 for r in results]
                 row.update({"peak_mib": f"{max(peaks):.2f}", "peak_mib_by_rank": "/".join(f"{p:.2f}" for p in peaks)})
-            row["note"] = "inexact" if grad_error > EXACT_GRAD_ERROR else ""
+            nan_ranks = [str(i) for i, r in enumerate(results) if math.isnan(r["loss"])]
+            row["note"] = "; ".join(filter(None, [
+                "inexact" if not grad_error <= EXACT_GRAD_ERROR else "",
+                f"NaN loss on rank {', '.join(nan_ranks)}" if nan_ranks else "",
+            ]))
             rows.append(row)
     return rows
 
