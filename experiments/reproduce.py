@@ -57,14 +57,18 @@ def _ratio_note(simulated: float | None, published: str) -> tuple[str, str]:
 
 def table_max_seq_len(args) -> list[dict]:
     from experiments.paper_scale import max_trainable_seq_len
+    from experiments.paper_scale_baselines import SIMULATED_BASELINES, max_trainable_seq_len_baseline
 
     rows = []
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
     models = sorted({r["model"] for r in published})
     for model in tqdm(models, desc="max-seq-len (simulated search per model)", file=sys.stderr):
-        simulated = max_trainable_seq_len(model, granularity=args.granularity)
+        simulated = {"autosp": max_trainable_seq_len(model, granularity=args.granularity)}
+        for system in SIMULATED_BASELINES:  # see Note [Baselines as AutoSP variants]
+            simulated[system], _ = max_trainable_seq_len_baseline(
+                system, model, granularity=args.granularity, max_probes=args.baseline_probes)
         for row in (r for r in published if r["model"] == model):
-            sim = simulated if row["system"] == "autosp" else None
+            sim = simulated.get(row["system"])
             ratio, note = _ratio_note(sim, row["value"])
             rows.append({
                 "model": model, "system": row["system"], "published_tokens": row["value"],
@@ -76,16 +80,19 @@ def table_max_seq_len(args) -> list[dict]:
 
 def table_iteration_time(args) -> list[dict]:
     from experiments.paper_scale import simulate_autosp_step
+    from experiments.paper_scale_baselines import SIMULATED_BASELINES, simulate_baseline_step
 
     rows = []
     published = [r for r in published_figures() if r["figure"] == "iteration_s"]
     lengths = sorted({int(r["seq_len"]) for r in published})
     sims = {}
     for seq_len in tqdm(lengths, desc="iteration-time (simulated llama-3.1-8b)", file=sys.stderr):
-        sims[seq_len] = simulate_autosp_step(args.iteration_model, seq_len)
+        sims["autosp", seq_len] = simulate_autosp_step(args.iteration_model, seq_len)
+        for system in SIMULATED_BASELINES:
+            sims[system, seq_len] = simulate_baseline_step(system, args.iteration_model, seq_len)
     for row in published:
         seq_len = int(row["seq_len"])
-        sim = sims[seq_len] if row["system"] == "autosp" else None
+        sim = sims.get((row["system"], seq_len))
         value = None if sim is None else (sim.step_time_s if sim.fits else None)
         ratio, note = _ratio_note(value, row["value"])
         if sim is not None and not sim.fits:
@@ -215,16 +222,19 @@ def plot_max_seq_len(rows: list[dict], path: pathlib.Path) -> None:
 
     models = sorted({r["model"] for r in rows})
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.16
+    width = 0.13
     for i, system in enumerate(SYSTEMS):
         values = [next((float(r["published_tokens"]) for r in rows if r["model"] == m and r["system"] == system), 0)
                   for m in models]
         ax.bar([x + i * width for x in range(len(models))], values, width, label=f"{system} (published)")
-    simulated = [next((float(r["simulated_tokens"] or 0) for r in rows if r["model"] == m and r["system"] == "autosp"),
-                      0) for m in models]
-    ax.bar([x + len(SYSTEMS) * width for x in range(len(models))], simulated, width, label="autosp (simulated)",
-           hatch="//", color="white", edgecolor="black")
-    ax.set_xticks([x + 2 * width for x in range(len(models))], models)
+    simulated_systems = [s for s in SYSTEMS if any(r["system"] == s and r["simulated_tokens"] != "" for r in rows)]
+    for j, system in enumerate(simulated_systems):
+        simulated = [next((float(r["simulated_tokens"] or 0) for r in rows if r["model"] == m and r["system"] == system),
+                          0) for m in models]
+        ax.bar([x + (len(SYSTEMS) + j) * width for x in range(len(models))], simulated, width,
+               label=f"{system} (simulated)", hatch="//" if system == "autosp" else "..", color="white",
+               edgecolor=f"C{SYSTEMS.index(system)}")
+    ax.set_xticks([x + (len(SYSTEMS) + len(simulated_systems) - 1) * width / 2 for x in range(len(models))], models)
     ax.set_ylabel("max trainable sequence (tokens)")
     ax.set_title("8×A100-80GB: published vs simulated")
     ax.legend(fontsize=7)
@@ -295,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="per-rank cap of the memory-cap table (default 16; --quick: 8)")
     args = parser.parse_args(argv)
     args.granularity = 8192 if args.quick else 1024
+    args.baseline_probes = 3 if args.quick else 6
     # CPU measurements: --quick is one 2-rank run of a short sequence, a few timed steps.
     args.cpu_ranks = (2,) if args.quick else (2, 4)
     args.cpu_seq_len = 256 if args.quick else 1024
