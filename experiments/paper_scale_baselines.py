@@ -90,8 +90,9 @@ def simulate_baseline_step(system: str, model_name: str, seq_len: int, *, ranks:
 
 
 def max_trainable_seq_len_baseline(system: str, model_name: str, *, granularity: int = 1024, start: int = 8192,
-                                   max_len: int = 262144, max_probes: int = 6) -> tuple[int, int]:
-    """Longest multiple of ``granularity`` tokens whose simulated step fits (0: none), and the probes used."""
+                                   max_len: int = 262144, max_probes: int = 6) -> tuple[int, bool]:
+    """Longest multiple of ``granularity`` tokens whose simulated step fits (0: none), and whether the search
+    converged (False: it stopped on ``max_probes`` and the length is a lower bound)."""
     capacity = None
     probes: list[tuple[int, int]] = []
     length = start
@@ -102,4 +103,4 @@ def max_trainable_seq_len_baseline(system: str, model_name: str, *, granularity:
         length = next_probe(probes, capacity, granularity=granularity, max_len=max_len)
     fit = max((s for s, p in probes if p <= capacity), default=0)
     log.info("%s %s: %d tokens fit (%d probes)", system, model_name, fit, len(probes))
-    return fit, len(probes)
+    return fit, length is None
