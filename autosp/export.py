@@ -10,8 +10,9 @@ A node's output is allocated when the node runs and freed after its last user.
 Views (view, transpose, slice, expand...) allocate nothing: they extend the
 lifetime of the tensor they alias.  Forward outputs that the backward graph
 reads (saved activations: AOTAutograd names the backward placeholder after the
-forward node) live until their last use in backward.  Parameters, gradients and
-optimizer state are static memory, not tensors.
+forward node) live until their last use in backward, or to the end of the
+backward where the runtime holds the backward's arguments that long (``aot_eager``).
+Parameters, gradients and optimizer state are static memory, not tensors.
 
 FLOPs: matmuls 2·M·N·K; attention counted here (torch's counter misses the CPU
 kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to two),
@@ -62,8 +63,12 @@ def _op_fields(op: Op) -> dict:
     return {f: getattr(op, f) for f in Op.__dataclass_fields__}
 
 
-def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, int]) -> None:
-    """Append ``gm``'s ops; ``live`` maps node names of tensors carried across graphs to tensor ids."""
+def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, int], *,
+                inputs_freed_at_last_use: bool = True) -> None:
+    """Append ``gm``'s ops; ``live`` maps node names of tensors carried across graphs to tensor ids.
+
+    ``inputs_freed_at_last_use=False``: the graph's inputs stay alive until its last op (see Note
+    [Tensor lifetimes in the export])."""
     root: dict[fx.Node, int | None] = {}  # node -> tensor id it aliases (None: static or untracked)
     last_use: dict[int, int] = {}
     node_op: dict[fx.Node, int] = {}
@@ -123,6 +128,9 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 last_use[t] = op_id
         if root.get(node) is not None:
             last_use.setdefault(root[node], op_id)
+    if not inputs_freed_at_last_use and em.ops:
+        inputs = {root[n] for n in gm.graph.nodes if n.op == "placeholder" and root.get(n) is not None}
+        last_use.update({tid: em.ops[-1].id for tid in inputs if tid in last_use})
     for tid, op_id in last_use.items():
         em.frees_at.setdefault(op_id, []).append(tid)
 
@@ -136,6 +144,7 @@ def export_workload(
     optimizer_bytes_per_parameter_byte: float = 6.0,
     zero_shards: int = 1,
     metadata: dict | None = None,
+    saved_freed_at_last_use: bool = True,
 ) -> Workload:
     """One symmetric Workload of world ``sp_size`` from the latest forward and backward graphs.
 
@@ -143,6 +152,9 @@ def export_workload(
     state (default 6 bytes per parameter byte: fp32 Adam moments and master weights
     for bf16 parameters, i.e. 12 bytes per 2-byte parameter), the optimizer state and
     gradients divided over ``zero_shards`` ranks (ZeRO-1/2 across the SP group).
+    ``saved_freed_at_last_use``: whether the backward frees each saved activation after
+    its last use (Inductor's generated code does) or holds them all until it returns
+    (``aot_eager`` does: its boxed call keeps the argument list alive).
     """
     graphs = dict(aot_graphs)
     if "forward" not in graphs or "backward" not in graphs:
@@ -150,7 +162,7 @@ def export_workload(
     em = _Emitter(group="sp")
     live: dict[str, int] = {}
     _emit_graph(graphs["forward"], "forward", em, live)
-    _emit_graph(graphs["backward"], "backward", em, live)
+    _emit_graph(graphs["backward"], "backward", em, live, inputs_freed_at_last_use=saved_freed_at_last_use)
     static = StaticMemory(
         parameter_bytes=int(parameter_bytes),
         gradient_bytes=int(parameter_bytes // zero_shards),

@@ -139,7 +139,8 @@ def _measure_case(rank: int, world: int, case: Case, warmup: int, steps: int) ->
               "memory_by_op": dict(list(breakdown["by_op"].items())[:8])}
     if rank == 0:
         workload = export_workload(compiled.report.aot_graphs, name=case.label, sp_size=world,
-                                   parameter_bytes=parameter_bytes, optimizer_bytes_per_parameter_byte=0.0)
+                                   parameter_bytes=parameter_bytes, optimizer_bytes_per_parameter_byte=0.0,
+                                   saved_freed_at_last_use=False)  # aot_eager holds the backward's inputs
         result["workload"] = workload.to_dict()
     dist.barrier()
     return result
