@@ -180,10 +180,12 @@ def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
 # the compiling one, maximum over ranks by all_reduce) stays at or under ``cap_bytes``.  Every
 # probe builds the system afresh on a fresh Dynamo cache (no recompile limits, no dynamic shapes),
 # so a probe costs a compile: the search must need few.  Peak memory grows about linearly with the
-# length (activations; attention is flash-style, O(S) memory), so after each probe the next length
-# is where the straight line through the two probes nearest the cap crosses it (secant method; the
-# first guess scales the first probe proportionally), rounded to ``granularity`` and kept strictly
-# between the longest length that fitted and the shortest that did not.  It stops when those two are
+# length (activations; attention is flash-style, O(S) memory), so the next length is where a
+# straight line crosses the cap: through the first probe and the origin at first, then through the
+# two longest fitting (or two shortest failing) probes, and once the cap is bracketed through the
+# bracket's ends (regula falsi), clamped so that the bracket shrinks by at least a quarter per probe
+# (robust to memory that is not quite linear, or not monotone at short lengths); rounded to
+# ``granularity`` and kept strictly between the longest length that fitted and the shortest that did not.  It stops when those two are
 # ``granularity`` apart, at ``max_len``, or after ``max_probes`` probes (bounded run time); the
 # answer is always a length that was measured to fit.  Monotone growth of peak memory with length,
 # true for every system here, is what makes the bracket valid.
@@ -194,20 +196,24 @@ def next_probe(probes: list[tuple[int, int]], cap_bytes: int, *, granularity: in
 
     A pure function (see Note [Memory-cap search]); lengths are multiples of ``granularity``.
     """
+    peak = dict(probes)
     fits = [s for s, p in probes if p <= cap_bytes]
     fails = [s for s, p in probes if p > cap_bytes]
     lo = max(fits, default=0)
     hi = min(fails, default=max_len + granularity)
     if hi - lo <= granularity or (not fails and lo >= max_len):
         return None
-    ordered = sorted(probes, key=lambda sp: abs(sp[1] - cap_bytes))
-    if len(probes) == 1:
+    if fits and fails:  # bracketed: interpolate, but shrink the bracket by at least a quarter
+        slope = (peak[hi] - peak[lo]) / (hi - lo)
+        guess = lo + (cap_bytes - peak[lo]) / slope if slope > 0 else (lo + hi) / 2
+        guess = min(max(guess, lo + (hi - lo) / 4), hi - (hi - lo) / 4)
+    elif len(probes) == 1:
         (s0, p0), = probes
         guess = s0 * cap_bytes / max(p0, 1)
-    else:
-        (s0, p0), (s1, p1) = ordered[0], ordered[1]
-        slope = (p1 - p0) / (s1 - s0) if s1 != s0 and p1 != p0 else 0.0
-        guess = s0 + (cap_bytes - p0) / slope if slope > 0 else 2 * s0
+    else:  # all fit (extrapolate from the two longest) or all fail (from the two shortest)
+        (s0, p0), (s1, p1) = sorted(probes)[-2:] if not fails else sorted(probes)[:2]
+        slope = (p1 - p0) / (s1 - s0)
+        guess = s1 + (cap_bytes - p1) / slope if slope > 0 else (2 * s1 if not fails else s0 / 2)
     length = int(guess // granularity) * granularity
     return max(lo + granularity, min(length, hi - granularity, max_len))
 

@@ -166,3 +166,20 @@ def test_paper_scale_baselines_simulate_ulysses_as_autosp_without_checkpointing(
     assert step.step_time_s > 0 and step.peak_memory_bytes > step.static_memory_bytes
     with pytest.raises(ValueError, match="ulysses"):
         simulate_baseline_step("ring_attention", "llama-3.2-3b", 4096)
+
+
+@pytest.mark.parametrize("peak, start, answer", [
+    (lambda s: 500_000 + 2_400 * s, 512, 3840),                            # linear: the cap is at 3958 tokens
+    (lambda s: 6_000_000 + 100 * s if s < 2000 else 2_400 * s, 512, 4096),  # flat, then steeper (cap at 4166)
+    (lambda s: 1_000_000 + 2_400 * s, 65536, 3584),                         # the first probe already fails
+])
+def test_memory_cap_search_finds_the_longest_fitting_length_in_few_probes(peak, start, answer):
+    from experiments.measure import next_probe
+
+    probes, length = [], start
+    while length is not None:
+        probes.append((length, peak(length)))
+        length = next_probe(probes, 10_000_000, granularity=256, max_len=65536)
+        assert len(probes) <= 8, probes
+    assert max(s for s, p in probes if p <= 10_000_000) == answer
+    assert min(s for s, p in probes if p > 10_000_000) == answer + 256
