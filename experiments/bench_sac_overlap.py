@@ -55,6 +55,7 @@ def _bench_on_rank(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
     from experiments.baselines import build_system
+    from experiments.measure import time_interleaved
     from experiments.models import build_model, vocab_size
     from experiments.peak_memory import PeakMemory
 
@@ -86,16 +87,8 @@ def _bench_on_rank(rank: int, world: int, spec: dict) -> dict:
         if rank == 0:
             log.info("S=%d %s: compiled in %.1f s, peak %.1f MiB", spec["seq_len"], label,
                      results[label]["compile_s"], memory.peak_bytes / 2**20)
-    labels_order = list(spec["variants"])
-    for round_ in range(spec["steps"]):
-        shift = round_ % len(labels_order)
-        for label in labels_order[shift:] + labels_order[:shift]:
-            systems[label].zero_grad()
-            dist.barrier()
-            start = time.perf_counter()
-            systems[label].step(ids, labels)
-            dist.barrier()
-            results[label]["step_s"].append(time.perf_counter() - start)
+    for label, step_s in time_interleaved(systems, ids, labels, steps=spec["steps"]).items():
+        results[label]["step_s"] = step_s
     for r in results.values():
         r["median_step_s"] = statistics.median(r["step_s"])
     return results

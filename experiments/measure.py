@@ -108,6 +108,24 @@ def _quiet_rank() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
+def time_interleaved(systems: dict, ids, labels, *, steps: int) -> dict[str, list[float]]:
+    """Seconds of ``steps`` training steps of every system, barrier-aligned on all ranks, interleaved:
+    each round steps every system once, the order rotating by one every round, so machine noise hits
+    every system alike and ratios measured in one run mean something."""
+    names = list(systems)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(steps):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            systems[name].zero_grad()
+            dist.barrier()
+            start = time.perf_counter()
+            systems[name].step(ids, labels)
+            dist.barrier()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
     from experiments.baselines import BaselineUnsupported, build_system
     from experiments.models import build_model, vocab_size
@@ -156,15 +174,8 @@ def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
             systems[name].step(ids, labels)
     for name in names:
         results[name]["peak_memory_bytes"] = _measured_step(systems[name], ids, labels, measure_memory)
-    for round_ in range(spec.steps):
-        order = names[round_ % len(names):] + names[: round_ % len(names)]
-        for name in order:
-            systems[name].zero_grad()
-            dist.barrier()
-            start = time.perf_counter()
-            systems[name].step(ids, labels)
-            dist.barrier()
-            results[name]["step_s"].append(time.perf_counter() - start)
+    for name, step_s in time_interleaved(systems, ids, labels, steps=spec.steps).items():
+        results[name]["step_s"] = step_s
     for r in results.values():
         if "step_s" in r:
             r["median_step_s"] = statistics.median(r["step_s"]) if r["step_s"] else float("nan")

@@ -28,11 +28,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from autosp.export import export_workload, trace_fake_step
 from experiments.measure import next_probe
-from experiments.models import PAPER_MODELS, PaperModel
-from experiments.paper_scale import ADAM_BYTES_PER_PARAMETER_BYTE, BF16_BYTES, SimulatedStep
-from simulator import Cluster, simulate
+from experiments.paper_scale import SimulatedStep, simulate_autosp_step
+from simulator import Cluster
 
 log = logging.getLogger(__name__)
 
@@ -47,46 +45,14 @@ def _autosp_options(**wanted) -> dict:
     return {k: v for k, v in wanted.items() if k in fields}
 
 
-def _trace(model: PaperModel, seq_len: int, layers: int, sp_size: int, zero_shards: int, cluster: Cluster,
-           options: dict) -> tuple[float, int]:
-    import torch
-    import transformers
-
-    torch._dynamo.reset()  # see experiments.paper_scale._simulate_layers
-    compiled, parameter_bytes = trace_fake_step(
-        lambda: transformers.LlamaForCausalLM(model.hf_config(num_layers=layers)),
-        seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size, **options,
-    )
-    workload = export_workload(
-        compiled.report.aot_graphs, name=f"{model.name}/L={layers}/S={seq_len}", sp_size=sp_size,
-        parameter_bytes=parameter_bytes, optimizer_bytes_per_parameter_byte=ADAM_BYTES_PER_PARAMETER_BYTE,
-        zero_shards=zero_shards,
-    )
-    result = simulate(workload, cluster)
-    rank = result.ranks[0]
-    return result.step_time_s, rank.peak_memory_bytes - rank.static_memory_bytes
-
-
 def simulate_baseline_step(system: str, model_name: str, seq_len: int, *, ranks: int = 8,
                            cluster: Cluster | None = None) -> SimulatedStep:
     """One training step of baseline ``system`` (see Note [Baselines as AutoSP variants])."""
     if system not in SIMULATED_BASELINES:
         raise ValueError(f"system {system!r} is not simulated at paper scale; choose one of {SIMULATED_BASELINES}")
-    model = PAPER_MODELS[model_name]
-    cluster = cluster or Cluster.from_preset("a100-80gb-sxm")
     options = _autosp_options(checkpointing="none", overlap_communication=False)
-    sp_size = ranks
-    (t1, m1), (t2, m2) = (_trace(model, seq_len, layers, sp_size, ranks, cluster, options) for layers in (1, 2))
-    parameter_bytes = model.parameter_count() * BF16_BYTES
-    optimizer_bytes = int(parameter_bytes * ADAM_BYTES_PER_PARAMETER_BYTE)
-    static = parameter_bytes + (parameter_bytes + optimizer_bytes) // ranks
-    layers = model.num_layers
-    return SimulatedStep(
-        model=model_name, seq_len=seq_len, sp_size=sp_size,
-        step_time_s=t1 + (layers - 1) * (t2 - t1),
-        peak_memory_bytes=int(static + m1 + (layers - 1) * (m2 - m1)), static_memory_bytes=int(static),
-        capacity_bytes=int(cluster.device.memory_bytes),
-    )
+    return simulate_autosp_step(model_name, seq_len, sp_size=ranks, cluster=cluster, zero_shards=ranks,
+                                autosp_options=options)
 
 
 def max_trainable_seq_len_baseline(system: str, model_name: str, *, granularity: int = 1024, start: int = 8192,
