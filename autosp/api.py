@@ -86,6 +86,13 @@ class SequenceParallelModel(nn.Module):
             if isinstance(err.inner_exception, AutoSPError):
                 raise err.inner_exception from None
             raise
+        except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+            raise AutoSPError(
+                f"torch.compile's recompile limit for {type(self.module).__name__}.forward was reached: every "
+                "compiled model instance (and every new input shape) compiles that code again.  Call "
+                "torch._dynamo.reset() between compiles of throwaway models, or raise "
+                "torch._dynamo.config.recompile_limit"
+            ) from err
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
             raise AutoSPError(
                 "the model does not trace as one graph (AutoSP compiles with fullgraph=True, since a graph "

@@ -208,3 +208,11 @@ def test_errors_sp_size_one_warns_and_compiles_plainly():
             warnings.simplefilter("error")
             loss = compiled(**autosp.prepare_inputs(ids, labels=labels))
     torch.testing.assert_close(loss, expected)
+
+
+def test_errors_recompile_limit_says_what_to_do_not_graph_break():
+    ids, labels = make_sample(16, 256, seed=0)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        _call(build_model("plain-llama"), ids, labels)
+        with pytest.raises(AutoSPError, match=r"recompile limit .*torch._dynamo.reset\(\)"):
+            _call(build_model("plain-llama"), ids, labels)  # a second instance compiles the same forward again
