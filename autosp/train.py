@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     if summary is not None:
-        print(json.dumps(summary), flush=True)  # noqa: T201 - the CLI's final summary, one JSON line
+        # The command's result (not a diagnostic, which goes to logging): one JSON line on stdout.
+        sys.stdout.write(json.dumps(summary) + "\n")
+        sys.stdout.flush()
         if args.summary_json:
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=2)
