@@ -16,15 +16,20 @@ from torch import nn
 from experiments.plain_llama import PlainLlama, PlainLlamaConfig
 
 
-def _hf_llama(layers: int = 2, hidden: int = 64, heads: int = 8, kv_heads: int = 2, vocab: int = 256):
+def _hf_decoder(family: str, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, **extra):
+    """A Llama-shaped Hugging Face decoder (``family``: "Llama", "Qwen2", "Mistral") with SDPA attention."""
     import transformers
 
-    config = transformers.LlamaConfig(
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa", **extra,
     )
-    return transformers.LlamaForCausalLM(config)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+def _hf_llama(layers: int = 2, hidden: int = 64, heads: int = 8, kv_heads: int = 2, vocab: int = 256):
+    return _hf_decoder("Llama", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab)
 
 
 def _hf_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256):
@@ -42,25 +47,13 @@ def _hf_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256
 
 
 def _hf_qwen2(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256):
-    import transformers
-
-    config = transformers.Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-        use_sliding_window=False, attn_implementation="sdpa",
-    )
-    return transformers.Qwen2ForCausalLM(config)
+    return _hf_decoder("Qwen2", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
+                       use_sliding_window=False)
 
 
 def _hf_mistral(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 1, vocab: int = 256):
-    import transformers
-
-    config = transformers.MistralConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-        sliding_window=None, attn_implementation="sdpa",
-    )
-    return transformers.MistralForCausalLM(config)
+    return _hf_decoder("Mistral", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
+                       sliding_window=None)
 
 
 def _plain(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 4, vocab: int = 256):
