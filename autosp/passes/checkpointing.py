@@ -143,7 +143,7 @@ def tag_recomputation(
 ) -> CheckpointPlan:
     """Set ``node.meta["recompute"]`` on the forward nodes of AOTAutograd's joint graph."""
     saved, recompute = [], []
-    candidates, costs = [], {}
+    candidates, costs, classes = [], {}, {}
     forward_flops = 0
     forward = _forward_ops(graph)
     segments = _attention_segments(forward)
@@ -152,7 +152,7 @@ def tag_recomputation(
             continue  # aliases: the partitioner recomputes views for free
         op_class, flops = classify(node)
         forward_flops += flops
-        costs[node] = flops
+        costs[node], classes[node] = flops, op_class
         if _is_collective(node):
             saved.append(node)
         elif _is_random(node):
@@ -168,10 +168,10 @@ def tag_recomputation(
                 saved.append(node)
             else:
                 candidates.append(node)
+    plain = {n: Candidate(n.name, "matmul" if classes[n] == "matmul" else "cheap", costs[n],
+                          nbytes_of(n.meta.get("val"))) for n in candidates}
     if setting == "sac":
-        plain = [Candidate(n.name, "matmul" if classify(n)[0] == "matmul" else "cheap", costs[n],
-                           nbytes_of(n.meta.get("val"))) for n in candidates]
-        chosen = choose_recomputation(plain, forward_flops=forward_flops, recompute_limit=recompute_limit,
+        chosen = choose_recomputation(plain.values(), forward_flops=forward_flops, recompute_limit=recompute_limit,
                                       memory_budget=memory_budget)
         recompute += [n for n in candidates if n.name in chosen]
         saved += [n for n in candidates if n.name not in chosen]
@@ -182,15 +182,14 @@ def tag_recomputation(
         for user in node.users:  # multi-output ops: their getitems share the decision
             if user.target is operator.getitem:
                 user.meta["recompute"] = policy
-    candidate_names = {n.name for n in candidates}
     plan = CheckpointPlan(
         setting=setting,
         saved=tuple(n.name for n in saved),
         recomputed=tuple(n.name for n in recompute),
         forward_flops=forward_flops,
         recompute_flops=sum(costs[n] for n in recompute),
-        candidate_bytes=sum(nbytes_of(n.meta.get("val")) for n in candidates),
-        kept_candidate_bytes=sum(nbytes_of(n.meta.get("val")) for n in saved if n.name in candidate_names),
+        candidate_bytes=sum(c.nbytes for c in plain.values()),
+        kept_candidate_bytes=sum(plain[n].nbytes for n in saved if n in plain),
     )
     log.debug("checkpointing %s: %d saved, %d recomputed (%.1f%% of forward FLOPs)", setting, len(plan.saved),
               len(plan.recomputed), 100 * plan.recompute_flops / max(forward_flops, 1))
