@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
     try:
         summary = train(args)
+        if dist.is_initialized():
+            # Every rank has finished communicating before any tears its process group down:
+            # a gloo peer destroyed while another still talks to it can abort that process.
+            dist.barrier()
     except AutoSPError as err:
         log.error("%s", err)
         return 2

@@ -37,6 +37,7 @@ def _rank_entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: t
                                 world_size=world_size, timeout=timedelta(minutes=10))
         try:
             result = fn(rank, world_size, *args)
+            dist.barrier()  # all ranks done communicating before any tears the group down
         finally:
             dist.destroy_process_group()
         path.write_text(json.dumps({"ok": result}))
