@@ -55,25 +55,51 @@ def schema_arg(node: fx.Node, name: str, default=None):
     return default
 
 
-def attention_flops(q_shape, k_shape, *, causal: bool, backward: bool) -> int:
-    """FLOPs of scaled-dot-product attention for q [B, H, Sq, D] and k [B, Hk, Sk, D]."""
-    *batch, s_q, d = q_shape
-    s_k = k_shape[-2]
-    flops = 4 * math.prod(batch) * s_q * s_k * d
+def attention_scores(q_shape, k_shape, *, causal: bool, backward: bool) -> int:
+    """Query-key scores of scaled-dot-product attention for q [B, H, Sq, D] and k [B, Hk, Sk, D].
+
+    B·H·Sq·Sk, halved under causal masking; the backward counts 2.5x like its FLOPs (it recomputes the
+    probabilities and forms their gradient: measured on CPU, its time per score is 2.5-2.7x the forward's
+    at every head dimension).
+    """
+    *batch, s_q, _ = q_shape
+    scores = math.prod(batch) * s_q * k_shape[-2]
     if causal:
-        flops //= 2
-    return int(flops * 2.5) if backward else flops
+        scores //= 2
+    return int(scores * 2.5) if backward else scores
+
+
+def attention_flops(q_shape, k_shape, *, causal: bool, backward: bool) -> int:
+    """FLOPs of scaled-dot-product attention for q [B, H, Sq, D] and k [B, Hk, Sk, D]: 4·D per score."""
+    return 4 * q_shape[-1] * attention_scores(q_shape, k_shape, causal=causal, backward=backward)
+
+
+def _attention_shapes(node: fx.Node):
+    """(q shape, k shape, causal, backward) of an attention node, None for any other node."""
+    packet = packet_name(node.target)
+    if not ("scaled_dot_product" in packet or "flash_attention" in packet or "efficient_attention" in packet):
+        return None
+    backward = "backward" in packet
+    q, k = node.args[1:3] if backward else node.args[0:2]
+    return q.meta["val"].shape, k.meta["val"].shape, bool(schema_arg(node, "is_causal", False)), backward
+
+
+def attention_scores_of(node: fx.Node) -> int:
+    """Query-key scores an attention node evaluates (see `attention_scores`); 0 for any other node."""
+    shapes = _attention_shapes(node)
+    if shapes is None:
+        return 0
+    q, k, causal, backward = shapes
+    return attention_scores(q, k, causal=causal, backward=backward)
 
 
 def classify(node: fx.Node) -> tuple[str, int]:
     """(op_class, flops) of a compute node."""
     target, packet = node.target, packet_name(node.target)
-    if "scaled_dot_product" in packet or "flash_attention" in packet or "efficient_attention" in packet:
-        q, k = node.args[1:3] if "backward" in packet else node.args[0:2]
-        causal = bool(schema_arg(node, "is_causal", False))
-        return "attention", attention_flops(
-            q.meta["val"].shape, k.meta["val"].shape, causal=causal, backward="backward" in packet
-        )
+    shapes = _attention_shapes(node)
+    if shapes is not None:
+        q, k, causal, backward = shapes
+        return "attention", attention_flops(q, k, causal=causal, backward=backward)
     if target in MATMULS:
         a, b = (node.args[1], node.args[2]) if target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
         sa, sb = a.meta["val"].shape, b.meta["val"].shape

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autosp.costs import VIEWS, classify, nbytes_of, packet_name
+from autosp.costs import VIEWS, attention_scores_of, classify, nbytes_of, packet_name
 from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
         deps = tuple(sorted({node_op[a] for a in node.all_input_nodes if a in node_op}))
         inputs = [root.get(a) for a in node.all_input_nodes]
         op_id = len(em.ops)
+        scores = 0
         if packet in VIEWS or node.target.__module__ == "_operator":
             root[node] = next((t for t in inputs if t is not None), None)
             kind, op_class, flops, allocates = "compute", "other", 0, ()
@@ -111,6 +112,7 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
             else:
                 kind = "compute"
                 op_class, flops = classify(node)
+                scores = attention_scores_of(node)
         collective = None
         if kind in ("collective", "collective_start"):
             em.collectives += 1
@@ -120,7 +122,8 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
         elif kind == "collective_wait":
             collective = em.started[node.args[0]]
         em.ops.append(Op(id=op_id, name=f"{phase}.{node.name}", kind=kind, op_class=op_class, phase=phase,
-                         flops=int(flops), bytes_read=int(read), bytes_written=int(written), deps=deps,
+                         flops=int(flops), bytes_read=int(read), bytes_written=int(written),
+                         attention_scores=scores, deps=deps,
                          allocates=allocates, collective=collective))
         node_op[node] = op_id
         for t in inputs:

@@ -1,17 +1,19 @@
 """Calibrate the simulator's ``cpu-gloo`` preset on this machine and write ``simulator/presets/cpu_gloo.json``.
 
-Run ``python -m experiments.calibrate_cpu`` (about a minute on 2 cores; ``--quick`` halves it, ``--out PATH``
-writes elsewhere). With one thread per process, as the gloo tests run, it measures: fp32 matmul FLOP/s (the
-preset's peak), elementwise, copy and reduction memory bandwidth, causal ``scaled_dot_product_attention``
-throughput, the fixed per-op cost (an aten op called from an FX graph on tiny tensors, as ``aot_eager`` runs
-compiled graphs: Python and dispatcher time, which dominates tiny CPU models), the host cost of entering a compiled
-graph (a toy forward + backward compiled with ``aot_eager``, its ops' cost removed, per graph), and AutoSP's
-all-to-all custom op (``autosp.ops.all_to_all``: layout copies and ``all_to_all_single``, as the compiled program
-calls it) over 2 and 4 local gloo processes at several message sizes. None of these is a measurement of a model
-step, so ``experiments.validate_simulator`` checks the preset out of sample. The all-to-all times are fitted by
-least squares to the simulator's own model,
+Run ``python -m experiments.calibrate_cpu`` (about two minutes on 2 cores; ``--quick`` halves it, ``--out PATH``
+writes elsewhere), with nothing else running. With one thread per process, as the gloo tests run, it measures:
+fp32 matmul FLOP/s (the preset's peak), elementwise, copy and reduction memory bandwidth, causal
+``scaled_dot_product_attention`` forward and backward over head dims 16-128 (fitted to a matmul rate plus a time
+per query-key score, see `measure_attention`), the host cost of one graph node and of entering one compiled graph
+(`_compiled_step_host_costs`: toy forward + backward steps compiled with ``aot_eager`` on tiny tensors, two
+depths: Python, dispatcher and allocator time, which dominates tiny CPU models), and AutoSP's all-to-all custom op (``autosp.ops.all_to_all``: layout copies
+and ``all_to_all_single``, as the compiled program calls it) over 2 and 4 local gloo processes at several
+message sizes, both alone (after a barrier) and between compute (`measure_all_to_all_in_step`: what a step
+pays). None of these is a measurement of a model step, so ``experiments.validate_simulator`` checks the preset
+out of sample. The in-step all-to-all costs are fitted by least squares to the simulator's own model,
 ``T = (p-1) * alpha + (p-1)/p * n / bandwidth`` (see ``simulator.cost_model.all_to_all_time_s``), giving the
-loopback link's latency (alpha split over the two hops of a device-switch-device route) and bandwidth.
+loopback link's latency (alpha split over the two hops of a device-switch-device route) and bandwidth, overall
+and per world size.
 """
 
 from __future__ import annotations
@@ -71,53 +73,129 @@ def measure_compute(repeat: int) -> dict[str, float]:
     out["elementwise_bytes_per_s"] = 3 * 4 * numel / _best_time_s(lambda: torch.add(x, y, out=z), repeat=repeat)
     out["copy_bytes_per_s"] = 2 * 4 * numel / _best_time_s(lambda: z.copy_(x), repeat=repeat)
     out["reduction_bytes_per_s"] = 4 * numel / _best_time_s(lambda: x.sum(), repeat=repeat)
-    heads, seq, dim = 8, 1024, 64
-    q, k, v = (torch.randn(1, heads, seq, dim) for _ in range(3))
-    attn_s = _best_time_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeat=repeat)
-    out["attention_flops_per_s"] = 4 * heads * seq * seq * dim / 2 / attn_s  # causal: half of QK^T and PV
+    out.update(measure_attention(repeat))
     t1, t2 = torch.randn(1), torch.randn(1)
     out["eager_add_call_s"] = _best_time_s(lambda: torch.add(t1, t2), repeat=repeat)
-    out["kernel_launch_overhead_s"] = _fx_op_call_s(repeat)
-    out["graph_call_overhead_s"] = _graph_call_overhead_s(repeat, out["kernel_launch_overhead_s"])
+    out["fx_chain_op_s"] = _fx_op_call_s(repeat)
+    out["fx_chain_view_s"] = _fx_op_call_s(repeat, target=torch.ops.aten.view.default)
+    node_s, graph_s = _compiled_step_host_costs(repeat)
+    # Every node of an aot_eager graph, view or not, costs the same dispatcher + Python round trip.
+    out["kernel_launch_overhead_s"] = out["view_op_overhead_s"] = node_s
+    out["graph_call_overhead_s"] = graph_s
     return out
 
 
-def _fx_op_call_s(repeat: int, ops: int = 200) -> float:
-    """Per-op time of a chain of tiny ``aten.mul.Tensor`` calls in an FX GraphModule (how aot_eager runs)."""
+def _fx_op_call_s(repeat: int, ops: int = 200, target=torch.ops.aten.mul.Tensor) -> float:
+    """Per-op time of a chain of tiny ``target`` calls in an FX GraphModule (how aot_eager runs a graph):
+    ``aten.mul.Tensor`` (an op that computes) or ``aten.view.default`` (a view, which moves no data)."""
     from torch import fx
 
     graph = fx.Graph()
     x, y = graph.placeholder("x"), graph.placeholder("y")
     node = x
     for _ in range(ops):
-        node = graph.call_function(torch.ops.aten.mul.Tensor, (node, y))
+        second = y if target is torch.ops.aten.mul.Tensor else [4]
+        node = graph.call_function(target, (node, second))
     graph.output(node)
     gm = fx.GraphModule({}, graph)
     a, b = torch.randn(4), torch.randn(4)
     return _best_time_s(lambda: gm(a, b), repeat=repeat) / ops
 
 
-def _graph_call_overhead_s(repeat: int, op_s: float) -> float:
-    """Host time of entering one aot_eager-compiled graph: a toy forward + backward step, minus its ops, / 2."""
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+ATTENTION_SEQ_LENS = (512, 1024)
+
+
+def measure_attention(repeat: int, heads: int = 8) -> dict:
+    """Causal ``scaled_dot_product_attention`` forward and backward over head dims and sequence lengths, fitted
+    to the simulator's attention cost ``flops / F + scores * c`` (see `simulator.cost_model.roofline_time_s`).
+
+    On a CPU the softmax work per query-key score (max, exp, sum, rescale) costs as much as the matmuls of a
+    16-wide head, so one FLOP rate cannot serve every head dimension; the fit gives the matmul rate F
+    (``attention_flops_per_s``) and the time per score c (``attention_score_time_s``). The backward counts
+    2.5x the forward's FLOPs and scores (`autosp.costs.attention_scores`). Least squares on relative error.
+    """
+    from autosp.costs import attention_flops, attention_scores
+
+    samples = []
+    for seq in ATTENTION_SEQ_LENS:
+        for dim in ATTENTION_HEAD_DIMS:
+            q, k, v = (torch.randn(1, heads, seq, dim, requires_grad=True) for _ in range(3))
+            grad = torch.randn(1, heads, seq, dim)
+            forward_s = _best_time_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeat=repeat)
+
+            def forward_backward():
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                torch.autograd.grad(out, (q, k, v), grad)
+
+            backward_s = max(_best_time_s(forward_backward, repeat=repeat) - forward_s, 0.0)
+            for backward, seconds in ((False, forward_s), (True, backward_s)):
+                shape = (1, heads, seq, dim)
+                samples.append({"seq_len": seq, "head_dim": dim, "backward": backward, "seconds": seconds,
+                                "flops": attention_flops(shape, shape, causal=True, backward=backward),
+                                "scores": attention_scores(shape, shape, causal=True, backward=backward)})
+    rate, score_s = fit_attention(samples)
+    for s in samples:
+        s["fit_error_pct"] = 100.0 * ((s["flops"] / rate + s["scores"] * score_s) / s["seconds"] - 1.0)
+    return {"attention_flops_per_s": rate, "attention_score_time_s": score_s, "attention_samples": samples}
+
+
+def fit_attention(samples: list[dict]) -> tuple[float, float]:
+    """Least-squares (FLOP/s, seconds per score) of ``seconds = flops / rate + scores * score_s``, each sample
+    weighted by 1/seconds (relative error)."""
+    rows = np.array([[s["flops"] / s["seconds"], s["scores"] / s["seconds"]] for s in samples])
+    (inv_rate, score_s), *_ = np.linalg.lstsq(rows, np.ones(len(samples)), rcond=None)
+    return 1.0 / max(float(inv_rate), 1e-15), max(float(score_s), 0.0)
+
+
+class _ToyBlock(torch.nn.Module):
+    """A transformer-flavoured block (norm, MLP with gated GELU, residual, a softmax mixing) for host-cost
+    calibration; not the model `experiments.validate_simulator` checks."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        h = self.up(self.norm(x))
+        y = x + self.down(F.gelu(h) * torch.sigmoid(h))
+        mix = torch.softmax(y.transpose(-1, -2) @ y / 8, dim=-1)
+        return y + (y @ mix) * 0.5
+
+
+def _compiled_step_host_costs(repeat: int, depths: tuple[int, int] = (1, 8)) -> tuple[float, float]:
+    """Host time per graph node and per compiled graph of an ``aot_eager`` forward + backward step.
+
+    Steps of toy models of two depths on tiny tensors (so the time is host time: Python, dispatcher, allocator,
+    autograd engine) are timed; the slope over their node counts is the cost of one node, the intercept (halved:
+    a forward and a backward graph) the cost of entering one graph.
+    """
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    graphs = []
+    points = []
+    for depth in depths:
+        graphs = []
 
-    def record(gm, _inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
+        def record(gm, _inputs, graphs=graphs):
+            graphs.append(gm)
+            return make_boxed_func(gm.forward)
 
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(8, 8)
-    step_fn = torch.compile(lambda x: layer(x).sum(), fullgraph=True,
-                            backend=aot_autograd(fw_compiler=record, bw_compiler=record))
-    x = torch.randn(4, 8)
-    step_fn(x).backward()
-    step_s = _best_time_s(lambda: step_fn(x).backward(), repeat=repeat)
-    ops = sum(1 for gm in graphs for n in gm.graph.nodes if n.op == "call_function")
-    torch._dynamo.reset()
-    return max(step_s - ops * op_s, 0.0) / 2
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[_ToyBlock(8) for _ in range(depth)])
+        step_fn = torch.compile(lambda x, model=model: model(x).sum(), fullgraph=True,
+                                backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        x = torch.randn(4, 8)
+        step_fn(x).backward()
+        step_s = _best_time_s(lambda step_fn=step_fn, x=x: step_fn(x).backward(), repeat=repeat)
+        nodes = sum(1 for gm in graphs for n in gm.graph.nodes if n.op == "call_function")
+        points.append((nodes, step_s))
+        torch._dynamo.reset()
+    (n1, t1), (n2, t2) = points
+    node_s = (t2 - t1) / (n2 - n1)
+    return node_s, max(t1 - n1 * node_s, 0.0) / 2
 
 
 def _a2a_rank(rank: int, world: int, sizes: list[int], iters: int) -> dict[str, float]:
@@ -144,10 +222,81 @@ def _a2a_rank(rank: int, world: int, sizes: list[int], iters: int) -> dict[str, 
 
 
 def measure_all_to_all(iters: int) -> dict[int, dict[int, float]]:
-    """Median time of AutoSP's all-to-all op per world size and per-rank message bytes (slowest rank)."""
+    """Median time of AutoSP's all-to-all op per world size and per-rank message bytes (slowest rank), each
+    call started right after a barrier: the collective on its own."""
     results = {}
     for world in WORLDS:
         per_rank = run_ranks(_a2a_rank, world, list(A2A_BYTES), iters)
+        results[world] = {int(n): max(r[n] for r in per_rank) for n in per_rank[0]}
+    return results
+
+
+IN_STEP_COMPUTE_OPS = 24
+"""Elementwise ops between two all-to-alls of the in-step loop (with one matmul): about a millisecond of
+compute per rank at the middle message size, the order of a layer's work between collectives in the validated
+models (it is not one of them)."""
+
+
+def _a2a_in_step_rank(rank: int, world: int, sizes: list[int], iters: int, hops: int) -> dict[str, float]:
+    """Mean extra time of an all-to-all inside a compute loop: (loop with collectives - same loop with local
+    copies of the same layout) / collectives. Means, not medians: the step pays the occasional slow call."""
+    import torch.distributed as dist
+
+    from autosp.ops import all_to_all
+
+    group = dist.group.WORLD.group_name
+    heads, head_dim = 4 * world, 16
+    torch.manual_seed(rank)
+    times = {}
+    for nbytes in sizes:
+        tokens = max(1, nbytes // 4 // (heads * head_dim))
+        width = heads * head_dim
+        x = torch.randn(1, tokens, heads, head_dim)
+        weight = torch.randn(width, width) / width
+
+        def local_exchange(t, scatter_dim, gather_dim):
+            return t.transpose(scatter_dim, gather_dim).contiguous().transpose(scatter_dim, gather_dim).clone()
+
+        def loop(exchange):
+            y = x
+            for _ in range(hops):
+                y = (y.reshape(tokens, width) @ weight).reshape(1, tokens, heads, head_dim)
+                for _ in range(IN_STEP_COMPUTE_OPS):
+                    y = y * 0.5 + 0.25
+                y = exchange(y, 2, 1)
+                y = exchange(y, 1, 2)
+            return y
+
+        def collective(t, scatter_dim, gather_dim):
+            return all_to_all(t, scatter_dim, gather_dim, group, world)
+
+        for _ in range(2):
+            loop(collective)
+            loop(local_exchange)
+        with_comm, without = [], []
+        for _ in range(iters):
+            dist.barrier()
+            start = time.perf_counter()
+            loop(collective)
+            with_comm.append(time.perf_counter() - start)
+            dist.barrier()
+            start = time.perf_counter()
+            loop(local_exchange)
+            without.append(time.perf_counter() - start)
+        times[str(x.numel() * 4)] = max(statistics.mean(with_comm) - statistics.mean(without), 0.0) / (2 * hops)
+    return times
+
+
+def measure_all_to_all_in_step(iters: int, hops: int = 8) -> dict[int, dict[int, float]]:
+    """Mean cost of AutoSP's all-to-all between compute, as a compiled step calls it (slowest rank).
+
+    After a barrier a gloo all-to-all of 128 KiB takes ~0.25 ms here; between compute it costs 2-4x that on
+    average (both ranks compute on the machine's cores, so gloo's transport threads wait for a core, and the
+    ranks arrive apart). The simulator's loopback link is fitted to these in-step costs.
+    """
+    results = {}
+    for world in WORLDS:
+        per_rank = run_ranks(_a2a_in_step_rank, world, list(A2A_BYTES), iters, hops)
         results[world] = {int(n): max(r[n] for r in per_rank) for n in per_rank[0]}
     return results
 
@@ -164,8 +313,10 @@ def fit_alpha_beta(a2a: dict[int, dict[int, float]]) -> tuple[float, float]:
     return max(float(alpha), 1e-7), 1.0 / max(float(inv_bw), 1e-15)
 
 
-def build_preset(compute: dict[str, float], a2a: dict[int, dict[int, float]]) -> dict:
-    """The preset document read by ``simulator.hardware.load_cpu_gloo``."""
+def build_preset(compute: dict, a2a: dict[int, dict[int, float]],
+                 a2a_isolated: dict[int, dict[int, float]] | None = None) -> dict:
+    """The preset document read by ``simulator.hardware.load_cpu_gloo`` (``a2a``: the in-step costs the link
+    is fitted to; ``a2a_isolated``: the collective alone, recorded for reference)."""
     alpha_s, bandwidth = fit_alpha_beta(a2a)
     peak = compute["matmul_fp32_flops_per_s"]
     ew = compute["elementwise_bytes_per_s"]
@@ -179,8 +330,10 @@ def build_preset(compute: dict[str, float], a2a: dict[int, dict[int, float]]) ->
         "name": "cpu-gloo",
         "calibrated": True,
         "notes": "one CPU process per rank with one thread; peak = measured fp32 matmul, memory bandwidth = "
-                 "measured elementwise add; per-op cost = an aten op called from an FX graph (aot_eager); the "
-                 "loopback 'fabric' is gloo over TCP on 127.0.0.1, timed through AutoSP's all-to-all op; with more "
+                 "measured elementwise add; per-node and per-graph host costs = aot_eager toy steps of two "
+                 "depths (views cost as any node); attention = matmul rate + time per score, fitted over head dims; the loopback "
+                 "'fabric' is gloo over TCP on 127.0.0.1, timed through AutoSP's all-to-all op between compute "
+                 "(its mean in-step cost); with more "
                  "ranks than calibration.cpus the ranks share the cores; memory_bytes is "
                  f"the machine's RAM split over {devices} ranks",
         "sources": ["python -m experiments.calibrate_cpu"],
@@ -193,6 +346,8 @@ def build_preset(compute: dict[str, float], a2a: dict[int, dict[int, float]]) ->
             "memory_bytes": int(total_ram // devices),
             "kernel_launch_overhead_s": compute["kernel_launch_overhead_s"],
             "graph_call_overhead_s": compute.get("graph_call_overhead_s", 0.0),
+            "view_op_overhead_s": compute.get("view_op_overhead_s", 0.0),
+            "attention_score_time_s": compute.get("attention_score_time_s", 0.0),
             "efficiency": {
                 "matmul": eff(1.0, 1.0),
                 "attention": eff(compute["attention_flops_per_s"] / peak, 1.0),
@@ -209,7 +364,9 @@ def build_preset(compute: dict[str, float], a2a: dict[int, dict[int, float]]) ->
             "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
             "compute": compute,
-            "all_to_all_s": {str(w): {str(n): t for n, t in by.items()} for w, by in a2a.items()},
+            "all_to_all_in_step_s": {str(w): {str(n): t for n, t in by.items()} for w, by in a2a.items()},
+            "all_to_all_isolated_s": {str(w): {str(n): t for n, t in by.items()}
+                                      for w, by in (a2a_isolated or {}).items()},
             "fit": {"alpha_s": alpha_s, "bandwidth_bytes_per_s": bandwidth},
             "fit_per_world": {str(w): dict(zip(("alpha_s", "bandwidth_bytes_per_s"), fit_alpha_beta({w: by}), strict=True))
                               for w, by in a2a.items()},
@@ -225,10 +382,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
     compute = measure_compute(repeat=3 if args.quick else 5)
-    print("compute:", json.dumps({k: f"{v:.3g}" for k, v in compute.items()}))
-    a2a = measure_all_to_all(iters=10 if args.quick else 25)
-    print("autosp all_to_all (s):", json.dumps({w: {n: f"{t:.3g}" for n, t in by.items()} for w, by in a2a.items()}))
-    preset = build_preset(compute, a2a)
+    print("compute:", json.dumps({k: f"{v:.3g}" for k, v in compute.items() if isinstance(v, float)}))
+    print("attention fit error % (fwd, bwd per head dim):",
+          " ".join(f"S{s['seq_len']}/d{s['head_dim']}{'b' if s['backward'] else 'f'} {s['fit_error_pct']:+.0f}"
+                   for s in compute["attention_samples"]))
+    isolated = measure_all_to_all(iters=10 if args.quick else 25)
+    print("autosp all_to_all after a barrier (s):",
+          json.dumps({w: {n: f"{t:.3g}" for n, t in by.items()} for w, by in isolated.items()}))
+    in_step = measure_all_to_all_in_step(iters=5 if args.quick else 10)
+    print("autosp all_to_all between compute (s):",
+          json.dumps({w: {n: f"{t:.3g}" for n, t in by.items()} for w, by in in_step.items()}))
+    preset = build_preset(compute, in_step, isolated)
     fit = preset["calibration"]["fit"]
     print(f"fit: alpha {fit['alpha_s'] * 1e6:.1f} us, bandwidth {fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
     args.out.parent.mkdir(parents=True, exist_ok=True)

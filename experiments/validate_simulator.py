@@ -153,7 +153,7 @@ def cpu_gloo_cluster(world: int, preset_path: str | os.PathLike | None = None):
     fit at this world size when the calibration has one (``calibration.fit_per_world``; gloo's cost per
     peer differs between 2 and 4 processes), and when there are more ranks than the calibrated machine's
     cores, the ranks share the cores: compute peaks scale by ``cpus / world`` and per-op host costs by its
-    inverse (all ranks compute at the same time in a symmetric SP step).
+    inverse, as is the time per attention score (all ranks compute at the same time in a symmetric SP step).
     """
     import json
 
@@ -176,7 +176,9 @@ def cpu_gloo_cluster(world: int, preset_path: str | os.PathLike | None = None):
             dev, peak_flops_per_s=dev.peak_flops_per_s * share,
             memory_bandwidth_bytes_per_s=dev.memory_bandwidth_bytes_per_s * share,
             kernel_launch_overhead_s=dev.kernel_launch_overhead_s / share,
-            graph_call_overhead_s=dev.graph_call_overhead_s / share))
+            graph_call_overhead_s=dev.graph_call_overhead_s / share,
+            view_op_overhead_s=dev.view_op_overhead_s / share,
+            attention_score_time_s=dev.attention_score_time_s / share))
     return Cluster.from_preset(preset, devices_per_node=max(world, preset.devices_per_node))
 
 
@@ -191,7 +193,7 @@ def _error_pct(simulated: float, measured: float) -> float:
     return 100.0 * (simulated - measured) / measured if measured > 0 else math.nan
 
 
-def run_validation(cases: list[Case], *, warmup: int = 3, steps: int = 7, preset_path=None,
+def run_validation(cases: list[Case], *, warmup: int = 3, steps: int = 15, preset_path=None,
                    progress: bool = True) -> list[dict]:
     """Measure and simulate every case; one table row (dict) per case."""
     from tqdm import tqdm
@@ -275,12 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", type=Path, default=None,
                         help="cpu-gloo preset JSON to simulate with (default: the one shipped in simulator/presets)")
     parser.add_argument("--verbose", action="store_true", help="log per-case details")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per case (default 7, quick 5)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per case (default 15, quick 9)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cases = sweep(quick=args.quick, smallest=args.smallest)
-    steps = args.steps or (5 if args.quick or args.smallest else 7)
+    steps = args.steps or (5 if args.smallest else 9 if args.quick else 15)
     rows = run_validation(cases, warmup=2 if args.smallest else 3, steps=steps, preset_path=args.preset)
     write_outputs(rows, args.out)
     print(format_markdown(rows))

@@ -50,11 +50,12 @@ class ProgramBuilder:
         deps: Iterable[int] = (),
         allocates: Iterable[int] = (),
         frees: Iterable[int] = (),
+        attention_scores: int = 0,
     ) -> int:
         """Append a compute op; return its id."""
         return self._add(name=name, kind="compute", op_class=op_class, phase=phase, flops=int(flops),
                          bytes_read=int(bytes_read), bytes_written=int(bytes_written), deps=deps,
-                         allocates=allocates, frees=frees)
+                         allocates=allocates, frees=frees, attention_scores=int(attention_scores))
 
     def _collective(self, kind: str, group: str, message_bytes: int, key: str | None, peer: int | None) -> Collective:
         return Collective(kind=kind, group=group, message_bytes=int(message_bytes),

@@ -24,22 +24,27 @@ COLLECTIVE_FORMULAS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter
 
 def roofline_time_s(*, flops: float, bytes_moved: float, peak_flops_per_s: float,
                     memory_bandwidth_bytes_per_s: float, flops_efficiency: float = 1.0,
-                    memory_efficiency: float = 1.0, launch_overhead_s: float = 0.0) -> float:
+                    memory_efficiency: float = 1.0, launch_overhead_s: float = 0.0,
+                    attention_scores: float = 0.0, attention_score_time_s: float = 0.0,
+                    view_overhead_s: float = 0.0) -> float:
     """Roofline time of one kernel: ``max(flops / (peak * eff_f), bytes / (bw * eff_m)) + launch``.
 
     Williams, Waterman & Patterson, "Roofline: an insightful visual performance model for multicore
     architectures", CACM 52(4), 2009: a kernel is bound by whichever of compute or memory traffic takes longer.
-    A kernel with no FLOPs and no bytes (a view) launches nothing and takes zero time.
+    A fused attention kernel also pays ``attention_scores * attention_score_time_s`` for its softmax (work per
+    query-key pair that does not scale with the head dimension; Dao, "FlashAttention-2", 2023, sec. 3.1 counts
+    these non-matmul FLOPs separately because they run far below the matmul peak). A kernel with no FLOPs and
+    no bytes (a view) launches nothing: it costs ``view_overhead_s`` of host time (0 on GPUs).
     """
     if flops <= 0 and bytes_moved <= 0:
-        return 0.0
+        return view_overhead_s
     compute_s = flops / (peak_flops_per_s * flops_efficiency)
     memory_s = bytes_moved / (memory_bandwidth_bytes_per_s * memory_efficiency)
-    return max(compute_s, memory_s) + launch_overhead_s
+    return max(compute_s, memory_s) + attention_scores * attention_score_time_s + launch_overhead_s
 
 
 def compute_times_s(flops: Sequence[int], bytes_moved: Sequence[int], op_classes: Sequence[str],
-                    device: DeviceSpec) -> np.ndarray:
+                    device: DeviceSpec, attention_scores: Sequence[int] | None = None) -> np.ndarray:
     """Vectorised :func:`roofline_time_s` over many ops on ``device`` (efficiency chosen by op class)."""
     flops_a = np.asarray(flops, dtype=np.float64)
     bytes_a = np.asarray(bytes_moved, dtype=np.float64)
@@ -51,7 +56,9 @@ def compute_times_s(flops: Sequence[int], bytes_moved: Sequence[int], op_classes
     times = np.maximum(flops_a / (device.peak_flops_per_s * eff_f),
                        bytes_a / (device.memory_bandwidth_bytes_per_s * eff_m))
     times += device.kernel_launch_overhead_s
-    times[(flops_a <= 0) & (bytes_a <= 0)] = 0.0
+    if attention_scores is not None and device.attention_score_time_s:
+        times += np.asarray(attention_scores, dtype=np.float64) * device.attention_score_time_s
+    times[(flops_a <= 0) & (bytes_a <= 0)] = device.view_op_overhead_s
     return times
 
 

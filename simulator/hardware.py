@@ -63,6 +63,14 @@ class DeviceSpec:
     graph_call_overhead_s: float = 0.0
     """Host time of entering one compiled graph (guards, runtime wrappers, autograd engine), charged once per
     phase before its first compute op; 0 on GPUs, where it hides behind queued kernels (see ``cpu-gloo``)."""
+    view_op_overhead_s: float = 0.0
+    """Host time of an op that moves no data (a view: reshape, transpose, getitem). 0 on GPUs, where the host
+    issues views ahead of the kernels; on a CPU running an eager FX graph every node is a dispatcher call."""
+    attention_score_time_s: float = 0.0
+    """Time per attention score (one query-key pair, see :attr:`simulator.workload.Op.attention_scores`) added
+    to an attention op's roofline time: the softmax work (max, exp, sum, rescale) of a fused attention kernel,
+    which does not shrink with the head dimension as the matmul FLOPs do. 0 on GPUs, where FlashAttention
+    overlaps it with the tensor-core matmuls; calibrated on CPU, where it dominates small head dimensions."""
     efficiency: Mapping[str, OpClassEfficiency] = field(default_factory=lambda: dict(DEFAULT_GPU_EFFICIENCY))
     """Op class -> achieved fractions of the peaks; a class missing here uses ``"other"``."""
 
@@ -217,6 +225,8 @@ def preset_from_dict(data: Mapping[str, Any]) -> HardwarePreset:
             memory_bytes=int(dev["memory_bytes"]),
             kernel_launch_overhead_s=float(dev["kernel_launch_overhead_s"]),
             graph_call_overhead_s=float(dev.get("graph_call_overhead_s", 0.0)),
+            view_op_overhead_s=float(dev.get("view_op_overhead_s", 0.0)),
+            attention_score_time_s=float(dev.get("attention_score_time_s", 0.0)),
             efficiency={k: OpClassEfficiency(flops=float(v["flops"]), memory=float(v["memory"]))
                         for k, v in dev["efficiency"].items()},
         )

@@ -69,7 +69,7 @@ def compile_program(program: RankProgram, device: DeviceSpec) -> CompiledProgram
     n = len(ops)
     kinds = [KIND_CODES[op.kind] for op in ops]
     durations = compute_times_s([op.flops for op in ops], [op.bytes_read + op.bytes_written for op in ops],
-                                [op.op_class for op in ops], device)
+                                [op.op_class for op in ops], device, [op.attention_scores for op in ops])
     durations[[k != COMPUTE for k in kinds]] = 0.0
     if device.graph_call_overhead_s:
         # One compiled-graph entry per phase, paid by the phase's first compute op (see DeviceSpec).

@@ -100,8 +100,11 @@ def _validate_program(program: RankProgram, where: str, groups) -> None:
             raise WorkloadError(f"{loc}: op_class {op.op_class!r} is not one of {OP_CLASSES}")
         if op.phase not in PHASES:
             raise WorkloadError(f"{loc}: phase {op.phase!r} is not one of {PHASES}")
-        if min(op.flops, op.bytes_read, op.bytes_written) < 0:
-            raise WorkloadError(f"{loc}: flops and bytes must be non-negative")
+        if min(op.flops, op.bytes_read, op.bytes_written, op.attention_scores) < 0:
+            raise WorkloadError(f"{loc}: flops, bytes and attention_scores must be non-negative")
+        if op.attention_scores and op.op_class != "attention":
+            raise WorkloadError(f"{loc}: attention_scores is set on a {op.op_class!r} op; only attention ops have "
+                                "scores")
         for dep in op.deps:
             if dep not in position:
                 raise WorkloadError(

@@ -79,7 +79,12 @@ class Op:
     bytes_read: int = 0
     """Bytes read from device memory."""
     bytes_written: int = 0
-    """Bytes written to device memory. An op with zero FLOPs and zero bytes (a view) takes no time."""
+    """Bytes written to device memory. An op with zero FLOPs and zero bytes is a view (it costs only
+    :attr:`simulator.hardware.DeviceSpec.view_op_overhead_s`)."""
+    attention_scores: int = 0
+    """Attention ops only: query-key scores whose softmax the kernel evaluates (B·H·Sq·Sk, halved under causal
+    masking; the backward counts 2.5x, as its FLOPs do: it recomputes the probabilities and forms their
+    gradient). Priced by :attr:`simulator.hardware.DeviceSpec.attention_score_time_s`; 0 elsewhere."""
     deps: tuple[int, ...] = ()
     """Ids of earlier ops on the same rank that must finish before this op starts (a collective "finishes" when
     the whole collective completes, so depending on a ``collective_start`` waits for its result). Program order
@@ -275,6 +280,8 @@ def _op_to_dict(op: Op) -> dict[str, Any]:
     out: dict[str, Any] = {"id": op.id, "name": op.name, "kind": op.kind, "phase": op.phase}
     if op.kind == "compute" or op.op_class != "other":
         out["op_class"] = op.op_class
+    if op.attention_scores:
+        out["attention_scores"] = op.attention_scores
     for key in ("flops", "bytes_read", "bytes_written"):
         value = getattr(op, key)
         if value or op.kind == "compute":
@@ -357,6 +364,7 @@ def _op_from_dict(data: object, where: str) -> Op:
         flops=_int(data.get("flops", 0), f"{where}.flops"),
         bytes_read=_int(data.get("bytes_read", 0), f"{where}.bytes_read"),
         bytes_written=_int(data.get("bytes_written", 0), f"{where}.bytes_written"),
+        attention_scores=_int(data.get("attention_scores", 0), f"{where}.attention_scores"),
         deps=_int_tuple(data.get("deps", ()), f"{where}.deps"),
         allocates=_int_tuple(data.get("allocates", ()), f"{where}.allocates"),
         frees=_int_tuple(data.get("frees", ()), f"{where}.frees"),

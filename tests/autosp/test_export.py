@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autosp
-from autosp.costs import attention_flops
+from autosp.costs import attention_flops, attention_scores
 from autosp.export import export_workload
 from experiments.models import build_model, vocab_size
 from simulator import Cluster, Workload, simulate
@@ -38,6 +38,16 @@ def test_export_attention_flops_are_counted_causal_over_the_full_sequence(aot_gr
     expected = attention_flops((2, 2, SEQ, 16), (2, 2, SEQ, 16), causal=True, backward=False)
     assert all(op.flops == expected for op in forward)
     assert attention_flops((1, 1, 8, 4), (1, 1, 8, 4), causal=False, backward=False) == 4 * 8 * 8 * 4
+
+
+def test_export_attention_ops_carry_their_scores_forward_and_backward(aot_graphs):
+    ops = _export(aot_graphs).ranks[0].ops
+    scores = attention_scores((2, 2, SEQ, 16), (2, 2, SEQ, 16), causal=True, backward=False)
+    assert scores == 2 * 2 * SEQ * SEQ // 2
+    by_phase = {phase: [op.attention_scores for op in ops if op.op_class == "attention" and op.phase == phase]
+                for phase in ("forward", "backward")}
+    assert by_phase == {"forward": [scores] * LAYERS, "backward": [int(scores * 2.5)] * LAYERS}
+    assert all(op.attention_scores == 0 for op in ops if op.op_class != "attention")
 
 
 def test_export_round_trips_through_json(aot_graphs, tmp_path):

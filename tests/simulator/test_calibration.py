@@ -18,11 +18,24 @@ def test_calibration_fit_recovers_a_known_alpha_and_bandwidth():
     assert fit_bandwidth == pytest.approx(bandwidth, rel=1e-6)
 
 
+def test_calibration_attention_fit_recovers_a_known_matmul_rate_and_time_per_score():
+    calibrate = pytest.importorskip("experiments.calibrate_cpu")
+    rate, score_s = 6e10, 0.6e-9
+    samples = []
+    for dim in calibrate.ATTENTION_HEAD_DIMS:
+        scores = 8 * 1024 * 1024 // 2
+        flops = 4 * dim * scores
+        samples.append({"flops": flops, "scores": scores, "seconds": flops / rate + scores * score_s})
+    fit_rate, fit_score_s = calibrate.fit_attention(samples)
+    assert fit_rate == pytest.approx(rate, rel=1e-6)
+    assert fit_score_s == pytest.approx(score_s, rel=1e-6)
+
+
 def test_calibration_preset_document_loads_as_a_calibrated_preset():
     calibrate = pytest.importorskip("experiments.calibrate_cpu")
     compute = {"matmul_fp32_flops_per_s": 1e11, "matmul_bf16_flops_per_s": 2e11, "elementwise_bytes_per_s": 2e10,
                "copy_bytes_per_s": 1e10, "reduction_bytes_per_s": 3e10, "attention_flops_per_s": 5e10,
-               "kernel_launch_overhead_s": 2e-6}
+               "kernel_launch_overhead_s": 2e-6, "view_op_overhead_s": 1e-6, "attention_score_time_s": 5e-10}
     a2a = {w: {n: all_to_all_time_s(n, w, latency_s=1e-4, bandwidth_bytes_per_s=2e9) for n in calibrate.A2A_BYTES}
            for w in calibrate.WORLDS}
     preset = preset_from_dict(calibrate.build_preset(compute, a2a))
@@ -30,5 +43,7 @@ def test_calibration_preset_document_loads_as_a_calibrated_preset():
     assert preset.device.peak_flops_per_s == 1e11
     assert preset.device.efficiency["attention"].flops == pytest.approx(0.5)
     assert preset.device.efficiency["memory"].memory == pytest.approx(0.5)
+    assert preset.device.view_op_overhead_s == 1e-6
+    assert preset.device.attention_score_time_s == 5e-10
     assert preset.intra_node.latency_s == pytest.approx(0.5e-4)  # alpha split over two hops
     assert preset.intra_node.bandwidth_bytes_per_s == pytest.approx(2e9)

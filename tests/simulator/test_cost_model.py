@@ -75,17 +75,28 @@ def test_cost_model_roofline_takes_the_slower_roof(flops, nbytes, eff_f, eff_m, 
     assert got == pytest.approx(expected)
 
 
+def test_cost_model_attention_pays_per_score_and_a_view_pays_host_time():
+    common = dict(peak_flops_per_s=1e12, memory_bandwidth_bytes_per_s=2e12, attention_score_time_s=1e-9,
+                  view_overhead_s=2e-6)
+    # 1e9 FLOPs at 1e12 FLOP/s = 1 ms, plus 1e6 scores at 1 ns each = 1 ms
+    assert cm.roofline_time_s(flops=1e9, bytes_moved=0, attention_scores=1e6, **common) == pytest.approx(2e-3)
+    assert cm.roofline_time_s(flops=0, bytes_moved=0, **common) == pytest.approx(2e-6)
+
+
 def test_cost_model_vectorised_roofline_matches_the_scalar_one():
     device = DeviceSpec(name="d", peak_flops_per_s=1e12, memory_bandwidth_bytes_per_s=2e12, memory_bytes=1,
-                        kernel_launch_overhead_s=3e-6,
+                        kernel_launch_overhead_s=3e-6, view_op_overhead_s=1e-6, attention_score_time_s=2e-10,
                         efficiency={**DEFAULT_GPU_EFFICIENCY, "matmul": OpClassEfficiency(flops=0.5, memory=0.9)})
-    ops = [(1e9, 1e6, "matmul"), (1e6, 1e9, "elementwise"), (0, 0, "other"), (5e8, 5e8, "unknown-class")]
-    times = cm.compute_times_s([o[0] for o in ops], [o[1] for o in ops], [o[2] for o in ops], device)
-    for (flops, nbytes, cls), got in zip(ops, times, strict=True):
+    ops = [(1e9, 1e6, "matmul", 0), (1e6, 1e9, "elementwise", 0), (0, 0, "other", 0), (5e8, 5e8, "unknown-class", 0),
+           (4e9, 1e7, "attention", 10**7)]
+    times = cm.compute_times_s([o[0] for o in ops], [o[1] for o in ops], [o[2] for o in ops], device,
+                               [o[3] for o in ops])
+    for (flops, nbytes, cls, scores), got in zip(ops, times, strict=True):
         eff = device.efficiency_for(cls)
         want = cm.roofline_time_s(flops=flops, bytes_moved=nbytes, peak_flops_per_s=1e12,
                                   memory_bandwidth_bytes_per_s=2e12, flops_efficiency=eff.flops,
-                                  memory_efficiency=eff.memory, launch_overhead_s=3e-6)
+                                  memory_efficiency=eff.memory, launch_overhead_s=3e-6, attention_scores=scores,
+                                  attention_score_time_s=2e-10, view_overhead_s=1e-6)
         assert got == pytest.approx(want)
 
 

@@ -23,6 +23,7 @@ def _rich_workload() -> Workload:
         a = b.compute("mm", op_class="matmul", flops=10**6, bytes_read=4096, bytes_written=1024, allocates=[t])
         s = b.start("a2a", kind="all_to_all", group="sp", message_bytes=512, deps=[a], key="k0")
         b.wait(s, frees=[t])
+        b.compute("sdpa", op_class="attention", flops=4 * 16 * 10**4, attention_scores=10**4, deps=[a])
         b.collective("p2p", kind="send" if rank == 0 else "recv", group="sp", message_bytes=64, peer=1 - rank,
                      key="k1", phase="backward")
         programs[rank] = b.build(StaticMemory(parameter_bytes=10, gradient_bytes=20, optimizer_bytes=30,
@@ -35,7 +36,8 @@ def test_workload_dict_round_trip_is_lossless():
     workload = _rich_workload()
     again = Workload.from_dict(json.loads(json.dumps(workload.to_dict())))
     assert again == workload
-    assert again.ranks[1].ops[3].collective == Collective(kind="recv", group="sp", message_bytes=64, key="k1", peer=0)
+    assert again.ranks[0].ops[3].attention_scores == 10**4
+    assert again.ranks[1].ops[4].collective == Collective(kind="recv", group="sp", message_bytes=64, key="k1", peer=0)
 
 
 def test_workload_json_file_round_trip_is_lossless(tmp_path):
@@ -102,7 +104,9 @@ MALFORMED = [
     ((["world_size"], 0), "positive integer"),
     ((["groups", "sp"], [[0, 1], [1]]), "lists rank 1 twice"),
     ((["groups", "sp"], [[0, 5]]), "outside 0..1"),
-    ((["ranks", "1", "ops", 3, "collective", "kind"], "send"), "no matching recv"),
+    ((["ranks", "1", "ops", 4, "collective", "kind"], "send"), "no matching recv"),
+    ((["ranks", "0", "ops", 0, "attention_scores"], 5), "only attention ops have scores"),
+    ((["ranks", "0", "ops", 3, "attention_scores"], -1), "must be non-negative"),
 ]
 
 
