@@ -24,6 +24,7 @@ from autosp.context import CompileReport, TraceContext
 from autosp.errors import AutoSPError
 from autosp.groups import SequenceParallelGroups, build_groups
 from autosp.inputs import PREPARED_KEY, shard_batch, shard_layout
+from autosp.pipeline import SEQUENCE_PARALLEL_PASSES
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ class SequenceParallelModel(nn.Module):
             sp_size=config.sp_size, sp_rank=groups.sp_rank, group_name=groups.sp_group_name,
             ignore_index=config.ignore_index,
         )
-        backend = make_backend(self._ctx, config) if config.sp_size > 1 else config.compiler
+        # sp_size=1: no sequence-parallel passes, but the same AOTAutograd path (checkpointing option,
+        # graphs recorded in the report for autosp.export).
+        backend = make_backend(self._ctx, config, passes=() if config.sp_size == 1 else SEQUENCE_PARALLEL_PASSES)
         self._compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
         self._accepts_positions = _accepts(module.forward, "position_ids")
 
@@ -123,8 +126,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     config = AutoSPConfig.from_options(sp_size=sp_size, compiler=compiler, options=options)
     groups = build_groups(sp_size, process_group)
     if sp_size == 1:
-        warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism",
-                      stacklevel=2)
+        warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
+                      "(the checkpointing option still applies)", stacklevel=2)
     return SequenceParallelModel(model, config, groups)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import fx
 
@@ -29,7 +29,7 @@ from autosp.config import AutoSPConfig
 from autosp.context import CompileReport, TraceContext
 from autosp.passes.checkpointing import make_recompute_tagger
 from autosp.passes.overlap import overlap_all_to_alls_pass
-from autosp.pipeline import run_passes
+from autosp.pipeline import SEQUENCE_PARALLEL_PASSES, Pass, run_passes
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,10 @@ def _inductor(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repor
 CODE_GENERATORS = {"aot_eager": _aot_eager, "inductor": _inductor}
 
 
-def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, config: AutoSPConfig):
+def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, config: AutoSPConfig,
+                   passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES):
     start = time.perf_counter()
-    gm = run_passes(gm, example_inputs, ctx=ctx)
+    gm = run_passes(gm, example_inputs, ctx=ctx, passes=passes)
     ctx.report.forward_graphs.append(gm)
     log.info(
         "AutoSP rewrote %d attention call(s) for sp_size=%d in %.2f s", len(ctx.report.attention_sites),
@@ -110,5 +111,7 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
                                             tag_joint=tag_joint)
 
 
-def make_backend(ctx: TraceContext, config: AutoSPConfig):
-    return functools.partial(autosp_backend, ctx=ctx, config=config)
+def make_backend(ctx: TraceContext, config: AutoSPConfig, *, passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES):
+    """The backend of one compiled model; ``passes=()`` compiles without sequence parallelism (sp_size=1) but
+    still through AOTAutograd with the configured checkpointing, recording the graphs in the report."""
+    return functools.partial(autosp_backend, ctx=ctx, config=config, passes=passes)
