@@ -178,6 +178,104 @@ def export_workload(
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class ModuleParameters:
+    """One module's parameters in an exported workload, by op name (see `module_parameters`)."""
+
+    module: str
+    """Qualified name: a decoder layer (``model.layers.0``) or a module outside the layers (``lm_head``)."""
+    parameter_bytes: int
+    """Bytes of its parameters (as traced: the rank's full, unsharded copy)."""
+    forward_reads: tuple[str, ...]
+    """Forward ops reading one of its parameters (directly or through a view), in program order."""
+    backward_reads: tuple[str, ...]
+    """Backward ops reading one of its parameters, in program order."""
+    gradients: tuple[str, ...]
+    """Backward ops allocating its parameters' gradients (the storage behind each gradient output)."""
+
+
+def _parameter_path(placeholder_name: str) -> str | None:
+    """Dynamo's placeholder name of a lifted parameter -> its qualified name (None: not a parameter).
+
+    ``l_args_0_modules_model_modules_layers_modules_0_modules_mlp_modules_up_proj_parameters_weight_``
+    -> ``model.layers.0.mlp.up_proj.weight``."""
+    head, sep, rest = placeholder_name.partition("_modules_")
+    if not sep or "_parameters_" not in rest:
+        return None
+    modules, _, attribute = rest.rpartition("_parameters_")
+    return ".".join(modules.split("_modules_") + [attribute.rstrip("_")])
+
+
+def _module_of(path: str) -> str:
+    """A parameter's unit: its decoder layer (the prefix up to the layer index), else its module."""
+    parts = path.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1])
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """Nodes reading ``node`` directly or through views."""
+    found, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        if user.op != "call_function":
+            continue
+        found.append(user)
+        if packet_name(user.target) in VIEWS or user.target.__module__ == "_operator":
+            todo.extend(user.users)
+    return found
+
+
+def module_parameters(aot_graphs: list[tuple[str, fx.GraphModule]], dynamo_graph: fx.GraphModule
+                      ) -> tuple[ModuleParameters, ...]:
+    """Where each module's parameters are read, and their gradients produced, in `export_workload`'s op names.
+
+    Plain data for workload rewrites that move parameters (ZeRO-3).  The forward graph's placeholders are
+    Dynamo's graph inputs in order (AOTAutograd's ``primals``), which names them; the backward graph names its
+    saved inputs after the forward nodes and returns one gradient per primal.  Modules are ordered by their
+    first forward read.
+    """
+    graphs = dict(aot_graphs)
+    forward, backward = graphs["forward"], graphs["backward"]
+    inputs = [n for n in dynamo_graph.graph.nodes if n.op == "placeholder"]
+    primals = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    if len(inputs) != len(primals):
+        raise ValueError(f"the forward graph has {len(primals)} inputs but the Dynamo graph {len(inputs)}; pass "
+                         "the Dynamo graph these AOTAutograd graphs were compiled from")
+    order = {node: i for i, node in enumerate(list(forward.graph.nodes) + list(backward.graph.nodes))}
+    saved = {n.name: n for n in backward.graph.nodes if n.op == "placeholder"}
+    output = next(n for n in backward.graph.nodes if n.op == "output")
+    gradient_of = output.args[0]
+    units: dict[str, dict] = {}
+    for index, (source, primal) in enumerate(zip(inputs, primals, strict=True)):
+        path = _parameter_path(source.name)
+        if path is None:
+            continue
+        unit = units.setdefault(_module_of(path), {"bytes": 0, "fw": set(), "bw": set(), "grad": set()})
+        unit["bytes"] += nbytes_of(primal.meta.get("val"))
+        unit["fw"].update(_readers(primal))
+        if primal.name in saved:
+            unit["bw"].update(_readers(saved[primal.name]))
+        grad = gradient_of[index] if index < len(gradient_of) else None
+        while isinstance(grad, fx.Node) and (packet_name(grad.target) in VIEWS or grad.op != "call_function"):
+            grad = grad.args[0] if grad.op == "call_function" and grad.args else None
+        if isinstance(grad, fx.Node):
+            unit["grad"].add(grad)
+
+    def names(phase: str, nodes) -> tuple[str, ...]:
+        return tuple(f"{phase}.{n.name}" for n in sorted(nodes, key=order.__getitem__))
+
+    found = [
+        ModuleParameters(module=name, parameter_bytes=u["bytes"], forward_reads=names("forward", u["fw"]),
+                         backward_reads=names("backward", u["bw"]), gradients=names("backward", u["grad"]))
+        for name, u in units.items() if u["fw"]
+    ]
+    first = {f"forward.{n.name}": i for i, n in enumerate(forward.graph.nodes)}
+    return tuple(sorted(found, key=lambda m: first[m.forward_reads[0]]))
+
+
 def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
                     dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", **options):
     """Compile and run one training step of ``build_model()`` on fake tensors and a fake group.
@@ -204,7 +302,8 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     try:
         previous = torch.get_default_dtype()
         # Non-fake constants (e.g. an empty KV-cache tensor created in forward) may mix with fakes.
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode:
             torch.set_default_dtype(dtype)
             try:
                 model = build_model()
@@ -213,8 +312,11 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
             ids = torch.randint(0, vocab_size, (1, seq_len))
             inputs = prepare_inputs(ids, labels=ids)
         compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **options)
-        out = compiled(**inputs)
-        (out if isinstance(out, torch.Tensor) else out.loss).backward()
+        # The step runs in the fake mode too: a graph's factory ops (the zeros a loss backward fills, a
+        # [S, vocab] buffer) would otherwise allocate real memory, gigabytes at paper scale.
+        with fake_mode:
+            out = compiled(**inputs)
+            (out if isinstance(out, torch.Tensor) else out.loss).backward()
         parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     finally:
         dist.destroy_process_group()
