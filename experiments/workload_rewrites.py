@@ -1,0 +1,344 @@
+"""Workload rewrites for the paper's hand-written baselines: ZeRO-3 and ring attention (plain data, no torch).
+
+Each rewrite takes a workload exported from a real trace (`autosp.export`) and returns
+the workload of a system that computes the same model differently: the same kernels
+(same FLOPs and bytes, same activations), different communication.  See
+Note [ZeRO-3 as a rewrite of the single-device trace] and
+Note [Ring attention as a rewrite of the Ulysses trace].
+
+Note [ZeRO-3 as a rewrite of the single-device trace]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+DeepSpeed ZeRO-3 is data parallelism with every model state sharded: each of the
+P ranks runs its own full sequence through the whole model (no sequence
+parallelism, here no activation checkpointing) and holds 1/P of the bf16
+parameters, of their gradients and of the Adam state.  Its program is the
+single-device training step (`autosp.compile` with ``sp_size=1``, exported on one
+rank) plus, per module (a decoder layer, the embedding, the final norm, the output
+head; `autosp.export.module_parameters` says which ops read which module's
+parameters):
+
+- forward: an ``all_gather`` of the module's parameters (message: the local shard,
+  1/P of its bytes) before the first op reading them; the gathered copy is a
+  tensor of the module's full bytes, freed after the module's last forward read;
+- backward: the same gather again before the module's first backward read, freed
+  after its last one;
+- a ``reduce_scatter`` of the module's gradients (message: their full bytes) issued
+  when its last gradient is produced; the full gradients are freed when it
+  completes, the shard that remains is static memory (``gradient_bytes / P``).
+
+Gathers are prefetched one module ahead (module k+1's gather is issued when the
+compute stream reaches module k and its parameters have arrived), as DeepSpeed's
+trace-based prefetch does at its default bucket size of about one layer; they run
+on a ``dp_gather`` stream and the reduce-scatters on a ``dp_reduce`` stream, both
+over all P ranks, so gathers, reductions and compute overlap.  Static memory is the
+traced parameters, gradients and optimizer state divided by P.
+
+Not modelled: DeepSpeed's parameter-persistence threshold (small parameters kept
+whole), ``stage3_max_live_parameters``/``max_reuse_distance`` (a module used again
+soon keeps its gathered copy), a tied embedding gathered once per use (here one
+gather spans both uses), fp32 gradient accumulation buffers, the flat-buffer copies
+around each collective and allocator fragmentation; the optimizer step itself is
+not part of the step (as for every system here).
+
+Note [Ring attention as a rewrite of the Ulysses trace]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Hand-written ring attention (causal, load-balanced zigzag layout) shards tokens as
+Ulysses does (each of the P ranks keeps S/P tokens) but never re-shards them: every
+rank keeps all heads, and each attention runs in P steps.  At step i a rank computes
+the attention of its local queries against the K,V chunk in hand (its own at step
+0) while it sends that chunk to rank r+1 and receives the next from rank r-1
+(P-1 transfers).  The backward circulates K,V the same way and, after each step,
+sends the partial dK,dV of the chunk in hand onward (P transfers: after the last
+one each chunk's gradients are home).  So its workload is the Ulysses workload
+(``checkpointing="none"``, blocking all-to-alls) with:
+
+- every all-to-all replaced by a local, zero-time relayout: the tensor it produced
+  stays (the same bytes, now in ring's layout), nothing crosses the network;
+- every attention op (forward and backward) split into P chunk ops of 1/P of its
+  FLOPs and bytes (the zigzag layout balances the causal work), interleaved with
+  ``send``/``recv`` pairs to the ring neighbours: chunk i+1 waits for the receive
+  of step i; the next send waits for the chunk to arrive; a dK,dV send waits for its
+  chunk's compute and for the partial sum received before it;
+- the K,V chunk is what Ulysses all-to-alls for k and v (the two smaller of the
+  three inputs of each attention; kv heads are replicated to P if fewer, none for the
+  paper models); the extra memory is two K,V receive buffers during each attention
+  (the chunk being received and the one in use, beside the local K,V) and, in
+  backward, two fp32 dK,dV buffers as well.
+
+Sends run on a ``ring_send`` stream and receives on ``ring_recv`` (as
+``batch_isend_irecv`` does), so a rank sends and receives at once.  Peers name
+absolute ranks, so the workload has one program per rank (the simulator then
+simulates every rank).  Not modelled: the online-softmax merge of the chunk outputs
+(elementwise work and fp32 accumulators of S/P×H×D), the dQ accumulation, kernel
+efficiency lost to P smaller attention calls, and the diagonal chunk's causal mask
+work being half of the others'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
+
+if TYPE_CHECKING:
+    from autosp.export import ModuleParameters
+
+
+class _Program:
+    """A rank program under construction: ops as mutable field dicts, fresh op and tensor ids."""
+
+    def __init__(self, tensors: dict[int, int]):
+        self.ops: list[dict] = []
+        self.tensors = dict(tensors)
+        self.new_id: dict[int, int] = {}  # source op id -> id of the op standing for it here
+
+    def tensor(self, nbytes: int) -> int:
+        tid = max(self.tensors, default=-1) + 1
+        self.tensors[tid] = int(nbytes)
+        return tid
+
+    def add(self, **fields) -> int:
+        op_id = len(self.ops)
+        self.ops.append({"deps": (), "allocates": (), "frees": (), **fields, "id": op_id})
+        return op_id
+
+    def copy(self, op: Op, **changes) -> int:
+        fields = {f.name: getattr(op, f.name) for f in dataclasses.fields(Op)}
+        fields["deps"] = tuple(self.new_id[d] for d in op.deps)
+        fields.update(changes)
+        del fields["id"]
+        new = self.add(**fields)
+        self.new_id[op.id] = new
+        return new
+
+    def free_at(self, op_id: int, tids: Iterable[int]) -> None:
+        self.ops[op_id]["frees"] = tuple(self.ops[op_id]["frees"]) + tuple(tids)
+
+    def start(self, name: str, phase: str, collective: Collective, deps: Sequence[int] = (),
+              allocates: Sequence[int] = ()) -> int:
+        return self.add(name=name, kind="collective_start", phase=phase, collective=collective, deps=tuple(deps),
+                        allocates=tuple(allocates))
+
+    def wait(self, start: int) -> int:
+        op = self.ops[start]
+        return self.add(name=f"{op['name']}.wait", kind="collective_wait", phase=op["phase"],
+                        collective=op["collective"])
+
+    def build(self, static: StaticMemory) -> RankProgram:
+        ops = tuple(Op(**{**f, "deps": tuple(sorted(set(f["deps"]))), "frees": tuple(sorted(set(f["frees"])))})
+                    for f in self.ops)
+        return RankProgram(ops=ops, tensors=self.tensors, static_memory=static)
+
+
+# --- ZeRO-3 --------------------------------------------------------------------------------------------------
+
+
+def zero3_workload(workload: Workload, modules: Sequence[ModuleParameters], *, world_size: int,
+                   name: str | None = None) -> Workload:
+    """The ZeRO-3 step of ``workload`` (one rank's single-device step) on ``world_size`` data-parallel ranks.
+
+    ``modules``: `autosp.export.module_parameters` of the traced graphs.  See
+    Note [ZeRO-3 as a rewrite of the single-device trace]."""
+    source = workload.program(0)
+    if any(op.collective is not None for op in source.ops):
+        raise ValueError("zero3_workload expects a single-device trace without collectives (autosp.compile with "
+                         "sp_size=1); it adds ZeRO-3's own")
+    index = {op.name: i for i, op in enumerate(source.ops)}
+    missing = sorted({n for m in modules for n in m.forward_reads + m.backward_reads + m.gradients} - set(index))
+    if missing:
+        raise ValueError(f"ops {missing[:3]} of the module map are not in workload {workload.name!r}; export both "
+                         "from the same compiled graphs")
+    p = world_size
+    before: dict[int, list] = {}  # source position -> insertion callbacks run before copying that op
+    after: dict[int, list] = {}
+    frees_after: dict[int, list[int]] = {}
+
+    out = _Program(source.tensors)
+
+    def gather_chain(phase: str, reads: dict[str, tuple[str, ...]]) -> None:
+        """Per module (ordered by first read): gather before its first read, prefetch the next one."""
+        order = sorted(((index[r[0]], m) for m, r in reads.items() if r), key=lambda x: x[0])
+        handles: dict[str, tuple[int, int]] = {}  # module -> (start op, gathered tensor)
+
+        def issue(module: str, deps: Sequence[int]) -> None:
+            nbytes = sizes[module]
+            tid = out.tensor(nbytes)
+            coll = Collective(kind="all_gather", group="dp_gather", message_bytes=-(-nbytes // p),
+                              key=f"{phase}.gather.{module}")
+            handles[module] = (out.start(f"{phase}.all_gather.{module}", phase, coll, deps, (tid,)), tid)
+
+        for k, (position, module) in enumerate(order):
+            def at_first_read(k=k, module=module):
+                if k == 0:
+                    issue(module, ())
+                wait = out.wait(handles[module][0])
+                if k + 1 < len(order):
+                    issue(order[k + 1][1], (wait,))
+
+            before.setdefault(position, []).append(at_first_read)
+            last = index[reads[module][-1]]
+            frees_after.setdefault(last, []).append(lambda module=module: handles[module][1])
+
+    sizes = {m.module: m.parameter_bytes for m in modules}
+    gather_chain("forward", {m.module: m.forward_reads for m in modules})
+    gather_chain("backward", {m.module: m.backward_reads for m in modules})
+    reductions: list[int] = []
+    freed_in_source = {t for op in source.ops for t in op.frees}
+    for m in modules:
+        if not m.gradients:
+            continue
+        grads = [index[g] for g in m.gradients]
+        tids = [t for g in grads for t in source.ops[g].allocates if t not in freed_in_source]
+
+        def reduce(m=m, grads=grads, tids=tids):
+            nbytes = sum(source.tensors[t] for t in tids)
+            coll = Collective(kind="reduce_scatter", group="dp_reduce", message_bytes=nbytes,
+                              key=f"backward.reduce_scatter.{m.module}")
+            start = out.start(f"backward.reduce_scatter.{m.module}", "backward", coll,
+                              [out.new_id[source.ops[g].id] for g in grads])
+            out.free_at(start, tids)
+            reductions.append(start)
+
+        after.setdefault(max(grads), []).append(reduce)
+    for position, op in enumerate(source.ops):
+        for callback in before.get(position, ()):
+            callback()
+        new = out.copy(op)
+        for freed in frees_after.get(position, ()):
+            out.free_at(new, [freed()])
+        for callback in after.get(position, ()):
+            callback()
+    for start in reductions:
+        out.wait(start)
+    static = source.static_memory
+    zero3_static = StaticMemory(parameter_bytes=-(-static.parameter_bytes // p),
+                                gradient_bytes=-(-static.gradient_bytes // p),
+                                optimizer_bytes=-(-static.optimizer_bytes // p), other_bytes=static.other_bytes)
+    everyone = [list(range(p))]
+    return Workload(name=name or f"{workload.name}/zero3", world_size=p,
+                    groups={"dp_gather": everyone, "dp_reduce": everyone}, ranks={0: out.build(zero3_static)},
+                    symmetric=True, metadata={**workload.metadata, "system": "zero3", "dp_size": p})
+
+
+# --- ring attention ------------------------------------------------------------------------------------------
+
+
+def _zero_cost(op: Op) -> bool:
+    return op.kind == "compute" and op.flops == 0 and op.bytes_read == 0 and op.bytes_written == 0
+
+
+def _all_to_all_inputs(ops: Sequence[Op], position: int, by_id: dict[int, int]) -> list[Op]:
+    """The all-to-alls an op reads, directly or through zero-cost ops (views)."""
+    found, todo, seen = [], list(ops[position].deps), set()
+    while todo:
+        dep = ops[by_id[todo.pop()]]
+        if dep.id in seen:
+            continue
+        seen.add(dep.id)
+        if dep.collective is not None and dep.collective.kind == "all_to_all":
+            found.append(dep)
+        elif _zero_cost(dep):
+            todo.extend(dep.deps)
+    return found
+
+
+def kv_chunk_bytes(workload: Workload) -> list[int]:
+    """Per forward attention op (in program order): bytes of its K and V as Ulysses all-to-alls them."""
+    ops = workload.program(0).ops
+    by_id = {op.id: i for i, op in enumerate(ops)}
+    chunks = []
+    for i, op in enumerate(ops):
+        if op.op_class == "attention" and op.phase == "forward":
+            sizes = sorted(a.collective.message_bytes for a in _all_to_all_inputs(ops, i, by_id))
+            if len(sizes) < 3:
+                raise ValueError(f"attention op {op.name!r} of {workload.name!r} does not read three all-to-alls "
+                                 "(q, k, v); pass a Ulysses (AutoSP) workload")
+            chunks.append(sum(sizes[:2]))
+    return chunks
+
+
+def _ring_program(source: RankProgram, rank: int, p: int, kv_bytes: list[int]) -> RankProgram:
+    nxt, prv = (rank + 1) % p, (rank - 1) % p
+    out = _Program(source.tensors)
+    forward_sites = sum(1 for op in source.ops if op.op_class == "attention" and op.phase == "forward")
+    seen = {"forward": 0, "backward": 0}
+
+    def send_recv(tag: str, phase: str, nbytes: int, send_deps, recv_deps) -> tuple[int, int]:
+        send = out.start(f"{tag}.send", phase, Collective(kind="send", group="ring_send", message_bytes=nbytes,
+                                                          key=f"{tag}.{rank}>{nxt}", peer=nxt), send_deps)
+        recv = out.start(f"{tag}.recv", phase, Collective(kind="recv", group="ring_recv", message_bytes=nbytes,
+                                                          key=f"{tag}.{prv}>{rank}", peer=prv), recv_deps)
+        return send, recv
+
+    def chunks(op: Op, i: int, deps) -> int:
+        """Chunk i of ``op``: 1/P of its FLOPs and bytes (the remainder on the last)."""
+        def part(total):
+            return total // p + (total % p if i == p - 1 else 0)
+
+        return out.add(name=f"{op.name}.chunk{i}", kind="compute", op_class=op.op_class, phase=op.phase,
+                       flops=part(op.flops), bytes_read=part(op.bytes_read), bytes_written=part(op.bytes_written),
+                       deps=tuple(deps), allocates=op.allocates if i == 0 else ())
+
+    for op in source.ops:
+        if op.collective is not None and op.collective.kind == "all_to_all":
+            if op.kind != "collective":
+                raise ValueError(f"op {op.name!r} is a split all-to-all; export the Ulysses workload with "
+                                 "overlap_communication=False (blocking all-to-alls)")
+            out.copy(op, name=f"{op.name}.relayout", kind="compute", op_class="other", flops=0, bytes_read=0,
+                     bytes_written=0, collective=None)
+            continue
+        if op.op_class != "attention":
+            out.copy(op)
+            continue
+        site = seen[op.phase]
+        seen[op.phase] += 1
+        kv = kv_bytes[site if op.phase == "forward" else max(forward_sites - 1 - site, 0)]
+        deps = tuple(out.new_id[d] for d in op.deps)
+        buffers = [out.tensor(kv) for _ in range(2)]
+        grad_buffers = [out.tensor(2 * kv) for _ in range(2)] if op.phase == "backward" else []
+        tag = f"{op.name}.ring"
+        recv = chunk = dkv_recv = None
+        dkv_sends: list[int] = []
+        for i in range(p):
+            if i < p - 1:  # pass the K,V chunk in hand on while computing with it
+                send, next_recv = send_recv(f"{tag}.kv{i}", op.phase, kv, deps if i == 0 else (recv,),
+                                            deps if i == 0 else (chunk,))
+                if i == 0:
+                    out.ops[send]["allocates"] = tuple(buffers + grad_buffers)
+            chunk = chunks(op, i, deps if i == 0 else (recv,))
+            if i < p - 1:
+                out.wait(send)
+                out.wait(next_recv)
+                recv = next_recv
+            if op.phase == "backward":  # the chunk's partial dK,dV (plus what came before) moves on
+                send, next_recv = send_recv(f"{tag}.dkv{i}", op.phase, 2 * kv,
+                                            (chunk,) if dkv_recv is None else (chunk, dkv_recv), (chunk,))
+                dkv_sends.append(send)
+                dkv_recv = next_recv
+        for send in dkv_sends:
+            out.wait(send)
+        last = out.wait(dkv_recv) if dkv_recv is not None else chunk
+        out.free_at(last, list(op.frees) + buffers + grad_buffers)
+        out.new_id[op.id] = last
+    return out.build(source.static_memory)
+
+
+def ring_attention_workload(workload: Workload, *, name: str | None = None) -> Workload:
+    """The ring-attention step of a Ulysses ``workload`` on the same ranks (one program per rank).
+
+    See Note [Ring attention as a rewrite of the Ulysses trace]."""
+    p = workload.world_size
+    if p < 2:
+        raise ValueError("ring attention needs at least two ranks")
+    if not workload.symmetric:
+        raise ValueError("ring_attention_workload expects the symmetric Ulysses workload autosp.export writes")
+    kv_bytes = kv_chunk_bytes(workload)
+    source = workload.program(0)
+    everyone = [list(range(p))]
+    return Workload(name=name or f"{workload.name}/ring", world_size=p,
+                    groups={**{g: [list(m) for m in inst] for g, inst in workload.groups.items()},
+                            "ring_send": everyone, "ring_recv": everyone},
+                    ranks={r: _ring_program(source, r, p, kv_bytes) for r in range(p)}, symmetric=False,
+                    metadata={**workload.metadata, "system": "ring_attention"})
