@@ -3,10 +3,11 @@
 Tables (``--only NAME`` runs one):
 
 - ``max-seq-len``: longest trainable sequence of each paper model on 8×A100-80GB,
-  simulated for AutoSP from the real pass's exported schedule, beside the
-  published figures of all four systems, with the simulated/published ratio;
-- ``iteration-time``: simulated AutoSP step time at 8K, 24K and 90K tokens beside
-  the published iteration times;
+  simulated for all four systems (AutoSP from the real pass's exported schedule,
+  the baselines as rewrites of traced graphs: see Note [Baselines as AutoSP
+  variants]) beside the published figures, with the simulated/published ratio;
+- ``iteration-time``: simulated step time of the four systems at 8K, 24K and 90K
+  tokens beside the published iteration times;
 - ``measured-cpu``: the systems side by side on real gloo ranks with a small
   Hugging Face Llama (first-step/compile time, median step time and its ratio to
   hand-written Ulysses, loss and gradient error against single-device training,
@@ -57,17 +58,23 @@ def _ratio_note(simulated: float | None, published: str) -> tuple[str, str]:
 
 def table_max_seq_len(args) -> list[dict]:
     from experiments.paper_scale import max_trainable_seq_len
-    from experiments.paper_scale_baselines import SIMULATED_BASELINES, max_trainable_seq_len_baseline
+    from experiments.paper_scale_baselines import max_trainable_seq_len_baseline
 
     rows = []
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
     models = sorted({r["model"] for r in published})
     for model in tqdm(models, desc="max-seq-len (simulated search per model)", file=sys.stderr):
-        simulated = {"autosp": max_trainable_seq_len(model, granularity=args.granularity)}
+        # AutoSP's peak memory is not smooth in the length (checkpointing decisions change with it):
+        # bisection.  The baselines' is about linear: the secant search of Note [Memory-cap search].
+        simulated = {"autosp": max_trainable_seq_len(model, granularity=args.granularity, cache=args.cache)}
         lower_bounds = set()
-        for system in SIMULATED_BASELINES:  # see Note [Baselines as AutoSP variants]
+        # Ring attention's activations are Ulysses' plus small receive buffers: its search starts at the
+        # Ulysses length, whose traces are in the cache.  See Note [Baselines as AutoSP variants].
+        for system in ("ulysses", "ring_attention", "zero3"):
+            start = simulated["ulysses"] if system == "ring_attention" and simulated.get("ulysses") else 8192
+            granularity = args.zero3_granularity if system == "zero3" else args.granularity
             simulated[system], converged = max_trainable_seq_len_baseline(
-                system, model, granularity=args.granularity, max_probes=args.baseline_probes)
+                system, model, granularity=granularity, start=start, max_probes=args.search_probes, cache=args.cache)
             if not converged:
                 lower_bounds.add(system)
         for row in (r for r in published if r["model"] == model):
@@ -92,10 +99,10 @@ def table_iteration_time(args) -> list[dict]:
     published = [r for r in published_figures() if r["figure"] == "iteration_s"]
     lengths = sorted({int(r["seq_len"]) for r in published})
     sims = {}
-    for seq_len in tqdm(lengths, desc="iteration-time (simulated llama-3.1-8b)", file=sys.stderr):
-        sims["autosp", seq_len] = simulate_autosp_step(args.iteration_model, seq_len)
+    for seq_len in tqdm(lengths, desc=f"iteration-time (simulated {args.iteration_model})", file=sys.stderr):
+        sims["autosp", seq_len] = simulate_autosp_step(args.iteration_model, seq_len, cache=args.cache)
         for system in SIMULATED_BASELINES:
-            sims[system, seq_len] = simulate_baseline_step(system, args.iteration_model, seq_len)
+            sims[system, seq_len] = simulate_baseline_step(system, args.iteration_model, seq_len, cache=args.cache)
     for row in published:
         seq_len = int(row["seq_len"])
         sim = sims.get((row["system"], seq_len))
@@ -291,7 +298,7 @@ def write_simulated_step(args, out: pathlib.Path) -> None:
     from simulator.trace import write_chrome_trace
 
     cluster = Cluster.from_preset("a100-80gb-sxm")
-    _, _, workload = _simulate_layers(PAPER_MODELS[args.iteration_model], 8192, 2, 8, cluster, 8)
+    _, _, workload = _simulate_layers(PAPER_MODELS[args.iteration_model], 8192, 2, 8, cluster, 8, cache=args.cache)
     result = simulate(workload, cluster)
     workload.to_json(out / "workload-llama-3.1-8b-2layers-8k.json")
     write_chrome_trace(result, out / "trace-llama-3.1-8b-2layers-8k.json")
@@ -311,7 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="per-rank cap of the memory-cap table (default 16; --quick: 8)")
     args = parser.parse_args(argv)
     args.granularity = 8192 if args.quick else 1024
-    args.baseline_probes = 6 if args.quick else 8
+    args.zero3_granularity = 2048 if args.quick else 1024  # zero3 fits ~10K tokens: 8K steps are too coarse
+    args.search_probes = 6 if args.quick else 10
+    from experiments.paper_scale import TraceCache
+
+    args.cache = TraceCache()  # traces shared by this run's tables (see experiments.paper_scale.TraceCache)
     # CPU measurements: --quick is one 2-rank run of a short sequence, a few timed steps.
     args.cpu_ranks = (2,) if args.quick else (2, 4)
     args.cpu_seq_len = 256 if args.quick else 1024
@@ -346,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## {name} ({time.perf_counter() - table_start:.0f} s)\n\n" + (args.out / f"{name}.md").read_text())
     if not args.only:
         write_simulated_step(args, args.out)
+        run_info["traces"] = {"traced": args.cache.misses, "reused": args.cache.hits}
         run_info["total_s"] = round(time.perf_counter() - start, 1)
         (args.out / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
     print(f"results in {args.out}/ ({time.perf_counter() - start:.0f} s)")
