@@ -1,6 +1,6 @@
 """Calibrate the simulator's ``cpu-gloo`` preset on this machine and write ``simulator/presets/cpu_gloo.json``.
 
-Run ``python -m experiments.calibrate_cpu`` (about two minutes on 2 cores; ``--quick`` halves it, ``--out PATH``
+Run ``python -m experiments.calibrate_cpu`` (about two and a half minutes on 2 cores; ``--quick`` halves it, ``--out PATH``
 writes elsewhere), with nothing else running. With one thread per process, as the gloo tests run, it measures:
 fp32 matmul FLOP/s (the preset's peak), elementwise, copy and reduction memory bandwidth, causal
 ``scaled_dot_product_attention`` forward and backward over head dims 16-128 (fitted to a matmul rate plus a time
@@ -9,8 +9,11 @@ per query-key score, see `measure_attention`), the host cost of one graph node a
 depths: Python, dispatcher and allocator time, which dominates tiny CPU models), and AutoSP's all-to-all custom op (``autosp.ops.all_to_all``: layout copies
 and ``all_to_all_single``, as the compiled program calls it) over 2 and 4 local gloo processes at several
 message sizes, both alone (after a barrier) and between compute (`measure_all_to_all_in_step`: what a step
-pays). None of these is a measurement of a model step, so ``experiments.validate_simulator`` checks the preset
-out of sample. The in-step all-to-all costs are fitted by least squares to the simulator's own model,
+pays). Last, one reference training step (`REFERENCE_STEP`: 2 ranks, 768 tokens, hidden 96) is timed and
+simulated with those figures; the factor on compute times that makes the two agree becomes
+``calibration.step_factor`` (`apply_step_factor`: what hot-loop microbenchmarks miss in a real step).
+``experiments.validate_simulator`` checks the preset at 24 other configurations (2 and 4 ranks, 256-1024
+tokens, hidden 64 and 128, overlap on and off), so its errors are out of sample. The in-step all-to-all costs are fitted by least squares to the simulator's own model,
 ``T = (p-1) * alpha + (p-1)/p * n / bandwidth`` (see ``simulator.cost_model.all_to_all_time_s``), giving the
 loopback link's latency (alpha split over the two hops of a device-switch-device route) and bandwidth, overall
 and per world size.
@@ -374,10 +377,63 @@ def build_preset(compute: dict, a2a: dict[int, dict[int, float]],
     }
 
 
+REFERENCE_STEP = {"model": "plain-llama", "world": 2, "seq_len": 768, "hidden": 96}
+"""The one model step the calibration measures: the plain Llama of ``experiments.validate_simulator`` at a
+sequence length and width that its sweep does not use (head dim 24; the sweep has 16 and 32). Not another
+model family: the host cost of calling a compiled model (Dynamo's guards, module wrappers) depends on the model
+class and is not part of the exported graphs, so a factor measured on a tiny Hugging Face Qwen2 (1.74) does not
+carry over to the plain Llama (about 1.25)."""
+
+
+def measure_reference_step(preset: dict, steps: int) -> dict:
+    """Time `REFERENCE_STEP` on real gloo ranks and find the compute factor that makes its simulation match.
+
+    Compute microbenchmarks run hot loops of one op; a training step interleaves hundreds of different ops and
+    the autograd engine, and its compute runs slower than the sum of its microbenchmarked parts. The
+    all-to-all is already measured between compute, so only compute is scaled: ``step_factor`` is the factor
+    (found by bisection; step time grows monotonically with it) by which `apply_step_factor` scales every
+    compute time of the preset so that the reference step's simulated time equals its measured median.
+    """
+    from experiments.validate_simulator import Case, measure_case, overlap_supported, simulate_case
+
+    case = Case(**REFERENCE_STEP, overlap=True if overlap_supported() else None)
+    measured_s, _, workload, step_s = measure_case(case, steps=steps)
+
+    def simulated(factor: float) -> float:
+        return simulate_case(workload, case.world, apply_step_factor(preset, factor)).step_time_s
+
+    low, high = 0.25, 8.0
+    if not simulated(low) <= measured_s <= simulated(high):
+        raise RuntimeError(f"reference step measured {measured_s * 1e3:.1f} ms is outside what compute factors "
+                           f"{low}-{high} can simulate; was the machine busy? Re-run with nothing else running.")
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulated(middle) < measured_s else (low, middle)
+    factor = (low + high) / 2
+    return {"config": case.label, "measured_step_s": measured_s, "step_s": step_s,
+            "simulated_step_s_before": simulated(1.0), "step_factor": factor}
+
+
+def apply_step_factor(preset: dict, factor: float) -> dict:
+    """``preset`` with every compute time of the simulator's model multiplied by ``factor``: compute peak and
+    memory bandwidth divided, per-node, per-graph and per-score times multiplied (the loopback link is left as
+    measured between compute). The microbenchmark figures under ``calibration.compute`` stay as measured."""
+    out = json.loads(json.dumps(preset))
+    device = out["device"]
+    for key in ("peak_flops_per_s", "memory_bandwidth_bytes_per_s"):
+        device[key] /= factor
+    for key in ("kernel_launch_overhead_s", "graph_call_overhead_s", "view_op_overhead_s", "attention_score_time_s"):
+        device[key] *= factor
+    out["calibration"]["step_factor"] = factor
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.calibrate_cpu", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the preset JSON")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (about half the time)")
+    parser.add_argument("--no-reference-step", action="store_true",
+                        help="microbenchmarks only: skip the reference model step (step_factor 1)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
@@ -393,6 +449,13 @@ def main(argv: list[str] | None = None) -> int:
     print("autosp all_to_all between compute (s):",
           json.dumps({w: {n: f"{t:.3g}" for n, t in by.items()} for w, by in in_step.items()}))
     preset = build_preset(compute, in_step, isolated)
+    if not args.no_reference_step:
+        reference = measure_reference_step(preset, steps=9 if args.quick else 21)
+        print(f"reference step {reference['config']}: measured {reference['measured_step_s'] * 1e3:.2f} ms, "
+              f"simulated from the microbenchmarks {reference['simulated_step_s_before'] * 1e3:.2f} ms -> compute "
+              f"step factor {reference['step_factor']:.3f}")
+        preset = apply_step_factor(preset, reference["step_factor"])
+        preset["calibration"]["reference_step"] = reference
     fit = preset["calibration"]["fit"]
     print(f"fit: alpha {fit['alpha_s'] * 1e6:.1f} us, bandwidth {fit['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
     args.out.parent.mkdir(parents=True, exist_ok=True)

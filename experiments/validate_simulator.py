@@ -14,7 +14,8 @@ gloo ranks, compiles the model with `autosp.compile` (``aot_eager``), runs warm-
 Rank 0 exports the same compiled model's forward and backward graphs with `autosp.export.export_workload`;
 the parent simulates the workload on ``Cluster.from_preset("cpu-gloo")`` and prints the table (config,
 measured and simulated step ms, error %, measured and simulated peak MiB, error %) with the median and
-maximum absolute errors, and writes ``validation.csv`` and ``validation.md`` under ``--out``.
+maximum absolute errors, and writes ``validation.csv``, ``validation.md`` and the exported workloads
+(``workloads/*.json``) under ``--out``.
 
 What the step covers matches what the export covers: the compiled forward and backward graphs (gradient
 synchronisation and the optimizer step are not part of the exported workload, so they are not timed).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import dataclasses
 import logging
 import math
@@ -55,11 +57,15 @@ class Case:
     """Hidden size of the tiny plain Llama (4 heads, intermediate 2x hidden, 2 layers)."""
     overlap: bool | None = None
     """``overlap_communication`` option of autosp.compile (None: option not available, not passed)."""
+    model: str = MODEL
+    """Tiny model preset (`experiments.models.TINY_MODELS`); the sweep uses the plain Llama, the calibration's
+    reference step another family."""
 
     @property
     def label(self) -> str:
         ov = "" if self.overlap is None else f" overlap={'on' if self.overlap else 'off'}"
-        return f"P={self.world} S={self.seq_len} h={self.hidden}{ov}"
+        name = "" if self.model == MODEL else f"{self.model} "
+        return f"{name}P={self.world} S={self.seq_len} h={self.hidden}{ov}"
 
 
 def overlap_supported() -> bool:
@@ -108,7 +114,7 @@ def _measure_case(rank: int, world: int, case: Case, warmup: int, steps: int) ->
 
     torch._dynamo.reset()  # every case compiles afresh; no recompile limits across cases
     torch.manual_seed(0)
-    model = build_model(MODEL, layers=LAYERS, hidden=case.hidden)
+    model = build_model(case.model, layers=LAYERS, hidden=case.hidden)
     options = {} if case.overlap is None else {"overlap_communication": case.overlap}
     compiled = autosp.compile(model, sp_size=world, compiler="aot_eager", **options)
     ids, labels = _sample(case.seq_len, vocab_size(model))
@@ -146,7 +152,7 @@ def _measure_case(rank: int, world: int, case: Case, warmup: int, steps: int) ->
     return result
 
 
-def cpu_gloo_cluster(world: int, preset_path: str | os.PathLike | None = None):
+def cpu_gloo_cluster(world: int, preset_path: str | os.PathLike | dict | None = None):
     """``Cluster.from_preset("cpu-gloo")`` with ``world`` devices, as this machine runs ``world`` gloo ranks.
 
     Two facts of the calibration are applied: the loopback fabric's alpha and bandwidth are taken from the
@@ -154,13 +160,16 @@ def cpu_gloo_cluster(world: int, preset_path: str | os.PathLike | None = None):
     peer differs between 2 and 4 processes), and when there are more ranks than the calibrated machine's
     cores, the ranks share the cores: compute peaks scale by ``cpus / world`` and per-op host costs by its
     inverse, as is the time per attention score (all ranks compute at the same time in a symmetric SP step).
+    ``preset_path`` may also be the preset document itself.
     """
-    import json
 
     from simulator import Cluster
     from simulator.hardware import CPU_GLOO_JSON, preset_from_dict
 
-    document = json.loads(Path(preset_path or CPU_GLOO_JSON).read_text(encoding="utf-8"))
+    if isinstance(preset_path, dict):
+        document = preset_path
+    else:
+        document = json.loads(Path(preset_path or CPU_GLOO_JSON).read_text(encoding="utf-8"))
     preset = preset_from_dict(document)
     calibration = document.get("calibration", {})
     fit = calibration.get("fit_per_world", {}).get(str(world))
@@ -193,12 +202,23 @@ def _error_pct(simulated: float, measured: float) -> float:
     return 100.0 * (simulated - measured) / measured if measured > 0 else math.nan
 
 
-def run_validation(cases: list[Case], *, warmup: int = 3, steps: int = 15, preset_path=None,
-                   progress: bool = True) -> list[dict]:
-    """Measure and simulate every case; one table row (dict) per case."""
-    from tqdm import tqdm
-
+def measure_case(case: Case, *, warmup: int = 3, steps: int = 15) -> tuple[float, int, dict, list[float]]:
+    """Run ``case`` on real gloo ranks: (median slowest-rank step seconds, peak bytes of the largest rank,
+    the exported workload document, every timed step's slowest-rank seconds)."""
     from experiments.spawn import run_ranks
+
+    per_rank = run_ranks(_measure_rank, case.world, [dataclasses.asdict(case)], warmup, steps)
+    measured = [r[0] for r in per_rank]
+    step_s = [max(r["step_s"][i] for r in measured) for i in range(steps)]
+    log.info("%s: measured memory at peak by op %s", case.label, measured[0]["memory_by_op"])
+    return statistics.median(step_s), max(r["peak_bytes"] for r in measured), measured[0]["workload"], step_s
+
+
+def run_validation(cases: list[Case], *, warmup: int = 3, steps: int = 15, preset_path=None,
+                   progress: bool = True, workloads_out: Path | None = None) -> list[dict]:
+    """Measure and simulate every case; one table row (dict) per case. ``workloads_out``: a folder to keep
+    each case's exported workload in (``python -m simulator`` runs them again on any preset)."""
+    from tqdm import tqdm
 
     rows = []
     by_world: dict[int, list[Case]] = {}
@@ -207,14 +227,14 @@ def run_validation(cases: list[Case], *, warmup: int = 3, steps: int = 15, prese
     bar = tqdm(total=len(cases), desc="validate", file=sys.stderr, disable=not progress)
     for world, group in by_world.items():
         for case in group:  # one spawn per case: a fresh process state (and allocator) for every measurement
-            per_rank = run_ranks(_measure_rank, world, [dataclasses.asdict(case)], warmup, steps)
-            measured = [r[0] for r in per_rank]
-            step_s = [max(r["step_s"][i] for r in measured) for i in range(steps)]
-            measured_step_s = statistics.median(step_s)
-            measured_peak = max(r["peak_bytes"] for r in measured)
-            result = simulate_case(measured[0]["workload"], world, preset_path)
+            measured_step_s, measured_peak, workload, step_s = measure_case(case, warmup=warmup, steps=steps)
+            result = simulate_case(workload, world, preset_path)
             sim_step_s = result.step_time_s
             sim_peak = max(r.peak_memory_bytes for r in result.ranks)
+            if workloads_out is not None:
+                workloads_out.mkdir(parents=True, exist_ok=True)
+                name = case.label.replace(" ", "_").replace("=", "")
+                (workloads_out / f"{name}.json").write_text(json.dumps(workload), encoding="utf-8")
             rows.append({
                 "config": case.label, "world": world, "seq_len": case.seq_len, "hidden": case.hidden,
                 "overlap": "" if case.overlap is None else ("on" if case.overlap else "off"),
@@ -226,7 +246,6 @@ def run_validation(cases: list[Case], *, warmup: int = 3, steps: int = 15, prese
                 "simulated_exposed_comm_ms": 1e3 * max(r.exposed_comm_s for r in result.ranks),
                 "load_avg_1min": os.getloadavg()[0],
             })
-            log.info("%s: measured memory at peak by op %s", case.label, measured[0]["memory_by_op"])
             bar.update(1)
     bar.close()
     return rows
@@ -283,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cases = sweep(quick=args.quick, smallest=args.smallest)
     steps = args.steps or (5 if args.smallest else 9 if args.quick else 15)
-    rows = run_validation(cases, warmup=2 if args.smallest else 3, steps=steps, preset_path=args.preset)
+    rows = run_validation(cases, warmup=2 if args.smallest else 3, steps=steps, preset_path=args.preset,
+                          workloads_out=args.out / "workloads")
     write_outputs(rows, args.out)
     print(format_markdown(rows))
     print(f"wrote {args.out / 'validation.csv'} and {args.out / 'validation.md'}")
