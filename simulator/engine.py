@@ -97,25 +97,45 @@ def _compute_stream(env: simpy.Environment, st: _RankState):
 
 
 def _comm_stream(env: simpy.Environment, st: _RankState, group: str, positions: list[int],
-                 runtime: CollectiveRuntime, plan: RankPlan):
-    """Comm stream of one group on one rank: issue collectives in order, one at a time."""
+                 runtime: CollectiveRuntime, plan: RankPlan, in_flight: int):
+    """Comm stream of one group on one rank: issue collectives in program order, at most ``in_flight`` running at
+    once (1: each waits for the previous one; see HardwarePreset.collectives_in_flight)."""
     cp = st.cp
-    ops, cross, notify, events = cp.program.ops, cp.cross_deps, cp.notify, st.events
+    ops, cross, notify, events, kinds = cp.program.ops, cp.cross_deps, cp.notify, st.events, cp.kinds
+    running: list[simpy.Event] = []
+    blocking_running: simpy.Event | None = None  # a blocking collective stalls the compute stream that issues
+
+    def run(pos: int, done: simpy.Event):
+        st.transfer[pos] = yield done
+        st.end[pos] = env.now
+        if notify[pos]:
+            events[pos].succeed()
+
     for pos in positions:
         st.position[group] = pos
         for d in cross[pos]:
             if not events[d].triggered:
                 yield events[d]
+        if kinds[pos] == BLOCKING and blocking_running is not None and blocking_running.is_alive:
+            yield blocking_running  # the next one is issued only once the compute stream runs again
+        running = [proc for proc in running if proc.is_alive]
+        if len(running) >= in_flight:
+            yield env.any_of(running)
+            running = [proc for proc in running if proc.is_alive]
         st.begin[pos] = env.now
         coll = ops[pos].collective
         route = plan.route(st.rank, coll)
         done = runtime.arrive(route.rendezvous, expected=route.expected, issuer=st.rank, kind=coll.kind,
                               instances=route.instances, message_bytes=coll.message_bytes,
                               root=coll.peer if coll.kind == "broadcast" else None)
-        st.transfer[pos] = yield done
-        st.end[pos] = env.now
-        if notify[pos]:
-            events[pos].succeed()
+        if in_flight == 1:
+            yield from run(pos, done)
+        else:
+            running.append(env.process(run(pos, done)))
+            if kinds[pos] == BLOCKING:
+                blocking_running = running[-1]
+    if running:
+        yield env.all_of(running)
     st.position.pop(group, None)
     st.streams_left -= 1
 
@@ -152,7 +172,8 @@ def simulate(workload: Workload, cluster: Cluster, *, collapse_symmetric: bool =
         states.append(st)
         env.process(_compute_stream(env, st))
         for group, positions in cp.comm_streams.items():
-            env.process(_comm_stream(env, st, group, positions, runtime, plan))
+            env.process(_comm_stream(env, st, group, positions, runtime, plan,
+                                     max(1, cluster.preset.collectives_in_flight)))
     env.run()
     _check_finished(states, runtime)
     capacity = cluster.device.memory_bytes

@@ -141,6 +141,11 @@ class HardwarePreset:
     """True when the figures were measured on the target (see ``experiments/calibrate_cpu.py``)."""
     notes: str = ""
     """Modelling simplifications worth knowing."""
+    collectives_in_flight: int = 1
+    """How many collectives one rank's stream of one process group runs at once. NCCL runs a communicator's
+    collectives one after another on its stream (1); gloo's ProcessGroupGloo hands asynchronous work to a pool of
+    worker threads (2 by default, ``ProcessGroupGloo.Options.threads``), so two collectives started back to back
+    are in flight together (their latencies overlap, their bytes share the links)."""
 
 
 NETWORKS: dict[str, NetworkSpec] = {
@@ -243,6 +248,7 @@ def preset_from_dict(data: Mapping[str, Any]) -> HardwarePreset:
             sources=tuple(data.get("sources", ())),
             calibrated=bool(data["calibrated"]),
             notes=str(data.get("notes", "")),
+            collectives_in_flight=int(data.get("collectives_in_flight", 1)),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed hardware preset document ({exc!r}); regenerate it with "

@@ -81,3 +81,4 @@ def test_calibration_step_factor_scales_compute_but_not_the_measured_link():
     assert step_s(scaled, True) - step_s(scaled, False) == pytest.approx(collective_s, rel=1e-9)
     assert preset["calibration"]["compute"] is not scaled["calibration"]["compute"]
     assert scaled["calibration"]["compute"] == preset["calibration"]["compute"]
+

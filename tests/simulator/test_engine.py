@@ -94,6 +94,29 @@ def test_engine_collectives_of_one_group_run_in_program_order_on_its_stream():
     assert _times(result, 0, "b") == pytest.approx((1 * MS, 1 * MS, 2 * MS))
 
 
+def test_engine_two_collectives_in_flight_share_the_link_and_overlap_their_latency():
+    b = ProgramBuilder()
+    first = b.start("a", kind="all_to_all", group="sp", message_bytes=2 * 10**6)
+    second = b.start("b", kind="all_to_all", group="sp", message_bytes=2 * 10**6)
+    b.wait(first)
+    b.wait(second)
+    result = simulate(symmetric(b), toy_cluster(collectives_in_flight=2, link_latency_s=0.25 * MS))
+    # Both start at 0: one alpha (two 0.25 ms hops) + 1 MB over a link they share at 0.5 MB/ms = 0.5 + 2 ms.
+    assert _times(result, 0, "a") == pytest.approx((0.0, 0.0, 2.5 * MS))
+    assert _times(result, 0, "b") == pytest.approx((0.0, 0.0, 2.5 * MS))
+    serial = simulate(symmetric(b), toy_cluster(collectives_in_flight=1, link_latency_s=0.25 * MS))
+    assert serial.step_time_s == pytest.approx(3 * MS)
+
+
+def test_engine_blocking_collectives_stay_serial_with_collectives_in_flight():
+    b = ProgramBuilder()
+    b.collective("a", kind="all_to_all", group="sp", message_bytes=2 * 10**6)
+    b.collective("b", kind="all_to_all", group="sp", message_bytes=2 * 10**6)
+    result = simulate(symmetric(b), toy_cluster(collectives_in_flight=2))
+    # The compute stream that issues "b" is stalled on "a" until it completes.
+    assert _times(result, 0, "b") == pytest.approx((1 * MS, 1 * MS, 2 * MS))
+
+
 def test_engine_blocking_collective_stalls_the_compute_stream():
     b = ProgramBuilder()
     b.compute("A", flops=GFLOP)

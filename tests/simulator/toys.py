@@ -11,7 +11,8 @@ MS = 1e-3
 
 def toy_preset(*, devices_per_node: int = 2, flops_per_s: float = 1e12, memory_bandwidth_bytes_per_s: float = 1e12,
                link_bytes_per_s: float = 1e9, link_latency_s: float = 0.0, memory_bytes: int = 10**12,
-               launch_s: float = 0.0, nic_bytes_per_s: float = 1e8, nic_latency_s: float = 0.0) -> HardwarePreset:
+               launch_s: float = 0.0, nic_bytes_per_s: float = 1e8, nic_latency_s: float = 0.0,
+               collectives_in_flight: int = 1) -> HardwarePreset:
     """A preset where 1 GFLOP takes 1 ms and every device link moves 1 MB per ms (per direction)."""
     device = DeviceSpec(name="toy", peak_flops_per_s=flops_per_s, memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s,
                         memory_bytes=memory_bytes, kernel_launch_overhead_s=launch_s,
@@ -22,6 +23,7 @@ def toy_preset(*, devices_per_node: int = 2, flops_per_s: float = 1e12, memory_b
         host_link=LinkSpec(bandwidth_bytes_per_s=1e12, latency_s=0.0),
         network=NetworkSpec(name="toy-net", nic=LinkSpec(bandwidth_bytes_per_s=nic_bytes_per_s, latency_s=nic_latency_s),
                             switch_latency_s=0.0),
+        collectives_in_flight=collectives_in_flight,
     )
 
 
