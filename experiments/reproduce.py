@@ -24,14 +24,18 @@ counterpart is flagged in the ``note`` column.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import logging
 import math
+import multiprocessing
+import os
 import pathlib
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from tqdm import tqdm
 
@@ -56,53 +60,100 @@ def _ratio_note(simulated: float | None, published: str) -> tuple[str, str]:
     return f"{ratio:.2f}", note
 
 
-def table_max_seq_len(args) -> list[dict]:
-    from experiments.paper_scale import max_trainable_seq_len
+def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: dict[str, int], max_probes: int,
+                            cache=None) -> tuple[dict[str, tuple[int, bool]], tuple[int, int]]:
+    """Longest simulated sequence of ``systems`` for one model: {system: (tokens, converged)}, and (traced,
+    reused) trace counts.  One task of the max-seq-len table; runs in a worker process or inline."""
+    from experiments.paper_scale import TraceCache, max_trainable_seq_len
     from experiments.paper_scale_baselines import max_trainable_seq_len_baseline
 
+    cache = cache if cache is not None else TraceCache()
+    before = (cache.misses, cache.hits)
+    found: dict[str, tuple[int, bool]] = {}
+    for system in systems:
+        if system == "autosp":
+            # AutoSP's peak memory is not smooth in the length (checkpointing decisions change with
+            # it): bisection.  The baselines' is about linear: the secant search of Note [Memory-cap search].
+            found[system] = (max_trainable_seq_len(model, granularity=granularity[system], cache=cache), True)
+            continue
+        # Ring attention's activations are Ulysses' plus small receive buffers: searched after Ulysses in
+        # the same task, it starts at the Ulysses length, whose traces are cached (Note [Baselines as
+        # AutoSP variants]).
+        start = found["ulysses"][0] if system == "ring_attention" and found.get("ulysses", (0,))[0] else 8192
+        found[system] = max_trainable_seq_len_baseline(system, model, granularity=granularity[system], start=start,
+                                                       max_probes=max_probes, cache=cache)
+    return found, (cache.misses - before[0], cache.hits - before[1])
+
+
+def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], cache=None):
+    """Simulated steps of ``systems`` for one model and length ({system: SimulatedStep}), and (traced, reused)
+    trace counts.  One task of the iteration-time table."""
+    from experiments.paper_scale import TraceCache, simulate_autosp_step
+    from experiments.paper_scale_baselines import simulate_baseline_step
+
+    cache = cache if cache is not None else TraceCache()
+    before = (cache.misses, cache.hits)
+    steps = {system: simulate_autosp_step(model, seq_len, cache=cache) if system == "autosp"
+             else simulate_baseline_step(system, model, seq_len, cache=cache) for system in systems}
+    return steps, (cache.misses - before[0], cache.hits - before[1])
+
+
+TRACE_GROUPS = (("autosp",), ("ulysses", "ring_attention"), ("zero3",))
+"""Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache)."""
+
+
+def _run_tasks(args, tasks: list[tuple[Callable, tuple]], desc: str) -> list:
+    """Run ``tasks`` [(function, arguments)] on ``args.pool`` (worker processes, each with its own trace
+    cache) or inline with ``args.cache``; results in task order."""
+    results: list = [None] * len(tasks)
+    if args.pool is None:
+        for i, (fn, fn_args) in enumerate(tqdm(tasks, desc=desc, file=sys.stderr)):
+            results[i] = fn(*fn_args, cache=args.cache)
+    else:
+        futures = {args.pool.submit(fn, *fn_args): i for i, (fn, fn_args) in enumerate(tasks)}
+        for future in tqdm(as_completed(futures), total=len(futures), desc=desc, file=sys.stderr):
+            results[futures[future]] = future.result()
+    for _, (traced, reused) in results:
+        args.trace_counts["traced"] += traced
+        args.trace_counts["reused"] += reused
+    return [result for result, _ in results]
+
+
+def table_max_seq_len(args) -> list[dict]:
     rows = []
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
     models = sorted({r["model"] for r in published})
-    for model in tqdm(models, desc="max-seq-len (simulated search per model)", file=sys.stderr):
-        # AutoSP's peak memory is not smooth in the length (checkpointing decisions change with it):
-        # bisection.  The baselines' is about linear: the secant search of Note [Memory-cap search].
-        simulated = {"autosp": max_trainable_seq_len(model, granularity=args.granularity, cache=args.cache)}
-        lower_bounds = set()
-        # Ring attention's activations are Ulysses' plus small receive buffers: its search starts at the
-        # Ulysses length, whose traces are in the cache.  See Note [Baselines as AutoSP variants].
-        for system in ("ulysses", "ring_attention", "zero3"):
-            start = simulated["ulysses"] if system == "ring_attention" and simulated.get("ulysses") else 8192
-            granularity = args.zero3_granularity if system == "zero3" else args.granularity
-            simulated[system], converged = max_trainable_seq_len_baseline(
-                system, model, granularity=granularity, start=start, max_probes=args.search_probes, cache=args.cache)
-            if not converged:
-                lower_bounds.add(system)
-        for row in (r for r in published if r["model"] == model):
-            sim = simulated.get(row["system"])
-            ratio, note = _ratio_note(sim, row["value"])
-            rows.append({
-                "model": model, "system": row["system"], "published_tokens": row["value"],
-                "simulated_tokens": "" if sim is None else sim, "simulated_over_published": ratio,
-                "note": "; ".join(filter(None, [
-                    note or ("not simulated yet" if sim is None else ""),
-                    "search stopped on its probe budget: a lower bound" if row["system"] in lower_bounds else "",
-                ])),
-            })
-    return rows
+    granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity for s in SYSTEMS}
+    tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes))
+             for model in models for systems in TRACE_GROUPS]
+    simulated: dict[tuple[str, str], tuple[int, bool]] = {}
+    for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
+                                       strict=True):
+        simulated.update({(model, system): result for system, result in found.items()})
+    for row in published:
+        sim, converged = simulated.get((row["model"], row["system"]), (None, True))
+        ratio, note = _ratio_note(sim, row["value"])
+        rows.append({
+            "model": row["model"], "system": row["system"], "published_tokens": row["value"],
+            "simulated_tokens": "" if sim is None else sim, "simulated_over_published": ratio,
+            "note": "; ".join(filter(None, [
+                note or ("not simulated yet" if sim is None else ""),
+                "" if converged else "search stopped on its probe budget: a lower bound",
+            ])),
+        })
+    return sorted(rows, key=lambda r: (r["model"], SYSTEMS.index(r["system"])))
 
 
 def table_iteration_time(args) -> list[dict]:
-    from experiments.paper_scale import simulate_autosp_step
-    from experiments.paper_scale_baselines import SIMULATED_BASELINES, simulate_baseline_step
-
     rows = []
     published = [r for r in published_figures() if r["figure"] == "iteration_s"]
     lengths = sorted({int(r["seq_len"]) for r in published})
+    tasks = [(simulate_steps_task, (args.iteration_model, seq_len, systems))
+             for seq_len in lengths for systems in TRACE_GROUPS]
     sims = {}
-    for seq_len in tqdm(lengths, desc=f"iteration-time (simulated {args.iteration_model})", file=sys.stderr):
-        sims["autosp", seq_len] = simulate_autosp_step(args.iteration_model, seq_len, cache=args.cache)
-        for system in SIMULATED_BASELINES:
-            sims[system, seq_len] = simulate_baseline_step(system, args.iteration_model, seq_len, cache=args.cache)
+    for (_, (_, seq_len, _)), steps in zip(tasks, _run_tasks(args, tasks, f"iteration-time (simulated "
+                                                                          f"{args.iteration_model})"), strict=True):
+        sims.update({(system, seq_len): step for system, step in steps.items()})
     for row in published:
         seq_len = int(row["seq_len"])
         sim = sims.get((row["system"], seq_len))
@@ -208,6 +259,7 @@ def table_memory_cap(args) -> list[dict]:
     return rows
 
 
+SIMULATED_TABLES = ("max-seq-len", "iteration-time")
 TABLES: dict[str, Callable] = {
     "max-seq-len": table_max_seq_len, "iteration-time": table_iteration_time,
     "measured-cpu": table_measured_cpu, "memory-cap": table_memory_cap,
@@ -316,13 +368,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="paper model simulated for the (unlabelled) published iteration times")
     parser.add_argument("--memory-cap-mib", type=float, default=None,
                         help="per-rank cap of the memory-cap table (default 16; --quick: 8)")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="worker processes for the simulated tables (default: up to 2; 1: no workers)")
     args = parser.parse_args(argv)
     args.granularity = 8192 if args.quick else 1024
     args.zero3_granularity = 2048 if args.quick else 1024  # zero3 fits ~10K tokens: 8K steps are too coarse
     args.search_probes = 6 if args.quick else 10
     from experiments.paper_scale import TraceCache
 
-    args.cache = TraceCache()  # traces shared by this run's tables (see experiments.paper_scale.TraceCache)
+    args.cache = TraceCache()  # traces shared within this process (see experiments.paper_scale.TraceCache)
+    args.trace_counts = {"traced": 0, "reused": 0}
     # CPU measurements: --quick is one 2-rank run of a short sequence, a few timed steps.
     args.cpu_ranks = (2,) if args.quick else (2, 4)
     args.cpu_seq_len = 256 if args.quick else 1024
@@ -339,25 +394,37 @@ def main(argv: list[str] | None = None) -> int:
                 "preset": "quick" if args.quick else "default", "cpu_model": CPU_MODEL,
                 "cpu_model_options": CPU_MODEL_OPTIONS, "cpu_ranks": list(args.cpu_ranks),
                 "cpu_seq_len": args.cpu_seq_len, "cpu_steps": args.cpu_steps, "memory_cap_mib": args.memory_cap_mib,
-                "max_seq_len_granularity": args.granularity, "torch": _version("torch"),
+                "max_seq_len_granularity": args.granularity, "jobs": args.jobs, "torch": _version("torch"),
                 "deepspeed": _version("deepspeed"), "transformers": _version("transformers"), "table_s": {}}
-    for name, build in TABLES.items():
-        if args.only and name != args.only:
-            continue
-        table_start = time.perf_counter()
-        rows = build(args)
-        run_info["table_s"][name] = round(time.perf_counter() - table_start, 1)
-        if not rows:
-            continue
-        write_table(name, rows, args.out)
-        if name == "max-seq-len":
-            plot_max_seq_len(rows, args.out / "max-seq-len.png")
-        elif name in PLOTS:
-            PLOTS[name](rows, args.out / f"{name}.png")
-        print(f"\n## {name} ({time.perf_counter() - table_start:.0f} s)\n\n" + (args.out / f"{name}.md").read_text())
+    with contextlib.ExitStack() as stack:
+        args.pool = None
+        if args.jobs > 1 and (not args.only or args.only in SIMULATED_TABLES):
+            # Each simulated probe is a single-threaded trace: spread the tasks over worker processes.
+            args.pool = stack.enter_context(ProcessPoolExecutor(max_workers=args.jobs,
+                                                                mp_context=multiprocessing.get_context("spawn")))
+        for name, build in TABLES.items():
+            if args.only and name != args.only:
+                continue
+            if name not in SIMULATED_TABLES and args.pool is not None:
+                args.pool.shutdown()  # idle workers must not share the CPU with measured gloo ranks
+                args.pool = None
+            table_start = time.perf_counter()
+            rows = build(args)
+            run_info["table_s"][name] = round(time.perf_counter() - table_start, 1)
+            if not rows:
+                continue
+            write_table(name, rows, args.out)
+            if name == "max-seq-len":
+                plot_max_seq_len(rows, args.out / "max-seq-len.png")
+            elif name in PLOTS:
+                PLOTS[name](rows, args.out / f"{name}.png")
+            table = (args.out / f"{name}.md").read_text()
+            print(f"\n## {name} ({time.perf_counter() - table_start:.0f} s)\n\n{table}")
     if not args.only:
+        misses, hits = args.cache.misses, args.cache.hits
         write_simulated_step(args, args.out)
-        run_info["traces"] = {"traced": args.cache.misses, "reused": args.cache.hits}
+        run_info["traces"] = {"traced": args.trace_counts["traced"] + args.cache.misses - misses,
+                              "reused": args.trace_counts["reused"] + args.cache.hits - hits}
         run_info["total_s"] = round(time.perf_counter() - start, 1)
         (args.out / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
     print(f"results in {args.out}/ ({time.perf_counter() - start:.0f} s)")
