@@ -273,13 +273,14 @@ def _ring_program(source: RankProgram, rank: int, p: int, kv_bytes: list[int]) -
         return send, recv
 
     def chunks(op: Op, i: int, deps) -> int:
-        """Chunk i of ``op``: 1/P of its FLOPs and bytes (the remainder on the last)."""
+        """Chunk i of ``op``: 1/P of its FLOPs, bytes and attention scores (the remainder on the last)."""
         def part(total):
             return total // p + (total % p if i == p - 1 else 0)
 
         return out.add(name=f"{op.name}.chunk{i}", kind="compute", op_class=op.op_class, phase=op.phase,
                        flops=part(op.flops), bytes_read=part(op.bytes_read), bytes_written=part(op.bytes_written),
-                       deps=tuple(deps), allocates=op.allocates if i == 0 else ())
+                       attention_scores=part(op.attention_scores), deps=tuple(deps),
+                       allocates=op.allocates if i == 0 else ())
 
     for op in source.ops:
         if op.collective is not None and op.collective.kind == "all_to_all":

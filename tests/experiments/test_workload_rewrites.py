@@ -33,8 +33,10 @@ def _ulysses_toy(layers: int = 2, *, blocking: bool = True) -> Workload:
         if a2a is not None:
             kind = "collective" if blocking else "collective_start"
             collective = Collective(kind="all_to_all", group="sp", message_bytes=a2a, key=f"{phase}.{name}")
+        scores = flops // (4 * 16) if op_class == "attention" else 0  # head dim 16: 4·16 FLOPs per score
         ops.append(Op(id=len(ops), name=f"{phase}.{name}", kind=kind, op_class=op_class, phase=phase, flops=flops,
-                      bytes_read=size, bytes_written=size, deps=tuple(deps), allocates=(tid,) if tid is not None else (),
+                      attention_scores=scores, bytes_read=size, bytes_written=size, deps=tuple(deps),
+                      allocates=(tid,) if tid is not None else (),
                       frees=tuple(frees), collective=collective))
         if not blocking and a2a is not None:
             ops.append(Op(id=len(ops), name=f"{phase}.{name}.wait", kind="collective_wait", phase=phase,
@@ -63,8 +65,11 @@ def _ulysses_toy(layers: int = 2, *, blocking: bool = True) -> Workload:
 
 
 def _attention_flops(program: RankProgram) -> Counter:
-    return Counter({phase: sum(op.flops for op in program.ops if op.op_class == "attention" and op.phase == phase)
-                    for phase in ("forward", "backward")})
+    """(phase, "flops" | "scores") -> total over the program's attention ops."""
+    attention = [op for op in program.ops if op.op_class == "attention"]
+    return Counter({(phase, what): sum(getattr(op, field) for op in attention if op.phase == phase)
+                    for phase in ("forward", "backward")
+                    for what, field in (("flops", "flops"), ("scores", "attention_scores"))})
 
 
 def test_ring_rewrite_preserves_every_attention_flop_and_splits_each_attention_in_p_chunks():
