@@ -79,30 +79,11 @@ def measure_compute(repeat: int) -> dict[str, float]:
     out.update(measure_attention(repeat))
     t1, t2 = torch.randn(1), torch.randn(1)
     out["eager_add_call_s"] = _best_time_s(lambda: torch.add(t1, t2), repeat=repeat)
-    out["fx_chain_op_s"] = _fx_op_call_s(repeat)
-    out["fx_chain_view_s"] = _fx_op_call_s(repeat, target=torch.ops.aten.view.default)
     node_s, graph_s = _compiled_step_host_costs(repeat)
     # Every node of an aot_eager graph, view or not, costs the same dispatcher + Python round trip.
     out["kernel_launch_overhead_s"] = out["view_op_overhead_s"] = node_s
     out["graph_call_overhead_s"] = graph_s
     return out
-
-
-def _fx_op_call_s(repeat: int, ops: int = 200, target=torch.ops.aten.mul.Tensor) -> float:
-    """Per-op time of a chain of tiny ``target`` calls in an FX GraphModule (how aot_eager runs a graph):
-    ``aten.mul.Tensor`` (an op that computes) or ``aten.view.default`` (a view, which moves no data)."""
-    from torch import fx
-
-    graph = fx.Graph()
-    x, y = graph.placeholder("x"), graph.placeholder("y")
-    node = x
-    for _ in range(ops):
-        second = y if target is torch.ops.aten.mul.Tensor else [4]
-        node = graph.call_function(target, (node, second))
-    graph.output(node)
-    gm = fx.GraphModule({}, graph)
-    a, b = torch.randn(4), torch.randn(4)
-    return _best_time_s(lambda: gm(a, b), repeat=repeat) / ops
 
 
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
@@ -123,15 +104,7 @@ def measure_attention(repeat: int, heads: int = 8) -> dict:
     samples = []
     for seq in ATTENTION_SEQ_LENS:
         for dim in ATTENTION_HEAD_DIMS:
-            q, k, v = (torch.randn(1, heads, seq, dim, requires_grad=True) for _ in range(3))
-            grad = torch.randn(1, heads, seq, dim)
-            forward_s = _best_time_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeat=repeat)
-
-            def forward_backward():
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                torch.autograd.grad(out, (q, k, v), grad)
-
-            backward_s = max(_best_time_s(forward_backward, repeat=repeat) - forward_s, 0.0)
+            forward_s, backward_s = _attention_times_s(heads, seq, dim, repeat)
             for backward, seconds in ((False, forward_s), (True, backward_s)):
                 shape = (1, heads, seq, dim)
                 samples.append({"seq_len": seq, "head_dim": dim, "backward": backward, "seconds": seconds,
@@ -141,6 +114,21 @@ def measure_attention(repeat: int, heads: int = 8) -> dict:
     for s in samples:
         s["fit_error_pct"] = 100.0 * ((s["flops"] / rate + s["scores"] * score_s) / s["seconds"] - 1.0)
     return {"attention_flops_per_s": rate, "attention_score_time_s": score_s, "attention_samples": samples}
+
+
+def _attention_times_s(heads: int, seq: int, dim: int, repeat: int) -> tuple[float, float]:
+    """(forward, backward) seconds of causal SDPA on [1, heads, seq, dim] tensors."""
+    q, k, v = (torch.randn(1, heads, seq, dim, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, heads, seq, dim)
+
+    def forward():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward_backward():
+        torch.autograd.grad(forward(), (q, k, v), grad)
+
+    forward_s = _best_time_s(forward, repeat=repeat)
+    return forward_s, max(_best_time_s(forward_backward, repeat=repeat) - forward_s, 0.0)
 
 
 def fit_attention(samples: list[dict]) -> tuple[float, float]:
@@ -227,9 +215,14 @@ def _a2a_rank(rank: int, world: int, sizes: list[int], iters: int) -> dict[str, 
 def measure_all_to_all(iters: int) -> dict[int, dict[int, float]]:
     """Median time of AutoSP's all-to-all op per world size and per-rank message bytes (slowest rank), each
     call started right after a barrier: the collective on its own."""
+    return _slowest_rank_per_world(_a2a_rank, list(A2A_BYTES), iters)
+
+
+def _slowest_rank_per_world(rank_fn, *args) -> dict[int, dict[int, float]]:
+    """``rank_fn(rank, world, *args)`` (message bytes -> seconds) on each of `WORLDS`; the slowest rank's times."""
     results = {}
     for world in WORLDS:
-        per_rank = run_ranks(_a2a_rank, world, list(A2A_BYTES), iters)
+        per_rank = run_ranks(rank_fn, world, *args)
         results[world] = {int(n): max(r[n] for r in per_rank) for n in per_rank[0]}
     return results
 
@@ -238,6 +231,24 @@ IN_STEP_COMPUTE_OPS = 24
 """Elementwise ops between two all-to-alls of the in-step loop (with one matmul): about a millisecond of
 compute per rank at the middle message size, the order of a layer's work between collectives in the validated
 models (it is not one of them)."""
+
+
+def _local_exchange(t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """A local stand-in for the all-to-all: the same layout copies, nothing sent."""
+    return t.transpose(scatter_dim, gather_dim).contiguous().transpose(scatter_dim, gather_dim).clone()
+
+
+def _compute_and_exchange(x: torch.Tensor, weight: torch.Tensor, hops: int, exchange) -> torch.Tensor:
+    """``hops`` times: a projection, `IN_STEP_COMPUTE_OPS` elementwise ops, then ``exchange`` there and back."""
+    _, tokens, heads, head_dim = x.shape
+    y = x
+    for _ in range(hops):
+        y = (y.reshape(tokens, heads * head_dim) @ weight).reshape(1, tokens, heads, head_dim)
+        for _ in range(IN_STEP_COMPUTE_OPS):
+            y = y * 0.5 + 0.25
+        y = exchange(y, 2, 1)
+        y = exchange(y, 1, 2)
+    return y
 
 
 def _a2a_in_step_rank(rank: int, world: int, sizes: list[int], iters: int, hops: int) -> dict[str, float]:
@@ -249,44 +260,28 @@ def _a2a_in_step_rank(rank: int, world: int, sizes: list[int], iters: int, hops:
 
     group = dist.group.WORLD.group_name
     heads, head_dim = 4 * world, 16
+    width = heads * head_dim
+
+    def collective(t, scatter_dim, gather_dim):
+        return all_to_all(t, scatter_dim, gather_dim, group, world)
+
     torch.manual_seed(rank)
     times = {}
     for nbytes in sizes:
-        tokens = max(1, nbytes // 4 // (heads * head_dim))
-        width = heads * head_dim
-        x = torch.randn(1, tokens, heads, head_dim)
+        x = torch.randn(1, max(1, nbytes // 4 // width), heads, head_dim)
         weight = torch.randn(width, width) / width
-
-        def local_exchange(t, scatter_dim, gather_dim):
-            return t.transpose(scatter_dim, gather_dim).contiguous().transpose(scatter_dim, gather_dim).clone()
-
-        def loop(exchange):
-            y = x
-            for _ in range(hops):
-                y = (y.reshape(tokens, width) @ weight).reshape(1, tokens, heads, head_dim)
-                for _ in range(IN_STEP_COMPUTE_OPS):
-                    y = y * 0.5 + 0.25
-                y = exchange(y, 2, 1)
-                y = exchange(y, 1, 2)
-            return y
-
-        def collective(t, scatter_dim, gather_dim):
-            return all_to_all(t, scatter_dim, gather_dim, group, world)
-
         for _ in range(2):
-            loop(collective)
-            loop(local_exchange)
-        with_comm, without = [], []
+            for exchange in (collective, _local_exchange):
+                _compute_and_exchange(x, weight, hops, exchange)
+        elapsed: dict[object, list[float]] = {collective: [], _local_exchange: []}
         for _ in range(iters):
-            dist.barrier()
-            start = time.perf_counter()
-            loop(collective)
-            with_comm.append(time.perf_counter() - start)
-            dist.barrier()
-            start = time.perf_counter()
-            loop(local_exchange)
-            without.append(time.perf_counter() - start)
-        times[str(x.numel() * 4)] = max(statistics.mean(with_comm) - statistics.mean(without), 0.0) / (2 * hops)
+            for exchange, samples in elapsed.items():
+                dist.barrier()
+                start = time.perf_counter()
+                _compute_and_exchange(x, weight, hops, exchange)
+                samples.append(time.perf_counter() - start)
+        extra_s = statistics.mean(elapsed[collective]) - statistics.mean(elapsed[_local_exchange])
+        times[str(x.numel() * 4)] = max(extra_s, 0.0) / (2 * hops)
     return times
 
 
@@ -297,11 +292,7 @@ def measure_all_to_all_in_step(iters: int, hops: int = 8) -> dict[int, dict[int,
     average (both ranks compute on the machine's cores, so gloo's transport threads wait for a core, and the
     ranks arrive apart). The simulator's loopback link is fitted to these in-step costs.
     """
-    results = {}
-    for world in WORLDS:
-        per_rank = run_ranks(_a2a_in_step_rank, world, list(A2A_BYTES), iters, hops)
-        results[world] = {int(n): max(r[n] for r in per_rank) for n in per_rank[0]}
-    return results
+    return _slowest_rank_per_world(_a2a_in_step_rank, list(A2A_BYTES), iters, hops)
 
 
 def fit_alpha_beta(a2a: dict[int, dict[int, float]]) -> tuple[float, float]:
@@ -401,18 +392,20 @@ def measure_reference_step(preset: dict, steps: int) -> dict:
     (found by bisection; step time grows monotonically with it) by which `apply_step_factor` scales every
     compute time of the preset so that the reference step's simulated time equals its measured median.
     """
-    from experiments.validate_simulator import Case, measure_case, overlap_supported, simulate_case
+    from experiments.validate_simulator import Case, cpu_gloo_cluster, measure_case, overlap_supported
+    from simulator import Workload, simulate
 
     case = Case(**REFERENCE_STEP, overlap=True if overlap_supported() else None)
     runs = [measure_case(case, steps=steps) for _ in range(REFERENCE_RUNS)]
     # Run-to-run spread on this machine is ~15 % (where the scheduler puts ranks and gloo's threads), more
     # than the spread within a run: the median over fresh process groups.
     measured_s = statistics.median(run[0] for run in runs)
-    workload = runs[0][2]
+    workload = Workload.from_dict(runs[0][2])  # parsed and validated once for the ~40 simulations below
     step_s = [run[0] for run in runs]
 
     def simulated(factor: float) -> float:
-        return simulate_case(workload, case.world, apply_step_factor(preset, factor)).step_time_s
+        cluster = cpu_gloo_cluster(case.world, apply_step_factor(preset, factor))
+        return simulate(workload, cluster, validate=False).step_time_s
 
     low, high = 0.25, 8.0
     if not simulated(low) <= measured_s <= simulated(high):

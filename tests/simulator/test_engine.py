@@ -15,6 +15,16 @@ def _times(result, rank, name):
     return tl.begin_s[pos], tl.transfer_start_s[pos], tl.end_s[pos]
 
 
+def _two_started_all_to_alls(group_a: str, group_b: str) -> ProgramBuilder:
+    """Start "a" (on ``group_a``) and "b" (on ``group_b``), 2 MB each, then wait for both."""
+    b = ProgramBuilder()
+    first = b.start("a", kind="all_to_all", group=group_a, message_bytes=2 * 10**6)
+    second = b.start("b", kind="all_to_all", group=group_b, message_bytes=2 * 10**6)
+    b.wait(first)
+    b.wait(second)
+    return b
+
+
 def test_engine_collective_hidden_behind_compute_gives_exact_step_time():
     result = simulate(symmetric(overlap_program(hidden_gflop=2)), toy_cluster())
     # A 0-1 ms, all-to-all 1-2 ms (2 MB, half crosses the 1 MB/ms link), B 1-3 ms, C 3-4 ms.
@@ -58,11 +68,7 @@ def test_engine_late_rank_delays_the_others_by_exactly_its_lateness():
 
 
 def test_engine_concurrent_collectives_on_shared_links_split_bandwidth():
-    b = ProgramBuilder()
-    first = b.start("a", kind="all_to_all", group="a", message_bytes=2 * 10**6)
-    second = b.start("b", kind="all_to_all", group="b", message_bytes=2 * 10**6)
-    b.wait(first)
-    b.wait(second)
+    b = _two_started_all_to_alls("a", "b")
     result = simulate(symmetric(b, groups={"a": [0, 1], "b": [0, 1]}), toy_cluster())
     # Alone each takes 1 ms; sharing every link they both take 2 ms.
     assert _times(result, 0, "a")[1:] == pytest.approx((0.0, 2 * MS))
@@ -84,22 +90,14 @@ def test_engine_bandwidth_share_is_recomputed_when_a_transfer_joins():
 
 
 def test_engine_collectives_of_one_group_run_in_program_order_on_its_stream():
-    b = ProgramBuilder()
-    first = b.start("a", kind="all_to_all", group="sp", message_bytes=2 * 10**6)
-    second = b.start("b", kind="all_to_all", group="sp", message_bytes=2 * 10**6)
-    b.wait(first)
-    b.wait(second)
+    b = _two_started_all_to_alls("sp", "sp")
     result = simulate(symmetric(b), toy_cluster())
     assert _times(result, 0, "a") == pytest.approx((0.0, 0.0, 1 * MS))
     assert _times(result, 0, "b") == pytest.approx((1 * MS, 1 * MS, 2 * MS))
 
 
 def test_engine_two_collectives_in_flight_share_the_link_and_overlap_their_latency():
-    b = ProgramBuilder()
-    first = b.start("a", kind="all_to_all", group="sp", message_bytes=2 * 10**6)
-    second = b.start("b", kind="all_to_all", group="sp", message_bytes=2 * 10**6)
-    b.wait(first)
-    b.wait(second)
+    b = _two_started_all_to_alls("sp", "sp")
     result = simulate(symmetric(b), toy_cluster(collectives_in_flight=2, link_latency_s=0.25 * MS))
     # Both start at 0: one alpha (two 0.25 ms hops) + 1 MB over a link they share at 0.5 MB/ms = 0.5 + 2 ms.
     assert _times(result, 0, "a") == pytest.approx((0.0, 0.0, 2.5 * MS))
