@@ -4,9 +4,9 @@
 `AutoSPConfig`; Dynamo calls it with the graph of one rank's shard.  After the
 pass pipeline the graph goes through AOTAutograd, which derives the backward
 (including the all-to-alls' own backward) as one joint graph.  Activation
-checkpointing tags that joint graph (autosp.passes.checkpointing) before the
+checkpointing tags that joint graph (autosp.passes.joint.checkpointing) before the
 min-cut partitioner splits it into forward and backward; the overlap pass
-(autosp.passes.overlap) then splits each all-to-all into start and wait.  The
+(autosp.passes.partitioned.overlap) then splits each all-to-all into start and wait.  The
 graphs go to Inductor or to eager kernels (`AutoSPConfig.compiler`) and are
 recorded in the model's `CompileReport` for tests and for the schedule export.
 
@@ -27,8 +27,8 @@ from torch import fx
 
 from autosp.config import AutoSPConfig
 from autosp.context import CompileReport, TraceContext
-from autosp.passes.checkpointing import make_recompute_tagger
-from autosp.passes.overlap import overlap_all_to_alls_pass
+from autosp.passes.joint.checkpointing import make_recompute_tagger
+from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
 from autosp.pipeline import SEQUENCE_PARALLEL_PASSES, Pass, run_passes
 
 log = logging.getLogger(__name__)

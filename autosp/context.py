@@ -40,7 +40,11 @@ class CompileReport:
     """("forward" | "backward", aten-level torch.fx.GraphModule) as AOTAutograd partitioned them
     (after the overlap pass, i.e. as they run)."""
     checkpoint_plans: list[object] = field(default_factory=list)
-    """autosp.passes.checkpointing.CheckpointPlan of each joint graph, latest last."""
+    """autosp.passes.joint.checkpointing.CheckpointPlan of each joint graph, latest last."""
+    op_classes: dict[str, str] = field(default_factory=dict)
+    """Each op the sequence-sharding analysis met -> the rule class that handled it."""
+    causal_masks_replaced: int = 0
+    """Attention masks recognised as causal masks of the positions (Note [Causal masks built from positions])."""
 
     @property
     def all_attention_causal(self) -> bool:

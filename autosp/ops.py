@@ -13,6 +13,8 @@ The namespace is ``autosp_testbed``: DeepSpeed's own AutoSP registers
   Its gradient is the all-to-all with the two dims swapped.
 - ``autosp_testbed::all_reduce_sum(x, group_name)``: sum over the group; the gradient is
   the identity.  See Note [Loss all-reduce gradient].
+- ``autosp_testbed::all_reduce_sum_sum_grad(x, group_name)``: the same sum, whose
+  gradient is summed over the group (Note [Gradient placements]).
 - ``autosp_testbed::all_to_all_start(x, scatter_dim, group_name, group_size)`` and
   ``autosp_testbed::all_to_all_wait(in_flight, gather_dim)``: the same all-to-all
   split in two, so that computation can run between them.  See Note [All-to-all as
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["all_reduce_sum", "all_to_all", "all_to_all_start", "all_to_all_wait"]
+__all__ = ["all_reduce_sum", "all_reduce_sum_sum_grad", "all_to_all", "all_to_all_start", "all_to_all_wait"]
 
 
 def _send_layout(x: torch.Tensor, scatter_dim: int, group_size: int) -> torch.Tensor:
@@ -104,8 +106,32 @@ def _all_reduce_sum_backward(ctx, grad):
 all_reduce_sum.register_autograd(_all_reduce_sum_backward)
 
 
+@torch.library.custom_op("autosp_testbed::all_reduce_sum_sum_grad", mutates_args=())
+def all_reduce_sum_sum_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum over the group whose gradient is summed over the group too (see Note [Gradient placements] in
+    autosp/passes/dynamo/reductions.py): for a reduction read by token-sharded computations."""
+    return all_reduce_sum(x, group_name)
+
+
+@all_reduce_sum_sum_grad.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
+
+
+def _all_reduce_sum_sum_grad_backward(ctx, grad):
+    return all_reduce_sum(grad, ctx.group_name), None
+
+
+def _all_reduce_sum_sum_grad_setup_context(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+all_reduce_sum_sum_grad.register_autograd(
+    _all_reduce_sum_sum_grad_backward, setup_context=_all_reduce_sum_sum_grad_setup_context)
+
+
 # Note [All-to-all as start and wait]
-# The overlap pass (autosp.passes.overlap) runs on the partitioned forward and
+# The overlap pass (autosp.passes.partitioned.overlap) runs on the partitioned forward and
 # backward graphs, which are not differentiated again, so these two ops need no
 # autograd formula.  ``all_to_all_start`` lays out the send buffer and issues
 # torch's functional all_to_all_single, which returns the receive buffer at once

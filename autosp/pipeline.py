@@ -1,4 +1,4 @@
-"""The ordered list of AutoSP passes and a generic runner that logs what each pass changed."""
+"""The ordered list of AutoSP's Dynamo-stage passes and a generic runner that logs what each pass changed."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from collections.abc import Callable, Sequence
 from torch import fx
 
 from autosp.context import TraceContext
-from autosp.passes.attention import insert_all_to_all_pass
-from autosp.passes.cleanup import eliminate_dead_code_pass, refresh_metadata_pass
+from autosp.passes.dynamo.cleanup import eliminate_dead_code_pass, refresh_metadata_pass
+from autosp.passes.dynamo.loss import exact_causal_lm_loss_pass
+from autosp.passes.dynamo.masks import causal_mask_pass
+from autosp.passes.dynamo.sharding import sequence_sharding_pass
+from autosp.passes.dynamo.tag_inputs import tag_sequence_inputs_pass
 from autosp.passes.graph_utils import op_counts
-from autosp.passes.loss import exact_causal_lm_loss_pass
-from autosp.passes.positions import offset_positions_pass
-from autosp.passes.tag_inputs import tag_sequence_inputs_pass
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +21,15 @@ Pass = Callable[..., fx.GraphModule]
 
 SEQUENCE_PARALLEL_PASSES: tuple[Pass, ...] = (
     tag_sequence_inputs_pass,
-    offset_positions_pass,
-    insert_all_to_all_pass,
+    causal_mask_pass,
     exact_causal_lm_loss_pass,
+    sequence_sharding_pass,
     eliminate_dead_code_pass,
     refresh_metadata_pass,
 )
-"""Dynamo graph (one rank's shard, single-device semantics) -> exact sequence-parallel graph."""
+"""Stage 1 (autosp.passes.dynamo): Dynamo graph of one rank's shard, single-device semantics -> exact
+sequence-parallel graph.  The loss rule runs before the analysis (it removes the model's own label shift,
+which would otherwise read as a slice of the token axis); the analysis applies the other rules."""
 
 
 def run_passes(

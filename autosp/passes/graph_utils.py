@@ -71,3 +71,23 @@ def normalized_index(index, ndim: int) -> list[slice | object]:
 
 def is_full_slice(item) -> bool:
     return isinstance(item, slice) and item.start in (None, 0) and item.stop is None and item.step in (None, 1)
+
+
+def infer_fake_value(node: fx.Node) -> None:
+    """Fill ``node.meta["example_value"]`` of a node a rewrite inserted, by running it on its inputs' fake values."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), fake_value)
+    fake_mode = next((t.fake_mode for t in _tensors((args, kwargs)) if hasattr(t, "fake_mode")), None)
+    if fake_mode is None:
+        return
+    with fake_mode:
+        if node.op == "call_method":
+            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            value = node.target(*args, **kwargs)
+    node.meta[EXAMPLE_VALUE] = value
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    fx.node.map_aggregate(tree, lambda x: found.append(x) if isinstance(x, torch.Tensor) else None)
+    return found

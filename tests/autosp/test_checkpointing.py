@@ -7,7 +7,7 @@ import torch
 
 import autosp
 from autosp.costs import VIEWS, classify, nbytes_of, packet_name
-from autosp.passes.checkpointing import Candidate, choose_recomputation
+from autosp.passes.joint.checkpointing import Candidate, choose_recomputation
 from experiments.models import build_model, vocab_size
 from tests.autosp.cases import make_sample
 from tests.harness import fake_process_group

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import autosp
-from autosp.passes.overlap import overlapped_compute
+from autosp.passes.partitioned.overlap import overlapped_compute
 from experiments.models import build_model, vocab_size
 from tests.autosp.cases import make_sample
 from tests.harness import fake_process_group

@@ -30,8 +30,9 @@ from torch import fx
 
 from autosp.context import TraceContext
 from autosp.errors import AutoSPError
+from autosp.passes.dynamo.rules import LOCAL_REDUCTION
+from autosp.passes.dynamo.tag_inputs import placeholder_with_role
 from autosp.passes.graph_utils import bind, is_full_slice, is_getitem, module_name, normalized_index, shape_of
-from autosp.passes.tag_inputs import placeholder_with_role
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ def exact_causal_lm_loss_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceC
             result = graph.call_function(all_reduce, (local_sum, ctx.group_name))
         else:
             valid = graph.call_method("sum", (graph.call_function(torch.ne, (call["target"], ctx.ignore_index)),))
+            valid.meta[LOCAL_REDUCTION] = True  # summed over the group by the all-reduce below
             pair = graph.call_function(
                 torch.stack, ([graph.call_method("double", (local_sum,)), graph.call_method("double", (valid,))],)
             )

@@ -20,9 +20,9 @@ def tag_sequence_inputs_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceCo
     for node, example in zip(placeholders, example_inputs, strict=False):
         role = ctx.input_roles.get(id(example))
         if role is None:
-            # Dynamo names a keyword input `l_kwargs_<name>_`; use it when identity is lost.
+            # Dynamo names an input `l_kwargs_<name>_` or `l_<name>_`; use it when identity is lost.
             for candidate in ("input_ids", "labels", "position_ids"):
-                if node.name in (f"l_kwargs_{candidate}_", f"L_kwargs_{candidate}_"):
+                if node.name.lower() in (f"l_kwargs_{candidate}_", f"l_{candidate}_"):
                     role = candidate
         if role is not None:
             node.meta[ROLE] = role

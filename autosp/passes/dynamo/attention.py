@@ -1,0 +1,139 @@
+"""Wrap every attention in Ulysses all-to-alls.
+
+Before the pass, each rank's ``scaled_dot_product_attention`` sees its own slice
+of the sequence and all heads: q [B, H, S/P, D], k and v [B, Hkv, S/P, D].  The
+pass sends q, k and v through an all-to-all that scatters heads and gathers the
+sequence, so attention runs on the full sequence for H/P heads, and a second
+all-to-all brings the output back to [B, H, S/P, D].  The attention's own flags
+(``is_causal``, ``scale``, ``dropout_p``, ``enable_gqa``) are kept.
+
+Note [GQA head replication]
+With grouped-query attention each query head i uses kv head i // G (G = H / Hkv).
+Rank r receives query heads [r·H/P, (r+1)·H/P).  When P divides Hkv, rank r
+receives exactly kv heads [r·Hkv/P, (r+1)·Hkv/P), which are the ones its query
+heads use, so nothing extra is shipped.  Otherwise each kv head is replicated f
+times (``repeat_interleave`` on the head dim, f = P / gcd(Hkv, P), or G when f
+does not divide G) before the all-to-all; expanded head j stands for original
+head j // f and the local GQA group size becomes G / f, which maps every local
+query head to the copy of its own kv head: (i // (G/f)) // f = i // G.
+
+This is the sequence-sharding analysis's rule for attention (see Note
+[Sequence-sharding analysis] in autosp.passes.dynamo.sharding).  A model that
+computes attention with matmul + softmax instead of SDPA contracts the token
+axis in a matmul, which the analysis refuses, naming the module.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from autosp.context import AttentionSite, TraceContext
+from autosp.errors import AutoSPError
+from autosp.passes.dynamo.placements import REPLICATE, Partial, Shard
+from autosp.passes.graph_utils import bind, infer_fake_value, module_name, shape_of
+
+log = logging.getLogger(__name__)
+
+SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+
+HEAD_DIM, SEQ_DIM = 1, 2
+"""SDPA tensors are [B, heads, sequence, head_dim]."""
+
+
+def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Python mirror of F.scaled_dot_product_attention's signature (the builtin has none to inspect)."""
+
+
+def kv_replication_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
+    """How many copies of each kv head to make so every rank gets whole GQA groups.  See Note [GQA head replication]."""
+    if num_kv_heads % sp_size == 0:
+        return 1
+    group = num_heads // num_kv_heads
+    factor = sp_size // math.gcd(num_kv_heads, sp_size)
+    return factor if group % factor == 0 else group
+
+
+def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
+    """The analysis's rule for scaled_dot_product_attention (in the top graph or a nested body).
+
+    Token-sharded q, k, v ([B, H, S/P, D], tokens on dim 2) are wrapped in all-to-alls;
+    replicated ones (attention over something other than the tokens) stay as they are.
+    """
+    ctx: TraceContext = an.ctx
+    graph, p = gm.graph, ctx.sp_size
+    where = module_name(node)
+    args = bind(_sdpa_signature, node).arguments
+    places = [an.of(args[k]) for k in ("query", "key", "value")]
+    if not any(isinstance(q, (Shard, Partial)) for q in places):
+        return REPLICATE
+    if not all(isinstance(q, Shard) and not q.tentative and (q.dim, q.inner) == (SEQ_DIM, 1) for q in places):
+        raise AutoSPError(
+            f"module {where} calls scaled_dot_product_attention with q/k/v placed {[str(q) for q in places]}; "
+            "AutoSP needs [batch, heads, sequence, head_dim] tensors with every rank holding its slice of the "
+            "sequence in q, k and v"
+        )
+    if args["attn_mask"] is not None:
+        raise AutoSPError(
+            f"module {where} passes an attn_mask to scaled_dot_product_attention; AutoSP supports causal "
+            "(is_causal=True) or unmasked attention, and Hugging Face's own causal mask (recognised and replaced "
+            "by is_causal=True).  A padding attention_mask is refused by autosp.prepare_inputs; packed documents "
+            "and sliding windows are not supported yet"
+        )
+    if args["dropout_p"]:
+        raise AutoSPError(
+            f"module {where} applies attention dropout (dropout_p={args['dropout_p']}): every rank of the SP group "
+            "draws the same random stream, so masks would repeat across head shards; set the attention dropout "
+            "to 0 (e.g. Hugging Face attention_dropout=0.0) or call model.eval()"
+        )
+    q_shape, k_shape = shape_of(args["query"]), shape_of(args["key"])
+    heads, kv_heads = q_shape[HEAD_DIM], k_shape[HEAD_DIM]
+    if heads % p:
+        raise AutoSPError(
+            f"module {where} has {heads} attention heads, not divisible by sp_size={p}; "
+            "choose an sp_size that divides the number of heads"
+        )
+    if ctx.layout is not None and ctx.layout.pad_tokens and not args["is_causal"]:
+        raise AutoSPError(
+            f"module {where} uses non-causal attention and the sequence ({ctx.layout.seq_len} tokens) was "
+            f"padded to a multiple of sp_size={p}; padding is exact only under causal attention: pass a "
+            f"multiple of {p} tokens"
+        )
+    replicate = kv_replication_factor(heads, kv_heads, p) if kv_heads != heads else 1
+    a2a = torch.ops.autosp_testbed.all_to_all.default
+    token_sharded = Shard(SEQ_DIM)
+    with graph.inserting_before(node):
+        key, value = args["key"], args["value"]
+        if replicate > 1:
+            key = graph.call_method("repeat_interleave", (key, replicate), {"dim": HEAD_DIM})
+            value = graph.call_method("repeat_interleave", (value, replicate), {"dim": HEAD_DIM})
+            for expanded in (key, value):
+                infer_fake_value(expanded)
+                an.set(expanded, token_sharded)
+        gathered = {}
+        for name, tensor in (("query", args["query"]), ("key", key), ("value", value)):
+            if tensor not in gathered:
+                gathered[tensor] = graph.call_function(a2a, (tensor, HEAD_DIM, SEQ_DIM, ctx.group_name, p))
+                infer_fake_value(gathered[tensor])
+                an.set(gathered[tensor], Shard(HEAD_DIM))  # head-sharded, whole sequence
+            args[name] = gathered[tensor]
+        args["enable_gqa"] = kv_heads * replicate != heads
+        qkv = (args.pop("query"), args.pop("key"), args.pop("value"))
+        attention = graph.call_function(node.target, qkv, dict(args))
+        attention.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        infer_fake_value(attention)
+        an.set(attention, Shard(HEAD_DIM))
+        out = graph.call_function(a2a, (attention, SEQ_DIM, HEAD_DIM, ctx.group_name, p))
+        infer_fake_value(out)
+        out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    an.set(out, token_sharded)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    an.result.attention.append(out)
+    ctx.report.attention_sites.append(AttentionSite(where, heads, kv_heads, replicate, bool(args["is_causal"])))
+    log.debug("all-to-all around %s (heads %d, kv heads %d x%d)", where, heads, kv_heads, replicate)
+    return token_sharded

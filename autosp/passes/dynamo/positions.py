@@ -1,0 +1,77 @@
+"""Make positions a model builds itself global: the analysis's rule for ``arange``.
+
+Note [Positions built in the graph]
+A model called without position ids builds them from the length it sees,
+``torch.arange(S)`` (or ``arange(0, S)``, ``arange(end=S)``, ``arange(S, dtype=..)``,
+``cache_position`` in Hugging Face).  On a shard that length is the local one
+and the positions would restart at 0 on every rank.  But not every
+``arange(local_seq_len)`` is a position: a head index or a feature ramp may have
+that length by coincidence.  So the analysis treats each such arange as a
+*tentative* token shard and lets its uses decide:
+
+- it meets a token-sharded value along the token axis (``cos(pos) * q``,
+  ``embed(pos) + x``): in the single-device program it had one entry per token
+  of the whole sequence, so it is a position; this rank's slice is
+  ``arange(offset, offset + local_seq_len)``;
+- it is used any other way (reduced, contracted, combined with a replicated
+  tensor of its own length, or never meets tokens): it is a replicated value and
+  is left alone;
+- both: refused, since no single rewrite is right for both uses.
+
+The rewrite happens after the walk, when every use has been seen.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx
+
+from autosp.errors import AutoSPError
+from autosp.passes.dynamo.placements import REPLICATE, Shard, describe
+from autosp.passes.graph_utils import module_name
+
+log = logging.getLogger(__name__)
+
+
+def _arange_signature(start=None, end=None, step=1, **kwargs):
+    """torch.arange(end) / arange(start, end[, step]) with keyword forms; returns (start, end, step)."""
+    if end is None:
+        start, end = 0, start
+    return start if start is not None else 0, end, step
+
+
+def arange_bounds(node: fx.Node) -> tuple[object, object, object]:
+    return _arange_signature(*node.args, **node.kwargs)
+
+
+def arange_placement(an, node: fx.Node):
+    """A tentative token shard for ``arange(0, local_seq_len, 1)``, replicated otherwise."""
+    bounds = arange_bounds(node)
+    if an.seq_len > 1 and bounds == (0, an.seq_len, 1):
+        return Shard(0, 1, frozenset({node}))
+    return REPLICATE
+
+
+def globalize_positions(an) -> None:
+    """Shift every arange used as positions to this rank's offset; refuse one used both ways."""
+    layout = an.ctx.layout
+    for node, uses in an.result.positions.items():
+        if "token" not in uses:
+            continue
+        if "replicated" in uses:
+            raise AutoSPError(
+                f"{describe(node)} in module {module_name(node)} builds a range of this shard's length that is "
+                "used both as token positions and as a replicated value; AutoSP cannot tell which the "
+                "single-device program meant.  Pass position_ids to the model (autosp.prepare_inputs does) and "
+                "use them for positions"
+            )
+        if layout is None or layout.start == 0:
+            continue
+        offset = layout.start
+        kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
+        node.args = (offset, offset + an.seq_len)
+        node.kwargs = kwargs
+        node.target = torch.arange
+        log.info("positions built in %s now start at global offset %d", module_name(node), offset)

@@ -1,0 +1,164 @@
+"""Reductions over the sequence: a local reduction, then an all-reduce whose backward fits its readers.
+
+Note [Gradient placements]
+A sum over the token axis is computed exactly as a local sum plus an
+all-reduce over the SP group (a mean divides each local sum by the global
+count first).  Its backward depends on who reads the result.  Every rank holds
+the same result (replicated) and runs the same code on it, but the gradient
+that reaches it in backward is either
+
+- replicated: its readers are computations every rank repeats (the loss, an
+  auxiliary loss); each rank then holds the whole gradient and hands it to its
+  own partial sum unchanged (the identity backward of
+  ``autosp_testbed::all_reduce_sum``, Note [Loss all-reduce gradient]), or
+- partial: its readers combine it with token-sharded values (``x - x.mean(1)``);
+  each rank then holds only its tokens' share and the backward must sum it
+  over the group (``autosp_testbed::all_reduce_sum_sum_grad``).
+
+`gradient_kinds` finds which by a reverse walk over the placements; a result
+read both ways is refused (its backward would need to tell the two parts
+apart).  The same walk refuses a parameter whose gradient would be replicated:
+`sync_gradients` sums parameter gradients over the SP group, so it would be
+counted once per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx
+
+from autosp.errors import AutoSPError
+from autosp.passes.dynamo.placements import PARTIAL, REPLICATE, Partial, Replicate, Shard, describe
+from autosp.passes.graph_utils import fake_value, infer_fake_value, module_name
+
+log = logging.getLogger(__name__)
+
+REPLICATED, PARTIAL_GRAD = "replicated", "partial"
+
+
+def complete_sequence_reduction(an, gm: fx.GraphModule, node: fx.Node):
+    """Rewrite ``sum``/``mean`` over the token axis into local reduction -> all-reduce; returns the placement."""
+    ctx = an.ctx
+    if ctx.layout is not None and ctx.layout.pad_tokens:
+        raise AutoSPError(
+            f"{describe(node)} in module {module_name(node)} reduces over the sequence, and the sequence "
+            f"({ctx.layout.seq_len} tokens) was padded to a multiple of sp_size={ctx.sp_size}: the padding tokens "
+            f"would count.  Pass a multiple of {ctx.sp_size} tokens"
+        )
+    graph = gm.graph
+    an.set(node, PARTIAL)
+    local = node
+    with graph.inserting_after(node):
+        if _name(node) == "mean":
+            local = graph.call_function(torch.div, (node, ctx.sp_size))
+            infer_fake_value(local)
+            an.set(local, PARTIAL)
+    with graph.inserting_after(local):
+        reduced = graph.call_function(torch.ops.autosp_testbed.all_reduce_sum.default, (local, ctx.group_name))
+    infer_fake_value(reduced)
+    reduced.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    for user in list(node.users):
+        if user is not local and user is not reduced:
+            user.replace_input_with(node, reduced)
+    if local is not node:
+        for user in list(local.users):
+            if user is not reduced:
+                user.replace_input_with(local, reduced)
+    an.set(reduced, REPLICATE)
+    an.result.sequence_reductions.append(reduced)
+    log.info("%s in %s reduces over the sequence: local %s + all-reduce", describe(node), module_name(node),
+             _name(node))
+    return PARTIAL
+
+
+def _name(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+
+
+def _differentiable(node: fx.Node) -> bool:
+    value = fake_value(node)
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+def gradient_kinds(an, gm: fx.GraphModule, output_kinds=None) -> dict[fx.Node, set[str]]:
+    """For each replicated value of ``gm``: is its gradient replicated, partial, or both?  (reverse walk)"""
+    from autosp.passes.dynamo.rules import higher_order_body
+
+    kinds: dict[fx.Node, set[str]] = {}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    out_kind = {}
+    for i, value in enumerate(outputs):
+        if isinstance(value, fx.Node):
+            given = output_kinds[i] if output_kinds is not None else {REPLICATED}
+            out_kind.setdefault(value, set()).update(given)
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "output":
+            continue
+        found = set(out_kind.get(node, set()))
+        for user in node.users:
+            if user.op == "output":
+                continue
+            body = higher_order_body(gm, user)
+            if body is not None:
+                sub, operands = body
+                inner = gradient_kinds(an, sub, _hop_output_kinds(user, sub, kinds))
+                placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+                for operand, ph in zip(operands, placeholders, strict=False):
+                    if operand is node:
+                        found |= inner.get(ph, set())
+                continue
+            placement = an.of(user)
+            if isinstance(placement, tuple) or isinstance(placement, Replicate):
+                found |= kinds.get(user, set())
+            elif isinstance(placement, (Shard, Partial)):
+                found.add(PARTIAL_GRAD)
+        kinds[node] = found
+    return kinds
+
+
+def _hop_output_kinds(hop: fx.Node, sub: fx.GraphModule, kinds) -> list[set[str]]:
+    output = next(n for n in sub.graph.nodes if n.op == "output")
+    count = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 1
+    per_output = [set() for _ in range(count)]
+    for user in hop.users:
+        if user.target.__name__ == "getitem" and isinstance(user.args[1], int):
+            per_output[user.args[1]] |= kinds.get(user, set())
+    return per_output
+
+
+def choose_all_reduce_backward(an, gm: fx.GraphModule) -> None:
+    """Pick each sequence reduction's all-reduce variant; refuse parameters whose gradient would be replicated."""
+    if not an.result.sequence_reductions and not an.result.attention:
+        return
+    kinds = _all_kinds(an, gm)
+    for reduced in an.result.sequence_reductions:
+        found = kinds.get(reduced, set())
+        if found == {REPLICATED, PARTIAL_GRAD}:
+            raise AutoSPError(
+                f"the reduction over the sequence in module {module_name(reduced)} is read both by computations "
+                "every rank repeats (such as a loss) and by token-sharded computations; AutoSP cannot split its "
+                "gradient between the two.  Compute the two uses from separate reductions"
+            )
+        if found == {PARTIAL_GRAD}:
+            reduced.target = torch.ops.autosp_testbed.all_reduce_sum_sum_grad.default
+    for node, found in kinds.items():
+        value = fake_value(node)
+        if (node.op == "placeholder" and REPLICATED in found and isinstance(value, torch.Tensor)
+                and value.requires_grad and isinstance(an.of(node), Replicate)):
+            raise AutoSPError(
+                f"parameter {node.name} reaches the loss only through computations every rank of the SP group "
+                "repeats (after a reduction over the sequence), so each rank would hold its whole gradient and "
+                "sync_gradients would count it sp_size times; apply it to token-sharded values, or keep it out "
+                "of the sequence-parallel model"
+            )
+
+
+def _all_kinds(an, gm):
+    kinds = gradient_kinds(an, gm)
+    return {n: k for n, k in kinds.items() if _differentiable(n)}
+
+
+__all__ = ["PARTIAL", "choose_all_reduce_backward", "complete_sequence_reduction", "gradient_kinds"]

@@ -1,0 +1,1 @@
+"""Stage 3: passes over the partitioned forward and backward graphs (see `autosp.passes`)."""
