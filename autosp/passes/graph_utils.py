@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import operator
 from collections import Counter
 
@@ -17,8 +18,8 @@ def module_name(node: fx.Node) -> str:
     """The qualified name of the innermost module whose code produced ``node`` (best effort)."""
     stack = node.meta.get("nn_module_stack") or {}
     if stack:
-        name = list(stack.values())[-1][0]
-        return name.replace("L['self'].", "").replace("L['self']", "<model>")
+        name = re.sub(r"^L\['[^']*'\](\[\d+\])?\.?", "", list(stack.values())[-1][0])
+        return name or "<model>"
     return f"<graph node {node.name}>"
 
 

@@ -58,10 +58,14 @@ class _MlpOnly(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1))
 
 
-def test_errors_no_attention_found():
+def test_errors_model_without_attention_is_token_local_not_refused():
+    # Nothing mixes tokens (every op is token-local), so there is nothing to refuse and no all-to-all.
     ids, labels = make_sample(16, 256, seed=0)
-    with pytest.raises(AutoSPError, match="no torch.nn.functional.scaled_dot_product_attention"):
-        _call(_MlpOnly(), ids, labels)
+    with fake_process_group(2, rank=0):
+        compiled = autosp.compile(_MlpOnly(), sp_size=2, compiler="aot_eager")
+        compiled(**autosp.prepare_inputs(ids, labels=labels))
+    assert compiled.report.attention_sites == []
+    assert compiled.report.op_classes["torch.nn.functional.linear"] == "token-local: matmul"
 
 
 def test_errors_eager_attention_names_the_module():
@@ -70,7 +74,7 @@ def test_errors_eager_attention_names_the_module():
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=4, attn_implementation="eager")
     ids, labels = make_sample(16, 256, seed=0)
-    with pytest.raises(AutoSPError, match=r"layers\.0\.self_attn computes attention with matmul \+ softmax"):
+    with pytest.raises(AutoSPError, match=r"torch.matmul in module model\.layers\.0\.self_attn .*tokens x tokens.*scaled_dot_product_attention"):
         _call(transformers.LlamaForCausalLM(config), ids, labels)
 
 

@@ -403,7 +403,10 @@ def matmul(an, gm, node: fx.Node):
             broadcast_dim(p.dim, nd, out_ndim))
         placed = p.moved(dim)
         if result is not None and (result.dim, result.inner) != (placed.dim, placed.inner):
-            raise an.refuse(node, "multiplies operands whose token axes do not line up", _FIX_GENERIC)
+            raise an.refuse(node, "multiplies two token-sharded tensors into a tokens x tokens product (attention "
+                            "computed with matmul + softmax?), which on a shard sees only this rank's tokens",
+                            "call torch.nn.functional.scaled_dot_product_attention instead (Hugging Face: "
+                            "attn_implementation='sdpa')")
         if result is None or result.tentative:
             result = placed
     return result if result is not None else REPLICATE
