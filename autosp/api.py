@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,10 @@ from torch import nn
 from autosp.backend import make_backend
 from autosp.config import AutoSPConfig
 from autosp.context import CompileReport, TraceContext
+from autosp.diagnostics import graph_break_error
 from autosp.errors import AutoSPError
 from autosp.groups import SequenceParallelGroups, build_groups
+from autosp.guards import PACKED_POSITIONS_REFUSED, check_sliding_window, positions_are_plain
 from autosp.inputs import PREPARED_KEY, shard_batch, shard_layout
 from autosp.pipeline import SEQUENCE_PARALLEL_PASSES
 
@@ -49,15 +52,29 @@ class SequenceParallelModel(nn.Module):
         # sp_size=1: no sequence-parallel passes, but the same AOTAutograd path (checkpointing option,
         # graphs recorded in the report for autosp.export).
         backend = make_backend(self._ctx, config, passes=() if config.sp_size == 1 else SEQUENCE_PARALLEL_PASSES)
-        self._compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
+        # Kept out of the module tree (not a registered submodule): the compiled wrapper holds the same
+        # parameters as ``module``, and state_dict/parameters must list them once.
+        self.__dict__["_compiled"] = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
         self._accepts_positions = _accepts(module.forward, "position_ids")
+        self._synced: dict[nn.Parameter, tuple[weakref.ref, int]] = {}
 
     @property
     def report(self) -> CompileReport:
         """What the AutoSP passes found and did (attention sites, per-pass op changes, graphs)."""
         return self._ctx.report
 
+    def state_dict(self, *args, **kwargs):
+        """The wrapped model's own state dict (its keys, loadable into the uncompiled model)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # Dynamo does not trace into this method: an outer torch.compile (or DeepSpeed's engine.compile())
+    # of the compiled model would otherwise unwrap it to the original module and drop the SP program.
+    @torch.compiler.disable
     def forward(self, *args, **kwargs):
+        _refuse_outer_wrappers(self)
         batch = kwargs.pop(PREPARED_KEY, None)
         if batch is None or args:
             raise AutoSPError(
@@ -67,6 +84,10 @@ class SequenceParallelModel(nn.Module):
         cfg = self.config
         layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                               pad_to_multiple=cfg.pad_to_multiple)
+        check_sliding_window(self.module, layout)
+        self._ctx.positions_plain = positions_are_plain(kwargs.get("position_ids"))
+        if self.report.causal_masks_replaced and not self._ctx.positions_plain:
+            raise AutoSPError(PACKED_POSITIONS_REFUSED)
         if layout.pad_tokens and self.report.attention_sites and not self.report.all_attention_causal:
             raise AutoSPError(
                 f"the model uses non-causal attention, where padding {batch.seq_len} tokens to a multiple of "
@@ -97,10 +118,7 @@ class SequenceParallelModel(nn.Module):
                 "torch._dynamo.config.recompile_limit"
             ) from err
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
-            raise AutoSPError(
-                "the model does not trace as one graph (AutoSP compiles with fullgraph=True, since a graph "
-                f"break would split attention from its all-to-alls); remove the graph break: {err}"
-            ) from err
+            raise graph_break_error(err) from err
         finally:
             ctx.input_roles = {}
 
@@ -150,6 +168,7 @@ def sync_gradients(model: SequenceParallelModel) -> None:
     groups = model.groups
     if dist.get_world_size(groups.group) == 1:
         return
+    _refuse_second_sum(model)
     for grads in _grads_by_dtype(model).values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.group)
@@ -159,3 +178,39 @@ def sync_gradients(model: SequenceParallelModel) -> None:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+    model._synced = {p: (weakref.ref(p.grad), p.grad._version) for p in model.parameters() if p.grad is not None}
+
+
+def _refuse_second_sum(model: SequenceParallelModel) -> None:
+    """Gradients summed by the last sync, with exactly one more backward accumulated into them, would be summed
+    again (the per-micro-batch mistake under gradient accumulation)."""
+    for p, (grad_ref, version) in model._synced.items():
+        if p.grad is not None and grad_ref() is p.grad and p.grad._version == version + 1:
+            raise AutoSPError(
+                "sync_gradients was called again on gradients it already summed over the SP group, with one more "
+                "backward accumulated into them: the earlier micro-batches would be counted sp_size times.  Under "
+                "gradient accumulation call sync_gradients once per optimizer step, after the last micro-batch's "
+                "backward (and zero the gradients after optimizer.step())"
+            )
+
+
+def _refuse_outer_wrappers(model: SequenceParallelModel) -> None:
+    """DDP or FSDP around (or inside) an AutoSP model average gradients over every rank, SP ranks included."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if DistributedDataParallel._get_active_ddp_module() is not None:
+        raise AutoSPError(
+            "the AutoSP model is wrapped in DistributedDataParallel, which averages gradients over every rank "
+            "(the SP ranks of one sequence too, making gradients sp_size times too small); do not wrap it: call "
+            "autosp.sync_gradients(model) after backward (it sums over the SP group and averages over data-parallel "
+            "replicas), or use autosp.deepspeed_initialize"
+        )
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.module.parameters()):
+        raise AutoSPError(
+            "the AutoSP model (or a module inside it) is sharded with FSDP, whose gradient reduction averages over "
+            "the SP ranks of one sequence too; AutoSP composes with DeepSpeed ZeRO 0-2 "
+            "(autosp.deepspeed_initialize) or with autosp.sync_gradients"
+        )

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from torch import fx
+from torch._functorch import config as functorch_config
 
 from autosp.config import AutoSPConfig
 from autosp.context import CompileReport, TraceContext
@@ -73,8 +74,7 @@ def _joint_pass_for_inductor(tag_joint: JointGraphPass, config: AutoSPConfig):
             tag_joint(graph)
 
         def uuid(self):
-            return ("autosp-recompute-tags", config.checkpointing, config.sac_recompute_limit,
-                    config.sac_memory_budget)
+            return ("autosp-recompute-tags", repr(config))  # every option: two configs never share a cache entry
 
     return RecomputeTags()
 
@@ -87,8 +87,12 @@ def _inductor(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repor
         graph = _finish("backward" if kwargs.get("is_backward") else "forward", graph, config, report)
         return compile_fx_inner(graph, inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                      config_patches={"joint_custom_pre_pass": _joint_pass_for_inductor(tag_joint, config)})
+    # No AOTAutograd cache for this compile: a hit would skip inner_compile, leaving the report (and the
+    # export) without graphs.  The patch is scoped to this call.
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                          config_patches={"joint_custom_pre_pass": _joint_pass_for_inductor(tag_joint, config),
+                                          "fx_graph_cache": False})
 
 
 CODE_GENERATORS = {"aot_eager": _aot_eager, "inductor": _inductor}
@@ -97,6 +101,7 @@ CODE_GENERATORS = {"aot_eager": _aot_eager, "inductor": _inductor}
 def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, config: AutoSPConfig,
                    passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES):
     start = time.perf_counter()
+    ctx.report = CompileReport()  # the report describes the latest compile (a recompile starts it afresh)
     gm = run_passes(gm, example_inputs, ctx=ctx, passes=passes)
     ctx.report.forward_graphs.append(gm)
     log.info(

@@ -62,6 +62,8 @@ class TraceContext:
     layout: ShardLayout | None = None
     labels_passed: bool = False
     positions_passed: bool = True
+    positions_plain: bool = True
+    """The full-length position_ids of this call are 0..S-1 in every row (the same on every rank)."""
     input_roles: dict[int, str] = field(default_factory=dict)
     """id() of each local input tensor -> its role ("input_ids", "labels", "position_ids")."""
     report: CompileReport = field(default_factory=CompileReport)

@@ -111,6 +111,12 @@ def shard_layout(seq_len: int, *, sp_size: int, sp_rank: int, pad_to_multiple: b
             "tokens or compile with pad_to_multiple=True"
         )
     local = padded // sp_size
+    if local < 2 and sp_size > 1:
+        raise AutoSPError(
+            f"a sequence of {seq_len} tokens leaves {local} token per rank at sp_size={sp_size}; AutoSP needs at "
+            f"least 2 tokens per rank (models such as Hugging Face's treat a one-token query as non-causal): pass "
+            f"at least {2 * sp_size} tokens"
+        )
     return ShardLayout(seq_len=seq_len, padded_seq_len=padded, local_seq_len=local, start=sp_rank * local)
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import inspect
-import re
 import operator
+import re
 from collections import Counter
 
 import torch

@@ -34,6 +34,7 @@ from torch import fx
 
 from autosp.context import TraceContext
 from autosp.errors import AutoSPError
+from autosp.guards import PACKED_POSITIONS_REFUSED
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
 from autosp.passes.dynamo.rules import higher_order_body
 from autosp.passes.graph_utils import bind, module_name
@@ -125,6 +126,8 @@ def causal_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext) -
         value = _evaluate(gm, outer, {positions[0]: positions[1]})
         if value is None:
             continue
+        if not ctx.positions_plain:  # decided on the full-length positions: the same on every rank
+            raise AutoSPError(f"module {module_name(node)}: {PACKED_POSITIONS_REFUSED}")
         if not _is_causal_block(value):
             raise AutoSPError(
                 f"module {module_name(node)} attends with a mask built from the position ids that is not causal "
