@@ -83,7 +83,7 @@ class SequenceParallelModel(nn.Module):
             )
         cfg = self.config
         layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
-                              pad_to_multiple=cfg.pad_to_multiple)
+                              pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket)
         check_sliding_window(self.module, layout)
         self._ctx.positions_plain = positions_are_plain(kwargs.get("position_ids"))
         if self.report.causal_masks_replaced and not self._ctx.positions_plain:

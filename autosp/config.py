@@ -23,6 +23,13 @@ class AutoSPConfig:
     pad_to_multiple: bool = True
     """Pad a sequence whose length is not a multiple of sp_size at its end (with ignored labels; exact
     under causal attention).  False raises an error for such a sequence instead."""
+    length_bucket: int | None = None
+    """Pad every sequence to a multiple of this many tokens (itself a multiple of sp_size) instead of
+    sp_size, so that sequences of different lengths share compiled programs: training on lengths up to
+    N compiles at most ceil(N / length_bucket) programs (torch.compile recompiles a model at most
+    ``torch._dynamo.config.recompile_limit`` times, 8 by default).  The padding costs at most
+    length_bucket - 1 tokens per sequence; like all padding it is exact under causal attention with
+    reductions over the sequence refused.  None: pad to a multiple of sp_size only."""
     pad_token_id: int = 0
     """Token id used for that padding (its outputs never reach the loss)."""
     checkpointing: str = "sac"
@@ -52,6 +59,10 @@ class AutoSPConfig:
         if not 0 <= self.sac_recompute_limit:
             raise AutoSPError(f"sac_recompute_limit must be >= 0 (a fraction of forward FLOPs), got "
                               f"{self.sac_recompute_limit!r}")
+        if self.length_bucket is not None and (
+                not isinstance(self.length_bucket, int) or self.length_bucket < 1 or self.length_bucket % self.sp_size):
+            raise AutoSPError(f"length_bucket must be a positive multiple of sp_size={self.sp_size}, got "
+                              f"{self.length_bucket!r}")
         if self.sac_memory_budget is not None and not 0 <= self.sac_memory_budget <= 1:
             raise AutoSPError(f"sac_memory_budget must be None or a fraction in [0, 1], got {self.sac_memory_budget!r}")
 

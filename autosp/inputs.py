@@ -100,11 +100,15 @@ class ShardLayout:
         return self.padded_seq_len - self.seq_len
 
 
-def shard_layout(seq_len: int, *, sp_size: int, sp_rank: int, pad_to_multiple: bool) -> ShardLayout:
-    """Contiguous shard of a sequence of ``seq_len`` tokens for group rank ``sp_rank``."""
+def shard_layout(seq_len: int, *, sp_size: int, sp_rank: int, pad_to_multiple: bool,
+                 length_bucket: int | None = None) -> ShardLayout:
+    """Contiguous shard of a sequence of ``seq_len`` tokens for group rank ``sp_rank``.
+
+    The sequence is padded to a multiple of ``length_bucket`` when given (see AutoSPConfig), else of sp_size."""
     if seq_len < sp_size:
         raise AutoSPError(f"sequence of {seq_len} tokens is shorter than sp_size={sp_size}; pass at least sp_size tokens")
-    padded = -(-seq_len // sp_size) * sp_size
+    multiple = length_bucket or sp_size
+    padded = -(-seq_len // multiple) * multiple
     if padded != seq_len and not pad_to_multiple:
         raise AutoSPError(
             f"sequence length {seq_len} is not divisible by sp_size={sp_size}; pass a multiple of {sp_size} "

@@ -20,7 +20,16 @@ def module_name(node: fx.Node) -> str:
     if stack:
         name = re.sub(r"^L\['[^']*'\](\[\d+\])?\.?", "", list(stack.values())[-1][0])
         return name or "<model>"
-    return f"<graph node {node.name}>"
+    return "<model>"
+
+
+def source_location(node: fx.Node) -> str:
+    """' (file.py:123)' for the user code that produced ``node``, from Dynamo's recorded stack trace."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, line = frames[-1]
+    return f" ({path.rsplit('/', 1)[-1]}:{line})"
 
 
 def bind(fn, node: fx.Node) -> inspect.BoundArguments:

@@ -67,6 +67,7 @@ def complete_sequence_reduction(an, gm: fx.GraphModule, node: fx.Node):
             if user is not reduced:
                 user.replace_input_with(local, reduced)
     an.set(reduced, REPLICATE)
+    an.sequence_reduced.add(reduced)
     an.result.sequence_reductions.append(reduced)
     log.info("%s in %s reduces over the sequence: local %s + all-reduce", describe(node), module_name(node),
              _name(node))

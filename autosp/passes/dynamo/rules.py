@@ -160,6 +160,8 @@ def pointwise(an, gm, node: fx.Node):
     name = op_name(node)
     out = fake_value(node)
     args = {a: an.of(a) for a in _tensor_args(node)}
+    if any(a in an.sequence_reduced for a in args):
+        _check_token_count_literal(an, node)
     if not any(isinstance(p, (Shard, Partial)) for p in args.values()):
         return REPLICATE
     if not isinstance(out, torch.Tensor):
@@ -228,7 +230,8 @@ def _check_dropout(an, node):
 
 
 def _check_token_count_literal(an, node):
-    """A literal equal to a local token count dividing a partial sum was probably read from a shard's shape."""
+    """A literal equal to a local token count scaling a sum over the sequence was probably read from a shard's
+    shape (``x.sum(0) / x.shape[0]``): in the single-device program it is the sequence's count."""
     counts = {an.seq_len * k for k in range(1, 65)} if an.seq_len else set()
     for arg in node.args[1:]:
         if isinstance(arg, (int, float)) and not isinstance(arg, bool) and arg in counts and arg > 1:
@@ -443,6 +446,11 @@ def addmm(an, gm, node: fx.Node):
     return p
 
 
+def one_hot(an, gm, node: fx.Node):
+    p = an.of(node.args[0])
+    return p if isinstance(p, Shard) else REPLICATE
+
+
 def embedding(an, gm, node: fx.Node):
     ids, weight = node.args[0], node.args[1]
     if isinstance(an.of(weight), (Shard, Partial)):
@@ -649,7 +657,7 @@ for _group, _rule in (
     (_EXPAND_NAMES, expand), (_names("repeat", "repeat_interleave", "tile"), repeat), (_LIKE_NAMES, _like),
     (_RANDOM_LIKE_NAMES, random_like), (set(_ALONG_DIM_NAMES) | set(_NORM_NAMES), along_dim),
     (_REDUCTION_NAMES, reduction), (_MATMUL_NAMES, matmul), (_names("linear"), linear),
-    (_names("addmm"), addmm), (_names("embedding"), embedding), (_names("einsum"), einsum),
+    (_names("addmm"), addmm), (_names("embedding"), embedding), (_names("one_hot"), one_hot), (_names("einsum"), einsum),
     (_names("getitem"), getitem), (_names("cat", "concat", "concatenate", "stack"), cat), (set(_SPLIT_NAMES), split),
     (_names("pad"), pad), (_names("cross_entropy", "nll_loss"), cross_entropy), (_names("arange"), arange),
     (_METADATA_NAMES, metadata), (_FACTORY_NAMES, factory),
@@ -662,6 +670,7 @@ _RULE_CLASS = {pointwise: "token-local: elementwise", layout: "token-local: layo
                random_like: "refused on tokens: random", along_dim: "token-local unless along the sequence",
                reduction: "reduction (sum/mean over the sequence: all-reduce)", matmul: "token-local: matmul",
                linear: "token-local: matmul", addmm: "token-local: matmul", embedding: "token-local: lookup",
+               one_hot: "token-local: lookup",
                einsum: "token-local: matmul", getitem: "token-local: indexing", cat: "token-local: concatenation",
                split: "token-local: split", pad: "token-local: padding", cross_entropy: "loss (partial sum)",
                arange: "positions", metadata: "metadata", factory: "factory (replicated)",

@@ -70,7 +70,7 @@ from autosp.context import TraceContext
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo import rules
 from autosp.passes.dynamo.placements import PARTIAL, REPLICATE, Partial, Replicate, Shard, describe
-from autosp.passes.graph_utils import fake_value, infer_fake_value, module_name
+from autosp.passes.graph_utils import fake_value, infer_fake_value, module_name, source_location
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,8 @@ class Analysis:
         self.root = root
         self.seq_len = ctx.layout.local_seq_len if ctx.layout is not None else _local_tokens(root)
         self.result = SequenceSharding()
+        self.sequence_reduced: set[fx.Node] = set()
+        """Replicated values computed from a reduction over the sequence (for the token-count literal check)."""
 
     # -- placements -------------------------------------------------------------------------
     def of(self, arg):
@@ -120,7 +122,7 @@ class Analysis:
             self.result.positions.setdefault(source, set()).add(how)
 
     def refuse(self, node: fx.Node, why: str, fix: str) -> AutoSPError:
-        return AutoSPError(f"{describe(node)} in module {module_name(node)} {why}; {fix}")
+        return AutoSPError(f"{describe(node)} in module {module_name(node)}{source_location(node)} {why}; {fix}")
 
     def classify(self, node: fx.Node, rule_class: str) -> None:
         self.result.op_classes.setdefault(describe(node), rule_class)
@@ -144,6 +146,8 @@ class Analysis:
             if node in self.result.placements:  # inserted by a rule, already placed
                 continue
             self.set(node, self.visit(gm, node))
+            if isinstance(self.of(node), Replicate) and any(a in self.sequence_reduced for a in node.all_input_nodes):
+                self.sequence_reduced.add(node)
         return self.of(output.args[0]) if output is not None else ()
 
     def visit(self, gm: fx.GraphModule, node: fx.Node):
