@@ -118,7 +118,7 @@ class SequenceParallelModel(nn.Module):
                 "torch._dynamo.config.recompile_limit"
             ) from err
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
-            raise graph_break_error(err) from err
+            raise graph_break_error(err, type(self.module).__name__) from err
         finally:
             ctx.input_roles = {}
 

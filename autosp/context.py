@@ -34,6 +34,8 @@ class CompileReport:
 
     attention_sites: list[AttentionSite] = field(default_factory=list)
     pass_op_deltas: list[tuple[str, dict[str, int]]] = field(default_factory=list)
+    pass_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of each Dynamo-stage pass in the latest compile."""
     forward_graphs: list[object] = field(default_factory=list)
     """Post-pass Dynamo graphs (torch.fx.GraphModule), latest last."""
     aot_graphs: list[tuple[str, object]] = field(default_factory=list)

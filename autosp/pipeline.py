@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from torch import fx
@@ -37,7 +38,9 @@ def run_passes(
 ) -> fx.GraphModule:
     for graph_pass in passes:
         before = op_counts(gm)
+        start = time.perf_counter()
         gm = graph_pass(gm, example_inputs, ctx=ctx)
+        ctx.report.pass_seconds[graph_pass.__name__] = time.perf_counter() - start
         after = op_counts(gm)
         delta = {k: after[k] - before[k] for k in set(before) | set(after) if after[k] != before[k]}
         ctx.report.pass_op_deltas.append((graph_pass.__name__, delta))

@@ -220,3 +220,65 @@ def test_errors_recompile_limit_says_what_to_do_not_graph_break():
         _call(build_model("plain-llama"), ids, labels)
         with pytest.raises(AutoSPError, match=r"recompile limit .*torch._dynamo.reset\(\)"):
             _call(build_model("plain-llama"), ids, labels)  # a second instance compiles the same forward again
+
+
+def test_errors_data_parallel_wrapper_refused_with_the_fix():
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids, labels = make_sample(16, 256, seed=0)
+    with fake_process_group(2, rank=0):
+        compiled = autosp.compile(build_model("plain-llama"), sp_size=2, compiler="aot_eager")
+        wrapped = DistributedDataParallel(compiled)
+        with pytest.raises(AutoSPError, match="DistributedDataParallel.*autosp.sync_gradients"):
+            wrapped(**autosp.prepare_inputs(ids, labels=labels))
+
+
+def test_errors_second_sync_of_accumulated_gradients_refused():
+    ids, labels = make_sample(16, 256, seed=0)
+    with fake_process_group(2, rank=0):
+        compiled = autosp.compile(build_model("plain-llama"), sp_size=2, compiler="aot_eager")
+        compiled(**autosp.prepare_inputs(ids, labels=labels)).backward()
+        autosp.sync_gradients(compiled)  # micro-batch 1 ...
+        compiled(**autosp.prepare_inputs(ids, labels=labels)).backward()
+        with pytest.raises(AutoSPError, match="once per optimizer step"):
+            autosp.sync_gradients(compiled)  # ... synced again per micro-batch: would re-sum micro-batch 1
+        compiled.module.zero_grad(set_to_none=True)  # the right pattern passes
+        compiled(**autosp.prepare_inputs(ids, labels=labels)).backward()
+        autosp.sync_gradients(compiled)
+
+
+def test_errors_state_dict_has_the_original_keys_and_loads_into_the_plain_model():
+    model = build_model("plain-llama")
+    keys = set(model.state_dict())
+    with fake_process_group(2, rank=0):
+        compiled = autosp.compile(model, sp_size=2, compiler="aot_eager")
+    assert set(compiled.state_dict()) == keys
+    assert sum(1 for _ in compiled.parameters()) == sum(1 for _ in model.parameters())
+    build_model("plain-llama").load_state_dict(compiled.state_dict())
+
+
+def test_errors_model_dynamo_cannot_capture_whole_is_refused_naming_the_construct():
+    class Logs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = build_model("plain-llama")
+
+        def forward(self, input_ids, labels=None):
+            print("step")  # a graph break under fullgraph
+            return self.inner(input_ids, labels)
+
+    ids, labels = make_sample(16, 256, seed=0)
+    with pytest.raises(AutoSPError, match=r"Logs.forward does not trace as one graph: .*test_errors.py:\d+ in forward\(\)"):
+        _call(Logs(), ids, labels)
+
+
+def test_errors_hugging_face_mixtral_graph_break_refused_naming_model_and_construct():
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa",
+        output_router_logits=True)
+    ids, labels = make_sample(16, 256, seed=0)
+    with pytest.raises(AutoSPError, match=r"MixtralForCausalLM.forward does not trace as one graph: .*context manager"):
+        _call(transformers.MixtralForCausalLM(config), ids, labels)
