@@ -40,7 +40,9 @@ def check_sliding_window(module: nn.Module, layout: ShardLayout) -> None:
 
 def positions_are_plain(position_ids: torch.Tensor | None) -> bool:
     """True when every row's positions are 0..S-1 (one unpacked sequence per row)."""
-    if position_ids is None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if position_ids is None or isinstance(position_ids, FakeTensor):  # a shape-only trace: nothing to check
         return True
     plain = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
     return torch.equal(position_ids, plain)

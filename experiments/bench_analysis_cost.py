@@ -1,9 +1,10 @@
 """Compile-time cost of the sequence-sharding analysis: its share of compiling a 32-layer HF Llama.
 
-``python -m experiments.bench_analysis_cost [--layers 32] [--world 8] [--seq-len 4096]`` builds a
-Hugging Face Llama (small width, real depth) on a fake process group, compiles one training step with
-AutoSP (aot_eager, the default SAC and overlap) and prints the wall time of each Dynamo-stage pass next
-to the whole first step (Dynamo tracing, the passes, AOTAutograd, partitioning, code generation).
+``python -m experiments.bench_analysis_cost [--model llama-3.1-8b] [--world 8] [--seq-len 8192]`` traces
+one training step of the paper-scale Hugging Face Llama (all 32 layers, fake tensors, a fake process
+group: `autosp.export.trace_fake_step`) with AutoSP (aot_eager, default SAC and overlap) and prints the
+wall time of each Dynamo-stage pass next to the whole first step (Dynamo tracing, the passes,
+AOTAutograd, partitioning).
 """
 
 from __future__ import annotations
@@ -14,32 +15,28 @@ import time
 import torch
 
 
-def measure(layers: int, world: int, seq_len: int) -> dict[str, float]:
+def measure(model_name: str, world: int, seq_len: int) -> dict[str, float]:
+    """Seconds of each Dynamo-stage pass and of the whole first step (trace, passes, AOTAutograd, codegen)."""
     import transformers
 
-    import autosp
-    from experiments.models import _hf_decoder  # noqa: PLC2701 - the project's HF builder
-    from tests.harness import fake_process_group
+    from autosp.export import trace_fake_step
+    from experiments.models import PAPER_MODELS
 
-    model = _hf_decoder("Llama", layers=layers, hidden=128, heads=8, kv_heads=8, vocab=512)
-    ids = torch.randint(0, 512, (1, seq_len))
+    model = PAPER_MODELS[model_name]
     torch._dynamo.reset()
-    with fake_process_group(world, rank=1):
-        compiled = autosp.compile(model, sp_size=world, compiler="aot_eager")
-        start = time.perf_counter()
-        compiled(**autosp.prepare_inputs(ids, labels=ids)).loss.backward()
-        total = time.perf_counter() - start
-    del transformers
-    return {"total_first_step_s": total, **compiled.report.pass_seconds}
+    start = time.perf_counter()
+    compiled, _ = trace_fake_step(lambda: transformers.LlamaForCausalLM(model.hf_config()), seq_len=seq_len,
+                                  sp_size=world, vocab_size=model.vocab_size)
+    return {"total_first_step_s": time.perf_counter() - start, **compiled.report.pass_seconds}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32, help="decoder layers (default 32)")
+    parser.add_argument("--model", default="llama-3.1-8b", help="paper-scale preset (default llama-3.1-8b)")
     parser.add_argument("--world", type=int, default=8, help="fake SP group size (default 8)")
-    parser.add_argument("--seq-len", type=int, default=4096, help="tokens (default 4096)")
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens (default 8192)")
     args = parser.parse_args(argv)
-    times = measure(args.layers, args.world, args.seq_len)
+    times = measure(args.model, args.world, args.seq_len)
     total = times.pop("total_first_step_s")
     analysis = times.get("sequence_sharding_pass", 0.0) + times.get("causal_mask_pass", 0.0)
     print(f"{'pass':32s} {'seconds':>9s} {'share':>7s}")

@@ -31,6 +31,7 @@ import logging
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autosp.context import TraceContext
 from autosp.errors import AutoSPError
@@ -122,6 +123,8 @@ def causal_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext) -
             continue
         outer = _to_outer(graph_module, hop, call["attn_mask"])
         if positions is None or not isinstance(outer, fx.Node):
+            continue
+        if isinstance(positions[1], FakeTensor):  # a shape-only trace has no positions to evaluate the mask on
             continue
         value = _evaluate(gm, outer, {positions[0]: positions[1]})
         if value is None:
