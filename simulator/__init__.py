@@ -36,6 +36,8 @@ _EXPORTS = {
     "SearchResult": "simulator.search",
     "max_sequence_length": "simulator.search",
     "search_max_length": "simulator.search",
+    "GradientReady": "simulator.training_step",
+    "add_training_step": "simulator.training_step",
     "LedgerLine": "simulator.ledger",
     "TrainingConfig": "simulator.ledger",
     "memory_ledger": "simulator.ledger",
@@ -64,6 +66,7 @@ __all__ = [
     "RankProgram",
     "RankResult",
     "Result",
+    "GradientReady",
     "LedgerLine",
     "Probe",
     "SCHEMA_VERSION",
@@ -72,6 +75,7 @@ __all__ = [
     "StaticMemory",
     "Workload",
     "WorkloadError",
+    "add_training_step",
     "get_network",
     "get_preset",
     "load_cpu_gloo",
@@ -115,6 +119,7 @@ if TYPE_CHECKING:
     from simulator.ledger import LedgerLine, TrainingConfig, memory_ledger, summarize
     from simulator.result import OomEvent, RankResult, Result
     from simulator.search import Probe, SearchResult, max_sequence_length, search_max_length
+    from simulator.training_step import GradientReady, add_training_step
     from simulator.validate import validate_workload
     from simulator.workload import (
         SCHEMA_VERSION,
