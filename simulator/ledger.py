@@ -27,9 +27,11 @@ Optimizer state (two fp32 moments for Adam, one momentum buffer for SGD with mom
 torch optimizer at the first step, except under ``FP16_UnfusedOptimizer`` (``initialize_optimizer_states`` steps
 once at initialisation). Torch's Adam also keeps a 4-byte step counter per parameter tensor it optimizes.
 Scalars of a few bytes (overflow flags, norms) are not listed. ``at`` selects the instant: ``"initialize"``
-(right after ``deepspeed.initialize``), ``"step"`` (between steps, from the first one on) or ``"backward"`` (the
-end of a backward pass: plus the gradients that live from backward to the optimizer step). The test
-``tests/simulator/test_ledger_deepspeed.py`` checks ``initialize`` and ``step`` against real engines on CPU.
+(right after ``deepspeed.initialize``), ``"step"`` (between steps, from the first one on) or ``"backward"`` (inside
+a backward pass: plus the gradients that live from backward to the optimizer step, and the buffers that live
+only inside backward, ``when="in_backward"``). The test ``tests/simulator/test_ledger_deepspeed.py`` checks all
+three against real engines on CPU (``backward`` at the end of a backward pass, without the ``in_backward``
+lines).
 Device-side lines (CUDA context, NCCL, workspaces, allocator) follow :mod:`simulator.device_reserve`.
 """
 
@@ -48,6 +50,7 @@ OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
 """fp32 state tensors per optimized element (torch.optim: exp_avg and exp_avg_sq; momentum_buffer)."""
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _AT = ("initialize", "step", "backward")
+_WHEN = ("initialize", "step", "backward", "in_backward")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,8 +141,8 @@ class LedgerLine:
     provenance: str
     """The code or public source the line follows (or ``assumption: ...``)."""
     when: str = "initialize"
-    """Allocated at ``initialize``, at the first ``step`` (then resident) or during ``backward`` (freed by the
-    step)."""
+    """Allocated at ``initialize``, at the first ``step`` (then resident), during ``backward`` (alive at its end,
+    freed by the step) or ``in_backward`` (alive only inside backward: ipg buckets, prefetched parameters)."""
     tensor_bytes: tuple[int, ...] = ()
     """Sizes of the individual allocations (for allocator rounding); empty for non-tensor memory."""
 
@@ -171,6 +174,16 @@ def _line(category: str, name: str, tensors: Sequence[int], provenance: str, whe
 
 def _ceil_to(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def _overlapping_numel(numels: Sequence[int], partition: int) -> int:
+    """Largest, over ranks, total element count of the parameters overlapping a rank's flat partition."""
+    offset, ranks = 0, {}
+    for numel in numels:
+        for r in range(offset // partition, (offset + numel - 1) // partition + 1):
+            ranks[r] = ranks.get(r, 0) + numel
+        offset += numel
+    return max(ranks.values(), default=0)
 
 
 def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
@@ -230,13 +243,13 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
         lines.append(_line("communication buffers", "ipg gradient bucket(s)",
                            [acc * min(cfg.reduce_bucket_size, flat)] * buffers,
                            DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.setup_buckets: "
-                           "reduce_bucket_size elements, doubled under overlap_comm (not checked by the test)",
-                           "backward"))
-        grad_numel = flat // d if cfg.zero_stage == 2 else n
-        lines.append(_line("gradients", "gradients until the step (ZeRO 2: own partition; ZeRO 1: full)",
-                           [lp * grad_numel],
-                           DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.copy_grads_in_partition / "
-                           "averaged_gradients (not checked by the test)", "backward"))
+                           "reduce_bucket_size elements, doubled under overlap_comm; released by the end of "
+                           "backward (_release_ipg_buffers)", "in_backward"))
+        lines.append(_line("gradients", "gradients of the parameters overlapping the partition",
+                           [lp * _overlapping_numel(numels, flat // d)],
+                           DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.copy_grads_in_partition: "
+                           "grads_in_partition holds every parameter that overlaps the rank's partition (worst "
+                           "rank); freed by the step", "backward"))
     else:
         parts = [-(-e // d) for e in numels]
         flat = sum(parts)
@@ -259,7 +272,7 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
         lines.append(_line("communication buffers", "gathered parameters in flight",
                            [lp * min(cfg.prefetch_bucket_size, n)],
                            DS + "runtime/zero/partitioned_param_coordinator.py: prefetch up to "
-                           "stage3_prefetch_bucket_size elements (not checked by the test)", "backward"))
+                           "stage3_prefetch_bucket_size elements (not checked by the test)", "in_backward"))
     return [ln for ln in lines if ln.bytes or ln.tensor_bytes]
 
 
@@ -280,7 +293,7 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
     """
     if at not in _AT:
         raise ValueError(f"at must be one of {_AT}, got {at!r}")
-    keep = _AT[:_AT.index(at) + 1]
+    keep = _WHEN[:_AT.index(at) + 1] + (("in_backward",) if at == "backward" else ())
     lines = [ln for ln in _framework_lines(cfg) if ln.when in keep]
     if activation_bytes:
         lines.append(_line("activations", "activations (simulated workload)", [activation_bytes],
@@ -299,7 +312,7 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
     rounding = sum(reserved_bytes(t) - t for t in tensors)
     lines.append(LedgerLine(category="allocator", name="caching-allocator rounding", bytes=rounding, low=rounding,
                             high=rounding, provenance=ALLOCATOR_PROVENANCE, when="initialize"))
-    churn = sum(ln.bytes for ln in lines if ln.when == "backward")
+    churn = sum(ln.bytes for ln in lines if ln.when in ("backward", "in_backward"))
     frag = table["fragmentation_fraction"]
     lines.append(LedgerLine(category="allocator", name="fragmentation", bytes=int(frag.nominal * churn),
                             low=int(frag.low * churn), high=int(frag.high * churn), provenance=frag.provenance,

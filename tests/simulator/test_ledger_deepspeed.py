@@ -4,9 +4,10 @@ Each case builds a small MLP (uneven sizes, so flat-buffer alignment and per-par
 two biases under the ZeRO-3 persistence threshold), hands it with a torch Adam to ``deepspeed.initialize`` and
 measures what the process holds: the storages of every live tensor (found through the garbage collector,
 deduplicated by storage), minus what was live before the model was built. Measured right after initialisation,
-after the first step, and at the end of the second backward for the wrappers whose gradients the ledger models
-exactly (no wrapper, FP16_UnfusedOptimizer, BF16_Optimizer). The ledger (``device=False``: no CUDA context or NCCL
-on CPU) must agree within 2 %; the configurations differ from each other by 30 % or more, so a wrong path fails.
+after the first step, and at the end of the second backward (before its step), on both ranks; the ledger prices
+the worst rank. The ledger (``device=False``: no CUDA context or NCCL on CPU; at the end of backward without the
+buffers that live only inside it) must agree within 2 %; the paths differ from each other by more, so a wrong
+path fails (``test_ledger_measured_cases_really_differ``).
 bf16 works with DeepSpeed's CPU accelerator, so bf16 is tested as it is.
 """
 
@@ -31,7 +32,6 @@ CASES = (  # (ZeRO stage, precision, grad_accum_dtype)
     (0, "fp32", None), (0, "bf16", None), (1, "fp32", None), (1, "bf16", None), (1, "bf16", "fp32"),
     (2, "fp32", None), (2, "bf16", None), (3, "fp32", None), (3, "bf16", None),
 )
-EXACT_BACKWARD = ("torch", "FP16_UnfusedOptimizer", "BF16_Optimizer")
 
 
 def _live_bytes() -> int:
@@ -103,7 +103,14 @@ def _measure(rank: int, world: int, cases: tuple) -> list[dict]:
 def measured() -> dict:
     # ZeRO 3 engines stay referenced by hooks after destroy(): each runs last in a process of its own.
     batches = [tuple(c for c in CASES if c[0] < 3)] + [(c,) for c in CASES if c[0] == 3]
-    return {rec["case"]: rec for batch in batches for rec in run_on_ranks(_measure, 2, batch, timeout_s=600.0)[0]}
+    out: dict = {}
+    for batch in batches:
+        for rank_records in zip(*run_on_ranks(_measure, 2, batch, timeout_s=600.0), strict=True):
+            # the ledger prices the worst rank (ZeRO 1/2 gradients depend on which parameters a partition cuts)
+            out[rank_records[0]["case"]] = {**rank_records[0], **{at: max(r[at] for r in rank_records)
+                                                                  for at in ("initialize", "step", "backward")},
+                                            "per_rank": [r["backward"] for r in rank_records]}
+    return out
 
 
 def _config(stage: int, precision: str, accum: str | None) -> TrainingConfig:
@@ -116,13 +123,16 @@ def _config(stage: int, precision: str, accum: str | None) -> TrainingConfig:
 def test_ledger_equals_deepspeed_engine_bytes(measured, case):
     record, cfg = measured[case], _config(*case)
     assert record["wrapper"] == (cfg.wrapper if cfg.wrapper != "torch" else "Adam")
-    instants = ("initialize", "step") + (("backward",) if cfg.wrapper in EXACT_BACKWARD else ())
-    for at in instants:
-        predicted = summarize(memory_ledger(cfg, at=at, device=False)).nominal
+    log = logging.getLogger(__name__)
+    for at in ("initialize", "step", "backward"):
+        lines = memory_ledger(cfg, at=at, device=False)
+        predicted = summarize([ln for ln in lines if ln.when != "in_backward"]).nominal
+        # at the end of backward ZeRO 1/2's ipg buckets may or may not be released yet (seen both ways)
+        upper = predicted + sum(ln.bytes for ln in lines if ln.when == "in_backward" and ln.name.startswith("ipg"))
         got = record[at]
-        logging.getLogger(__name__).info("%s %s: ledger %d, engine %d (%+.3f %%)", case, at, predicted, got,
-                                         100 * (predicted - got) / got)
-        assert predicted == pytest.approx(got, rel=0.02), (case, at, predicted, got)
+        log.info("%s %s: ledger %d (with ipg buckets %d), engine %d (%+.3f %%), per rank %s", case, at,
+                 predicted, upper, got, 100 * (predicted - got) / got, record["per_rank"] if at == "backward" else "")
+        assert predicted * 0.98 <= got <= upper * 1.02, (case, at, predicted, upper, got)
 
 
 def test_ledger_measured_cases_really_differ(measured):
