@@ -107,6 +107,17 @@ class TrainingConfig:
         allocator rounding then count once instead of per tensor: at most a few MiB per tensor)."""
         return cls(parameter_numels=(int(parameter_count),), **kwargs)
 
+    @classmethod
+    def for_llama(cls, *, hidden: int, ffn_hidden: int, layers: int, heads: int, kv_heads: int, vocab: int,
+                  tied_embeddings: bool = False, **kwargs) -> TrainingConfig:
+        """A config with a Llama decoder's parameter tensors in Hugging Face's module order (embedding; per
+        layer q, k, v, o, gate, up, down projections and two RMSNorm weights; final norm; LM head)."""
+        kv = hidden // heads * kv_heads
+        layer = (hidden * hidden, kv * hidden, kv * hidden, hidden * hidden, ffn_hidden * hidden,
+                 ffn_hidden * hidden, hidden * ffn_hidden, hidden, hidden)
+        numels = (vocab * hidden, *layer * layers, hidden) + (() if tied_embeddings else (vocab * hidden,))
+        return cls(parameter_numels=numels, **kwargs)
+
     @property
     def parameter_count(self) -> int:
         return sum(self.parameter_numels)

@@ -95,3 +95,12 @@ def test_ledger_config_is_frozen_and_keyword_only():
     assert cfg.parameter_count == LLAMA_8B and cfg.wrapper == "DeepSpeedZeroOptimizer"
     with pytest.raises(ValueError):
         memory_ledger(cfg, at="later")
+
+
+def test_ledger_llama_shape_counts_llama_3_1_8b():
+    cfg = TrainingConfig.for_llama(hidden=4096, ffn_hidden=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
+                                   zero_stage=2, dp_world_size=8)
+    assert cfg.parameter_count == 8_030_261_248 and len(cfg.parameter_numels) == 2 + 32 * 9 + 1
+    grads = [ln for ln in memory_ledger(cfg, at="backward") if ln.name.startswith("gradients of the parameters")]
+    # the worst partition holds its eighth plus the parameters it cuts: far less than every gradient
+    assert LLAMA_8B * 2 / 8 < grads[0].bytes < LLAMA_8B * 2 / 4
