@@ -89,6 +89,20 @@ def reduction_plan(cfg: TrainingConfig) -> ReductionPlan:
                          gather_after_step=cfg.zero_stage in (1, 2), shard_elements=shard)
 
 
+def gradients_from_modules(program: RankProgram,
+                           modules: Sequence[tuple[Sequence[str], int]]) -> list[GradientReady]:
+    """One :class:`GradientReady` per module from ``(gradient op names, element count)`` pairs (what
+    ``autosp.export.module_parameters`` gives as ``gradients`` and ``parameter_bytes``): ready when the module's
+    last gradient op in program order ends. Modules with no gradient op in the program are skipped."""
+    position = {op.name: (i, op.id) for i, op in enumerate(program.ops)}
+    out = []
+    for names, numel in modules:
+        found = [position[n] for n in names if n in position]
+        if found:
+            out.append(GradientReady(op_id=max(found)[1], numel=int(numel)))
+    return out
+
+
 def bucket_gradients(gradients: Sequence[GradientReady], bucket_elements: int) -> list[list[GradientReady]]:
     """Greedy buckets in ready order: a bucket is closed when the next gradient would overflow it (a gradient
     larger than a bucket gets one of its own)."""

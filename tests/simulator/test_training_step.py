@@ -111,3 +111,11 @@ def test_training_step_checks_the_group():
         add_training_step(workload, [GradientReady(op_id=99, numel=1)], _cfg(zero_stage=2))
     added = add_training_step(workload, grads, _cfg(zero_stage=2), group="world", group_instances=[0, 1])
     assert added.groups["world"] == ((0, 1),)
+
+
+def test_training_step_gradients_from_modules_use_the_last_gradient_op():
+    from simulator.training_step import gradients_from_modules
+
+    workload, ids = _backward()
+    grads = gradients_from_modules(workload.ranks[0], [(("B0", "B2"), 10), (("B1",), 20), (("absent",), 5)])
+    assert grads == [GradientReady(op_id=ids[2], numel=10), GradientReady(op_id=ids[1], numel=20)]
