@@ -24,6 +24,8 @@ import pytest
 from simulator.ledger import TrainingConfig, memory_ledger, summarize
 from tests.harness import run_on_ranks
 
+pytestmark = pytest.mark.slow  # about 90 s on 2 cores: three spawns of two ranks, nine engines
+
 SIZES = ((96, 201), (201, 301), (301, 51))
 NUMELS = (96 * 201, 201, 201 * 301, 301, 301 * 51)  # module order: weight, bias, weight, bias, weight
 BUCKET = 10_000  # reduce_bucket_size: small, so that ZeRO 3's bucket does not dwarf the rest
