@@ -252,15 +252,21 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
         optimizer_state([flat // d], "the fp32 master partition")
         buffers = 2 if cfg.overlap_comm else 1
         lines.append(_line("communication buffers", "ipg gradient bucket(s)",
-                           [acc * min(cfg.reduce_bucket_size, flat)] * buffers,
+                           [lp * min(cfg.reduce_bucket_size, flat)] * buffers,
                            DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.setup_buckets: "
                            "reduce_bucket_size elements, doubled under overlap_comm; released by the end of "
                            "backward (_release_ipg_buffers)", "in_backward"))
-        lines.append(_line("gradients", "gradients of the parameters overlapping the partition",
-                           [lp * _overlapping_numel(numels, flat // d)],
-                           DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.copy_grads_in_partition: "
-                           "grads_in_partition holds every parameter that overlaps the rank's partition (worst "
-                           "rank); freed by the step", "backward"))
+        if cfg.accum_dtype == "fp32" and cfg.precision != "fp32":
+            lines.append(_line("gradients", "fp32 gradient partition", [4 * flat // d],
+                               DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer."
+                               "_build_compact_grad_partition_buffer (fp32 accumulation); freed by the step",
+                               "backward"))
+        else:
+            lines.append(_line("gradients", "gradients of the parameters overlapping the partition",
+                               [lp * _overlapping_numel(numels, flat // d)],
+                               DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.copy_grads_in_partition: "
+                               "grads_in_partition holds every parameter that overlaps the rank's partition "
+                               "(worst rank); freed by the step", "backward"))
     else:
         parts = [-(-e // d) for e in numels]
         flat = sum(parts)
