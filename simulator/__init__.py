@@ -5,9 +5,10 @@ rank's ops - kernels with FLOPs and bytes, collectives with their groups, depend
 :class:`Cluster` instantiates a hardware preset (A100, H100, H200, GH200, MI250 or the calibrated ``cpu-gloo``)
 with its topology. :func:`simulate` runs one step in SimPy - a compute stream and per-group comm streams on each
 rank, collectives that rendezvous across ranks and share link bandwidth, a memory timeline with OOM reporting -
-and returns a :class:`Result` (step time, overlap, peak memory). :func:`max_sequence_length` searches the longest
-sequence that fits; :mod:`simulator.trace` and :mod:`simulator.plots` render Perfetto traces and PNGs. The package
-never imports torch.
+and returns a :class:`Result` (step time, overlap, peak memory). :func:`max_sequence_length` (and the general
+:func:`search_max_length`) searches the longest sequence that fits; :func:`memory_ledger` lists a DeepSpeed
+configuration's per-rank static memory; :mod:`simulator.trace` and :mod:`simulator.plots` render Perfetto traces
+and PNGs. The package never imports torch.
 """
 
 import importlib
@@ -31,8 +32,16 @@ _EXPORTS = {
     "OomEvent": "simulator.result",
     "RankResult": "simulator.result",
     "Result": "simulator.result",
+    "Probe": "simulator.search",
     "SearchResult": "simulator.search",
     "max_sequence_length": "simulator.search",
+    "search_max_length": "simulator.search",
+    "GradientReady": "simulator.training_step",
+    "add_training_step": "simulator.training_step",
+    "LedgerLine": "simulator.ledger",
+    "TrainingConfig": "simulator.ledger",
+    "memory_ledger": "simulator.ledger",
+    "summarize": "simulator.ledger",
     "validate_workload": "simulator.validate",
     "SCHEMA_VERSION": "simulator.workload",
     "Collective": "simulator.workload",
@@ -57,18 +66,26 @@ __all__ = [
     "RankProgram",
     "RankResult",
     "Result",
+    "GradientReady",
+    "LedgerLine",
+    "Probe",
     "SCHEMA_VERSION",
     "SearchResult",
     "SimulationDeadlock",
     "StaticMemory",
     "Workload",
     "WorkloadError",
+    "add_training_step",
     "get_network",
     "get_preset",
     "load_cpu_gloo",
     "max_sequence_length",
+    "memory_ledger",
     "preset_names",
+    "search_max_length",
     "simulate",
+    "summarize",
+    "TrainingConfig",
     "validate_workload",
 ]
 
@@ -99,8 +116,10 @@ if TYPE_CHECKING:
         load_cpu_gloo,
         preset_names,
     )
+    from simulator.ledger import LedgerLine, TrainingConfig, memory_ledger, summarize
     from simulator.result import OomEvent, RankResult, Result
-    from simulator.search import SearchResult, max_sequence_length
+    from simulator.search import Probe, SearchResult, max_sequence_length, search_max_length
+    from simulator.training_step import GradientReady, add_training_step
     from simulator.validate import validate_workload
     from simulator.workload import (
         SCHEMA_VERSION,

@@ -23,9 +23,12 @@ outputs (in --out):
   trace.json     Perfetto / Chrome trace (open at https://ui.perfetto.dev): one process per simulated rank,
                  one thread per stream, a memory counter track
   timeline.png   per-stream timeline;  memory.png  memory over time (skipped with --no-plots)
+  sensitivity.json  with --sensitivity: the static-memory ledger and how the longest trainable sequence moves
+                 when each uncertain memory constant moves within its band
 
 example:
   python -m simulator workload.json --cluster a100-80gb-sxm --nodes 2 --out runs/a100x16
+  python -m simulator workload.json --out runs/s --sensitivity --params 8.03e9 --zero-stage 1 --dp 8
 """
 
 
@@ -51,6 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--include-ops", action="store_true", help="add every simulated op's times to result.json")
     parser.add_argument("--list-clusters", action="store_true", help="list hardware presets and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    sens = parser.add_argument_group("sensitivity (static memory from the DeepSpeed ledger, simulator.ledger)")
+    sens.add_argument("--sensitivity", action="store_true",
+                      help="how the longest trainable sequence moves with each uncertain memory constant")
+    sens.add_argument("--params", type=float, help="trainable parameters of the full model (e.g. 8.03e9)")
+    sens.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage 0-3 (default: %(default)s)")
+    sens.add_argument("--dp", type=int, default=None, help="ranks ZeRO partitions over (default: world size)")
+    sens.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    sens.add_argument("--grad-accum-dtype", default=None, choices=("bf16", "fp16", "fp32"))
+    sens.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd", "sgd_momentum"))
+    sens.add_argument("--seq-len", type=int, default=None, help="the workload's tokens (default: its metadata)")
+    sens.add_argument("--granularity", type=int, default=1024, help="length grid (default: %(default)s)")
     return parser
 
 
@@ -98,8 +112,38 @@ def _run(args: argparse.Namespace) -> int:
           f"{'' if overlap is None else f' (overlap {overlap:.1%})'}")
     print(f"  peak memory      {result.peak_memory_bytes / 2**30:.2f} GiB of {cluster.device.memory_bytes / 2**30:.2f}")
     print(f"  fits             {'yes' if result.fits else 'NO: ' + result.oom.message()}")
+    if args.sensitivity:
+        _sensitivity(args, workload, result, cluster)
     print(f"  wrote            {args.out}")
     return 0
+
+
+def _sensitivity(args: argparse.Namespace, workload: Workload, result, cluster: Cluster) -> None:
+    import json
+
+    from simulator.ledger import TrainingConfig, memory_ledger
+    from simulator.sensitivity import format_sensitivity, length_sensitivity
+
+    if args.params is None or args.params < 1:
+        raise ValueError("--sensitivity needs --params (the full model's trainable parameter count)")
+    seq_len = args.seq_len or workload.metadata.get("seq_len")
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError("--sensitivity needs the workload's sequence length: pass --seq-len")
+    cfg = TrainingConfig.from_parameter_count(int(args.params), zero_stage=args.zero_stage,
+                                              dp_world_size=args.dp or workload.world_size,
+                                              precision=args.precision, grad_accum_dtype=args.grad_accum_dtype,
+                                              optimizer=args.optimizer)
+    activations = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+    rows = length_sensitivity(cfg, seq_len=seq_len, activation_bytes=activations,
+                              capacity_bytes=int(cluster.device.memory_bytes), granularity=args.granularity)
+    print(f"  sensitivity      {cfg.wrapper}, ZeRO {cfg.zero_stage} over {cfg.dp_world_size} ranks; "
+          f"activations {activations / 2**30:.2f} GiB at {seq_len:,} tokens, scaled linearly")
+    print("\n".join("    " + line for line in format_sensitivity(rows).splitlines()))
+    ledger = memory_ledger(cfg, at="backward")
+    doc = {"config": dataclasses.asdict(cfg) | {"wrapper": cfg.wrapper}, "seq_len": seq_len,
+           "activation_bytes": activations, "rows": [dataclasses.asdict(r) for r in rows],
+           "ledger": [dataclasses.asdict(line) for line in ledger]}
+    (args.out / "sensitivity.json").write_text(json.dumps(doc, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,3 +56,21 @@ def test_cli_reports_input_errors_with_exit_status_2(tmp_path):
     preset = _cli(str(bad), "--cluster", "tpu", "--out", str(tmp_path / "o"))
     assert preset.returncode == 2 and "error:" in preset.stderr
     assert "Traceback" not in missing.stderr + wrong.stderr + preset.stderr
+
+
+def test_cli_sensitivity_reports_how_the_longest_sequence_moves(tmp_path):
+    shape = LlamaShape(layers=2, hidden=512, heads=8, kv_heads=8, ffn_hidden=1024, vocab=1000)
+    workload = llama_ulysses_workload(seq_len=8192, sp_degree=8, shape=shape, ops_per_layer=(60, 100))
+    path = tmp_path / "workload.json"
+    workload.to_json(path)
+    out = tmp_path / "out"
+    proc = _cli(str(path), "--out", str(out), "--no-plots", "--sensitivity", "--params", "8.03e9",
+                "--zero-stage", "3", "--memory-gib", "24")
+    assert proc.returncode == 0, proc.stderr
+    assert "nccl_bytes_per_communicator" in proc.stdout and "DeepSpeedZeroOptimizer_Stage3" in proc.stdout
+    doc = json.loads((out / "sensitivity.json").read_text())
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert rows["all"]["at_low"] >= rows["nominal"]["at_low"] >= rows["all"]["at_high"]
+    assert {line["category"] for line in doc["ledger"]} >= {"parameters", "optimizer", "runtime", "allocator"}
+    missing = _cli(str(path), "--out", str(out), "--no-plots", "--sensitivity")
+    assert missing.returncode == 2 and "--params" in missing.stderr

@@ -45,3 +45,68 @@ def test_search_flags_an_upper_bound_that_still_fits():
 def test_search_rejects_an_empty_grid(low, high, granularity):
     with pytest.raises(ValueError):
         max_sequence_length(_linear_memory_workload, CLUSTER, low=low, high=high, granularity=granularity)
+
+
+def _linear_probe(cap: int, *, static: int = 10**6, per_token: int = BYTES_PER_TOKEN, calls: list | None = None):
+    from simulator import Probe
+
+    def probe(seq_len: int) -> Probe:
+        if calls is not None:
+            calls.append(seq_len)
+        peak = static + per_token * seq_len
+        return Probe(fits=peak <= cap, peak_memory_bytes=peak, step_time_s=seq_len * 1e-6, static_memory_bytes=static)
+
+    return probe
+
+
+CAP = 10**6 + 50_000 * BYTES_PER_TOKEN
+
+
+@pytest.mark.parametrize("capacity", [None, CAP], ids=["bisect", "secant"])
+def test_search_max_length_converges_on_the_same_answer_either_way(capacity):
+    from simulator import search_max_length
+
+    found = search_max_length(_linear_probe(CAP), low=1024, high=1024 * 100, granularity=1024,
+                              capacity_bytes=capacity, start=8192)
+    assert (found.max_seq_len, found.stopped, found.display()) == (48 * 1024, "converged", "49,152")
+    assert found.step_time_s == pytest.approx(48 * 1024 * 1e-6)
+    assert len(found.trials) <= (4 if capacity else 10)
+
+
+def test_search_max_length_reports_the_ceiling_as_a_lower_bound():
+    from simulator import search_max_length
+
+    for capacity in (None, CAP):
+        found = search_max_length(_linear_probe(CAP), low=1024, high=16 * 1024, granularity=1024,
+                                  capacity_bytes=capacity)
+        assert (found.stopped, found.max_seq_len, found.display()) == ("ceiling", 16384, "≥ 16,384")
+        assert found.hit_upper_bound and found.is_lower_bound
+
+
+def test_search_max_length_reports_a_spent_probe_budget():
+    from simulator import search_max_length
+
+    calls: list[int] = []
+    found = search_max_length(_linear_probe(CAP, calls=calls), low=1024, high=1024 * 100, granularity=1024,
+                              max_probes=3)
+    assert len(calls) == 3 and found.stopped == "probe_budget" and found.is_lower_bound
+    assert found.max_seq_len == max(t.seq_len for t in found.trials if t.fits)
+    assert found.display() == f"≥ {found.max_seq_len:,}"
+    assert found.to_dict()["stopped"] == "probe_budget"
+
+
+def test_search_max_length_when_nothing_fits():
+    from simulator import search_max_length
+
+    found = search_max_length(_linear_probe(CAP), low=60 * 1024, high=100 * 1024, granularity=1024)
+    assert (found.max_seq_len, found.stopped, found.display()) == (None, "none_fit", "< 61,440")
+    # static memory alone over the capacity: one probe, nothing fits
+    found = search_max_length(_linear_probe(10**5), low=1024, high=8192, granularity=1024, capacity_bytes=10**5)
+    assert (found.max_seq_len, found.stopped, len(found.trials)) == (None, "none_fit", 1)
+
+
+def test_search_max_length_takes_plain_tuples():
+    from simulator import search_max_length
+
+    found = search_max_length(lambda s: (s <= 5000, s, 0.0), low=1000, high=9000, granularity=1000)
+    assert (found.max_seq_len, found.stopped) == (5000, "converged")

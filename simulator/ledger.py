@@ -1,0 +1,364 @@
+"""Per-rank memory ledger of a DeepSpeed training configuration: which buffer holds how many bytes, and why.
+
+:class:`TrainingConfig` describes the run (optimizer, precision, ZeRO stage, data-parallel degree, bucket sizes,
+the parameters' element counts); :func:`memory_ledger` lists the :class:`LedgerLine` s a rank holds, each with a
+category, bytes, a low/high band and the source it follows; :func:`summarize` sums them into a per-category
+:class:`LedgerSummary` with low / nominal / high totals (``.static_memory()`` turns it into the workload's
+:class:`simulator.workload.StaticMemory`). Standard library only.
+
+Note [Which DeepSpeed path holds what]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Followed in the code of deepspeed 0.19.8 with a client torch optimizer (``deepspeed.initialize(optimizer=...)``).
+``runtime/engine.py DeepSpeedEngine._do_optimizer_sanity_check`` picks the wrapper:
+
+* ZeRO 0, fp32: none; the torch optimizer updates the module's parameters, ``param.grad`` is freed after the step.
+* ZeRO 0, bf16 with bf16 gradient accumulation (the default): ``FP16_UnfusedOptimizer`` (``DDP_BFLOAT16``):
+  per-parameter fp32 master copies and optimizer state, unpartitioned, created at initialisation. ZeRO 0 with
+  bf16 and fp32 accumulation is rejected by DeepSpeed (``unsupported mix``), so :class:`TrainingConfig` rejects it.
+* ZeRO 1, bf16, ``data_types.grad_accum_dtype=fp32``: ``BF16_Optimizer``: one flat bf16 copy of the parameters,
+  the fp32 master partition, and an *unpartitioned* fp32 gradient accumulation buffer.
+* ZeRO 1/2 otherwise: ``DeepSpeedZeroOptimizer``: flat low-precision parameters, fp32 master partition; gradients
+  live only from backward to the step (ipg bucket buffers, reduced partitions).
+* ZeRO 3: ``DeepSpeedZeroOptimizer_Stage3``: per-parameter partitions (each padded to the data-parallel degree),
+  a flat gradient-partition buffer and one ipg bucket of ``reduce_bucket_size`` elements kept for the run;
+  parameters at or under ``param_persistence_threshold`` elements stay gathered after the first forward.
+
+Optimizer state (two fp32 moments for Adam, one momentum buffer for SGD with momentum) is created lazily by the
+torch optimizer at the first step, except under ``FP16_UnfusedOptimizer`` (``initialize_optimizer_states`` steps
+once at initialisation). Torch's Adam also keeps a 4-byte step counter per parameter tensor it optimizes.
+Scalars of a few bytes (overflow flags, norms) are not listed. ``at`` selects the instant: ``"initialize"``
+(right after ``deepspeed.initialize``), ``"step"`` (between steps, from the first one on) or ``"backward"`` (inside
+a backward pass: plus the gradients that live from backward to the optimizer step, and the buffers that live
+only inside backward, ``when="in_backward"``). The test ``tests/simulator/test_ledger_deepspeed.py`` checks all
+three against real engines on CPU (``backward`` at the end of a backward pass, without the ``in_backward``
+lines).
+Device-side lines (CUDA context, NCCL, workspaces, allocator) follow :mod:`simulator.device_reserve`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from simulator.device_reserve import ALLOCATOR_PROVENANCE, UNCERTAIN, Uncertain, reserved_bytes
+from simulator.workload import StaticMemory
+
+DS = "deepspeed 0.19.8 "
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "logits/loss", "communication buffers",
+              "runtime", "allocator")
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+"""fp32 state tensors per optimized element (torch.optim: exp_avg and exp_avg_sq; momentum_buffer)."""
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_AT = ("initialize", "step", "backward")
+_WHEN = ("initialize", "step", "backward", "in_backward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """One rank's training setup, as far as memory is concerned (DeepSpeed config names in parentheses)."""
+
+    parameter_numels: tuple[int, ...]
+    """Element count of every trainable parameter tensor, in module order (flat-buffer padding depends on it).
+    :meth:`from_parameter_count` builds a one-tensor approximation from a total."""
+    optimizer: str = "adam"
+    """One of :data:`OPTIMIZER_STATES`."""
+    precision: str = "bf16"
+    """Model dtype: ``fp32``, ``bf16`` (``bf16.enabled``) or ``fp16``."""
+    grad_accum_dtype: str | None = None
+    """``data_types.grad_accum_dtype``; ``None``: the model dtype (DeepSpeed's default)."""
+    zero_stage: int = 1
+    dp_world_size: int = 1
+    """Ranks over which ZeRO partitions (the sequence-data-parallel group)."""
+    gradient_accumulation_steps: int = 1
+    micro_batch_size: int = 1
+    reduce_bucket_size: int = 500_000_000
+    """``zero_optimization.reduce_bucket_size`` (elements; default 5e8 in runtime/zero/config.py)."""
+    allgather_bucket_size: int = 500_000_000
+    """``zero_optimization.allgather_bucket_size`` (elements)."""
+    overlap_comm: bool | None = None
+    """``zero_optimization.overlap_comm``; ``None``: DeepSpeed's default (on for ZeRO 3 only)."""
+    prefetch_bucket_size: int = 50_000_000
+    """``stage3_prefetch_bucket_size`` (elements)."""
+    param_persistence_threshold: int = 100_000
+    """``stage3_param_persistence_threshold`` (elements)."""
+    nccl_communicators: int = 2
+    """NCCL communicators this rank creates (e.g. the data-parallel and the sequence-parallel group)."""
+    compute_streams: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.parameter_numels or min(self.parameter_numels) < 1:
+            raise ValueError("parameter_numels must list at least one positive element count")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        if self.precision not in _DTYPE_BYTES or (self.grad_accum_dtype or "fp32") not in _DTYPE_BYTES:
+            raise ValueError(f"precision and grad_accum_dtype must be one of {sorted(_DTYPE_BYTES)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
+        if min(self.dp_world_size, self.gradient_accumulation_steps, self.micro_batch_size) < 1:
+            raise ValueError("dp_world_size, gradient_accumulation_steps and micro_batch_size must be >= 1")
+        if self.zero_stage == 0 and self.precision != "fp32" and self.accum_dtype != self.precision:
+            raise ValueError("DeepSpeed rejects ZeRO 0 with low-precision parameters and a different gradient "
+                             "accumulation dtype (engine.py _do_optimizer_sanity_check: unsupported mix); use "
+                             "ZeRO 1 for BF16_Optimizer")
+
+    @classmethod
+    def from_parameter_count(cls, parameter_count: int, **kwargs) -> TrainingConfig:
+        """A config whose parameters are one tensor of ``parameter_count`` elements (per-tensor padding and
+        allocator rounding then count once instead of per tensor: at most a few MiB per tensor)."""
+        return cls(parameter_numels=(int(parameter_count),), **kwargs)
+
+    @classmethod
+    def for_llama(cls, *, hidden: int, ffn_hidden: int, layers: int, heads: int, kv_heads: int, vocab: int,
+                  tied_embeddings: bool = False, **kwargs) -> TrainingConfig:
+        """A config with a Llama decoder's parameter tensors in Hugging Face's module order (embedding; per
+        layer q, k, v, o, gate, up, down projections and two RMSNorm weights; final norm; LM head)."""
+        kv = hidden // heads * kv_heads
+        layer = (hidden * hidden, kv * hidden, kv * hidden, hidden * hidden, ffn_hidden * hidden,
+                 ffn_hidden * hidden, hidden * ffn_hidden, hidden, hidden)
+        numels = (vocab * hidden, *layer * layers, hidden) + (() if tied_embeddings else (vocab * hidden,))
+        return cls(parameter_numels=numels, **kwargs)
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(self.parameter_numels)
+
+    @property
+    def accum_dtype(self) -> str:
+        return self.grad_accum_dtype or self.precision
+
+    @property
+    def wrapper(self) -> str:
+        """The DeepSpeed optimizer class this configuration gets (see Note [Which DeepSpeed path holds what])."""
+        if self.zero_stage == 3:
+            return "DeepSpeedZeroOptimizer_Stage3"
+        if self.zero_stage in (1, 2):
+            if self.zero_stage == 1 and self.precision == "bf16" and self.accum_dtype == "fp32":
+                return "BF16_Optimizer"
+            return "DeepSpeedZeroOptimizer"
+        return "torch" if self.precision == "fp32" else "FP16_UnfusedOptimizer"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LedgerLine:
+    """One buffer (or family of same-purpose tensors) a rank holds."""
+
+    category: str
+    """One of :data:`CATEGORIES`."""
+    name: str
+    bytes: int
+    """Nominal bytes."""
+    low: int
+    high: int
+    provenance: str
+    """The code or public source the line follows (or ``assumption: ...``)."""
+    when: str = "initialize"
+    """Allocated at ``initialize``, at the first ``step`` (then resident), during ``backward`` (alive at its end,
+    freed by the step) or ``in_backward`` (alive only inside backward: ipg buckets, prefetched parameters)."""
+    tensor_bytes: tuple[int, ...] = ()
+    """Sizes of the individual allocations (for allocator rounding); empty for non-tensor memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LedgerSummary:
+    """Totals of a ledger."""
+
+    by_category: Mapping[str, tuple[int, int, int]]
+    """Category -> (low, nominal, high) bytes, for every category in :data:`CATEGORIES`."""
+    low: int
+    nominal: int
+    high: int
+
+    def static_memory(self, which: str = "nominal") -> StaticMemory:
+        """The totals as a workload's static memory (``which``: low, nominal or high)."""
+        idx = ("low", "nominal", "high").index(which)
+        get = {c: v[idx] for c, v in self.by_category.items()}
+        other = sum(v for c, v in get.items() if c not in ("parameters", "gradients", "optimizer"))
+        return StaticMemory(parameter_bytes=get["parameters"], gradient_bytes=get["gradients"],
+                            optimizer_bytes=get["optimizer"], other_bytes=other)
+
+
+def _line(category: str, name: str, tensors: Sequence[int], provenance: str, when: str = "initialize") -> LedgerLine:
+    total = int(sum(tensors))
+    return LedgerLine(category=category, name=name, bytes=total, low=total, high=total, provenance=provenance,
+                      when=when, tensor_bytes=tuple(int(t) for t in tensors))
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _overlapping_numel(numels: Sequence[int], partition: int) -> int:
+    """Largest, over ranks, total element count of the parameters overlapping a rank's flat partition."""
+    offset, ranks = 0, {}
+    for numel in numels:
+        for r in range(offset // partition, (offset + numel - 1) // partition + 1):
+            ranks[r] = ranks.get(r, 0) + numel
+        offset += numel
+    return max(ranks.values(), default=0)
+
+
+def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
+    lp, acc, d = _DTYPE_BYTES[cfg.precision], _DTYPE_BYTES[cfg.accum_dtype], cfg.dp_world_size
+    numels, n, states = cfg.parameter_numels, cfg.parameter_count, OPTIMIZER_STATES[cfg.optimizer]
+    counter = cfg.optimizer in ("adam", "adamw")
+    wrapper = cfg.wrapper
+    lines: list[LedgerLine] = []
+
+    def optimizer_state(partition: Sequence[int], where: str, when: str = "step") -> None:
+        for k in range(states):
+            lines.append(_line("optimizer", f"optimizer state {k + 1}/{states} (fp32)", [4 * e for e in partition],
+                               f"torch.optim.{cfg.optimizer}: lazily created state on {where}", when))
+        if counter:
+            lines.append(_line("optimizer", "Adam step counters", [4] * len(partition),
+                               "torch.optim.Adam: one fp32 scalar 'step' tensor per optimized tensor", when))
+
+    if wrapper == "torch":
+        lines.append(_line("parameters", "fp32 parameters", [4 * e for e in numels], "the module's parameters"))
+        lines.append(_line("gradients", "fp32 param.grad", [4 * e for e in numels],
+                           DS + "runtime/engine.py DeepSpeedEngine.allreduce_gradients reduces param.grad in place; "
+                           "_take_model_step -> DeepSpeedEngine.zero_grad sets it to None", "backward"))
+        optimizer_state(numels, "each parameter")
+    elif wrapper == "FP16_UnfusedOptimizer":
+        lines.append(_line("parameters", f"{cfg.precision} parameters", [lp * e for e in numels],
+                           "the module's parameters (cast by DeepSpeedEngine._configure_distributed_model)"))
+        lines.append(_line("optimizer", "fp32 master parameters (unpartitioned)", [4 * e for e in numels],
+                           DS + "runtime/fp16/unfused_optimizer.py FP16_UnfusedOptimizer.__init__: fp32_groups = "
+                           "p.clone().float() per parameter"))
+        optimizer_state(numels, "the fp32 masters, created by FP16_UnfusedOptimizer.initialize_optimizer_states",
+                        "initialize")
+        lines.append(_line("gradients", f"{cfg.precision} param.grad", [lp * e for e in numels],
+                           DS + "runtime/fp16/unfused_optimizer.py FP16_UnfusedOptimizer.step: fp16 grads set to None "
+                           "after the update", "backward"))
+    elif wrapper == "BF16_Optimizer":
+        flat = _ceil_to(n, 2 * d)
+        where = DS + "runtime/bf16_optimizer.py BF16_Optimizer._setup_for_real_optimizer: "
+        lines.append(_line("parameters", "flat bf16 parameters (unpartitioned)", [2 * flat],
+                           where + "bf16_groups_flat, aligned to nccl_start_alignment_factor(2) x dp"))
+        lines.append(_line("optimizer", "fp32 master partition", [4 * flat // d],
+                           where + "fp32_groups_flat_partition = bf16 partition .clone().float()"))
+        lines.append(_line("gradients", "fp32 gradient accumulation buffer (unpartitioned)", [4 * flat],
+                           where + "fp32_groups_gradients_flat = zeros_like(bf16_groups_flat, grad_acc_dtype)"))
+        optimizer_state([flat // d], "the fp32 master partition")
+        lines.append(_line("gradients", "bf16 param.grad", [2 * e for e in numels],
+                           DS + "runtime/bf16_optimizer.py BF16_Optimizer.update_hp_grads accumulates them into the "
+                           "fp32 buffer; DeepSpeedEngine.zero_grad frees them after the step", "backward"))
+    elif wrapper == "DeepSpeedZeroOptimizer":
+        flat = _ceil_to(n, 2 * d)
+        where = DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__: "
+        lines.append(_line("parameters", f"flat {cfg.precision} parameters (unpartitioned)", [lp * flat],
+                           where + "bit16_groups_flat, aligned to nccl_start_alignment_factor(2) x dp"))
+        lines.append(_line("optimizer", "fp32 master partition", [4 * flat // d],
+                           where + "single_partition_of_fp32_groups"))
+        optimizer_state([flat // d], "the fp32 master partition")
+        buffers = 2 if cfg.overlap_comm else 1
+        lines.append(_line("communication buffers", "ipg gradient bucket(s)",
+                           [lp * min(cfg.reduce_bucket_size, flat)] * buffers,
+                           DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.setup_buckets: "
+                           "reduce_bucket_size elements, doubled under overlap_comm; released by the end of "
+                           "backward (_release_ipg_buffers)", "in_backward"))
+        if cfg.accum_dtype == "fp32" and cfg.precision != "fp32":
+            lines.append(_line("gradients", "fp32 gradient partition", [4 * flat // d],
+                               DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer."
+                               "_build_compact_grad_partition_buffer (fp32 accumulation); freed by the step",
+                               "backward"))
+        else:
+            lines.append(_line("gradients", "gradients of the parameters overlapping the partition",
+                               [lp * _overlapping_numel(numels, flat // d)],
+                               DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.copy_grads_in_partition: "
+                               "grads_in_partition holds every parameter that overlaps the rank's partition "
+                               "(worst rank); freed by the step", "backward"))
+    else:
+        parts = [-(-e // d) for e in numels]
+        flat = sum(parts)
+        where = DS + "runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3."
+        lines.append(_line("parameters", f"{cfg.precision} parameter partitions", [lp * flat],
+                           where + "_create_fp16_partitions_with_defragmentation: lp_param_buffer, each parameter "
+                           "padded to a multiple of dp (partition_numel)"))
+        persistent = [lp * p * d for e, p in zip(numels, parts, strict=True) if e <= cfg.param_persistence_threshold]
+        lines.append(_line("parameters", "persistent parameters, gathered", persistent,
+                           DS + "runtime/zero/parameter_offload.py mark_persistent_parameters: ds_numel <= "
+                           "param_persistence_threshold stay gathered after the first forward", "step"))
+        lines.append(_line("optimizer", "fp32 master partition", [4 * flat],
+                           where + "_create_fp32_partitions: fp32_partitioned_groups_flat"))
+        lines.append(_line("gradients", f"{cfg.accum_dtype} gradient partitions", [acc * flat],
+                           where + "_setup_for_real_optimizer: grad_partitions_flat_buffer "
+                           "(gradient_accumulation_dtype)"))
+        lines.append(_line("communication buffers", "ipg gradient bucket", [lp * cfg.reduce_bucket_size],
+                           where + "_setup_for_real_optimizer: ipg bucket buffer of reduce_bucket_size elements"))
+        optimizer_state([flat], "the fp32 master partition")
+        lines.append(_line("communication buffers", "gathered parameters in flight",
+                           [lp * min(cfg.prefetch_bucket_size, n)],
+                           DS + "runtime/zero/partitioned_param_coordinator.py: prefetch up to "
+                           "stage3_prefetch_bucket_size elements (not checked by the test)", "in_backward"))
+    return [ln for ln in lines if ln.bytes or ln.tensor_bytes]
+
+
+def _band_line(category: str, name: str, u: Uncertain, count: float, when: str = "initialize") -> LedgerLine:
+    return LedgerLine(category=category, name=name, bytes=int(u.nominal * count), low=int(u.low * count),
+                      high=int(u.high * count), provenance=u.provenance, when=when)
+
+
+def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True, activation_bytes: int = 0,
+                  logits_bytes: int = 0, uncertain: Mapping[str, Uncertain] | None = None) -> list[LedgerLine]:
+    """Every buffer one rank holds at instant ``at`` (``initialize``, ``step`` or ``backward``, see Note [Which
+    DeepSpeed path holds what]).
+
+    ``device=False`` leaves out what only a GPU process holds (CUDA context, NCCL, workspaces, allocator);
+    ``activation_bytes`` / ``logits_bytes`` (e.g. a simulated workload's peak above static memory) add lines of
+    their own and are what the fragmentation band applies to. ``uncertain`` replaces
+    :data:`simulator.device_reserve.UNCERTAIN` (sensitivity studies).
+    """
+    if at not in _AT:
+        raise ValueError(f"at must be one of {_AT}, got {at!r}")
+    keep = _WHEN[:_AT.index(at) + 1] + (("in_backward",) if at == "backward" else ())
+    lines = [ln for ln in _framework_lines(cfg) if ln.when in keep]
+    if activation_bytes:
+        lines.append(_line("activations", "activations (simulated workload)", [activation_bytes],
+                           "simulated workload: peak live tensors above static memory", "backward"))
+    if logits_bytes:
+        lines.append(_line("logits/loss", "logits and loss (simulated workload)", [logits_bytes],
+                           "simulated workload", "backward"))
+    if not device:
+        return lines
+    table = UNCERTAIN if uncertain is None else uncertain
+    lines.append(_band_line("runtime", "CUDA context and kernel images", table["cuda_context_bytes"], 1))
+    lines.append(_band_line("communication buffers", "NCCL communicator buffers",
+                            table["nccl_bytes_per_communicator"], cfg.nccl_communicators))
+    lines.append(_band_line("runtime", "cuBLAS workspaces", table["workspace_bytes_per_stream"], cfg.compute_streams))
+    tensors = [t for ln in lines for t in ln.tensor_bytes]
+    rounding = sum(reserved_bytes(t) - t for t in tensors)
+    lines.append(LedgerLine(category="allocator", name="caching-allocator rounding", bytes=rounding, low=rounding,
+                            high=rounding, provenance=ALLOCATOR_PROVENANCE, when="initialize"))
+    churn = sum(ln.bytes for ln in lines if ln.when in ("backward", "in_backward"))
+    frag = table["fragmentation_fraction"]
+    lines.append(LedgerLine(category="allocator", name="fragmentation", bytes=int(frag.nominal * churn),
+                            low=int(frag.low * churn), high=int(frag.high * churn), provenance=frag.provenance,
+                            when="backward"))
+    return lines
+
+
+def summarize(lines: Sequence[LedgerLine]) -> LedgerSummary:
+    """Per-category (low, nominal, high) bytes and the totals."""
+    by = {c: [0, 0, 0] for c in CATEGORIES}
+    for ln in lines:
+        if ln.category not in by:
+            raise ValueError(f"unknown ledger category {ln.category!r}; use one of {CATEGORIES}")
+        for i, v in enumerate((ln.low, ln.bytes, ln.high)):
+            by[ln.category][i] += v
+    totals = [sum(v[i] for v in by.values()) for i in range(3)]
+    return LedgerSummary(by_category={c: tuple(v) for c, v in by.items()}, low=totals[0], nominal=totals[1],
+                         high=totals[2])
+
+
+def format_ledger(lines: Sequence[LedgerLine]) -> str:
+    """A plain-text table: one row per line, then the per-category summary (GiB)."""
+    rows = [f"{ln.category:22s} {ln.name:48s} {ln.bytes / 2**30:9.3f} [{ln.low / 2**30:.3f}, {ln.high / 2**30:.3f}]"
+            for ln in lines]
+    summary = summarize(lines)
+    rows.append("-" * 96)
+    for cat, (lo, nom, hi) in summary.by_category.items():
+        if hi:
+            rows.append(f"{cat:71s} {nom / 2**30:9.3f} [{lo / 2**30:.3f}, {hi / 2**30:.3f}]")
+    rows.append(f"{'total':71s} {summary.nominal / 2**30:9.3f} [{summary.low / 2**30:.3f}, "
+                f"{summary.high / 2**30:.3f}]")
+    return "\n".join(rows)
