@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import dataclasses
+import json
 import logging
 import math
 import os
