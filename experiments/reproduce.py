@@ -39,12 +39,16 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from tqdm import tqdm
 
+from experiments.tables import bar_plot, write_table
+
 REFERENCE_CSV = pathlib.Path(__file__).resolve().parent / "data" / "autosp-paper-figures.csv"
 DISAGREEMENT = 0.20
 SYSTEMS = ("zero3", "ring_attention", "ulysses", "autosp")
 MEASURED_SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp")
 CPU_MODEL, CPU_MODEL_OPTIONS = "hf-llama", {"kv_heads": 4}  # 8 query heads, 4 kv heads: GQA splits over 4 ranks
 EXACT_GRAD_ERROR = 1e-3  # above this relative gradient error a system is flagged inexact
+MEASUREMENT_TIMEOUT_S = 3600.0  # deadline of one gloo run of the measured tables (all systems)
+COLLECTIVE_TIMEOUT_S = 600.0  # how long a collective waits for a rank still compiling
 
 
 def published_figures() -> list[dict[str, str]]:
@@ -64,8 +68,8 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
                             cache=None) -> tuple[dict[str, tuple[int, bool]], tuple[int, int]]:
     """Longest simulated sequence of ``systems`` for one model: {system: (tokens, converged)}, and (traced,
     reused) trace counts.  One task of the max-seq-len table; runs in a worker process or inline."""
-    from experiments.paper_scale import TraceCache, max_trainable_seq_len
-    from experiments.paper_scale_baselines import max_trainable_seq_len_baseline
+    from experiments.paper_scale.baselines import max_trainable_seq_len_baseline
+    from experiments.paper_scale.simulate import TraceCache, max_trainable_seq_len
 
     cache = cache if cache is not None else TraceCache()
     before = (cache.misses, cache.hits)
@@ -88,8 +92,8 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
 def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], cache=None):
     """Simulated steps of ``systems`` for one model and length ({system: SimulatedStep}), and (traced, reused)
     trace counts.  One task of the iteration-time table."""
-    from experiments.paper_scale import TraceCache, simulate_autosp_step
-    from experiments.paper_scale_baselines import simulate_baseline_step
+    from experiments.paper_scale.baselines import simulate_baseline_step
+    from experiments.paper_scale.simulate import TraceCache, simulate_autosp_step
 
     cache = cache if cache is not None else TraceCache()
     before = (cache.misses, cache.hits)
@@ -185,15 +189,15 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def table_measured_cpu(args) -> list[dict]:
-    from experiments.measure import measure_on_rank, peak_memory_available
-    from experiments.spawn import run_ranks
+    from experiments.cpu.measure import measure_on_rank
+    from experiments.launch import run_on_ranks
 
-    with_memory = peak_memory_available()
     rows = []
     for ranks in tqdm(args.cpu_ranks, desc="measured-cpu (gloo ranks per run)", file=sys.stderr):
         spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "seq_len": args.cpu_seq_len,
                 "systems": list(MEASURED_SYSTEMS), "steps": args.cpu_steps, "compiler": "aot_eager"}
-        per_rank = run_ranks(measure_on_rank, ranks, spec)
+        per_rank = run_on_ranks(measure_on_rank, ranks, spec, timeout_s=MEASUREMENT_TIMEOUT_S,
+                                collective_timeout_s=COLLECTIVE_TIMEOUT_S)
         by_system = {name: [r["systems"][name] for r in per_rank] for name in MEASURED_SYSTEMS}
         ulysses = by_system["ulysses"]
         ulysses_s = max(r["median_step_s"] for r in ulysses) if "median_step_s" in ulysses[0] else None
@@ -202,7 +206,7 @@ def table_measured_cpu(args) -> list[dict]:
             if "unsupported" in results[0]:
                 rows.append({**row, "first_step_s": "", "median_step_ms": "", "ratio_to_ulysses": "",
                              "loss_error": "", "grad_max_rel_error": "",
-                             **({"peak_mib": "", "peak_mib_by_rank": ""} if with_memory else {}),
+                             "peak_mib": "", "peak_mib_by_rank": "",
                              "note": f"unsupported: {results[0]['unsupported']}"})
                 continue
             step_s = max(r["median_step_s"] for r in results)
@@ -214,9 +218,8 @@ def table_measured_cpu(args) -> list[dict]:
                 "loss_error": f"{max(r['loss_error'] for r in results):.1e}",
                 "grad_max_rel_error": f"{grad_error:.1e}",
             })
-            if with_memory:
-                peaks = [r["peak_memory_bytes"] / 2**20 for r in results]
-                row.update({"peak_mib": f"{max(peaks):.2f}", "peak_mib_by_rank": "/".join(f"{p:.2f}" for p in peaks)})
+            peaks = [r["peak_memory_bytes"] / 2**20 for r in results]
+            row.update({"peak_mib": f"{max(peaks):.2f}", "peak_mib_by_rank": "/".join(f"{p:.2f}" for p in peaks)})
             nan_ranks = [str(i) for i, r in enumerate(results) if math.isnan(r["loss"])]
             row["note"] = "; ".join(filter(None, [
                 "inexact" if not grad_error <= EXACT_GRAD_ERROR else "",
@@ -227,18 +230,16 @@ def table_measured_cpu(args) -> list[dict]:
 
 
 def table_memory_cap(args) -> list[dict]:
-    from experiments.measure import max_seq_len_on_rank, peak_memory_available
-    from experiments.spawn import run_ranks
+    from experiments.cpu.measure import max_seq_len_on_rank
+    from experiments.launch import run_on_ranks
 
-    if not peak_memory_available():
-        logging.getLogger(__name__).warning("memory-cap: experiments.peak_memory is missing; table skipped")
-        return []
     rows = []
     for ranks in tqdm(args.cap_ranks, desc="memory-cap (search per gloo run)", file=sys.stderr):
         spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "systems": list(MEASURED_SYSTEMS),
                 "cap_bytes": int(args.memory_cap_mib * 2**20), "start": args.cap_start,
                 "granularity": args.cap_granularity, "max_probes": args.cap_probes, "max_len": args.cap_max_len}
-        results = run_ranks(max_seq_len_on_rank, ranks, spec)[0]["systems"]
+        results = run_on_ranks(max_seq_len_on_rank, ranks, spec, timeout_s=MEASUREMENT_TIMEOUT_S,
+                               collective_timeout_s=COLLECTIVE_TIMEOUT_S)[0]["systems"]
         for name in MEASURED_SYSTEMS:
             r = results[name]
             probes = ", ".join(f"{s}:{p / 2**20:.1f}" for s, p in r["probes"])
@@ -264,19 +265,6 @@ TABLES: dict[str, Callable] = {
     "max-seq-len": table_max_seq_len, "iteration-time": table_iteration_time,
     "measured-cpu": table_measured_cpu, "memory-cap": table_memory_cap,
 }
-
-
-def write_table(name: str, rows: list[dict], out: pathlib.Path) -> None:
-    if not rows:
-        return
-    columns = list(rows[0])
-    with open(out / f"{name}.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    md = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    md += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
-    (out / f"{name}.md").write_text("\n".join(md) + "\n")
 
 
 def plot_max_seq_len(rows: list[dict], path: pathlib.Path) -> None:
@@ -308,34 +296,10 @@ def plot_max_seq_len(rows: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def _bar_plot(rows: list[dict], value: str, ylabel: str, title: str, path: pathlib.Path) -> None:
-    """Grouped bars of column ``value`` per system, one group per rank count (rows without a value skipped)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ranks = sorted({int(r["ranks"]) for r in rows})
-    systems = list(dict.fromkeys(r["system"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    width = 0.8 / max(len(ranks), 1)
-    for i, p in enumerate(ranks):
-        values = [next((float(r[value]) for r in rows if r["system"] == s and int(r["ranks"]) == p and r[value] != ""),
-                       0.0) for s in systems]
-        ax.bar([x + i * width for x in range(len(systems))], values, width, label=f"{p} ranks")
-    ax.set_xticks([x + width * (len(ranks) - 1) / 2 for x in range(len(systems))], systems, fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 PLOTS = {
-    "measured-cpu": lambda rows, path: _bar_plot(rows, "median_step_ms", "median step (ms)",
+    "measured-cpu": lambda rows, path: bar_plot(rows, "median_step_ms", "median step (ms)",
                                                  "CPU gloo: median training step", path),
-    "memory-cap": lambda rows, path: _bar_plot(rows, "max_seq_len", "longest sequence (tokens)",
+    "memory-cap": lambda rows, path: bar_plot(rows, "max_seq_len", "longest sequence (tokens)",
                                                f"CPU gloo: longest sequence under {rows[0]['cap_mib']} MiB per rank",
                                                path),
 }
@@ -344,7 +308,7 @@ PLOTS = {
 def write_simulated_step(args, out: pathlib.Path) -> None:
     """Perfetto trace, timeline and memory plots of one simulated AutoSP step (2 layers shown)."""
     from experiments.models import PAPER_MODELS
-    from experiments.paper_scale import _simulate_layers
+    from experiments.paper_scale.simulate import _simulate_layers
     from simulator import Cluster, simulate
     from simulator.plots import plot_memory, plot_timeline
     from simulator.trace import write_chrome_trace
@@ -374,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args.granularity = 8192 if args.quick else 1024
     args.zero3_granularity = 2048 if args.quick else 1024  # zero3 fits ~10K tokens: 8K steps are too coarse
     args.search_probes = 6 if args.quick else 10
-    from experiments.paper_scale import TraceCache
+    from experiments.paper_scale.simulate import TraceCache
 
     args.cache = TraceCache()  # traces shared within this process (see experiments.paper_scale.TraceCache)
     args.trace_counts = {"traced": 0, "reused": 0}

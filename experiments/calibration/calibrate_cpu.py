@@ -34,9 +34,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from experiments.spawn import run_ranks
+from experiments.launch import run_on_ranks
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "simulator" / "presets" / "cpu_gloo.json"
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "simulator" / "presets" / "cpu_gloo.json"
 A2A_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
 WORLDS = (2, 4)
 
@@ -222,7 +222,7 @@ def _slowest_rank_per_world(rank_fn, *args) -> dict[int, dict[int, float]]:
     """``rank_fn(rank, world, *args)`` (message bytes -> seconds) on each of `WORLDS`; the slowest rank's times."""
     results = {}
     for world in WORLDS:
-        per_rank = run_ranks(rank_fn, world, *args)
+        per_rank = run_on_ranks(rank_fn, world, *args, timeout_s=1800, collective_timeout_s=600)
         results[world] = {int(n): max(r[n] for r in per_rank) for n in per_rank[0]}
     return results
 
@@ -392,10 +392,10 @@ def measure_reference_step(preset: dict, steps: int) -> dict:
     (found by bisection; step time grows monotonically with it) by which `apply_step_factor` scales every
     compute time of the preset so that the reference step's simulated time equals its measured median.
     """
-    from experiments.validate_simulator import Case, cpu_gloo_cluster, measure_case, overlap_supported
+    from experiments.calibration.validate_simulator import Case, cpu_gloo_cluster, measure_case
     from simulator import Workload, simulate
 
-    case = Case(**REFERENCE_STEP, overlap=True if overlap_supported() else None)
+    case = Case(**REFERENCE_STEP, overlap=True)
     runs = [measure_case(case, steps=steps) for _ in range(REFERENCE_RUNS)]
     # Run-to-run spread on this machine is ~15 % (where the scheduler puts ranks and gloo's threads), more
     # than the spread within a run: the median over fresh process groups.

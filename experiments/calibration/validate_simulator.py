@@ -8,7 +8,7 @@ gloo ranks, compiles the model with `autosp.compile` (``aot_eager``), runs warm-
 
 - the step time: forward + backward of one sample, started on a barrier, ended when the rank's backward
   returns; per step the slowest rank counts, the median over the timed steps is reported;
-- the per-rank peak tensor memory of one more (untimed) step with `experiments.peak_memory.PeakMemory`,
+- the per-rank peak tensor memory of one more (untimed) step with `experiments.cpu.peak_memory.PeakMemory`,
   parameters and preallocated gradients counted as static memory (no optimizer state: the step has none).
 
 Rank 0 exports the same compiled model's forward and backward graphs with `autosp.export.export_workload`;
@@ -26,7 +26,6 @@ The configurations here are not those the ``cpu-gloo`` preset was calibrated on 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import logging
@@ -37,6 +36,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from experiments.tables import write_table
 
 log = logging.getLogger(__name__)
 
@@ -55,31 +56,22 @@ class Case:
     """Tokens of the sample (the full sequence, split over the ranks)."""
     hidden: int
     """Hidden size of the tiny plain Llama (4 heads, intermediate 2x hidden, 2 layers)."""
-    overlap: bool | None = None
-    """``overlap_communication`` option of autosp.compile (None: option not available, not passed)."""
+    overlap: bool = True
+    """``overlap_communication`` option of autosp.compile."""
     model: str = MODEL
     """Tiny model preset (`experiments.models.TINY_MODELS`); the sweep uses the plain Llama, the calibration's
     reference step another family."""
 
     @property
     def label(self) -> str:
-        ov = "" if self.overlap is None else f" overlap={'on' if self.overlap else 'off'}"
+        ov = f" overlap={'on' if self.overlap else 'off'}"
         name = "" if self.model == MODEL else f"{self.model} "
         return f"{name}P={self.world} S={self.seq_len} h={self.hidden}{ov}"
 
 
-def overlap_supported() -> bool:
-    """Whether `autosp.AutoSPConfig` has the ``overlap_communication`` option."""
-    import autosp
-
-    return "overlap_communication" in {f.name for f in dataclasses.fields(autosp.AutoSPConfig)}
-
-
 def sweep(*, quick: bool = False, smallest: bool = False) -> list[Case]:
     """The configurations to run (``smallest``: one 2-rank case, for tests)."""
-    overlaps: tuple[bool | None, ...] = (False, True) if overlap_supported() else (None,)
-    if overlaps == (None,):
-        log.warning("autosp.AutoSPConfig has no 'overlap_communication' option: the overlap axis is skipped")
+    overlaps = (False, True)
     if smallest:
         return [Case(world=2, seq_len=256, hidden=64, overlap=overlaps[0])]
     worlds = (2, 4)
@@ -109,14 +101,13 @@ def _measure_case(rank: int, world: int, case: Case, warmup: int, steps: int) ->
 
     import autosp
     from autosp.export import export_workload
+    from experiments.cpu.peak_memory import PeakMemory
     from experiments.models import build_model, vocab_size
-    from experiments.peak_memory import PeakMemory
 
     torch._dynamo.reset()  # every case compiles afresh; no recompile limits across cases
     torch.manual_seed(0)
     model = build_model(case.model, layers=LAYERS, hidden=case.hidden)
-    options = {} if case.overlap is None else {"overlap_communication": case.overlap}
-    compiled = autosp.compile(model, sp_size=world, compiler="aot_eager", **options)
+    compiled = autosp.compile(model, sp_size=world, compiler="aot_eager", overlap_communication=case.overlap)
     ids, labels = _sample(case.seq_len, vocab_size(model))
 
     def step():
@@ -205,9 +196,10 @@ def _error_pct(simulated: float, measured: float) -> float:
 def measure_case(case: Case, *, warmup: int = 3, steps: int = 15) -> tuple[float, int, dict, list[float]]:
     """Run ``case`` on real gloo ranks: (median slowest-rank step seconds, peak bytes of the largest rank,
     the exported workload document, every timed step's slowest-rank seconds)."""
-    from experiments.spawn import run_ranks
+    from experiments.launch import run_on_ranks
 
-    per_rank = run_ranks(_measure_rank, case.world, [dataclasses.asdict(case)], warmup, steps)
+    per_rank = run_on_ranks(_measure_rank, case.world, [dataclasses.asdict(case)], warmup, steps, timeout_s=1800,
+                            collective_timeout_s=600)
     measured = [r[0] for r in per_rank]
     step_s = [max(r["step_s"][i] for r in measured) for i in range(steps)]
     log.info("%s: measured memory at peak by op %s", case.label, measured[0]["memory_by_op"])
@@ -237,7 +229,7 @@ def run_validation(cases: list[Case], *, warmup: int = 3, steps: int = 15, prese
                 (workloads_out / f"{name}.json").write_text(json.dumps(workload), encoding="utf-8")
             rows.append({
                 "config": case.label, "world": world, "seq_len": case.seq_len, "hidden": case.hidden,
-                "overlap": "" if case.overlap is None else ("on" if case.overlap else "off"),
+                "overlap": "on" if case.overlap else "off",
                 "measured_step_ms": 1e3 * measured_step_s, "simulated_step_ms": 1e3 * sim_step_s,
                 "step_error_pct": _error_pct(sim_step_s, measured_step_s),
                 "measured_peak_mib": measured_peak / MIB, "simulated_peak_mib": sim_peak / MIB,
@@ -265,26 +257,17 @@ def summary(rows: list[dict]) -> dict[str, float]:
             "peak_median_abs_error_pct": statistics.median(peak), "peak_max_abs_error_pct": max(peak)}
 
 
-def format_markdown(rows: list[dict]) -> str:
-    """The table as Markdown, with the summary lines below it."""
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        lines.append("| " + " | ".join(fmt.format(r[k]) for k, _, fmt in COLUMNS) + " |")
+def summary_lines(rows: list[dict]) -> list[str]:
+    """The summary written below the table."""
     s = summary(rows)
-    lines += ["", f"step time: median |error| {s['step_median_abs_error_pct']:.1f} %, "
-                  f"max {s['step_max_abs_error_pct']:.1f} %",
-              f"peak memory: median |error| {s['peak_median_abs_error_pct']:.1f} %, "
-              f"max {s['peak_max_abs_error_pct']:.1f} %"]
-    return "\n".join(lines) + "\n"
+    return [f"step time: median |error| {s['step_median_abs_error_pct']:.1f} %, max {s['step_max_abs_error_pct']:.1f} %",
+            f"peak memory: median |error| {s['peak_median_abs_error_pct']:.1f} %, "
+            f"max {s['peak_max_abs_error_pct']:.1f} %"]
 
 
 def write_outputs(rows: list[dict], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "validation.csv", "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "validation.md").write_text(format_markdown(rows), encoding="utf-8")
+    """``validation.csv`` and ``validation.md`` (with the summary lines) in ``out``."""
+    write_table("validation", rows, out, columns=COLUMNS, footer=summary_lines(rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_validation(cases, warmup=2 if args.smallest else 3, steps=steps, preset_path=args.preset,
                           workloads_out=args.out / "workloads")
     write_outputs(rows, args.out)
-    print(format_markdown(rows))
+    print((args.out / "validation.md").read_text())
     print(f"wrote {args.out / 'validation.csv'} and {args.out / 'validation.md'}")
     return 0
 

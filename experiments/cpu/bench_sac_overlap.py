@@ -6,7 +6,7 @@ gloo ranks: AutoSP with each activation-checkpointing setting ("sac", "none",
 overlapped and blocking, and hand-written Ulysses (DeepSpeed's
 DistributedAttention, no checkpointing).  Each is measured in one run:
 
-- per-rank peak tensor memory of one step (experiments.peak_memory, parameters
+- per-rank peak tensor memory of one step (experiments.cpu.peak_memory, parameters
   included, gradients as backward creates them);
 - median step time over timed steps interleaved across variants (the order
   rotates every round, so machine noise hits every variant alike), as a ratio to
@@ -19,7 +19,7 @@ sequence that fits a per-rank memory cap (``--cap-mib``), next to Ulysses'.
 
 ``--paper-scale MODEL`` adds the same comparison at paper scale, simulated: the
 real passes trace the model on fake tensors and a fake group of 8 (one and two
-layers, extrapolated; experiments.paper_scale), and the exported schedule's
+layers, extrapolated; experiments.paper_scale.simulate), and the exported schedule's
 memory timeline on 8×A100-80GB gives the peak per rank and the longest
 trainable sequence for each checkpointing setting.
 """
@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import logging
 import pathlib
 import statistics
 import sys
 import time
+
+from experiments.tables import markdown_table, write_table
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,9 @@ def _bench_on_rank(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
     from experiments.baselines import build_system
-    from experiments.measure import time_interleaved
+    from experiments.cpu.measure import time_interleaved
+    from experiments.cpu.peak_memory import PeakMemory
     from experiments.models import build_model, vocab_size
-    from experiments.peak_memory import PeakMemory
 
     torch.manual_seed(0)
     base = build_model(spec["model"], layers=spec["layers"], hidden=spec["hidden"])
@@ -109,13 +110,13 @@ def _fit_affine(points: list[tuple[int, int]]) -> tuple[float, float, float]:
 def run(args) -> tuple[list[dict], list[dict]]:
     from tqdm import tqdm
 
-    from experiments.spawn import run_ranks
+    from experiments.launch import run_on_ranks
 
     rows = []
     for seq_len in tqdm(args.seq_lens, desc="sequence lengths", file=sys.stderr):
         spec = {"model": args.model, "layers": args.layers, "hidden": args.hidden, "seq_len": seq_len,
                 "variants": list(VARIANTS), "steps": args.steps, "compiler": "aot_eager"}
-        per_rank = run_ranks(_bench_on_rank, args.ranks, spec)
+        per_rank = run_on_ranks(_bench_on_rank, args.ranks, spec, timeout_s=3600, collective_timeout_s=600)
         base_step = statistics.median(per_rank[0][BASELINE]["step_s"])
         for label in VARIANTS:
             step_s = per_rank[0][label]["median_step_s"]
@@ -145,7 +146,7 @@ PAPER_SCALE_SETTINGS = ("sac", "none", "default", "full")
 def run_paper_scale(model: str, seq_len: int, granularity: int) -> list[dict]:
     from tqdm import tqdm
 
-    from experiments.paper_scale import max_trainable_seq_len, simulate_autosp_step
+    from experiments.paper_scale.simulate import max_trainable_seq_len, simulate_autosp_step
 
     rows = []
     for setting in tqdm(PAPER_SCALE_SETTINGS, desc=f"{model} (simulated)", file=sys.stderr):
@@ -164,15 +165,9 @@ def run_paper_scale(model: str, seq_len: int, granularity: int) -> list[dict]:
     return rows
 
 
-def _markdown(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench_sac_overlap", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096], help="tokens per sample")
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (the SP degree)")
     parser.add_argument("--model", default="hf-llama", help="tiny model preset (experiments.models)")
@@ -195,14 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         tables["paper_scale"] = run_paper_scale(args.paper_scale, args.paper_seq_len, args.granularity)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, table in tables.items():
-        with open(args.out / f"{name}.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(table[0]))
-            writer.writeheader()
-            writer.writerows(table)
-        (args.out / f"{name}.md").write_text(_markdown(table) + "\n")
-    sys.stdout.write(_markdown(rows) + "\n\n" + f"per-rank memory cap {args.cap_mib:g} MiB:\n" + _markdown(caps) + "\n")
+        write_table(name, table, args.out)
+    sys.stdout.write(markdown_table(rows) + "\n\n" + f"per-rank memory cap {args.cap_mib:g} MiB:\n" + markdown_table(caps) + "\n")
     if args.paper_scale:
-        sys.stdout.write("\nsimulated at paper scale (8xA100-80GB, SP 8):\n" + _markdown(tables["paper_scale"]) + "\n")
+        sys.stdout.write("\nsimulated at paper scale (8xA100-80GB, SP 8):\n" + markdown_table(tables["paper_scale"]) + "\n")
     return 0
 
 

@@ -1,11 +1,11 @@
 """Side-by-side CPU measurements of sequence-parallel systems on real gloo ranks.
 
-`measure_on_rank` runs on every rank (see `experiments.spawn.run_ranks`): it
+`measure_on_rank` runs on every rank (see `experiments.launch.run_on_ranks`): it
 builds one tiny model, a single-device reference of a training step on the full
 sequence, and every requested system (`experiments.baselines`) from copies of
 the same weights.  It records each system's compile (first-step) time, its loss
 and gradient error against the reference, the rank's peak tensor memory of one
-untimed step (`experiments.peak_memory`, where present), and then times steps of
+untimed step (`experiments.cpu.peak_memory`), and then times steps of
 all systems interleaved, rotating the order every round, so machine noise hits
 every system alike and ratios measured in one run are meaningful.
 
@@ -69,15 +69,6 @@ def _errors(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
     return worst
 
 
-def peak_memory_available() -> bool:
-    """Whether `experiments.peak_memory` (the per-rank CPU peak-memory tracker) is installed."""
-    try:
-        import experiments.peak_memory  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _resident_tensors(system) -> list[torch.Tensor]:
     """Parameters and gradients a system holds on this rank before a step (ZeRO-3: its partitions)."""
     model = getattr(system, "model", None)
@@ -90,13 +81,10 @@ def _resident_tensors(system) -> list[torch.Tensor]:
     return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
-def _measured_step(system, ids, labels, measure_memory: bool) -> int | None:
-    """One untimed step; this rank's peak tensor bytes during it (None without the tracker)."""
+def _measured_step(system, ids, labels) -> int:
+    """One untimed step; this rank's peak tensor bytes during it."""
     system.zero_grad()
-    if not measure_memory:
-        system.step(ids, labels)
-        return None
-    from experiments.peak_memory import PeakMemory
+    from experiments.cpu.peak_memory import PeakMemory
 
     with PeakMemory(static=_resident_tensors(system), keep_breakdown=False) as pm:
         system.step(ids, labels)
@@ -133,7 +121,6 @@ def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
     spec = MeasureSpec(**{**spec_dict, "systems": tuple(spec_dict["systems"])})
     os.environ.setdefault("LOCAL_RANK", str(rank))  # what a launcher sets; deepspeed.initialize (zero3) needs it
     _quiet_rank()
-    measure_memory = peak_memory_available()
     torch.manual_seed(0)
     base = build_model(spec.model, layers=spec.layers, hidden=spec.hidden, **spec.model_options)
     ids, labels = _sample(spec.seq_len, vocab_size(base))
@@ -173,7 +160,7 @@ def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
             systems[name].zero_grad()
             systems[name].step(ids, labels)
     for name in names:
-        results[name]["peak_memory_bytes"] = _measured_step(systems[name], ids, labels, measure_memory)
+        results[name]["peak_memory_bytes"] = _measured_step(systems[name], ids, labels)
     for name, step_s in time_interleaved(systems, ids, labels, steps=spec.steps).items():
         results[name]["step_s"] = step_s
     for r in results.values():
@@ -275,8 +262,6 @@ def max_seq_len_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
     spec = MemoryCapSpec(**{**spec_dict, "systems": tuple(spec_dict["systems"])})
     os.environ.setdefault("LOCAL_RANK", str(rank))
     _quiet_rank()
-    if not peak_memory_available():
-        raise RuntimeError("the memory-cap search needs experiments.peak_memory")
     torch.manual_seed(0)
     base = build_model(spec.model, layers=spec.layers, hidden=spec.hidden, **spec.model_options)
     results = {}

@@ -42,12 +42,12 @@ NOTEBOOKS = {
                       'SYSTEMS = ["autosp", "autosp-nosac", "ulysses", "ring"]'),
         new_code_cell(SETUP),
         new_code_cell(
-            "from experiments.measure import measure_on_rank\n"
+            "from experiments.cpu.measure import measure_on_rank\n"
             "from experiments.reproduce import CPU_MODEL, CPU_MODEL_OPTIONS\n"
-            "from experiments.spawn import run_ranks\n\n"
+            "from experiments.launch import run_on_ranks\n\n"
             'spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "seq_len": SEQ_LEN,\n'
             '        "systems": SYSTEMS, "steps": STEPS}\n'
-            "per_rank = run_ranks(measure_on_rank, RANKS, spec)\n"
+            "per_rank = run_on_ranks(measure_on_rank, RANKS, spec, timeout_s=600, collective_timeout_s=300)\n"
             'results = {s: [r["systems"][s] for r in per_rank] for s in SYSTEMS}\n'
             'ulysses_s = max(r["median_step_s"] for r in results["ulysses"])\n'
             "for s, rs in results.items():\n"
@@ -83,7 +83,7 @@ NOTEBOOKS = {
             "import tempfile\n\n"
             "from IPython.display import Image, display\n\n"
             "from experiments.models import PAPER_MODELS\n"
-            "from experiments.paper_scale import _simulate_layers\n"
+            "from experiments.paper_scale.simulate import _simulate_layers\n"
             "from simulator import Cluster, simulate\n"
             "from simulator.plots import plot_memory, plot_timeline\n\n"
             "cluster = Cluster.from_preset(CLUSTER)\n"
@@ -106,12 +106,12 @@ NOTEBOOKS = {
             "the real compiler produces (Ulysses: AutoSP's graph without checkpointing; ring attention: that "
             "graph with each attention split into peer-to-peer ring steps; ZeRO-3: the single-device graph "
             "with per-layer parameter gathers and gradient reduce-scatters; see "
-            "`experiments/workload_rewrites.py`)."),
+            "`experiments/paper_scale/workload_rewrites.py`)."),
         new_code_cell("# Parameters (coarse: a handful of simulated probes)\n"
                       'MODEL = "llama-3.2-3b"\nGRANULARITY = 16384\nHIGH = 131072'),
         new_code_cell(SETUP),
         new_code_cell(
-            "from experiments.paper_scale import max_trainable_seq_len\n"
+            "from experiments.paper_scale.simulate import max_trainable_seq_len\n"
             "from experiments.reproduce import SYSTEMS, published_figures\n\n"
             "simulated = max_trainable_seq_len(MODEL, granularity=GRANULARITY, high=HIGH)\n"
             'published = {r["system"]: float(r["value"]) for r in published_figures()\n'

@@ -51,7 +51,7 @@ class TraceCache:
 
     Owned by a caller (one reproduction run) and passed down explicitly; the searches of
     different systems probe some of the same lengths (ring attention reuses the Ulysses
-    trace, see experiments.paper_scale_baselines), each of which is traced once."""
+    trace, see experiments.paper_scale.baselines), each of which is traced once."""
 
     workloads: dict = field(default_factory=dict)
     hits: int = 0

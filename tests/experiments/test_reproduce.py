@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from experiments.paper_scale import simulate_autosp_step
+from experiments.paper_scale.simulate import simulate_autosp_step
 
 pytestmark = pytest.mark.timeout(1800)  # the first test to use quick_results pays for the whole quick run
 
@@ -36,7 +36,7 @@ def test_reproduce_max_seq_len_table_has_every_system_and_model(quick_results):
         (m, s) for m in ("llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
         for s in ("zero3", "ring_attention", "ulysses", "autosp")
     }
-    for r in rows:  # every system simulated (baselines: see experiments.paper_scale_baselines)
+    for r in rows:  # every system simulated (baselines: see experiments.paper_scale.baselines)
         simulated = float(r["simulated_tokens"])
         assert math.isfinite(simulated) and simulated > 0
         assert float(r["simulated_over_published"]) == pytest.approx(simulated / float(r["published_tokens"]), 1e-2)
@@ -72,7 +72,7 @@ def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
 
     from autosp.export import export_workload, trace_fake_step
     from experiments.models import PAPER_MODELS
-    from experiments.paper_scale import ADAM_BYTES_PER_PARAMETER_BYTE
+    from experiments.paper_scale.simulate import ADAM_BYTES_PER_PARAMETER_BYTE
     from simulator import Cluster, simulate
 
     model = PAPER_MODELS["llama-3.2-3b"]
@@ -163,8 +163,8 @@ def test_paper_placeholders_are_filled_from_the_results_folder(tmp_path):
 
 
 def test_paper_scale_baselines_simulate_every_baseline_and_ring_reuses_the_ulysses_traces():
-    from experiments.paper_scale import TraceCache
-    from experiments.paper_scale_baselines import SIMULATED_BASELINES, simulate_baseline_step
+    from experiments.paper_scale.baselines import SIMULATED_BASELINES, simulate_baseline_step
+    from experiments.paper_scale.simulate import TraceCache
 
     cache = TraceCache()
     ulysses = simulate_baseline_step("ulysses", "llama-3.2-3b", 4096, cache=cache)
@@ -183,8 +183,8 @@ def test_paper_scale_baselines_simulate_every_baseline_and_ring_reuses_the_ulyss
 
 
 def test_paper_scale_search_runs_on_memory_above_static():
-    from experiments.paper_scale import SimulatedStep
-    from experiments.paper_scale_baselines import search_max_seq_len
+    from experiments.paper_scale.baselines import search_max_seq_len
+    from experiments.paper_scale.simulate import SimulatedStep
 
     def stepper(static):  # 1 MB per token above static memory, 80 GB capacity
         return lambda length: SimulatedStep(model="m", seq_len=length, sp_size=8, step_time_s=1.0,
@@ -207,7 +207,7 @@ def test_paper_scale_search_runs_on_memory_above_static():
     (lambda s: 1_000_000 + 2_400 * s, 65536, 3584),                         # the first probe already fails
 ])
 def test_memory_cap_search_finds_the_longest_fitting_length_in_few_probes(peak, start, answer):
-    from experiments.measure import next_probe
+    from experiments.cpu.measure import next_probe
 
     probes, length = [], start
     while length is not None:

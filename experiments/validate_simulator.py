@@ -1,0 +1,6 @@
+"""``python -m experiments.validate_simulator``: compare real gloo steps with their simulation (the code is `experiments.calibration.validate_simulator`)."""
+
+from experiments.calibration.validate_simulator import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
