@@ -435,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                 "cpu_model": CPU_MODEL, "cpu_model_options": CPU_MODEL_OPTIONS,
                 **{key: list(value) if isinstance(value, tuple) else value for key, value in settings.items()},
                 "max_seq_len_granularity": args.granularity, "iteration_model": args.iteration_model,
+                "paper_cluster": PAPER_CLUSTER, "paper_ranks": PAPER_RANKS,
+                "disagreement_pct": round(DISAGREEMENT * 100),
                 "jobs": args.jobs, "torch": _version("torch"), "deepspeed": _version("deepspeed"),
                 "transformers": _version("transformers")}
     tables: dict[str, dict] = {}

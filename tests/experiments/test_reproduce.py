@@ -59,9 +59,11 @@ def test_reproduce_iteration_table_records_simulated_against_published(quick_res
 
 @pytest.mark.slow
 def test_reproduce_plots_and_traces_exist_and_parse(quick_results):
-    for png in ("max-seq-len.png", "timeline-llama-3.1-8b-2layers-8k.png", "memory-llama-3.1-8b-2layers-8k.png"):
+    from experiments.reproduce import STEP_FILES
+
+    for png in ("max-seq-len.png", STEP_FILES["timeline"], STEP_FILES["memory"]):
         assert (quick_results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    trace = json.loads((quick_results / "trace-llama-3.1-8b-2layers-8k.json").read_text())
+    trace = json.loads((quick_results / STEP_FILES["trace"]).read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     assert any(e.get("ph") == "X" for e in events)
 
@@ -139,6 +141,68 @@ def test_paper_builds_from_quick_results_with_every_placeholder_filled(quick_res
     for image in ("max-seq-len.png", "measured-cpu.png", "memory-cap.png"):
         assert f"(figures/{image})" in text
         assert (tmp_path / "build" / "figures" / image).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_reproduce_run_json_records_the_command_line_and_what_the_step_shows(quick_results):
+    run = json.loads((quick_results / "run.json").read_text())
+    assert run["argv"] == ["--quick", "--out", str(quick_results)]
+    assert run["command"] == f"python -m experiments.reproduce --quick --out {quick_results}"
+    assert set(run["tables"]) == {"max-seq-len", "iteration-time", "measured-cpu", "memory-cap"}
+    assert {t["command"] for t in run["tables"].values()} == {run["command"]}
+    assert run["simulated_step"]["model"] == run["iteration_model"]
+
+
+def test_reproduce_help_shows_defaults_and_what_quick_changes_without_markup(capsys):
+    from experiments.reproduce import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "(default: results)" in text and "what --quick changes" in text and "1024 -> 8192" in text
+    assert "``" not in text and "`" not in text
+
+
+def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_redo(tmp_path):
+    from experiments.reproduce import _write_run_json
+
+    path = tmp_path / "run.json"
+    _write_run_json(path, {"command": "full"}, {"a": {"command": "full", "seconds": 1.0},
+                                                "b": {"command": "full", "seconds": 2.0}})
+    _write_run_json(path, {"command": "only b"}, {"b": {"command": "only b", "seconds": 3.0}})
+    run = json.loads(path.read_text())
+    assert run["command"] == "only b" and run["commands"] == ["full", "only b"]
+    assert run["table_s"] == {"a": 1.0, "b": 3.0}
+
+
+def test_autosp_max_seq_len_search_reports_a_fit_at_its_ceiling(monkeypatch):
+    from types import SimpleNamespace
+
+    from experiments.paper_scale import simulate
+
+    limit = {"tokens": 10**9}
+    monkeypatch.setattr(simulate, "simulate_autosp_step",
+                        lambda model, seq_len, **_: SimpleNamespace(fits=seq_len <= limit["tokens"]))
+    at_ceiling = simulate.max_trainable_seq_len("llama-3.1-8b", granularity=1024, high=16384)
+    assert (at_ceiling.max_seq_len, at_ceiling.hit_upper_bound, str(at_ceiling)) == (16384, True, "≥ 16384")
+    limit["tokens"] = 5000
+    below = simulate.max_trainable_seq_len("llama-3.1-8b", granularity=1024, high=16384)
+    assert (below.max_seq_len, below.hit_upper_bound, str(below)) == (4096, False, "4096")
+
+
+def test_paper_calibration_placeholders_come_from_the_preset(tmp_path):
+    from experiments.paper import build_paper
+
+    preset = tmp_path / "preset.json"
+    preset.write_text(json.dumps({"calibration": {
+        "date": "d", "step_factor": 1.25, "reference_step": {"config": "P=2 S=512 h=64 overlap=on"},
+        "all_to_all_in_step_s": {"2": {"8": 0.3, "16": 0.2}}, "all_to_all_isolated_s": {"2": {"8": 0.1, "16": 0.1}},
+        "compute": {"attention_samples": [{"head_dim": 32}, {"head_dim": 16}, {"head_dim": 32}]}}}))
+    source = tmp_path / "paper.md"
+    source.write_text("{{calibration:date}} {{calibration:step_factor}} {{calibration:reference_step}} / "
+                      "{{calibration:all_to_all_in_step_over_isolated}} / {{calibration:attention_head_dims}}\n")
+    text = build_paper(tmp_path, tmp_path / "out", source, preset).read_text()
+    assert text == "d 1.25 2 ranks, 512 tokens, hidden 64, overlap on / 2.0–3.0 / 16, 32\n"
 
 
 def test_paper_placeholders_are_filled_from_the_results_folder(tmp_path):
