@@ -1,4 +1,4 @@
-"""The import direction of the packages (see DESIGN.md): checked on the source with ast."""
+"""The import direction of the packages (see docs/design.md): checked on the source with ast."""
 
 import ast
 import pathlib
