@@ -75,7 +75,7 @@ NOTEBOOKS = {
             "Traces a paper model's training step through the AutoSP pass on a fake process group (no real "
             "memory or GPU), exports the collective schedule and simulates it on a cluster preset: compute and "
             "communication streams per rank, then memory over time. `python -m experiments.reproduce` writes "
-            "the same plots (and a Perfetto trace) for Llama-3.1-8B."),
+            "the same plots (and a Perfetto trace) for its iteration-time model (`--iteration-model`)."),
         new_code_cell("# Parameters (small: a few seconds of tracing)\n"
                       'MODEL = "llama-3.2-3b"\nSEQ_LEN = 4096\nLAYERS = 1\nSP_SIZE = 8\nCLUSTER = "a100-80gb-sxm"'),
         new_code_cell(SETUP),
