@@ -248,7 +248,7 @@ def _probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> in
     ids, labels = _sample(seq_len, vocab_size(base))
     system = build_system(name, copy.deepcopy(base), sp_size=world, compiler=spec.compiler)
     system.step(ids, labels)
-    peak = torch.tensor([_measured_step(system, ids, labels, True)], dtype=torch.float64)
+    peak = torch.tensor([_measured_step(system, ids, labels)], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     del system
     return int(peak.item())
