@@ -222,7 +222,7 @@ def table_measured_cpu(args) -> list[dict]:
 
 
 def table_memory_cap(args) -> list[dict]:
-    from experiments.cpu.measure import max_seq_len_on_rank
+    from experiments.cpu.memory_cap import max_seq_len_on_rank
     from experiments.launch import run_on_ranks
 
     rows = []

@@ -26,7 +26,7 @@ Each is derived from a graph the real compiler produces for the same model:
 Step time and activation memory of a full model are extrapolated from one- and
 two-layer traces, as for AutoSP (see Note [Layer extrapolation] in
 experiments.paper_scale.simulate), and the longest sequence is found with the secant search
-of `experiments.cpu.measure.next_probe` on the simulated peak memory (see Note
+of `experiments.cpu.memory_cap.next_probe` on the simulated peak memory (see Note
 [Memory-cap search]).
 """
 
@@ -36,7 +36,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from experiments.cpu.measure import next_probe
+from experiments.cpu.memory_cap import next_probe
 from experiments.models import PAPER_MODELS
 from experiments.paper_scale.simulate import (
     ADAM_BYTES_PER_PARAMETER_BYTE,

@@ -271,7 +271,7 @@ def test_paper_scale_search_runs_on_memory_above_static():
     (lambda s: 1_000_000 + 2_400 * s, 65536, 3584),                         # the first probe already fails
 ])
 def test_memory_cap_search_finds_the_longest_fitting_length_in_few_probes(peak, start, answer):
-    from experiments.cpu.measure import next_probe
+    from experiments.cpu.memory_cap import next_probe
 
     probes, length = [], start
     while length is not None:
