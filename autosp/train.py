@@ -58,23 +58,50 @@ PRESETS: dict[str, LlamaSize] = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m autosp.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m autosp.train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a causal LM on random tokens with AutoSP (sequence parallelism) and DeepSpeed ZeRO 0-2.\n"
+                    "Run it under torchrun or the deepspeed launcher (or plainly, as one rank): NCCL on GPUs, gloo on\n"
+                    "CPU. The model is a Hugging Face model built from a preset or a config.json with random weights\n"
+                    "(nothing is downloaded). Logs progress, tokens/s and per-rank peak memory; rank 0 prints a JSON\n"
+                    "summary at the end.",
+        epilog="examples:\n"
+               "  # one CPU machine, 2 ranks (SP 2)\n"
+               "  torchrun --standalone --nproc-per-node 2 -m autosp.train \\\n"
+               "      --model tiny-llama --seq-len 256 --steps 5 --zero-stage 1 --compiler aot_eager\n"
+               "  # one GPU node, 8 GPUs: SP 4 x DP 2\n"
+               "  torchrun --standalone --nproc-per-node 8 -m autosp.train \\\n"
+               "      --model llama-3.1-8b --seq-len 32768 --sp-size 4 --zero-stage 2 --steps 20\n"
+               "  # several nodes: the deepspeed launcher with a hostfile (\"node-a slots=8\" per line)\n"
+               "  deepspeed --hostfile hostfile --module autosp.train \\\n"
+               "      --model llama-3.1-8b --seq-len 131072 --sp-size 8 --zero-stage 2\n"
+               "Keep an SP group inside a node (--sp-size at most the GPUs per node). On CPU set OMP_NUM_THREADS\n"
+               "on a busy machine (torchrun sets 1).")
     p.add_argument("--model", default="tiny-llama",
-                   help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face config.json (or its folder)")
-    p.add_argument("--num-layers", type=int, help="override the number of decoder layers")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (the full sequence)")
-    p.add_argument("--sp-size", type=int, help="ranks sharing one sequence (default: all ranks)")
-    p.add_argument("--zero-stage", type=int, default=0, help="DeepSpeed ZeRO stage (0, 1 or 2)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup-steps", type=int, default=1, help="first steps (compilation) left out of tokens/s")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="samples per SP group per step")
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), help="default: bf16 on GPUs, fp32 on CPU")
-    p.add_argument("--deepspeed-config", help="a DeepSpeed config JSON merged over the one built from the flags")
-    p.add_argument("--summary-json", help="also write rank 0's summary to this file")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-interval", type=int, default=1)
+                   help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face config.json (or its folder) "
+                        "(default: %(default)s)")
+    p.add_argument("--num-layers", type=int, help="override the number of decoder layers (default: the model's)")
+    p.add_argument("--seq-len", type=int, default=1024,
+                   help="tokens per sample, the full sequence before sharding (default: %(default)s)")
+    p.add_argument("--sp-size", type=int,
+                   help="ranks sharing one sequence; divides the world size, the rest is data parallelism "
+                        "(default: all ranks)")
+    p.add_argument("--zero-stage", type=int, default=0, help="DeepSpeed ZeRO stage: 0, 1 or 2 (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="first steps (compilation) left out of tokens/s (default: %(default)s)")
+    p.add_argument("--micro-batch-size", type=int, default=1,
+                   help="samples per SP group per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate, unless the DeepSpeed config names an optimizer (default: %(default)s)")
+    p.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
+                   help="torch.compile backend AutoSP hands its graphs to (default: %(default)s)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="parameter and compute dtype (default: bf16 on GPUs, "
+                                                             "fp32 on CPU)")
+    p.add_argument("--deepspeed-config", metavar="JSON",
+                   help="a DeepSpeed config file merged over the one built from these flags")
+    p.add_argument("--summary-json", metavar="PATH", help="also write rank 0's JSON summary to this file")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the random tokens (default: %(default)s)")
+    p.add_argument("--log-interval", type=int, default=1, help="log every N steps (default: %(default)s)")
     # The deepspeed launcher passes --local_rank (LOCAL_RANK in the environment says the same).
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

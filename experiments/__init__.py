@@ -1,7 +1,16 @@
 """Experiments: reproduce the paper's AutoSP-vs-hand-written results.
 
-This package owns everything a researcher runs to compare systems: the
-hand-written baselines, the CPU/gloo measurements, the paper-scale simulations
-and the tables and figures they produce (``python -m experiments.reproduce``).
-It may import `autosp` and `simulator`; nothing imports it.
+This package owns everything a researcher runs to compare systems, laid out by
+where the numbers come from:
+
+- ``cpu/`` — measured on real CPU gloo ranks (side-by-side measurement, memory
+  cap, peak memory, the checkpointing/overlap bench);
+- ``paper_scale/`` — traced on a fake process group and simulated at paper
+  scale (AutoSP and the baselines as rewrites of its traces);
+- ``calibration/`` — the simulator's cpu-gloo preset measured and validated;
+- ``models/`` — model presets; ``baselines/`` — the systems compared;
+- ``launch`` (the multi-rank launcher), ``tables`` (CSV/Markdown/plot writers),
+  ``reproduce`` and ``paper`` (the tables and the write-up), ``notebooks/``.
+
+It may import `autosp` and `simulator`; only the tests import it.
 """

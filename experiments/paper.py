@@ -12,7 +12,11 @@ and number in the built ``paper/build/paper.md`` comes from the results folder
 - ``{{figure:FILE|caption}}``: the image ``FILE`` (copied to ``figures/``);
 - ``{{cell:TABLE:COL=VALUE,...:COLUMN}}``: one value of ``TABLE.csv``, from the
   first row whose columns equal the given values;
-- ``{{run:KEY}}``: a value of ``run.json`` (the settings and timings of the run).
+- ``{{run:KEY}}``: a value of ``run.json`` (the settings and timings of the run);
+- ``{{calibration:KEY}}``: a value of the calibrated cpu-gloo preset
+  (``simulator/presets/cpu_gloo.json``, written by ``python -m experiments.calibrate_cpu``):
+  a key of its ``calibration`` record (dotted for nested ones) or one of the values
+  `calibration_values` derives from it.
 
 A placeholder ending in ``|optional}}`` (tables only) becomes a note naming the
 command that produces it when its file is missing; any other missing input is
@@ -32,7 +36,8 @@ import shutil
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).resolve().parents[1] / "paper" / "paper.md"
-PLACEHOLDER = re.compile(r"\{\{(table|figure|cell|run):([^{}]*)\}\}")
+PLACEHOLDER = re.compile(r"\{\{(table|figure|cell|run|calibration):([^{}]*)\}\}")
+PRESET = pathlib.Path(__file__).resolve().parents[1] / "simulator" / "presets" / "cpu_gloo.json"
 SOURCE_COMMENT = re.compile(r"<!--.*?-->\n?", re.DOTALL)  # notes for the source's editors only
 PRODUCERS = {
     "validation/validation": "python -m experiments.validate_simulator --out RESULTS/validation",
@@ -48,9 +53,29 @@ def _read_csv(path: pathlib.Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
+def calibration_values(calibration: dict) -> dict[str, str]:
+    """Values the paper quotes that are computed from a preset's ``calibration`` record."""
+    values = {}
+    samples = calibration.get("compute", {}).get("attention_samples", [])
+    if samples:
+        values["attention_head_dims"] = ", ".join(str(d) for d in sorted({s["head_dim"] for s in samples}))
+    in_step, alone = calibration.get("all_to_all_in_step_s", {}), calibration.get("all_to_all_isolated_s", {})
+    ratios = [in_step[w][n] / alone[w][n] for w in in_step if w in alone for n in in_step[w] if n in alone[w]]
+    if ratios:
+        values["all_to_all_in_step_over_isolated"] = f"{min(ratios):.1f}–{max(ratios):.1f}"
+    reference = calibration.get("reference_step", {})
+    if "config" in reference:  # "P=2 S=768 h=96 overlap=on"
+        fields = dict(part.split("=", 1) for part in reference["config"].split() if "=" in part)
+        values["reference_step"] = (f"{fields.get('P')} ranks, {fields.get('S')} tokens, hidden {fields.get('h')}, "
+                                    f"overlap {fields.get('overlap')}")
+    if "step_factor" in calibration:
+        values["step_factor"] = f"{calibration['step_factor']:.2f}"
+    return values
+
+
 class Builder:
-    def __init__(self, results: pathlib.Path, out: pathlib.Path):
-        self.results, self.out = results, out
+    def __init__(self, results: pathlib.Path, out: pathlib.Path, preset: pathlib.Path = PRESET):
+        self.results, self.out, self.preset = results, out, preset
         self.figures: list[pathlib.Path] = []
 
     def _missing(self, what: str) -> MissingResult:
@@ -104,13 +129,30 @@ class Builder:
             return ", ".join(f"{k} {v}" for k, v in value.items())
         return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
 
+    def calibration(self, key: str) -> str:
+        if not self.preset.exists():
+            raise MissingResult(f"{self.preset} is missing: run python -m experiments.calibrate_cpu --out {self.preset}")
+        record = json.loads(self.preset.read_text()).get("calibration", {})
+        derived = calibration_values(record)
+        if key in derived:
+            return derived[key]
+        value = record
+        for part in key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                raise MissingResult(f"{self.preset.name} has no calibration value {key!r} "
+                                    f"(derived values: {sorted(derived)})")
+            value = value[part]
+        return str(value)
+
     def render(self, text: str) -> str:
         return PLACEHOLDER.sub(lambda m: getattr(self, m.group(1))(m.group(2).strip()), text)
 
 
-def build_paper(results: pathlib.Path, out: pathlib.Path, source: pathlib.Path = SOURCE) -> pathlib.Path:
-    """Render ``source`` with the results in ``results`` into ``out/paper.md`` (+ ``out/figures/``)."""
-    builder = Builder(results, out)
+def build_paper(results: pathlib.Path, out: pathlib.Path, source: pathlib.Path = SOURCE,
+                preset: pathlib.Path = PRESET) -> pathlib.Path:
+    """Render ``source`` with the results in ``results`` (and the calibrated ``preset``) into ``out/paper.md``
+    (+ ``out/figures/``)."""
+    builder = Builder(results, out, preset)
     text = builder.render(SOURCE_COMMENT.sub("", source.read_text()))
     out.mkdir(parents=True, exist_ok=True)
     (out / "figures").mkdir(exist_ok=True)
@@ -129,10 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder written by python -m experiments.reproduce")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("paper/build"), help="output folder")
     parser.add_argument("--source", type=pathlib.Path, default=SOURCE, help="paper source with placeholders")
+    parser.add_argument("--preset", type=pathlib.Path, default=PRESET,
+                        help="calibrated cpu-gloo preset for the {{calibration:...}} placeholders")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        build_paper(args.results, args.out, args.source)
+        build_paper(args.results, args.out, args.source, args.preset)
     except MissingResult as err:
         parser.exit(1, f"error: {err}\n")
     return 0

@@ -1,24 +1,9 @@
 """``python -m experiments.reproduce``: the paper's AutoSP experiments, measured on CPU and simulated at scale.
 
-Tables (``--only NAME`` runs one):
-
-- ``max-seq-len``: longest trainable sequence of each paper model on 8×A100-80GB,
-  simulated for all four systems (AutoSP from the real pass's exported schedule,
-  the baselines as rewrites of traced graphs: see Note [Baselines as AutoSP
-  variants]) beside the published figures, with the simulated/published ratio;
-- ``iteration-time``: simulated step time of the four systems at 8K, 24K and 90K
-  tokens beside the published iteration times;
-- ``measured-cpu``: the systems side by side on real gloo ranks with a small
-  Hugging Face Llama (first-step/compile time, median step time and its ratio to
-  hand-written Ulysses, loss and gradient error against single-device training,
-  per-rank peak tensor memory);
-- ``memory-cap``: the longest sequence each system trains on CPU gloo ranks under
-  a fixed per-rank memory cap (measured peak memory, a short secant search).
-
-Outputs go to ``--out`` (default ``results/``): CSV and Markdown per table, PNG
-plots, a Perfetto trace (open in ui.perfetto.dev) and memory plot of one
-simulated step.  A table's simulated value more than 20 % away from its published
-counterpart is flagged in the ``note`` column.
+`DESCRIPTION` (the ``--help`` text) lists the tables and outputs; `PRESETS` holds the settings of the default
+and the ``--quick`` preset.  A table's simulated value more than 20 % away from its published counterpart is
+flagged in the ``note`` column; a search that stopped before converging (probe budget, search ceiling) says
+so there too.
 """
 
 from __future__ import annotations
@@ -32,6 +17,7 @@ import math
 import multiprocessing
 import os
 import pathlib
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -39,12 +25,16 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from tqdm import tqdm
 
+from experiments.tables import bar_plot, write_table
+
 REFERENCE_CSV = pathlib.Path(__file__).resolve().parent / "data" / "autosp-paper-figures.csv"
 DISAGREEMENT = 0.20
 SYSTEMS = ("zero3", "ring_attention", "ulysses", "autosp")
 MEASURED_SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp")
 CPU_MODEL, CPU_MODEL_OPTIONS = "hf-llama", {"kv_heads": 4}  # 8 query heads, 4 kv heads: GQA splits over 4 ranks
 EXACT_GRAD_ERROR = 1e-3  # above this relative gradient error a system is flagged inexact
+MEASUREMENT_TIMEOUT_S = 3600.0  # deadline of one gloo run of the measured tables (all systems)
+COLLECTIVE_TIMEOUT_S = 600.0  # how long a collective waits for a rank still compiling
 
 
 def published_figures() -> list[dict[str, str]]:
@@ -61,35 +51,42 @@ def _ratio_note(simulated: float | None, published: str) -> tuple[str, str]:
 
 
 def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: dict[str, int], max_probes: int,
-                            cache=None) -> tuple[dict[str, tuple[int, bool]], tuple[int, int]]:
-    """Longest simulated sequence of ``systems`` for one model: {system: (tokens, converged)}, and (traced,
-    reused) trace counts.  One task of the max-seq-len table; runs in a worker process or inline."""
-    from experiments.paper_scale import TraceCache, max_trainable_seq_len
-    from experiments.paper_scale_baselines import max_trainable_seq_len_baseline
+                            ceiling: int, cache=None) -> tuple[dict[str, tuple[int, str]], tuple[int, int]]:
+    """Longest simulated sequence of ``systems`` for one model up to ``ceiling`` tokens: {system: (tokens,
+    note)}, the note saying why the length is only a lower bound ("" when the search converged below the
+    ceiling), and (traced, reused) trace counts.  One task of the max-seq-len table; runs in a worker process
+    or inline."""
+    from experiments.paper_scale.baselines import max_trainable_seq_len_baseline
+    from experiments.paper_scale.simulate import TraceCache, max_trainable_seq_len
 
     cache = cache if cache is not None else TraceCache()
     before = (cache.misses, cache.hits)
-    found: dict[str, tuple[int, bool]] = {}
+    at_ceiling = f"fits at the search ceiling ({ceiling} tokens): a lower bound"
+    found: dict[str, tuple[int, str]] = {}
     for system in systems:
         if system == "autosp":
             # AutoSP's peak memory is not smooth in the length (checkpointing decisions change with
             # it): bisection.  The baselines' is about linear: the secant search of Note [Memory-cap search].
-            found[system] = (max_trainable_seq_len(model, granularity=granularity[system], cache=cache), True)
+            result = max_trainable_seq_len(model, granularity=granularity[system], high=ceiling, cache=cache)
+            found[system] = (result.max_seq_len, at_ceiling if result.hit_upper_bound else "")
             continue
         # Ring attention's activations are Ulysses' plus small receive buffers: searched after Ulysses in
         # the same task, it starts at the Ulysses length, whose traces are cached (Note [Baselines as
         # AutoSP variants]).
         start = found["ulysses"][0] if system == "ring_attention" and found.get("ulysses", (0,))[0] else 8192
-        found[system] = max_trainable_seq_len_baseline(system, model, granularity=granularity[system], start=start,
-                                                       max_probes=max_probes, cache=cache)
+        fit, converged = max_trainable_seq_len_baseline(system, model, granularity=granularity[system], start=start,
+                                                        max_len=ceiling, max_probes=max_probes, cache=cache)
+        note = (at_ceiling if fit + granularity[system] > ceiling else
+                "" if converged else "search stopped on its probe budget: a lower bound")
+        found[system] = (fit, note)
     return found, (cache.misses - before[0], cache.hits - before[1])
 
 
 def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], cache=None):
     """Simulated steps of ``systems`` for one model and length ({system: SimulatedStep}), and (traced, reused)
     trace counts.  One task of the iteration-time table."""
-    from experiments.paper_scale import TraceCache, simulate_autosp_step
-    from experiments.paper_scale_baselines import simulate_baseline_step
+    from experiments.paper_scale.baselines import simulate_baseline_step
+    from experiments.paper_scale.simulate import TraceCache, simulate_autosp_step
 
     cache = cache if cache is not None else TraceCache()
     before = (cache.misses, cache.hits)
@@ -124,21 +121,20 @@ def table_max_seq_len(args) -> list[dict]:
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
     models = sorted({r["model"] for r in published})
     granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity for s in SYSTEMS}
-    tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes))
+    tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes, args.max_seq_len_ceiling))
              for model in models for systems in TRACE_GROUPS]
-    simulated: dict[tuple[str, str], tuple[int, bool]] = {}
+    simulated: dict[tuple[str, str], tuple[int, str]] = {}
     for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
                                        strict=True):
         simulated.update({(model, system): result for system, result in found.items()})
     for row in published:
-        sim, converged = simulated.get((row["model"], row["system"]), (None, True))
+        sim, bound = simulated.get((row["model"], row["system"]), (None, ""))
         ratio, note = _ratio_note(sim, row["value"])
         rows.append({
             "model": row["model"], "system": row["system"], "published_tokens": row["value"],
             "simulated_tokens": "" if sim is None else sim, "simulated_over_published": ratio,
             "note": "; ".join(filter(None, [
-                note or ("not simulated yet" if sim is None else ""),
-                "" if converged else "search stopped on its probe budget: a lower bound",
+                note or ("not simulated yet" if sim is None else ""), bound,
             ])),
         })
     return sorted(rows, key=lambda r: (r["model"], SYSTEMS.index(r["system"])))
@@ -185,15 +181,15 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def table_measured_cpu(args) -> list[dict]:
-    from experiments.measure import measure_on_rank, peak_memory_available
-    from experiments.spawn import run_ranks
+    from experiments.cpu.measure import measure_on_rank
+    from experiments.launch import run_on_ranks
 
-    with_memory = peak_memory_available()
     rows = []
     for ranks in tqdm(args.cpu_ranks, desc="measured-cpu (gloo ranks per run)", file=sys.stderr):
         spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "seq_len": args.cpu_seq_len,
                 "systems": list(MEASURED_SYSTEMS), "steps": args.cpu_steps, "compiler": "aot_eager"}
-        per_rank = run_ranks(measure_on_rank, ranks, spec)
+        per_rank = run_on_ranks(measure_on_rank, ranks, spec, timeout_s=MEASUREMENT_TIMEOUT_S,
+                                collective_timeout_s=COLLECTIVE_TIMEOUT_S)
         by_system = {name: [r["systems"][name] for r in per_rank] for name in MEASURED_SYSTEMS}
         ulysses = by_system["ulysses"]
         ulysses_s = max(r["median_step_s"] for r in ulysses) if "median_step_s" in ulysses[0] else None
@@ -202,7 +198,7 @@ def table_measured_cpu(args) -> list[dict]:
             if "unsupported" in results[0]:
                 rows.append({**row, "first_step_s": "", "median_step_ms": "", "ratio_to_ulysses": "",
                              "loss_error": "", "grad_max_rel_error": "",
-                             **({"peak_mib": "", "peak_mib_by_rank": ""} if with_memory else {}),
+                             "peak_mib": "", "peak_mib_by_rank": "",
                              "note": f"unsupported: {results[0]['unsupported']}"})
                 continue
             step_s = max(r["median_step_s"] for r in results)
@@ -214,9 +210,8 @@ def table_measured_cpu(args) -> list[dict]:
                 "loss_error": f"{max(r['loss_error'] for r in results):.1e}",
                 "grad_max_rel_error": f"{grad_error:.1e}",
             })
-            if with_memory:
-                peaks = [r["peak_memory_bytes"] / 2**20 for r in results]
-                row.update({"peak_mib": f"{max(peaks):.2f}", "peak_mib_by_rank": "/".join(f"{p:.2f}" for p in peaks)})
+            peaks = [r["peak_memory_bytes"] / 2**20 for r in results]
+            row.update({"peak_mib": f"{max(peaks):.2f}", "peak_mib_by_rank": "/".join(f"{p:.2f}" for p in peaks)})
             nan_ranks = [str(i) for i, r in enumerate(results) if math.isnan(r["loss"])]
             row["note"] = "; ".join(filter(None, [
                 "inexact" if not grad_error <= EXACT_GRAD_ERROR else "",
@@ -227,18 +222,16 @@ def table_measured_cpu(args) -> list[dict]:
 
 
 def table_memory_cap(args) -> list[dict]:
-    from experiments.measure import max_seq_len_on_rank, peak_memory_available
-    from experiments.spawn import run_ranks
+    from experiments.cpu.memory_cap import max_seq_len_on_rank
+    from experiments.launch import run_on_ranks
 
-    if not peak_memory_available():
-        logging.getLogger(__name__).warning("memory-cap: experiments.peak_memory is missing; table skipped")
-        return []
     rows = []
     for ranks in tqdm(args.cap_ranks, desc="memory-cap (search per gloo run)", file=sys.stderr):
         spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "systems": list(MEASURED_SYSTEMS),
                 "cap_bytes": int(args.memory_cap_mib * 2**20), "start": args.cap_start,
                 "granularity": args.cap_granularity, "max_probes": args.cap_probes, "max_len": args.cap_max_len}
-        results = run_ranks(max_seq_len_on_rank, ranks, spec)[0]["systems"]
+        results = run_on_ranks(max_seq_len_on_rank, ranks, spec, timeout_s=MEASUREMENT_TIMEOUT_S,
+                               collective_timeout_s=COLLECTIVE_TIMEOUT_S)[0]["systems"]
         for name in MEASURED_SYSTEMS:
             r = results[name]
             probes = ", ".join(f"{s}:{p / 2**20:.1f}" for s, p in r["probes"])
@@ -264,19 +257,6 @@ TABLES: dict[str, Callable] = {
     "max-seq-len": table_max_seq_len, "iteration-time": table_iteration_time,
     "measured-cpu": table_measured_cpu, "memory-cap": table_memory_cap,
 }
-
-
-def write_table(name: str, rows: list[dict], out: pathlib.Path) -> None:
-    if not rows:
-        return
-    columns = list(rows[0])
-    with open(out / f"{name}.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    md = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    md += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
-    (out / f"{name}.md").write_text("\n".join(md) + "\n")
 
 
 def plot_max_seq_len(rows: list[dict], path: pathlib.Path) -> None:
@@ -308,94 +288,158 @@ def plot_max_seq_len(rows: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def _bar_plot(rows: list[dict], value: str, ylabel: str, title: str, path: pathlib.Path) -> None:
-    """Grouped bars of column ``value`` per system, one group per rank count (rows without a value skipped)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ranks = sorted({int(r["ranks"]) for r in rows})
-    systems = list(dict.fromkeys(r["system"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    width = 0.8 / max(len(ranks), 1)
-    for i, p in enumerate(ranks):
-        values = [next((float(r[value]) for r in rows if r["system"] == s and int(r["ranks"]) == p and r[value] != ""),
-                       0.0) for s in systems]
-        ax.bar([x + i * width for x in range(len(systems))], values, width, label=f"{p} ranks")
-    ax.set_xticks([x + width * (len(ranks) - 1) / 2 for x in range(len(systems))], systems, fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 PLOTS = {
-    "measured-cpu": lambda rows, path: _bar_plot(rows, "median_step_ms", "median step (ms)",
+    "measured-cpu": lambda rows, path: bar_plot(rows, "median_step_ms", "median step (ms)",
                                                  "CPU gloo: median training step", path),
-    "memory-cap": lambda rows, path: _bar_plot(rows, "max_seq_len", "longest sequence (tokens)",
+    "memory-cap": lambda rows, path: bar_plot(rows, "max_seq_len", "longest sequence (tokens)",
                                                f"CPU gloo: longest sequence under {rows[0]['cap_mib']} MiB per rank",
                                                path),
 }
 
 
-def write_simulated_step(args, out: pathlib.Path) -> None:
-    """Perfetto trace, timeline and memory plots of one simulated AutoSP step (2 layers shown)."""
+STEP_FILES = {"workload": "step-workload.json", "trace": "step-trace.json", "timeline": "step-timeline.png",
+              "memory": "step-memory.png"}
+"""Outputs of `write_simulated_step` (what they show is in run.json's ``simulated_step``)."""
+
+
+def write_simulated_step(args, out: pathlib.Path) -> dict:
+    """Workload, Perfetto trace, timeline and memory plots of one simulated AutoSP step of ``args.step_layers``
+    layers of ``args.iteration_model`` at ``args.step_seq_len`` tokens; what it simulated, for run.json."""
     from experiments.models import PAPER_MODELS
-    from experiments.paper_scale import _simulate_layers
+    from experiments.paper_scale.simulate import _simulate_layers
     from simulator import Cluster, simulate
     from simulator.plots import plot_memory, plot_timeline
     from simulator.trace import write_chrome_trace
 
-    cluster = Cluster.from_preset("a100-80gb-sxm")
-    _, _, workload = _simulate_layers(PAPER_MODELS[args.iteration_model], 8192, 2, 8, cluster, 8, cache=args.cache)
+    cluster = Cluster.from_preset(PAPER_CLUSTER)
+    _, _, workload = _simulate_layers(PAPER_MODELS[args.iteration_model], args.step_seq_len, args.step_layers,
+                                      PAPER_RANKS, cluster, PAPER_RANKS, cache=args.cache)
     result = simulate(workload, cluster)
-    workload.to_json(out / "workload-llama-3.1-8b-2layers-8k.json")
-    write_chrome_trace(result, out / "trace-llama-3.1-8b-2layers-8k.json")
-    plot_timeline(result, out / "timeline-llama-3.1-8b-2layers-8k.png")
-    plot_memory(result, out / "memory-llama-3.1-8b-2layers-8k.png")
+    workload.to_json(out / STEP_FILES["workload"])
+    write_chrome_trace(result, out / STEP_FILES["trace"])
+    plot_timeline(result, out / STEP_FILES["timeline"])
+    plot_memory(result, out / STEP_FILES["memory"])
+    return {"model": args.iteration_model, "layers": args.step_layers, "seq_len": args.step_seq_len,
+            "ranks": PAPER_RANKS, "cluster": PAPER_CLUSTER, "files": STEP_FILES}
+
+
+PRESETS: dict[str, dict] = {
+    "default": {"granularity": 1024, "zero3_granularity": 1024, "search_probes": 10, "cpu_ranks": (2, 4),
+                "cpu_seq_len": 1024, "cpu_steps": 8, "memory_cap_mib": 16.0, "cap_granularity": 128,
+                "cap_probes": 5},
+    # zero3 fits about 10K tokens: the quick preset's 8K-token steps would be too coarse for it
+    "quick": {"granularity": 8192, "zero3_granularity": 2048, "search_probes": 6, "cpu_ranks": (2,),
+              "cpu_seq_len": 256, "cpu_steps": 3, "memory_cap_mib": 8.0, "cap_granularity": 256, "cap_probes": 2},
+}
+"""Settings of the two presets (``--quick`` picks the second); every other setting is shared (`SHARED`)."""
+SHARED = {"max_seq_len_ceiling": 262144, "cap_ranks": (2,), "cap_start": 512, "cap_max_len": 32768,
+          "step_layers": 2, "step_seq_len": 8192}
+PAPER_CLUSTER, PAPER_RANKS = "a100-80gb-sxm", 8
+PRESET_HELP = {
+    "granularity": "max-seq-len search granularity (tokens)", "zero3_granularity": "the same for ZeRO-3",
+    "search_probes": "probe budget of a baseline's max-seq-len search", "cpu_ranks": "measured-cpu gloo ranks",
+    "cpu_seq_len": "measured-cpu tokens", "cpu_steps": "measured-cpu timed steps",
+    "memory_cap_mib": "memory-cap cap (MiB per rank)", "cap_granularity": "memory-cap search granularity (tokens)",
+    "cap_probes": "memory-cap probes per system",
+}
+
+DESCRIPTION = """\
+The paper's AutoSP experiments, measured on CPU gloo ranks and simulated at paper scale.
+
+Tables (--only NAME runs one):
+  max-seq-len     longest trainable sequence of each paper model on 8 A100-80GB GPUs, simulated for all
+                  four systems beside the published figures
+  iteration-time  simulated step time of the four systems at the published lengths beside the published
+                  iteration times
+  measured-cpu    the systems side by side on real gloo ranks with a small Hugging Face Llama: compile time,
+                  median step time and its ratio to hand-written Ulysses, loss and gradient error against
+                  single-device training, per-rank peak tensor memory
+  memory-cap      the longest sequence each system trains on CPU gloo ranks under a per-rank memory cap
+
+Outputs in --out: NAME.csv and NAME.md per table, PNG plots, run.json (the command line, settings and
+timings; written by every run, --only included), and, on a full run, one simulated step of the
+iteration-time model: its workload, a Perfetto trace (open in ui.perfetto.dev), timeline and memory plots.
+"""
+
+
+def _preset_epilog() -> str:
+    width = max(len(text) for text in PRESET_HELP.values())
+    lines = ["what --quick changes (default -> quick):"]
+    for key, text in PRESET_HELP.items():
+        default, quick = PRESETS["default"][key], PRESETS["quick"][key]
+        lines.append(f"  {text:<{width}}  {_plain(default)} -> {_plain(quick)}")
+    return "\n".join(lines)
+
+
+def _plain(value) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, tuple) else f"{value:g}" if isinstance(value, float) \
+        else str(value)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Description and epilog as written; the default of every option that has one shown."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _command_line(argv: list[str]) -> str:
+    return shlex.join(["python", "-m", "experiments.reproduce", *argv])
+
+
+def _write_run_json(path: pathlib.Path, run_info: dict, tables: dict[str, dict]) -> None:
+    """``run.json`` of this invocation; the per-table records of an earlier run.json in the same folder are
+    kept for tables this invocation did not run, so each table names the command that produced it."""
+    earlier = {}
+    if path.exists():
+        with contextlib.suppress(ValueError, AttributeError):
+            earlier = json.loads(path.read_text()).get("tables", {})
+    merged = {**earlier, **tables}
+    run_info = {**run_info, "tables": merged, "table_s": {name: t["seconds"] for name, t in merged.items()},
+                "commands": list(dict.fromkeys(t["command"] for t in merged.values()))}
+    path.write_text(json.dumps(run_info, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="coarse search (8K-token steps): a few minutes")
-    parser.add_argument("--only", choices=sorted(TABLES), help="run one table")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=DESCRIPTION,
+                                     epilog=_preset_epilog(), formatter_class=_HelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="the quick preset: coarser searches, fewer ranks, tokens and steps (below)")
+    parser.add_argument("--only", choices=list(TABLES), help="run one table (all when absent)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder")
     parser.add_argument("--iteration-model", default="llama-3.1-8b",
                         help="paper model simulated for the (unlabelled) published iteration times")
     parser.add_argument("--memory-cap-mib", type=float, default=None,
-                        help="per-rank cap of the memory-cap table (default 16; --quick: 8)")
+                        help="per-rank cap of the memory-cap table (when absent: the preset's, below)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                        help="worker processes for the simulated tables (default: up to 2; 1: no workers)")
+                        help="worker processes for the simulated tables (1: none; the default is the CPU count, at most 2)")
     args = parser.parse_args(argv)
-    args.granularity = 8192 if args.quick else 1024
-    args.zero3_granularity = 2048 if args.quick else 1024  # zero3 fits ~10K tokens: 8K steps are too coarse
-    args.search_probes = 6 if args.quick else 10
-    from experiments.paper_scale import TraceCache
+    preset = "quick" if args.quick else "default"
+    settings = {**PRESETS[preset], **SHARED}
+    if args.memory_cap_mib is not None:
+        settings["memory_cap_mib"] = args.memory_cap_mib
+    vars(args).update(settings)
+    from experiments.paper_scale.simulate import TraceCache
 
-    args.cache = TraceCache()  # traces shared within this process (see experiments.paper_scale.TraceCache)
+    args.cache = TraceCache()  # traces shared within this process (see experiments.paper_scale.simulate.TraceCache)
     args.trace_counts = {"traced": 0, "reused": 0}
-    # CPU measurements: --quick is one 2-rank run of a short sequence, a few timed steps.
-    args.cpu_ranks = (2,) if args.quick else (2, 4)
-    args.cpu_seq_len = 256 if args.quick else 1024
-    args.cpu_steps = 3 if args.quick else 8
-    args.cap_ranks = (2,)
-    args.memory_cap_mib = args.memory_cap_mib or (8.0 if args.quick else 16.0)
-    args.cap_start, args.cap_granularity = 512, 256 if args.quick else 128
-    args.cap_probes = 2 if args.quick else 5
-    args.cap_max_len = 32768
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    run_info = {"command": "python -m experiments.reproduce" + (" --quick" if args.quick else ""),
-                "preset": "quick" if args.quick else "default", "cpu_model": CPU_MODEL,
-                "cpu_model_options": CPU_MODEL_OPTIONS, "cpu_ranks": list(args.cpu_ranks),
-                "cpu_seq_len": args.cpu_seq_len, "cpu_steps": args.cpu_steps, "memory_cap_mib": args.memory_cap_mib,
-                "max_seq_len_granularity": args.granularity, "jobs": args.jobs, "torch": _version("torch"),
-                "deepspeed": _version("deepspeed"), "transformers": _version("transformers"), "table_s": {}}
+    command = _command_line(argv)
+    run_info = {"command": command, "argv": argv, "preset": preset, "only": args.only,
+                "cpu_model": CPU_MODEL, "cpu_model_options": CPU_MODEL_OPTIONS,
+                **{key: list(value) if isinstance(value, tuple) else value for key, value in settings.items()},
+                "max_seq_len_granularity": args.granularity, "iteration_model": args.iteration_model,
+                "paper_cluster": PAPER_CLUSTER, "paper_ranks": PAPER_RANKS,
+                "disagreement_pct": round(DISAGREEMENT * 100),
+                "jobs": args.jobs, "torch": _version("torch"), "deepspeed": _version("deepspeed"),
+                "transformers": _version("transformers")}
+    tables: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
         args.pool = None
         if args.jobs > 1 and (not args.only or args.only in SIMULATED_TABLES):
@@ -410,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.pool = None
             table_start = time.perf_counter()
             rows = build(args)
-            run_info["table_s"][name] = round(time.perf_counter() - table_start, 1)
+            tables[name] = {"command": command, "preset": preset,
+                            "seconds": round(time.perf_counter() - table_start, 1), "rows": len(rows)}
             if not rows:
                 continue
             write_table(name, rows, args.out)
@@ -422,11 +467,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n## {name} ({time.perf_counter() - table_start:.0f} s)\n\n{table}")
     if not args.only:
         misses, hits = args.cache.misses, args.cache.hits
-        write_simulated_step(args, args.out)
-        run_info["traces"] = {"traced": args.trace_counts["traced"] + args.cache.misses - misses,
-                              "reused": args.trace_counts["reused"] + args.cache.hits - hits}
-        run_info["total_s"] = round(time.perf_counter() - start, 1)
-        (args.out / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
+        run_info["simulated_step"] = write_simulated_step(args, args.out)
+        args.trace_counts["traced"] += args.cache.misses - misses
+        args.trace_counts["reused"] += args.cache.hits - hits
+    run_info["traces"] = args.trace_counts
+    run_info["total_s"] = round(time.perf_counter() - start, 1)
+    _write_run_json(args.out / "run.json", run_info, tables)
     print(f"results in {args.out}/ ({time.perf_counter() - start:.0f} s)")
     return 0
 

@@ -1,4 +1,4 @@
-"""The import direction of the packages (see DESIGN.md): checked on the source with ast."""
+"""The import direction of the packages (see docs/design.md): checked on the source with ast."""
 
 import ast
 import pathlib
@@ -47,5 +47,11 @@ def test_import_direction_libraries_never_import_experiments_or_tests(package):
 
 
 def test_import_direction_scanner_sees_imports():
-    # Guard against a scanner that silently finds nothing: the harness imports torch.
-    assert ("tests/harness/gloo.py", "torch") in _imports("tests")
+    # Guard against a scanner that silently finds nothing: the rank launcher imports torch.
+    assert ("experiments/launch.py", "torch") in _imports("experiments")
+
+
+def test_import_direction_experiments_never_imports_tests():
+    # The tests may import experiments (the rank launcher, model presets); never the other way.
+    offenders = [(f, m) for f, m in _imports("experiments") if _top(m) == "tests"]
+    assert offenders == []

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from experiments.baselines.common import BaselineUnsupported
-from experiments.plain_llama import Attention, PlainLlama
+from experiments.models.plain_llama import Attention, PlainLlama
 
 log = logging.getLogger(__name__)
 

@@ -42,12 +42,12 @@ NOTEBOOKS = {
                       'SYSTEMS = ["autosp", "autosp-nosac", "ulysses", "ring"]'),
         new_code_cell(SETUP),
         new_code_cell(
-            "from experiments.measure import measure_on_rank\n"
-            "from experiments.reproduce import CPU_MODEL, CPU_MODEL_OPTIONS\n"
-            "from experiments.spawn import run_ranks\n\n"
+            "from experiments.cpu.measure import measure_on_rank\n"
+            "from experiments.launch import run_on_ranks\n"
+            "from experiments.reproduce import CPU_MODEL, CPU_MODEL_OPTIONS\n\n"
             'spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "seq_len": SEQ_LEN,\n'
             '        "systems": SYSTEMS, "steps": STEPS}\n'
-            "per_rank = run_ranks(measure_on_rank, RANKS, spec)\n"
+            "per_rank = run_on_ranks(measure_on_rank, RANKS, spec, timeout_s=600, collective_timeout_s=300)\n"
             'results = {s: [r["systems"][s] for r in per_rank] for s in SYSTEMS}\n'
             'ulysses_s = max(r["median_step_s"] for r in results["ulysses"])\n'
             "for s, rs in results.items():\n"
@@ -75,7 +75,7 @@ NOTEBOOKS = {
             "Traces a paper model's training step through the AutoSP pass on a fake process group (no real "
             "memory or GPU), exports the collective schedule and simulates it on a cluster preset: compute and "
             "communication streams per rank, then memory over time. `python -m experiments.reproduce` writes "
-            "the same plots (and a Perfetto trace) for Llama-3.1-8B."),
+            "the same plots (and a Perfetto trace) for its iteration-time model (`--iteration-model`)."),
         new_code_cell("# Parameters (small: a few seconds of tracing)\n"
                       'MODEL = "llama-3.2-3b"\nSEQ_LEN = 4096\nLAYERS = 1\nSP_SIZE = 8\nCLUSTER = "a100-80gb-sxm"'),
         new_code_cell(SETUP),
@@ -83,7 +83,7 @@ NOTEBOOKS = {
             "import tempfile\n\n"
             "from IPython.display import Image, display\n\n"
             "from experiments.models import PAPER_MODELS\n"
-            "from experiments.paper_scale import _simulate_layers\n"
+            "from experiments.paper_scale.simulate import _simulate_layers\n"
             "from simulator import Cluster, simulate\n"
             "from simulator.plots import plot_memory, plot_timeline\n\n"
             "cluster = Cluster.from_preset(CLUSTER)\n"
@@ -99,56 +99,102 @@ NOTEBOOKS = {
     "max_sequence_length.ipynb": [
         new_markdown_cell(
             "# Longest trainable sequence\n\n"
-            "The simulated AutoSP maximum sequence length of one paper model on 8×A100-80GB (a coarse search: "
-            "each probe traces the model through the real pass and simulates it), beside the published figures "
-            "of all four systems. `python -m experiments.reproduce --only max-seq-len` searches every model "
-            "for all four systems at 1K-token granularity: the baselines are simulated as rewrites of graphs "
-            "the real compiler produces (Ulysses: AutoSP's graph without checkpointing; ring attention: that "
-            "graph with each attention split into peer-to-peer ring steps; ZeRO-3: the single-device graph "
-            "with per-layer parameter gathers and gradient reduce-scatters; see "
-            "`experiments/workload_rewrites.py`)."),
+            "The simulated AutoSP maximum sequence length of one paper model on a node of A100-80GB GPUs (a "
+            "coarse bisection up to the search ceiling set in the parameters: each probe traces the model "
+            "through the real pass and simulates it; a length at the ceiling prints as a lower bound, ≥), "
+            "beside the published figures of all four systems. `python -m experiments.reproduce --only "
+            "max-seq-len` searches every model for all four systems at a finer granularity (its `--help` "
+            "lists the settings): the baselines are simulated as rewrites of graphs the real compiler produces "
+            "(Ulysses: AutoSP's graph without checkpointing; ring attention: that graph with each attention "
+            "split into peer-to-peer ring steps; ZeRO-3: the single-device graph with per-layer parameter "
+            "gathers and gradient reduce-scatters; see `experiments/paper_scale/workload_rewrites.py`)."),
         new_code_cell("# Parameters (coarse: a handful of simulated probes)\n"
-                      'MODEL = "llama-3.2-3b"\nGRANULARITY = 16384\nHIGH = 131072'),
+                      'MODEL = "llama-3.2-3b"\nSP_SIZE = 8\nGRANULARITY = 16384\n'
+                      "CEILING = 262144  # search ceiling (tokens): a fit at the ceiling is reported as ≥ CEILING\n"
+                      'RESULTS = "results"  # a folder written by python -m experiments.reproduce, if there is one'),
         new_code_cell(SETUP),
         new_code_cell(
-            "from experiments.paper_scale import max_trainable_seq_len\n"
+            "from experiments.paper_scale.simulate import max_trainable_seq_len\n"
             "from experiments.reproduce import SYSTEMS, published_figures\n\n"
-            "simulated = max_trainable_seq_len(MODEL, granularity=GRANULARITY, high=HIGH)\n"
+            "simulated = max_trainable_seq_len(MODEL, sp_size=SP_SIZE, granularity=GRANULARITY, high=CEILING)\n"
             'published = {r["system"]: float(r["value"]) for r in published_figures()\n'
             '             if r["figure"] == "max_seq_len" and r["model"] == MODEL}\n'
-            'print(f"simulated AutoSP: {simulated} tokens (granularity {GRANULARITY}); published: {published}")'),
+            'print(f"simulated AutoSP on {SP_SIZE}×A100-80GB: {simulated} tokens (granularity {GRANULARITY}, "\n'
+            '      f"search ceiling {simulated.upper_bound})")\n'
+            'print(f"published: {published}")'),
         new_code_cell(
             "import matplotlib.pyplot as plt\n\n"
             "fig, ax = plt.subplots(figsize=(6, 3.2))\n"
             'ax.bar([f"{s}\\n(published)" for s in SYSTEMS], [published[s] for s in SYSTEMS])\n'
-            'ax.bar(["autosp\\n(simulated)"], [simulated], hatch="//", color="white", edgecolor="black")\n'
+            'label = "autosp\\n(simulated, ≥)" if simulated.hit_upper_bound else "autosp\\n(simulated)"\n'
+            'ax.bar([label], [simulated.max_seq_len], hatch="//", color="white", edgecolor="black")\n'
             'ax.set_ylabel("max trainable sequence (tokens)")\n'
-            'ax.set_title(f"{MODEL}, 8×A100-80GB")\n'
+            'ax.set_title(f"{MODEL}, {SP_SIZE}×A100-80GB")\n'
             'ax.tick_params(axis="x", labelsize=7)\n'
             "fig.tight_layout()\n"
             "plt.show()"),
+        new_code_cell(
+            "# The full reproduction beside the paper, from its results folder (if there is one)\n"
+            "import csv\n\n"
+            "import torch\n\n"
+            "from experiments.reproduce import DISAGREEMENT\n\n"
+            "\n"
+            "def number(text):\n"
+            "    try:\n"
+            "        return float(text)\n"
+            "    except ValueError:\n"
+            "        return None  # empty, or OOM\n"
+            "\n"
+            "\n"
+            'print(f"flagged: simulated more than {DISAGREEMENT:.0%} away from published; torch {torch.__version__}")\n'
+            'folder = pathlib.Path(RESULTS)\n'
+            'if not (folder / "max-seq-len.csv").exists():\n'
+            '    print(f"no {folder}/max-seq-len.csv: python -m experiments.reproduce --out {folder} writes it")\n'
+            "else:\n"
+            '    rows = list(csv.DictReader((folder / "max-seq-len.csv").open()))\n'
+            "    ratios = {}\n"
+            "    for r in rows:\n"
+            '        if number(r["simulated_over_published"]) is not None:\n'
+            '            ratios.setdefault(r["system"], []).append(number(r["simulated_over_published"]))\n'
+            "    for system, values in ratios.items():\n"
+            '        print(f"{system:15s} simulated / published: {min(values):.2f} to {max(values):.2f}")\n'
+            '    by = {(r["model"], r["system"]): r for r in rows}\n'
+            '    for model in sorted({r["model"] for r in rows}):\n'
+            '        autosp, ulysses = by.get((model, "autosp")), by.get((model, "ulysses"))\n'
+            "        pairs = [(number(autosp[k]), number(ulysses[k])) for k in (\"simulated_tokens\", \"published_tokens\")\n"
+            "                 ] if autosp and ulysses else []\n"
+            "        if pairs and all(a and u for a, u in pairs):\n"
+            '            print(f"{model}: AutoSP / Ulysses simulated {pairs[0][0] / pairs[0][1]:.1f}, "\n'
+            '                  f"published {pairs[1][0] / pairs[1][1]:.1f}")\n'
+            'if (folder / "iteration-time.csv").exists():\n'
+            '    for r in csv.DictReader((folder / "iteration-time.csv").open()):\n'
+            '        published_s, simulated_s = number(r["published_s"]), number(r["simulated_s"])\n'
+            "        if published_s and simulated_s:\n"
+            '            print(f"iteration {r[\'system\']} at {r[\'seq_len\']} tokens: published / simulated "\n'
+            '                  f"{published_s / simulated_s:.0f}×")'),
         new_markdown_cell(
             "## Why the simulated lengths are longer than the published ones\n\n"
-            "The reproduction flags every simulated maximum length more than 20 % away from the paper's. "
-            "The simulated lengths of the three sequence-parallel systems (AutoSP, hand-written Ulysses, ring "
-            "attention) are all about 2.7–4.5× the published ones, while their *ratios* are close to the "
-            "paper's (Llama-3.1-8B: AutoSP about 3× Ulysses, ring attention level with Ulysses, in both). "
-            "ZeRO-3's simulated lengths are close to its published ones (about 0.7–1.0×): without sequence "
-            "parallelism each rank holds a whole sequence's activations, which dwarf the memory listed below. "
-            "What the simulator leaves out is memory that does not scale with the program's tensors or "
-            "that the exported schedule does not contain:\n\n"
-            "- the CUDA context, NCCL buffers and cuBLAS/attention workspaces (GBs per GPU);\n"
+            "The reproduction flags every simulated maximum length further from the paper's than the "
+            "threshold printed above, and the cell above prints, from a reproduction's results folder, how far "
+            "each system's simulated lengths are from the published ones and the AutoSP/Ulysses ratio in "
+            "both. In our runs the three sequence-parallel systems (AutoSP, hand-written Ulysses, ring "
+            "attention) were simulated at several times their published lengths while their *ratios* stayed "
+            "close to the paper's; ZeRO-3's simulated lengths were close to its published ones: without "
+            "sequence parallelism each rank holds a whole sequence's activations, which dwarf the memory "
+            "listed below. What the simulator leaves out is memory that does not scale with the program's "
+            "tensors or that the exported schedule does not contain:\n\n"
+            "- the CUDA context, NCCL buffers and cuBLAS/attention workspaces (gigabytes per GPU);\n"
             "- the caching allocator's reserved-but-unused blocks and fragmentation (the simulator frees "
             "a tensor's bytes exactly at its last use and never rounds sizes);\n"
             "- anything the paper's training loop keeps beyond one step of the model: its data loader, "
             "logits kept for logging, fp32 copies made outside the compiled graph, gradient-accumulation "
-            "buffers, and PyTorch 2.7's partitioner choices (the simulation uses this project's graphs "
-            "on PyTorch 2.13);\n"
+            "buffers, and the partitioner choices of the PyTorch release the paper used (the simulation uses "
+            "this project's graphs on the torch printed above);\n"
             "- the published figures are read off a plot at the resolution of its bars.\n\n"
             "So read the simulated numbers as an upper bound from the program's own tensors, and compare "
             "systems by their ratio. The simulated iteration time is likewise one sequence's step; the "
-            "published iteration is about 30× that at 8K tokens, which fits an iteration of many sequences "
-            "(its batch size is not given with the figure)."),
+            "published iteration is many times longer (the cell above prints by how much), which fits an "
+            "iteration of many sequences (its batch size is not given with the figure)."),
     ],
 }
 

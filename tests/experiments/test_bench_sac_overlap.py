@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.bench_sac_overlap import VARIANTS, _fit_affine
+from experiments.cpu.bench_sac_overlap import VARIANTS, _fit_affine
 
 
 def test_bench_fit_recovers_static_and_per_token_memory():

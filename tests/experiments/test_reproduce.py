@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from experiments.paper_scale import simulate_autosp_step
+from experiments.paper_scale.simulate import simulate_autosp_step
 
 pytestmark = pytest.mark.timeout(1800)  # the first test to use quick_results pays for the whole quick run
 
@@ -36,7 +36,7 @@ def test_reproduce_max_seq_len_table_has_every_system_and_model(quick_results):
         (m, s) for m in ("llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
         for s in ("zero3", "ring_attention", "ulysses", "autosp")
     }
-    for r in rows:  # every system simulated (baselines: see experiments.paper_scale_baselines)
+    for r in rows:  # every system simulated (baselines: see experiments.paper_scale.baselines)
         simulated = float(r["simulated_tokens"])
         assert math.isfinite(simulated) and simulated > 0
         assert float(r["simulated_over_published"]) == pytest.approx(simulated / float(r["published_tokens"]), 1e-2)
@@ -59,9 +59,11 @@ def test_reproduce_iteration_table_records_simulated_against_published(quick_res
 
 @pytest.mark.slow
 def test_reproduce_plots_and_traces_exist_and_parse(quick_results):
-    for png in ("max-seq-len.png", "timeline-llama-3.1-8b-2layers-8k.png", "memory-llama-3.1-8b-2layers-8k.png"):
+    from experiments.reproduce import STEP_FILES
+
+    for png in ("max-seq-len.png", STEP_FILES["timeline"], STEP_FILES["memory"]):
         assert (quick_results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    trace = json.loads((quick_results / "trace-llama-3.1-8b-2layers-8k.json").read_text())
+    trace = json.loads((quick_results / STEP_FILES["trace"]).read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     assert any(e.get("ph") == "X" for e in events)
 
@@ -72,7 +74,7 @@ def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
 
     from autosp.export import export_workload, trace_fake_step
     from experiments.models import PAPER_MODELS
-    from experiments.paper_scale import ADAM_BYTES_PER_PARAMETER_BYTE
+    from experiments.paper_scale.simulate import ADAM_BYTES_PER_PARAMETER_BYTE
     from simulator import Cluster, simulate
 
     model = PAPER_MODELS["llama-3.2-3b"]
@@ -141,6 +143,68 @@ def test_paper_builds_from_quick_results_with_every_placeholder_filled(quick_res
         assert (tmp_path / "build" / "figures" / image).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
+def test_reproduce_run_json_records_the_command_line_and_what_the_step_shows(quick_results):
+    run = json.loads((quick_results / "run.json").read_text())
+    assert run["argv"] == ["--quick", "--out", str(quick_results)]
+    assert run["command"] == f"python -m experiments.reproduce --quick --out {quick_results}"
+    assert set(run["tables"]) == {"max-seq-len", "iteration-time", "measured-cpu", "memory-cap"}
+    assert {t["command"] for t in run["tables"].values()} == {run["command"]}
+    assert run["simulated_step"]["model"] == run["iteration_model"]
+
+
+def test_reproduce_help_shows_defaults_and_what_quick_changes_without_markup(capsys):
+    from experiments.reproduce import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "(default: results)" in text and "what --quick changes" in text and "1024 -> 8192" in text
+    assert "``" not in text and "`" not in text
+
+
+def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_redo(tmp_path):
+    from experiments.reproduce import _write_run_json
+
+    path = tmp_path / "run.json"
+    _write_run_json(path, {"command": "full"}, {"a": {"command": "full", "seconds": 1.0},
+                                                "b": {"command": "full", "seconds": 2.0}})
+    _write_run_json(path, {"command": "only b"}, {"b": {"command": "only b", "seconds": 3.0}})
+    run = json.loads(path.read_text())
+    assert run["command"] == "only b" and run["commands"] == ["full", "only b"]
+    assert run["table_s"] == {"a": 1.0, "b": 3.0}
+
+
+def test_autosp_max_seq_len_search_reports_a_fit_at_its_ceiling(monkeypatch):
+    from types import SimpleNamespace
+
+    from experiments.paper_scale import simulate
+
+    limit = {"tokens": 10**9}
+    monkeypatch.setattr(simulate, "simulate_autosp_step",
+                        lambda model, seq_len, **_: SimpleNamespace(fits=seq_len <= limit["tokens"]))
+    at_ceiling = simulate.max_trainable_seq_len("llama-3.1-8b", granularity=1024, high=16384)
+    assert (at_ceiling.max_seq_len, at_ceiling.hit_upper_bound, str(at_ceiling)) == (16384, True, "≥ 16384")
+    limit["tokens"] = 5000
+    below = simulate.max_trainable_seq_len("llama-3.1-8b", granularity=1024, high=16384)
+    assert (below.max_seq_len, below.hit_upper_bound, str(below)) == (4096, False, "4096")
+
+
+def test_paper_calibration_placeholders_come_from_the_preset(tmp_path):
+    from experiments.paper import build_paper
+
+    preset = tmp_path / "preset.json"
+    preset.write_text(json.dumps({"calibration": {
+        "date": "d", "step_factor": 1.25, "reference_step": {"config": "P=2 S=512 h=64 overlap=on"},
+        "all_to_all_in_step_s": {"2": {"8": 0.3, "16": 0.2}}, "all_to_all_isolated_s": {"2": {"8": 0.1, "16": 0.1}},
+        "compute": {"attention_samples": [{"head_dim": 32}, {"head_dim": 16}, {"head_dim": 32}]}}}))
+    source = tmp_path / "paper.md"
+    source.write_text("{{calibration:date}} {{calibration:step_factor}} {{calibration:reference_step}} / "
+                      "{{calibration:all_to_all_in_step_over_isolated}} / {{calibration:attention_head_dims}}\n")
+    text = build_paper(tmp_path, tmp_path / "out", source, preset).read_text()
+    assert text == "d 1.25 2 ranks, 512 tokens, hidden 64, overlap on / 2.0–3.0 / 16, 32\n"
+
+
 def test_paper_placeholders_are_filled_from_the_results_folder(tmp_path):
     from experiments.paper import MissingResult, build_paper
 
@@ -163,8 +227,8 @@ def test_paper_placeholders_are_filled_from_the_results_folder(tmp_path):
 
 
 def test_paper_scale_baselines_simulate_every_baseline_and_ring_reuses_the_ulysses_traces():
-    from experiments.paper_scale import TraceCache
-    from experiments.paper_scale_baselines import SIMULATED_BASELINES, simulate_baseline_step
+    from experiments.paper_scale.baselines import SIMULATED_BASELINES, simulate_baseline_step
+    from experiments.paper_scale.simulate import TraceCache
 
     cache = TraceCache()
     ulysses = simulate_baseline_step("ulysses", "llama-3.2-3b", 4096, cache=cache)
@@ -183,8 +247,8 @@ def test_paper_scale_baselines_simulate_every_baseline_and_ring_reuses_the_ulyss
 
 
 def test_paper_scale_search_runs_on_memory_above_static():
-    from experiments.paper_scale import SimulatedStep
-    from experiments.paper_scale_baselines import search_max_seq_len
+    from experiments.paper_scale.baselines import search_max_seq_len
+    from experiments.paper_scale.simulate import SimulatedStep
 
     def stepper(static):  # 1 MB per token above static memory, 80 GB capacity
         return lambda length: SimulatedStep(model="m", seq_len=length, sp_size=8, step_time_s=1.0,
@@ -207,7 +271,7 @@ def test_paper_scale_search_runs_on_memory_above_static():
     (lambda s: 1_000_000 + 2_400 * s, 65536, 3584),                         # the first probe already fails
 ])
 def test_memory_cap_search_finds_the_longest_fitting_length_in_few_probes(peak, start, answer):
-    from experiments.measure import next_probe
+    from experiments.cpu.memory_cap import next_probe
 
     probes, length = [], start
     while length is not None:

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from experiments import validate_simulator as vs
-from experiments.peak_memory import PeakMemory
+from experiments.calibration import validate_simulator as vs
+from experiments.cpu.peak_memory import PeakMemory
 
 
 def test_peak_memory_counts_new_storages_once_and_frees_them():

@@ -1,4 +1,4 @@
-"""The ZeRO-3 and ring-attention workload rewrites (experiments.workload_rewrites) and the module map they use."""
+"""The ZeRO-3 and ring-attention workload rewrites (experiments.paper_scale.workload_rewrites) and the module map they use."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from autosp.export import ModuleParameters
-from experiments.workload_rewrites import kv_chunk_bytes, ring_attention_workload, zero3_workload
+from experiments.paper_scale.workload_rewrites import kv_chunk_bytes, ring_attention_workload, zero3_workload
 from simulator import Cluster, simulate, validate_workload
 from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
 

@@ -9,7 +9,7 @@ from simulator.hardware import preset_from_dict
 
 
 def test_calibration_fit_recovers_a_known_alpha_and_bandwidth():
-    calibrate = pytest.importorskip("experiments.calibrate_cpu")
+    calibrate = pytest.importorskip("experiments.calibration.calibrate_cpu")
     alpha, bandwidth = 50e-6, 3e9
     samples = {world: {n: all_to_all_time_s(n, world, latency_s=alpha, bandwidth_bytes_per_s=bandwidth)
                        for n in calibrate.A2A_BYTES} for world in calibrate.WORLDS}
@@ -19,7 +19,7 @@ def test_calibration_fit_recovers_a_known_alpha_and_bandwidth():
 
 
 def test_calibration_attention_fit_recovers_a_known_matmul_rate_and_time_per_score():
-    calibrate = pytest.importorskip("experiments.calibrate_cpu")
+    calibrate = pytest.importorskip("experiments.calibration.calibrate_cpu")
     rate, score_s = 6e10, 0.6e-9
     samples = []
     for dim in calibrate.ATTENTION_HEAD_DIMS:
@@ -32,7 +32,7 @@ def test_calibration_attention_fit_recovers_a_known_matmul_rate_and_time_per_sco
 
 
 def test_calibration_preset_document_loads_as_a_calibrated_preset():
-    calibrate = pytest.importorskip("experiments.calibrate_cpu")
+    calibrate = pytest.importorskip("experiments.calibration.calibrate_cpu")
     compute = {"matmul_fp32_flops_per_s": 1e11, "matmul_bf16_flops_per_s": 2e11, "elementwise_bytes_per_s": 2e10,
                "copy_bytes_per_s": 1e10, "reduction_bytes_per_s": 3e10, "attention_flops_per_s": 5e10,
                "kernel_launch_overhead_s": 2e-6, "view_op_overhead_s": 1e-6, "attention_score_time_s": 5e-10}
@@ -50,8 +50,8 @@ def test_calibration_preset_document_loads_as_a_calibrated_preset():
 
 
 def test_calibration_step_factor_scales_compute_but_not_the_measured_link():
-    calibrate = pytest.importorskip("experiments.calibrate_cpu")
-    validate = pytest.importorskip("experiments.validate_simulator")
+    calibrate = pytest.importorskip("experiments.calibration.calibrate_cpu")
+    validate = pytest.importorskip("experiments.calibration.validate_simulator")
     from simulator import Workload, simulate
     from simulator.builder import ProgramBuilder
 

@@ -1,4 +1,4 @@
-"""House rules of the simulator package, checked on its source with ast (DESIGN.md conventions)."""
+"""House rules of the simulator package, checked on its source with ast (docs/design.md, "The packages and who may import whom")."""
 
 from __future__ import annotations
 

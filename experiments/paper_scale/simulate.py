@@ -51,7 +51,7 @@ class TraceCache:
 
     Owned by a caller (one reproduction run) and passed down explicitly; the searches of
     different systems probe some of the same lengths (ring attention reuses the Ulysses
-    trace, see experiments.paper_scale_baselines), each of which is traced once."""
+    trace, see experiments.paper_scale.baselines), each of which is traced once."""
 
     workloads: dict = field(default_factory=dict)
     hits: int = 0
@@ -155,16 +155,33 @@ def simulate_autosp_step(model_name: str, seq_len: int, *, sp_size: int = 8, clu
         static_bytes=static, sp_size=sp_size, cluster=cluster)
 
 
+@dataclass(frozen=True)
+class MaxSeqLen:
+    """Outcome of `max_trainable_seq_len` (the shape of `simulator.search.SearchResult`)."""
+
+    max_seq_len: int
+    """Longest fitting multiple of the granularity (0: not even the shortest fits)."""
+    hit_upper_bound: bool
+    """True when the ceiling itself fits: the real maximum may be larger."""
+    upper_bound: int
+    """The search's ceiling (tokens)."""
+
+    def __str__(self) -> str:
+        return f"≥ {self.max_seq_len}" if self.hit_upper_bound else str(self.max_seq_len)
+
+
 def max_trainable_seq_len(model_name: str, *, sp_size: int = 8, granularity: int = 1024, low: int = 1024,
-                          high: int = 262144, **kwargs) -> int:
-    """Longest multiple of ``granularity`` tokens whose simulated AutoSP step fits in device memory (0: none)."""
+                          high: int = 262144, **kwargs) -> MaxSeqLen:
+    """Longest multiple of ``granularity`` tokens up to ``high`` whose simulated AutoSP step fits in device
+    memory, by bisection, and whether the ceiling itself fits."""
     lo, hi = max(1, low // granularity), high // granularity
+    ceiling = hi
     if not simulate_autosp_step(model_name, lo * granularity, sp_size=sp_size, **kwargs).fits:
-        return 0
+        return MaxSeqLen(0, False, ceiling * granularity)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if simulate_autosp_step(model_name, mid * granularity, sp_size=sp_size, **kwargs).fits:
             lo = mid
         else:
             hi = mid - 1
-    return lo * granularity
+    return MaxSeqLen(lo * granularity, lo == ceiling, ceiling * granularity)

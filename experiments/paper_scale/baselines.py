@@ -15,7 +15,7 @@ Each is derived from a graph the real compiler produces for the same model:
 - ``ring_attention``: that same Ulysses trace, rewritten: no all-to-alls, each
   attention split into 8 chunks between peer-to-peer K,V (and dK,dV) transfers
   around the ring (see Note [Ring attention as a rewrite of the Ulysses trace] in
-  experiments.workload_rewrites); static memory as Ulysses'.
+  experiments.paper_scale.workload_rewrites); static memory as Ulysses'.
 - ``zero3``: the model compiled without sequence parallelism (``autosp.compile``
   with ``sp_size=1``, ``checkpointing="none"``: each rank trains on the full
   sequence), rewritten with ZeRO-3's per-module parameter all-gathers and gradient
@@ -25,8 +25,8 @@ Each is derived from a graph the real compiler produces for the same model:
 
 Step time and activation memory of a full model are extrapolated from one- and
 two-layer traces, as for AutoSP (see Note [Layer extrapolation] in
-experiments.paper_scale), and the longest sequence is found with the secant search
-of `experiments.measure.next_probe` on the simulated peak memory (see Note
+experiments.paper_scale.simulate), and the longest sequence is found with the secant search
+of `experiments.cpu.memory_cap.next_probe` on the simulated peak memory (see Note
 [Memory-cap search]).
 """
 
@@ -36,9 +36,9 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from experiments.measure import next_probe
+from experiments.cpu.memory_cap import next_probe
 from experiments.models import PAPER_MODELS
-from experiments.paper_scale import (
+from experiments.paper_scale.simulate import (
     ADAM_BYTES_PER_PARAMETER_BYTE,
     BF16_BYTES,
     SimulatedStep,
@@ -48,7 +48,7 @@ from experiments.paper_scale import (
     simulate_dynamic,
     trace_workload,
 )
-from experiments.workload_rewrites import ring_attention_workload, zero3_workload
+from experiments.paper_scale.workload_rewrites import ring_attention_workload, zero3_workload
 from simulator import Cluster
 
 log = logging.getLogger(__name__)

@@ -1,13 +1,19 @@
-"""Run a function on N real gloo ranks, each in its own spawned process.
+"""The one multi-rank launcher: run a function on N real gloo ranks, each in its own spawned process.
+
+Used by the CPU measurements (``experiments.reproduce``, the calibration and
+validation, the SAC/overlap bench, the notebooks) and by the test suite
+(``tests.harness`` re-exports it), so every system and every test sees the same
+clean process state: a fresh process per rank, one intra-op thread, a free
+local port.
 
 The function must be importable by name (defined at module level) because ranks
 are started with the ``spawn`` method.  It is called as ``fn(rank, world_size,
-*args)`` after ``torch.distributed`` has been initialised with gloo on a free
-local port, with one intra-op thread per rank.  The parent collects results over
-a queue and enforces a deadline: if any rank raises, the others are killed and
-`RankFailure` names the rank and carries its traceback; a rank that exits without
-a result or a run that passes its deadline fails the same way, so a broken rank
-can never hang the suite.
+*args)`` after ``torch.distributed`` has been initialised with gloo, and its
+return value must be picklable.  The parent collects results over a queue and
+enforces an overall deadline (``timeout_s``): if any rank raises, the others are
+killed and `RankFailure` names the rank and carries its traceback; a rank that
+exits without a result or a run that passes its deadline fails the same way, so
+a broken rank can never hang a measurement or the suite.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ _POLL_S = 0.05
 _GRACE_S = 3.0
 
 
-class RankFailure(AssertionError):
+class RankFailure(RuntimeError):
     """One or more ranks raised, died or hung; the message holds each rank's story."""
 
 
@@ -37,7 +43,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, args, results, init_timeout_s, env):
+def _rank_main(fn, rank, world_size, port, args, results, collective_timeout_s, env):
     os.environ.update(env)
     try:
         import torch
@@ -49,10 +55,11 @@ def _rank_main(fn, rank, world_size, port, args, results, init_timeout_s, env):
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=init_timeout_s),
+            timeout=timedelta(seconds=collective_timeout_s),
         )
         try:
             value = fn(rank, world_size, *args)
+            dist.barrier()  # all ranks done communicating before any tears the group down
         finally:
             dist.destroy_process_group()
         # Plain pickle: torch's queue reducers would pass tensors by shared-memory handles,
@@ -67,13 +74,16 @@ def run_on_ranks(
     world_size: int,
     *args: Any,
     timeout_s: float = 300.0,
-    init_timeout_s: float = 60.0,
+    collective_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
-    Raises `RankFailure` when a rank raises (with its traceback), exits without
-    reporting, or when the whole run exceeds ``timeout_s`` seconds.
+    ``timeout_s`` bounds the whole run; ``collective_timeout_s`` is the process
+    group's timeout (how long one collective may wait for a slower rank, e.g. one
+    still compiling).  Raises `RankFailure` when a rank raises (with its
+    traceback), exits without reporting, or when the whole run exceeds
+    ``timeout_s`` seconds.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -82,7 +92,7 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, args, results, init_timeout_s, child_env),
+            args=(fn, rank, world_size, port, args, results, collective_timeout_s, child_env),
             name=f"rank{rank}",
             daemon=True,
         )

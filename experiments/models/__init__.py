@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from experiments.plain_llama import PlainLlama, PlainLlamaConfig
+from experiments.models.plain_llama import PlainLlama, PlainLlamaConfig
 
 
 def _hf_decoder(family: str, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, **extra):

@@ -1,0 +1,136 @@
+"""The longest sequence each system trains under a per-rank memory cap, measured on real gloo ranks.
+
+`max_seq_len_on_rank` runs on every rank (see `experiments.launch.run_on_ranks`): per system, a short
+secant search over lengths (`next_probe`, Note [Memory-cap search]) whose probes are measured training
+steps (the peak tensor memory of one step, `experiments.cpu.peak_memory`, largest over the ranks).
+The paper-scale baselines' search (`experiments.paper_scale.baselines`) uses the same `next_probe` on
+simulated memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from experiments.cpu.measure import _measured_step, _quiet_rank, _sample
+
+log = logging.getLogger(__name__)
+
+
+# Note [Memory-cap search]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A CPU has no out-of-memory point worth hitting, so the cap is virtual: a sequence "fits" when the
+# largest per-rank peak tensor memory of one training step (PeakMemory, measured on the step after
+# the compiling one, maximum over ranks by all_reduce) stays at or under ``cap_bytes``.  Every
+# probe builds the system afresh on a fresh Dynamo cache (no recompile limits, no dynamic shapes),
+# so a probe costs a compile: the search must need few.  Peak memory grows about linearly with the
+# length (activations; attention is flash-style, O(S) memory), so the next length is where a
+# straight line crosses the cap: through the first probe and the origin at first, then through the
+# two longest fitting (or two shortest failing) probes, and once the cap is bracketed through the
+# bracket's ends (regula falsi), clamped so that the bracket shrinks by at least a quarter per probe
+# (robust to memory that is not quite linear, or not monotone at short lengths); rounded to
+# ``granularity`` and kept strictly between the longest length that fitted and the shortest that did not.  It stops when those two are
+# ``granularity`` apart, at ``max_len``, or after ``max_probes`` probes (bounded run time); the
+# answer is always a length that was measured to fit.  Monotone growth of peak memory with length,
+# true for every system here, is what makes the bracket valid.
+
+
+def next_probe(probes: list[tuple[int, int]], cap_bytes: int, *, granularity: int, max_len: int) -> int | None:
+    """The next length to probe given ``probes`` [(seq_len, peak_bytes)], or None when the search is done.
+
+    A pure function (see Note [Memory-cap search]); lengths are multiples of ``granularity``.
+    """
+    peak = dict(probes)
+    fits = [s for s, p in probes if p <= cap_bytes]
+    fails = [s for s, p in probes if p > cap_bytes]
+    lo = max(fits, default=0)
+    hi = min(fails, default=max_len + granularity)
+    if hi - lo <= granularity or (not fails and lo >= max_len):
+        return None
+    if fits and fails:  # bracketed: interpolate, but shrink the bracket by at least a quarter
+        slope = (peak[hi] - peak[lo]) / (hi - lo)
+        guess = lo + (cap_bytes - peak[lo]) / slope if slope > 0 else (lo + hi) / 2
+        guess = min(max(guess, lo + (hi - lo) / 4), hi - (hi - lo) / 4)
+    elif len(probes) == 1:
+        (s0, p0), = probes
+        guess = s0 * cap_bytes / max(p0, 1)
+    else:  # all fit (extrapolate from the two longest) or all fail (from the two shortest)
+        (s0, p0), (s1, p1) = sorted(probes)[-2:] if not fails else sorted(probes)[:2]
+        slope = (p1 - p0) / (s1 - s0)
+        guess = s1 + (cap_bytes - p1) / slope if slope > 0 else (2 * s1 if not fails else s0 / 2)
+    length = int(guess // granularity) * granularity
+    return max(lo + granularity, min(length, hi - granularity, max_len))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryCapSpec:
+    model: str
+    """Tiny model preset (experiments.models.TINY_MODELS)."""
+    systems: tuple[str, ...]
+    """Systems to search (experiments.baselines names)."""
+    cap_bytes: int
+    """Per-rank memory cap: a length fits when every rank's peak stays at or under it."""
+    start: int = 512
+    """First length probed (a multiple of ``granularity``)."""
+    max_len: int = 65536
+    """The search stops here even if this length still fits."""
+    granularity: int = 256
+    """The search stops at this many tokens (a multiple of 2 × ranks, for ring attention's chunks)."""
+    max_probes: int = 5
+    """Probes per system at most (each compiles the system afresh)."""
+    compiler: str = "aot_eager"
+    layers: int = 2
+    hidden: int = 64
+    model_options: dict = field(default_factory=dict)
+    """Further size overrides for the preset (e.g. ``{"kv_heads": 4}``)."""
+
+
+def _probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> int:
+    """Largest peak bytes over the ranks of one step of ``name`` at ``seq_len``."""
+    from experiments.baselines import build_system
+    from experiments.models import vocab_size
+
+    torch._dynamo.reset()
+    ids, labels = _sample(seq_len, vocab_size(base))
+    system = build_system(name, copy.deepcopy(base), sp_size=world, compiler=spec.compiler)
+    system.step(ids, labels)
+    peak = torch.tensor([_measured_step(system, ids, labels)], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    del system
+    return int(peak.item())
+
+
+def max_seq_len_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
+    """Per system: the longest length that fitted under the cap, and every probe ``[seq_len, peak_bytes]``."""
+    from experiments.baselines import BaselineUnsupported
+    from experiments.models import build_model
+
+    spec = MemoryCapSpec(**{**spec_dict, "systems": tuple(spec_dict["systems"])})
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    _quiet_rank()
+    torch.manual_seed(0)
+    base = build_model(spec.model, layers=spec.layers, hidden=spec.hidden, **spec.model_options)
+    results = {}
+    for name in spec.systems:
+        start_s = time.perf_counter()
+        probes: list[tuple[int, int]] = []
+        try:
+            length = spec.start
+            while length is not None and len(probes) < spec.max_probes:
+                probes.append((length, _probe(name, base, length, world, spec)))
+                length = next_probe(probes, spec.cap_bytes, granularity=spec.granularity, max_len=spec.max_len)
+        except BaselineUnsupported as err:
+            results[name] = {"unsupported": str(err), "probes": probes}
+            continue
+        fit = max((s for s, p in probes if p <= spec.cap_bytes), default=0)
+        fail = min((s for s, p in probes if p > spec.cap_bytes), default=None)
+        results[name] = {"max_seq_len": fit, "first_failure": fail, "probes": probes,
+                         "search_s": time.perf_counter() - start_s}
+        log.info("memory cap %s: %d tokens fit (%d probes)", name, fit, len(probes))
+    return {"rank": rank, "systems": results, "spec": asdict(spec)}

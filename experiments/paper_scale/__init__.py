@@ -1,0 +1,2 @@
+"""Traced and simulated at paper scale (8×A100-80GB): AutoSP traced on a fake process group and simulated
+(`simulate`), the baselines as rewrites of those traces (`baselines`, `workload_rewrites`)."""
