@@ -2,7 +2,7 @@
 
 Each rank builds the model from one seed, trains the full sample on one device
 (the reference) and then each system on a copy through the common `System`
-interface.  The exact systems (autosp, ulysses, ring, zero3) must match the
+interface.  The exact systems (autosp, ulysses, ulysses+ckpt, ring, zero3) must match the
 reference's loss and every gradient (fp32 rtol 1e-4 / atol 1e-6), also after
 ``zero_grad`` and a second step.  DeepSpeed's AutoSP runs but is inexact; its test
 pins down why: its gradients equal, instead, a single-device model of its two
@@ -87,7 +87,7 @@ def test_baselines_sequence_parallel_systems_match_single_device():
 
 def test_baselines_hand_written_systems_match_single_device_on_hugging_face_llama():
     # 8 query heads, 2 kv heads: grouped-query attention through transformers' attention registry.
-    systems = [("ulysses", {}), ("ring", {})]
+    systems = [("ulysses", {}), ("ulysses+ckpt", {}), ("ring", {})]
     _check_exact(run_on_ranks(_run_systems, 2, "hf-llama", 32, systems, timeout_s=300))
 
 
@@ -206,7 +206,7 @@ def test_baselines_zigzag_shard_has_global_positions():
 def test_baselines_unknown_system_names_the_choices():
     with pytest.raises(ValueError, match="ring"):
         build_system("megatron", torch.nn.Linear(2, 2), sp_size=2)
-    assert set(SYSTEMS) == {"autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp"}
+    assert set(SYSTEMS) == {"autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp"}
 
 
 def test_baselines_autosp_nosac_turns_checkpointing_off_where_autosp_has_it():
