@@ -42,7 +42,8 @@ from tqdm import tqdm
 REFERENCE_CSV = pathlib.Path(__file__).resolve().parent / "data" / "autosp-paper-figures.csv"
 DISAGREEMENT = 0.20
 SYSTEMS = ("zero3", "ring_attention", "ulysses", "autosp")
-MEASURED_SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp")
+UNPUBLISHED_SYSTEMS = ("ulysses+ckpt",)  # simulated beside the published systems, no published figure
+MEASURED_SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp")
 CPU_MODEL, CPU_MODEL_OPTIONS = "hf-llama", {"kv_heads": 4}  # 8 query heads, 4 kv heads: GQA splits over 4 ranks
 EXACT_GRAD_ERROR = 1e-3  # above this relative gradient error a system is flagged inexact
 
@@ -98,7 +99,7 @@ def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], cach
     return steps, (cache.misses - before[0], cache.hits - before[1])
 
 
-TRACE_GROUPS = (("autosp",), ("ulysses", "ring_attention"), ("zero3",))
+TRACE_GROUPS = (("autosp",), ("ulysses", "ring_attention"), ("ulysses+ckpt",), ("zero3",))
 """Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache)."""
 
 
@@ -123,13 +124,15 @@ def table_max_seq_len(args) -> list[dict]:
     rows = []
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
     models = sorted({r["model"] for r in published})
-    granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity for s in SYSTEMS}
+    granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity
+                   for s in SYSTEMS + UNPUBLISHED_SYSTEMS}
     tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes))
              for model in models for systems in TRACE_GROUPS]
     simulated: dict[tuple[str, str], tuple[int, bool]] = {}
     for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
                                        strict=True):
         simulated.update({(model, system): result for system, result in found.items()})
+    published += [{"model": model, "system": system, "value": ""} for model in models for system in UNPUBLISHED_SYSTEMS]
     for row in published:
         sim, converged = simulated.get((row["model"], row["system"]), (None, True))
         ratio, note = _ratio_note(sim, row["value"])
@@ -141,13 +144,15 @@ def table_max_seq_len(args) -> list[dict]:
                 "" if converged else "search stopped on its probe budget: a lower bound",
             ])),
         })
-    return sorted(rows, key=lambda r: (r["model"], SYSTEMS.index(r["system"])))
+    return sorted(rows, key=lambda r: (r["model"], (SYSTEMS + UNPUBLISHED_SYSTEMS).index(r["system"])))
 
 
 def table_iteration_time(args) -> list[dict]:
     rows = []
     published = [r for r in published_figures() if r["figure"] == "iteration_s"]
     lengths = sorted({int(r["seq_len"]) for r in published})
+    published += [{"seq_len": str(length), "system": system, "value": ""} for length in lengths
+                  for system in UNPUBLISHED_SYSTEMS]
     tasks = [(simulate_steps_task, (args.iteration_model, seq_len, systems))
              for seq_len in lengths for systems in TRACE_GROUPS]
     sims = {}
