@@ -25,7 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from autosp.groups import SequenceParallelGroups, build_groups
-from experiments.baselines.adapters import SPAttention, enable_layer_checkpointing, install_attention, local_logits
+from experiments.baselines.adapters import (
+    SPAttention,
+    enable_layer_checkpointing,
+    install_attention,
+    local_logits,
+)
 from experiments.baselines.common import (
     TokenLayout,
     all_reduce_loss,
