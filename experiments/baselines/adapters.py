@@ -86,7 +86,9 @@ def enable_layer_checkpointing(model: nn.Module) -> str:
         model._sp_checkpoint_layers = True
         return "per-block torch.utils.checkpoint"
     if _is_hugging_face(model):
-        kwargs = {"use_reentrant": False}
+        # No dropout in these models: nothing random to replay, so no RNG state is saved (a saved RNG state
+        # becomes run_and_save_rng_state higher-order ops in the compiled graph).
+        kwargs = {"use_reentrant": False, "preserve_rng_state": False}
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
@@ -101,7 +103,8 @@ def local_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
         x = model.embed(input_ids)
         for block in model.blocks:
             if getattr(model, "_sp_checkpoint_layers", False):
-                x = torch.utils.checkpoint.checkpoint(block, x, position_ids, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, position_ids, use_reentrant=False,
+                                                      preserve_rng_state=False)
             else:
                 x = block(x, position_ids)
         return model.lm_head(model.norm(x))

@@ -59,6 +59,7 @@ class HandWrittenSP:
         make_attention: Callable[[SequenceParallelGroups], SPAttention],
         layout: TokenLayout,
         activation_checkpointing: bool = False,
+        fullgraph: bool = False,
     ):
         self.model = model
         self.groups = build_groups(sp_size, process_group)
@@ -67,7 +68,8 @@ class HandWrittenSP:
         if activation_checkpointing:
             how += "; " + enable_layer_checkpointing(model)
         log.info("%s: %s, sp_size=%d, compiler=%s", self.name, how, sp_size, compiler)
-        self._summed_loss = maybe_compile(self._local_summed_loss, compiler)
+        # fullgraph where the attention is traced (a graph break is then an error, not a silent fallback).
+        self._summed_loss = maybe_compile(self._local_summed_loss, compiler, fullgraph=fullgraph)
 
     def _local_summed_loss(self, input_ids, position_ids, targets) -> torch.Tensor:
         return summed_token_loss(local_logits(self.model, input_ids, position_ids), targets)

@@ -6,7 +6,7 @@ sequence-sharded q/k/v [B, S/P, H, D] into head-sharded full-sequence
 [B, S, H/P, D], runs causal SDPA on this rank's heads, and all-to-alls the output
 back.  Exact: attention sees the whole sequence, everything else is token-wise.
 The whole local step, ``DistributedAttention`` included, is compiled with
-``torch.compile(backend=compiler)``: Dynamo (torch 2.13) traces its all-to-all
+``torch.compile(backend=compiler, fullgraph=True)``: Dynamo (torch 2.13) traces its all-to-all
 ``autograd.Function`` over ``deepspeed.comm`` in one graph, forward and backward
 (checked exact in tests/experiments).  ``attention_in_graph=False`` keeps it out
 of the graph instead (``torch.compiler.disable``: one graph break per layer, the
@@ -75,4 +75,5 @@ class UlyssesSystem(HandWrittenSP):
             model, sp_size=sp_size, process_group=process_group, compiler=compiler,
             make_attention=lambda groups: UlyssesAttention(groups.sp_group, in_graph=attention_in_graph),
             layout=TokenLayout.contiguous(sp_size), activation_checkpointing=activation_checkpointing,
+            fullgraph=attention_in_graph,
         )
