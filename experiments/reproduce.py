@@ -8,10 +8,12 @@ Tables (``--only NAME`` runs one):
   variants]) beside the published figures, with the simulated/published ratio;
 - ``iteration-time``: simulated step time of the four systems at 8K, 24K and 90K
   tokens beside the published iteration times;
-- ``measured-cpu``: the systems side by side on real gloo ranks with a small
-  Hugging Face Llama (first-step/compile time, median step time and its ratio to
-  hand-written Ulysses, loss and gradient error against single-device training,
-  per-rank peak tensor memory);
+- ``measured-cpu``: the systems on real gloo ranks with a small Hugging Face
+  Llama, each in its own processes from a fresh compile state (first-step/compile
+  time, median step time and its ratio to hand-written Ulysses, loss and gradient
+  error against single-device training, per-rank peak tensor memory, Dynamo's
+  graph breaks and recompiles; a system that breaks its graph or recompiles is
+  marked in the note);
 - ``memory-cap``: the longest sequence each system trains on CPU gloo ranks under
   a fixed per-rank memory cap (measured peak memory, a short secant search).
 
@@ -197,9 +199,10 @@ def table_measured_cpu(args) -> list[dict]:
     rows = []
     for ranks in tqdm(args.cpu_ranks, desc="measured-cpu (gloo ranks per run)", file=sys.stderr):
         spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "seq_len": args.cpu_seq_len,
-                "systems": list(MEASURED_SYSTEMS), "steps": args.cpu_steps, "compiler": "aot_eager"}
-        per_rank = run_ranks(measure_on_rank, ranks, spec)
-        by_system = {name: [r["systems"][name] for r in per_rank] for name in MEASURED_SYSTEMS}
+                "steps": args.cpu_steps, "compiler": "aot_eager"}
+        # Each system in its own processes: a fresh compile state and its own graph-break/recompile counts.
+        by_system = {name: [r["systems"][name] for r in run_ranks(measure_on_rank, ranks, {**spec, "systems": [name]})]
+                     for name in MEASURED_SYSTEMS}
         ulysses = by_system["ulysses"]
         ulysses_s = max(r["median_step_s"] for r in ulysses) if "median_step_s" in ulysses[0] else None
         for name, results in by_system.items():
@@ -208,6 +211,7 @@ def table_measured_cpu(args) -> list[dict]:
                 rows.append({**row, "first_step_s": "", "median_step_ms": "", "ratio_to_ulysses": "",
                              "loss_error": "", "grad_max_rel_error": "",
                              **({"peak_mib": "", "peak_mib_by_rank": ""} if with_memory else {}),
+                             "graph_breaks": "", "recompiles": "",
                              "note": f"unsupported: {results[0]['unsupported']}"})
                 continue
             step_s = max(r["median_step_s"] for r in results)
@@ -222,9 +226,14 @@ def table_measured_cpu(args) -> list[dict]:
             if with_memory:
                 peaks = [r["peak_memory_bytes"] / 2**20 for r in results]
                 row.update({"peak_mib": f"{max(peaks):.2f}", "peak_mib_by_rank": "/".join(f"{p:.2f}" for p in peaks)})
+            breaks = max(r.get("graph_breaks", 0) for r in results)
+            recompiles = max(r.get("recompiles", 0) for r in results)
+            row.update({"graph_breaks": breaks, "recompiles": recompiles})
             nan_ranks = [str(i) for i, r in enumerate(results) if math.isnan(r["loss"])]
             row["note"] = "; ".join(filter(None, [
                 "inexact" if not grad_error <= EXACT_GRAD_ERROR else "",
+                f"graph breaks ({max(r.get('graphs', 0) for r in results)} graphs)" if breaks else "",
+                "recompiles" if recompiles else "",
                 f"NaN loss on rank {', '.join(nan_ranks)}" if nan_ranks else "",
             ]))
             rows.append(row)
@@ -240,10 +249,11 @@ def table_memory_cap(args) -> list[dict]:
         return []
     rows = []
     for ranks in tqdm(args.cap_ranks, desc="memory-cap (search per gloo run)", file=sys.stderr):
-        spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "systems": list(MEASURED_SYSTEMS),
+        spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS,
                 "cap_bytes": int(args.memory_cap_mib * 2**20), "start": args.cap_start,
                 "granularity": args.cap_granularity, "max_probes": args.cap_probes, "max_len": args.cap_max_len}
-        results = run_ranks(max_seq_len_on_rank, ranks, spec)[0]["systems"]
+        results = {name: run_ranks(max_seq_len_on_rank, ranks, {**spec, "systems": [name]})[0]["systems"][name]
+                   for name in MEASURED_SYSTEMS}  # each system in its own processes
         for name in MEASURED_SYSTEMS:
             r = results[name]
             probes = ", ".join(f"{s}:{p / 2**20:.1f}" for s, p in r["probes"])
