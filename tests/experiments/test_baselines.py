@@ -223,3 +223,53 @@ def test_baselines_autosp_nosac_turns_checkpointing_off_where_autosp_has_it():
 def test_baselines_layout_refuses_a_length_it_cannot_split():
     with pytest.raises(ValueError, match="multiple of 4"):
         TokenLayout.zigzag(2).token_indices(30, 0)
+
+
+# --- what the stronger baselines do differently ----------------------------------------------------------
+
+
+def _peaks(rank, world):
+    from experiments.measure import _measured_step, compile_counts, fresh_compile_state
+    from experiments.models import build_model, vocab_size
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.manual_seed(0)
+    model = build_model("hf-llama", kv_heads=4)
+    ids, labels = make_sample(128, vocab_size(model), seed=100)
+    out = {}
+    for name in ("ulysses", "ulysses+ckpt"):
+        fresh_compile_state()
+        system = build_system(name, copy.deepcopy(model), sp_size=world)
+        system.step(ids, labels)
+        out[name] = {"peak": _measured_step(system, ids, labels, True), **compile_counts()}
+    return out
+
+
+def test_baselines_ulysses_ckpt_keeps_less_activation_memory_in_one_graph():
+    for out in run_on_ranks(_peaks, 2, timeout_s=300):
+        assert out["ulysses+ckpt"]["peak"] < out["ulysses"]["peak"], out
+        for name in ("ulysses", "ulysses+ckpt"):  # fullgraph: one graph, no break, no recompile
+            assert (out[name]["graph_breaks"], out[name]["graphs"], out[name]["recompiles"]) == (0, 1, 0), out
+
+
+@pytest.mark.parametrize("sp_size", [2, 3, 4])
+def test_baselines_zigzag_ring_runs_one_fused_attention_per_step_covering_exactly_the_causal_pairs(sp_size):
+    from experiments.baselines.ring import _blocks
+
+    layout = TokenLayout.zigzag(sp_size)
+    for rank in range(sp_size):
+        mine = layout.chunks[rank]
+        covered = set()
+        for step in range(sp_size):
+            theirs = layout.chunks[(rank - step) % sp_size]
+            calls = _blocks(mine, theirs, causal=True)
+            assert len(calls) == 1  # zig-zag: every step is one kernel call
+            for rows, cols, causal in calls:
+                for i in rows:
+                    for j in cols:
+                        pair = (mine[i], theirs[j])
+                        assert causal or pair[1] < pair[0]  # a non-causal call covers only wholly visible blocks
+                        covered.add(pair)
+        expected = {(a, b) for a in mine for b in range(2 * sp_size) if b <= a}
+        # the causal call of step 0 covers (r, 2P-1-r) masked out entirely: count only visible pairs
+        assert {(a, b) for a, b in covered if b <= a} == expected
