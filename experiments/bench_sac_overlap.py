@@ -106,6 +106,22 @@ def _fit_affine(points: list[tuple[int, int]]) -> tuple[float, float, float]:
     return static, slope, worst
 
 
+def step_rows(per_rank: list[dict], seq_len: int) -> list[dict]:
+    """One row per variant from every rank's results: the slowest rank's median step (as
+    experiments.measure reports it, not rank 0's), its ratio to Ulysses' slowest rank, the largest peak."""
+    base_step = max(r[BASELINE]["median_step_s"] for r in per_rank)
+    rows = []
+    for label in VARIANTS:
+        step_s = max(r[label]["median_step_s"] for r in per_rank)
+        rows.append({
+            "variant": label, "seq_len": seq_len, "ranks": len(per_rank),
+            "step_ms": round(1e3 * step_s, 2), "step_vs_ulysses": round(step_s / base_step, 3),
+            "peak_mib": round(max(r[label]["peak_bytes"] for r in per_rank) / 2**20, 2),
+            "compile_s": round(max(r[label]["compile_s"] for r in per_rank), 2),
+        })
+    return rows
+
+
 def run(args) -> tuple[list[dict], list[dict]]:
     from tqdm import tqdm
 
@@ -116,16 +132,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
         spec = {"model": args.model, "layers": args.layers, "hidden": args.hidden, "seq_len": seq_len,
                 "variants": list(VARIANTS), "steps": args.steps, "compiler": "aot_eager"}
         per_rank = run_ranks(_bench_on_rank, args.ranks, spec)
-        # The slowest rank's median step (as experiments.measure reports it), not rank 0's.
-        base_step = max(r[BASELINE]["median_step_s"] for r in per_rank)
-        for label in VARIANTS:
-            step_s = max(r[label]["median_step_s"] for r in per_rank)
-            rows.append({
-                "variant": label, "seq_len": seq_len, "ranks": args.ranks,
-                "step_ms": round(1e3 * step_s, 2), "step_vs_ulysses": round(step_s / base_step, 3),
-                "peak_mib": round(max(r[label]["peak_bytes"] for r in per_rank) / 2**20, 2),
-                "compile_s": round(max(r[label]["compile_s"] for r in per_rank), 2),
-            })
+        rows += step_rows(per_rank, seq_len)
     cap_bytes = args.cap_mib * 2**20
     caps = []
     for label in VARIANTS:
