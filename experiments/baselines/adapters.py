@@ -86,8 +86,7 @@ def enable_layer_checkpointing(model: nn.Module) -> str:
         model._sp_checkpoint_layers = True
         return "per-block torch.utils.checkpoint"
     if _is_hugging_face(model):
-        # No dropout in these models: nothing random to replay, so no RNG state is saved (a saved RNG state
-        # becomes run_and_save_rng_state higher-order ops in the compiled graph).
+        # No dropout in these models: nothing random to replay, so no RNG state is saved.
         kwargs = {"use_reentrant": False, "preserve_rng_state": False}
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -80,8 +80,8 @@ def _check_exact(per_rank):
 
 
 def test_baselines_sequence_parallel_systems_match_single_device():
-    systems = [("autosp", {}), ("ulysses", {}), ("ulysses", {"attention_in_graph": False}), ("ring", {}),
-               ("ring", {"load_balance": False})]
+    systems = [("autosp", {}), ("ulysses", {}), ("ulysses", {"attention_in_graph": False}), ("ulysses+ckpt", {}),
+               ("ring", {}), ("ring", {"load_balance": False})]
     _check_exact(run_on_ranks(_run_systems, 2, "plain-llama", 32, systems, timeout_s=300))
 
 
