@@ -30,7 +30,8 @@ from experiments.tables import bar_plot, write_table
 REFERENCE_CSV = pathlib.Path(__file__).resolve().parent / "data" / "autosp-paper-figures.csv"
 DISAGREEMENT = 0.20
 SYSTEMS = ("zero3", "ring_attention", "ulysses", "autosp")
-MEASURED_SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp")
+UNPUBLISHED_SYSTEMS = ("ulysses+ckpt",)  # simulated beside the published systems, no published figure
+MEASURED_SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp")
 CPU_MODEL, CPU_MODEL_OPTIONS = "hf-llama", {"kv_heads": 4}  # 8 query heads, 4 kv heads: GQA splits over 4 ranks
 EXACT_GRAD_ERROR = 1e-3  # above this relative gradient error a system is flagged inexact
 MEASUREMENT_TIMEOUT_S = 3600.0  # deadline of one gloo run of the measured tables (all systems)
@@ -95,7 +96,7 @@ def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], cach
     return steps, (cache.misses - before[0], cache.hits - before[1])
 
 
-TRACE_GROUPS = (("autosp",), ("ulysses", "ring_attention"), ("zero3",))
+TRACE_GROUPS = (("autosp",), ("ulysses", "ring_attention"), ("ulysses+ckpt",), ("zero3",))
 """Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache)."""
 
 
@@ -120,13 +121,15 @@ def table_max_seq_len(args) -> list[dict]:
     rows = []
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
     models = sorted({r["model"] for r in published})
-    granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity for s in SYSTEMS}
+    granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity
+                   for s in SYSTEMS + UNPUBLISHED_SYSTEMS}
     tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes, args.max_seq_len_ceiling))
              for model in models for systems in TRACE_GROUPS]
     simulated: dict[tuple[str, str], tuple[int, str]] = {}
     for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
                                        strict=True):
         simulated.update({(model, system): result for system, result in found.items()})
+    published += [{"model": model, "system": system, "value": ""} for model in models for system in UNPUBLISHED_SYSTEMS]
     for row in published:
         sim, bound = simulated.get((row["model"], row["system"]), (None, ""))
         ratio, note = _ratio_note(sim, row["value"])
@@ -137,13 +140,15 @@ def table_max_seq_len(args) -> list[dict]:
                 note or ("not simulated yet" if sim is None else ""), bound,
             ])),
         })
-    return sorted(rows, key=lambda r: (r["model"], SYSTEMS.index(r["system"])))
+    return sorted(rows, key=lambda r: (r["model"], (SYSTEMS + UNPUBLISHED_SYSTEMS).index(r["system"])))
 
 
 def table_iteration_time(args) -> list[dict]:
     rows = []
     published = [r for r in published_figures() if r["figure"] == "iteration_s"]
     lengths = sorted({int(r["seq_len"]) for r in published})
+    published += [{"seq_len": str(length), "system": system, "value": ""} for length in lengths
+                  for system in UNPUBLISHED_SYSTEMS]
     tasks = [(simulate_steps_task, (args.iteration_model, seq_len, systems))
              for seq_len in lengths for systems in TRACE_GROUPS]
     sims = {}
@@ -187,10 +192,11 @@ def table_measured_cpu(args) -> list[dict]:
     rows = []
     for ranks in tqdm(args.cpu_ranks, desc="measured-cpu (gloo ranks per run)", file=sys.stderr):
         spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "seq_len": args.cpu_seq_len,
-                "systems": list(MEASURED_SYSTEMS), "steps": args.cpu_steps, "compiler": "aot_eager"}
-        per_rank = run_on_ranks(measure_on_rank, ranks, spec, timeout_s=MEASUREMENT_TIMEOUT_S,
-                                collective_timeout_s=COLLECTIVE_TIMEOUT_S)
-        by_system = {name: [r["systems"][name] for r in per_rank] for name in MEASURED_SYSTEMS}
+                "steps": args.cpu_steps, "compiler": "aot_eager"}
+        # Each system in its own processes: a fresh compile state and its own graph-break/recompile counts.
+        by_system = {name: [r["systems"][name] for r in run_on_ranks(
+            measure_on_rank, ranks, {**spec, "systems": [name]}, timeout_s=MEASUREMENT_TIMEOUT_S,
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S)] for name in MEASURED_SYSTEMS}
         ulysses = by_system["ulysses"]
         ulysses_s = max(r["median_step_s"] for r in ulysses) if "median_step_s" in ulysses[0] else None
         for name, results in by_system.items():
@@ -199,6 +205,7 @@ def table_measured_cpu(args) -> list[dict]:
                 rows.append({**row, "first_step_s": "", "median_step_ms": "", "ratio_to_ulysses": "",
                              "loss_error": "", "grad_max_rel_error": "",
                              "peak_mib": "", "peak_mib_by_rank": "",
+                             "graph_breaks": "", "recompiles": "",
                              "note": f"unsupported: {results[0]['unsupported']}"})
                 continue
             step_s = max(r["median_step_s"] for r in results)
@@ -212,9 +219,14 @@ def table_measured_cpu(args) -> list[dict]:
             })
             peaks = [r["peak_memory_bytes"] / 2**20 for r in results]
             row.update({"peak_mib": f"{max(peaks):.2f}", "peak_mib_by_rank": "/".join(f"{p:.2f}" for p in peaks)})
+            breaks = max(r.get("graph_breaks", 0) for r in results)
+            recompiles = max(r.get("recompiles", 0) for r in results)
+            row.update({"graph_breaks": breaks, "recompiles": recompiles})
             nan_ranks = [str(i) for i, r in enumerate(results) if math.isnan(r["loss"])]
             row["note"] = "; ".join(filter(None, [
                 "inexact" if not grad_error <= EXACT_GRAD_ERROR else "",
+                f"graph breaks ({max(r.get('graphs', 0) for r in results)} graphs)" if breaks else "",
+                "recompiles" if recompiles else "",
                 f"NaN loss on rank {', '.join(nan_ranks)}" if nan_ranks else "",
             ]))
             rows.append(row)
@@ -227,11 +239,13 @@ def table_memory_cap(args) -> list[dict]:
 
     rows = []
     for ranks in tqdm(args.cap_ranks, desc="memory-cap (search per gloo run)", file=sys.stderr):
-        spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "systems": list(MEASURED_SYSTEMS),
+        spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS,
                 "cap_bytes": int(args.memory_cap_mib * 2**20), "start": args.cap_start,
                 "granularity": args.cap_granularity, "max_probes": args.cap_probes, "max_len": args.cap_max_len}
-        results = run_on_ranks(max_seq_len_on_rank, ranks, spec, timeout_s=MEASUREMENT_TIMEOUT_S,
-                               collective_timeout_s=COLLECTIVE_TIMEOUT_S)[0]["systems"]
+        results = {name: run_on_ranks(max_seq_len_on_rank, ranks, {**spec, "systems": [name]},
+                                      timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+                                      )[0]["systems"][name]
+                   for name in MEASURED_SYSTEMS}  # each system in its own processes
         for name in MEASURED_SYSTEMS:
             r = results[name]
             probes = ", ".join(f"{s}:{p / 2**20:.1f}" for s, p in r["probes"])

@@ -10,6 +10,7 @@ error measurement.  Systems: ``autosp`` (this project's compiler pass, default
 settings), ``autosp-nosac`` (the same with sequence-aware activation
 checkpointing off: ``checkpointing="none"``),
 ``ulysses`` (hand-written DeepSpeed-Ulysses on ``DistributedAttention``),
+``ulysses+ckpt`` (the same with per-layer activation checkpointing),
 ``ring`` (hand-written exact, load-balanced ring attention), ``zero3`` (DeepSpeed
 ZeRO-3 data parallelism, no SP) and ``deepspeed-autosp`` (DeepSpeed's own AutoSP
 pass, run as it is, faults included).
@@ -49,7 +50,7 @@ class System(Protocol):
         ...
 
 
-SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp")
+SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp")
 """Names `build_system` accepts."""
 
 
@@ -77,8 +78,11 @@ def build_system(
 
         options = {**autosp_options(name), **options}
         return _checked(AutoSPSystem, name, model, sp_size, process_group, compiler, options)
-    elif name == "ulysses":
+    elif name in ("ulysses", "ulysses+ckpt"):
         from experiments.baselines.ulysses import UlyssesSystem as cls
+
+        if name == "ulysses+ckpt":
+            options = {"activation_checkpointing": True, **options}
     elif name == "ring":
         from experiments.baselines.ring import RingSystem as cls
     elif name == "zero3":

@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from experiments.baselines.common import BaselineUnsupported
@@ -74,11 +75,38 @@ def install_attention(model: nn.Module, fn: SPAttention, *, tag: str) -> str:
     )
 
 
+def enable_layer_checkpointing(model: nn.Module) -> str:
+    """Per-layer activation checkpointing as practitioners switch it on (non-reentrant ``torch.utils.checkpoint``).
+
+    A Hugging Face model gets its own ``activation_checkpointing_enable`` (older
+    transformers: ``gradient_checkpointing_enable``), which wraps every decoder layer;
+    a `PlainLlama` is checkpointed block by block in `local_logits`.  Either way each
+    layer keeps only its input and recomputes the rest in backward."""
+    if isinstance(model, PlainLlama):
+        model._sp_checkpoint_layers = True
+        return "per-block torch.utils.checkpoint"
+    if _is_hugging_face(model):
+        # No dropout in these models: nothing random to replay, so no RNG state is saved.
+        kwargs = {"use_reentrant": False, "preserve_rng_state": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return "Hugging Face gradient checkpointing (every decoder layer, non-reentrant)"
+    raise BaselineUnsupported(f"no per-layer activation checkpointing for {type(model).__name__}")
+
+
 def local_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """[B, S_local, V] logits for one rank's tokens at their global ``position_ids``."""
     if isinstance(model, PlainLlama):
         x = model.embed(input_ids)
         for block in model.blocks:
-            x = block(x, position_ids)
+            if getattr(model, "_sp_checkpoint_layers", False):
+                x = torch.utils.checkpoint.checkpoint(block, x, position_ids, use_reentrant=False,
+                                                      preserve_rng_state=False)
+            else:
+                x = block(x, position_ids)
         return model.lm_head(model.norm(x))
+    # use_cache=False is also what Hugging Face forces under gradient checkpointing: the mask stays None
+    # for the registered attention (checked in `_hugging_face_attention`), so sharding stays exact.
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits

@@ -9,7 +9,10 @@ group (averaging data-parallel replicas).  The loss it reports is the sum of the
 ranks' shares: the single-device loss of the full sample.  The model code between
 attentions is compiled with ``torch.compile(backend=compiler)``; whether the
 distributed attention is inside the graph or a graph break depends on the
-baseline (each says which, and why).
+baseline (each says which, and why).  ``activation_checkpointing=True`` adds
+per-layer activation checkpointing (`adapters.enable_layer_checkpointing`): each
+decoder layer keeps its input and recomputes everything else, the distributed
+attention's collectives included, in backward (``ulysses+ckpt``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from autosp.groups import SequenceParallelGroups, build_groups
-from experiments.baselines.adapters import SPAttention, install_attention, local_logits
+from experiments.baselines.adapters import (
+    SPAttention,
+    enable_layer_checkpointing,
+    install_attention,
+    local_logits,
+)
 from experiments.baselines.common import (
     TokenLayout,
     all_reduce_loss,
@@ -50,13 +58,18 @@ class HandWrittenSP:
         compiler: str,
         make_attention: Callable[[SequenceParallelGroups], SPAttention],
         layout: TokenLayout,
+        activation_checkpointing: bool = False,
+        fullgraph: bool = False,
     ):
         self.model = model
         self.groups = build_groups(sp_size, process_group)
         self.layout = layout
         how = install_attention(model, make_attention(self.groups), tag=self.name.replace("-", "_"))
+        if activation_checkpointing:
+            how += "; " + enable_layer_checkpointing(model)
         log.info("%s: %s, sp_size=%d, compiler=%s", self.name, how, sp_size, compiler)
-        self._summed_loss = maybe_compile(self._local_summed_loss, compiler)
+        # fullgraph where the attention is traced (a graph break is then an error, not a silent fallback).
+        self._summed_loss = maybe_compile(self._local_summed_loss, compiler, fullgraph=fullgraph)
 
     def _local_summed_loss(self, input_ids, position_ids, targets) -> torch.Tensor:
         return summed_token_loss(local_logits(self.model, input_ids, position_ids), targets)

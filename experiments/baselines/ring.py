@@ -1,14 +1,20 @@
-"""Hand-written ring attention on point-to-point sends: exact, causal, load-balanced (zig-zag chunks).
+"""Hand-written ring attention on point-to-point sends, as real implementations do it: exact, causal, zig-zag.
 
 The step is `hand_sp.HandWrittenSP`; the sequence is cut into 2P chunks and rank r
 holds chunks r and 2P-1-r (`common.TokenLayout.zigzag`), so under causal masking
 every rank computes the same number of (query, key) blocks; ``load_balance=False``
 uses P contiguous chunks instead.  Key/value blocks travel around the ring with
 ``dist.batch_isend_irecv`` (the next block's transfer overlaps this block's
-compute); see Note [Exact ring attention] for the forward and backward.  The ring
-runs outside the compiled graph (``torch.compiler.disable``): it is an
-``autograd.Function`` issuing point-to-point sends, which Dynamo does not trace.
-Grouped-query attention is supported without replicating key/value heads.
+compute).  Each step runs fused flash attention on CPU
+(``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the
+log-sum-exp: no score matrix is materialised) and merges the blocks with the
+online-softmax rule in fp32; backward calls the fused flash backward kernel per
+block (the ring_flash_attn / zig-zag ring recipe); see Note [Exact ring
+attention].  The ring runs outside the compiled graph (``torch.compiler.disable``:
+one graph break per attention layer): it is an ``autograd.Function`` issuing
+point-to-point sends, which Dynamo does not trace; the model code between
+attentions is compiled.  Grouped-query attention is supported without sending
+replicated key/value heads.
 """
 
 from __future__ import annotations
@@ -25,20 +31,31 @@ from experiments.baselines.hand_sp import HandWrittenSP
 # Rank r holds the queries, keys and values of its chunks.  In P steps it sees
 # every rank's key/value chunks (its own first).  For a query chunk a and key chunk b,
 # causal attention is: nothing if b > a, the causal triangle if b == a, every pair if
-# b < a.  Each computed block yields an output O_blk (softmax over the block's keys)
-# and its row-wise log-sum-exp L_blk; blocks merge exactly by
+# b < a.  Each step's work is cut into as few fused attention calls as the causal
+# structure allows (`_blocks`): at step 0 (its own chunks) one causal call over the
+# rank's concatenated chunks (exact because a rank's chunks are in ascending order);
+# at a later step, under the zig-zag layout, one non-causal call (both query chunks
+# against the earlier rank's first key chunk, or the second query chunk against both
+# key chunks of a later rank).  Each call is CPU flash attention
+# (``aten._scaled_dot_product_flash_attention_for_cpu``), which returns the block's
+# output O_blk (softmax over the block's keys) and its row-wise log-sum-exp L_blk;
+# blocks merge exactly, in fp32, by the online-softmax rule
 #     L = logaddexp(L1, L2),   O = O1 * exp(L1 - L) + O2 * exp(L2 - L),
 # so after all steps O and L are those of softmax attention over the whole sequence.
 # Backward (the same ring, key/value blocks travelling forward again while their
-# gradient accumulators travel with them): with the final O and L, a block's
-# probabilities are P_blk = exp(S_blk - L) and, with Delta = rowsum(dO * O),
-#     dV_b += P^T dO_a,   dS = P * (dO_a V_b^T - Delta_a),
-#     dQ_a += scale * dS K_b,   dK_b += scale * dS^T Q_a,
-# which is exactly the gradient of full attention restricted to the block.  After P
-# steps plus one final transfer, each rank holds the finished dK/dV of its own
-# chunks.  All arithmetic is fp32 (inputs of lower precision are upcast).
+# gradient accumulators travel with them): the flash backward kernel
+# (``aten._scaled_dot_product_flash_attention_for_cpu_backward``) of each block is
+# given the *final* O and L of the query rows, so its P_blk = exp(S_blk - L) and
+# Delta = rowsum(dO * O) are those of full attention, and the dQ, dK, dV it returns
+# are exactly the gradient of full attention restricted to the block.  After P steps
+# plus one final transfer, each rank holds the finished dK/dV of its own chunks.
+# Grouped-query attention: the key/value heads travel unreplicated; each call sees
+# them expanded to the query heads (the kernel has no GQA), and their gradients are
+# summed back over the group.
 
 _KV_TAG, _GRAD_TAG = 0, 1
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 class _Ring:
@@ -73,20 +90,38 @@ def _relation(query_chunk: int, key_chunk: int, causal: bool) -> str | None:
     return "diagonal" if key_chunk == query_chunk else None
 
 
-def _scores(q, k, scale: float, relation: str) -> torch.Tensor:
-    """q [B, Hkv, G, c, D], k [B, Hkv, c, D] -> scaled scores [B, Hkv, G, c, c], causal-masked on the diagonal."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if relation == "diagonal":
-        c = s.shape[-1]
-        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+def _blocks(mine: tuple[int, ...], theirs: tuple[int, ...], causal: bool) -> list[tuple[list[int], list[int], bool]]:
+    """The fused attention calls of one ring step: (local query chunk positions, key chunk positions, causal).
+
+    As few as the causal structure allows (see Note [Exact ring attention]): the pairs a
+    call covers are exactly the pairs that attend, in ascending chunk order."""
+    relations = {(i, j): _relation(a, b, causal) for i, a in enumerate(mine) for j, b in enumerate(theirs)}
+    live = {pair: rel for pair, rel in relations.items() if rel is not None}
+    if not live:
+        return []
+    if mine == theirs and list(mine) == sorted(mine):  # own chunks: one causal call over their concatenation
+        return [(list(range(len(mine))), list(range(len(theirs))), causal)]
+    rows = sorted({i for i, _ in live})
+    cols = sorted({j for _, j in live})
+    if all(rel == "full" for rel in live.values()) and len(live) == len(rows) * len(cols):
+        return [(rows, cols, False)]  # a rectangle of whole blocks: one non-causal call
+    return [([i], [j], rel == "diagonal") for (i, j), rel in sorted(live.items())]
 
 
-def _merge(out, lse, block_out, block_lse):
-    if out is None:
-        return block_out, block_lse
+def _take(chunks: tuple[torch.Tensor, ...], positions: list[int]) -> torch.Tensor:
+    return chunks[positions[0]] if len(positions) == 1 else torch.cat([chunks[i] for i in positions], dim=2)
+
+
+def _expand_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, L, D] -> [B, Hkv * groups, L, D], each kv head repeated for its query heads."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Online-softmax merge of a block into the fp32 accumulators ``out`` [B, H, l, D], ``lse`` [B, H, l], in place."""
     new_lse = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - new_lse)[..., None] + block_out * torch.exp(block_lse - new_lse)[..., None], new_lse
+    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out.float() * torch.exp(block_lse - new_lse)[..., None])
+    lse.copy_(new_lse)
 
 
 class _RingAttentionFn(torch.autograd.Function):
@@ -95,62 +130,69 @@ class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring, scale: float, causal: bool):
         b, h, length, d = q.shape
-        hkv = k.shape[1]
+        groups = h // k.shape[1]
         mine = ring.layout.chunks[ring.rank]
         n = len(mine)
-        qg = q.float().reshape(b, hkv, h // hkv, length, d)  # [B, Hkv, G, L, D]
-        q_chunks = qg.chunk(n, dim=3)
-        kv = torch.stack([k.float(), v.float()]).contiguous()  # [2, B, Hkv, L, D]
-        outs, lses = [None] * n, [None] * n
+        q_chunks = q.chunk(n, dim=2)
+        out = torch.zeros(b, h, length, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, length), float("-inf"), dtype=torch.float32, device=q.device)
+        out_chunks, lse_chunks = out.chunk(n, dim=2), lse.chunk(n, dim=2)
+        kv = torch.stack([k, v]).contiguous()  # [2, B, Hkv, L, D]
         for step in range(ring.size):
             pending = ring.start_shift(kv, _KV_TAG) if step < ring.size - 1 else None
             k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
-            for i, a in enumerate(mine):
-                for j, bk in enumerate(ring.chunks_at(step)):
-                    relation = _relation(a, bk, causal)
-                    if relation is None:
-                        continue
-                    s = _scores(q_chunks[i], k_chunks[j], scale, relation)
-                    block_lse = torch.logsumexp(s, dim=-1)
-                    block_out = torch.matmul(torch.exp(s - block_lse[..., None]), v_chunks[j].unsqueeze(2))
-                    outs[i], lses[i] = _merge(outs[i], lses[i], block_out, block_lse)
+            for rows, cols, block_causal in _blocks(mine, ring.chunks_at(step), causal):
+                block_out, block_lse = _flash(
+                    _take(q_chunks, rows), _expand_heads(_take(k_chunks, cols), groups),
+                    _expand_heads(_take(v_chunks, cols), groups), 0.0, block_causal, scale=scale,
+                )
+                c = block_out.shape[2] // len(rows)
+                for t, i in enumerate(rows):
+                    _merge(out_chunks[i], lse_chunks[i], block_out[:, :, t * c:(t + 1) * c],
+                           block_lse[:, :, t * c:(t + 1) * c])
             if pending is not None:
                 requests, kv = pending
                 for request in requests:
                     request.wait()
-        out, lse = torch.cat(outs, dim=3), torch.cat(lses, dim=3)  # [B, Hkv, G, L, D], [B, Hkv, G, L]
-        ctx.save_for_backward(qg, k, v, out, lse)
-        ctx.ring, ctx.scale, ctx.causal, ctx.q_dtype = ring, scale, causal, q.dtype
-        return out.reshape(b, h, length, d).to(q.dtype)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale, ctx.causal = ring, scale, causal
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qg, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         ring, scale, causal = ctx.ring, ctx.scale, ctx.causal
+        b, h, length, d = q.shape
+        hkv = k.shape[1]
+        groups = h // hkv
         mine = ring.layout.chunks[ring.rank]
         n = len(mine)
-        dout = grad_out.float().reshape(out.shape)
-        delta = (dout * out).sum(dim=-1)  # [B, Hkv, G, L]
-        dq = torch.zeros_like(qg)
-        q_chunks, dq_chunks = qg.chunk(n, dim=3), dq.chunk(n, dim=3)
-        dout_chunks, delta_chunks, lse_chunks = dout.chunk(n, dim=3), delta.chunk(n, dim=3), lse.chunk(n, dim=3)
-        kv = torch.stack([k.float(), v.float()]).contiguous()
-        dkv = torch.zeros_like(kv)  # travels with the key/value block it belongs to
+        dout = grad_out.to(q.dtype)
+        q_chunks, dout_chunks, out_chunks, lse_chunks = (t.chunk(n, dim=2) for t in (q, dout, out, lse))
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq_chunks = dq.chunk(n, dim=2)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its key/value block
         for step in range(ring.size):
             pending = ring.start_shift(kv, _KV_TAG) if step < ring.size - 1 else None
             k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
             dk_chunks, dv_chunks = dkv[0].chunk(n, dim=2), dkv[1].chunk(n, dim=2)
-            for i, a in enumerate(mine):
-                for j, bk in enumerate(ring.chunks_at(step)):
-                    relation = _relation(a, bk, causal)
-                    if relation is None:
-                        continue
-                    p = torch.exp(_scores(q_chunks[i], k_chunks[j], scale, relation) - lse_chunks[i][..., None])
-                    dv_chunks[j].add_(torch.matmul(p.transpose(-1, -2), dout_chunks[i]).sum(dim=2))
-                    dp = torch.matmul(dout_chunks[i], v_chunks[j].unsqueeze(2).transpose(-1, -2))
-                    ds = p * (dp - delta_chunks[i][..., None])
-                    dq_chunks[i].add_(torch.matmul(ds, k_chunks[j].unsqueeze(2)), alpha=scale)
-                    dk_chunks[j].add_(torch.matmul(ds.transpose(-1, -2), q_chunks[i]).sum(dim=2), alpha=scale)
+            for rows, cols, block_causal in _blocks(mine, ring.chunks_at(step), causal):
+                dq_blk, dk_blk, dv_blk = _flash_backward(
+                    _take(dout_chunks, rows), _take(q_chunks, rows),
+                    _expand_heads(_take(k_chunks, cols), groups), _expand_heads(_take(v_chunks, cols), groups),
+                    _take(out_chunks, rows), _take(lse_chunks, rows).contiguous(), 0.0, block_causal, scale=scale,
+                )
+                c = dq_blk.shape[2] // len(rows)
+                for t, i in enumerate(rows):
+                    dq_chunks[i].add_(dq_blk[:, :, t * c:(t + 1) * c])
+                if groups > 1:  # gradients of the expanded heads, summed back onto each kv head
+                    dk_blk = dk_blk.unflatten(1, (hkv, groups)).sum(dim=2)
+                    dv_blk = dv_blk.unflatten(1, (hkv, groups)).sum(dim=2)
+                for t, j in enumerate(cols):
+                    dk_chunks[j].add_(dk_blk[:, :, t * c:(t + 1) * c])
+                    dv_chunks[j].add_(dv_blk[:, :, t * c:(t + 1) * c])
             if ring.size > 1:
                 grad_requests, dkv = ring.start_shift(dkv, _GRAD_TAG)
                 for request in grad_requests:
@@ -159,9 +201,7 @@ class _RingAttentionFn(torch.autograd.Function):
                 requests, kv = pending
                 for request in requests:
                     request.wait()
-        b, hkv, g, length, d = qg.shape
-        dq = dq.reshape(b, hkv * g, length, d).to(ctx.q_dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 class RingAttention:

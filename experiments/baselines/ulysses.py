@@ -6,12 +6,18 @@ sequence-sharded q/k/v [B, S/P, H, D] into head-sharded full-sequence
 [B, S, H/P, D], runs causal SDPA on this rank's heads, and all-to-alls the output
 back.  Exact: attention sees the whole sequence, everything else is token-wise.
 The whole local step, ``DistributedAttention`` included, is compiled with
-``torch.compile(backend=compiler)``: Dynamo (torch 2.13) traces its all-to-all
+``torch.compile(backend=compiler, fullgraph=True)``: Dynamo (torch 2.13) traces its all-to-all
 ``autograd.Function`` over ``deepspeed.comm`` in one graph, forward and backward
 (checked exact in tests/experiments).  ``attention_in_graph=False`` keeps it out
 of the graph instead (``torch.compiler.disable``: one graph break per layer, the
 collective runs eagerly as DeepSpeed wrote it), for versions where tracing fails.
 Key/value heads must be at least P (DeepSpeed's own check).
+
+``ulysses+ckpt`` is the same with per-layer activation checkpointing, as
+Ulysses is run for long sequences in practice (Megatron/DeepSpeed
+``checkpoint_activations``, Hugging Face ``gradient_checkpointing``): every decoder
+layer keeps its input and recomputes its forward, both all-to-alls included, in
+backward.
 """
 
 from __future__ import annotations
@@ -63,10 +69,11 @@ class UlyssesSystem(HandWrittenSP):
 
     def __init__(
         self, model: nn.Module, *, sp_size: int, process_group=None, compiler: str = "aot_eager",
-        attention_in_graph: bool = True,
+        attention_in_graph: bool = True, activation_checkpointing: bool = False,
     ):
         super().__init__(
             model, sp_size=sp_size, process_group=process_group, compiler=compiler,
             make_attention=lambda groups: UlyssesAttention(groups.sp_group, in_graph=attention_in_graph),
-            layout=TokenLayout.contiguous(sp_size),
+            layout=TokenLayout.contiguous(sp_size), activation_checkpointing=activation_checkpointing,
+            fullgraph=attention_in_graph,
         )

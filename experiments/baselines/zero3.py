@@ -11,7 +11,8 @@ Built with ``deepspeed.initialize`` and a torch optimizer (never a DeepSpeed
 ZeRO-3's per-module parameter gather/release hooks, which recompile per module
 until Dynamo's recompile limit (8) sends them back to eager (noisy warnings in the
 log; results stay exact).  ``gradients()`` all-gathers each parameter's partitions:
-call it on every rank.
+call it on every rank.  ``resident_tensors()`` lists what the engine holds between
+steps, preallocated buffers included, for peak-memory measurements.
 """
 
 from __future__ import annotations
@@ -63,6 +64,34 @@ class ZeRO3System:
         if compiler != "eager":
             self.engine.compile(backend=compiler)
         log.info("zero3: world=%d, compiler=%s", world, compiler)
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this rank holds between steps: the parameter partitions and their gradients, and the
+        buffers the engine and its ZeRO-3 optimizer preallocate (flat fp32/partition buffers, gradient
+        buckets, optimizer state), found by walking the optimizer's and the engine's attributes (two levels of
+        lists, tuples and dicts).  Gathered full parameters are released between steps (empty storages)."""
+        found: list[torch.Tensor] = []
+
+        def walk(value, depth: int) -> None:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif depth > 0 and isinstance(value, (list, tuple)):
+                for item in value:
+                    walk(item, depth - 1)
+            elif depth > 0 and isinstance(value, dict):
+                for item in value.values():
+                    walk(item, depth - 1)
+
+        for p in self.engine.module.parameters():
+            walk(getattr(p, "ds_tensor", None), 0)
+            walk(p.grad, 0)
+        for owner in (self.engine.optimizer, getattr(self.engine.optimizer, "optimizer", None), self.engine):
+            for value in vars(owner).values() if owner is not None else ():
+                walk(value, 2)
+        inner = getattr(self.engine.optimizer, "optimizer", None)
+        if inner is not None:
+            walk(list(inner.state.values()), 2)
+        return [t for t in found if t.device.type != "meta"]
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = loss_of(self.engine(input_ids=input_ids, labels=labels))

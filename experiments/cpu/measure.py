@@ -9,6 +9,10 @@ untimed step (`experiments.cpu.peak_memory`), and then times steps of
 all systems interleaved, rotating the order every round, so machine noise hits
 every system alike and ratios measured in one run are meaningful.
 
+With one system in ``spec.systems`` the process measures it alone: compiled from a
+fresh state (`fresh_compile_state`), with Dynamo's graph-break, graph and
+recompile counts of its compilation reported (`compile_counts`).
+
 The memory-cap search is `experiments.cpu.memory_cap`.
 """
 
@@ -69,7 +73,10 @@ def _errors(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
 
 
 def _resident_tensors(system) -> list[torch.Tensor]:
-    """Parameters and gradients a system holds on this rank before a step (ZeRO-3: its partitions)."""
+    """Parameters and gradients a system holds on this rank before a step (ZeRO-3: its partitions and the
+    engine's preallocated buffers, `ZeRO3System.resident_tensors`)."""
+    if hasattr(system, "resident_tensors"):
+        return system.resident_tensors()
     model = getattr(system, "model", None)
     if model is None and hasattr(system, "engine"):
         model = system.engine.module
@@ -80,14 +87,70 @@ def _resident_tensors(system) -> list[torch.Tensor]:
     return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
+_RNG_OPS_REGISTERED = False
+
+
+def _register_rng_ops_for(mode_class) -> None:
+    """Let ``mode_class`` (a dispatch mode) run the RNG-state higher-order ops that compiled activation
+    checkpointing puts in a graph (they otherwise refuse unknown modes): run them under the mode, so the
+    tensors their inner op creates are seen as any other op's."""
+    global _RNG_OPS_REGISTERED
+    if _RNG_OPS_REGISTERED:
+        return
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    @run_and_save_rng_state.py_impl(mode_class)
+    def _save(mode, op, *args, **kwargs):
+        with mode:
+            return torch.get_rng_state(), op(*args, **kwargs)
+
+    @run_with_rng_state.py_impl(mode_class)
+    def _replay(mode, rng_state, op, *args, **kwargs):
+        current = torch.get_rng_state()
+        torch.set_rng_state(rng_state)
+        try:
+            with mode:
+                return op(*args, **kwargs)
+        finally:
+            torch.set_rng_state(current)
+
+    _RNG_OPS_REGISTERED = True
+
+
 def _measured_step(system, ids, labels) -> int:
     """One untimed step; this rank's peak tensor bytes during it."""
     system.zero_grad()
     from experiments.cpu.peak_memory import PeakMemory
 
+    _register_rng_ops_for(PeakMemory)
     with PeakMemory(static=_resident_tensors(system), keep_breakdown=False) as pm:
         system.step(ids, labels)
     return int(pm.peak_bytes)
+
+
+def fresh_compile_state() -> None:
+    """Forget every compiled graph, Dynamo's counters and compilation metrics, and turn off the on-disk
+    compile caches, so that what is compiled next is compiled from scratch and counted alone."""
+    from torch._dynamo import utils as dynamo_utils
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    dynamo_utils.clear_compilation_metrics()
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+
+
+def compile_counts() -> dict[str, int]:
+    """Dynamo's tally since the last `fresh_compile_state`: graph breaks (``counters["graph_break"]``), graphs
+    compiled, and recompiles (frames compiled again after a guard failed)."""
+    from torch._dynamo import utils as dynamo_utils
+
+    metrics = dynamo_utils.get_compilation_metrics()
+    return {
+        "graph_breaks": int(sum(dynamo_utils.counters["graph_break"].values())),
+        "graphs": int(dynamo_utils.counters["stats"]["unique_graphs"]),
+        "recompiles": sum(1 for m in metrics if m.recompile_reason),
+    }
 
 
 def _quiet_rank() -> None:
@@ -132,7 +195,10 @@ def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
     ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
 
     systems, results = {}, {}
+    isolated = len(spec.systems) == 1
     for name in spec.systems:
+        if isolated:
+            fresh_compile_state()
         dist.barrier()
         start = time.perf_counter()
         try:
@@ -162,6 +228,9 @@ def measure_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
         results[name]["peak_memory_bytes"] = _measured_step(systems[name], ids, labels)
     for name, step_s in time_interleaved(systems, ids, labels, steps=spec.steps).items():
         results[name]["step_s"] = step_s
+    if isolated:  # counts of the one system this process compiled (with several, they mix)
+        for name in names:
+            results[name].update(compile_counts())
     for r in results.values():
         if "step_s" in r:
             r["median_step_s"] = statistics.median(r["step_s"]) if r["step_s"] else float("nan")

@@ -12,6 +12,9 @@ Each is derived from a graph the real compiler produces for the same model:
   ``checkpointing="none"`` and ``overlap_communication=False`` (where `autosp`
   has those options), sharded over 8 ranks; static memory as AutoSP's (bf16
   parameters on every rank, gradients and Adam state sharded over the 8 ranks).
+- ``ulysses+ckpt``: hand-written Ulysses with per-layer activation checkpointing,
+  as Ulysses is run for long sequences in practice.  Traced like ``ulysses`` but
+  with ``checkpointing="full"``; see Note [Ulysses with per-layer checkpointing].
 - ``ring_attention``: that same Ulysses trace, rewritten: no all-to-alls, each
   attention split into 8 chunks between peer-to-peer K,V (and dK,dV) transfers
   around the ring (see Note [Ring attention as a rewrite of the Ulysses trace] in
@@ -28,6 +31,24 @@ two-layer traces, as for AutoSP (see Note [Layer extrapolation] in
 experiments.paper_scale.simulate), and the longest sequence is found with the secant search
 of `experiments.cpu.memory_cap.next_probe` on the simulated peak memory (see Note
 [Memory-cap search]).
+
+Note [Ulysses with per-layer checkpointing]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A hand-written per-layer checkpoint (``torch.utils.checkpoint`` around each decoder
+layer) keeps each layer's input and reruns the whole layer forward in backward,
+its four all-to-alls included.  The closest program the real compiler emits is
+AutoSP's ``checkpointing="full"`` on the Ulysses trace (blocking all-to-alls): it
+recomputes every op in backward, attention included, except that collectives are
+never recomputed and the tensors that cross layers (residual stream, rotary
+tables) are kept.  So this model differs from the hand-written program in two
+known directions: it keeps the four all-to-all outputs of every layer (q, k, v in
+head-sharded layout and the attention output in sequence-sharded layout: about
+(2 + 2·kv_heads/heads)× the layer input's bytes more per layer), which makes its
+peak memory higher and its longest sequence shorter than the real baseline's; and it
+does not resend those all-to-alls in backward, which makes its step faster than the
+real baseline's (by four blocking all-to-alls per layer).  The CPU measurement
+(``ulysses+ckpt`` in the measured-cpu and memory-cap tables) runs the real
+per-layer checkpoint.
 """
 
 from __future__ import annotations
@@ -53,8 +74,8 @@ from simulator import Cluster
 
 log = logging.getLogger(__name__)
 
-SIMULATED_BASELINES = ("zero3", "ring_attention", "ulysses")
-"""Baselines this module simulates (names as in the published-figures table)."""
+SIMULATED_BASELINES = ("zero3", "ring_attention", "ulysses", "ulysses+ckpt")
+"""Baselines this module simulates (names as in the published-figures table; ``ulysses+ckpt`` has no published figure)."""
 
 
 def _autosp_options(**wanted) -> dict:
@@ -69,8 +90,10 @@ def simulate_baseline_step(system: str, model_name: str, seq_len: int, *, ranks:
     """One training step of baseline ``system`` (see Note [Baselines as AutoSP variants])."""
     if system not in SIMULATED_BASELINES:
         raise ValueError(f"system {system!r} is not simulated at paper scale; choose one of {SIMULATED_BASELINES}")
-    if system == "ulysses":
-        options = _autosp_options(checkpointing="none", overlap_communication=False)
+    if system in ("ulysses", "ulysses+ckpt"):
+        # See Note [Ulysses with per-layer checkpointing] for what "full" stands for.
+        checkpointing = "full" if system == "ulysses+ckpt" else "none"
+        options = _autosp_options(checkpointing=checkpointing, overlap_communication=False)
         return simulate_autosp_step(model_name, seq_len, sp_size=ranks, cluster=cluster, zero_shards=ranks,
                                     autosp_options=options, cache=cache)
     model = PAPER_MODELS[model_name]

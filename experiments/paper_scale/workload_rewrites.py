@@ -68,10 +68,33 @@ one each chunk's gradients are home).  So its workload is the Ulysses workload
 Sends run on a ``ring_send`` stream and receives on ``ring_recv`` (as
 ``batch_isend_irecv`` does), so a rank sends and receives at once.  Peers name
 absolute ranks, so the workload has one program per rank (the simulator then
-simulates every rank).  Not modelled: the online-softmax merge of the chunk outputs
-(elementwise work and fp32 accumulators of S/P×H×D), the dQ accumulation, kernel
-efficiency lost to P smaller attention calls, and the diagonal chunk's causal mask
-work being half of the others'.
+simulates every rank).
+
+The online-softmax merge is modelled, as real ring implementations (ring_flash_attn,
+and `experiments.baselines.ring` on CPU) run it: each forward attention keeps an
+fp32 output accumulator of [B, H, S/P, D] (the q tensor's elements at 4 bytes)
+from its first chunk to its end; after every chunk but the first, an elementwise
+``merge`` op reads the accumulator and the chunk's output and writes the
+accumulator (a few FLOPs per element); a final ``finalize`` op casts it to the
+output.  In backward, each chunk's dQ, dK, dV are added into fp32 accumulators
+(the dQ accumulator is a new tensor; dK, dV accumulate in the travelling fp32
+buffers above) by an ``accumulate`` op per chunk, and a ``finalize`` op casts
+them back; the next dK,dV send waits for the accumulation.  The activation
+element size is taken as ``element_bytes`` (2: bf16, what the paper-scale traces
+use).  Under zig-zag every step computes the same number of (query, key) pairs
+(step 0 one causal call over the rank's two chunks, every later step one
+non-causal call of half the size), so the even 1/P split of FLOPs and scores is
+what the real kernel calls do.
+
+Not modelled: the efficiency lost by P smaller attention calls.  The cost model
+prices a kernel by op class alone (one FLOP and byte efficiency per class, plus a
+time per attention score), with no dependence on the kernel's size, so each chunk
+pays only its own launch overhead; at paper scale (chunks of several thousand
+tokens) flash attention runs near its full-length efficiency anyway, but at short
+sequences this makes ring optimistic.  Also not modelled: the row-wise
+log-sum-exp tensors ([B, H, S/P], D times smaller than the accumulators), the
+replication of key/value heads for grouped-query kernels without native support,
+and the kernel-internal recomputation of Delta = rowsum(dO * O) per chunk.
 """
 
 from __future__ import annotations
@@ -246,6 +269,12 @@ def _all_to_all_inputs(ops: Sequence[Op], position: int, by_id: dict[int, int]) 
 
 def kv_chunk_bytes(workload: Workload) -> list[int]:
     """Per forward attention op (in program order): bytes of its K and V as Ulysses all-to-alls them."""
+    return [kv for kv, _ in attention_input_bytes(workload)]
+
+
+def attention_input_bytes(workload: Workload) -> list[tuple[int, int]]:
+    """Per forward attention op (in program order): (bytes of its K and V, bytes of its Q) as Ulysses
+    all-to-alls them (per rank; Q is the largest of the three)."""
     ops = workload.program(0).ops
     by_id = {op.id: i for i, op in enumerate(ops)}
     chunks = []
@@ -255,11 +284,19 @@ def kv_chunk_bytes(workload: Workload) -> list[int]:
             if len(sizes) < 3:
                 raise ValueError(f"attention op {op.name!r} of {workload.name!r} does not read three all-to-alls "
                                  "(q, k, v); pass a Ulysses (AutoSP) workload")
-            chunks.append(sum(sizes[:2]))
+            chunks.append((sum(sizes[:2]), sizes[-1]))
     return chunks
 
 
-def _ring_program(source: RankProgram, rank: int, p: int, kv_bytes: list[int]) -> RankProgram:
+MERGE_FLOPS_PER_ELEMENT = 6
+"""Online-softmax merge per output element: two rescalings (multiplies), an add, and the exp/logaddexp
+work on the row statistics spread over the head dimension."""
+ACCUMULATOR_BYTES = 4
+"""fp32 accumulators of the merge and of the gradient sums."""
+
+
+def _ring_program(source: RankProgram, rank: int, p: int, sites: list[tuple[int, int]],
+                  element_bytes: int) -> RankProgram:
     nxt, prv = (rank + 1) % p, (rank - 1) % p
     out = _Program(source.tensors)
     forward_sites = sum(1 for op in source.ops if op.op_class == "attention" and op.phase == "forward")
@@ -295,12 +332,17 @@ def _ring_program(source: RankProgram, rank: int, p: int, kv_bytes: list[int]) -
             continue
         site = seen[op.phase]
         seen[op.phase] += 1
-        kv = kv_bytes[site if op.phase == "forward" else max(forward_sites - 1 - site, 0)]
+        kv, q = sites[site if op.phase == "forward" else max(forward_sites - 1 - site, 0)]
         deps = tuple(out.new_id[d] for d in op.deps)
         buffers = [out.tensor(kv) for _ in range(2)]
         grad_buffers = [out.tensor(2 * kv) for _ in range(2)] if op.phase == "backward" else []
+        # fp32 accumulators: the merged output (forward) or dQ (backward), [B, H, S/P, D] like q.
+        q_elements = q // element_bytes
+        kv_elements = kv // element_bytes
+        accumulator = out.tensor(ACCUMULATOR_BYTES * q_elements)
         tag = f"{op.name}.ring"
         recv = chunk = dkv_recv = None
+        merged = None  # the last merge / accumulation op
         dkv_sends: list[int] = []
         for i in range(p):
             if i < p - 1:  # pass the K,V chunk in hand on while computing with it
@@ -309,37 +351,54 @@ def _ring_program(source: RankProgram, rank: int, p: int, kv_bytes: list[int]) -
                 if i == 0:
                     out.ops[send]["allocates"] = tuple(buffers + grad_buffers)
             chunk = chunks(op, i, deps if i == 0 else (recv,))
+            if i == 0:
+                out.ops[chunk]["allocates"] = tuple(out.ops[chunk]["allocates"]) + (accumulator,)
+            if op.phase == "forward" and i > 0:  # online-softmax merge of this chunk into the fp32 output
+                acc = ACCUMULATOR_BYTES * q_elements
+                merged = out.add(name=f"{op.name}.merge{i}", kind="compute", op_class="elementwise", phase=op.phase,
+                                 flops=MERGE_FLOPS_PER_ELEMENT * q_elements, bytes_read=acc + q, bytes_written=acc,
+                                 deps=(chunk,) if merged is None else (chunk, merged))
+            elif op.phase == "backward":  # this chunk's dQ, dK, dV added into the fp32 sums
+                acc = ACCUMULATOR_BYTES * (q_elements + 2 * kv_elements)
+                merged = out.add(name=f"{op.name}.accumulate{i}", kind="compute", op_class="elementwise",
+                                 phase=op.phase, flops=q_elements + 2 * kv_elements, bytes_read=2 * acc,
+                                 bytes_written=acc, deps=tuple(d for d in (chunk, merged, dkv_recv) if d is not None))
             if i < p - 1:
                 out.wait(send)
                 out.wait(next_recv)
                 recv = next_recv
             if op.phase == "backward":  # the chunk's partial dK,dV (plus what came before) moves on
-                send, next_recv = send_recv(f"{tag}.dkv{i}", op.phase, 2 * kv,
-                                            (chunk,) if dkv_recv is None else (chunk, dkv_recv), (chunk,))
+                send, next_recv = send_recv(f"{tag}.dkv{i}", op.phase, 2 * kv, (merged,), (merged,))
                 dkv_sends.append(send)
                 dkv_recv = next_recv
         for send in dkv_sends:
             out.wait(send)
-        last = out.wait(dkv_recv) if dkv_recv is not None else chunk
-        out.free_at(last, list(op.frees) + buffers + grad_buffers)
+        arrived = out.wait(dkv_recv) if dkv_recv is not None else None
+        # Cast the fp32 accumulators to the outputs (forward: out; backward: dQ, and the arrived dK, dV).
+        elements = q_elements + (2 * kv_elements if op.phase == "backward" else 0)
+        last = out.add(name=f"{op.name}.finalize", kind="compute", op_class="elementwise", phase=op.phase,
+                       flops=elements, bytes_read=ACCUMULATOR_BYTES * elements, bytes_written=element_bytes * elements,
+                       deps=tuple(d for d in (chunk, merged, arrived) if d is not None))
+        out.free_at(last, list(op.frees) + buffers + grad_buffers + [accumulator])
         out.new_id[op.id] = last
     return out.build(source.static_memory)
 
 
-def ring_attention_workload(workload: Workload, *, name: str | None = None) -> Workload:
+def ring_attention_workload(workload: Workload, *, name: str | None = None, element_bytes: int = 2) -> Workload:
     """The ring-attention step of a Ulysses ``workload`` on the same ranks (one program per rank).
 
-    See Note [Ring attention as a rewrite of the Ulysses trace]."""
+    ``element_bytes``: bytes of one activation element (2: bf16).  See Note [Ring attention as a rewrite of the
+    Ulysses trace]."""
     p = workload.world_size
     if p < 2:
         raise ValueError("ring attention needs at least two ranks")
     if not workload.symmetric:
         raise ValueError("ring_attention_workload expects the symmetric Ulysses workload autosp.export writes")
-    kv_bytes = kv_chunk_bytes(workload)
+    sites = attention_input_bytes(workload)
     source = workload.program(0)
     everyone = [list(range(p))]
     return Workload(name=name or f"{workload.name}/ring", world_size=p,
                     groups={**{g: [list(m) for m in inst] for g, inst in workload.groups.items()},
                             "ring_send": everyone, "ring_recv": everyone},
-                    ranks={r: _ring_program(source, r, p, kv_bytes) for r in range(p)}, symmetric=False,
+                    ranks={r: _ring_program(source, r, p, sites, element_bytes) for r in range(p)}, symmetric=False,
                     metadata={**workload.metadata, "system": "ring_attention"})

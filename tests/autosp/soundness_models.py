@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from experiments.models import build_model
-from experiments.plain_llama import PlainLlama, PlainLlamaConfig
+from experiments.models.plain_llama import PlainLlama, PlainLlamaConfig
 
 VOCAB = 256
 

@@ -2,7 +2,7 @@
 
 Each rank builds the model from one seed, trains the full sample on one device
 (the reference) and then each system on a copy through the common `System`
-interface.  The exact systems (autosp, ulysses, ring, zero3) must match the
+interface.  The exact systems (autosp, ulysses, ulysses+ckpt, ring, zero3) must match the
 reference's loss and every gradient (fp32 rtol 1e-4 / atol 1e-6), also after
 ``zero_grad`` and a second step.  DeepSpeed's AutoSP runs but is inexact; its test
 pins down why: its gradients equal, instead, a single-device model of its two
@@ -80,14 +80,14 @@ def _check_exact(per_rank):
 
 
 def test_baselines_sequence_parallel_systems_match_single_device():
-    systems = [("autosp", {}), ("ulysses", {}), ("ulysses", {"attention_in_graph": False}), ("ring", {}),
-               ("ring", {"load_balance": False})]
+    systems = [("autosp", {}), ("ulysses", {}), ("ulysses", {"attention_in_graph": False}), ("ulysses+ckpt", {}),
+               ("ring", {}), ("ring", {"load_balance": False})]
     _check_exact(run_on_ranks(_run_systems, 2, "plain-llama", 32, systems, timeout_s=300))
 
 
 def test_baselines_hand_written_systems_match_single_device_on_hugging_face_llama():
     # 8 query heads, 2 kv heads: grouped-query attention through transformers' attention registry.
-    systems = [("ulysses", {}), ("ring", {})]
+    systems = [("ulysses", {}), ("ulysses+ckpt", {}), ("ring", {})]
     _check_exact(run_on_ranks(_run_systems, 2, "hf-llama", 32, systems, timeout_s=300))
 
 
@@ -206,7 +206,7 @@ def test_baselines_zigzag_shard_has_global_positions():
 def test_baselines_unknown_system_names_the_choices():
     with pytest.raises(ValueError, match="ring"):
         build_system("megatron", torch.nn.Linear(2, 2), sp_size=2)
-    assert set(SYSTEMS) == {"autosp", "autosp-nosac", "ulysses", "ring", "zero3", "deepspeed-autosp"}
+    assert set(SYSTEMS) == {"autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp"}
 
 
 def test_baselines_autosp_nosac_turns_checkpointing_off_where_autosp_has_it():
@@ -223,3 +223,53 @@ def test_baselines_autosp_nosac_turns_checkpointing_off_where_autosp_has_it():
 def test_baselines_layout_refuses_a_length_it_cannot_split():
     with pytest.raises(ValueError, match="multiple of 4"):
         TokenLayout.zigzag(2).token_indices(30, 0)
+
+
+# --- what the stronger baselines do differently ----------------------------------------------------------
+
+
+def _peaks(rank, world):
+    from experiments.cpu.measure import _measured_step, compile_counts, fresh_compile_state
+    from experiments.models import build_model, vocab_size
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.manual_seed(0)
+    model = build_model("hf-llama", kv_heads=4)
+    ids, labels = make_sample(128, vocab_size(model), seed=100)
+    out = {}
+    for name in ("ulysses", "ulysses+ckpt"):
+        fresh_compile_state()
+        system = build_system(name, copy.deepcopy(model), sp_size=world)
+        system.step(ids, labels)
+        out[name] = {"peak": _measured_step(system, ids, labels), **compile_counts()}
+    return out
+
+
+def test_baselines_ulysses_ckpt_keeps_less_activation_memory_in_one_graph():
+    for out in run_on_ranks(_peaks, 2, timeout_s=300):
+        assert out["ulysses+ckpt"]["peak"] < out["ulysses"]["peak"], out
+        for name in ("ulysses", "ulysses+ckpt"):  # fullgraph: one graph, no break, no recompile
+            assert (out[name]["graph_breaks"], out[name]["graphs"], out[name]["recompiles"]) == (0, 1, 0), out
+
+
+@pytest.mark.parametrize("sp_size", [2, 3, 4])
+def test_baselines_zigzag_ring_runs_one_fused_attention_per_step_covering_exactly_the_causal_pairs(sp_size):
+    from experiments.baselines.ring import _blocks
+
+    layout = TokenLayout.zigzag(sp_size)
+    for rank in range(sp_size):
+        mine = layout.chunks[rank]
+        covered = set()
+        for step in range(sp_size):
+            theirs = layout.chunks[(rank - step) % sp_size]
+            calls = _blocks(mine, theirs, causal=True)
+            assert len(calls) == 1  # zig-zag: every step is one kernel call
+            for rows, cols, causal in calls:
+                for i in rows:
+                    for j in cols:
+                        pair = (mine[i], theirs[j])
+                        assert causal or pair[1] < pair[0]  # a non-causal call covers only wholly visible blocks
+                        covered.add(pair)
+        expected = {(a, b) for a in mine for b in range(2 * sp_size) if b <= a}
+        # the causal call of step 0 covers (r, 2P-1-r) masked out entirely: count only visible pairs
+        assert {(a, b) for a, b in covered if b <= a} == expected

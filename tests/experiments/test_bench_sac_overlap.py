@@ -22,3 +22,15 @@ def test_bench_covers_the_four_checkpointing_settings_overlap_on_and_off_and_uly
     assert settings == {"sac", "none", "default", "full"}
     assert {opts.get("overlap_communication", True) for _, opts in VARIANTS.values()} == {True, False}
     assert "ulysses" in VARIANTS
+
+
+def test_bench_reports_the_slowest_rank_not_rank_zero():
+    from experiments.bench_sac_overlap import BASELINE, VARIANTS, step_rows
+
+    def rank(step_s, baseline_s):
+        return {label: {"median_step_s": baseline_s if label == BASELINE else step_s, "peak_bytes": 2**20,
+                        "compile_s": 1.0} for label in VARIANTS}
+
+    rows = step_rows([rank(0.010, 0.020), rank(0.030, 0.025)], 256)  # rank 1 is the slow one
+    other = next(r for r in rows if r["variant"] != BASELINE)
+    assert other["step_ms"] == 30.0 and other["step_vs_ulysses"] == 1.2 and other["ranks"] == 2

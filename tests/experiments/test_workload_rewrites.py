@@ -105,12 +105,34 @@ def test_ring_rewrite_validates_simulates_and_keeps_the_receive_buffers_in_memor
     validate_workload(ring)
     assert kv_chunk_bytes(source) == [2 * KV_BYTES, 2 * KV_BYTES]
     extra = sum(ring.program(0).tensors.values()) - sum(source.program(0).tensors.values())
-    per_forward, per_backward = 2 * (2 * KV_BYTES), 2 * (2 * KV_BYTES) + 2 * (4 * KV_BYTES)
+    accumulator = 4 * (Q_BYTES // 2)  # fp32 output (forward) or dQ (backward) accumulator, bf16 elements
+    per_forward = 2 * (2 * KV_BYTES) + accumulator
+    per_backward = 2 * (2 * KV_BYTES) + 2 * (4 * KV_BYTES) + accumulator
     assert extra == 2 * (per_forward + per_backward)
     cluster = Cluster.from_preset("a100-80gb-sxm")
     result = simulate(ring, cluster)
     assert len(result.ranks) == P and math.isfinite(result.step_time_s) and result.step_time_s > 0
     assert not result.collapsed  # peers are absolute ranks: every rank simulated
+
+
+def test_ring_rewrite_models_the_online_softmax_merge_and_the_gradient_sums():
+    source = _ulysses_toy()
+    ring = ring_attention_workload(source)
+    ulysses_s = simulate(source, Cluster.from_preset("a100-80gb-sxm")).step_time_s
+    for rank in range(P):
+        ops = ring.program(rank).ops
+        kinds = Counter((op.phase, op.name.rsplit(".", 1)[-1].rstrip("0123456789")) for op in ops
+                        if op.op_class == "elementwise")
+        # per attention: P-1 merges and a final cast forward; P accumulations and a final cast backward
+        assert kinds == {("forward", "merge"): 2 * (P - 1), ("forward", "finalize"): 2,
+                         ("backward", "accumulate"): 2 * P, ("backward", "finalize"): 2}
+        merge = next(op for op in ops if op.name.endswith(".merge1"))
+        assert merge.bytes_written == 4 * (Q_BYTES // 2) and merge.flops > 0
+        by_id = {op.id: op for op in ops}
+        for op in ops:  # every dK,dV send waits for its chunk's accumulation
+            if op.kind == "collective_start" and ".dkv" in op.name and op.collective.kind == "send":
+                assert any(by_id[d].name.rsplit(".", 1)[-1].startswith("accumulate") for d in op.deps)
+    assert simulate(ring, Cluster.from_preset("a100-80gb-sxm")).step_time_s > 0 and ulysses_s > 0
 
 
 def test_ring_rewrite_refuses_split_all_to_alls():
