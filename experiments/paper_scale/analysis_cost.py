@@ -1,6 +1,6 @@
 """Compile-time cost of the sequence-sharding analysis: its share of compiling a 32-layer HF Llama.
 
-``python -m experiments.bench_analysis_cost [--model llama-3.1-8b] [--world 8] [--seq-len 8192]`` traces
+``python -m experiments.paper_scale.analysis_cost [--model llama-3.1-8b] [--world 8] [--seq-len 8192]`` traces
 one training step of the paper-scale Hugging Face Llama (all 32 layers, fake tensors, a fake process
 group: `autosp.export.trace_fake_step`) with AutoSP (aot_eager, default SAC and overlap) and prints the
 wall time of each Dynamo-stage pass next to the whole first step (Dynamo tracing, the passes,
