@@ -10,7 +10,7 @@ Gradients are then averaged over the world, as DeepSpeed's engine does with the
 configuration of DeepSpeed's AutoSP examples (``sequence_parallel_size`` set, no
 ``data_parallel_size``, so no SP mesh: the gradient all-reduce averages every rank).
 
-What this reproduces, on purpose (see DESIGN.md): labels are sliced before the
+What this reproduces, on purpose (see docs/design.md): labels are sliced before the
 model shifts them, so each shard border loses its target, and each rank's loss is
 its local mean, unweighted by valid tokens; `step` returns that local loss and the
 gradients are wrong accordingly.  A model that builds its position ids inside
