@@ -12,6 +12,9 @@ and number in the built ``paper/build/paper.md`` comes from the results folder
 - ``{{figure:FILE|caption}}``: the image ``FILE`` (copied to ``figures/``);
 - ``{{cell:TABLE:COL=VALUE,...:COLUMN}}``: one value of ``TABLE.csv``, from the
   first row whose columns equal the given values;
+- ``{{compare:TABLE:COL=VALUE,...:COLUMN:A:B}}``: how row ``system=A``'s numeric
+  ``COLUMN`` compares with row ``system=B``'s ("larger than", "smaller than" or
+  "equal to"), so a sentence that ranks two systems follows the run, not the author;
 - ``{{run:KEY}}``: a value of ``run.json`` (the settings and timings of the run);
 - ``{{calibration:KEY}}``: a value of the calibrated cpu-gloo preset
   (``simulator/presets/cpu_gloo.json``, written by ``python -m experiments.calibrate_cpu``):
@@ -36,7 +39,7 @@ import shutil
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).resolve().parents[1] / "paper" / "paper.md"
-PLACEHOLDER = re.compile(r"\{\{(table|figure|cell|run|calibration):([^{}]*)\}\}")
+PLACEHOLDER = re.compile(r"\{\{(table|figure|cell|compare|run|calibration):([^{}]*)\}\}")
 PRESET = pathlib.Path(__file__).resolve().parents[1] / "simulator" / "presets" / "cpu_gloo.json"
 SOURCE_COMMENT = re.compile(r"<!--.*?-->\n?", re.DOTALL)  # notes for the source's editors only
 PRODUCERS = {
@@ -115,6 +118,22 @@ class Builder:
                     raise ValueError(f"{path.name} has no column {column!r} (columns: {list(row)})")
                 return row[column]
         raise MissingResult(f"{path.name} has no row with {conditions}")
+
+    def compare(self, arg: str) -> str:
+        try:
+            table, where, column, first, second = arg.split(":")
+        except ValueError:
+            raise ValueError(f"malformed compare placeholder {{{{compare:{arg}}}}}: use "
+                             "TABLE:COL=VALUE,...:COLUMN:SYSTEM_A:SYSTEM_B") from None
+        values = []
+        for system in (first, second):
+            text = self.cell(f"{table}:{where + ',' if where else ''}system={system}:{column}")
+            try:
+                values.append(float(text.replace(",", "")))
+            except ValueError:
+                raise MissingResult(f"{table}.csv: {system}'s {column} is {text!r}, not a number") from None
+        a, b = values
+        return "larger than" if a > b else "smaller than" if a < b else "equal to"
 
     def run(self, key: str) -> str:
         path = self.results / "run.json"
