@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["all_reduce_sum", "all_reduce_sum_sum_grad", "all_to_all", "all_to_all_start", "all_to_all_wait"]
+__all__ = ["all_reduce_max", "all_reduce_sum", "all_reduce_sum_sum_grad", "all_to_all", "all_to_all_start", "all_to_all_wait"]
 
 
 def _send_layout(x: torch.Tensor, scatter_dim: int, group_size: int) -> torch.Tensor:
@@ -128,6 +128,19 @@ def _all_reduce_sum_sum_grad_setup_context(ctx, inputs, output):
 
 all_reduce_sum_sum_grad.register_autograd(
     _all_reduce_sum_sum_grad_backward, setup_context=_all_reduce_sum_sum_grad_setup_context)
+
+
+@torch.library.custom_op("autosp_testbed::all_reduce_max", mutates_args=())
+def all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Elementwise maximum over the group, for values outside autograd (the shift of a log-sum-exp)."""
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=_resolve_process_group(group_name))
+    return out
+
+
+@all_reduce_max.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
 
 
 # Note [All-to-all as start and wait]

@@ -111,7 +111,8 @@ def build(name: str) -> nn.Module:
 # ---- random compositions for the property test -------------------------------------------------------
 TOKEN_LOCAL_OPS = ("linear", "silu", "softmax_hidden", "cumsum_hidden", "scale", "reshape_roundtrip", "norm")
 MIXING_OPS = ("center_over_sequence", "add_sequence_sum", "cumsum_sequence", "amax_sequence", "roll_sequence",
-              "flip_sequence", "mean_sequence_into_loss")
+              "flip_sequence", "mean_sequence_into_loss", "log_softmax_over_sequence", "var_sequence_into_loss",
+              "std_normalize_sequence")
 
 
 class ComposedLM(_Core):
@@ -156,4 +157,10 @@ class ComposedLM(_Core):
                 x = x.flip(1)
             elif op == "mean_sequence_into_loss":
                 extra = extra + x.pow(2).mean(dim=(0, 1)).sum()
+            elif op == "log_softmax_over_sequence":
+                x = x - torch.logsumexp(x, dim=1, keepdim=True)
+            elif op == "var_sequence_into_loss":
+                extra = extra + x.var(dim=1).mean()
+            elif op == "std_normalize_sequence":
+                x = x / (torch.std(x, dim=1, keepdim=True) + 1.0)
         return self.lm_loss(x, labels)[0] + 0.1 * extra

@@ -66,6 +66,10 @@ class OneOp(_Core):
             extra = x.pow(2).mean()
         elif op == "center":
             x = x - x.mean(dim=1, keepdim=True)
+        elif op == "logsumexp":
+            x = x - torch.logsumexp(x, dim=1, keepdim=True)
+        elif op == "var":
+            extra = x.var(dim=1).mean()
         return self.lm_loss(x, labels)[0] + 0.1 * extra
 
 
@@ -84,7 +88,7 @@ REFUSED = [
     ("token_matmul", r"operator.matmul in module <model> .* contracts over the token axis"),
     ("sliced_buffer", r"replicated tensor .* one entry per local token"),
     ("dropout", r"applies dropout \(p=0.1\).*set the model's dropout probabilities to 0"),
-    ("amax", r"reduces over the token axis \(amax\).*express it with sum\(\) or mean\(\)"),
+    ("amax", r"reduces over the token axis \(amax\).*express it with one of those over the tokens"),
     ("shape_count", r"a multiple of this rank's 16 tokens \(probably read from a tensor's shape"),
     ("replicated_parameter", r"parameter .*scale.* sync_gradients would count it sp_size times"),
     ("reduction_read_both_ways", r"read both by computations every rank repeats"),
@@ -103,8 +107,10 @@ HANDLED = [
     ("rms_norm_hidden", "torch.rms_norm", "token-local unless along the sequence"),
     ("einsum_local", "torch.einsum", "token-local: matmul"),
     ("topk_hidden", "Tensor.topk", "token-local unless along the sequence"),
-    ("mean_into_loss", "Tensor.mean", "reduction (sum/mean over the sequence: all-reduce)"),
-    ("center", "Tensor.mean", "reduction (sum/mean over the sequence: all-reduce)"),
+    ("mean_into_loss", "Tensor.mean", "reduction (over the sequence: all-reduced sums)"),
+    ("center", "Tensor.mean", "reduction (over the sequence: all-reduced sums)"),
+    ("logsumexp", "torch.logsumexp", "reduction (over the sequence: all-reduced sums)"),
+    ("var", "Tensor.var", "reduction (over the sequence: all-reduced sums)"),
 ]
 
 

@@ -131,7 +131,9 @@ def _compositions(rank, world, programs):
 
 
 def test_soundness_property_random_compositions_exact_or_refused():
-    programs = _programs(16, seed=12)
+    # A seeded draw, plus every composed statistic at least once.
+    programs = _programs(16, seed=12) + [("log_softmax_over_sequence", "linear"),
+                                         ("var_sequence_into_loss", "std_normalize_sequence")]
     results = run_on_ranks(_compositions, 2, programs, timeout_s=900)
     ran = refused = 0
     for i, ops in enumerate(programs):

@@ -41,12 +41,7 @@ REPLICATED, PARTIAL_GRAD = "replicated", "partial"
 def complete_sequence_reduction(an, gm: fx.GraphModule, node: fx.Node):
     """Rewrite ``sum``/``mean`` over the token axis into local reduction -> all-reduce; returns the placement."""
     ctx = an.ctx
-    if ctx.layout is not None and ctx.layout.pad_tokens:
-        raise AutoSPError(
-            f"{describe(node)} in module {module_name(node)} reduces over the sequence, and the sequence "
-            f"({ctx.layout.seq_len} tokens) was padded to a multiple of sp_size={ctx.sp_size}: the padding tokens "
-            f"would count.  Pass a multiple of {ctx.sp_size} tokens"
-        )
+    _refuse_padding(an, node)
     graph = gm.graph
     an.set(node, PARTIAL)
     local = node
@@ -72,6 +67,98 @@ def complete_sequence_reduction(an, gm: fx.GraphModule, node: fx.Node):
     log.info("%s in %s reduces over the sequence: local %s + all-reduce", describe(node), module_name(node),
              _name(node))
     return PARTIAL
+
+
+class _Emitter:
+    """Inserts placed nodes, with fake values, before ``anchor`` (the reduction being rewritten)."""
+
+    def __init__(self, an, gm: fx.GraphModule, anchor: fx.Node):
+        self.an, self.graph, self.anchor = an, gm.graph, anchor
+        self.meta = {k: v for k, v in anchor.meta.items() if k in ("nn_module_stack", "stack_trace")}
+
+    def __call__(self, placement, target, *args, **kwargs) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            if isinstance(target, str):
+                node = self.graph.call_method(target, args, kwargs)
+            else:
+                node = self.graph.call_function(target, args, kwargs)
+        node.meta.update(self.meta)
+        infer_fake_value(node)
+        self.an.set(node, placement)
+        return node
+
+    def summed(self, partial: fx.Node) -> fx.Node:
+        """The all-reduce completing a partial sum (its backward is chosen later, Note [Gradient placements])."""
+        ctx = self.an.ctx
+        reduced = self(REPLICATE, torch.ops.autosp_testbed.all_reduce_sum.default, partial, ctx.group_name)
+        self.an.sequence_reduced.add(reduced)
+        self.an.result.sequence_reductions.append(reduced)
+        return reduced
+
+
+def _dims_keepdim(node: fx.Node, ndim: int) -> tuple[tuple[int, ...], bool, int]:
+    """(reduced dims, keepdim, correction) of a logsumexp/var/std call in any of its spellings."""
+    from autosp.passes.dynamo.placements import normalize_dims
+
+    args, kwargs = list(node.args[1:]), dict(node.kwargs)
+    dims = kwargs.pop("dim", args.pop(0) if args and not isinstance(args[0], bool) else None)
+    unbiased = kwargs.pop("unbiased", args.pop(0) if args and isinstance(args[0], bool) else None)
+    keepdim = kwargs.pop("keepdim", args.pop(0) if args else False)
+    correction = kwargs.pop("correction", None)
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    return normalize_dims(dims, ndim), bool(keepdim), correction
+
+
+def rewrite_sequence_statistic(an, gm: fx.GraphModule, node: fx.Node):
+    """``logsumexp``, ``var`` and ``std`` over the token axis as compositions of all-reduced sums (exact):
+
+    - logsumexp: m = max over the group of the local amax (no gradient: the result does not depend
+      on it); lse = log(sum over the group of sum(exp(x - m))) + m;
+    - var: mu = (sum over the group of sum(x)) / n; var = (sum over the group of sum((x - mu)^2)) / (n - correction),
+      n the global count; std = sqrt(var).
+    """
+    _refuse_padding(an, node)
+    x = node.args[0]
+    value = fake_value(x)
+    dims, keepdim, correction = _dims_keepdim(node, value.dim())
+    emit = _Emitter(an, gm, node)
+    name = _name(node)
+    shard = an.of(x)
+    if name == "logsumexp":
+        local_max = emit(REPLICATE, torch.amax, x, dims, keepdim=True)
+        shift = emit(REPLICATE, "detach", emit(REPLICATE, torch.ops.autosp_testbed.all_reduce_max.default,
+                                                   local_max, an.ctx.group_name))
+        shifted = emit(shard, torch.exp, emit(shard, torch.sub, x, shift))
+        total = emit.summed(emit(PARTIAL, torch.sum, shifted, dims, keepdim=True))
+        out = emit(REPLICATE, torch.add, emit(REPLICATE, torch.log, total), shift)
+    else:
+        count = an.ctx.sp_size
+        for d in dims:
+            count *= int(value.shape[d])
+        mean = emit(REPLICATE, torch.div, emit.summed(emit(PARTIAL, torch.sum, x, dims, keepdim=True)), count)
+        centred = emit(shard, torch.pow, emit(shard, torch.sub, x, mean), 2)
+        squares = emit.summed(emit(PARTIAL, torch.sum, centred, dims, keepdim=True))
+        out = emit(REPLICATE, torch.div, squares, max(count - correction, 0))
+        if name == "std":
+            out = emit(REPLICATE, torch.sqrt, out)
+    if not keepdim:
+        for d in sorted(dims, reverse=True):
+            out = emit(REPLICATE, torch.squeeze, out, d)
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
+    log.info("%s in %s over the sequence: composed from all-reduced sums", describe(node), module_name(node))
+    return REPLICATE
+
+
+def _refuse_padding(an, node: fx.Node) -> None:
+    ctx = an.ctx
+    if ctx.layout is not None and ctx.layout.pad_tokens:
+        raise AutoSPError(
+            f"{describe(node)} in module {module_name(node)} reduces over the sequence, and the sequence "
+            f"({ctx.layout.seq_len} tokens) was padded to a multiple of sp_size={ctx.sp_size}: the padding tokens "
+            f"would count.  Pass a multiple of {ctx.sp_size} tokens"
+        )
 
 
 def _name(node: fx.Node) -> str:

@@ -91,6 +91,8 @@ _REDUCTION_NAMES = _names("sum", "mean", "nansum", "nanmean", "amax", "amin", "m
                           "nanmedian", "mode", "var_mean", "std_mean", "aminmax", "histc", "bincount")
 _EXACT_SEQUENCE_REDUCTIONS = _names("sum", "mean", "nansum")
 """Reductions over the token axis that a local reduction plus an all-reduce computes exactly."""
+_COMPOSED_SEQUENCE_STATISTICS = _names("logsumexp", "var", "std")
+"""Reductions over the token axis composed from all-reduced sums (autosp.passes.dynamo.reductions)."""
 _MATMUL_NAMES = _names("matmul", "bmm", "mm", "__matmul__", "__rmatmul__")
 _SPLIT_NAMES = {"split": (2, "dim", 0), "chunk": (2, "dim", 0), "unbind": (1, "dim", 0),
                 "tensor_split": (2, "dim", 0), "split_with_sizes": (2, "dim", 0)}
@@ -354,7 +356,7 @@ def _multi(node, placement):
 
 
 def reduction(an, gm, node: fx.Node):
-    from autosp.passes.dynamo.reductions import complete_sequence_reduction
+    from autosp.passes.dynamo.reductions import complete_sequence_reduction, rewrite_sequence_statistic
 
     p = an.of(node.args[0])
     name = op_name(node)
@@ -378,9 +380,11 @@ def reduction(an, gm, node: fx.Node):
         return _multi(node, REPLICATE)
     if node.meta.get(LOCAL_REDUCTION):  # a rule (the loss) completes this sum with its own all-reduce
         return PARTIAL
+    if name in _COMPOSED_SEQUENCE_STATISTICS and not isinstance(fake_value(node), (tuple, list)):
+        return rewrite_sequence_statistic(an, gm, node)
     if name not in _EXACT_SEQUENCE_REDUCTIONS or isinstance(fake_value(node), (tuple, list)):
-        raise an.refuse(node, f"reduces over the token axis ({name}); AutoSP completes only sums and means over "
-                        "the sequence with an all-reduce", "express it with sum() or mean() over the tokens")
+        raise an.refuse(node, f"reduces over the token axis ({name}); AutoSP completes sums, means, logsumexp, "
+                        "var and std over the sequence", "express it with one of those over the tokens")
     return complete_sequence_reduction(an, gm, node)
 
 
@@ -668,7 +672,7 @@ for _group, _rule in (
 _RULE_CLASS = {pointwise: "token-local: elementwise", layout: "token-local: layout", permute: "token-local: layout",
                expand: "token-local: layout", repeat: "token-local: layout", _like: "token-local: elementwise",
                random_like: "refused on tokens: random", along_dim: "token-local unless along the sequence",
-               reduction: "reduction (sum/mean over the sequence: all-reduce)", matmul: "token-local: matmul",
+               reduction: "reduction (over the sequence: all-reduced sums)", matmul: "token-local: matmul",
                linear: "token-local: matmul", addmm: "token-local: matmul", embedding: "token-local: lookup",
                one_hot: "token-local: lookup",
                einsum: "token-local: matmul", getitem: "token-local: indexing", cat: "token-local: concatenation",

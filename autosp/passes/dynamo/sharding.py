@@ -29,8 +29,8 @@ property by construction or is rewritten by a rule that restores it:
 - ``scaled_dot_product_attention`` over the token axis: Ulysses all-to-alls
   (autosp.passes.dynamo.attention) make it head-sharded over the whole sequence;
 - a sum or mean over the token axis: local reduction (a mean divides by the
-  global count) then an all-reduce over the SP group (Partial -> Replicate),
-  autosp.passes.dynamo.reductions;
+  global count) then an all-reduce over the SP group (Partial -> Replicate);
+  logsumexp, var and std are composed from such sums (autosp.passes.dynamo.reductions);
 - the causal-LM loss: autosp.passes.dynamo.loss (runs before the analysis and
   leaves a sum -> all-reduce the analysis checks like any other);
 - positions built in the graph with ``arange`` in any spelling:
@@ -38,7 +38,7 @@ property by construction or is rewritten by a rule that restores it:
 
 Every other op whose input is token-sharded along an axis it mixes (cumsum,
 convolutions and scans over the sequence, a matmul contracting tokens, a slice
-or a gather along the sequence, amax/var/logsumexp over it, random ops that
+or a gather along the sequence, amax or median over it, random ops that
 would repeat their stream on every rank, a replicated tensor with one entry
 per local token such as a sliced mask buffer) and every op without a rule is
 refused with an `AutoSPError` naming the op, the module and what to change.
