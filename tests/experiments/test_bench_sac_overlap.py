@@ -25,7 +25,7 @@ def test_bench_covers_the_four_checkpointing_settings_overlap_on_and_off_and_uly
 
 
 def test_bench_reports_the_slowest_rank_not_rank_zero():
-    from experiments.bench_sac_overlap import BASELINE, VARIANTS, step_rows
+    from experiments.cpu.bench_sac_overlap import BASELINE, VARIANTS, step_rows
 
     def rank(step_s, baseline_s):
         return {label: {"median_step_s": baseline_s if label == BASELINE else step_s, "peak_bytes": 2**20,
