@@ -157,3 +157,16 @@ def test_sharding_unrelated_arange_of_shard_length_is_left_alone():
     graph = compiled.report.forward_graphs[-1]
     bounds = [tuple(n.args) for n in graph.graph.nodes if n.target is torch.arange]
     assert bounds == [(16,)]  # not shifted to rank 1's offset: it never meets the tokens
+
+
+def test_sharding_classic_loss_shift_on_one_sample_keeps_shapes_consistent():
+    # logits[:, :-1] / labels[:, 1:] removed by the loss rule: the reshapes after them must see the shard's
+    # full length (a stale [S/P - 1, V] shape once read as a split token axis).
+    from experiments.models import build_model
+
+    model = build_model("plain-llama")
+    with fake_process_group(2, rank=1):
+        compiled = autosp.compile(model, sp_size=2, compiler="aot_eager")
+        ids = torch.randint(0, 256, (1, 128))
+        compiled(**autosp.prepare_inputs(ids, labels=ids)).backward()
+    assert len(compiled.report.attention_sites) == 2

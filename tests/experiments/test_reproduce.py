@@ -55,8 +55,10 @@ def test_reproduce_iteration_table_records_simulated_against_published(quick_res
     for r in rows:
         assert r["simulated_s"] or r["note"] == "simulated OOM", r
         assert math.isfinite(float(r["simulated_peak_gib"]))
-        if r["simulated_s"] and r["published_s"] != "OOM":
-            assert math.isfinite(float(r["simulated_s"])) and float(r["simulated_over_published"]) > 0
+        if r["simulated_s"]:
+            assert math.isfinite(float(r["simulated_s"]))
+        if r["simulated_s"] and r["published_s"] not in ("OOM", ""):  # ulysses+ckpt has no published figure
+            assert float(r["simulated_over_published"]) > 0
     autosp_8k = next(r for r in rows if r["system"] == "autosp" and r["seq_len"] == "8000")
     assert autosp_8k["simulated_s"]
 

@@ -137,11 +137,19 @@ def test_ledger_equals_deepspeed_engine_bytes(measured, case):
         assert predicted * 0.98 <= got <= upper * 1.02, (case, at, predicted, upper, got)
 
 
+def _predicted(case, at: str) -> int:
+    lines = memory_ledger(_config(*case), at=at, device=False)
+    return summarize([ln for ln in lines if ln.when != "in_backward"]).nominal
+
+
 def test_ledger_measured_cases_really_differ(measured):
-    """The 2 % tolerance can fail: any two paths differ by more than 2 % at one of the three instants (except ZeRO 1
-    and ZeRO 2 with the same precision, which DeepSpeed lays out identically)."""
+    """The 2 % tolerance can fail: two paths the ledger tells apart (by more than 2 % at one of the three instants)
+    also measure more than 2 % apart.  Paths DeepSpeed lays out alike (ZeRO 1 and ZeRO 2 at one precision; ZeRO 1
+    bf16 and ZeRO 2 bf16 with fp32 accumulation, whose compact fp32 partition is the size of ZeRO 1's) are the
+    ledger's to match, not this test's."""
+    instants = ("initialize", "step", "backward")
     for a, b in itertools.combinations(CASES, 2):
-        if {a[0], b[0]} == {1, 2} and a[1:] == b[1:]:
+        if max(abs(_predicted(a, at) - _predicted(b, at)) / _predicted(a, at) for at in instants) <= 0.02:
             continue
-        gap = max(abs(measured[a][at] - measured[b][at]) / measured[a][at] for at in ("initialize", "step", "backward"))
+        gap = max(abs(measured[a][at] - measured[b][at]) / measured[a][at] for at in instants)
         assert gap > 0.02, (a, b, gap)

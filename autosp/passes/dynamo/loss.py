@@ -32,7 +32,15 @@ from autosp.context import TraceContext
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.rules import LOCAL_REDUCTION
 from autosp.passes.dynamo.tag_inputs import placeholder_with_role
-from autosp.passes.graph_utils import bind, is_full_slice, is_getitem, module_name, normalized_index, shape_of
+from autosp.passes.graph_utils import (
+    bind,
+    infer_fake_value,
+    is_full_slice,
+    is_getitem,
+    module_name,
+    normalized_index,
+    shape_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,17 +98,33 @@ def _find_label_shift(target: fx.Node, labels: fx.Node, ignore_index: int) -> tu
     )
 
 
-def _drop_logits_shift(logits: fx.Node) -> bool:
-    """Remove a ``logits[:, :-1]`` slice on the way to the loss; True if found."""
+def _drop_logits_shift(logits: fx.Node) -> list[fx.Node] | None:
+    """Remove a ``logits[:, :-1]`` slice on the way to the loss; its former readers, or None if not found."""
     node = logits
     while node is not None:
         if is_getitem(node) and len(shape_of(node.args[0])) == 3:
             sliced = _seq_slice(node, 1)
             if sliced is not None and sliced.start in (None, 0) and sliced.stop == -1 and sliced.step in (None, 1):
+                readers = list(node.users)
                 node.replace_all_uses_with(node.args[0])
-                return True
+                return readers
         node = _producer(node)
-    return False
+    return None
+
+
+def _refresh_downstream(starts: list[fx.Node]) -> None:
+    """Shapes after a removed slice grow by the token it dropped: recompute the fake values downstream."""
+    seen: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if node in seen or node.op == "output":
+            continue
+        seen.add(node)
+        stack.extend(node.users)
+    order = {n: i for i, n in enumerate(starts[0].graph.nodes)} if starts else {}
+    for node in sorted(seen, key=order.__getitem__):
+        infer_fake_value(node)
 
 
 def exact_causal_lm_loss_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext) -> fx.GraphModule:
@@ -133,9 +157,14 @@ def exact_causal_lm_loss_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceC
         raise AutoSPError(f"{where}: cross_entropy reduction={call['reduction']!r} is not supported; use mean or sum")
 
     shift, pattern = _find_label_shift(call["target"], labels, ctx.ignore_index)
+    readers = list(shift.users)
     shift.replace_all_uses_with(labels if pattern == "classic" else shift.args[0].args[0])
-    if pattern == "classic" and not _drop_logits_shift(call["input"]):
-        raise AutoSPError(f"{where}: labels are sliced [:, 1:] but no matching logits[:, :-1] was found")
+    if pattern == "classic":
+        dropped = _drop_logits_shift(call["input"])
+        if dropped is None:
+            raise AutoSPError(f"{where}: labels are sliced [:, 1:] but no matching logits[:, :-1] was found")
+        readers += dropped
+    _refresh_downstream(readers)
     log.info("loss in %s: removed the model's %s label shift; mean over the whole sequence", where, pattern)
 
     all_reduce = torch.ops.autosp_testbed.all_reduce_sum.default
