@@ -297,14 +297,19 @@ def permute(an, gm, node: fx.Node):
     return p.moved(order.index(p.dim))
 
 
+def _token_axis_unchanged(an, node: fx.Node, p: Shard, what: str) -> Shard:
+    """The token axis after an op that may add leading dims (expand, repeat), refused if it grows."""
+    dim = broadcast_dim(p.dim, _ndim(node.args[0]), _ndim(node))
+    if _shape(node)[dim] != _shape(node.args[0])[p.dim]:
+        raise an.refuse(node, what, _FIX_GENERIC)
+    return p.moved(dim)
+
+
 def expand(an, gm, node: fx.Node):
     p = an.of(node.args[0])
     if not isinstance(p, Shard):
         return p if isinstance(p, Partial) else REPLICATE
-    dim = broadcast_dim(p.dim, _ndim(node.args[0]), _ndim(node))
-    if _shape(node)[dim] != _shape(node.args[0])[p.dim]:
-        raise an.refuse(node, "broadcasts along the token axis", _FIX_GENERIC)
-    return p.moved(dim)
+    return _token_axis_unchanged(an, node, p, "broadcasts along the token axis")
 
 
 def repeat(an, gm, node: fx.Node):
@@ -317,10 +322,7 @@ def repeat(an, gm, node: fx.Node):
         if dim is None or dim % _ndim(node.args[0]) == p.dim:
             raise an.refuse(node, "repeats elements along the token axis", _FIX_GENERIC)
         return p
-    dim = broadcast_dim(p.dim, _ndim(node.args[0]), _ndim(node))
-    if _shape(node)[dim] != _shape(node.args[0])[p.dim]:
-        raise an.refuse(node, "tiles the token axis", _FIX_GENERIC)
-    return p.moved(dim)
+    return _token_axis_unchanged(an, node, p, "tiles the token axis")
 
 
 def along_dim(an, gm, node: fx.Node):
