@@ -25,7 +25,7 @@ from autosp.context import CompileReport, TraceContext
 from autosp.diagnostics import graph_break_error
 from autosp.errors import AutoSPError
 from autosp.groups import SequenceParallelGroups, build_groups
-from autosp.guards import PACKED_POSITIONS_REFUSED, check_sliding_window, positions_are_plain
+from autosp.guards import sliding_window_layers
 from autosp.inputs import PREPARED_KEY, shard_batch, shard_layout
 from autosp.pipeline import SEQUENCE_PARALLEL_PASSES
 
@@ -56,6 +56,8 @@ class SequenceParallelModel(nn.Module):
         # parameters as ``module``, and state_dict/parameters must list them once.
         self.__dict__["_compiled"] = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
         self._accepts_positions = _accepts(module.forward, "position_ids")
+        self._accepts_attention_mask = _accepts(module.forward, "attention_mask")
+        self._ctx.sliding_window = sliding_window_layers(module)
         self._synced: dict[nn.Parameter, tuple[weakref.ref, int]] = {}
 
     @property
@@ -84,10 +86,11 @@ class SequenceParallelModel(nn.Module):
         cfg = self.config
         layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                               pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket)
-        check_sliding_window(self.module, layout)
-        self._ctx.positions_plain = positions_are_plain(kwargs.get("position_ids"))
-        if self.report.causal_masks_replaced and not self._ctx.positions_plain:
-            raise AutoSPError(PACKED_POSITIONS_REFUSED)
+        if "attention_mask" in kwargs and not self._accepts_attention_mask:
+            raise AutoSPError(
+                f"the batch has a padding mask but {type(self.module).__name__}.forward takes no attention_mask; "
+                "pad at the end, set those labels to ignore_index and drop the mask (exact under causal attention)"
+            )
         if layout.pad_tokens and self.report.attention_sites and not self.report.all_attention_causal:
             raise AutoSPError(
                 f"the model uses non-causal attention, where padding {batch.seq_len} tokens to a multiple of "
@@ -103,7 +106,9 @@ class SequenceParallelModel(nn.Module):
         ctx.layout = layout
         ctx.labels_passed = local.get("labels") is not None
         ctx.positions_passed = "position_ids" in local
-        ctx.input_roles = {id(local[k]): k for k in ("input_ids", "labels", "position_ids") if local.get(k) is not None}
+        ctx.full_inputs = {k: kwargs.get(k) for k in ("position_ids", "attention_mask")}
+        ctx.input_roles = {id(local[k]): k for k in ("input_ids", "labels", "position_ids", "attention_mask")
+                           if local.get(k) is not None}
         try:
             return self._compiled(**local)
         except torch._dynamo.exc.BackendCompilerFailed as err:
@@ -120,7 +125,7 @@ class SequenceParallelModel(nn.Module):
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
             raise graph_break_error(err, type(self.module).__name__) from err
         finally:
-            ctx.input_roles = {}
+            ctx.input_roles, ctx.full_inputs = {}, {}
 
     def sync_gradients(self) -> None:
         """See `sync_gradients`."""

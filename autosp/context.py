@@ -46,7 +46,12 @@ class CompileReport:
     op_classes: dict[str, str] = field(default_factory=dict)
     """Each op the sequence-sharding analysis met -> the rule class that handled it."""
     causal_masks_replaced: int = 0
-    """Attention masks recognised as causal masks of the positions (Note [Causal masks built from positions])."""
+    """Attention masks recognised as the plain causal mask (Note [Attention masks built from the inputs])."""
+    document_masks: list[object] = field(default_factory=list)
+    """autosp.passes.dynamo.masks.MaskRule of every attention given a mask over the whole sequence."""
+    attention_kept_fraction: float | None = None
+    """Fraction of the causal attention scores the traced batch's masks keep (1.0: plain causal; None: not
+    known, a shape-only trace), what the export prices masked attention at."""
 
     @property
     def all_attention_causal(self) -> bool:
@@ -64,8 +69,11 @@ class TraceContext:
     layout: ShardLayout | None = None
     labels_passed: bool = False
     positions_passed: bool = True
-    positions_plain: bool = True
-    """The full-length position_ids of this call are 0..S-1 in every row (the same on every rank)."""
+    full_inputs: dict[str, object] = field(default_factory=dict)
+    """The call's full-length position_ids and attention_mask (the same on every rank; None when not passed),
+    while it is traced: what the mask pass checks the model's mask against."""
+    sliding_window: object = None
+    """autosp.guards.SlidingWindow of the model's config, or None."""
     input_roles: dict[int, str] = field(default_factory=dict)
-    """id() of each local input tensor -> its role ("input_ids", "labels", "position_ids")."""
+    """id() of each local input tensor -> its role ("input_ids", "labels", "position_ids", "attention_mask")."""
     report: CompileReport = field(default_factory=CompileReport)

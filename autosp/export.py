@@ -33,7 +33,7 @@ from simulator.workload import Collective, Op, RankProgram, StaticMemory, Worklo
 log = logging.getLogger(__name__)
 
 _COLLECTIVES = {"all_to_all": "all_to_all", "all_reduce_sum": "all_reduce", "all_reduce_sum_sum_grad": "all_reduce",
-                "all_reduce_max": "all_reduce"}
+                "all_reduce_max": "all_reduce", "all_gather": "all_gather"}
 """Blocking collectives of the autosp_testbed namespace -> simulator collective kind."""
 _ASYNC_PHASES = {"all_to_all_start": "collective_start", "all_to_all_wait": "collective_wait"}
 """The overlap pass's split all-to-all (see autosp.passes.partitioned.overlap)."""

@@ -5,7 +5,7 @@ arguments to call a compiled model with; every rank of an SP group passes the sa
 sample.  `shard_batch` (called by the compiled model, not by users) pads the
 sequence to a multiple of the SP size, shifts the labels by one over the *whole*
 sequence (so the target at every shard border survives) and cuts out this rank's
-contiguous slice of tokens, global position ids and shifted labels.
+contiguous slice of tokens, global position ids, padding mask and shifted labels.
 """
 
 from __future__ import annotations
@@ -41,18 +41,45 @@ def _check_token_tensor(name: str, t: torch.Tensor, shape: torch.Size | None) ->
         raise AutoSPError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(shape)}; they must match")
 
 
+def _positions_from_lengths(document_lengths, input_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids restarting at 0 at every document, from per-row (or one shared) document lengths."""
+    batch, length = input_ids.shape
+    rows = list(document_lengths)
+    if rows and not isinstance(rows[0], (list, tuple)):
+        rows = [rows] * batch
+    if len(rows) != batch:
+        raise AutoSPError(f"document_lengths has {len(rows)} rows but input_ids has {batch}")
+    positions = []
+    for i, row in enumerate(rows):
+        if any(int(n) <= 0 for n in row) or sum(int(n) for n in row) != length:
+            raise AutoSPError(
+                f"document_lengths row {i} is {list(row)}: lengths must be positive and sum to the sequence length "
+                f"({length} tokens)"
+            )
+        positions.append(torch.cat([torch.arange(int(n)) for n in row]))
+    return torch.stack(positions).to(input_ids.device)
+
+
 def prepare_inputs(
     input_ids: torch.Tensor,
     labels: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
+    document_lengths=None,
 ) -> dict:
     """Keyword arguments for a model compiled by `autosp.compile`, from one full-length batch.
 
     ``labels`` are the unshifted next-token labels as the model expects them
     (``ignore_index`` where a token must not count).  ``position_ids`` default to
-    0..S-1.  An ``attention_mask`` of all ones is dropped (causal attention is
-    exact without it); a padding mask is refused, see the error for what to do.
+    0..S-1; packed documents are given either as position ids that restart at each
+    document or as ``document_lengths`` (one list of lengths for every row, or one
+    per row), which become such position ids.  An ``attention_mask`` of all ones is
+    dropped; a padding mask (zeros) is passed to the model.
+
+    The model then computes exactly what it computes on one device from the same
+    inputs: where its attention mask depends on the positions (Hugging Face's
+    packed-sequence detection) or on the padding mask, AutoSP applies that mask
+    over the whole sequence (Note [Document masks] in autosp.document_attention).
     """
     _check_token_tensor("input_ids", input_ids, None)
     if input_ids.shape[SEQ_DIM] == 0:
@@ -61,22 +88,25 @@ def prepare_inputs(
         _check_token_tensor("labels", labels, input_ids.shape)
         if labels.shape != input_ids.shape:
             raise AutoSPError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+    if document_lengths is not None:
+        if position_ids is not None:
+            raise AutoSPError("pass either position_ids or document_lengths, not both")
+        position_ids = _positions_from_lengths(document_lengths, input_ids)
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[SEQ_DIM], device=input_ids.device)[None].expand_as(input_ids)
     else:
         _check_token_tensor("position_ids", position_ids, input_ids.shape)
+        if position_ids.shape != input_ids.shape:
+            raise AutoSPError(f"position_ids shape {tuple(position_ids.shape)} must equal input_ids shape "
+                              f"{tuple(input_ids.shape)}")
+    kwargs = {"input_ids": input_ids, "position_ids": position_ids, PREPARED_KEY: PreparedBatch(input_ids.shape[1])}
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
             raise AutoSPError(
                 f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
             )
         if not bool((attention_mask != 0).all()):
-            raise AutoSPError(
-                "attention_mask masks some tokens (padding); AutoSP shards the sequence and only supports "
-                "causal attention without a padding mask.  Pack sequences without padding, or pad at the end, "
-                "set those labels to -100 and drop the mask: under causal attention this is exact."
-            )
-    kwargs = {"input_ids": input_ids, "position_ids": position_ids, PREPARED_KEY: PreparedBatch(input_ids.shape[1])}
+            kwargs["attention_mask"] = attention_mask
     if labels is not None:
         kwargs["labels"] = labels
     return kwargs
@@ -143,6 +173,8 @@ def shard_batch(kwargs: dict, layout: ShardLayout, *, ignore_index: int, pad_tok
     local["input_ids"] = _pad_end(kwargs["input_ids"], layout.pad_tokens, pad_token_id)[:, window]
     # Padding tokens reuse the last position: any valid position is exact since their outputs are ignored.
     local["position_ids"] = _pad_end(kwargs["position_ids"], layout.pad_tokens, None)[:, window]
+    if kwargs.get("attention_mask") is not None:  # tokens padded to the layout are padding: 0
+        local["attention_mask"] = _pad_end(kwargs["attention_mask"], layout.pad_tokens, 0)[:, window]
     if kwargs.get("labels") is not None:
         shifted = shift_labels(kwargs["labels"], ignore_index)
         local["labels"] = _pad_end(shifted, layout.pad_tokens, ignore_index)[:, window].contiguous()

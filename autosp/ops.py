@@ -15,6 +15,9 @@ The namespace is ``autosp_testbed``: DeepSpeed's own AutoSP registers
   the identity.  See Note [Loss all-reduce gradient].
 - ``autosp_testbed::all_reduce_sum_sum_grad(x, group_name)``: the same sum, whose
   gradient is summed over the group (Note [Gradient placements]).
+- ``autosp_testbed::all_gather(x, dim, group_name, group_size)``: every rank's ``x``
+  concatenated along ``dim`` in rank order.  For integer metadata (positions, a
+  padding mask) only: it has no gradient.
 - ``autosp_testbed::all_to_all_start(x, scatter_dim, group_name, group_size)`` and
   ``autosp_testbed::all_to_all_wait(in_flight, gather_dim)``: the same all-to-all
   split in two, so that computation can run between them.  See Note [All-to-all as
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["all_reduce_max", "all_reduce_sum", "all_reduce_sum_sum_grad", "all_to_all", "all_to_all_start", "all_to_all_wait"]
+__all__ = ["all_gather", "all_reduce_max", "all_reduce_sum", "all_reduce_sum_sum_grad", "all_to_all", "all_to_all_start", "all_to_all_wait"]
 
 
 def _send_layout(x: torch.Tensor, scatter_dim: int, group_size: int) -> torch.Tensor:
@@ -152,6 +155,22 @@ def _(x, group_name):
 # in-flight work to that buffer, and ``_c10d_functional.wait_tensor`` in
 # ``all_to_all_wait`` blocks on it.  Between the two the buffer is touched by
 # nothing else.  The result equals ``all_to_all`` exactly: same chunks, same order.
+
+
+@torch.library.custom_op("autosp_testbed::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, dim: int, group_name: str, group_size: int) -> torch.Tensor:
+    if x.is_floating_point():
+        raise TypeError("autosp_testbed::all_gather carries integer metadata only (it has no gradient)")
+    parts = [torch.empty_like(x) for _ in range(group_size)]
+    dist.all_gather(parts, x.contiguous(), group=_resolve_process_group(group_name))
+    return torch.cat(parts, dim=dim)
+
+
+@all_gather.register_fake
+def _(x, dim, group_name, group_size):
+    shape = list(x.shape)
+    shape[dim] *= group_size
+    return x.new_empty(shape)
 
 
 @torch.library.custom_op("autosp_testbed::all_to_all_start", mutates_args=())

@@ -11,7 +11,7 @@ from torch import fx
 from autosp.context import TraceContext
 from autosp.passes.dynamo.cleanup import eliminate_dead_code_pass, refresh_metadata_pass
 from autosp.passes.dynamo.loss import exact_causal_lm_loss_pass
-from autosp.passes.dynamo.masks import causal_mask_pass
+from autosp.passes.dynamo.masks import attention_mask_pass
 from autosp.passes.dynamo.sharding import sequence_sharding_pass
 from autosp.passes.dynamo.tag_inputs import tag_sequence_inputs_pass
 from autosp.passes.graph_utils import op_counts
@@ -22,7 +22,7 @@ Pass = Callable[..., fx.GraphModule]
 
 SEQUENCE_PARALLEL_PASSES: tuple[Pass, ...] = (
     tag_sequence_inputs_pass,
-    causal_mask_pass,
+    attention_mask_pass,
     exact_causal_lm_loss_pass,
     sequence_sharding_pass,
     eliminate_dead_code_pass,

@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     times = measure(args.model, args.world, args.seq_len)
     total = times.pop("total_first_step_s")
-    analysis = times.get("sequence_sharding_pass", 0.0) + times.get("causal_mask_pass", 0.0)
+    analysis = times.get("sequence_sharding_pass", 0.0) + times.get("attention_mask_pass", 0.0)
     print(f"{'pass':32s} {'seconds':>9s} {'share':>7s}")
     for name, seconds in times.items():
         print(f"{name:32s} {seconds:9.3f} {100 * seconds / total:6.2f}%")

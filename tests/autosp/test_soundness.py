@@ -42,7 +42,7 @@ def _named_cases(rank, world, cases):
         r = _step(reference, candidate, ids, labels, sp_size=world, call_kwargs=case.get("call_kwargs"),
                   outer_compile=case.get("outer_compile", False))
         report = r.pop("report")
-        r["facts"] = (len(report.attention_sites), report.causal_masks_replaced,
+        r["facts"] = (len(report.attention_sites), [(m.by_position, m.padding, m.window) for m in report.document_masks],
                       any("higher-order" in v for v in report.op_classes.values()))
         results.append(r)
     return results
@@ -64,7 +64,8 @@ def test_soundness_real_training_patterns_two_ranks():
     facts = [r["facts"] for r in results[0]]
     assert facts[0][2] and facts[1][2]            # the checkpointed bodies were analysed ...
     assert facts[0][0] == 3 and facts[1][0] == 2  # ... and every attention inside them rewritten
-    assert facts[1][1] == 2 and facts[2][1] == 2  # HF's masks recognised as causal (one per layer)
+    # HF's masks (use_cache=False) learnt as packed-document masks, one per layer, applied over the sequence
+    assert facts[1][1] == [(True, False, None)] * 2 and facts[2][1] == [(True, False, None)] * 2
 
 
 @pytest.mark.slow

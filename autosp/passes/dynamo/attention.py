@@ -5,7 +5,10 @@ of the sequence and all heads: q [B, H, S/P, D], k and v [B, Hkv, S/P, D].  The
 pass sends q, k and v through an all-to-all that scatters heads and gathers the
 sequence, so attention runs on the full sequence for H/P heads, and a second
 all-to-all brings the output back to [B, H, S/P, D].  The attention's own flags
-(``is_causal``, ``scale``, ``dropout_p``, ``enable_gqa``) are kept.
+(``is_causal``, ``scale``, ``enable_gqa``) are kept.  `document_attention` (what
+the mask pass makes of a packed-document, padding or sliding-window mask, Note
+[Attention masks built from the inputs]) is wrapped the same way, its queries and
+keys then covering the whole sequence from token 0.
 
 Note [GQA head replication]
 With grouped-query attention each query head i uses kv head i // G (G = H / Hkv).
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from autosp.context import AttentionSite, TraceContext
+from autosp.document_attention import document_attention
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.placements import REPLICATE, Partial, Shard
 from autosp.passes.graph_utils import bind, infer_fake_value, module_name, shape_of
@@ -40,6 +44,8 @@ from autosp.passes.graph_utils import bind, infer_fake_value, module_name, shape
 log = logging.getLogger(__name__)
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+ATTENTION_TARGETS = (*SDPA_TARGETS, document_attention)
+"""Attention calls the Ulysses rule wraps: SDPA, and the mask pass's document-masked attention."""
 
 HEAD_DIM, SEQ_DIM = 1, 2
 """SDPA tensors are [B, heads, sequence, head_dim]."""
@@ -67,7 +73,8 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
     ctx: TraceContext = an.ctx
     graph, p = gm.graph, ctx.sp_size
     where = module_name(node)
-    args = bind(_sdpa_signature, node).arguments
+    documents = node.target is document_attention
+    args = bind(document_attention if documents else _sdpa_signature, node).arguments
     places = [an.of(args[k]) for k in ("query", "key", "value")]
     if not any(isinstance(q, (Shard, Partial)) for q in places):
         return REPLICATE
@@ -77,19 +84,22 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
             "AutoSP needs [batch, heads, sequence, head_dim] tensors with every rank holding its slice of the "
             "sequence in q, k and v"
         )
-    if args["attn_mask"] is not None:
-        raise AutoSPError(
-            f"module {where} passes an attn_mask to scaled_dot_product_attention; AutoSP supports causal "
-            "(is_causal=True) or unmasked attention, and Hugging Face's own causal mask (recognised and replaced "
-            "by is_causal=True).  A padding attention_mask is refused by autosp.prepare_inputs; packed documents "
-            "and sliding windows are not supported yet"
-        )
-    if args["dropout_p"]:
+    if args.get("dropout_p"):
         raise AutoSPError(
             f"module {where} applies attention dropout (dropout_p={args['dropout_p']}): every rank of the SP group "
             "draws the same random stream, so masks would repeat across head shards; set the attention dropout "
             "to 0 (e.g. Hugging Face attention_dropout=0.0) or call model.eval()"
         )
+    if args.get("attn_mask") is not None:
+        raise AutoSPError(
+            f"module {where} passes an attn_mask to scaled_dot_product_attention that AutoSP cannot apply over the "
+            "whole sequence: it supports causal or unmasked attention and masks built from the position ids and "
+            "the padding mask alone (packed documents, padding, sliding windows: Note [Attention masks built from "
+            "the inputs]); a mask computed from anything else (the tokens, a buffer) is not supported"
+        )
+    if documents and an.of(args["documents"]) != REPLICATE:
+        raise AutoSPError(f"module {where}: the document ids of its attention are {an.of(args['documents'])}, "
+                          "not the whole sequence's; this is a bug in AutoSP's mask pass")
     q_shape, k_shape = shape_of(args["query"]), shape_of(args["key"])
     heads, kv_heads = q_shape[HEAD_DIM], k_shape[HEAD_DIM]
     if heads % p:
@@ -97,7 +107,8 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
             f"module {where} has {heads} attention heads, not divisible by sp_size={p}; "
             "choose an sp_size that divides the number of heads"
         )
-    if ctx.layout is not None and ctx.layout.pad_tokens and not args["is_causal"]:
+    causal = documents or bool(args["is_causal"])
+    if ctx.layout is not None and ctx.layout.pad_tokens and not causal:
         raise AutoSPError(
             f"module {where} uses non-causal attention and the sequence ({ctx.layout.seq_len} tokens) was "
             f"padded to a multiple of sp_size={p}; padding is exact only under causal attention: pass a "
@@ -123,6 +134,9 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
             args[name] = gathered[tensor]
         args["enable_gqa"] = kv_heads * replicate != heads
         qkv = (args.pop("query"), args.pop("key"), args.pop("value"))
+        if documents:  # whole sequences now: queries and keys both start at token 0
+            args["q_start"] = args["kv_start"] = 0
+            qkv = (*qkv, args.pop("documents"))
         attention = graph.call_function(node.target, qkv, dict(args))
         attention.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
         infer_fake_value(attention)
@@ -134,6 +148,6 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     an.result.attention.append(out)
-    ctx.report.attention_sites.append(AttentionSite(where, heads, kv_heads, replicate, bool(args["is_causal"])))
+    ctx.report.attention_sites.append(AttentionSite(where, heads, kv_heads, replicate, causal))
     log.debug("all-to-all around %s (heads %d, kv heads %d x%d)", where, heads, kv_heads, replicate)
     return token_sharded

@@ -1,46 +1,80 @@
-"""Recognise a causal attention mask the model built from its positions, and make it ``is_causal=True``.
+"""Learn the attention mask a model builds from its inputs, and apply it over the whole sequence.
 
-Note [Causal masks built from positions]
+Note [Attention masks built from the inputs]
 Hugging Face models called with ``use_cache=False`` (what gradient checkpointing
-forces) and position ids build their attention mask under tracing: a packed-
-sequence mask from the position ids, and-ed with the causal mask, handed to
-``scaled_dot_product_attention`` as ``attn_mask``.  On a shard that mask is the
-shard's [L, L] block, not the sequence's; after the Ulysses all-to-all the
-attention needs the [S, S] mask.  For one unpacked sequence per row (positions
-0..S-1, what `autosp.prepare_inputs` passes by default) the single-device mask
-is exactly the causal mask.  So:
+forces), with packed position ids or with a padding ``attention_mask`` build an
+attention mask under tracing and hand it to ``scaled_dot_product_attention`` as
+``attn_mask``.  On a shard that mask is the shard's [L, L] block; after the
+Ulysses all-to-all the attention needs the rule over the whole [S, S] sequence.
+A mask is a function of the inputs it reads, so the pass learns which function:
 
-1. the mask's inputs must be the position ids alone (and constants): a mask
-   that reads anything else (a padding mask, the tokens) is left to the
-   attention rule, which refuses it;
-2. the mask subgraph is evaluated at compile time on this rank's real position
-   ids and must equal the causal (lower-triangular) block for every row and
-   head: a packed batch or a sliding window shorter than the shard fails here;
-3. the attention then gets ``attn_mask=None, is_causal=True``, and the compiled
-   model checks on every call that the positions are still 0..S-1 per row and
-   that the model's sliding window (if any) is not shorter than the sequence,
-   the two facts step 2 cannot see from one shard (`SequenceParallelModel`).
+1. the mask's subgraph must read only the position ids, the padding mask and
+   constants (anything else, e.g. the tokens, is left to the attention rule,
+   which refuses it), and its values must be a pure mask (booleans, or 0 and
+   -inf / the dtype's minimum: a bias such as ALiBi is refused);
+2. the subgraph is evaluated on *probe* inputs of the shard's shape: plain
+   positions 0..L-1 (the mask must be causal, possibly within a window: the
+   window is read off the last row), positions restarting at 0 and jumping
+   mid-row (does the model separate documents where a position is not its
+   predecessor's plus one?), and a padding mask with a left-padded and a middle
+   token (are padding keys masked?).  Each probe must equal the rule of Note
+   [Document masks] (autosp.document_attention) with the learnt ingredients,
+   row for row; a model whose mask is anything else (bidirectional, prefix-LM,
+   documents split another way) is refused, naming the module;
+3. a window at least as long as the shard is invisible to the probes: its length
+   comes from the model's configuration (autosp.guards), and is refused when the
+   configuration mixes sliding and full layers (which layers slide cannot be
+   told apart on the shard);
+4. the subgraph is evaluated once more on the traced call's real inputs, and must
+   equal the learnt rule on this rank's block of the real sequence;
+5. the attention is rewritten: a rule that is the plain causal mask over the whole
+   sequence becomes ``is_causal=True`` (Ulysses' SDPA), any other becomes
+   `document_attention` over document ids computed in the graph from the
+   all-gathered position ids and padding mask (a few integers per token, every
+   step, so each batch is masked by its own layout).  In a checkpointed layer the
+   mask operand of the higher-order op is replaced by the document ids.
 
-Packed documents and sliding windows need a mask over the whole sequence
-(flex attention block masks); they are refused until then.
+The sequence-sharding analysis then runs `document_attention` through the
+Ulysses rule like SDPA (autosp.passes.dynamo.attention).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from autosp.context import TraceContext
+from autosp.document_attention import document_attention, document_ids
 from autosp.errors import AutoSPError
-from autosp.guards import PACKED_POSITIONS_REFUSED
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
 from autosp.passes.dynamo.rules import higher_order_body
-from autosp.passes.graph_utils import bind, module_name
+from autosp.passes.dynamo.tag_inputs import ROLE
+from autosp.passes.graph_utils import bind, fake_value, infer_fake_value, module_name
 
 log = logging.getLogger(__name__)
+
+MASK_INPUTS = ("position_ids", "attention_mask")
+"""The inputs a mask may be computed from (step 1 of the Note)."""
+
+
+@dataclass(frozen=True)
+class MaskRule:
+    """Which ingredients of Note [Document masks] a model's attention mask has."""
+
+    by_position: bool
+    """Documents start where a position is not its predecessor's plus one."""
+    padding: bool
+    """Keys whose attention_mask is 0 are read by no query."""
+    window: int | None
+    """Queries read the ``window`` most recent keys (themselves included); None: no window."""
+
+    def plain_causal(self, seq_len: int) -> bool:
+        """True when, on ``seq_len`` tokens, the rule is the causal mask whatever the batch holds."""
+        return not self.by_position and not self.padding and (self.window is None or self.window >= seq_len)
 
 
 def _sdpa_nodes(gm: fx.GraphModule, hop: fx.Node | None = None):
@@ -53,14 +87,19 @@ def _sdpa_nodes(gm: fx.GraphModule, hop: fx.Node | None = None):
             yield from _sdpa_nodes(body[0], node)
 
 
+def _operand_index(gm_body: fx.GraphModule, hop: fx.Node, placeholder: fx.Node) -> int:
+    """Index in ``hop.args`` of the operand a body placeholder receives."""
+    placeholders = [n for n in gm_body.graph.nodes if n.op == "placeholder"]
+    return len(hop.args) - len(placeholders) + placeholders.index(placeholder)
+
+
 def _to_outer(gm_body: fx.GraphModule, hop: fx.Node | None, value):
     """The top-level node a body placeholder receives (the value itself in the top graph)."""
-    if hop is None or not isinstance(value, fx.Node) or value.op != "placeholder":
+    if hop is None or not isinstance(value, fx.Node):
         return value
-    placeholders = [n for n in gm_body.graph.nodes if n.op == "placeholder"]
-    operands = [a for a in hop.args if not (isinstance(a, fx.Node) and a.op == "get_attr")]
-    operands = operands[len(operands) - len(placeholders):]
-    return operands[placeholders.index(value)]
+    if value.op != "placeholder":
+        return None  # a mask computed inside the body: not recognised here
+    return hop.args[_operand_index(gm_body, hop, value)]
 
 
 def _ancestors(node: fx.Node) -> list[fx.Node]:
@@ -75,78 +114,255 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
     return order
 
 
-def _evaluate(gm: fx.GraphModule, mask: fx.Node, inputs: dict[fx.Node, torch.Tensor]) -> torch.Tensor | None:
-    """Run the subgraph that computes ``mask`` on real inputs; None if it reads something else."""
+def _mask_program(gm: fx.GraphModule, mask: fx.Node) -> tuple[fx.GraphModule, list[fx.Node]] | None:
+    """The subgraph computing ``mask`` as a module, and the placeholders it reads (in order); None when it reads
+    a parameter or buffer."""
     needed = set(_ancestors(mask))
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    inputs = []
     for node in gm.graph.nodes:
         if node not in needed:
             continue
         if node.op == "placeholder":
-            if node not in inputs:
-                return None
             env[node] = sub.placeholder(node.name)
+            inputs.append(node)
         elif node.op == "get_attr":
             return None
         else:
             env[node] = sub.node_copy(node, lambda n: env[n])
     sub.output(env[mask])
-    module = fx.GraphModule(gm, sub)
-    order = [n for n in gm.graph.nodes if n.op == "placeholder" and n in needed]
-    try:
-        with torch.no_grad():
-            return module(*[inputs[n] for n in order])
-    except Exception as err:  # a mask we cannot evaluate is simply not recognised
-        log.debug("attention mask not evaluable: %s", err)
+    return fx.GraphModule(gm, sub), inputs
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
+    """[B, L, L] booleans of a bool or additive mask (the same for every head); None for a bias or per-head mask."""
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        blocked = (mask == float("-inf")) | (mask == torch.finfo(mask.dtype).min)
+        if not bool(((mask == 0) | blocked).all()):
+            return None
+        allowed = mask == 0
+    if allowed.dim() == 3:
+        allowed = allowed[:, None]
+    if allowed.dim() != 4 or allowed.shape[-1] != allowed.shape[-2] or not bool((allowed == allowed[:, :1]).all()):
         return None
+    return allowed[:, 0]
 
 
-def _is_causal_block(mask: torch.Tensor) -> bool:
-    allowed = mask if mask.dtype == torch.bool else mask == 0
-    if allowed.dim() < 2 or allowed.shape[-1] != allowed.shape[-2]:
-        return False
-    size = allowed.shape[-1]
-    causal = torch.ones(size, size, dtype=torch.bool).tril()
-    return bool((allowed == causal).all())
+def expected_block(documents: torch.Tensor, start: int, length: int, window: int | None) -> torch.Tensor:
+    """The rule of Note [Document masks] on tokens [start, start + length) of rows with ``documents``: [B, L, L]."""
+    docs = documents[:, start:start + length]
+    idx = torch.arange(length)
+    allowed = (idx[None, :] <= idx[:, None]) & (docs.abs()[:, :, None] == docs[:, None, :])
+    if window is not None:
+        allowed &= (idx[:, None] - idx[None, :]) < window
+    return allowed
 
 
-def causal_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext) -> fx.GraphModule:
-    """Replace attention masks that are the causal mask of the given positions by ``is_causal=True``."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    by_role = {n.meta.get("autosp_role"): (n, v) for n, v in zip(placeholders, example_inputs, strict=False)}
-    positions = by_role.get("position_ids")
-    replaced = 0
-    for graph_module, node, hop in list(_sdpa_nodes(gm)):
-        call = bind(_sdpa_signature, node).arguments
-        if call["attn_mask"] is None:
-            continue
-        outer = _to_outer(graph_module, hop, call["attn_mask"])
-        if positions is None or not isinstance(outer, fx.Node):
-            continue
-        if isinstance(positions[1], FakeTensor):  # a shape-only trace has no positions to evaluate the mask on
-            continue
-        value = _evaluate(gm, outer, {positions[0]: positions[1]})
-        if value is None:
-            continue
-        if not ctx.positions_plain:  # decided on the full-length positions: the same on every rank
-            raise AutoSPError(f"module {module_name(node)}: {PACKED_POSITIONS_REFUSED}")
-        if not _is_causal_block(value):
+def _probe_inputs(batch: int, length: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Probe (position_ids, attention_mask) pairs of step 2 of the Note."""
+    plain = torch.arange(length).expand(batch, length)
+    ones = torch.ones(batch, length, dtype=torch.long)
+    third = max(1, length // 3)
+    packed = torch.cat([torch.arange(third), torch.arange(third), third + 7 + torch.arange(length - 2 * third)])
+    padded = ones.clone()
+    padded[:, 0] = 0
+    padded[:, length // 2] = 0
+    return {"plain": {"position_ids": plain, "attention_mask": ones},
+            "packed": {"position_ids": packed.expand(batch, length), "attention_mask": ones},
+            "padded": {"position_ids": plain, "attention_mask": padded},
+            "packed+padded": {"position_ids": packed.expand(batch, length), "attention_mask": padded}}
+
+
+class _MaskLearner:
+    """Steps 1-4 of Note [Attention masks built from the inputs] for one traced graph."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: TraceContext):
+        self.gm, self.ctx = gm, ctx
+        self.roles = {n: n.meta.get(ROLE) for n in gm.graph.nodes if n.op == "placeholder"}
+        self.learnt: dict[fx.Node, MaskRule | None] = {}
+
+    def rule(self, mask: fx.Node, where: str) -> MaskRule | None:
+        if mask not in self.learnt:
+            self.learnt[mask] = self._learn(mask, where)
+        return self.learnt[mask]
+
+    def _learn(self, mask: fx.Node, where: str) -> MaskRule | None:
+        program = _mask_program(self.gm, mask)
+        if program is None:
+            return None
+        module, inputs = program
+        roles = [self.roles.get(n) for n in inputs]
+        if any(r not in MASK_INPUTS for r in roles):
+            return None
+        examples = [fake_value(n) for n in inputs]
+        shape = fake_value(mask).shape  # [B or 1, heads or 1, L, L]
+        batch, length = (examples[0].shape[0] if examples else shape[0]), shape[-1]
+
+        def evaluate(values: dict[str, torch.Tensor]) -> torch.Tensor:
+            args = [values[r].to(e.dtype) for r, e in zip(roles, examples, strict=True)]
+            try:
+                with torch.no_grad():
+                    allowed = _allowed(module(*args))
+            except Exception as err:  # noqa: BLE001 - a mask we cannot evaluate is refused below
+                raise AutoSPError(f"module {where} attends with a mask built from {roles} that AutoSP could not "
+                                  f"evaluate on probe inputs ({err}); {_FIX}") from err
+            if allowed is None:
+                raise AutoSPError(f"module {where} attends with an additive bias or per-head mask built from "
+                                  f"{roles}, not a mask; {_FIX}")
+            return allowed
+
+        probes = _probe_inputs(batch, length)
+        plain = evaluate(probes["plain"])
+        visible = int(plain[0, -1].sum())
+        window = visible if visible < length else None
+        rule = MaskRule(by_position=False, padding=False, window=window)
+        self._check(where, "plain positions", plain, rule, probes["plain"])
+        if "position_ids" in roles:
+            packed = evaluate(probes["packed"])
+            rule = MaskRule(by_position=not torch.equal(packed, plain), padding=False, window=window)
+            self._check(where, "packed positions", packed, rule, probes["packed"])
+        if "attention_mask" in roles:
+            rule = MaskRule(rule.by_position, padding=True, window=window)
+            for name in ("padded", "packed+padded"):
+                self._check(where, f"a padding mask ({name})", evaluate(probes[name]), rule, probes[name])
+        rule = self._configured_window(rule, where, length)
+        self._check_real(where, rule, evaluate, roles)
+        return rule
+
+    def _check(self, where: str, probe: str, got: torch.Tensor, rule: MaskRule, values: dict) -> None:
+        documents = document_ids(values["position_ids"], values["attention_mask"], by_position=rule.by_position,
+                                 padding=rule.padding)
+        if not torch.equal(got, expected_block(documents, 0, got.shape[-1], rule.window)):
             raise AutoSPError(
-                f"module {module_name(node)} attends with a mask built from the position ids that is not causal "
-                "over this shard (packed documents, or a sliding window shorter than a shard); AutoSP supports one "
-                "unpacked sequence per row (position_ids 0..S-1) so far"
-            )
-        call["attn_mask"], call["is_causal"] = None, True
-        q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
-        node.args, node.kwargs = (q, k, v), dict(call)
-        replaced += 1
-        log.info("attention in %s: the mask built from positions is causal; using is_causal=True", module_name(node))
-    if replaced:
+                f"module {where} attends with a mask that, on {probe}, is not causal attention within documents "
+                f"(a new document where a position is not its predecessor's plus one), padding and a sliding "
+                f"window; {_FIX}")
+
+    def _configured_window(self, rule: MaskRule, where: str, length: int) -> MaskRule:
+        configured, layout = self.ctx.sliding_window, self.ctx.layout
+        if rule.window is not None or configured is None or layout is None:
+            return rule
+        if configured.window < length or configured.window >= layout.padded_seq_len:
+            return rule  # a window shorter than the shard would show: this layer has none; a long one never binds
+        if not configured.every_layer:
+            raise AutoSPError(
+                f"module {where}: the model mixes sliding-window ({configured.window} tokens) and full attention "
+                f"layers, and on a shard of {length} tokens the two masks look the same; use a smaller sp_size "
+                f"(shards of more than {configured.window} tokens) or sequences of at most {configured.window} tokens")
+        return MaskRule(rule.by_position, rule.padding, configured.window)
+
+    def _check_real(self, where: str, rule: MaskRule, evaluate, roles: list[str]) -> None:
+        full = self.ctx.full_inputs
+        layout = self.ctx.layout
+        if layout is None or any(isinstance(full.get(r), FakeTensor) for r in MASK_INPUTS):
+            return  # a shape-only trace: no values to check against
+        positions, padding = full.get("position_ids"), full.get("attention_mask")
+        batch, seq_len = positions.shape
+        padded_positions = _pad_end(positions, layout.pad_tokens, None)
+        padded_mask = None if padding is None else _pad_end(padding, layout.pad_tokens, 0)
+        documents = document_ids(padded_positions, padded_mask, by_position=rule.by_position,
+                                 padding=rule.padding and padded_mask is not None)
+        window = slice(layout.start, layout.start + layout.local_seq_len)
+        local = {"position_ids": padded_positions[:, window],
+                 "attention_mask": (torch.ones_like(padded_positions) if padded_mask is None
+                                    else padded_mask)[:, window]}
+        got = evaluate(local)
+        if not torch.equal(got, expected_block(documents, layout.start, layout.local_seq_len, rule.window)):
+            raise AutoSPError(f"module {where} attends with a mask that, on this batch, differs from the rule "
+                              f"learnt from probes ({rule}); {_FIX}")
+
+
+def _pad_end(t: torch.Tensor, tokens: int, value: int | None) -> torch.Tensor:
+    from autosp.inputs import _pad_end as pad_end
+
+    return pad_end(t, tokens, value)
+
+
+_FIX = ("AutoSP applies causal attention within documents, padding masks and sliding windows over the whole "
+        "sequence (Note [Attention masks built from the inputs]); other masks are not supported")
+
+
+class _DocumentIds:
+    """The graph's document-id nodes (one per rule's inputs), inserted at the top level on first use."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: TraceContext):
+        self.gm, self.ctx = gm, ctx
+        self.nodes: dict[tuple[bool, bool], fx.Node] = {}
+
+    def node(self, rule: MaskRule) -> fx.Node:
+        key = (rule.by_position, rule.padding)
+        if key not in self.nodes:
+            self.nodes[key] = self._insert(*key)
+        return self.nodes[key]
+
+    def _insert(self, by_position: bool, padding: bool) -> fx.Node:
+        graph, ctx = self.gm.graph, self.ctx
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        by_role = {n.meta.get(ROLE): n for n in placeholders}
+        gather = torch.ops.autosp_testbed.all_gather.default
+        # Without a document rule the positions (or the tokens) only give the ids' shape.
+        sources = [by_role.get("position_ids", by_role.get("input_ids"))] + ([by_role["attention_mask"]] if padding else [])
+        with graph.inserting_after(placeholders[-1]):
+            gathered = [graph.call_function(gather, (source, 1, ctx.group_name, ctx.sp_size)) for source in sources]
+        for node in gathered:
+            infer_fake_value(node)
+        with graph.inserting_after(gathered[-1]):
+            documents = graph.call_function(document_ids, (gathered[0], gathered[1] if padding else None),
+                                            {"by_position": by_position, "padding": padding})
+        infer_fake_value(documents)
+        return documents
+
+
+def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext) -> fx.GraphModule:
+    """Apply every attention mask the model builds from its inputs over the whole sequence (see the Note)."""
+    learner, documents = _MaskLearner(gm, ctx), _DocumentIds(gm, ctx)
+    seq_len = ctx.layout.padded_seq_len if ctx.layout is not None else None
+    changed = False
+    sites = [(graph_module, node, hop, _to_outer(graph_module, hop, bind(_sdpa_signature, node).arguments["attn_mask"]))
+             for graph_module, node, hop in _sdpa_nodes(gm)]  # before any rewrite moves an operand
+    for graph_module, node, hop, outer in sites:
+        call = bind(_sdpa_signature, node).arguments
+        mask = call["attn_mask"]
+        if not isinstance(outer, fx.Node) or call["dropout_p"]:
+            continue  # the attention rule refuses these, naming the module
+        where = module_name(node)
+        rule = learner.rule(outer, where)
+        if rule is None:
+            continue
+        changed = True
+        if seq_len is None or rule.plain_causal(seq_len):
+            call["attn_mask"], call["is_causal"] = None, True
+            q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
+            node.args, node.kwargs = (q, k, v), dict(call)
+            ctx.report.causal_masks_replaced += 1
+            log.info("attention in %s: the mask built from the inputs is causal; using is_causal=True", where)
+            continue
+        ids = documents.node(rule)
+        if hop is not None:  # the body's mask operand now carries the document ids
+            index = _operand_index(graph_module, hop, mask)
+            hop.args = hop.args[:index] + (ids,) + hop.args[index + 1:]
+            mask.meta.update({k: ids.meta[k] for k in ("example_value", "val") if k in ids.meta})
+        start = ctx.layout.start
+        with graph_module.graph.inserting_before(node):
+            replaced = graph_module.graph.call_function(document_attention, (call["query"], call["key"], call["value"],
+                                                                             ids if hop is None else mask), {
+                "q_start": start, "kv_start": start, "window": rule.window, "scale": call["scale"],
+                "enable_gqa": call["enable_gqa"]})
+        replaced.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        infer_fake_value(replaced)
+        node.replace_all_uses_with(replaced)
+        graph_module.graph.erase_node(node)
+        ctx.report.document_masks.append(rule)
+        log.info("attention in %s: mask %s applied over the whole sequence", where, rule)
+    if changed:
         _drop_unused_operands(gm)
         gm.graph.eliminate_dead_code()
+        for body in {higher_order_body(gm, n)[0] for n in gm.graph.nodes if higher_order_body(gm, n)}:
+            body.recompile()
         gm.recompile()
-        ctx.report.causal_masks_replaced += replaced
     return gm
 
 
@@ -157,6 +373,7 @@ def _drop_unused_operands(gm: fx.GraphModule) -> None:
         if body is None:
             continue
         sub, operands = body
+        sub.graph.eliminate_dead_code()
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         first = len(node.args) - len(operands)
         keep = [i for i, ph in enumerate(placeholders) if ph.users]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from autosp.passes.dynamo.attention import SDPA_TARGETS
+from autosp.passes.dynamo.attention import ATTENTION_TARGETS
 from autosp.passes.dynamo.placements import (
     PARTIAL,
     REPLICATE,
@@ -634,6 +634,11 @@ def all_reduce(an, gm, node: fx.Node):
     return REPLICATE
 
 
+def gather(an, gm, node: fx.Node):
+    """all_gather of token-sharded metadata (the mask pass's positions and padding mask): the whole sequence."""
+    return REPLICATE
+
+
 def attention(an, gm, node: fx.Node):
     from autosp.passes.dynamo.attention import ulysses_attention
 
@@ -680,17 +685,18 @@ _RULE_CLASS = {pointwise: "token-local: elementwise", layout: "token-local: layo
                einsum: "token-local: matmul", getitem: "token-local: indexing", cat: "token-local: concatenation",
                split: "token-local: split", pad: "token-local: padding", cross_entropy: "loss (partial sum)",
                arange: "positions", metadata: "metadata", factory: "factory (replicated)",
-               all_reduce: "collective", attention: "attention (Ulysses)"}
+               all_reduce: "collective", gather: "collective (gather)", attention: "attention (Ulysses)"}
 
 
 def _rule_for(node: fx.Node) -> Callable | None:
     if node.op == "call_function":
-        if node.target in SDPA_TARGETS:
+        if node.target in ATTENTION_TARGETS:
             return attention
         if node.target is operator.getitem:
             return getitem
         if getattr(node.target, "namespace", None) == "autosp_testbed":
-            return all_reduce if "all_reduce" in node.target._opname else metadata
+            return all_reduce if "all_reduce" in node.target._opname else (
+                gather if node.target._opname == "all_gather" else metadata)
     if node.op in ("call_function", "call_method"):
         return _BY_NAME.get(op_name(node))
     return None

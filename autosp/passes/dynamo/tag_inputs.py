@@ -21,7 +21,7 @@ def tag_sequence_inputs_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceCo
         role = ctx.input_roles.get(id(example))
         if role is None:
             # Dynamo names an input `l_kwargs_<name>_` or `l_<name>_`; use it when identity is lost.
-            for candidate in ("input_ids", "labels", "position_ids"):
+            for candidate in ("input_ids", "labels", "position_ids", "attention_mask"):
                 if node.name.lower() in (f"l_kwargs_{candidate}_", f"l_{candidate}_"):
                     role = candidate
         if role is not None:
