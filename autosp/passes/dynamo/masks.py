@@ -305,14 +305,13 @@ class _DocumentIds:
         gather = torch.ops.autosp_testbed.all_gather.default
         # Without a document rule the positions (or the tokens) only give the ids' shape.
         sources = [by_role.get("position_ids", by_role.get("input_ids"))] + ([by_role["attention_mask"]] if padding else [])
-        with graph.inserting_after(placeholders[-1]):
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first):  # inserted in order, after every placeholder
             gathered = [graph.call_function(gather, (source, 1, ctx.group_name, ctx.sp_size)) for source in sources]
-        for node in gathered:
-            infer_fake_value(node)
-        with graph.inserting_after(gathered[-1]):
             documents = graph.call_function(document_ids, (gathered[0], gathered[1] if padding else None),
                                             {"by_position": by_position, "padding": padding})
-        infer_fake_value(documents)
+        for node in (*gathered, documents):
+            infer_fake_value(node)
         return documents
 
 
