@@ -2,7 +2,8 @@
 
 FLOPs: matmuls 2·M·N·K; attention counted here (torch's FLOP counter misses the
 CPU kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to
-two), halved under causal masking; reductions one FLOP per input element;
+two), halved under causal masking, scaled by the kept fraction of the scores under
+a document mask (flex_attention, Note [Document masks]); reductions one FLOP per input element;
 elementwise ops one FLOP per output element; views and data movement none.
 """
 
@@ -55,51 +56,62 @@ def schema_arg(node: fx.Node, name: str, default=None):
     return default
 
 
-def attention_scores(q_shape, k_shape, *, causal: bool, backward: bool) -> int:
+def attention_scores(q_shape, k_shape, *, causal: bool, backward: bool, kept: float | None = None) -> int:
     """Query-key scores of scaled-dot-product attention for q [B, H, Sq, D] and k [B, Hk, Sk, D].
 
-    B·H·Sq·Sk, halved under causal masking; the backward counts 2.5x like its FLOPs (it recomputes the
-    probabilities and forms their gradient: measured on CPU, its time per score is 2.5-2.7x the forward's
-    at every head dimension).
+    B·H·Sq·Sk, halved under causal masking, or times ``kept`` (the fraction of the Sq·Sk scores a mask keeps)
+    when given; the backward counts 2.5x like its FLOPs (it recomputes the probabilities and forms their
+    gradient: measured on CPU, its time per score is 2.5-2.7x the forward's at every head dimension).
     """
     *batch, s_q, _ = q_shape
     scores = math.prod(batch) * s_q * k_shape[-2]
-    if causal:
+    if kept is not None:
+        scores = int(scores * kept)
+    elif causal:
         scores //= 2
     return int(scores * 2.5) if backward else scores
 
 
-def attention_flops(q_shape, k_shape, *, causal: bool, backward: bool) -> int:
+def attention_flops(q_shape, k_shape, *, causal: bool, backward: bool, kept: float | None = None) -> int:
     """FLOPs of scaled-dot-product attention for q [B, H, Sq, D] and k [B, Hk, Sk, D]: 4·D per score."""
-    return 4 * q_shape[-1] * attention_scores(q_shape, k_shape, causal=causal, backward=backward)
+    return 4 * q_shape[-1] * attention_scores(q_shape, k_shape, causal=causal, backward=backward, kept=kept)
+
+
+FLEX_ATTENTION = ("flex_attention", "flex_attention_backward")
+"""Packets of the flex_attention higher-order ops (document-masked attention)."""
 
 
 def _attention_shapes(node: fx.Node):
-    """(q shape, k shape, causal, backward) of an attention node, None for any other node."""
+    """(q shape, k shape, causal, backward, flex) of an attention node, None for any other node."""
     packet = packet_name(node.target)
-    if not ("scaled_dot_product" in packet or "flash_attention" in packet or "efficient_attention" in packet):
+    flex = packet in FLEX_ATTENTION
+    if not (flex or "scaled_dot_product" in packet or "flash_attention" in packet or "efficient_attention" in packet):
         return None
     backward = "backward" in packet
-    q, k = node.args[1:3] if backward else node.args[0:2]
-    return q.meta["val"].shape, k.meta["val"].shape, bool(schema_arg(node, "is_causal", False)), backward
+    q, k = node.args[1:3] if backward and not flex else node.args[0:2]
+    causal = flex or bool(schema_arg(node, "is_causal", False))
+    return q.meta["val"].shape, k.meta["val"].shape, causal, backward, flex
 
 
-def attention_scores_of(node: fx.Node) -> int:
-    """Query-key scores an attention node evaluates (see `attention_scores`); 0 for any other node."""
+def attention_scores_of(node: fx.Node, *, masked_fraction: float | None = None) -> int:
+    """Query-key scores an attention node evaluates (see `attention_scores`); 0 for any other node.
+    ``masked_fraction``: the fraction of the scores a document mask keeps (flex_attention nodes; None: priced
+    as causal)."""
     shapes = _attention_shapes(node)
     if shapes is None:
         return 0
-    q, k, causal, backward = shapes
-    return attention_scores(q, k, causal=causal, backward=backward)
+    q, k, causal, backward, flex = shapes
+    return attention_scores(q, k, causal=causal, backward=backward, kept=masked_fraction if flex else None)
 
 
-def classify(node: fx.Node) -> tuple[str, int]:
-    """(op_class, flops) of a compute node."""
+def classify(node: fx.Node, *, masked_fraction: float | None = None) -> tuple[str, int]:
+    """(op_class, flops) of a compute node (``masked_fraction``: see `attention_scores_of`)."""
     target, packet = node.target, packet_name(node.target)
     shapes = _attention_shapes(node)
     if shapes is not None:
-        q, k, causal, backward = shapes
-        return "attention", attention_flops(q, k, causal=causal, backward=backward)
+        q, k, causal, backward, flex = shapes
+        return "attention", attention_flops(q, k, causal=causal, backward=backward,
+                                            kept=masked_fraction if flex else None)
     if target in MATMULS:
         a, b = (node.args[1], node.args[2]) if target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
         sa, sb = a.meta["val"].shape, b.meta["val"].shape

@@ -62,6 +62,21 @@ def document_ids(position_ids: torch.Tensor, attention_mask: torch.Tensor | None
     return docs
 
 
+def kept_fraction(documents: torch.Tensor, window: int | None) -> float:
+    """Fraction of the B·S·S query-key pairs of rows ``documents`` the rule of Note [Document masks] keeps
+    (what the export prices document-masked attention at), counted in O(S) per row."""
+    batch, length = documents.shape
+    valid = (documents > 0).to(torch.int64)
+    before = torch.cat([torch.zeros_like(valid[:, :1]), valid.cumsum(1)], dim=1)  # valid keys in [0, i)
+    idx = torch.arange(length, device=documents.device).expand(batch, length)
+    doc = documents.abs()
+    new_doc = torch.cat([torch.ones_like(doc[:, :1], dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], dim=1)
+    doc_start = torch.cummax(torch.where(new_doc, idx, torch.zeros_like(idx)), dim=1).values
+    first = doc_start if window is None else torch.maximum(doc_start, idx - window + 1)
+    kept = before.gather(1, idx + 1) - before.gather(1, first)  # valid keys in [first, i]
+    return float(kept.sum()) / (batch * length * length)
+
+
 def _block_ranges(documents: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(min id, max id) per block of tokens [start, start + length) ([B, blocks] each), and the block count.
     A last partial block is padded by repeating its last token (it does not exist: the ranges stay exact)."""

@@ -44,6 +44,8 @@ class _Emitter:
     """Accumulates one rank's ops and tensors across the forward and backward graphs."""
 
     group: str
+    masked_fraction: float | None = None
+    """Fraction of the scores document-masked attention keeps (see `export_workload`)."""
 
     def __post_init__(self):
         self.ops: list[Op] = []
@@ -112,8 +114,8 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 kind, op_class, flops = _ASYNC_PHASES[packet], "other", 0
             else:
                 kind = "compute"
-                op_class, flops = classify(node)
-                scores = attention_scores_of(node)
+                op_class, flops = classify(node, masked_fraction=em.masked_fraction)
+                scores = attention_scores_of(node, masked_fraction=em.masked_fraction)
         collective = None
         if kind in ("collective", "collective_start"):
             em.collectives += 1
@@ -149,6 +151,7 @@ def export_workload(
     zero_shards: int = 1,
     metadata: dict | None = None,
     saved_freed_at_last_use: bool = True,
+    attention_kept_fraction: float | None = None,
 ) -> Workload:
     """One symmetric Workload of world ``sp_size`` from the latest forward and backward graphs.
 
@@ -159,11 +162,13 @@ def export_workload(
     ``saved_freed_at_last_use``: whether the backward frees each saved activation after
     its last use (Inductor's generated code does) or holds them all until it returns
     (``aot_eager`` does: its boxed call keeps the argument list alive).
+    ``attention_kept_fraction``: the fraction of its Sq·Sk scores document-masked attention keeps
+    (`CompileReport.attention_kept_fraction`); None prices it as causal.
     """
     graphs = dict(aot_graphs)
     if "forward" not in graphs or "backward" not in graphs:
         raise ValueError("export needs a forward and a backward graph: run one training step (with backward) first")
-    em = _Emitter(group="sp")
+    em = _Emitter(group="sp", masked_fraction=attention_kept_fraction)
     live: dict[str, int] = {}
     _emit_graph(graphs["forward"], "forward", em, live)
     _emit_graph(graphs["backward"], "backward", em, live, inputs_freed_at_last_use=saved_freed_at_last_use)
@@ -278,7 +283,8 @@ def module_parameters(aot_graphs: list[tuple[str, fx.GraphModule]], dynamo_graph
 
 
 def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
-                    dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", **options):
+                    dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", document_lengths=None,
+                    **options):
     """Compile and run one training step of ``build_model()`` on fake tensors and a fake group.
 
     Paper-scale graphs without paper-scale memory: the model is built inside a
@@ -287,6 +293,8 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     AOTAutograd produce the real forward and backward graphs.  Returns the
     compiled model (its ``report.aot_graphs`` feed `export_workload`) and the
     parameter bytes.  ``options`` are `autosp.compile` options (e.g. checkpointing).
+    ``document_lengths``: the sample packs documents of these lengths (real position ids, so a model
+    that masks documents is traced with the layout and the report's attention_kept_fraction set).
     The process must not have a process group of its own.
     """
     import torch.distributed as dist
@@ -299,6 +307,11 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
 
     if dist.is_initialized():
         raise RuntimeError("trace_fake_step needs a process without a process group (it creates a fake one)")
+    positions = None
+    if document_lengths is not None:  # real values (a few integers per token), outside the fake mode
+        positions = torch.cat([torch.arange(int(n)) for n in document_lengths])[None]
+        if positions.shape[1] != seq_len:
+            raise ValueError(f"document_lengths sum to {positions.shape[1]} tokens, not seq_len={seq_len}")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=sp_size)
     try:
         previous = torch.get_default_dtype()
@@ -311,7 +324,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
             finally:
                 torch.set_default_dtype(previous)
             ids = torch.randint(0, vocab_size, (1, seq_len))
-            inputs = prepare_inputs(ids, labels=ids)
+            inputs = prepare_inputs(ids, labels=ids, position_ids=positions)
         compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **options)
         # The step runs in the fake mode too: a graph's factory ops (the zeros a loss backward fills, a
         # [S, vocab] buffer) would otherwise allocate real memory, gigabytes at paper scale.

@@ -107,3 +107,16 @@ def test_attention_equals_sdpa_with_the_dense_mask(heads, kv_heads, window, q_st
                     strict=True):
         assert b.abs().max() > 0
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kept_fraction_counts_the_dense_rule(seed):
+    from autosp.document_attention import kept_fraction
+
+    rng = random.Random(100 + seed)
+    length = BLOCK * 3 + 11
+    positions, mask = random_layout(rng, length)
+    docs = document_ids(positions, mask, by_position=True, padding=seed % 2 == 0)
+    window = rng.choice([None, 5, 200])
+    dense = dense_rule(docs, q_start=0, q_len=length, kv_len=length, window=window)
+    assert kept_fraction(docs, window) == pytest.approx(dense.sum().item() / (2 * length * length), rel=1e-12)

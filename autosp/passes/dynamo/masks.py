@@ -45,10 +45,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from autosp.context import TraceContext
-from autosp.document_attention import document_attention, document_ids
+from autosp.document_attention import document_attention, document_ids, kept_fraction
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
 from autosp.passes.dynamo.rules import higher_order_body
@@ -183,10 +183,13 @@ class _MaskLearner:
         self.gm, self.ctx = gm, ctx
         self.roles = {n: n.meta.get(ROLE) for n in gm.graph.nodes if n.op == "placeholder"}
         self.learnt: dict[fx.Node, MaskRule | None] = {}
+        self.kept: dict[MaskRule, float] = {}
+        """Fraction of the scores each rule keeps on the traced batch (see `kept_fraction`)."""
 
     def rule(self, mask: fx.Node, where: str) -> MaskRule | None:
         if mask not in self.learnt:
-            self.learnt[mask] = self._learn(mask, where)
+            with unset_fake_temporarily():  # probes are real tensors, also while a shape-only trace runs
+                self.learnt[mask] = self._learn(mask, where)
         return self.learnt[mask]
 
     def _learn(self, mask: fx.Node, where: str) -> MaskRule | None:
@@ -269,6 +272,8 @@ class _MaskLearner:
         local = {"position_ids": padded_positions[:, window],
                  "attention_mask": (torch.ones_like(padded_positions) if padded_mask is None
                                     else padded_mask)[:, window]}
+        kept = kept_fraction(documents, rule.window)
+        self.kept[rule] = kept
         got = evaluate(local)
         if not torch.equal(got, expected_block(documents, layout.start, layout.local_seq_len, rule.window)):
             raise AutoSPError(f"module {where} attends with a mask that, on this batch, differs from the rule "
@@ -356,6 +361,11 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
         graph_module.graph.erase_node(node)
         ctx.report.document_masks.append(rule)
         log.info("attention in %s: mask %s applied over the whole sequence", where, rule)
+    applied = {learner.kept.get(rule) for rule in ctx.report.document_masks}
+    if len(applied) > 1:
+        log.warning("attention masks keep different fractions of the scores (%s); the export prices them as causal",
+                    sorted(applied, key=str))
+    ctx.report.attention_kept_fraction = applied.pop() if len(applied) == 1 else None
     if changed:
         _drop_unused_operands(gm)
         gm.graph.eliminate_dead_code()
