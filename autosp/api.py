@@ -58,6 +58,7 @@ class SequenceParallelModel(nn.Module):
         self._accepts_positions = _accepts(module.forward, "position_ids")
         self._accepts_attention_mask = _accepts(module.forward, "attention_mask")
         self._ctx.sliding_window = sliding_window_layers(module)
+        self._ctx.document_attention_compiles = config.compiler != "inductor"
         self._synced: dict[nn.Parameter, tuple[weakref.ref, int]] = {}
 
     @property
@@ -86,6 +87,12 @@ class SequenceParallelModel(nn.Module):
         cfg = self.config
         layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                               pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket)
+        positions = kwargs.get("position_ids")
+        if self.report.requires_plain_positions and not torch.equal(
+                positions, torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)):
+            raise AutoSPError(
+                "this model was compiled with Inductor for one unpacked sequence per row, and this batch packs "
+                "documents (position ids restart): compile with compiler='aot_eager' to train on packed batches")
         if "attention_mask" in kwargs and not self._accepts_attention_mask:
             raise AutoSPError(
                 f"the batch has a padding mask but {type(self.module).__name__}.forward takes no attention_mask; "

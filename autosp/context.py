@@ -49,6 +49,8 @@ class CompileReport:
     """Attention masks recognised as the plain causal mask (Note [Attention masks built from the inputs])."""
     document_masks: list[object] = field(default_factory=list)
     """autosp.passes.dynamo.masks.MaskRule of every attention given a mask over the whole sequence."""
+    requires_plain_positions: bool = False
+    """The program assumed one unpacked sequence per row (position ids 0..S-1): checked on every call."""
     attention_kept_fraction: float | None = None
     """Fraction of the causal attention scores the traced batch's masks keep (1.0: plain causal; None: not
     known, a shape-only trace), what the export prices masked attention at."""
@@ -72,6 +74,8 @@ class TraceContext:
     full_inputs: dict[str, object] = field(default_factory=dict)
     """The call's full-length position_ids and attention_mask (the same on every rank; None when not passed),
     while it is traced: what the mask pass checks the model's mask against."""
+    document_attention_compiles: bool = True
+    """Whether the backend compiles `autosp.document_attention` (not Inductor yet; see the mask pass)."""
     sliding_window: object = None
     """autosp.guards.SlidingWindow of the model's config, or None."""
     input_roles: dict[int, str] = field(default_factory=dict)

@@ -64,3 +64,19 @@ def test_attention_of_a_packed_batch_is_priced_by_the_scores_its_mask_keeps():
                                    parameter_bytes=parameter_bytes, attention_kept_fraction=kept)
         flops[documents] = _attention_flops(workload)
     assert flops[8] / flops[1] == pytest.approx(1 / 8, rel=1e-3)
+
+
+def test_inductor_refuses_a_packed_batch_naming_the_fix():
+    from autosp.errors import AutoSPError
+    from autosp.export import trace_fake_step
+    from experiments.models import build_model
+
+    def build():
+        model = build_model("hf-llama", layers=1)
+        model.config.use_cache = False
+        return model
+
+    torch._dynamo.reset()
+    with pytest.raises(AutoSPError, match="compiler='aot_eager'"):
+        trace_fake_step(build, seq_len=256, sp_size=2, vocab_size=256, dtype=torch.float32, compiler="inductor",
+                        document_lengths=[100, 156])

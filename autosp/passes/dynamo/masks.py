@@ -337,6 +337,8 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
         if rule is None:
             continue
         changed = True
+        if not ctx.document_attention_compiles and not (seq_len is None or rule.plain_causal(seq_len)):
+            rule = _without_document_attention(rule, ctx, where)
         if seq_len is None or rule.plain_causal(seq_len):
             call["attn_mask"], call["is_causal"] = None, True
             q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
@@ -373,6 +375,22 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
             body.recompile()
         gm.recompile()
     return gm
+
+
+def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str) -> MaskRule:
+    """Under Inductor (whose flex_attention lowering does not compile `document_attention` yet): a rule that only
+    separates documents by position is the causal mask while the positions are 0..S-1 in every row, which the
+    compiled model then checks on every call; anything else is refused."""
+    positions = ctx.full_inputs.get("position_ids")
+    plain = isinstance(positions, torch.Tensor) and not isinstance(positions, FakeTensor) and torch.equal(
+        positions, torch.arange(positions.shape[-1]).expand_as(positions))
+    if rule.by_position and not rule.padding and rule.window is None and plain:
+        ctx.report.requires_plain_positions = True
+        return MaskRule(by_position=False, padding=False, window=None)
+    raise AutoSPError(
+        f"module {where} attends with a mask over packed documents, padding or a sliding window ({rule}); "
+        "AutoSP applies it with flex_attention, which it cannot compile with Inductor yet: compile with "
+        "compiler='aot_eager'")
 
 
 def _drop_unused_operands(gm: fx.GraphModule) -> None:
