@@ -96,26 +96,41 @@ def test_errors_graph_break_says_fullgraph_and_where():
         _call(_GraphBreak(), ids, labels)
 
 
-def test_errors_padding_attention_mask_refused():
+def test_errors_padding_mask_for_a_model_without_attention_mask_refused():
     ids, labels = make_sample(16, 256, seed=0)
     mask = torch.ones_like(ids)
     mask[0, -3:] = 0
-    with pytest.raises(AutoSPError, match="padding"):
-        autosp.prepare_inputs(ids, labels=labels, attention_mask=mask)
+    assert autosp.prepare_inputs(ids, labels=labels, attention_mask=mask)["attention_mask"] is mask
     # An all-ones mask is dropped: causal attention is exact without it.
     assert "attention_mask" not in autosp.prepare_inputs(ids, labels=labels, attention_mask=torch.ones_like(ids))
+    with fake_process_group(2, rank=0):
+        compiled = autosp.compile(build_model("plain-llama", layers=1), sp_size=2, compiler="aot_eager")
+        with pytest.raises(AutoSPError, match="takes no attention_mask"):
+            compiled(**autosp.prepare_inputs(ids, labels=labels, attention_mask=mask))
+
+
+def test_errors_document_lengths_must_cover_the_row():
+    ids, labels = make_sample(16, 256, seed=0)
+    assert autosp.prepare_inputs(ids, document_lengths=[5, 11])["position_ids"][1].tolist() == [
+        *range(5), *range(11)]
+    with pytest.raises(AutoSPError, match="sum to the sequence length"):
+        autosp.prepare_inputs(ids, document_lengths=[5, 10])
 
 
 class _MaskedAttention(nn.Module):
-    def __init__(self):
+    def __init__(self, bidirectional: bool = False):
         super().__init__()
+        self.bidirectional = bidirectional
         self.inner = build_model("plain-llama", layers=1)
         self.qkv = nn.Linear(64, 192)
 
     def forward(self, input_ids, labels=None):
         x = self.inner.embed(input_ids)
         q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
-        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        if self.bidirectional:  # a mask of constants that is not causal
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool)
+        else:  # a causal mask that also reads the tokens
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril() & (input_ids[:, None, None, :] != 3)
         x = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape_as(x)
         logits = self.inner.lm_head(x)
         return F.cross_entropy(logits[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1))
@@ -123,8 +138,11 @@ class _MaskedAttention(nn.Module):
 
 def test_errors_model_built_attention_mask_refused_naming_the_module():
     ids, labels = make_sample(16, 256, seed=0)
-    with pytest.raises(AutoSPError, match="passes an attn_mask"):
+    with pytest.raises(AutoSPError, match="test_errors.py:[0-9]+.*one entry per local token"):
         _call(_MaskedAttention(), ids, labels)
+    torch._dynamo.reset()
+    with pytest.raises(AutoSPError, match="module .* on plain positions, is not causal attention"):
+        _call(_MaskedAttention(bidirectional=True), ids, labels)
 
 
 @pytest.mark.parametrize(

@@ -144,11 +144,11 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
         if not bool(((mask == 0) | blocked).all()):
             return None
         allowed = mask == 0
-    if allowed.dim() == 3:
-        allowed = allowed[:, None]
+    while allowed.dim() < 4:  # SDPA broadcasts a mask from the right: [L, L] -> [1, 1, L, L]
+        allowed = allowed[None]
     if allowed.dim() != 4 or allowed.shape[-1] != allowed.shape[-2] or not bool((allowed == allowed[:, :1]).all()):
         return None
-    return allowed[:, 0]
+    return allowed[:, 0]  # [B or 1, L, L]
 
 
 def expected_block(documents: torch.Tensor, start: int, length: int, window: int | None) -> torch.Tensor:
@@ -213,7 +213,7 @@ class _MaskLearner:
                 raise AutoSPError(f"module {where} attends with a mask built from {roles} that AutoSP could not "
                                   f"evaluate on probe inputs ({err}); {_FIX}") from err
             if allowed is None:
-                raise AutoSPError(f"module {where} attends with an additive bias or per-head mask built from "
+                raise AutoSPError(f"module {where} attends with an additive bias, or a mask that differs between heads, built from "
                                   f"{roles}, not a mask; {_FIX}")
             return allowed
 
@@ -238,7 +238,8 @@ class _MaskLearner:
     def _check(self, where: str, probe: str, got: torch.Tensor, rule: MaskRule, values: dict) -> None:
         documents = document_ids(values["position_ids"], values["attention_mask"], by_position=rule.by_position,
                                  padding=rule.padding)
-        if not torch.equal(got, expected_block(documents, 0, got.shape[-1], rule.window)):
+        expected = expected_block(documents, 0, got.shape[-1], rule.window)
+        if not torch.equal(got.expand_as(expected), expected):
             raise AutoSPError(
                 f"module {where} attends with a mask that, on {probe}, is not causal attention within documents "
                 f"(a new document where a position is not its predecessor's plus one), padding and a sliding "
@@ -275,7 +276,8 @@ class _MaskLearner:
         kept = kept_fraction(documents, rule.window)
         self.kept[rule] = kept
         got = evaluate(local)
-        if not torch.equal(got, expected_block(documents, layout.start, layout.local_seq_len, rule.window)):
+        expected = expected_block(documents, layout.start, layout.local_seq_len, rule.window)
+        if not torch.equal(got.expand_as(expected), expected):
             raise AutoSPError(f"module {where} attends with a mask that, on this batch, differs from the rule "
                               f"learnt from probes ({rule}); {_FIX}")
 
