@@ -102,7 +102,7 @@ GPU_CONSTANTS: dict[str, Uncertain] = {u.name: u for u in (
     _u("xgmi.efficiency", 0.55, 0.70, 0.85, "fraction of Infinity Fabric peak per direction",
        "assumption: RCCL on MI250 reaches a smaller fraction of the link peak than NCCL on NVSwitch (partial mesh)",
        assumption=True),
-    _u("xgmi.latency_s", 1.0e-6, 1.5e-6, 4.0e-6, "seconds per algorithm step", "assumption: RCCL per-step latency",
+    _u("xgmi.latency_s", 1.0e-6, 1.5e-6, 4.0e-6, "seconds per algorithm step", "assumption: RCCL's per-step latency over Infinity Fabric, taken above NCCL's over NVSwitch",
        assumption=True),
     _u("pcie.latency_s", 0.3e-6, 0.5e-6, 1.0e-6, "seconds per hop",
        "PCIe switch hop latency (PCIe Gen4/Gen5 switch product briefs give ~100-150 ns per switch; a GPU->NIC "
