@@ -147,3 +147,24 @@ def test_every_gpu_constant_has_a_band_and_a_provenance():
     # The attention constants cite the FlashAttention papers' measurements; they are not assumptions.
     assert "FlashAttention-2" in GPU_CONSTANTS["ampere.attention.flops"].provenance
     assert "FlashAttention-3" in GPU_CONSTANTS["hopper.attention.flops"].provenance
+
+
+def test_fusion_crosses_an_independent_matmul_but_never_makes_a_cycle():
+    b = ProgramBuilder()
+    gate = b.compute("gate", op_class="matmul", flops=10**9, bytes_written=MB, allocates=[tg := b.tensor(MB)])
+    silu = b.compute("silu", op_class="elementwise", flops=MB, bytes_read=MB, bytes_written=MB, deps=[gate],
+                     allocates=[ts := b.tensor(MB)], frees=[tg])
+    up = b.compute("up", op_class="matmul", flops=10**9, bytes_written=MB, allocates=[tu := b.tensor(MB)])
+    mul = b.compute("mul", op_class="elementwise", flops=MB, bytes_read=2 * MB, bytes_written=MB,
+                    deps=[silu, up], allocates=[b.tensor(MB)], frees=[ts, tu])
+    # down depends on silu's group through mul only; after it, a pointwise op reading silu's group and down
+    # must not join the group (group -> down -> op would be a cycle).
+    down = b.compute("down", op_class="matmul", flops=10**9, bytes_read=MB, bytes_written=MB, deps=[mul],
+                     allocates=[b.tensor(MB)])
+    after = b.compute("after", op_class="elementwise", flops=MB, bytes_read=2 * MB, bytes_written=MB,
+                      deps=[mul, down], allocates=[b.tensor(MB)])
+    fused, _ = _fused(b.build())
+    assert fused.groups == [[silu, mul], [after]]
+    assert ts in fused.internal_tensors  # silu's output never reaches HBM
+    # silu + mul: reads gate and up (1 MB each), writes mul's output (read by down and after).
+    assert fused.group_bytes[0] == 3 * MB
