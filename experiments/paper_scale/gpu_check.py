@@ -35,7 +35,7 @@ import logging
 from dataclasses import dataclass
 
 from experiments.models import PAPER_MODELS, PaperModel
-from experiments.paper_scale.simulate import trace_workload
+from experiments.paper_scale.simulate import TraceCache, trace_workload
 from simulator import Cluster, get_preset, simulate
 from simulator.schedule import compile_program
 from simulator.workload import Workload
@@ -139,14 +139,17 @@ def _step(workload: Workload, cluster: Cluster) -> tuple[float, int]:
     return result.step_time_s, max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
 
 
-def check(model_name: str = "llama-3.1-8b", seq_len: int = 8192, cluster_name: str = "h100-sxm") -> GpuCheck:
-    """Trace 1 and 2 layers of ``model_name`` on one GPU and simulate them on ``cluster_name``."""
+def check(model_name: str = "llama-3.1-8b", seq_len: int = 8192, cluster_name: str = "h100-sxm", *,
+          cache: TraceCache | None = None) -> GpuCheck:
+    """Trace 1 and 2 layers of ``model_name`` on one GPU and simulate them on ``cluster_name`` (``cache``: reuse
+    the traces across presets)."""
     model = PAPER_MODELS[model_name]
     preset = get_preset(cluster_name)
     fused = Cluster.from_preset(preset)
     eager = Cluster.from_preset(dataclasses.replace(preset, device=dataclasses.replace(preset.device,
                                                                                          fuses_pointwise=False)))
-    traced = {layers: trace_workload(model, seq_len, layers, sp_size=1, zero_shards=1).workload for layers in (1, 2)}
+    traced = {layers: trace_workload(model, seq_len, layers, sp_size=1, zero_shards=1, cache=cache).workload
+              for layers in (1, 2)}
     full = model.num_layers
 
     def extrapolate(cluster: Cluster) -> tuple[float, int]:

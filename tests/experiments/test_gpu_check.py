@@ -13,16 +13,23 @@ from __future__ import annotations
 import pytest
 
 from experiments.paper_scale.gpu_check import PUBLISHED, check, report
+from experiments.paper_scale.simulate import TraceCache
+
+CACHE = TraceCache()
 
 
 @pytest.fixture(scope="module")
 def h100():
-    return check("llama-3.1-8b", 8192, "h100-sxm")
+    return check("llama-3.1-8b", 8192, "h100-sxm", cache=CACHE)
 
 
 def test_gpu_check_attention_lands_in_the_flashattention_band(h100):
     band = PUBLISHED["h100-sxm"]["attention"]
     assert band.low <= h100.attention_flops_per_s <= band.high
+    a100 = check("llama-3.1-8b", 8192, "a100-80gb-sxm", cache=CACHE)  # same traces, FlashAttention-2 on A100
+    band = PUBLISHED["a100-80gb-sxm"]["attention"]
+    assert band.low <= a100.attention_flops_per_s <= band.high
+    assert a100.attention_flops_per_s < h100.attention_flops_per_s
 
 
 def test_gpu_check_mfu_lies_between_the_published_iteration_and_the_matmul_bound(h100):
