@@ -24,7 +24,9 @@ outputs (in --out):
                  one thread per stream, a memory counter track
   timeline.png   per-stream timeline;  memory.png  memory over time (skipped with --no-plots)
   sensitivity.json  with --sensitivity: the static-memory ledger and how the longest trainable sequence moves
-                 when each uncertain memory constant moves within its band
+                 when each uncertain memory constant moves within its band; on a GPU preset also how the step
+                 time and the longest sequence move with each efficiency and latency constant
+                 (simulator.gpu_constants), each re-simulated at the low and high end of its band
 
 example:
   python -m simulator workload.json --cluster a100-80gb-sxm --nodes 2 --out runs/a100x16
@@ -56,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sens = parser.add_argument_group("sensitivity (static memory from the DeepSpeed ledger, simulator.ledger)")
     sens.add_argument("--sensitivity", action="store_true",
-                      help="how the longest trainable sequence moves with each uncertain memory constant")
+                      help="how the longest trainable sequence (and, on GPU presets, the step time) moves with "
+                           "each uncertain memory, efficiency and latency constant")
     sens.add_argument("--params", type=float, help="trainable parameters of the full model (e.g. 8.03e9)")
     sens.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage 0-3 (default: %(default)s)")
     sens.add_argument("--dp", type=int, default=None, help="ranks ZeRO partitions over (default: world size)")
@@ -113,16 +116,16 @@ def _run(args: argparse.Namespace) -> int:
     print(f"  peak memory      {result.peak_memory_bytes / 2**30:.2f} GiB of {cluster.device.memory_bytes / 2**30:.2f}")
     print(f"  fits             {'yes' if result.fits else 'NO: ' + result.oom.message()}")
     if args.sensitivity:
-        _sensitivity(args, workload, result, cluster)
+        _sensitivity(args, workload, result, cluster, nodes)
     print(f"  wrote            {args.out}")
     return 0
 
 
-def _sensitivity(args: argparse.Namespace, workload: Workload, result, cluster: Cluster) -> None:
+def _sensitivity(args: argparse.Namespace, workload: Workload, result, cluster: Cluster, nodes: int) -> None:
     import json
 
     from simulator.ledger import TrainingConfig, memory_ledger
-    from simulator.sensitivity import format_sensitivity, length_sensitivity
+    from simulator.sensitivity import format_sensitivity, format_timing_sensitivity, length_sensitivity
 
     if args.params is None or args.params < 1:
         raise ValueError("--sensitivity needs --params (the full model's trainable parameter count)")
@@ -142,8 +145,37 @@ def _sensitivity(args: argparse.Namespace, workload: Workload, result, cluster: 
     ledger = memory_ledger(cfg, at="backward")
     doc = {"config": dataclasses.asdict(cfg) | {"wrapper": cfg.wrapper}, "seq_len": seq_len,
            "activation_bytes": activations, "rows": [dataclasses.asdict(r) for r in rows],
-           "ledger": [dataclasses.asdict(line) for line in ledger]}
+           "ledger": [dataclasses.asdict(line) for line in ledger], "timing_rows": []}
+    preset = cluster.preset
+    if preset.architecture:
+        timing = _timing_sensitivity(args, workload, cluster, nodes, cfg, seq_len)
+        print(f"  GPU constants    {preset.name}: step time and longest sequence with each constant at the ends "
+              "of its band (* = assumption; see simulator/gpu_constants.py)")
+        print("\n".join("    " + line for line in format_timing_sensitivity(timing).splitlines()))
+        doc["timing_rows"] = [dataclasses.asdict(r) for r in timing]
     (args.out / "sensitivity.json").write_text(json.dumps(doc, indent=1))
+
+
+def _timing_sensitivity(args: argparse.Namespace, workload: Workload, cluster: Cluster, nodes: int, cfg,
+                        seq_len: int) -> list:
+    from simulator.gpu_constants import constants_for
+    from simulator.hardware import build_network, build_preset
+    from simulator.sensitivity import timing_sensitivity
+
+    preset = cluster.preset
+    memory_bytes = cluster.device.memory_bytes
+
+    def simulate_with(table) -> tuple[float, int]:
+        rebuilt = build_preset(preset.name, table)
+        rebuilt = dataclasses.replace(rebuilt, device=dataclasses.replace(rebuilt.device, memory_bytes=memory_bytes))
+        moved = Cluster.from_preset(rebuilt, nodes=nodes, devices_per_node=cluster.devices_per_node,
+                                    network=None if args.network is None else build_network(args.network, table))
+        res = simulate(workload, moved, collapse_symmetric=not args.no_collapse)
+        return res.step_time_s, max(r.peak_memory_bytes - r.static_memory_bytes for r in res.ranks)
+
+    fabric = "nvlink" if preset.intra_node_kind == "nvswitch" else preset.intra_node_kind
+    return timing_sensitivity(cfg, constants=constants_for(preset.architecture, fabric), simulate_with=simulate_with,
+                              seq_len=seq_len, capacity_bytes=int(memory_bytes), granularity=args.granularity)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,8 +5,10 @@ overhead, per-op-class efficiencies), the intra-node fabric a device sees (NVSwi
 the host link on the path to the NIC (PCIe) and a default inter-node :class:`NetworkSpec`. Bandwidths are per
 direction (a "600 GB/s bidirectional" NVLink figure becomes 300 GB/s). Presets: ``a100-80gb-sxm``, ``h100-sxm``,
 ``h200-sxm``, ``gh200``, ``mi250`` and ``cpu-gloo``, the last loaded from ``presets/cpu_gloo.json`` as written by
-``python -m experiments.calibrate_cpu``. The efficiencies of the GPU presets are uncalibrated defaults; replace them
-with :func:`dataclasses.replace` or :meth:`DeviceSpec.with_efficiency` after measuring.
+``python -m experiments.calibrate_cpu``. The datasheet figures sit beside each preset; every efficiency and latency
+constant of the GPU presets comes from :data:`simulator.gpu_constants.GPU_CONSTANTS` (value, band, provenance), and
+:func:`build_preset` rebuilds a preset with any of them moved (what ``--sensitivity`` does). GPU presets price
+pointwise/reduction chains as Inductor's fused kernels (:mod:`simulator.fusion`); ``cpu-gloo`` does not.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from simulator.device_reserve import Uncertain
+from simulator.gpu_constants import GPU_CONSTANTS
 
 GB = 1e9
 GIB = 2**30
@@ -33,17 +38,23 @@ class OpClassEfficiency:
     """Fraction of ``memory_bandwidth_bytes_per_s`` reached when the op is memory-bound."""
 
 
-# Uncalibrated defaults for GPUs. Elementwise/reduction/other kernels run on the vector units, not the tensor
-# cores: non-tensor FP32 peak is ~6 % of the dense BF16 tensor peak on A100 (19.5 vs 312 TFLOP/s) and H100
-# (67 vs 989), hence 0.06.
-DEFAULT_GPU_EFFICIENCY: Mapping[str, OpClassEfficiency] = {
-    "matmul": OpClassEfficiency(flops=0.70, memory=0.80),
-    "attention": OpClassEfficiency(flops=0.50, memory=0.80),
-    "elementwise": OpClassEfficiency(flops=0.06, memory=0.80),
-    "reduction": OpClassEfficiency(flops=0.06, memory=0.70),
-    "memory": OpClassEfficiency(flops=1.00, memory=0.85),
-    "other": OpClassEfficiency(flops=0.06, memory=0.60),
-}
+def gpu_efficiency(arch: str, constants: Mapping[str, Uncertain] | None = None) -> dict[str, OpClassEfficiency]:
+    """Op class -> efficiency of a GPU of architecture ``arch`` from the nominal values of ``constants``
+    (default :data:`simulator.gpu_constants.GPU_CONSTANTS`)."""
+    c = {k: u.nominal for k, u in (GPU_CONSTANTS if constants is None else constants).items()}
+    vector = c["gpu.vector.flops"]
+    return {
+        "matmul": OpClassEfficiency(flops=c[f"{arch}.matmul.flops"], memory=c["gpu.matmul.memory"]),
+        "attention": OpClassEfficiency(flops=c[f"{arch}.attention.flops"], memory=c["gpu.matmul.memory"]),
+        "elementwise": OpClassEfficiency(flops=vector, memory=c["gpu.elementwise.memory"]),
+        "reduction": OpClassEfficiency(flops=vector, memory=c["gpu.reduction.memory"]),
+        "memory": OpClassEfficiency(flops=1.00, memory=c["gpu.memory.memory"]),
+        "other": OpClassEfficiency(flops=vector, memory=c["gpu.other.memory"]),
+    }
+
+
+DEFAULT_GPU_EFFICIENCY: Mapping[str, OpClassEfficiency] = gpu_efficiency("ampere")
+"""The A100's efficiencies (the default of a hand-built :class:`DeviceSpec`); see :func:`gpu_efficiency`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +84,9 @@ class DeviceSpec:
     overlaps it with the tensor-core matmuls; calibrated on CPU, where it dominates small head dimensions."""
     efficiency: Mapping[str, OpClassEfficiency] = field(default_factory=lambda: dict(DEFAULT_GPU_EFFICIENCY))
     """Op class -> achieved fractions of the peaks; a class missing here uses ``"other"``."""
+    fuses_pointwise: bool = False
+    """Price maximal chains of elementwise/reduction/copy ops as one fused kernel each, as Inductor generates
+    them (:mod:`simulator.fusion`): True on the GPU presets; False on ``cpu-gloo``, calibrated on eager graphs."""
 
     def efficiency_for(self, op_class: str) -> OpClassEfficiency:
         """The efficiency of ``op_class`` (falling back to ``"other"``)."""
@@ -146,77 +160,113 @@ class HardwarePreset:
     collectives one after another on its stream (1); gloo's ProcessGroupGloo hands asynchronous work to a pool of
     worker threads (2 by default, ``ProcessGroupGloo.Options.threads``), so two collectives started back to back
     are in flight together (their latencies overlap, their bytes share the links)."""
+    architecture: str = ""
+    """GPU architecture whose constants the preset reads (``ampere``, ``hopper``, ``cdna2``; empty for CPU)."""
 
 
-NETWORKS: dict[str, NetworkSpec] = {
-    # NVIDIA ConnectX-6 / Quantum HDR InfiniBand product briefs: 200 Gb/s per port = 25 GB/s per direction.
-    "ib-hdr-200": NetworkSpec(name="ib-hdr-200", nic=LinkSpec(bandwidth_bytes_per_s=25 * GB, latency_s=2.5e-6,
-                                                             efficiency=0.9),
-                              switch_latency_s=0.6e-6, source="NVIDIA ConnectX-6 VPI product brief (HDR 200 Gb/s)"),
-    # NVIDIA ConnectX-7 / Quantum-2 NDR InfiniBand product briefs: 400 Gb/s per port = 50 GB/s per direction.
-    "ib-ndr-400": NetworkSpec(name="ib-ndr-400", nic=LinkSpec(bandwidth_bytes_per_s=50 * GB, latency_s=2.5e-6,
-                                                             efficiency=0.9),
-                              switch_latency_s=0.6e-6, source="NVIDIA ConnectX-7 product brief (NDR 400 Gb/s)"),
-}
+@dataclass(frozen=True, kw_only=True)
+class _Datasheet:
+    """The datasheet figures of one GPU preset (everything a datasheet gives)."""
 
-_NVLINK_EFF = 0.8  # NCCL all-reduce bus bandwidth reaches ~80 % of NVLink peak on DGX A100/H100 (nccl-tests).
+    arch: str
+    flops: float
+    hbm: float
+    mem: int
+    fabric_bidir: float
+    pcie_bidir: float
+    per_node: int
+    network: str
+    sources: tuple[str, ...]
+    fabric: str = "nvswitch"
+    device_name: str = ""
+    notes: str = ""
 
-
-def _nvidia(name: str, *, flops: float, hbm: float, mem: int, nvlink_bidir: float, pcie_bidir: float,
-            per_node: int, network: str, sources: tuple[str, ...], notes: str = "") -> HardwarePreset:
-    return HardwarePreset(
-        name=name,
-        device=DeviceSpec(name=name, peak_flops_per_s=flops, memory_bandwidth_bytes_per_s=hbm, memory_bytes=mem,
-                          kernel_launch_overhead_s=4e-6),
-        devices_per_node=per_node,
-        intra_node_kind="nvswitch",
-        intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink_bidir / 2, latency_s=1.0e-6, efficiency=_NVLINK_EFF),
-        host_link=LinkSpec(bandwidth_bytes_per_s=pcie_bidir / 2, latency_s=0.5e-6),
-        network=NETWORKS[network],
-        sources=sources,
-        notes=notes,
-    )
+    @property
+    def fabric_key(self) -> str:
+        """Scope of the fabric's constants in ``GPU_CONSTANTS``."""
+        return "nvlink" if self.fabric == "nvswitch" else self.fabric
 
 
-PRESETS: dict[str, HardwarePreset] = {
+DATASHEETS: dict[str, _Datasheet] = {
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): BF16 tensor 312 TFLOP/s dense, HBM2e 2,039 GB/s, 80 GB,
     # NVLink 3 600 GB/s bidirectional, PCIe Gen4 64 GB/s. DGX A100 datasheet: 8 GPUs on NVSwitch, 8x ConnectX-6 HDR.
-    "a100-80gb-sxm": _nvidia("a100-80gb-sxm", flops=312e12, hbm=2039 * GB, mem=80 * GIB, nvlink_bidir=600 * GB,
-                             pcie_bidir=64 * GB, per_node=8, network="ib-hdr-200",
-                             sources=("NVIDIA A100 Tensor Core GPU datasheet", "NVIDIA DGX A100 datasheet")),
+    "a100-80gb-sxm": _Datasheet(arch="ampere", flops=312e12, hbm=2039 * GB, mem=80 * GIB, fabric_bidir=600 * GB,
+                                pcie_bidir=64 * GB, per_node=8, network="ib-hdr-200",
+                                sources=("NVIDIA A100 Tensor Core GPU datasheet", "NVIDIA DGX A100 datasheet")),
     # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 1,979 TFLOP/s with sparsity = 989 dense, HBM3 3.35 TB/s,
     # 80 GB, NVLink 4 900 GB/s, PCIe Gen5 128 GB/s. DGX H100 datasheet: 8 GPUs, 4 NVSwitch, 8x ConnectX-7 NDR.
-    "h100-sxm": _nvidia("h100-sxm", flops=989e12, hbm=3350 * GB, mem=80 * GIB, nvlink_bidir=900 * GB,
-                        pcie_bidir=128 * GB, per_node=8, network="ib-ndr-400",
-                        sources=("NVIDIA H100 Tensor Core GPU datasheet", "NVIDIA DGX H100 datasheet")),
+    "h100-sxm": _Datasheet(arch="hopper", flops=989e12, hbm=3350 * GB, mem=80 * GIB, fabric_bidir=900 * GB,
+                           pcie_bidir=128 * GB, per_node=8, network="ib-ndr-400",
+                           sources=("NVIDIA H100 Tensor Core GPU datasheet", "NVIDIA DGX H100 datasheet")),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 989 TFLOP/s dense, HBM3e 4.8 TB/s, 141 GB, NVLink 900 GB/s,
     # PCIe Gen5 128 GB/s; HGX H200: 8 GPUs on NVSwitch.
-    "h200-sxm": _nvidia("h200-sxm", flops=989e12, hbm=4800 * GB, mem=141 * GIB, nvlink_bidir=900 * GB,
-                        pcie_bidir=128 * GB, per_node=8, network="ib-ndr-400",
-                        sources=("NVIDIA H200 Tensor Core GPU datasheet",)),
+    "h200-sxm": _Datasheet(arch="hopper", flops=989e12, hbm=4800 * GB, mem=141 * GIB, fabric_bidir=900 * GB,
+                           pcie_bidir=128 * GB, per_node=8, network="ib-ndr-400",
+                           sources=("NVIDIA H200 Tensor Core GPU datasheet",)),
     # NVIDIA GH200 Grace Hopper Superchip datasheet: H100 GPU, BF16 989 TFLOP/s dense, 96 GB HBM3 at 4 TB/s, NVLink-C2C
     # 900 GB/s to Grace. Quad-GH200 nodes (e.g. HPE Cray EX254n) join the four GPUs all-to-all with NVLink 4
     # (18 links, 900 GB/s bidirectional per GPU), modelled as a switch.
-    "gh200": _nvidia("gh200", flops=989e12, hbm=4000 * GB, mem=96 * GIB, nvlink_bidir=900 * GB, pcie_bidir=128 * GB,
-                     per_node=4, network="ib-ndr-400",
-                     sources=("NVIDIA GH200 Grace Hopper Superchip datasheet",),
-                     notes="4 superchips per node; the all-to-all NVLink mesh is modelled as a non-blocking switch"),
+    "gh200": _Datasheet(arch="hopper", flops=989e12, hbm=4000 * GB, mem=96 * GIB, fabric_bidir=900 * GB,
+                        pcie_bidir=128 * GB, per_node=4, network="ib-ndr-400",
+                        sources=("NVIDIA GH200 Grace Hopper Superchip datasheet",),
+                        notes="4 superchips per node; the all-to-all NVLink mesh is modelled as a non-blocking switch"),
     # AMD Instinct MI250 datasheet (OAM): BF16 362.1 TFLOP/s, 128 GB HBM2e at 3.2768 TB/s, two GCDs per module, each
     # seen by ROCm as one device. ROCm "MI250 microarchitecture": each Infinity Fabric link carries 50 GB/s per
-    # direction. One device here is one GCD (half the module): 181 TFLOP/s, 1.6384 TB/s, 64 GB; 8 GCDs per node.
-    "mi250": HardwarePreset(
-        name="mi250",
-        device=DeviceSpec(name="mi250 (one GCD)", peak_flops_per_s=181.05e12, memory_bandwidth_bytes_per_s=1638.4 * GB,
-                          memory_bytes=64 * GIB, kernel_launch_overhead_s=5e-6),
-        devices_per_node=8,
-        intra_node_kind="xgmi",
-        intra_node=LinkSpec(bandwidth_bytes_per_s=100 * GB, latency_s=1.5e-6, efficiency=0.7),
-        host_link=LinkSpec(bandwidth_bytes_per_s=32 * GB, latency_s=0.5e-6),
-        network=NETWORKS["ib-hdr-200"],
-        sources=("AMD Instinct MI250 accelerator datasheet", "ROCm documentation: AMD Instinct MI250 microarchitecture"),
-        notes="the partial Infinity Fabric mesh is modelled as a switch with 2 links (100 GB/s) per GCD",
-    ),
+    # direction. One device here is one GCD (half the module): 181 TFLOP/s, 1.6384 TB/s, 64 GB; 8 GCDs per node,
+    # 2 links (100 GB/s per direction) per GCD.
+    "mi250": _Datasheet(arch="cdna2", flops=181.05e12, hbm=1638.4 * GB, mem=64 * GIB, fabric_bidir=200 * GB,
+                        pcie_bidir=64 * GB, per_node=8, network="ib-hdr-200", fabric="xgmi",
+                        device_name="mi250 (one GCD)",
+                        sources=("AMD Instinct MI250 accelerator datasheet",
+                                 "ROCm documentation: AMD Instinct MI250 microarchitecture"),
+                        notes="the partial Infinity Fabric mesh is modelled as a switch with 2 links (100 GB/s) per GCD"),
 }
+"""Datasheet figures of every GPU preset; the efficiencies and latencies come from ``GPU_CONSTANTS``."""
+
+_IB_RATES = {"ib-hdr-200": (25 * GB, "NVIDIA ConnectX-6 VPI product brief (HDR 200 Gb/s)"),
+             "ib-ndr-400": (50 * GB, "NVIDIA ConnectX-7 product brief (NDR 400 Gb/s)")}
+"""InfiniBand product briefs: 200 Gb/s per port = 25 GB/s per direction, 400 Gb/s = 50 GB/s."""
+
+
+def build_network(name: str, constants: Mapping[str, Uncertain] | None = None) -> NetworkSpec:
+    """The inter-node network ``name`` with latencies and efficiency from ``constants`` (default the table's)."""
+    c = {k: u.nominal for k, u in (GPU_CONSTANTS if constants is None else constants).items()}
+    rate, source = _IB_RATES[name]
+    return NetworkSpec(name=name, nic=LinkSpec(bandwidth_bytes_per_s=rate, latency_s=c["ib.nic_latency_s"],
+                                               efficiency=c["ib.efficiency"]),
+                       switch_latency_s=c["ib.switch_latency_s"], source=source)
+
+
+NETWORKS: dict[str, NetworkSpec] = {name: build_network(name) for name in _IB_RATES}
+
+
+def build_preset(name: str, constants: Mapping[str, Uncertain] | None = None) -> HardwarePreset:
+    """The GPU preset ``name`` built from its datasheet and the nominal values of ``constants`` (default
+    :data:`simulator.gpu_constants.GPU_CONSTANTS`; pass a moved copy for a sensitivity study)."""
+    try:
+        ds = DATASHEETS[name]
+    except KeyError:
+        raise ValueError(f"{name!r} is not a GPU preset; choose one of {', '.join(DATASHEETS)}") from None
+    table = GPU_CONSTANTS if constants is None else constants
+    c = {k: u.nominal for k, u in table.items()}
+    return HardwarePreset(
+        name=name,
+        device=DeviceSpec(name=ds.device_name or name, peak_flops_per_s=ds.flops, memory_bandwidth_bytes_per_s=ds.hbm,
+                          memory_bytes=ds.mem, kernel_launch_overhead_s=c["gpu.kernel_launch_overhead_s"],
+                          efficiency=gpu_efficiency(ds.arch, table), fuses_pointwise=True),
+        devices_per_node=ds.per_node,
+        intra_node_kind=ds.fabric,
+        intra_node=LinkSpec(bandwidth_bytes_per_s=ds.fabric_bidir / 2, latency_s=c[f"{ds.fabric_key}.latency_s"],
+                            efficiency=c[f"{ds.fabric_key}.efficiency"]),
+        host_link=LinkSpec(bandwidth_bytes_per_s=ds.pcie_bidir / 2, latency_s=c["pcie.latency_s"]),
+        network=build_network(ds.network, table),
+        sources=ds.sources,
+        notes=ds.notes,
+        architecture=ds.arch,
+    )
+
+
+PRESETS: dict[str, HardwarePreset] = {name: build_preset(name) for name in DATASHEETS}
 
 
 def preset_from_dict(data: Mapping[str, Any]) -> HardwarePreset:
@@ -232,6 +282,7 @@ def preset_from_dict(data: Mapping[str, Any]) -> HardwarePreset:
             graph_call_overhead_s=float(dev.get("graph_call_overhead_s", 0.0)),
             view_op_overhead_s=float(dev.get("view_op_overhead_s", 0.0)),
             attention_score_time_s=float(dev.get("attention_score_time_s", 0.0)),
+            fuses_pointwise=bool(dev.get("fuses_pointwise", False)),
             efficiency={k: OpClassEfficiency(flops=float(v["flops"]), memory=float(v["memory"]))
                         for k, v in dev["efficiency"].items()},
         )

@@ -4,8 +4,10 @@ Each op is placed on a stream: compute ops and ``collective_wait`` on the comput
 the comm stream of its group, and a blocking ``collective`` on its comm stream *and* (as a stall) on the compute
 stream. Streams run in program order, so a dependency on an earlier op of the same stream is implied and dropped;
 what remains are the cross-stream dependencies the engine must wait on (see Note [Cross-stream dependencies]).
-Compute durations come from the roofline model, vectorised over the program. A compiled program depends only on
-the program and the device, so ranks sharing a program share one compilation.
+Compute durations come from the roofline model, vectorised over the program; on a device that fuses pointwise
+chains (the GPU presets) :mod:`simulator.fusion` then prices each chain as one kernel and drops its internal
+tensors from the memory timeline. A compiled program depends only on the program and the device, so ranks sharing
+a program share one compilation.
 
 Note [Cross-stream dependencies]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -21,7 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from simulator.cost_model import compute_times_s
+from simulator.fusion import fuse_program
 from simulator.hardware import DeviceSpec
 from simulator.workload import RankProgram
 
@@ -71,6 +76,10 @@ def compile_program(program: RankProgram, device: DeviceSpec) -> CompiledProgram
     durations = compute_times_s([op.flops for op in ops], [op.bytes_read + op.bytes_written for op in ops],
                                 [op.op_class for op in ops], device, [op.attention_scores for op in ops])
     durations[[k != COMPUTE for k in kinds]] = 0.0
+    internal: frozenset[int] = frozenset()
+    if device.fuses_pointwise:
+        fused = fuse_program(program, device, durations)
+        durations, internal = np.asarray(fused.durations_s), fused.internal_tensors
     if device.graph_call_overhead_s:
         # One compiled-graph entry per phase, paid by the phase's first compute op (see DeviceSpec).
         seen_phases: set[str] = set()
@@ -112,8 +121,8 @@ def compile_program(program: RankProgram, device: DeviceSpec) -> CompiledProgram
         if kind == BLOCKING:
             stall_deps[pos] = (pos,)
             notify[pos] = True
-    alloc_pos = {t: i for i, op in enumerate(ops) for t in op.allocates}
-    free_pos = {t: i for i, op in enumerate(ops) for t in op.frees}
+    alloc_pos = {t: i for i, op in enumerate(ops) for t in op.allocates if t not in internal}
+    free_pos = {t: i for i, op in enumerate(ops) for t in op.frees if t not in internal}
     return CompiledProgram(program=program, kinds=kinds, durations_s=durations.tolist(), stream_of=stream_of,
                            compute_stream=compute_stream, comm_streams=comm_streams, cross_deps=cross,
                            stall_deps=stall_deps, notify=notify, tensor_alloc_pos=alloc_pos,

@@ -7,6 +7,12 @@ simulated length, see Note [Linear activations]) fits the device, once with ever
 :data:`simulator.device_reserve.UNCERTAIN` at its nominal value, then with each constant alone at the low and
 at the high end of its band, then with all of them at once. Uses :func:`simulator.search.search_max_length`.
 
+:func:`timing_sensitivity` does the same for the efficiency and latency constants of a GPU preset
+(:data:`simulator.gpu_constants.GPU_CONSTANTS`): it rebuilds the preset with one constant at each end of its band,
+re-simulates the workload and reports the step time and the longest length (the activations re-simulated, the
+ledger at its nominal values). Compute efficiencies move the step time; they move the length only through the
+memory timeline (when tensors are freed relative to collectives), usually not at all.
+
 Note [Linear activations]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 Activation memory is taken as proportional to the length (flash-style attention keeps it O(S)): ``S / seq_len``
@@ -18,10 +24,11 @@ each moved constant.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from simulator.device_reserve import UNCERTAIN, Uncertain
+from simulator.gpu_constants import GPU_CONSTANTS, moved
 from simulator.ledger import TrainingConfig, memory_ledger, summarize
 from simulator.search import Probe, search_max_length
 
@@ -86,4 +93,60 @@ def format_sensitivity(rows: list[SensitivityRow]) -> str:
     for r in rows:
         band = "" if r.low_value is None else f"{r.low_value:.3g} .. {r.high_value:.3g}"
         out.append(f"{r.name:30s} {band:>26s} {fmt(r.at_low):>14s} {fmt(r.at_high):>15s}")
+    return "\n".join(out)
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimingRow:
+    """Step time and longest length with one GPU constant at each end of its band."""
+
+    name: str
+    low_value: float | None
+    high_value: float | None
+    step_low_s: float
+    step_high_s: float
+    at_low: int | None
+    at_high: int | None
+    provenance: str = ""
+    assumption: bool = False
+
+
+def timing_sensitivity(cfg: TrainingConfig, *, constants: tuple[str, ...],
+                       simulate_with: Callable[[Mapping[str, Uncertain]], tuple[float, int]], seq_len: int,
+                       capacity_bytes: int, granularity: int = 1024, ceiling: int = 2**22) -> list[TimingRow]:
+    """Rows: nominal, then one per name in ``constants`` (keys of ``GPU_CONSTANTS``).
+
+    ``simulate_with(table)`` simulates the workload on the preset rebuilt from ``table`` and returns (step time,
+    activation bytes above static memory); the longest length follows Note [Linear activations].
+    """
+    kw = dict(seq_len=seq_len, capacity_bytes=capacity_bytes, granularity=granularity, ceiling=ceiling)
+
+    def run(table: Mapping[str, Uncertain]) -> tuple[float, int | None]:
+        step, activations = simulate_with(table)
+        return step, _max_len(cfg, UNCERTAIN, activation_bytes=activations, **kw)
+
+    step, length = run(GPU_CONSTANTS)
+    rows = [TimingRow(name="nominal", low_value=None, high_value=None, step_low_s=step, step_high_s=step,
+                      at_low=length, at_high=length)]
+    for name in constants:
+        u = GPU_CONSTANTS[name]
+        (s_lo, l_lo), (s_hi, l_hi) = run(moved(name, "low")), run(moved(name, "high"))
+        rows.append(TimingRow(name=name, low_value=u.low, high_value=u.high, step_low_s=s_lo, step_high_s=s_hi,
+                              at_low=l_lo, at_high=l_hi, provenance=u.provenance, assumption=u.assumption))
+    return rows
+
+
+def format_timing_sensitivity(rows: list[TimingRow]) -> str:
+    """A plain-text table; ``*`` marks constants that are assumptions (no measurement pins them down)."""
+    def fmt(v: int | None) -> str:
+        return "none" if v is None else f"{v:,}"
+
+    out = [f"{'constant':32s} {'band':>22s} {'step ms (low)':>14s} {'step ms (high)':>15s} "
+           f"{'max len (low)':>14s} {'max len (high)':>15s}"]
+    for r in rows:
+        band = "" if r.low_value is None else f"{r.low_value:.3g} .. {r.high_value:.3g}"
+        name = r.name + (" *" if r.assumption else "")
+        out.append(f"{name:32s} {band:>22s} {r.step_low_s * 1e3:14.3f} {r.step_high_s * 1e3:15.3f} "
+                   f"{fmt(r.at_low):>14s} {fmt(r.at_high):>15s}")
     return "\n".join(out)

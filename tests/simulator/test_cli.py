@@ -72,5 +72,8 @@ def test_cli_sensitivity_reports_how_the_longest_sequence_moves(tmp_path):
     rows = {r["name"]: r for r in doc["rows"]}
     assert rows["all"]["at_low"] >= rows["nominal"]["at_low"] >= rows["all"]["at_high"]
     assert {line["category"] for line in doc["ledger"]} >= {"parameters", "optimizer", "runtime", "allocator"}
+    timing = {r["name"]: r for r in doc["timing_rows"]}  # the a100 preset's efficiency and latency constants
+    assert "ampere.attention.flops" in proc.stdout and "nominal" in timing
+    assert timing["ampere.matmul.flops"]["step_low_s"] > timing["ampere.matmul.flops"]["step_high_s"]
     missing = _cli(str(path), "--out", str(out), "--no-plots", "--sensitivity")
     assert missing.returncode == 2 and "--params" in missing.stderr

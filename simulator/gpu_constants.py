@@ -1,0 +1,141 @@
+"""Every efficiency and latency constant of the GPU presets, in one table, each with its band and provenance.
+
+The datasheet figures of a preset (peak FLOP/s, HBM bandwidth, capacity, link bandwidths) live beside the preset
+in :mod:`simulator.hardware`; what a datasheet does not give - the fraction of those peaks real kernels and NCCL
+reach, and the fixed latencies - lives here, as :class:`simulator.device_reserve.Uncertain` entries (value, low,
+high, unit, provenance, ``assumption``). ``assumption=True`` marks a value no public measurement we can cite pins
+down: an engineering estimate with a deliberately wide band. Nothing here is fitted to the AutoSP paper's
+published figures. :func:`simulator.hardware.build_preset` reads the nominal values; ``python -m simulator
+--sensitivity`` moves each constant to its low and high end and re-simulates (:func:`constants_for`).
+
+Names are ``<scope>.<quantity>``; the scope is an architecture (``ampere``: A100; ``hopper``: H100, H200, GH200;
+``cdna2``: MI250), ``gpu`` (shared by all of them), or a fabric (``nvlink``, ``xgmi``, ``pcie``, ``ib``).
+
+Note [Attention efficiency is the kernel PyTorch runs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The traced models call ``scaled_dot_product_attention``; on CUDA, PyTorch's flash backend is FlashAttention-2.
+So the nominal attention efficiency is FA-2's measured causal forward+backward throughput at head dim 128
+(FLOPs counted as in the FA papers: 4·S²·D·H per forward, halved under causal masking, backward 2.5x), and the
+band's high end on Hopper is FlashAttention-3 (a different kernel, reachable through flash-attn 3 or cuDNN).
+On Hopper FA-2 reaches a much smaller fraction of the peak than on Ampere (35 % vs 50-73 %), which is why the
+constant is per architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from simulator.device_reserve import Uncertain
+
+_FA2 = "Dao, 'FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning' (arXiv 2307.08691)"
+_FA3 = ("Shah et al., 'FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision' "
+        "(arXiv 2407.08608)")
+_VECTOR = ("datasheet ratio: elementwise and reduction kernels run on the non-tensor FP32 units, ~6 % of the dense "
+           "BF16 tensor peak (A100 datasheet 19.5 vs 312 TFLOP/s, H100 SXM 67 vs 989); they are memory-bound in "
+           "practice, so only the memory fraction matters")
+_STREAM = ("attainable HBM bandwidth: STREAM/BabelStream-style copy and triad kernels (Deakin et al., 'Evaluating "
+           "attainable memory bandwidth of parallel programming models via BabelStream', IJCSE 2018) reach ~85-92 % "
+           "of the datasheet bandwidth on A100 and H100 as commonly reported; generated pointwise kernels (Triton, "
+           "Inductor) a little less. Assumption within that range")
+
+
+def _u(name: str, low: float, nominal: float, high: float, unit: str, provenance: str, *,
+       assumption: bool) -> Uncertain:
+    return Uncertain(name=name, low=low, nominal=nominal, high=high, unit=unit, provenance=provenance,
+                     assumption=assumption)
+
+
+GPU_CONSTANTS: dict[str, Uncertain] = {u.name: u for u in (
+    # --- tensor-core kernels, per architecture -------------------------------------------------------------
+    _u("ampere.matmul.flops", 0.70, 0.80, 0.90, "fraction of BF16 peak",
+       f"large BF16 GEMMs (cuBLAS) at LLM shapes on A100; {_FA2} (abstract) calls its 50-73 % of peak 'close to "
+       "the efficiency of GEMM operations'; NVIDIA 'Matrix Multiplication Background User's Guide' (tile and "
+       "wave quantization) explains the gap to peak. No single published figure for these shapes: assumption "
+       "bracketed by those sources", assumption=True),
+    _u("hopper.matmul.flops", 0.60, 0.70, 0.80, "fraction of BF16 peak",
+       "large BF16 GEMMs (cuBLAS, wgmma) on H100/H200 SXM at LLM shapes reach roughly 600-800 of 989 TFLOP/s in "
+       "public microbenchmarks; the H100 runs below its boost clock under sustained tensor load (power limit). "
+       "Assumption within that range", assumption=True),
+    _u("cdna2.matmul.flops", 0.50, 0.70, 0.80, "fraction of BF16 peak",
+       "assumption: no public rocBLAS BF16 GEMM figure at these shapes was found; same nominal as Ampere's low end",
+       assumption=True),
+    _u("ampere.attention.flops", 0.50, 0.60, 0.73, "fraction of BF16 peak",
+       f"{_FA2}, sec. 4.1 and Fig. 4-5: on A100 FA-2 reaches 50-73 % of peak in the forward and up to 63 % in the "
+       "backward; causal forward+backward at head dim 128 and 8K tokens lands near 60 % (see Note [Attention "
+       "efficiency is the kernel PyTorch runs])", assumption=False),
+    _u("hopper.attention.flops", 0.30, 0.35, 0.60, "fraction of BF16 peak",
+       f"{_FA3}, abstract and sec. 1: FlashAttention-2 (PyTorch's flash backend) reaches ~35 % of the H100 peak "
+       f"(up to 335 TFLOP/s forward+backward, {_FA2} sec. 4.1); FA-3 reaches 75 % in the forward and is "
+       "1.5-1.75x faster than FA-2 in the backward, so ~50-60 % forward+backward is the high end",
+       assumption=False),
+    _u("cdna2.attention.flops", 0.25, 0.40, 0.55, "fraction of BF16 peak",
+       "assumption: ROCm's FlashAttention-2 port (composable_kernel) on MI250 reports no causal head-dim-128 "
+       "figure we can cite; set between Hopper's FA-2 and Ampere's", assumption=True),
+    # --- vector-unit and memory-bound kernels, shared ---------------------------------------------------------
+    _u("gpu.vector.flops", 0.04, 0.06, 0.08, "fraction of BF16 tensor peak", _VECTOR, assumption=False),
+    _u("gpu.elementwise.memory", 0.60, 0.80, 0.90, "fraction of HBM bandwidth", _STREAM, assumption=True),
+    _u("gpu.reduction.memory", 0.50, 0.70, 0.90, "fraction of HBM bandwidth",
+       "row reductions (norms, softmax, loss) reach less of the HBM bandwidth than pointwise kernels (short rows, "
+       "two passes when the row does not fit in registers); assumption below the STREAM fraction",
+       assumption=True),
+    _u("gpu.memory.memory", 0.70, 0.85, 0.92, "fraction of HBM bandwidth",
+       f"copies, casts, concatenations: the STREAM copy kernel itself; {_STREAM}", assumption=True),
+    _u("gpu.matmul.memory", 0.60, 0.80, 0.90, "fraction of HBM bandwidth",
+       "memory-bound GEMMs (skinny shapes) stream their operands like a copy; assumption like the pointwise one",
+       assumption=True),
+    _u("gpu.other.memory", 0.40, 0.60, 0.85, "fraction of HBM bandwidth",
+       "ops of no known class: assumption, wide band", assumption=True),
+    _u("gpu.kernel_launch_overhead_s", 2e-6, 4e-6, 8e-6, "seconds per kernel",
+       "NVIDIA developer blog 'Getting Started with CUDA Graphs' (A. Gray, 2019): launching a short kernel costs "
+       "a few microseconds, comparable to its run time; with asynchronous launches the GPU-side gap between "
+       "kernels is smaller and the host-side Triton launcher of Inductor larger. Assumption within that range",
+       assumption=True),
+    # --- fabrics ----------------------------------------------------------------------------------------------
+    _u("nvlink.efficiency", 0.70, 0.80, 0.90, "fraction of NVLink peak per direction",
+       "NVIDIA nccl-tests (doc/PERFORMANCE.md defines bus bandwidth): all_reduce_perf on 8x A100 SXM reports "
+       "~230-240 GB/s busbw of 300 GB/s, on 8x H100 SXM ~360-380 of 450 without NVLink SHARP, as commonly "
+       "published for DGX systems; assumption within that range", assumption=True),
+    _u("nvlink.latency_s", 0.5e-6, 1.0e-6, 3.0e-6, "seconds per algorithm step",
+       "NCCL's small-message all-reduce latency on one NVSwitch node is ~10-20 us for 14 ring steps (nccl-tests, "
+       "8 GPUs), i.e. ~1 us per step; assumption", assumption=True),
+    _u("xgmi.efficiency", 0.55, 0.70, 0.85, "fraction of Infinity Fabric peak per direction",
+       "assumption: RCCL on MI250 reaches a smaller fraction of the link peak than NCCL on NVSwitch (partial mesh)",
+       assumption=True),
+    _u("xgmi.latency_s", 1.0e-6, 1.5e-6, 4.0e-6, "seconds per algorithm step", "assumption: RCCL's per-step latency over Infinity Fabric, taken above NCCL's over NVSwitch",
+       assumption=True),
+    _u("pcie.latency_s", 0.3e-6, 0.5e-6, 1.0e-6, "seconds per hop",
+       "PCIe switch hop latency (PCIe Gen4/Gen5 switch product briefs give ~100-150 ns per switch; a GPU->NIC "
+       "hop adds the root ports); assumption", assumption=True),
+    _u("ib.efficiency", 0.80, 0.90, 0.95, "fraction of the NIC line rate",
+       "InfiniBand HDR/NDR: perftest ib_write_bw reaches ~90-97 % of the line rate; NCCL over IB a little less. "
+       "Assumption within that range", assumption=True),
+    _u("ib.nic_latency_s", 1.5e-6, 2.5e-6, 5.0e-6, "seconds per message",
+       "NVIDIA ConnectX-6/7 product briefs quote sub-microsecond adapter latency; NCCL's proxy and GPUDirect RDMA "
+       "path add a few microseconds end to end. Assumption", assumption=True),
+    _u("ib.switch_latency_s", 0.3e-6, 0.6e-6, 1.5e-6, "seconds through the fabric",
+       "NVIDIA Quantum (HDR) and Quantum-2 (NDR) switch datasheets: ~100-130 ns port to port; a three-level fat "
+       "tree crosses up to five switches plus cables. Assumption", assumption=True),
+)}
+"""Every efficiency and latency constant of the GPU presets, by name."""
+
+ARCHITECTURES = ("ampere", "hopper", "cdna2")
+
+
+def constants_for(arch: str, fabric: str) -> tuple[str, ...]:
+    """Names of the constants a preset of architecture ``arch`` with intra-node fabric ``fabric`` reads."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
+    return tuple(n for n in GPU_CONSTANTS
+                 if n.split(".")[0] in (arch, "gpu", fabric, "pcie", "ib"))
+
+
+def moved(name: str, to: str, table: Mapping[str, Uncertain] | None = None) -> dict[str, Uncertain]:
+    """A copy of ``table`` (default :data:`GPU_CONSTANTS`) with ``name``'s nominal moved to its ``low``/``high``."""
+    table = dict(GPU_CONSTANTS if table is None else table)
+    if name not in table:
+        raise ValueError(f"unknown GPU constant {name!r}; known: {sorted(table)}")
+    if to not in ("low", "high", "nominal"):
+        raise ValueError("to must be 'low', 'nominal' or 'high'")
+    table[name] = dataclasses.replace(table[name], nominal=getattr(table[name], to))
+    return table
