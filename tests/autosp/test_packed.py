@@ -61,13 +61,14 @@ def _cases(rank, world, cases):
         extra = {}
         if "documents" in case:
             extra["position_ids"] = _positions(DOCUMENTS[case["documents"]], ids.shape[0])
-        if "right_padding" in case:
-            mask = torch.ones_like(ids)
-            for row, pad in enumerate(case["right_padding"]):
-                if pad:
-                    mask[row, -pad:] = 0
-                    labels[row, -pad:] = -100
-            extra["attention_mask"] = mask
+        for side in ("right_padding", "left_padding"):
+            if side in case:
+                mask = torch.ones_like(ids)
+                for row, pad in enumerate(case[side]):
+                    span = slice(SEQ_LEN - pad, SEQ_LEN) if side == "right_padding" else slice(0, pad)
+                    mask[row, span] = 0
+                    labels[row, span] = -100
+                extra["attention_mask"] = mask
         loss = loss_of(reference(input_ids=ids, labels=labels, **extra))
         loss.backward()
         compiled = autosp.compile(candidate, sp_size=world, compiler="aot_eager")
@@ -81,7 +82,8 @@ def _cases(rank, world, cases):
 
 
 _PACKED = [{"model": model, "documents": docs} for model in ("hf-llama", "hf-qwen2") for docs in DOCUMENTS]
-_PADDED = [{"model": "hf-llama", "right_padding": [0, 9]}, {"model": "hf-qwen2", "right_padding": [21, 3]}]
+_PADDED = [{"model": "hf-llama", "right_padding": [0, 9]}, {"model": "hf-qwen2", "right_padding": [21, 3]},
+           {"model": "hf-llama", "left_padding": [5, 37]}]  # 37: padding beyond the first shard
 _WINDOW = [{"model": "hf-mistral-window", "window": 6}, {"model": "hf-mistral-window", "window": 6,
                                                         "documents": "three documents"}]
 
@@ -99,5 +101,5 @@ def test_right_padding_and_sliding_window_exact(ranks):
     results = run_on_ranks(_cases, ranks, _PADDED + _WINDOW, timeout_s=900)
     _check(results, FP32_TOL)
     rules = [r["rules"] for r in results[0]]
-    assert rules[0] == rules[1] == [(False, True, None)] * 2  # a padding mask: keys masked, no documents
-    assert rules[2] == [(True, False, 6)] * 2 and rules[3] == [(True, False, 6)] * 2  # a window of 6 < a shard
+    assert rules[0] == rules[1] == rules[2] == [(False, True, None)] * 2  # padding: keys masked, no documents
+    assert rules[3] == [(True, False, 6)] * 2 and rules[4] == [(True, False, 6)] * 2  # a window of 6 < a shard
