@@ -137,6 +137,18 @@ def max_seq_len_summary(rows: list[dict]) -> dict:
             "ordering": ordering, "ordering_same_for_every_model": all(v == "same" for v in ordering.values())}
 
 
+def headroom_at(result, seq_len: float, capacity_bytes: int) -> float | None:
+    """Capacity minus the nominal peak at ``seq_len`` tokens, the peak interpolated (or extrapolated) linearly
+    between the two nearest lengths the search simulated: how much fixed memory the ledger would be missing
+    for ``seq_len`` to be the longest that fits (negative: it does not fit as simulated)."""
+    trials = sorted({t.seq_len: t.peak_memory_bytes for t in result.trials}.items())
+    if len(trials) < 2:
+        return None
+    nearest = sorted(trials, key=lambda t: abs(t[0] - seq_len))[:2]
+    (s0, p0), (s1, p1) = sorted(nearest)
+    return capacity_bytes - (p0 + (p1 - p0) * (seq_len - s0) / (s1 - s0))
+
+
 def _length_of(result) -> str:
     """The number behind a search's display (a lower bound's bound; empty when nothing fitted)."""
     return "" if result is None or result.max_seq_len is None else str(result.max_seq_len)
@@ -145,6 +157,7 @@ def _length_of(result) -> str:
 def table_max_seq_len(args) -> list[dict]:
     rows = []
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
+    published = [r for r in published if not args.models or r["model"] in args.models]
     models = sorted({r["model"] for r in published})
     granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity
                    for s in SYSTEMS + UNPUBLISHED_SYSTEMS}
@@ -161,10 +174,12 @@ def table_max_seq_len(args) -> list[dict]:
             rows.append({"model": row["model"], "system": row["system"], "published_tokens": row["value"],
                          "simulated_tokens": "", "simulated_nominal": "", "band_tokens": "", "error_pct": "",
                          "stopped": "", "alternative_tokens": "", "alternative_error_pct": "",
-                         "note": "not simulated yet"})
+                         "headroom_at_published_gib": "", "note": "not simulated yet"})
             continue
         nominal, alternative = found.nominal, found.alternative
         error = _error_pct(nominal.max_seq_len, row["value"])
+        headroom = (headroom_at(nominal, float(row["value"]), nominal.result.capacity_bytes)
+                    if error is not None and nominal.result is not None else None)
         alt_error = _error_pct(alternative.max_seq_len if alternative else None, row["value"])
         lower_bound = [f"{name} {r.stopped.replace('_', ' ')}: a lower bound" for name, r in
                        (("nominal", nominal), ("band", found.low_memory)) if r.is_lower_bound]
@@ -175,6 +190,7 @@ def table_max_seq_len(args) -> list[dict]:
             "error_pct": "" if error is None else f"{error:+.0f}", "stopped": nominal.stopped,
             "alternative_tokens": "" if alternative is None else _tokens(alternative),
             "alternative_error_pct": "" if alt_error is None else f"{alt_error:+.0f}",
+            "headroom_at_published_gib": "" if headroom is None else f"{headroom / 2**30:.1f}",
             "note": "; ".join(filter(None, [
                 f"differs by more than {DISAGREEMENT:.0%}" if error is not None and abs(error) > DISAGREEMENT * 100
                 else "", *lower_bound])),
@@ -360,7 +376,9 @@ def _max_seq_len_footer(args) -> list[str]:
         "(converged, ceiling, probe_budget, none_fit). alternative_tokens is NOT the stated configuration: the "
         "same runs with fp32 gradient accumulation (ZeRO 1: DeepSpeed's BF16_Optimizer and its unpartitioned "
         f"fp32 gradient buffer), median |error| {summary['alternative_median_abs_error_pct']} %, shown to "
-        "explain the gap.",
+        "explain the gap. headroom_at_published_gib: capacity minus the simulated nominal peak at the "
+        "published length (interpolated between the search's probes): the fixed memory per rank the ledger "
+        "would have to be missing for the published length to be the maximum.",
     ]
 
 
@@ -501,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder")
     parser.add_argument("--iteration-model", default="llama-3.1-8b",
                         help="paper model simulated for the throughput table (the published iteration times are unlabelled)")
+    parser.add_argument("--models", nargs="+", default=None,
+                        help="paper models of the max-seq-len table (all published ones when absent)")
     parser.add_argument("--memory-cap-mib", type=float, default=None,
                         help="per-rank cap of the memory-cap table (when absent: the preset's, below)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
