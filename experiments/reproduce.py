@@ -138,15 +138,16 @@ def max_seq_len_summary(rows: list[dict]) -> dict:
 
 
 def headroom_at(result, seq_len: float, capacity_bytes: int) -> float | None:
-    """Capacity minus the nominal peak at ``seq_len`` tokens, the peak interpolated (or extrapolated) linearly
-    between the two nearest lengths the search simulated: how much fixed memory the ledger would be missing
-    for ``seq_len`` to be the longest that fits (negative: it does not fit as simulated)."""
-    trials = sorted({t.seq_len: t.peak_memory_bytes for t in result.trials}.items())
-    if len(trials) < 2:
+    """Capacity minus the nominal peak at ``seq_len`` tokens, the peak from a least-squares line through the
+    lengths the search simulated (peak memory is about linear in the length): how much fixed memory the ledger
+    would be missing for ``seq_len`` to be the longest that fits (negative: it does not fit as simulated)."""
+    points = sorted({t.seq_len: t.peak_memory_bytes for t in result.trials}.items())
+    if len(points) < 2:
         return None
-    nearest = sorted(trials, key=lambda t: abs(t[0] - seq_len))[:2]
-    (s0, p0), (s1, p1) = sorted(nearest)
-    return capacity_bytes - (p0 + (p1 - p0) * (seq_len - s0) / (s1 - s0))
+    n = len(points)
+    mean_s, mean_p = sum(s for s, _ in points) / n, sum(p for _, p in points) / n
+    slope = (sum((s - mean_s) * (p - mean_p) for s, p in points) / sum((s - mean_s) ** 2 for s, _ in points))
+    return capacity_bytes - (mean_p + slope * (seq_len - mean_s))
 
 
 def _length_of(result) -> str:

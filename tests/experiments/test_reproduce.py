@@ -367,3 +367,30 @@ def test_memory_cap_search_finds_the_longest_fitting_length_in_few_probes(peak, 
         assert len(probes) <= 8, probes
     assert max(s for s, p in probes if p <= 10_000_000) == answer
     assert min(s for s, p in probes if p > 10_000_000) == answer + 256
+
+
+def test_headroom_at_the_published_length_and_the_summary_of_the_table():
+    from experiments.reproduce import headroom_at, max_seq_len_summary, ordering_agrees
+    from simulator.search import SearchResult, Trial
+
+    gib, mib = 2**30, 2**20
+    trials = tuple(Trial(seq_len=s, fits=True, peak_memory_bytes=10 * gib + mib * s, step_time_s=1.0)
+                   for s in (8192, 65536, 61440))
+    result = SearchResult(max_seq_len=65536, stopped="converged", trials=trials)
+    assert headroom_at(result, 45000, 80 * gib) == pytest.approx(70 * gib - 45000 * mib)
+    assert headroom_at(result, 100_000, 80 * gib) < 0
+
+    assert ordering_agrees({"a": 3, "b": 2, "c": 1}, {"a": 30, "b": 20, "c": 10}) == []
+    assert ordering_agrees({"a": 3, "b": 4, "c": 1}, {"a": 30, "b": 20, "c": 20}) == [("a", "b")]
+    assert ordering_agrees({"a": 3, "b": 3}, {"a": 30, "b": 30}) == []  # tied in the figure: not compared
+
+    def row(model, system, published, simulated, error, alternative=""):
+        return {"model": model, "system": system, "published_tokens": published, "simulated_nominal": simulated,
+                "error_pct": error, "alternative_error_pct": alternative}
+
+    rows = [row("m", "zero3", "10", "9", "-10", "-50"), row("m", "ulysses", "20", "40", "+100", "+10"),
+            row("m", "autosp", "30", "36", "+20", "-20"), row("m", "ulysses+ckpt", "", "50", "")]
+    summary = max_seq_len_summary(rows)
+    assert summary["compared"] == 3 and summary["median_abs_error_pct"] == 20
+    assert summary["within_disagreement"] == 2 and summary["alternative_median_abs_error_pct"] == 20
+    assert summary["ordering"] == {"m": "autosp vs ulysses"} and not summary["ordering_same_for_every_model"]
