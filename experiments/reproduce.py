@@ -102,7 +102,7 @@ def _run_tasks(args, tasks: list[tuple[Callable, tuple]], desc: str) -> list:
 
 def _error_pct(simulated: int | None, published: str) -> float | None:
     """Signed error of ``simulated`` against a published number, in percent (None: either is missing)."""
-    if simulated is None or not published.replace(".", "").isdigit():
+    if simulated is None or not published.replace(".", "").isdigit():  # 0: nothing fits (-100 %)
         return None
     return 100.0 * (simulated - float(published)) / float(published)
 
@@ -178,10 +178,11 @@ def table_max_seq_len(args) -> list[dict]:
                          "headroom_at_published_gib": "", "note": "not simulated yet"})
             continue
         nominal, alternative = found.nominal, found.alternative
-        error = _error_pct(nominal.max_seq_len, row["value"])
+        error = _error_pct(nominal.max_seq_len or 0, row["value"])
         headroom = (headroom_at(nominal, float(row["value"]), nominal.result.capacity_bytes)
                     if error is not None and nominal.result is not None else None)
-        alt_error = _error_pct(alternative.max_seq_len if alternative else None, row["value"])
+        # nothing fits under the alternative: counted as no tokens (-100 %), so the summary does not drop it
+        alt_error = _error_pct(None if alternative is None else alternative.max_seq_len or 0, row["value"])
         lower_bound = [f"{name} {r.stopped.replace('_', ' ')}: a lower bound" for name, r in
                        (("nominal", nominal), ("band", found.low_memory)) if r.is_lower_bound]
         rows.append({
@@ -376,7 +377,8 @@ def _max_seq_len_footer(args) -> list[str]:
         "band_tokens: the ledger's high - low static memory; stopped: why the nominal search stopped "
         "(converged, ceiling, probe_budget, none_fit). alternative_tokens is NOT the stated configuration: the "
         "same runs with fp32 gradient accumulation (ZeRO 1: DeepSpeed's BF16_Optimizer and its unpartitioned "
-        f"fp32 gradient buffer), median |error| {summary['alternative_median_abs_error_pct']} %, shown to "
+        f"fp32 gradient buffer; nothing fitting counts as -100 %), median |error| "
+        f"{summary['alternative_median_abs_error_pct']} %, shown to "
         "explain the gap. headroom_at_published_gib: capacity minus the simulated nominal peak at the "
         "published length (interpolated between the search's probes): the fixed memory per rank the ledger "
         "would have to be missing for the published length to be the maximum.",
