@@ -499,15 +499,23 @@ def _command_line(argv: list[str]) -> str:
     return shlex.join(["python", "-m", "experiments.reproduce", *argv])
 
 
+TABLE_RECORDS = ("max_seq_len_summary", "simulated_step")
+"""run.json entries a table run writes besides its table; kept from an earlier run.json when this run did not
+redo them."""
+
+
 def _write_run_json(path: pathlib.Path, run_info: dict, tables: dict[str, dict]) -> None:
-    """``run.json`` of this invocation; the per-table records of an earlier run.json in the same folder are
-    kept for tables this invocation did not run, so each table names the command that produced it."""
-    earlier = {}
+    """``run.json`` of this invocation; the per-table records of an earlier run.json in the same folder (and its
+    `TABLE_RECORDS`) are kept for tables this invocation did not run, so each table names the command that
+    produced it."""
+    earlier, kept = {}, {}
     if path.exists():
         with contextlib.suppress(ValueError, AttributeError):
-            earlier = json.loads(path.read_text()).get("tables", {})
+            previous = json.loads(path.read_text())
+            earlier = previous.get("tables", {})
+            kept = {key: previous[key] for key in TABLE_RECORDS if key in previous and key not in run_info}
     merged = {**earlier, **tables}
-    run_info = {**run_info, "tables": merged, "table_s": {name: t["seconds"] for name, t in merged.items()},
+    run_info = {**kept, **run_info, "tables": merged, "table_s": {name: t["seconds"] for name, t in merged.items()},
                 "commands": list(dict.fromkeys(t["command"] for t in merged.values()))}
     path.write_text(json.dumps(run_info, indent=2) + "\n")
 

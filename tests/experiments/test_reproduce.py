@@ -185,10 +185,11 @@ def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_red
     from experiments.reproduce import _write_run_json
 
     path = tmp_path / "run.json"
-    _write_run_json(path, {"command": "full"}, {"a": {"command": "full", "seconds": 1.0},
-                                                "b": {"command": "full", "seconds": 2.0}})
+    _write_run_json(path, {"command": "full", "max_seq_len_summary": {"compared": 12}},
+                    {"a": {"command": "full", "seconds": 1.0}, "b": {"command": "full", "seconds": 2.0}})
     _write_run_json(path, {"command": "only b"}, {"b": {"command": "only b", "seconds": 3.0}})
     run = json.loads(path.read_text())
+    assert run["max_seq_len_summary"] == {"compared": 12}  # written by the run of table a, kept
     assert run["command"] == "only b" and run["commands"] == ["full", "only b"]
     assert run["table_s"] == {"a": 1.0, "b": 3.0}
 
