@@ -156,6 +156,10 @@ def _length_of(result) -> str:
 
 
 def table_max_seq_len(args) -> list[dict]:
+    from experiments.models import PAPER_MODELS
+    from experiments.paper_scale.config import ALTERNATIVE_CONFIG, static_memory_bytes
+    from simulator import Cluster
+
     rows = []
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
     published = [r for r in published if not args.models or r["model"] in args.models]
@@ -185,6 +189,10 @@ def table_max_seq_len(args) -> list[dict]:
         alt_error = _error_pct(None if alternative is None else alternative.max_seq_len or 0, row["value"])
         lower_bound = [f"{name} {r.stopped.replace('_', ' ')}: a lower bound" for name, r in
                        (("nominal", nominal), ("band", found.low_memory)) if r.is_lower_bound]
+        if alternative is not None and alternative.stopped == "none_fit" and (
+                static_memory_bytes(PAPER_MODELS[row["model"]], row["system"], config=ALTERNATIVE_CONFIG)
+                >= int(Cluster.from_preset(PAPER_CLUSTER).device.memory_bytes)):
+            lower_bound.append("alternative: its static memory alone exceeds the capacity")
         rows.append({
             "model": row["model"], "system": row["system"], "published_tokens": row["value"],
             "simulated_tokens": _tokens(nominal), "simulated_nominal": _length_of(nominal),
