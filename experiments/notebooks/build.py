@@ -226,6 +226,12 @@ NOTEBOOKS = {
             "unpartitioned fp32 gradient buffer and the bf16 gradients `BF16_Optimizer` keeps until the step - "
             "and the length the reproduction found with them; where that length is close to the published one, "
             "the miss is explained by that buffer, and the stated configuration is the assumption to revisit. "
+            "In our runs no single item explains every miss: the free memory at the published lengths is about "
+            "the same for every sequence-parallel system of one model but does not grow with the parameter "
+            "count the way those buffers do, so the alternative over-corrects the larger models and "
+            "under-corrects the smallest (compare the free memory with the added items printed above). Where "
+            "ZeRO-3 misses, it misses the other way: its simulated peak (a whole sequence's activations per "
+            "rank on top of the ledger) exceeds the capacity before the published length. "
             "Items the ledger does not hold at all are listed in `simulator/ledger.py` and "
             "`simulator/device_reserve.py` (the published figures are also read off a plot at the resolution of "
             "its bars)."),
