@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import pathlib
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -43,56 +44,38 @@ def published_figures() -> list[dict[str, str]]:
     return list(csv.DictReader(lines))
 
 
-def _ratio_note(simulated: float | None, published: str) -> tuple[str, str]:
-    if simulated is None or not published.replace(".", "").isdigit():
-        return "", "" if published != "OOM" else ("simulated fits" if simulated else "")
-    ratio = simulated / float(published)
-    note = f"differs by more than {DISAGREEMENT:.0%}" if abs(ratio - 1) > DISAGREEMENT else ""
-    return f"{ratio:.2f}", note
-
-
 def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: dict[str, int], max_probes: int,
-                            ceiling: int, cache=None) -> tuple[dict[str, tuple[int, str]], tuple[int, int]]:
-    """Longest simulated sequence of ``systems`` for one model up to ``ceiling`` tokens: {system: (tokens,
-    note)}, the note saying why the length is only a lower bound ("" when the search converged below the
-    ceiling), and (traced, reused) trace counts.  One task of the max-seq-len table; runs in a worker process
-    or inline."""
-    from experiments.paper_scale.baselines import max_trainable_seq_len_baseline
-    from experiments.paper_scale.simulate import TraceCache, max_trainable_seq_len
+                            ceiling: int, cache=None) -> tuple[dict, tuple[int, int]]:
+    """Longest simulated sequence of ``systems`` for one model up to ``ceiling`` tokens ({system:
+    experiments.paper_scale.simulate.MaxLength}: the nominal length, the ledger's band and the alternative
+    configuration's length, each with its stop reason), and (traced, reused) trace counts.  One task of the
+    max-seq-len table; runs in a worker process or inline."""
+    from experiments.paper_scale.config import ALTERNATIVE_CONFIG
+    from experiments.paper_scale.simulate import TraceCache, max_length
 
     cache = cache if cache is not None else TraceCache()
     before = (cache.misses, cache.hits)
-    at_ceiling = f"fits at the search ceiling ({ceiling} tokens): a lower bound"
-    found: dict[str, tuple[int, str]] = {}
+    found = {}
     for system in systems:
-        if system == "autosp":
-            # AutoSP's peak memory is not smooth in the length (checkpointing decisions change with
-            # it): bisection.  The baselines' is about linear: the secant search of Note [Memory-cap search].
-            result = max_trainable_seq_len(model, granularity=granularity[system], high=ceiling, cache=cache)
-            found[system] = (result.max_seq_len, at_ceiling if result.hit_upper_bound else "")
-            continue
         # Ring attention's activations are Ulysses' plus small receive buffers: searched after Ulysses in
         # the same task, it starts at the Ulysses length, whose traces are cached (Note [Baselines as
         # AutoSP variants]).
-        start = found["ulysses"][0] if system == "ring_attention" and found.get("ulysses", (0,))[0] else 8192
-        fit, converged = max_trainable_seq_len_baseline(system, model, granularity=granularity[system], start=start,
-                                                        max_len=ceiling, max_probes=max_probes, cache=cache)
-        note = (at_ceiling if fit + granularity[system] > ceiling else
-                "" if converged else "search stopped on its probe budget: a lower bound")
-        found[system] = (fit, note)
+        ulysses = found.get("ulysses")
+        start = ulysses.nominal.max_seq_len if system == "ring_attention" and ulysses else None
+        found[system] = max_length(system, model, granularity=granularity[system], high=ceiling,
+                                   start=start or 8192, max_probes=max_probes, cache=cache,
+                                   alternative=ALTERNATIVE_CONFIG)
     return found, (cache.misses - before[0], cache.hits - before[1])
 
 
 def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], cache=None):
-    """Simulated steps of ``systems`` for one model and length ({system: SimulatedStep}), and (traced, reused)
-    trace counts.  One task of the iteration-time table."""
-    from experiments.paper_scale.baselines import simulate_baseline_step
-    from experiments.paper_scale.simulate import TraceCache, simulate_autosp_step
+    """Simulated whole steps of ``systems`` for one model and length ({system: SimulatedStep}), and (traced,
+    reused) trace counts.  One task of the throughput table."""
+    from experiments.paper_scale.simulate import TraceCache, simulate_step
 
     cache = cache if cache is not None else TraceCache()
     before = (cache.misses, cache.hits)
-    steps = {system: simulate_autosp_step(model, seq_len, cache=cache) if system == "autosp"
-             else simulate_baseline_step(system, model, seq_len, cache=cache) for system in systems}
+    steps = {system: simulate_step(system, model, seq_len, cache=cache) for system in systems}
     return steps, (cache.misses - before[0], cache.hits - before[1])
 
 
@@ -117,33 +100,117 @@ def _run_tasks(args, tasks: list[tuple[Callable, tuple]], desc: str) -> list:
     return [result for result, _ in results]
 
 
+def _error_pct(simulated: int | None, published: str) -> float | None:
+    """Signed error of ``simulated`` against a published number, in percent (None: either is missing)."""
+    if simulated is None or not published.replace(".", "").isdigit():  # 0: nothing fits (-100 %)
+        return None
+    return 100.0 * (simulated - float(published)) / float(published)
+
+
+def _tokens(result) -> str:
+    """A search's length as the table shows it (``≥ N`` for a lower bound, ``< N`` when nothing fitted)."""
+    return result.display().replace(",", "")
+
+
+def ordering_agrees(lengths: dict[str, float], published: dict[str, float]) -> list[tuple[str, str]]:
+    """Pairs of systems whose simulated order differs from their published order (pairs tied in the published
+    figures, read off a bar plot, are not compared)."""
+    systems = sorted(set(lengths) & set(published))
+    return [(a, b) for i, a in enumerate(systems) for b in systems[i + 1:]
+            if published[a] != published[b] and (lengths[a] - lengths[b]) * (published[a] - published[b]) <= 0]
+
+
+def max_seq_len_summary(rows: list[dict]) -> dict:
+    """Median |error| over the published rows and, per model, whether the simulated ordering of the systems is
+    the published one (the acceptance of the paper-scale reproduction)."""
+    errors = [abs(float(r["error_pct"])) for r in rows if r["error_pct"] != ""]
+    alternative = [abs(float(r["alternative_error_pct"])) for r in rows if r["alternative_error_pct"] != ""]
+    ordering = {}
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model and r["published_tokens"] and r["simulated_nominal"]]
+        disagree = ordering_agrees({r["system"]: float(r["simulated_nominal"]) for r in mine},
+                                   {r["system"]: float(r["published_tokens"]) for r in mine})
+        ordering[model] = "; ".join(f"{a} vs {b}" for a, b in disagree) or "same"
+    return {"compared": len(errors), "median_abs_error_pct": round(statistics.median(errors), 1) if errors else None,
+            "within_disagreement": sum(e <= DISAGREEMENT * 100 for e in errors),
+            "alternative_median_abs_error_pct": round(statistics.median(alternative), 1) if alternative else None,
+            "ordering": ordering, "ordering_same_for_every_model": all(v == "same" for v in ordering.values())}
+
+
+def headroom_at(result, seq_len: float, capacity_bytes: int) -> float | None:
+    """Capacity minus the nominal peak at ``seq_len`` tokens, the peak from a least-squares line through the
+    lengths the search simulated (peak memory is about linear in the length): how much fixed memory the ledger
+    would be missing for ``seq_len`` to be the longest that fits (negative: it does not fit as simulated)."""
+    points = sorted({t.seq_len: t.peak_memory_bytes for t in result.trials}.items())
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mean_s, mean_p = sum(s for s, _ in points) / n, sum(p for _, p in points) / n
+    slope = (sum((s - mean_s) * (p - mean_p) for s, p in points) / sum((s - mean_s) ** 2 for s, _ in points))
+    return capacity_bytes - (mean_p + slope * (seq_len - mean_s))
+
+
+def _length_of(result) -> str:
+    """The number behind a search's display (a lower bound's bound; empty when nothing fitted)."""
+    return "" if result is None or result.max_seq_len is None else str(result.max_seq_len)
+
+
 def table_max_seq_len(args) -> list[dict]:
+    from experiments.models import PAPER_MODELS
+    from experiments.paper_scale.config import ALTERNATIVE_CONFIG, static_memory_bytes
+    from simulator import Cluster
+
     rows = []
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
+    published = [r for r in published if not args.models or r["model"] in args.models]
     models = sorted({r["model"] for r in published})
     granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity
                    for s in SYSTEMS + UNPUBLISHED_SYSTEMS}
     tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes, args.max_seq_len_ceiling))
              for model in models for systems in TRACE_GROUPS]
-    simulated: dict[tuple[str, str], tuple[int, str]] = {}
+    simulated: dict = {}
     for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
                                        strict=True):
         simulated.update({(model, system): result for system, result in found.items()})
     published += [{"model": model, "system": system, "value": ""} for model in models for system in UNPUBLISHED_SYSTEMS]
     for row in published:
-        sim, bound = simulated.get((row["model"], row["system"]), (None, ""))
-        ratio, note = _ratio_note(sim, row["value"])
+        found = simulated.get((row["model"], row["system"]))
+        if found is None:
+            rows.append({"model": row["model"], "system": row["system"], "published_tokens": row["value"],
+                         "simulated_tokens": "", "simulated_nominal": "", "band_tokens": "", "error_pct": "",
+                         "stopped": "", "alternative_tokens": "", "alternative_error_pct": "",
+                         "headroom_at_published_gib": "", "note": "not simulated yet"})
+            continue
+        nominal, alternative = found.nominal, found.alternative
+        error = _error_pct(nominal.max_seq_len or 0, row["value"])
+        headroom = (headroom_at(nominal, float(row["value"]), nominal.result.capacity_bytes)
+                    if error is not None and nominal.result is not None else None)
+        # nothing fits under the alternative: counted as no tokens (-100 %), so the summary does not drop it
+        alt_error = _error_pct(None if alternative is None else alternative.max_seq_len or 0, row["value"])
+        lower_bound = [f"{name} {r.stopped.replace('_', ' ')}: a lower bound" for name, r in
+                       (("nominal", nominal), ("band", found.low_memory)) if r.is_lower_bound]
+        if alternative is not None and alternative.stopped == "none_fit" and (
+                static_memory_bytes(PAPER_MODELS[row["model"]], row["system"], config=ALTERNATIVE_CONFIG)
+                >= int(Cluster.from_preset(PAPER_CLUSTER).device.memory_bytes)):
+            lower_bound.append("alternative: its static memory alone exceeds the capacity")
         rows.append({
             "model": row["model"], "system": row["system"], "published_tokens": row["value"],
-            "simulated_tokens": "" if sim is None else sim, "simulated_over_published": ratio,
+            "simulated_tokens": _tokens(nominal), "simulated_nominal": _length_of(nominal),
+            "band_tokens": f"{_tokens(found.high_memory)} – {_tokens(found.low_memory)}",
+            "error_pct": "" if error is None else f"{error:+.0f}", "stopped": nominal.stopped,
+            "alternative_tokens": "" if alternative is None else _tokens(alternative),
+            "alternative_error_pct": "" if alt_error is None else f"{alt_error:+.0f}",
+            "headroom_at_published_gib": "" if headroom is None else f"{headroom / 2**30:.1f}",
             "note": "; ".join(filter(None, [
-                note or ("not simulated yet" if sim is None else ""), bound,
-            ])),
+                f"differs by more than {DISAGREEMENT:.0%}" if error is not None and abs(error) > DISAGREEMENT * 100
+                else "", *lower_bound])),
         })
-    return sorted(rows, key=lambda r: (r["model"], (SYSTEMS + UNPUBLISHED_SYSTEMS).index(r["system"])))
+    rows = sorted(rows, key=lambda r: (r["model"], (SYSTEMS + UNPUBLISHED_SYSTEMS).index(r["system"])))
+    args.summaries["max-seq-len"] = max_seq_len_summary(rows)
+    return rows
 
 
-def table_iteration_time(args) -> list[dict]:
+def table_throughput(args) -> list[dict]:
     rows = []
     published = [r for r in published_figures() if r["figure"] == "iteration_s"]
     lengths = sorted({int(r["seq_len"]) for r in published})
@@ -152,24 +219,28 @@ def table_iteration_time(args) -> list[dict]:
     tasks = [(simulate_steps_task, (args.iteration_model, seq_len, systems))
              for seq_len in lengths for systems in TRACE_GROUPS]
     sims = {}
-    for (_, (_, seq_len, _)), steps in zip(tasks, _run_tasks(args, tasks, f"iteration-time (simulated "
+    for (_, (_, seq_len, _)), steps in zip(tasks, _run_tasks(args, tasks, f"throughput (simulated "
                                                                           f"{args.iteration_model})"), strict=True):
         sims.update({(system, seq_len): step for system, step in steps.items()})
     for row in published:
         seq_len = int(row["seq_len"])
         sim = sims.get((row["system"], seq_len))
-        value = None if sim is None else (sim.step_time_s if sim.fits else None)
-        ratio, note = _ratio_note(value, row["value"])
-        if sim is not None and not sim.fits:
-            note = "simulated OOM"
+        fits = sim is not None and sim.fits
         rows.append({
-            "seq_len": seq_len, "system": row["system"], "published_s": row["value"],
-            "simulated_s": "" if value is None else f"{value:.3f}",
+            "seq_len": seq_len, "system": row["system"],
+            "simulated_tokens_per_s_per_gpu": f"{sim.tokens_per_s_per_gpu:.0f}" if fits else "",
+            "simulated_step_s": f"{sim.step_time_s:.3f}" if fits else "",
             "simulated_peak_gib": "" if sim is None else f"{sim.peak_memory_bytes / 2**30:.1f}",
-            "simulated_over_published": ratio,
-            "note": note or ("not simulated yet" if sim is None else ""),
+            "published_iteration_s": row["value"],
+            "note": "simulated OOM" if sim is not None and not fits else "not simulated yet" if sim is None else "",
         })
     return rows
+
+
+THROUGHPUT_UNKNOWN = ("The published iteration times come without their batch size, gradient-accumulation steps or "
+                      "what the timer covers (data loading, optimizer step, logging), so they are shown beside the "
+                      "simulated throughput, not divided by it.")
+"""What is unknown about the published iteration (the throughput table's note and the paper say it)."""
 
 
 def _version(package: str) -> str:
@@ -266,9 +337,9 @@ def table_memory_cap(args) -> list[dict]:
     return rows
 
 
-SIMULATED_TABLES = ("max-seq-len", "iteration-time")
+SIMULATED_TABLES = ("max-seq-len", "throughput")
 TABLES: dict[str, Callable] = {
-    "max-seq-len": table_max_seq_len, "iteration-time": table_iteration_time,
+    "max-seq-len": table_max_seq_len, "throughput": table_throughput,
     "measured-cpu": table_measured_cpu, "memory-cap": table_memory_cap,
 }
 
@@ -286,9 +357,9 @@ def plot_max_seq_len(rows: list[dict], path: pathlib.Path) -> None:
         values = [next((float(r["published_tokens"]) for r in rows if r["model"] == m and r["system"] == system), 0)
                   for m in models]
         ax.bar([x + i * width for x in range(len(models))], values, width, label=f"{system} (published)")
-    simulated_systems = [s for s in SYSTEMS if any(r["system"] == s and r["simulated_tokens"] != "" for r in rows)]
+    simulated_systems = [s for s in SYSTEMS if any(r["system"] == s and r["simulated_nominal"] != "" for r in rows)]
     for j, system in enumerate(simulated_systems):
-        simulated = [next((float(r["simulated_tokens"] or 0) for r in rows if r["model"] == m and r["system"] == system),
+        simulated = [next((float(r["simulated_nominal"] or 0) for r in rows if r["model"] == m and r["system"] == system),
                           0) for m in models]
         ax.bar([x + (len(SYSTEMS) + j) * width for x in range(len(models))], simulated, width,
                label=f"{system} (simulated)", hatch="//" if system == "autosp" else "..", color="white",
@@ -300,6 +371,34 @@ def plot_max_seq_len(rows: list[dict], path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _max_seq_len_footer(args) -> list[str]:
+    summary = args.summaries["max-seq-len"]
+    ordering = "; ".join(f"{model}: {text}" for model, text in summary["ordering"].items())
+    return [
+        f"Median |error| over the {summary['compared']} published lengths: {summary['median_abs_error_pct']} % "
+        f"({summary['within_disagreement']} within {DISAGREEMENT:.0%}); ordering of systems against the published "
+        f"one (pairs tied in the figure not compared): {ordering}.",
+        "",
+        "simulated_tokens: nominal ledger of the stated configuration (experiments/paper_scale/config.py); "
+        "band_tokens: the ledger's high - low static memory; stopped: why the nominal search stopped "
+        "(converged, ceiling, probe_budget, none_fit). alternative_tokens is NOT the stated configuration: the "
+        "same runs with fp32 gradient accumulation (ZeRO 1: DeepSpeed's BF16_Optimizer and its unpartitioned "
+        f"fp32 gradient buffer; nothing fitting counts as -100 %), median |error| "
+        f"{summary['alternative_median_abs_error_pct']} %, shown to "
+        "explain the gap. headroom_at_published_gib: capacity minus the simulated nominal peak at the "
+        "published length (interpolated between the search's probes): the fixed memory per rank the ledger "
+        "would have to be missing for the published length to be the maximum.",
+    ]
+
+
+TABLE_FOOTERS: dict[str, Callable] = {
+    "max-seq-len": _max_seq_len_footer,
+    "throughput": lambda args: [THROUGHPUT_UNKNOWN + " Simulated: one whole step (forward, backward, gradient "
+                                "reduction, optimizer) of one sequence split over the ranks (ZeRO-3: one "
+                                "sequence per rank), micro-batch 1."],
+}
 
 
 PLOTS = {
@@ -317,17 +416,18 @@ STEP_FILES = {"workload": "step-workload.json", "trace": "step-trace.json", "tim
 
 
 def write_simulated_step(args, out: pathlib.Path) -> dict:
-    """Workload, Perfetto trace, timeline and memory plots of one simulated AutoSP step of ``args.step_layers``
-    layers of ``args.iteration_model`` at ``args.step_seq_len`` tokens; what it simulated, for run.json."""
+    """Workload, Perfetto trace, timeline and memory plots of one simulated whole AutoSP step (gradient reduction
+    and optimizer step included) of ``args.step_layers`` layers of ``args.iteration_model`` at
+    ``args.step_seq_len`` tokens; what it simulated, for run.json."""
     from experiments.models import PAPER_MODELS
-    from experiments.paper_scale.simulate import _simulate_layers
+    from experiments.paper_scale.simulate import step_workload
     from simulator import Cluster, simulate
     from simulator.plots import plot_memory, plot_timeline
     from simulator.trace import write_chrome_trace
 
     cluster = Cluster.from_preset(PAPER_CLUSTER)
-    _, _, workload = _simulate_layers(PAPER_MODELS[args.iteration_model], args.step_seq_len, args.step_layers,
-                                      PAPER_RANKS, cluster, PAPER_RANKS, cache=args.cache)
+    workload = step_workload("autosp", PAPER_MODELS[args.iteration_model], args.step_seq_len, args.step_layers,
+                             ranks=PAPER_RANKS, cache=args.cache)
     result = simulate(workload, cluster)
     workload.to_json(out / STEP_FILES["workload"])
     write_chrome_trace(result, out / STEP_FILES["trace"])
@@ -361,10 +461,13 @@ DESCRIPTION = """\
 The paper's AutoSP experiments, measured on CPU gloo ranks and simulated at paper scale.
 
 Tables (--only NAME runs one):
-  max-seq-len     longest trainable sequence of each paper model on 8 A100-80GB GPUs, simulated for all
-                  four systems beside the published figures
-  iteration-time  simulated step time of the four systems at the published lengths beside the published
-                  iteration times
+  max-seq-len     longest trainable sequence of each paper model on 8 A100-80GB GPUs, simulated (whole
+                  step, memory ledger of the stated configuration, low-high band) for all systems beside
+                  the published figures, with the signed error, the search's stop reason, the length
+                  under an alternative configuration (BF16_Optimizer) and a summary (median error,
+                  ordering of systems)
+  throughput      simulated tokens/s per GPU of every system at the published lengths, beside the
+                  published iteration seconds (whose batch and timer are not published: no ratio)
   measured-cpu    the systems side by side on real gloo ranks with a small Hugging Face Llama: compile time,
                   median step time and its ratio to hand-written Ulysses, loss and gradient error against
                   single-device training, per-rank peak tensor memory
@@ -372,7 +475,7 @@ Tables (--only NAME runs one):
 
 Outputs in --out: NAME.csv and NAME.md per table, PNG plots, run.json (the command line, settings and
 timings; written by every run, --only included), and, on a full run, one simulated step of the
-iteration-time model: its workload, a Perfetto trace (open in ui.perfetto.dev), timeline and memory plots.
+throughput model: its workload, a Perfetto trace (open in ui.perfetto.dev), timeline and memory plots.
 """
 
 
@@ -404,15 +507,23 @@ def _command_line(argv: list[str]) -> str:
     return shlex.join(["python", "-m", "experiments.reproduce", *argv])
 
 
+TABLE_RECORDS = ("max_seq_len_summary", "simulated_step")
+"""run.json entries a table run writes besides its table; kept from an earlier run.json when this run did not
+redo them."""
+
+
 def _write_run_json(path: pathlib.Path, run_info: dict, tables: dict[str, dict]) -> None:
-    """``run.json`` of this invocation; the per-table records of an earlier run.json in the same folder are
-    kept for tables this invocation did not run, so each table names the command that produced it."""
-    earlier = {}
+    """``run.json`` of this invocation; the per-table records of an earlier run.json in the same folder (and its
+    `TABLE_RECORDS`) are kept for tables this invocation did not run, so each table names the command that
+    produced it."""
+    earlier, kept = {}, {}
     if path.exists():
         with contextlib.suppress(ValueError, AttributeError):
-            earlier = json.loads(path.read_text()).get("tables", {})
+            previous = json.loads(path.read_text())
+            earlier = previous.get("tables", {})
+            kept = {key: previous[key] for key in TABLE_RECORDS if key in previous and key not in run_info}
     merged = {**earlier, **tables}
-    run_info = {**run_info, "tables": merged, "table_s": {name: t["seconds"] for name, t in merged.items()},
+    run_info = {**kept, **run_info, "tables": merged, "table_s": {name: t["seconds"] for name, t in merged.items()},
                 "commands": list(dict.fromkeys(t["command"] for t in merged.values()))}
     path.write_text(json.dumps(run_info, indent=2) + "\n")
 
@@ -426,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=list(TABLES), help="run one table (all when absent)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder")
     parser.add_argument("--iteration-model", default="llama-3.1-8b",
-                        help="paper model simulated for the (unlabelled) published iteration times")
+                        help="paper model simulated for the throughput table (the published iteration times are unlabelled)")
+    parser.add_argument("--models", nargs="+", default=None,
+                        help="paper models of the max-seq-len table (all published ones when absent)")
     parser.add_argument("--memory-cap-mib", type=float, default=None,
                         help="per-rank cap of the memory-cap table (when absent: the preset's, below)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
@@ -441,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.cache = TraceCache()  # traces shared within this process (see experiments.paper_scale.simulate.TraceCache)
     args.trace_counts = {"traced": 0, "reused": 0}
+    args.summaries = {}
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -472,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                             "seconds": round(time.perf_counter() - table_start, 1), "rows": len(rows)}
             if not rows:
                 continue
-            write_table(name, rows, args.out)
+            write_table(name, rows, args.out, footer=TABLE_FOOTERS.get(name, lambda _: [])(args))
             if name == "max-seq-len":
                 plot_max_seq_len(rows, args.out / "max-seq-len.png")
             elif name in PLOTS:
@@ -484,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
         run_info["simulated_step"] = write_simulated_step(args, args.out)
         args.trace_counts["traced"] += args.cache.misses - misses
         args.trace_counts["reused"] += args.cache.hits - hits
+    if "max-seq-len" in args.summaries:
+        run_info["max_seq_len_summary"] = args.summaries["max-seq-len"]
     run_info["traces"] = args.trace_counts
     run_info["total_s"] = round(time.perf_counter() - start, 1)
     _write_run_json(args.out / "run.json", run_info, tables)

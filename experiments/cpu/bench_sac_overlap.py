@@ -154,18 +154,18 @@ PAPER_SCALE_SETTINGS = ("sac", "none", "default", "full")
 def run_paper_scale(model: str, seq_len: int, granularity: int) -> list[dict]:
     from tqdm import tqdm
 
-    from experiments.paper_scale.simulate import max_trainable_seq_len, simulate_autosp_step
+    from experiments.paper_scale.simulate import max_length, simulate_step
 
     rows = []
     for setting in tqdm(PAPER_SCALE_SETTINGS, desc=f"{model} (simulated)", file=sys.stderr):
         options = {"checkpointing": setting}
-        step = simulate_autosp_step(model, seq_len, autosp_options=options)
-        longest = max_trainable_seq_len(model, granularity=granularity, autosp_options=options)
+        step = simulate_step("autosp", model, seq_len, autosp_options=options)
+        longest = max_length("autosp", model, granularity=granularity, autosp_options=options).nominal
         rows.append({
             "model": model, "checkpointing": setting, "seq_len": seq_len,
             "step_s": round(step.step_time_s, 3), "peak_gib": round(step.peak_memory_bytes / 2**30, 2),
             "activation_gib": round((step.peak_memory_bytes - step.static_memory_bytes) / 2**30, 2),
-            "max_seq_len": longest.max_seq_len, "at_search_ceiling": longest.hit_upper_bound,
+            "max_seq_len": longest.max_seq_len or 0, "at_search_ceiling": longest.hit_upper_bound,
         })
     none = next(r for r in rows if r["checkpointing"] == "none")
     for r in rows:

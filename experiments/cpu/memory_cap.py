@@ -3,8 +3,8 @@
 `max_seq_len_on_rank` runs on every rank (see `experiments.launch.run_on_ranks`): per system, a short
 secant search over lengths (`next_probe`, Note [Memory-cap search]) whose probes are measured training
 steps (the peak tensor memory of one step, `experiments.cpu.peak_memory`, largest over the ranks).
-The paper-scale baselines' search (`experiments.paper_scale.baselines`) uses the same `next_probe` on
-simulated memory.
+The paper-scale search over simulated steps is `simulator.search.search_max_length` (called by
+`experiments.paper_scale.simulate.max_length`).
 """
 
 from __future__ import annotations

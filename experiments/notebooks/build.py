@@ -74,8 +74,9 @@ NOTEBOOKS = {
             "# A simulated AutoSP step\n\n"
             "Traces a paper model's training step through the AutoSP pass on a fake process group (no real "
             "memory or GPU), exports the collective schedule and simulates it on a cluster preset: compute and "
-            "communication streams per rank, then memory over time. `python -m experiments.reproduce` writes "
-            "the same plots (and a Perfetto trace) for its iteration-time model (`--iteration-model`)."),
+            "communication streams per rank (gradient reduction and the optimizer step included), then memory over "
+            "time. `python -m experiments.reproduce` writes the same plots (and a Perfetto trace) for its "
+            "throughput model (`--iteration-model`)."),
         new_code_cell("# Parameters (small: a few seconds of tracing)\n"
                       'MODEL = "llama-3.2-3b"\nSEQ_LEN = 4096\nLAYERS = 1\nSP_SIZE = 8\nCLUSTER = "a100-80gb-sxm"'),
         new_code_cell(SETUP),
@@ -83,11 +84,12 @@ NOTEBOOKS = {
             "import tempfile\n\n"
             "from IPython.display import Image, display\n\n"
             "from experiments.models import PAPER_MODELS\n"
-            "from experiments.paper_scale.simulate import _simulate_layers\n"
+            "from experiments.paper_scale.simulate import step_workload\n"
             "from simulator import Cluster, simulate\n"
             "from simulator.plots import plot_memory, plot_timeline\n\n"
             "cluster = Cluster.from_preset(CLUSTER)\n"
-            "_, _, workload = _simulate_layers(PAPER_MODELS[MODEL], SEQ_LEN, LAYERS, SP_SIZE, cluster, SP_SIZE)\n"
+            "# the whole step: forward, backward, DeepSpeed's gradient reduction and optimizer step\n"
+            'workload = step_workload("autosp", PAPER_MODELS[MODEL], SEQ_LEN, LAYERS, ranks=SP_SIZE)\n'
             "result = simulate(workload, cluster)\n"
             'print(f"step {result.step_time_s * 1e3:.1f} ms, peak {result.ranks[0].peak_memory_bytes / 2**30:.2f} GiB")'),
         new_code_cell(
@@ -98,103 +100,141 @@ NOTEBOOKS = {
     ],
     "max_sequence_length.ipynb": [
         new_markdown_cell(
-            "# Longest trainable sequence\n\n"
-            "The simulated AutoSP maximum sequence length of one paper model on a node of A100-80GB GPUs (a "
-            "coarse bisection up to the search ceiling set in the parameters: each probe traces the model "
-            "through the real pass and simulates it; a length at the ceiling prints as a lower bound, ≥), "
-            "beside the published figures of all four systems. `python -m experiments.reproduce --only "
-            "max-seq-len` searches every model for all four systems at a finer granularity (its `--help` "
-            "lists the settings): the baselines are simulated as rewrites of graphs the real compiler produces "
-            "(Ulysses: AutoSP's graph without checkpointing; ring attention: that graph with each attention "
-            "split into peer-to-peer ring steps; ZeRO-3: the single-device graph with per-layer parameter "
-            "gathers and gradient reduce-scatters; see `experiments/paper_scale/workload_rewrites.py`)."),
+            "# Longest trainable sequence, and where the memory goes\n\n"
+            "The simulated maximum sequence length of one paper model and system on a node of A100-80GB GPUs: "
+            "each probe traces the model through the real pass on a fake process group, adds DeepSpeed's "
+            "gradient reduction and optimizer step, simulates it, and adds the memory ledger of the paper's "
+            "configuration (`experiments/paper_scale/config.py`: bf16, ZeRO-1 for the sequence-parallel systems, "
+            "ZeRO-3 for the ZeRO-3 baseline). The ledger's low and high ends give a band; the search says why it "
+            "stopped (a length at the ceiling or at the probe budget prints as a lower bound, ≥). "
+            "`python -m experiments.reproduce --only max-seq-len` runs every model and system at a finer "
+            "granularity (its `--help` lists the settings); the last cells read its results, if there are any."),
         new_code_cell("# Parameters (coarse: a handful of simulated probes)\n"
-                      'MODEL = "llama-3.2-3b"\nSP_SIZE = 8\nGRANULARITY = 16384\n'
+                      'MODEL = "llama-3.2-3b"\nSYSTEM = "autosp"\nGRANULARITY = 16384\n'
                       "CEILING = 262144  # search ceiling (tokens): a fit at the ceiling is reported as ≥ CEILING\n"
                       'RESULTS = "results"  # a folder written by python -m experiments.reproduce, if there is one'),
         new_code_cell(SETUP),
         new_code_cell(
-            "from experiments.paper_scale.simulate import max_trainable_seq_len\n"
-            "from experiments.reproduce import SYSTEMS, published_figures\n\n"
-            "simulated = max_trainable_seq_len(MODEL, sp_size=SP_SIZE, granularity=GRANULARITY, high=CEILING)\n"
+            "from experiments.paper_scale.config import ALTERNATIVE_CONFIG\n"
+            "from experiments.paper_scale.simulate import max_length\n"
+            "from experiments.reproduce import published_figures\n\n"
+            "found = max_length(SYSTEM, MODEL, granularity=GRANULARITY, high=CEILING, alternative=ALTERNATIVE_CONFIG)\n"
             'published = {r["system"]: float(r["value"]) for r in published_figures()\n'
             '             if r["figure"] == "max_seq_len" and r["model"] == MODEL}\n'
-            'print(f"simulated AutoSP on {SP_SIZE}×A100-80GB: {simulated} tokens (granularity {GRANULARITY}, "\n'
-            '      f"search ceiling {simulated.upper_bound})")\n'
-            'print(f"published: {published}")'),
+            'print(f"{SYSTEM} {MODEL}: {found.nominal.display()} tokens (search {found.nominal.stopped}), "\n'
+            '      f"band {found.high_memory.display()} to {found.low_memory.display()}; published "\n'
+            '      f"{published.get(SYSTEM, float(\'nan\')):,.0f}")\n'
+            'print(f"with fp32 gradient accumulation (BF16_Optimizer, not the stated configuration): "\n'
+            '      f"{found.alternative.display()} tokens")'),
+        new_markdown_cell(
+            "## The ledger at the simulated maximum\n\n"
+            "Per-rank peak memory by category at the nominal maximum length: parameters, gradients and optimizer "
+            "state as DeepSpeed's optimizer class allocates them, the simulated activations, communication "
+            "buffers (ipg buckets, NCCL), the runtime (CUDA context, workspaces) and the caching allocator "
+            "(rounding, fragmentation). Each line cites the code it follows; the band comes from the uncertain "
+            "device-side items (`simulator/device_reserve.py`). The second configuration is the alternative "
+            "the reproduction table shows beside the stated one."),
+        new_code_cell(
+            "from experiments.models import PAPER_MODELS\n"
+            "from experiments.paper_scale.config import PAPER_CONFIG, ledger_lines\n"
+            "from simulator.ledger import CATEGORIES, format_ledger, summarize\n\n"
+            "at = found.nominal.result  # the simulated step at the longest fitting length\n"
+            "model = PAPER_MODELS[MODEL]\n"
+            "ledgers = {name: ledger_lines(model, SYSTEM, at.dynamic_memory_bytes, cfg)\n"
+            '           for name, cfg in (("stated", PAPER_CONFIG), ("fp32 grad accumulation", ALTERNATIVE_CONFIG))}\n'
+            'print(f"{MODEL} {SYSTEM} at {at.seq_len} tokens, stated configuration (GiB: nominal [low, high])")\n'
+            'print(format_ledger(ledgers["stated"]))\n'
+            "stated, alternative = (summarize(lines) for lines in ledgers.values())\n"
+            "for category in CATEGORIES:\n"
+            "    delta = alternative.by_category[category][1] - stated.by_category[category][1]\n"
+            "    if delta:\n"
+            '        print(f"fp32 gradient accumulation adds {delta / 2**30:.1f} GiB of {category}")'),
         new_code_cell(
             "import matplotlib.pyplot as plt\n\n"
-            "fig, ax = plt.subplots(figsize=(6, 3.2))\n"
-            'ax.bar([f"{s}\\n(published)" for s in SYSTEMS], [published[s] for s in SYSTEMS])\n'
-            'label = "autosp\\n(simulated, ≥)" if simulated.hit_upper_bound else "autosp\\n(simulated)"\n'
-            'ax.bar([label], [simulated.max_seq_len], hatch="//", color="white", edgecolor="black")\n'
-            'ax.set_ylabel("max trainable sequence (tokens)")\n'
-            'ax.set_title(f"{MODEL}, {SP_SIZE}×A100-80GB")\n'
-            'ax.tick_params(axis="x", labelsize=7)\n'
+            "fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))\n"
+            "bottom = [0.0, 0.0]\n"
+            "for category in CATEGORIES:\n"
+            "    values = [s.by_category[category][1] / 2**30 for s in (stated, alternative)]\n"
+            '    ax1.bar(["stated", "fp32 grad acc."], values, bottom=bottom, label=category)\n'
+            "    bottom = [b + v for b, v in zip(bottom, values, strict=True)]\n"
+            'ax1.axhline(at.capacity_bytes / 2**30, color="black", lw=0.8)\n'
+            'ax1.set_ylabel("GiB per rank")\n'
+            'ax1.set_title(f"ledger at {at.seq_len} tokens")\n'
+            "ax1.legend(fontsize=6)\n"
+            "systems = list(published)\n"
+            'ax2.bar([f"{s}\\n(published)" for s in systems], [published[s] for s in systems])\n'
+            "low, high = found.band\n"
+            'ax2.bar([f"{SYSTEM}\\n(simulated)"], [found.nominal.max_seq_len or 0], hatch="//", color="white",\n'
+            '        edgecolor="black", yerr=[[(found.nominal.max_seq_len or 0) - (low or 0)],\n'
+            "                                 [(high or 0) - (found.nominal.max_seq_len or 0)]], capsize=4)\n"
+            'ax2.set_ylabel("max trainable sequence (tokens)")\n'
+            'ax2.tick_params(axis="x", labelsize=7)\n'
             "fig.tight_layout()\n"
             "plt.show()"),
+        new_markdown_cell(
+            "## Every published length beside the simulated band\n\n"
+            "From a reproduction's results folder: each published maximum length, the simulated nominal length "
+            "and band, the signed error and the search's stop reason, then the summary (median absolute error, "
+            "ordering of systems per model). Every miss beyond the reproduction's threshold is explained by a "
+            "named ledger item: the cell recomputes the ledger under the alternative configuration and prints "
+            "which items it adds and the length the reproduction found with them. The alternative is an "
+            "explanation of the gap, not the configuration the lengths are reported for: the paper does not "
+            "publish its DeepSpeed configuration file."),
         new_code_cell(
-            "# The full reproduction beside the paper, from its results folder (if there is one)\n"
-            "import csv\n\n"
-            "import torch\n\n"
+            "import csv\n"
+            "import json\n\n"
             "from experiments.reproduce import DISAGREEMENT\n\n"
-            "\n"
-            "def number(text):\n"
-            "    try:\n"
-            "        return float(text)\n"
-            "    except ValueError:\n"
-            "        return None  # empty, or OOM\n"
-            "\n"
-            "\n"
-            'print(f"flagged: simulated more than {DISAGREEMENT:.0%} away from published; torch {torch.__version__}")\n'
             'folder = pathlib.Path(RESULTS)\n'
             'if not (folder / "max-seq-len.csv").exists():\n'
             '    print(f"no {folder}/max-seq-len.csv: python -m experiments.reproduce --out {folder} writes it")\n'
             "else:\n"
             '    rows = list(csv.DictReader((folder / "max-seq-len.csv").open()))\n'
-            "    ratios = {}\n"
             "    for r in rows:\n"
-            '        if number(r["simulated_over_published"]) is not None:\n'
-            '            ratios.setdefault(r["system"], []).append(number(r["simulated_over_published"]))\n'
-            "    for system, values in ratios.items():\n"
-            '        print(f"{system:15s} simulated / published: {min(values):.2f} to {max(values):.2f}")\n'
-            '    by = {(r["model"], r["system"]): r for r in rows}\n'
-            '    for model in sorted({r["model"] for r in rows}):\n'
-            '        autosp, ulysses = by.get((model, "autosp")), by.get((model, "ulysses"))\n'
-            "        pairs = [(number(autosp[k]), number(ulysses[k])) for k in (\"simulated_tokens\", \"published_tokens\")\n"
-            "                 ] if autosp and ulysses else []\n"
-            "        if pairs and all(a and u for a, u in pairs):\n"
-            '            print(f"{model}: AutoSP / Ulysses simulated {pairs[0][0] / pairs[0][1]:.1f}, "\n'
-            '                  f"published {pairs[1][0] / pairs[1][1]:.1f}")\n'
-            'if (folder / "iteration-time.csv").exists():\n'
-            '    for r in csv.DictReader((folder / "iteration-time.csv").open()):\n'
-            '        published_s, simulated_s = number(r["published_s"]), number(r["simulated_s"])\n'
-            "        if published_s and simulated_s:\n"
-            '            print(f"iteration {r[\'system\']} at {r[\'seq_len\']} tokens: published / simulated "\n'
-            '                  f"{published_s / simulated_s:.0f}×")'),
+            '        print(f"{r[\'model\']:13s} {r[\'system\']:15s} published {r[\'published_tokens\'] or \'-\':>6s}  "\n'
+            '              f"simulated {r[\'simulated_tokens\']:>9s}  band {r[\'band_tokens\']:>19s}  "\n'
+            '              f"error {r[\'error_pct\'] or \'-\':>5s} %  ({r[\'stopped\']})")\n'
+            '    summary = json.loads((folder / "run.json").read_text()).get("max_seq_len_summary", {})\n'
+            '    print(f"median |error| {summary.get(\'median_abs_error_pct\')} %, ordering: {summary.get(\'ordering\')}")\n'
+            "    for r in rows:\n"
+            '        if not r["error_pct"] or abs(float(r["error_pct"])) <= DISAGREEMENT * 100:\n'
+            "            continue\n"
+            '        m, system, headroom = PAPER_MODELS[r["model"]], r["system"], float(r["headroom_at_published_gib"])\n'
+            '        base = {ln.name: ln.bytes for ln in ledger_lines(m, system, 0, PAPER_CONFIG)}\n'
+            '        alt = {ln.name: ln.bytes for ln in ledger_lines(m, system, 0, ALTERNATIVE_CONFIG)}\n'
+            "        added = {name: (b - base.get(name, 0)) / 2**30 for name, b in alt.items()\n"
+            "                 if abs(b - base.get(name, 0)) > 2**28}\n"
+            '        head = f"{r[\'model\']} {system}: error {r[\'error_pct\']} %, "\n'
+            "        if headroom > 0:  # simulated longer: the ledger would be missing this much fixed memory\n"
+            '            items = ", ".join(f"{name} {gib:+.1f} GiB" for name, gib in added.items()) or "nothing"\n'
+            '            print(head + f"{headroom:.1f} GiB per rank free at the published length; fp32 gradient "\n'
+            '                  f"accumulation (BF16_Optimizer) adds {items}, {sum(added.values()):+.1f} GiB in all, "\n'
+            '                  f"and gives {r[\'alternative_tokens\']} tokens (error {r[\'alternative_error_pct\'] or \'-\'} %)")\n'
+            "        else:  # simulated shorter: the largest items of the stated ledger at the published length\n"
+            '            largest = sorted(ledger_lines(m, system, 0, PAPER_CONFIG), key=lambda ln: -ln.bytes)[:3]\n'
+            '            print(head + f"{-headroom:.1f} GiB per rank over the capacity at the published length; "\n'
+            '                  "the simulated activations (whole sequence per rank, no checkpointing) are the item "\n'
+            '                  "that grows with the length; largest fixed items: "\n'
+            '                  + ", ".join(f"{ln.name} {ln.bytes / 2**30:.1f} GiB" for ln in largest))'),
         new_markdown_cell(
-            "## Why the simulated lengths are longer than the published ones\n\n"
-            "The reproduction flags every simulated maximum length further from the paper's than the "
-            "threshold printed above, and the cell above prints, from a reproduction's results folder, how far "
-            "each system's simulated lengths are from the published ones and the AutoSP/Ulysses ratio in "
-            "both. In our runs the three sequence-parallel systems (AutoSP, hand-written Ulysses, ring "
-            "attention) were simulated at several times their published lengths while their *ratios* stayed "
-            "close to the paper's; ZeRO-3's simulated lengths were close to its published ones: without "
-            "sequence parallelism each rank holds a whole sequence's activations, which dwarf the memory "
-            "listed below. What the simulator leaves out is memory that does not scale with the program's "
-            "tensors or that the exported schedule does not contain:\n\n"
-            "- the CUDA context, NCCL buffers and cuBLAS/attention workspaces (gigabytes per GPU);\n"
-            "- the caching allocator's reserved-but-unused blocks and fragmentation (the simulator frees "
-            "a tensor's bytes exactly at its last use and never rounds sizes);\n"
-            "- anything the paper's training loop keeps beyond one step of the model: its data loader, "
-            "logits kept for logging, fp32 copies made outside the compiled graph, gradient-accumulation "
-            "buffers, and the partitioner choices of the PyTorch release the paper used (the simulation uses "
-            "this project's graphs on the torch printed above);\n"
-            "- the published figures are read off a plot at the resolution of its bars.\n\n"
-            "So read the simulated numbers as an upper bound from the program's own tensors, and compare "
-            "systems by their ratio. The simulated iteration time is likewise one sequence's step; the "
-            "published iteration is many times longer (the cell above prints by how much), which fits an "
-            "iteration of many sequences (its batch size is not given with the figure)."),
+            "## Reading the misses\n\n"
+            "Under the stated configuration (ZeRO-1 without `BF16_Optimizer`, which is what DeepSpeed builds "
+            "when nothing sets `grad_accum_dtype`) the sequence-parallel systems keep little fixed memory per "
+            "rank: the flat bf16 parameters, an eighth of the fp32 master weights and Adam moments, the ipg "
+            "buckets and the device reserve. Their simulated lengths then come out well above the published "
+            "ones, while ZeRO-3, whose ranks each hold a whole sequence's activations, lands close. The cell "
+            "above names, for each miss, the ledger items that the alternative configuration adds - the "
+            "unpartitioned fp32 gradient buffer and the bf16 gradients `BF16_Optimizer` keeps until the step - "
+            "and the length the reproduction found with them; where that length is close to the published one, "
+            "the miss is explained by that buffer, and the stated configuration is the assumption to revisit. "
+            "In our runs no single item explains every miss: the free memory at the published lengths is about "
+            "the same for every sequence-parallel system of one model but does not grow with the parameter "
+            "count the way those buffers do, so the alternative over-corrects the larger models and "
+            "under-corrects the smallest (compare the free memory with the added items printed above). Where "
+            "ZeRO-3 misses, it misses the other way: its simulated peak (a whole sequence's activations per "
+            "rank on top of the ledger) exceeds the capacity before the published length. "
+            "Items the ledger does not hold at all are listed in `simulator/ledger.py` and "
+            "`simulator/device_reserve.py` (the published figures are also read off a plot at the resolution of "
+            "its bars)."),
     ],
 }
 

@@ -56,6 +56,27 @@ def training_config(model, system: str, config: PaperConfig = PAPER_CONFIG):
 
 def static_memory_bytes(model, system: str, which: str = "nominal", config: PaperConfig = PAPER_CONFIG) -> int:
     """Per-rank static memory inside backward (parameters, gradients, optimizer state, buffers, device reserve)."""
-    from simulator.ledger import memory_ledger, summarize
+    return peak_memory_bytes(model, system, 0, which, config)
 
-    return int(getattr(summarize(memory_ledger(training_config(model, system, config), at="backward")), which))
+
+def peak_memory_bytes(model, system: str, activation_bytes: int, which: str = "nominal",
+                      config: PaperConfig = PAPER_CONFIG) -> int:
+    """Per-rank peak: the ledger inside backward with ``activation_bytes`` of simulated activations (the
+    workload's peak above static memory), which also adds their allocator rounding and fragmentation band."""
+    from simulator.ledger import summarize
+
+    return int(getattr(summarize(ledger_lines(model, system, activation_bytes, config)), which))
+
+
+def ledger_lines(model, system: str, activation_bytes: int = 0, config: PaperConfig = PAPER_CONFIG):
+    """The ledger lines behind `peak_memory_bytes` (for tables and the notebook)."""
+    from simulator.ledger import memory_ledger
+
+    return memory_ledger(training_config(model, system, config), at="backward", activation_bytes=int(activation_bytes))
+
+
+ALTERNATIVE_CONFIG = PaperConfig(grad_accum_dtype="fp32")
+"""Not the stated configuration: the same runs with ``data_types.grad_accum_dtype = "fp32"``, which under ZeRO 1
+and bf16 selects DeepSpeed's ``BF16_Optimizer`` and its unpartitioned fp32 gradient buffer (and fp32 gradient
+partitions under ZeRO 3).  The max-seq-len table shows it as an explanation of the gap to the published figures,
+never as the configuration the lengths are reported for."""

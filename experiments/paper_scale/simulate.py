@@ -1,14 +1,51 @@
-"""Simulated paper-scale runs: AutoSP on 8×A100-80GB for the paper's Llama models.
+"""Simulated paper-scale runs on 8×A100-80GB for the paper's Llama models: every system, its whole training step,
+its memory from the ledger, and one maximum-sequence-length search.
+
+`simulate_step` simulates one training step of a system (``autosp``, ``ulysses``, ``ulysses+ckpt``,
+``ring_attention``, ``zero3``; see Note [Baselines as AutoSP variants] in experiments.paper_scale.baselines):
+the traced forward and backward, then DeepSpeed's gradient reduction and optimizer step
+(`simulator.training_step.add_training_step`, Note [The whole step at paper scale]); its peak memory is the
+simulated activations plus the memory ledger of the paper's configuration (`experiments.paper_scale.config`),
+with the ledger's low/high band.  `max_length` finds the longest sequence with `simulator.search.search_max_length`
+and the band's ends from the same simulated steps (Note [Max-length band from one set of traces]).
 
 Note [Layer extrapolation]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
 Tracing a full 32-layer model at 100K tokens takes ~20 s here, and the maximum
 sequence-length search needs a dozen traces per model.  Every decoder layer of
 these models is identical, so the step is traced with one and with two layers
-(real passes, fake tensors, fake group of 8) and both workloads are simulated;
+(real passes, fake tensors, fake group of 8) and both workloads are simulated -
+each with the training step of its own (one- or two-layer) parameter set;
 step time and activation memory are extrapolated linearly in the layer count:
-x(L) = x(1) + (L - 1)·(x(2) - x(1)).  Static memory (parameters, gradients and
-optimizer state) comes from the full model's parameter count.  The exactness of
-the linear model is checked in the tests against a direct four-layer trace.
+x(L) = x(1) + (L - 1)·(x(2) - x(1)).  The optimizer pass and the gradient
+reductions are linear in the parameter count, hence in L, up to bucket
+boundaries.  Static memory (the ledger) comes from the full model's parameters.
+The exactness of the linear model is checked in the tests against a direct
+four-layer trace, training step included.
+
+Note [The whole step at paper scale]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every system's exported workload ends with the backward pass; `add_training_step` appends what DeepSpeed does
+next under the system's ZeRO stage (`config.training_config`): for the sequence-parallel systems (ZeRO 1:
+``DeepSpeedZeroOptimizer``) bucketed gradient reduce-scatters issued as each module's gradients are produced
+(`autosp.export.module_parameters`: module granularity, so a bucket closes at a module boundary), the optimizer
+pass over the rank's fp32 partition and the all-gather of the updated bf16 partitions, on a ``dp`` group of all 8
+ranks (ZeRO partitions over the sequence-data-parallel group).  Each traced gradient tensor is freed by the op
+that produces it: DeepSpeed's hook copies it into the ipg bucket at once, and the bucket and the gradient
+partition are ledger lines (counting the traced tensors too would count the gradients twice).  The ZeRO-3 rewrite already reduce-scatters each
+module's gradients as they are produced (Note [ZeRO-3 as a rewrite of the single-device trace]), so for
+``zero3`` only the optimizer pass is added (no gradient is passed: nothing is reduced twice; stage 3 gathers
+parameters in the next forward, not after the step).  The added ops take time only; their buffers are in the
+ledger.
+
+Note [Max-length band from one set of traces]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The ledger's low and high ends change only memory that does not depend on the length, and fragmentation in
+proportion to the activations; the simulated step at a length is the same for every end.  So `max_length`
+memoises each length's simulated step and runs the search three times (nominal, low, high; and once more for
+an alternative configuration when asked), each over the same memo: the nominal search pays for its traces, the
+others start at the nominal answer and pay only for the few lengths the nominal search did not probe (each
+probe is a pair of traces, cached in a `TraceCache`).
 """
 
 from __future__ import annotations
@@ -16,33 +53,58 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autosp.export import ModuleParameters, export_workload, module_parameters, trace_fake_step
 from experiments.models import PAPER_MODELS, PaperModel
+from experiments.paper_scale.baselines import SYSTEMS, sp_size_of, system_options
+from experiments.paper_scale.config import PAPER_CONFIG, PaperConfig, peak_memory_bytes, training_config
+from experiments.paper_scale.workload_rewrites import ring_attention_workload, zero3_workload
 from simulator import Cluster, simulate
-from simulator.workload import Workload
+from simulator.search import Probe, SearchResult, search_max_length
+from simulator.training_step import GradientReady, add_training_step, gradients_from_modules
+from simulator.workload import RankProgram, Workload
 
 log = logging.getLogger(__name__)
 
-BF16_BYTES = 2
-ADAM_BYTES_PER_PARAMETER_BYTE = 6.0
-"""fp32 master weights and two fp32 Adam moments (12 bytes) per 2-byte bf16 parameter."""
+PAPER_CLUSTER = "a100-80gb-sxm"
+BANDS = ("low", "nominal", "high")
 
 
 @dataclass(frozen=True)
 class SimulatedStep:
+    """One full-model training step of ``system``, layer-extrapolated (Note [Layer extrapolation])."""
+
     model: str
+    system: str
     seq_len: int
     sp_size: int
+    """Ranks one sequence is split over (8 for the SP systems, 1 for ZeRO-3: each rank its own sequence)."""
     step_time_s: float
-    peak_memory_bytes: int
-    static_memory_bytes: int
+    dynamic_memory_bytes: int
+    """Simulated peak above static memory (activations and transients of the busiest rank)."""
+    static: tuple[int, int, int]
+    """The ledger's (low, nominal, high) static memory inside backward."""
+    peak: tuple[int, int, int]
+    """The ledger's (low, nominal, high) peak: static memory, activations and their fragmentation."""
     capacity_bytes: int
+
+    @property
+    def static_memory_bytes(self) -> int:
+        return self.static[1]
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return self.peak[1]
 
     @property
     def fits(self) -> bool:
         return self.peak_memory_bytes <= self.capacity_bytes
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Tokens one GPU trains per second: each rank holds ``seq_len / sp_size`` tokens of a step."""
+        return self.seq_len / self.sp_size / self.step_time_s
 
 
 @dataclass
@@ -69,19 +131,19 @@ class TraceCache:
 
 @dataclass(frozen=True)
 class TracedStep:
-    """One traced and exported training step (see `trace_workload`)."""
+    """One traced and exported forward and backward (see `trace_workload`)."""
 
     workload: Workload
     modules: tuple[ModuleParameters, ...] = ()
-    """Which ops read which module's parameters (traced with ``sp_size=1`` only: what ZeRO-3 gathers)."""
+    """Which ops read which module's parameters and produce its gradients (`autosp.export.module_parameters`)."""
 
 
-def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, zero_shards: int,
+def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int,
                    autosp_options: dict | None = None, cache: TraceCache | None = None) -> TracedStep:
     """``layers`` decoder layers of ``model`` compiled by AutoSP for ``sp_size`` ranks (1: without sequence
-    parallelism) on fake tensors, exported as a workload."""
+    parallelism) on fake tensors, exported as a workload (its static memory is not used: the ledger's is)."""
     options = dict(autosp_options or {})
-    key = (model.name, seq_len, layers, sp_size, zero_shards, tuple(sorted(options.items())))
+    key = (model.name, seq_len, layers, sp_size, tuple(sorted(options.items())))
 
     def make() -> TracedStep:
         import torch
@@ -102,20 +164,49 @@ def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int
         workload = export_workload(
             graphs, name=f"{model.name}/{'autosp' if sp_size > 1 else 'single'}/L={layers}/S={seq_len}",
             sp_size=sp_size, parameter_bytes=parameter_bytes,
-            optimizer_bytes_per_parameter_byte=ADAM_BYTES_PER_PARAMETER_BYTE, zero_shards=zero_shards,
         )
-        modules = module_parameters(graphs, compiled.report.forward_graphs[-1]) if sp_size == 1 else ()
-        return TracedStep(workload=workload, modules=modules)
+        return TracedStep(workload=workload, modules=module_parameters(graphs, compiled.report.forward_graphs[-1]))
 
     return make() if cache is None else cache.get(key, make)
 
 
-def _simulate_layers(model: PaperModel, seq_len: int, layers: int, sp_size: int, cluster: Cluster, zero_shards: int,
-                     autosp_options: dict | None = None, cache: TraceCache | None = None):
-    workload = trace_workload(model, seq_len, layers, sp_size=sp_size, zero_shards=zero_shards,
-                              autosp_options=autosp_options, cache=cache).workload
-    time_s, dynamic_bytes = simulate_dynamic(workload, cluster)
-    return time_s, dynamic_bytes, workload
+def _gradients(program, modules: tuple[ModuleParameters, ...], element_bytes: int = 2) -> list[GradientReady]:
+    return gradients_from_modules(program, [(m.gradients, m.parameter_bytes // element_bytes) for m in modules])
+
+
+def _gradients_into_buckets(program: RankProgram, modules: tuple[ModuleParameters, ...]) -> RankProgram:
+    """``program`` with every parameter gradient freed by the op that produces it: DeepSpeed's backward hook
+    copies it into the ipg bucket and points ``param.grad`` there (``reduce_independent_p_g_buckets_and_remove_grads``
+    with ``contiguous_gradients``), so the gradients' memory is the ledger's (buckets, gradient partition), not the
+    traced tensors' (Note [The whole step at paper scale])."""
+    names = {n for m in modules for n in m.gradients}
+    freed = {t for op in program.ops for t in op.frees}
+    ops = tuple(replace(op, frees=tuple(sorted(set(op.frees) | {t for t in op.allocates if t not in freed})))
+                if op.name in names else op for op in program.ops)
+    return replace(program, ops=ops)
+
+
+def step_workload(system: str, model: PaperModel, seq_len: int, layers: int, *, ranks: int = 8,
+                  cache: TraceCache | None = None, config: PaperConfig = PAPER_CONFIG,
+                  autosp_options: dict | None = None) -> Workload:
+    """The whole training step of ``layers`` decoder layers of ``model`` under ``system``: the traced (and, for
+    ring attention and ZeRO-3, rewritten) forward and backward, then gradient reduction and the optimizer step of
+    that many layers' parameters (Note [The whole step at paper scale]).  ``autosp_options`` replaces the
+    system's `autosp.compile` options (e.g. another checkpointing policy for AutoSP)."""
+    options = autosp_options if autosp_options is not None else system_options(system)
+    sp = sp_size_of(system, ranks)
+    traced = trace_workload(model, seq_len, layers, sp_size=sp, autosp_options=options, cache=cache)
+    cfg = training_config(replace(model, num_layers=layers), system, replace(config, world_size=ranks))
+    if system == "zero3":
+        workload = zero3_workload(traced.workload, traced.modules, world_size=ranks)
+        return add_training_step(workload, [], cfg, group="dp_reduce")  # the rewrite reduces the gradients
+    workload = traced.workload
+    if system == "ring_attention":
+        workload = ring_attention_workload(workload)
+    workload = replace(workload, ranks={r: _gradients_into_buckets(p, traced.modules) for r, p in workload.ranks.items()})
+    gradients = {r: _gradients(p, traced.modules) for r, p in workload.ranks.items()}
+    return add_training_step(workload, gradients, cfg, group="dp", group_instances=[list(range(ranks))])
+
 
 
 def simulate_dynamic(workload: Workload, cluster: Cluster) -> tuple[float, int]:
@@ -124,64 +215,95 @@ def simulate_dynamic(workload: Workload, cluster: Cluster) -> tuple[float, int]:
     return result.step_time_s, max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
 
 
-def extrapolate_layers(model_name: str, seq_len: int, per_layers: Callable[[int], tuple[float, int]], *,
-                       static_bytes: int, sp_size: int, cluster: Cluster) -> SimulatedStep:
+def extrapolate_layers(system: str, model_name: str, seq_len: int, per_layers: Callable[[int], tuple[float, int]],
+                       *, sp_size: int, cluster: Cluster, config: PaperConfig = PAPER_CONFIG) -> SimulatedStep:
     """The full model's step from ``per_layers(L)`` = (step time, dynamic memory) of L = 1 and 2 layers (see
-    Note [Layer extrapolation]) and the full model's static memory."""
+    Note [Layer extrapolation]) and the full model's ledger."""
     (t1, m1), (t2, m2) = per_layers(1), per_layers(2)
-    layers = PAPER_MODELS[model_name].num_layers
-    dynamic = m1 + (layers - 1) * (m2 - m1)
-    return SimulatedStep(
-        model=model_name, seq_len=seq_len, sp_size=sp_size, step_time_s=t1 + (layers - 1) * (t2 - t1),
-        peak_memory_bytes=int(static_bytes + dynamic), static_memory_bytes=int(static_bytes),
-        capacity_bytes=int(cluster.device.memory_bytes),
-    )
-
-
-def simulate_autosp_step(model_name: str, seq_len: int, *, sp_size: int = 8, cluster: Cluster | None = None,
-                         zero_shards: int = 8, autosp_options: dict | None = None,
-                         cache: TraceCache | None = None) -> SimulatedStep:
-    """One AutoSP training step of a paper model, simulated with layer extrapolation (see the Note).
-
-    ``autosp_options`` are `autosp.compile` options (default: its defaults, SAC and overlap on)."""
     model = PAPER_MODELS[model_name]
-    cluster = cluster or Cluster.from_preset("a100-80gb-sxm")
-    parameter_bytes = model.parameter_count() * BF16_BYTES
-    static = parameter_bytes + (parameter_bytes + int(parameter_bytes * ADAM_BYTES_PER_PARAMETER_BYTE)) // zero_shards
+    dynamic = int(m1 + (model.num_layers - 1) * (m2 - m1))
+    static = tuple(peak_memory_bytes(model, system, 0, which, config) for which in BANDS)
+    peak = tuple(peak_memory_bytes(model, system, dynamic, which, config) for which in BANDS)
+    return SimulatedStep(model=model_name, system=system, seq_len=seq_len, sp_size=sp_size,
+                         step_time_s=t1 + (model.num_layers - 1) * (t2 - t1), dynamic_memory_bytes=dynamic,
+                         static=static, peak=peak, capacity_bytes=int(cluster.device.memory_bytes))
+
+
+def simulate_step(system: str, model_name: str, seq_len: int, *, ranks: int = 8, cluster: Cluster | None = None,
+                  cache: TraceCache | None = None, config: PaperConfig = PAPER_CONFIG,
+                  autosp_options: dict | None = None) -> SimulatedStep:
+    """One whole training step of ``system`` for a paper model, simulated with layer extrapolation."""
+    if system not in SYSTEMS:
+        raise ValueError(f"system {system!r} is not simulated at paper scale; choose one of {SYSTEMS}")
+    model = PAPER_MODELS[model_name]
+    cluster = cluster or Cluster.from_preset(PAPER_CLUSTER)
     return extrapolate_layers(
-        model_name, seq_len,
-        lambda layers: _simulate_layers(model, seq_len, layers, sp_size, cluster, zero_shards, autosp_options,
-                                        cache)[:2],
-        static_bytes=static, sp_size=sp_size, cluster=cluster)
+        system, model_name, seq_len,
+        lambda layers: simulate_dynamic(step_workload(system, model, seq_len, layers, ranks=ranks, cache=cache,
+                                                      config=config, autosp_options=autosp_options), cluster),
+        sp_size=sp_size_of(system, ranks), cluster=cluster, config=config)
 
 
 @dataclass(frozen=True)
-class MaxSeqLen:
-    """Outcome of `max_trainable_seq_len` (the shape of `simulator.search.SearchResult`)."""
+class MaxLength:
+    """Longest trainable sequence of one model and system, with the ledger's band (see `max_length`)."""
 
-    max_seq_len: int
-    """Longest fitting multiple of the granularity (0: not even the shortest fits)."""
-    hit_upper_bound: bool
-    """True when the ceiling itself fits: the real maximum may be larger."""
-    upper_bound: int
-    """The search's ceiling (tokens)."""
+    model: str
+    system: str
+    nominal: SearchResult
+    low_memory: SearchResult
+    """With the ledger's low static memory (the longer end of the band)."""
+    high_memory: SearchResult
+    """With the ledger's high static memory (the shorter end)."""
+    alternative: SearchResult | None = None
+    """Nominal, under the alternative configuration passed to `max_length` (not the stated one)."""
 
-    def __str__(self) -> str:
-        return f"≥ {self.max_seq_len}" if self.hit_upper_bound else str(self.max_seq_len)
+    @property
+    def band(self) -> tuple[int | None, int | None]:
+        """(shortest, longest) length of the band."""
+        return self.high_memory.max_seq_len, self.low_memory.max_seq_len
 
 
-def max_trainable_seq_len(model_name: str, *, sp_size: int = 8, granularity: int = 1024, low: int = 1024,
-                          high: int = 262144, **kwargs) -> MaxSeqLen:
-    """Longest multiple of ``granularity`` tokens up to ``high`` whose simulated AutoSP step fits in device
-    memory, by bisection, and whether the ceiling itself fits."""
-    lo, hi = max(1, low // granularity), high // granularity
-    ceiling = hi
-    if not simulate_autosp_step(model_name, lo * granularity, sp_size=sp_size, **kwargs).fits:
-        return MaxSeqLen(0, False, ceiling * granularity)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if simulate_autosp_step(model_name, mid * granularity, sp_size=sp_size, **kwargs).fits:
-            lo = mid
-        else:
-            hi = mid - 1
-    return MaxSeqLen(lo * granularity, lo == ceiling, ceiling * granularity)
+def max_length(system: str, model_name: str, *, granularity: int = 1024, low: int | None = None,
+               high: int = 262144, start: int = 8192, max_probes: int | None = 10, ranks: int = 8,
+               cluster: Cluster | None = None, cache: TraceCache | None = None, config: PaperConfig = PAPER_CONFIG,
+               alternative: PaperConfig | None = None, autosp_options: dict | None = None) -> MaxLength:
+    """Longest multiple of ``granularity`` tokens in ``[low, high]`` whose simulated whole step fits in device
+    memory, by `simulator.search.search_max_length` (secant search on peak memory above static memory, from
+    ``start``), and the lengths at the ledger's low and high ends (Note [Max-length band from one set of
+    traces]).  Each result's ``stopped`` says whether it converged, stopped at the ceiling ``high`` or on the
+    probe budget ``max_probes``, or found nothing that fits."""
+    cluster = cluster or Cluster.from_preset(PAPER_CLUSTER)
+    model = PAPER_MODELS[model_name]
+    capacity = int(cluster.device.memory_bytes)
+    steps: dict[int, SimulatedStep] = {}
+
+    def step(length: int) -> SimulatedStep:
+        if length not in steps:
+            steps[length] = simulate_step(system, model_name, length, ranks=ranks, cluster=cluster, cache=cache,
+                                          config=config, autosp_options=autosp_options)
+        return steps[length]
+
+    def probe_for(which: str, cfg: PaperConfig) -> Callable[[int], Probe]:
+        static = peak_memory_bytes(model, system, 0, which, cfg)
+
+        def probe(length: int) -> Probe:
+            s = step(length)
+            peak = peak_memory_bytes(model, system, s.dynamic_memory_bytes, which, cfg)
+            return Probe(fits=peak <= capacity, peak_memory_bytes=peak, step_time_s=s.step_time_s,
+                         static_memory_bytes=static, result=s)
+
+        return probe
+
+    def search(which: str, cfg: PaperConfig, first: int) -> SearchResult:
+        return search_max_length(probe_for(which, cfg), low=low or granularity, high=high, granularity=granularity,
+                                 capacity_bytes=capacity, start=first, max_probes=max_probes)
+
+    nominal = search("nominal", config, start)
+    again = nominal.max_seq_len or start
+    found = MaxLength(model=model_name, system=system, nominal=nominal, low_memory=search("low", config, again),
+                      high_memory=search("high", config, again),
+                      alternative=None if alternative is None else search("nominal", alternative, again))
+    log.info("%s %s: %s tokens (%s), band %s-%s, %d lengths simulated", system, model_name, nominal.display(),
+             nominal.stopped, found.high_memory.display(), found.low_memory.display(), len(steps))
+    return found

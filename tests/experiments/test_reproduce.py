@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from experiments.paper_scale.simulate import simulate_autosp_step
+from experiments.paper_scale.simulate import simulate_step
 
 pytestmark = pytest.mark.timeout(1800)  # the first test to use quick_results pays for the whole quick run
 
@@ -31,36 +31,53 @@ def _rows(path):
 
 @pytest.mark.slow
 def test_reproduce_max_seq_len_table_has_every_system_and_model(quick_results):
+    from simulator.search import STOP_REASONS
+
     rows = _rows(quick_results / "max-seq-len.csv")
     assert {(r["model"], r["system"]) for r in rows} == {
         (m, s) for m in ("llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
         for s in ("zero3", "ring_attention", "ulysses", "autosp", "ulysses+ckpt")
     }
-    for r in rows:  # every system simulated (baselines: see experiments.paper_scale.baselines)
-        simulated = float(r["simulated_tokens"])
+    errors = []
+    for r in rows:  # every system simulated (see experiments.paper_scale.simulate)
+        simulated = float(r["simulated_nominal"])
         assert math.isfinite(simulated) and simulated > 0
+        assert r["stopped"] in STOP_REASONS
+        assert r["simulated_tokens"].endswith(r["simulated_nominal"])
+        assert r["simulated_tokens"].startswith("≥") == (r["stopped"] in ("ceiling", "probe_budget"))
+        shortest, longest = (int(x.lstrip("≥< ")) for x in r["band_tokens"].split(" – "))
+        assert shortest <= simulated <= longest
         if r["system"] == "ulysses+ckpt":  # no published figure
-            assert r["published_tokens"] == "" and r["simulated_over_published"] == ""
+            assert r["published_tokens"] == "" and r["error_pct"] == ""
             continue
-        assert float(r["simulated_over_published"]) == pytest.approx(simulated / float(r["published_tokens"]), 1e-2)
-    assert (quick_results / "max-seq-len.md").read_text().count("|") > 20
+        error = 100 * (simulated - float(r["published_tokens"])) / float(r["published_tokens"])
+        assert float(r["error_pct"]) == pytest.approx(error, abs=0.51)
+        errors.append(abs(error))
+    run = json.loads((quick_results / "run.json").read_text())
+    summary = run["max_seq_len_summary"]
+    assert summary["compared"] == 12 == len(errors)
+    assert summary["median_abs_error_pct"] == pytest.approx(sorted(errors)[5] / 2 + sorted(errors)[6] / 2, abs=0.6)
+    text = (quick_results / "max-seq-len.md").read_text()
+    assert text.count("|") > 20 and "Median |error|" in text and "NOT the stated configuration" in text
 
 
 @pytest.mark.slow
-def test_reproduce_iteration_table_records_simulated_against_published(quick_results):
-    rows = _rows(quick_results / "iteration-time.csv")
+def test_reproduce_throughput_table_shows_tokens_per_gpu_beside_published_seconds(quick_results):
+    rows = _rows(quick_results / "throughput.csv")
     assert {(int(r["seq_len"]), r["system"]) for r in rows} == {
         (s, system) for s in (8000, 24000, 90000)
         for system in ("zero3", "ring_attention", "ulysses", "autosp", "ulysses+ckpt")}
+    assert "simulated_over_published" not in rows[0]  # no ratio of unlike things
     for r in rows:
-        assert r["simulated_s"] or r["note"] == "simulated OOM", r
+        assert r["simulated_tokens_per_s_per_gpu"] or r["note"] == "simulated OOM", r
         assert math.isfinite(float(r["simulated_peak_gib"]))
-        if r["simulated_s"]:
-            assert math.isfinite(float(r["simulated_s"]))
-        if r["simulated_s"] and r["published_s"] not in ("OOM", ""):  # ulysses+ckpt has no published figure
-            assert float(r["simulated_over_published"]) > 0
-    autosp_8k = next(r for r in rows if r["system"] == "autosp" and r["seq_len"] == "8000")
-    assert autosp_8k["simulated_s"]
+        if r["simulated_tokens_per_s_per_gpu"]:
+            per_gpu = int(r["seq_len"]) / (1 if r["system"] == "zero3" else 8)
+            assert float(r["simulated_tokens_per_s_per_gpu"]) == pytest.approx(
+                per_gpu / float(r["simulated_step_s"]), rel=2e-3)
+    published = {(r["seq_len"], r["system"]): r["published_iteration_s"] for r in rows}
+    assert published[("8000", "autosp")] == "9" and published[("90000", "zero3")] == "OOM"
+    assert "batch size" in (quick_results / "throughput.md").read_text()
 
 
 @pytest.mark.slow
@@ -75,32 +92,23 @@ def test_reproduce_plots_and_traces_exist_and_parse(quick_results):
 
 
 def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
-    # See Note [Layer extrapolation]: x(L) = x(1) + (L-1)(x(2) - x(1)), checked against L = 4 traced directly.
-    import torch
-
-    from autosp.export import export_workload, trace_fake_step
+    # See Note [Layer extrapolation]: x(L) = x(1) + (L-1)(x(2) - x(1)), checked against L = 4 traced directly,
+    # each with the whole step (gradient reduction and optimizer step of its own parameters).
     from experiments.models import PAPER_MODELS
-    from experiments.paper_scale.simulate import ADAM_BYTES_PER_PARAMETER_BYTE
+    from experiments.paper_scale.simulate import step_workload
     from simulator import Cluster, simulate
 
     model = PAPER_MODELS["llama-3.2-3b"]
     seq_len, cluster = 4096, Cluster.from_preset("a100-80gb-sxm")
 
     def direct(layers):
-        import transformers
-
-        torch._dynamo.reset()
-        compiled, pbytes = trace_fake_step(lambda: transformers.LlamaForCausalLM(model.hf_config(num_layers=layers)),
-                                           seq_len=seq_len, sp_size=8, vocab_size=model.vocab_size)
-        w = export_workload(compiled.report.aot_graphs, name="x", sp_size=8, parameter_bytes=pbytes,
-                            optimizer_bytes_per_parameter_byte=ADAM_BYTES_PER_PARAMETER_BYTE, zero_shards=8)
-        r = simulate(w, cluster)
+        r = simulate(step_workload("autosp", model, seq_len, layers), cluster)
         return r.step_time_s, r.ranks[0].peak_memory_bytes - r.ranks[0].static_memory_bytes
 
     (t1, m1), (t2, m2), (t4, m4) = direct(1), direct(2), direct(4)
     assert t1 + 3 * (t2 - t1) == pytest.approx(t4, rel=0.02)
     assert m1 + 3 * (m2 - m1) == pytest.approx(m4, rel=0.05)
-    step = simulate_autosp_step("llama-3.2-3b", seq_len)
+    step = simulate_step("autosp", "llama-3.2-3b", seq_len)
     assert step.step_time_s > 0 and step.peak_memory_bytes > step.static_memory_bytes
 
 
@@ -158,7 +166,7 @@ def test_reproduce_run_json_records_the_command_line_and_what_the_step_shows(qui
     run = json.loads((quick_results / "run.json").read_text())
     assert run["argv"] == ["--quick", "--out", str(quick_results)]
     assert run["command"] == f"python -m experiments.reproduce --quick --out {quick_results}"
-    assert set(run["tables"]) == {"max-seq-len", "iteration-time", "measured-cpu", "memory-cap"}
+    assert set(run["tables"]) == {"max-seq-len", "throughput", "measured-cpu", "memory-cap"}
     assert {t["command"] for t in run["tables"].values()} == {run["command"]}
     assert run["simulated_step"]["model"] == run["iteration_model"]
 
@@ -177,27 +185,65 @@ def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_red
     from experiments.reproduce import _write_run_json
 
     path = tmp_path / "run.json"
-    _write_run_json(path, {"command": "full"}, {"a": {"command": "full", "seconds": 1.0},
-                                                "b": {"command": "full", "seconds": 2.0}})
+    _write_run_json(path, {"command": "full", "max_seq_len_summary": {"compared": 12}},
+                    {"a": {"command": "full", "seconds": 1.0}, "b": {"command": "full", "seconds": 2.0}})
     _write_run_json(path, {"command": "only b"}, {"b": {"command": "only b", "seconds": 3.0}})
     run = json.loads(path.read_text())
+    assert run["max_seq_len_summary"] == {"compared": 12}  # written by the run of table a, kept
     assert run["command"] == "only b" and run["commands"] == ["full", "only b"]
     assert run["table_s"] == {"a": 1.0, "b": 3.0}
 
 
-def test_autosp_max_seq_len_search_reports_a_fit_at_its_ceiling(monkeypatch):
-    from types import SimpleNamespace
+def _fake_step(per_token_bytes: int, calls: list):
+    """A stand-in for simulate_step: activations of ``per_token_bytes`` per token, memory from the real ledger."""
+    from experiments.models import PAPER_MODELS
+    from experiments.paper_scale.config import peak_memory_bytes
+    from experiments.paper_scale.simulate import SimulatedStep
 
+    def step(system, model_name, seq_len, **_):
+        calls.append(seq_len)
+        model, dynamic = PAPER_MODELS[model_name], per_token_bytes * seq_len
+        bands = ("low", "nominal", "high")
+        return SimulatedStep(model=model_name, system=system, seq_len=seq_len, sp_size=8, step_time_s=1.0,
+                             dynamic_memory_bytes=dynamic,
+                             static=tuple(peak_memory_bytes(model, system, 0, w) for w in bands),
+                             peak=tuple(peak_memory_bytes(model, system, dynamic, w) for w in bands),
+                             capacity_bytes=80 * 2**30)
+
+    return step
+
+
+def test_max_length_reports_its_ceiling_and_the_ledger_band(monkeypatch):
+    from experiments.models import PAPER_MODELS
     from experiments.paper_scale import simulate
+    from experiments.paper_scale.config import ALTERNATIVE_CONFIG, peak_memory_bytes
+    from simulator import Cluster
 
-    limit = {"tokens": 10**9}
-    monkeypatch.setattr(simulate, "simulate_autosp_step",
-                        lambda model, seq_len, **_: SimpleNamespace(fits=seq_len <= limit["tokens"]))
-    at_ceiling = simulate.max_trainable_seq_len("llama-3.1-8b", granularity=1024, high=16384)
-    assert (at_ceiling.max_seq_len, at_ceiling.hit_upper_bound, str(at_ceiling)) == (16384, True, "≥ 16384")
-    limit["tokens"] = 5000
-    below = simulate.max_trainable_seq_len("llama-3.1-8b", granularity=1024, high=16384)
-    assert (below.max_seq_len, below.hit_upper_bound, str(below)) == (4096, False, "4096")
+    capacity = Cluster.from_preset("a100-80gb-sxm").device.memory_bytes
+    calls = []
+    monkeypatch.setattr(simulate, "simulate_step", _fake_step(1000, calls))
+    at_ceiling = simulate.max_length("autosp", "llama-3.1-8b", granularity=1024, high=16384)
+    assert (at_ceiling.nominal.max_seq_len, at_ceiling.nominal.stopped) == (16384, "ceiling")
+    assert at_ceiling.nominal.display() == "≥ 16,384"
+
+    calls.clear()
+    monkeypatch.setattr(simulate, "simulate_step", _fake_step(1_000_000, calls))
+    found = simulate.max_length("autosp", "llama-3.1-8b", granularity=1024, high=262144,
+                                alternative=ALTERNATIVE_CONFIG)
+    model = PAPER_MODELS["llama-3.1-8b"]
+
+    def brute(which, config=None):  # the longest grid length whose ledger peak fits, by enumeration
+        extra = {} if config is None else {"config": config}
+        fitting = [k * 1024 for k in range(1, 257)
+                   if peak_memory_bytes(model, "autosp", 1_000_000 * k * 1024, which, **extra) <= capacity]
+        return max(fitting, default=None)
+
+    assert found.nominal.max_seq_len == brute("nominal") and found.nominal.stopped == "converged"
+    assert found.band == (brute("high"), brute("low"))
+    assert found.band[0] < found.nominal.max_seq_len < found.band[1]
+    assert found.alternative.max_seq_len == brute("nominal", ALTERNATIVE_CONFIG) < found.nominal.max_seq_len
+    assert len(calls) == len(set(calls))  # each length simulated once for all four searches
+    assert len(calls) < 20
 
 
 def test_paper_calibration_placeholders_come_from_the_preset(tmp_path):
@@ -236,47 +282,75 @@ def test_paper_placeholders_are_filled_from_the_results_folder(tmp_path):
         build_paper(results, tmp_path / "out", source)
 
 
-def test_paper_scale_baselines_simulate_every_baseline_and_ring_reuses_the_ulysses_traces():
-    from experiments.paper_scale.baselines import SIMULATED_BASELINES, simulate_baseline_step
+def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces():
+    from experiments.models import PAPER_MODELS
+    from experiments.paper_scale.baselines import SYSTEMS
     from experiments.paper_scale.simulate import TraceCache
+    from simulator.ledger import TrainingConfig, memory_ledger, summarize
 
+    model = PAPER_MODELS["llama-3.2-3b"]
+
+    def ledger_static(stage):  # the ledger of the paper's configuration, built here from the model card
+        cfg = TrainingConfig.for_llama(hidden=3072, ffn_hidden=8192, layers=28, heads=24, kv_heads=8, vocab=128256,
+                                       tied_embeddings=True, zero_stage=stage, dp_world_size=8)
+        summary = summarize(memory_ledger(cfg, at="backward"))
+        return summary.low, summary.nominal, summary.high
+
+    assert model.hidden_size == 3072 and model.num_layers == 28
     cache = TraceCache()
-    ulysses = simulate_baseline_step("ulysses", "llama-3.2-3b", 4096, cache=cache)
+    ulysses = simulate_step("ulysses", "llama-3.2-3b", 4096, cache=cache)
     assert ulysses.sp_size == 8 and ulysses.fits
     assert ulysses.step_time_s > 0 and ulysses.peak_memory_bytes > ulysses.static_memory_bytes
-    ring = simulate_baseline_step("ring_attention", "llama-3.2-3b", 4096, cache=cache)
+    assert ulysses.static == ledger_static(1)  # ZeRO 1: DeepSpeedZeroOptimizer's buffers
+    ring = simulate_step("ring_attention", "llama-3.2-3b", 4096, cache=cache)
     assert (cache.misses, cache.hits) == (2, 2)  # ring attention is a rewrite of the same two traces
-    assert ring.static_memory_bytes == ulysses.static_memory_bytes and ring.step_time_s > 0
+    assert ring.static == ulysses.static and ring.step_time_s > 0  # the same engine settings, the same ledger
     assert ring.peak_memory_bytes >= ulysses.peak_memory_bytes  # plus its receive buffers
-    zero3 = simulate_baseline_step("zero3", "llama-3.2-3b", 4096, cache=cache)
-    assert zero3.sp_size == 1 and zero3.static_memory_bytes < ulysses.static_memory_bytes  # every state sharded
+    zero3 = simulate_step("zero3", "llama-3.2-3b", 4096, cache=cache)
+    assert zero3.sp_size == 1 and zero3.static == ledger_static(3)
+    assert zero3.static_memory_bytes < ulysses.static_memory_bytes  # every state sharded
     assert zero3.step_time_s > ulysses.step_time_s  # each rank computes the whole sequence
-    ckpt = simulate_baseline_step("ulysses+ckpt", "llama-3.2-3b", 4096, cache=cache)
-    assert ckpt.static_memory_bytes == ulysses.static_memory_bytes
+    ckpt = simulate_step("ulysses+ckpt", "llama-3.2-3b", 4096, cache=cache)
+    assert ckpt.static == ulysses.static
     assert ckpt.peak_memory_bytes < ulysses.peak_memory_bytes  # per-layer recomputation keeps less
     assert ckpt.step_time_s > ulysses.step_time_s  # ... and recomputes the forward in backward
-    assert set(SIMULATED_BASELINES) == {"zero3", "ring_attention", "ulysses", "ulysses+ckpt"}
+    autosp = simulate_step("autosp", "llama-3.2-3b", 4096, cache=cache)
+    assert autosp.static == ulysses.static
+    assert set(SYSTEMS) == {"autosp", "zero3", "ring_attention", "ulysses", "ulysses+ckpt"}
     with pytest.raises(ValueError, match="ulysses"):
-        simulate_baseline_step("megatron", "llama-3.2-3b", 4096)
+        simulate_step("megatron", "llama-3.2-3b", 4096)
 
 
-def test_paper_scale_search_runs_on_memory_above_static():
-    from experiments.paper_scale.baselines import search_max_seq_len
-    from experiments.paper_scale.simulate import SimulatedStep
+def test_whole_step_adds_gradient_reduction_and_an_optimizer_step_to_every_system():
+    from dataclasses import replace
 
-    def stepper(static):  # 1 MB per token above static memory, 80 GB capacity
-        return lambda length: SimulatedStep(model="m", seq_len=length, sp_size=8, step_time_s=1.0,
-                                            peak_memory_bytes=static + 1_000_000 * length, static_memory_bytes=static,
-                                            capacity_bytes=80_000_000_000)
+    from experiments.models import PAPER_MODELS
+    from experiments.paper_scale.baselines import SYSTEMS
+    from experiments.paper_scale.simulate import TraceCache, step_workload
 
-    # 30 GB static: 50 GB left is 50_000 tokens; the first probe's proportional guess lands next to it
-    fit, converged, probes = search_max_seq_len(stepper(30_000_000_000), granularity=1024, start=8192,
-                                                max_len=262144, max_probes=6)
-    assert (fit, converged) == (49152, True) and len(probes) == 3
-    # static memory alone over the capacity: nothing fits, after one probe
-    fit, converged, probes = search_max_seq_len(stepper(90_000_000_000), granularity=1024, start=8192,
-                                                max_len=262144, max_probes=6)
-    assert (fit, converged, len(probes)) == (0, True, 1)
+    model = PAPER_MODELS["llama-3.2-3b"]
+    one_layer = replace(model, num_layers=1).parameter_count()  # tied embeddings: one vocab x hidden matrix
+    assert one_layer == 128256 * 3072 + (2 * 3072 * 3072 + 2 * 3072 * 1024 + 3 * 3072 * 8192 + 2 * 3072) + 3072
+    cache = TraceCache()
+    for system in SYSTEMS:
+        workload = step_workload(system, model, 2048, 1, cache=cache)
+        for program in workload.ranks.values():
+            names = [op.name for op in program.ops]
+            assert names.count("optimizer_step") == 1, system
+            step = next(op for op in program.ops if op.name == "optimizer_step")
+            # Adam over the rank's fp32 shard: read parameter, gradient, two moments (4 bytes each)
+            shard = step.bytes_read // 16
+            assert shard == pytest.approx(one_layer / 8, rel=1e-3), system
+            ours = [op for op in program.ops if op.name.startswith("grad_reduce_")]
+            rewrite = [op for op in program.ops if op.collective and op.collective.kind == "reduce_scatter"
+                       and op not in ours]
+            reduced = sum(op.collective.message_bytes for op in ours + rewrite if op.kind != "collective_wait")
+            # every bf16 gradient reduced exactly once: by the added step, or by the ZeRO-3 rewrite
+            assert reduced == pytest.approx(2 * one_layer, rel=1e-3), system
+            assert bool(ours) == (system != "zero3") and bool(rewrite) == (system == "zero3"), system
+            gathers = [op for op in program.ops if op.name.startswith("param_all_gather_")]
+            assert bool(gathers) == (system != "zero3"), system  # ZeRO 1 all-gathers the updated partitions
+        assert workload.metadata["training_step"]["zero_stage"] == (3 if system == "zero3" else 1)
 
 
 @pytest.mark.parametrize("peak, start, answer", [
@@ -294,3 +368,30 @@ def test_memory_cap_search_finds_the_longest_fitting_length_in_few_probes(peak, 
         assert len(probes) <= 8, probes
     assert max(s for s, p in probes if p <= 10_000_000) == answer
     assert min(s for s, p in probes if p > 10_000_000) == answer + 256
+
+
+def test_headroom_at_the_published_length_and_the_summary_of_the_table():
+    from experiments.reproduce import headroom_at, max_seq_len_summary, ordering_agrees
+    from simulator.search import SearchResult, Trial
+
+    gib, mib = 2**30, 2**20
+    trials = tuple(Trial(seq_len=s, fits=True, peak_memory_bytes=10 * gib + mib * s, step_time_s=1.0)
+                   for s in (8192, 65536, 61440))
+    result = SearchResult(max_seq_len=65536, stopped="converged", trials=trials)
+    assert headroom_at(result, 45000, 80 * gib) == pytest.approx(70 * gib - 45000 * mib)
+    assert headroom_at(result, 100_000, 80 * gib) < 0
+
+    assert ordering_agrees({"a": 3, "b": 2, "c": 1}, {"a": 30, "b": 20, "c": 10}) == []
+    assert ordering_agrees({"a": 3, "b": 4, "c": 1}, {"a": 30, "b": 20, "c": 20}) == [("a", "b")]
+    assert ordering_agrees({"a": 3, "b": 3}, {"a": 30, "b": 30}) == []  # tied in the figure: not compared
+
+    def row(model, system, published, simulated, error, alternative=""):
+        return {"model": model, "system": system, "published_tokens": published, "simulated_nominal": simulated,
+                "error_pct": error, "alternative_error_pct": alternative}
+
+    rows = [row("m", "zero3", "10", "9", "-10", "-50"), row("m", "ulysses", "20", "40", "+100", "+10"),
+            row("m", "autosp", "30", "36", "+20", "-20"), row("m", "ulysses+ckpt", "", "50", "")]
+    summary = max_seq_len_summary(rows)
+    assert summary["compared"] == 3 and summary["median_abs_error_pct"] == 20
+    assert summary["within_disagreement"] == 2 and summary["alternative_median_abs_error_pct"] == 20
+    assert summary["ordering"] == {"m": "autosp vs ulysses"} and not summary["ordering_same_for_every_model"]
