@@ -45,7 +45,7 @@ def published_figures() -> list[dict[str, str]]:
 
 
 def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: dict[str, int], max_probes: int,
-                            ceiling: int, cache=None) -> tuple[dict, tuple[int, int]]:
+                            ceiling: int, layers: str = "full", cache=None) -> tuple[dict, tuple[int, int]]:
     """Longest simulated sequence of ``systems`` for one model up to ``ceiling`` tokens ({system:
     experiments.paper_scale.simulate.MaxLength}: the nominal length, the ledger's band and the alternative
     configuration's length, each with its stop reason), and (traced, reused) trace counts.  One task of the
@@ -64,18 +64,18 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
         start = ulysses.nominal.max_seq_len if system == "ring_attention" and ulysses else None
         found[system] = max_length(system, model, granularity=granularity[system], high=ceiling,
                                    start=start or 8192, max_probes=max_probes, cache=cache,
-                                   alternative=ALTERNATIVE_CONFIG)
+                                   alternative=ALTERNATIVE_CONFIG, layers=layers)
     return found, (cache.misses - before[0], cache.hits - before[1])
 
 
-def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], cache=None):
+def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], layers: str = "full", cache=None):
     """Simulated whole steps of ``systems`` for one model and length ({system: SimulatedStep}), and (traced,
     reused) trace counts.  One task of the throughput table."""
     from experiments.paper_scale.simulate import TraceCache, simulate_step
 
     cache = cache if cache is not None else TraceCache()
     before = (cache.misses, cache.hits)
-    steps = {system: simulate_step(system, model, seq_len, cache=cache) for system in systems}
+    steps = {system: simulate_step(system, model, seq_len, cache=cache, layers=layers) for system in systems}
     return steps, (cache.misses - before[0], cache.hits - before[1])
 
 
@@ -166,7 +166,8 @@ def table_max_seq_len(args) -> list[dict]:
     models = sorted({r["model"] for r in published})
     granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity
                    for s in SYSTEMS + UNPUBLISHED_SYSTEMS}
-    tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes, args.max_seq_len_ceiling))
+    tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes, args.max_seq_len_ceiling,
+                                        args.layers))
              for model in models for systems in TRACE_GROUPS]
     simulated: dict = {}
     for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
@@ -203,7 +204,9 @@ def table_max_seq_len(args) -> list[dict]:
             "headroom_at_published_gib": "" if headroom is None else f"{headroom / 2**30:.1f}",
             "note": "; ".join(filter(None, [
                 f"differs by more than {DISAGREEMENT:.0%}" if error is not None and abs(error) > DISAGREEMENT * 100
-                else "", *lower_bound])),
+                else "", *lower_bound,
+                "memory extrapolated from 1 and 2 layers (--quick): too low under checkpointing"
+                if args.layers == "extrapolated" and row["system"] in ("autosp", "ulysses+ckpt") else ""])),
         })
     rows = sorted(rows, key=lambda r: (r["model"], (SYSTEMS + UNPUBLISHED_SYSTEMS).index(r["system"])))
     args.summaries["max-seq-len"] = max_seq_len_summary(rows)
@@ -216,7 +219,7 @@ def table_throughput(args) -> list[dict]:
     lengths = sorted({int(r["seq_len"]) for r in published})
     published += [{"seq_len": str(length), "system": system, "value": ""} for length in lengths
                   for system in UNPUBLISHED_SYSTEMS]
-    tasks = [(simulate_steps_task, (args.iteration_model, seq_len, systems))
+    tasks = [(simulate_steps_task, (args.iteration_model, seq_len, systems, args.layers))
              for seq_len in lengths for systems in TRACE_GROUPS]
     sims = {}
     for (_, (_, seq_len, _)), steps in zip(tasks, _run_tasks(args, tasks, f"throughput (simulated "
@@ -440,10 +443,11 @@ def write_simulated_step(args, out: pathlib.Path) -> dict:
 PRESETS: dict[str, dict] = {
     "default": {"granularity": 1024, "zero3_granularity": 1024, "search_probes": 10, "cpu_ranks": (2, 4),
                 "cpu_seq_len": 1024, "cpu_steps": 8, "memory_cap_mib": 16.0, "cap_granularity": 128,
-                "cap_probes": 5},
+                "cap_probes": 5, "layers": "full"},
     # zero3 fits about 10K tokens: the quick preset's 8K-token steps would be too coarse for it
     "quick": {"granularity": 8192, "zero3_granularity": 2048, "search_probes": 6, "cpu_ranks": (2,),
-              "cpu_seq_len": 256, "cpu_steps": 3, "memory_cap_mib": 8.0, "cap_granularity": 256, "cap_probes": 2},
+              "cpu_seq_len": 256, "cpu_steps": 3, "memory_cap_mib": 8.0, "cap_granularity": 256, "cap_probes": 2,
+              "layers": "extrapolated"},
 }
 """Settings of the two presets (``--quick`` picks the second); every other setting is shared (`SHARED`)."""
 SHARED = {"max_seq_len_ceiling": 262144, "cap_ranks": (2,), "cap_start": 512, "cap_max_len": 32768,
@@ -455,6 +459,8 @@ PRESET_HELP = {
     "cpu_seq_len": "measured-cpu tokens", "cpu_steps": "measured-cpu timed steps",
     "memory_cap_mib": "memory-cap cap (MiB per rank)", "cap_granularity": "memory-cap search granularity (tokens)",
     "cap_probes": "memory-cap probes per system",
+    "layers": "paper-scale depth: traced in full, or extrapolated from 1 and 2 layers (underestimates memory "
+              "under checkpointing)",
 }
 
 DESCRIPTION = """\

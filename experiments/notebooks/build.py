@@ -112,13 +112,17 @@ NOTEBOOKS = {
         new_code_cell("# Parameters (coarse: a handful of simulated probes)\n"
                       'MODEL = "llama-3.2-3b"\nSYSTEM = "autosp"\nGRANULARITY = 16384\n'
                       "CEILING = 262144  # search ceiling (tokens): a fit at the ceiling is reported as ≥ CEILING\n"
+                      'LAYERS = "extrapolated"  # from 1 and 2 layers: fast, memory too low under checkpointing; '
+                      "\"full\": exact (Note [Layer extrapolation])\n"
                       'RESULTS = "results"  # a folder written by python -m experiments.reproduce, if there is one'),
         new_code_cell(SETUP),
         new_code_cell(
             "from experiments.paper_scale.config import ALTERNATIVE_CONFIG\n"
             "from experiments.paper_scale.simulate import max_length\n"
             "from experiments.reproduce import published_figures\n\n"
-            "found = max_length(SYSTEM, MODEL, granularity=GRANULARITY, high=CEILING, alternative=ALTERNATIVE_CONFIG)\n"
+            "found = max_length(SYSTEM, MODEL, granularity=GRANULARITY, high=CEILING, alternative=ALTERNATIVE_CONFIG,\n"
+            "                   layers=LAYERS)\n"
+            'print(f"paper-scale depth: {LAYERS}")\n'
             'published = {r["system"]: float(r["value"]) for r in published_figures()\n'
             '             if r["figure"] == "max_seq_len" and r["model"] == MODEL}\n'
             'print(f"{SYSTEM} {MODEL}: {found.nominal.display()} tokens (search {found.nominal.stopped}), "\n'

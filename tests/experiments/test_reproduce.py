@@ -298,23 +298,23 @@ def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces()
 
     assert model.hidden_size == 3072 and model.num_layers == 28
     cache = TraceCache()
-    ulysses = simulate_step("ulysses", "llama-3.2-3b", 4096, cache=cache)
+    ulysses = simulate_step("ulysses", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert ulysses.sp_size == 8 and ulysses.fits
     assert ulysses.step_time_s > 0 and ulysses.peak_memory_bytes > ulysses.static_memory_bytes
     assert ulysses.static == ledger_static(1)  # ZeRO 1: DeepSpeedZeroOptimizer's buffers
-    ring = simulate_step("ring_attention", "llama-3.2-3b", 4096, cache=cache)
+    ring = simulate_step("ring_attention", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert (cache.misses, cache.hits) == (2, 2)  # ring attention is a rewrite of the same two traces
     assert ring.static == ulysses.static and ring.step_time_s > 0  # the same engine settings, the same ledger
     assert ring.peak_memory_bytes >= ulysses.peak_memory_bytes  # plus its receive buffers
-    zero3 = simulate_step("zero3", "llama-3.2-3b", 4096, cache=cache)
+    zero3 = simulate_step("zero3", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert zero3.sp_size == 1 and zero3.static == ledger_static(3)
     assert zero3.static_memory_bytes < ulysses.static_memory_bytes  # every state sharded
     assert zero3.step_time_s > ulysses.step_time_s  # each rank computes the whole sequence
-    ckpt = simulate_step("ulysses+ckpt", "llama-3.2-3b", 4096, cache=cache)
+    ckpt = simulate_step("ulysses+ckpt", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert ckpt.static == ulysses.static
     assert ckpt.peak_memory_bytes < ulysses.peak_memory_bytes  # per-layer recomputation keeps less
     assert ckpt.step_time_s > ulysses.step_time_s  # ... and recomputes the forward in backward
-    autosp = simulate_step("autosp", "llama-3.2-3b", 4096, cache=cache)
+    autosp = simulate_step("autosp", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert autosp.static == ulysses.static
     assert set(SYSTEMS) == {"autosp", "zero3", "ring_attention", "ulysses", "ulysses+ckpt"}
     with pytest.raises(ValueError, match="ulysses"):
