@@ -148,7 +148,7 @@ def check(model_name: str = "llama-3.1-8b", seq_len: int = 8192, cluster_name: s
     fused = Cluster.from_preset(preset)
     eager = Cluster.from_preset(dataclasses.replace(preset, device=dataclasses.replace(preset.device,
                                                                                          fuses_pointwise=False)))
-    traced = {layers: trace_workload(model, seq_len, layers, sp_size=1, zero_shards=1, cache=cache).workload
+    traced = {layers: trace_workload(model, seq_len, layers, sp_size=1, cache=cache).workload
               for layers in (1, 2)}
     full = model.num_layers
 
