@@ -222,7 +222,7 @@ def table_throughput(args) -> list[dict]:
     tasks = [(simulate_steps_task, (args.iteration_model, seq_len, systems, args.layers))
              for seq_len in lengths for systems in TRACE_GROUPS]
     sims = {}
-    for (_, (_, seq_len, _)), steps in zip(tasks, _run_tasks(args, tasks, f"throughput (simulated "
+    for (_, (_, seq_len, *_)), steps in zip(tasks, _run_tasks(args, tasks, f"throughput (simulated "
                                                                           f"{args.iteration_model})"), strict=True):
         sims.update({(system, seq_len): step for system, step in steps.items()})
     for row in published:
