@@ -22,8 +22,9 @@ bisection needs ``log2`` of the grid size.
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,29 +123,62 @@ def _secant_guess(points: list[tuple[int, int, bool]], headroom: int, lo: int, h
     return 2 * s1 if not fails else s0 / 2
 
 
+class _Grid:
+    """The lengths a search may probe, indexed by integers: multiples of a granularity, or an explicit list."""
+
+    def __init__(self, low: int, high: int, granularity: int, lengths: Sequence[int] | None) -> None:
+        if lengths is None:
+            if granularity < 1:
+                raise ValueError(f"granularity must be a positive integer, got {granularity}")
+            self._lengths = None
+            self.granularity = granularity
+            self.lo, self.hi = -(-low // granularity), high // granularity
+            if low < 1 or self.lo > self.hi:
+                raise ValueError(f"no multiple of {granularity} lies in [{low}, {high}]; widen the range or lower "
+                                 "the granularity")
+            return
+        self._lengths = sorted({int(n) for n in lengths if low <= n <= high})
+        if not self._lengths or self._lengths[0] < 1:
+            raise ValueError(f"no positive length of {sorted(lengths)} lies in [{low}, {high}]; widen the range")
+        self.lo, self.hi = 0, len(self._lengths) - 1
+
+    def length(self, k: int) -> int:
+        return k * self.granularity if self._lengths is None else self._lengths[k]
+
+    def at_or_below(self, length: float) -> int:
+        """Index of the longest grid length <= ``length`` (``lo - 1`` when none)."""
+        if self._lengths is None:
+            return int(length // self.granularity)
+        return bisect.bisect_right(self._lengths, length) - 1
+
+    def at_or_above(self, length: float) -> int:
+        """Index of the shortest grid length >= ``length`` (``hi + 1`` when none)."""
+        if self._lengths is None:
+            return -int(-length // self.granularity)
+        return bisect.bisect_left(self._lengths, length)
+
+
 def search_max_length(probe: Callable[[int], Probe | tuple], *, low: int, high: int, granularity: int = 1024,
                       capacity_bytes: int | None = None, start: int | None = None,
-                      max_probes: int | None = None) -> SearchResult:
+                      max_probes: int | None = None, lengths: Sequence[int] | None = None) -> SearchResult:
     """Longest multiple of ``granularity`` in ``[low, high]`` whose ``probe`` fits, and why the search stopped.
 
     Without ``capacity_bytes``: bisection (``low``, then ``high``, then midpoints; about ``log2`` of the grid
     size + 2 probes). With it: the secant search of Note [Secant search] from ``start`` (default ``low``) on the
     probes' peak memory above their static memory. ``max_probes`` caps the number of probes (``stopped ==
-    "probe_budget"`` when it bites).
+    "probe_budget"`` when it bites). ``lengths`` replaces the multiples of ``granularity`` by an explicit set of
+    lengths (e.g. the lengths of exported workloads): the answer is then the longest of them that fits, and
+    ``converged`` means the next one of them does not.
     """
-    if granularity < 1:
-        raise ValueError(f"granularity must be a positive integer, got {granularity}")
-    lo_k, hi_k = -(-low // granularity), high // granularity
-    if low < 1 or lo_k > hi_k:
-        raise ValueError(f"no multiple of {granularity} lies in [{low}, {high}]; widen the range or lower the "
-                         "granularity")
+    grid = _Grid(low, high, granularity, lengths)
+    lo_k, hi_k = grid.lo, grid.hi
     if max_probes is not None and max_probes < 1:
         raise ValueError("max_probes must be at least 1")
     trials: list[Trial] = []
     probes: dict[int, Probe] = {}
 
     def run(k: int) -> Probe:
-        seq_len = k * granularity
+        seq_len = grid.length(k)
         got = probes[k] = _as_probe(probe(seq_len))
         trials.append(Trial(seq_len=seq_len, fits=got.fits, peak_memory_bytes=got.peak_memory_bytes,
                             step_time_s=got.step_time_s))
@@ -158,16 +192,16 @@ def search_max_length(probe: Callable[[int], Probe | tuple], *, low: int, high: 
         for k, p in probes.items():
             if best is not None and not p.fits and k < best:
                 logger.warning("seq_len %d does not fit although the longer %d does: memory is not monotonic in "
-                               "the sequence length", k * granularity, best * granularity)
+                               "the sequence length", grid.length(k), grid.length(best))
         if best is None:
             return SearchResult(max_seq_len=None, stopped="none_fit" if stopped != "probe_budget" else stopped,
                                 trials=tuple(trials))
-        return SearchResult(max_seq_len=best * granularity, stopped=stopped, trials=tuple(trials),
+        return SearchResult(max_seq_len=grid.length(best), stopped=stopped, trials=tuple(trials),
                             result=probes[best].result, step_time_s=probes[best].step_time_s)
 
     budget = max_probes if max_probes is not None else 10**9
     good, bad = lo_k - 1, hi_k + 1  # invariant: good fits (or is below the grid), bad does not (or is above it)
-    k = lo_k if capacity_bytes is None else min(max(-(-(start or low) // granularity), lo_k), hi_k)
+    k = lo_k if capacity_bytes is None else min(max(grid.at_or_above(start or low), lo_k), hi_k)
     while True:
         if len(trials) >= budget:
             return done("probe_budget")
@@ -188,9 +222,13 @@ def search_max_length(probe: Callable[[int], Probe | tuple], *, low: int, high: 
         if capacity_bytes is None:
             k = hi_k if len(trials) == 1 else (good + bad) // 2
             continue
-        points = [(kk * granularity, p.peak_memory_bytes - p.static_memory_bytes, p.fits) for kk, p in probes.items()]
-        guess = _secant_guess(points, headroom, good * granularity, bad * granularity)
-        k = min(max(int(guess // granularity), good + 1, lo_k), bad - 1, hi_k)
+        points = [(grid.length(kk), p.peak_memory_bytes - p.static_memory_bytes, p.fits)
+                  for kk, p in probes.items()]
+        # The bracket's ends as lengths; an end outside the grid (nothing probed there yet) is never read.
+        lo_len = grid.length(good) if good >= lo_k else 0
+        hi_len = grid.length(bad) if bad <= hi_k else 0
+        guess = _secant_guess(points, headroom, lo_len, hi_len)
+        k = min(max(grid.at_or_below(guess), good + 1, lo_k), bad - 1, hi_k)
 
 
 def max_sequence_length(make_workload: Callable, cluster: Any, *, low: int, high: int, granularity: int = 1024,

@@ -62,10 +62,11 @@ def static_memory_bytes(model, system: str, which: str = "nominal", config: Pape
 def peak_memory_bytes(model, system: str, activation_bytes: int, which: str = "nominal",
                       config: PaperConfig = PAPER_CONFIG) -> int:
     """Per-rank peak: the ledger inside backward with ``activation_bytes`` of simulated activations (the
-    workload's peak above static memory), which also adds their allocator rounding and fragmentation band."""
-    from simulator.ledger import summarize
+    workload's peak above static memory), which also adds their allocator rounding and fragmentation band
+    (`simulator.max_length.ledger_peak`)."""
+    from simulator.max_length import ledger_peak
 
-    return int(getattr(summarize(ledger_lines(model, system, activation_bytes, config)), which))
+    return ledger_peak(training_config(model, system, config), activation_bytes, which)
 
 
 def ledger_lines(model, system: str, activation_bytes: int = 0, config: PaperConfig = PAPER_CONFIG):

@@ -7,51 +7,9 @@ the traced forward and backward, then DeepSpeed's gradient reduction and optimiz
 (`simulator.training_step.add_training_step`, Note [The whole step at paper scale]); its peak memory is the
 simulated activations plus the memory ledger of the paper's configuration (`experiments.paper_scale.config`),
 with the ledger's low/high band.  `max_length` finds the longest sequence with `simulator.search.search_max_length`
-and the band's ends from the same simulated steps (Note [Max-length band from one set of traces]).
-
-Note [Layer extrapolation]
-~~~~~~~~~~~~~~~~~~~~~~~~~~
-``layers="full"`` (the default, what the full reproduction runs) traces the model at
-its full depth: exact, about 30 s per step at 64K tokens here.  ``layers="extrapolated"``
-(the ``--quick`` preset) is cheaper and *underestimates* peak memory where
-activation checkpointing plans depend on the depth: SAC's recompute budget is a
-fraction of the whole graph's compute, so at one or two layers (loss and LM head
-dominant) it saves a different share of each layer than at 32; measured on
-Llama-3.1-8B, 8 ranks, 32 layers: 6.63 vs 16.96 GiB at 32K tokens (SAC), 14.40
-vs 16.16 GiB at 64K (full checkpointing), exact without checkpointing.
-Extrapolated, the step is traced with one and with two layers
-(real passes, fake tensors, fake group of 8) and both workloads are simulated -
-each with the training step of its own (one- or two-layer) parameter set;
-step time and activation memory are extrapolated linearly in the layer count:
-x(L) = x(1) + (L - 1)·(x(2) - x(1)).  The optimizer pass and the gradient
-reductions are linear in the parameter count, hence in L, up to bucket
-boundaries.  Static memory (the ledger) comes from the full model's parameters.
-The linear model is checked in the tests against a direct four-layer trace at a
-short length, training step included (where it holds).
-
-Note [The whole step at paper scale]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Every system's exported workload ends with the backward pass; `add_training_step` appends what DeepSpeed does
-next under the system's ZeRO stage (`config.training_config`): for the sequence-parallel systems (ZeRO 1:
-``DeepSpeedZeroOptimizer``) bucketed gradient reduce-scatters issued as each module's gradients are produced
-(`autosp.export.module_parameters`: module granularity, so a bucket closes at a module boundary), the optimizer
-pass over the rank's fp32 partition and the all-gather of the updated bf16 partitions, on a ``dp`` group of all 8
-ranks (ZeRO partitions over the sequence-data-parallel group).  Each traced gradient tensor is freed by the op
-that produces it: DeepSpeed's hook copies it into the ipg bucket at once, and the bucket and the gradient
-partition are ledger lines (counting the traced tensors too would count the gradients twice).  The ZeRO-3 rewrite already reduce-scatters each
-module's gradients as they are produced (Note [ZeRO-3 as a rewrite of the single-device trace]), so for
-``zero3`` only the optimizer pass is added (no gradient is passed: nothing is reduced twice; stage 3 gathers
-parameters in the next forward, not after the step).  The added ops take time only; their buffers are in the
-ledger.
-
-Note [Max-length band from one set of traces]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The ledger's low and high ends change only memory that does not depend on the length, and fragmentation in
-proportion to the activations; the simulated step at a length is the same for every end.  So `max_length`
-memoises each length's simulated step and runs the search three times (nominal, low, high; and once more for
-an alternative configuration when asked), each over the same memo: the nominal search pays for its traces, the
-others start at the nominal answer and pay only for the few lengths the nominal search did not probe (each
-probe is a pair of traces, cached in a `TraceCache`).
+and the band's ends from the same simulated steps (The band of the longest length and the alternative configuration come from one set of simulated steps
+(Note [Max-length band from one set of steps] in simulator/max_length.py); each step's traces are cached in a
+`TraceCache`.
 """
 
 from __future__ import annotations
@@ -60,7 +18,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from autosp.export import ModuleParameters, export_workload, module_parameters, trace_fake_step
 from experiments.models import PAPER_MODELS, PaperModel
@@ -68,28 +26,26 @@ from experiments.paper_scale.baselines import SYSTEMS, sp_size_of, system_option
 from experiments.paper_scale.config import PAPER_CONFIG, PaperConfig, peak_memory_bytes, training_config
 from experiments.paper_scale.workload_rewrites import ring_attention_workload, zero3_workload
 from simulator import Cluster, simulate
-from simulator.search import Probe, SearchResult, search_max_length
+from simulator.max_length import BANDS, ModelStep, extrapolate_depth
+from simulator.max_length import MaxLength as BandedMaxLength
+from simulator.max_length import max_length as search_with_band
 from simulator.training_step import GradientReady, add_training_step, gradients_from_modules
 from simulator.workload import RankProgram, Workload
 
 log = logging.getLogger(__name__)
 
 PAPER_CLUSTER = "a100-80gb-sxm"
-BANDS = ("low", "nominal", "high")
 
 
-@dataclass(frozen=True)
-class SimulatedStep:
-    """One full-model training step of ``system``, layer-extrapolated (Note [Layer extrapolation])."""
+@dataclass(frozen=True, kw_only=True)
+class SimulatedStep(ModelStep):
+    """One full-model training step of ``system`` (traced at full depth or extrapolated, Note [Layer
+    extrapolation]) with the ledger's memory: what `simulator.max_length.max_length` searches over."""
 
     model: str
     system: str
-    seq_len: int
     sp_size: int
     """Ranks one sequence is split over (8 for the SP systems, 1 for ZeRO-3: each rank its own sequence)."""
-    step_time_s: float
-    dynamic_memory_bytes: int
-    """Simulated peak above static memory (activations and transients of the busiest rank)."""
     static: tuple[int, int, int]
     """The ledger's (low, nominal, high) static memory inside backward."""
     peak: tuple[int, int, int]
@@ -228,15 +184,13 @@ def extrapolate_layers(system: str, model_name: str, seq_len: int, per_layers: C
     """The full model's step from ``per_layers(L)`` = (step time, dynamic memory) of L = ``depths`` layers (see
     Note [Layer extrapolation]; equal depths: the full model traced directly) and the full model's ledger."""
     model = PAPER_MODELS[model_name]
-    (t1, m1), (t2, m2) = per_layers(depths[0]), per_layers(depths[1])
-    slope = (lambda a, b: 0.0) if depths[0] == depths[1] else (lambda a, b: (b - a) / (depths[1] - depths[0]))
-    extra = model.num_layers - depths[0]
-    dynamic = int(m1 + extra * slope(m1, m2))
+    step_time_s, dynamic = extrapolate_depth(per_layers, model.num_layers, depths)
     static = tuple(peak_memory_bytes(model, system, 0, which, config) for which in BANDS)
     peak = tuple(peak_memory_bytes(model, system, dynamic, which, config) for which in BANDS)
     return SimulatedStep(model=model_name, system=system, seq_len=seq_len, sp_size=sp_size,
-                         step_time_s=t1 + extra * slope(t1, t2), dynamic_memory_bytes=dynamic,
-                         static=static, peak=peak, capacity_bytes=int(cluster.device.memory_bytes))
+                         step_time_s=step_time_s, dynamic_memory_bytes=dynamic, static=static, peak=peak,
+                         capacity_bytes=int(cluster.device.memory_bytes),
+                         extrapolated_from=None if depths[0] == depths[1] else depths)
 
 
 LAYER_MODES = ("full", "extrapolated")
@@ -264,24 +218,12 @@ def simulate_step(system: str, model_name: str, seq_len: int, *, ranks: int = 8,
                               cluster=cluster, config=config, depths=depths)
 
 
-@dataclass(frozen=True)
-class MaxLength:
+@dataclass(frozen=True, kw_only=True)
+class MaxLength(BandedMaxLength):
     """Longest trainable sequence of one model and system, with the ledger's band (see `max_length`)."""
 
     model: str
     system: str
-    nominal: SearchResult
-    low_memory: SearchResult
-    """With the ledger's low static memory (the longer end of the band)."""
-    high_memory: SearchResult
-    """With the ledger's high static memory (the shorter end)."""
-    alternative: SearchResult | None = None
-    """Nominal, under the alternative configuration passed to `max_length` (not the stated one)."""
-
-    @property
-    def band(self) -> tuple[int | None, int | None]:
-        """(shortest, longest) length of the band."""
-        return self.high_memory.max_seq_len, self.low_memory.max_seq_len
 
 
 def max_length(system: str, model_name: str, *, granularity: int = 1024, low: int | None = None,
@@ -290,41 +232,21 @@ def max_length(system: str, model_name: str, *, granularity: int = 1024, low: in
                alternative: PaperConfig | None = None, autosp_options: dict | None = None,
                layers: str = "full") -> MaxLength:
     """Longest multiple of ``granularity`` tokens in ``[low, high]`` whose simulated whole step fits in device
-    memory, by `simulator.search.search_max_length` (secant search on peak memory above static memory, from
-    ``start``), and the lengths at the ledger's low and high ends (Note [Max-length band from one set of
-    traces]).  Each result's ``stopped`` says whether it converged, stopped at the ceiling ``high`` or on the
-    probe budget ``max_probes``, or found nothing that fits."""
+    memory, and the lengths at the ledger's low and high ends, by `simulator.max_length.max_length` (a secant
+    search on peak memory above static memory, from ``start``).  Each result's ``stopped`` says whether it
+    converged, stopped at the ceiling ``high`` or on the probe budget ``max_probes``, or found nothing that
+    fits."""
     cluster = cluster or Cluster.from_preset(PAPER_CLUSTER)
     model = PAPER_MODELS[model_name]
-    capacity = int(cluster.device.memory_bytes)
-    steps: dict[int, SimulatedStep] = {}
 
     def step(length: int) -> SimulatedStep:
-        if length not in steps:
-            steps[length] = simulate_step(system, model_name, length, ranks=ranks, cluster=cluster, cache=cache,
-                                          config=config, autosp_options=autosp_options, layers=layers)
-        return steps[length]
+        return simulate_step(system, model_name, length, ranks=ranks, cluster=cluster, cache=cache, config=config,
+                             autosp_options=autosp_options, layers=layers)
 
-    def probe_for(which: str, cfg: PaperConfig) -> Callable[[int], Probe]:
-        static = peak_memory_bytes(model, system, 0, which, cfg)
-
-        def probe(length: int) -> Probe:
-            s = step(length)
-            peak = peak_memory_bytes(model, system, s.dynamic_memory_bytes, which, cfg)
-            return Probe(fits=peak <= capacity, peak_memory_bytes=peak, step_time_s=s.step_time_s,
-                         static_memory_bytes=static, result=s)
-
-        return probe
-
-    def search(which: str, cfg: PaperConfig, first: int) -> SearchResult:
-        return search_max_length(probe_for(which, cfg), low=low or granularity, high=high, granularity=granularity,
-                                 capacity_bytes=capacity, start=first, max_probes=max_probes)
-
-    nominal = search("nominal", config, start)
-    again = nominal.max_seq_len or start
-    found = MaxLength(model=model_name, system=system, nominal=nominal, low_memory=search("low", config, again),
-                      high_memory=search("high", config, again),
-                      alternative=None if alternative is None else search("nominal", alternative, again))
-    log.info("%s %s: %s tokens (%s), band %s-%s, %d lengths simulated", system, model_name, nominal.display(),
-             nominal.stopped, found.high_memory.display(), found.low_memory.display(), len(steps))
-    return found
+    found = search_with_band(step, training_config(model, system, config),
+                             capacity_bytes=int(cluster.device.memory_bytes), low=low or granularity, high=high,
+                             granularity=granularity, start=start, max_probes=max_probes,
+                             alternative=None if alternative is None else training_config(model, system, alternative))
+    log.info("%s %s: %s tokens (%s), band %s-%s, %d lengths simulated", system, model_name, found.nominal.display(),
+             found.nominal.stopped, found.high_memory.display(), found.low_memory.display(), len(found.steps))
+    return MaxLength(model=model_name, system=system, **{f.name: getattr(found, f.name) for f in fields(found)})
