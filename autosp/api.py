@@ -26,7 +26,7 @@ from autosp.diagnostics import graph_break_error
 from autosp.errors import AutoSPError
 from autosp.groups import SequenceParallelGroups, build_groups
 from autosp.guards import sliding_window_layers
-from autosp.inputs import PREPARED_KEY, shard_batch, shard_layout
+from autosp.inputs import PREPARED_KEY, positions_are_plain, shard_batch, shard_layout
 from autosp.pipeline import SEQUENCE_PARALLEL_PASSES
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,7 @@ class SequenceParallelModel(nn.Module):
         cfg = self.config
         layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                               pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket)
-        positions = kwargs.get("position_ids")
-        if self.report.requires_plain_positions and not torch.equal(
-                positions, torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)):
+        if self.report.requires_plain_positions and not positions_are_plain(kwargs.get("position_ids")):
             raise AutoSPError(
                 "this model was compiled with Inductor for one unpacked sequence per row, and this batch packs "
                 "documents (position ids restart): compile with compiler='aot_eager' to train on packed batches")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autosp.errors import AutoSPError
 
@@ -154,11 +155,24 @@ def shard_layout(seq_len: int, *, sp_size: int, sp_rank: int, pad_to_multiple: b
     return ShardLayout(seq_len=seq_len, padded_seq_len=padded, local_seq_len=local, start=sp_rank * local)
 
 
-def _pad_end(t: torch.Tensor, tokens: int, value: int | None) -> torch.Tensor:
+def pad_end(t: torch.Tensor, tokens: int, value: int | None) -> torch.Tensor:
+    """``t`` ([batch, sequence]) with ``tokens`` more tokens of ``value`` at the end; None repeats the last token.
+
+    Public because the attention-mask pass rebuilds the whole padded sequence (to check a
+    mask against the rule over it), and must pad exactly as the ranks' shards are padded."""
     if tokens == 0:
         return t
     fill = t[:, -1:].expand(-1, tokens) if value is None else torch.full_like(t[:, :1], value).expand(-1, tokens)
     return torch.cat([t, fill], dim=SEQ_DIM)
+
+
+def shard_tokens(t: torch.Tensor, layout: ShardLayout, value: int | None) -> torch.Tensor:
+    """This rank's tokens of the full-sequence ``t``: padded to the layout's length with ``value`` (see `pad_end`),
+    then cut to the rank's window.
+
+    The one place a rank's window is taken, so that `shard_batch` and the attention-mask
+    pass's check of the real batch see the same tokens."""
+    return pad_end(t, layout.pad_tokens, value)[:, layout.start:layout.start + layout.local_seq_len]
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -169,13 +183,24 @@ def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 def shard_batch(kwargs: dict, layout: ShardLayout, *, ignore_index: int, pad_token_id: int) -> dict:
     """This rank's slice of a prepared batch.  ``labels`` come out already shifted over the full sequence."""
     local = dict(kwargs)
-    window = slice(layout.start, layout.start + layout.local_seq_len)
-    local["input_ids"] = _pad_end(kwargs["input_ids"], layout.pad_tokens, pad_token_id)[:, window]
+    local["input_ids"] = shard_tokens(kwargs["input_ids"], layout, pad_token_id)
     # Padding tokens reuse the last position: any valid position is exact since their outputs are ignored.
-    local["position_ids"] = _pad_end(kwargs["position_ids"], layout.pad_tokens, None)[:, window]
+    local["position_ids"] = shard_tokens(kwargs["position_ids"], layout, None)
     if kwargs.get("attention_mask") is not None:  # tokens padded to the layout are padding: 0
-        local["attention_mask"] = _pad_end(kwargs["attention_mask"], layout.pad_tokens, 0)[:, window]
+        local["attention_mask"] = shard_tokens(kwargs["attention_mask"], layout, 0)
     if kwargs.get("labels") is not None:
         shifted = shift_labels(kwargs["labels"], ignore_index)
-        local["labels"] = _pad_end(shifted, layout.pad_tokens, ignore_index)[:, window].contiguous()
+        local["labels"] = shard_tokens(shifted, layout, ignore_index).contiguous()
     return local
+
+
+def positions_are_plain(position_ids) -> bool:
+    """Whether ``position_ids`` are 0..S-1 in every row (one unpacked sequence per row).
+
+    False where the values are not known, so a program that relies on plain positions is
+    never built or run on a guess: no position ids, something that is not a tensor, or a
+    FakeTensor (a shape-only trace)."""
+    if not isinstance(position_ids, torch.Tensor) or isinstance(position_ids, FakeTensor):
+        return False
+    plain = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    return torch.equal(position_ids, plain.expand_as(position_ids))

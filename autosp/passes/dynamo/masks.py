@@ -50,6 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from autosp.context import TraceContext
 from autosp.document_attention import document_attention, document_ids, kept_fraction
 from autosp.errors import AutoSPError
+from autosp.inputs import pad_end, positions_are_plain, shard_tokens
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
 from autosp.passes.dynamo.rules import higher_order_body
 from autosp.passes.dynamo.tag_inputs import ROLE
@@ -265,14 +266,15 @@ class _MaskLearner:
             return  # a shape-only trace: no values to check against
         positions, padding = full.get("position_ids"), full.get("attention_mask")
         batch, seq_len = positions.shape
-        padded_positions = _pad_end(positions, layout.pad_tokens, None)
-        padded_mask = None if padding is None else _pad_end(padding, layout.pad_tokens, 0)
+        padded_positions = pad_end(positions, layout.pad_tokens, None)
+        padded_mask = None if padding is None else pad_end(padding, layout.pad_tokens, 0)
         documents = document_ids(padded_positions, padded_mask, by_position=rule.by_position,
                                  padding=rule.padding and padded_mask is not None)
-        window = slice(layout.start, layout.start + layout.local_seq_len)
-        local = {"position_ids": padded_positions[:, window],
-                 "attention_mask": (torch.ones_like(padded_positions) if padded_mask is None
-                                    else padded_mask)[:, window]}
+        # This rank's block, cut as shard_batch cuts the inputs the traced call was given.
+        local_positions = shard_tokens(positions, layout, None)
+        local = {"position_ids": local_positions,
+                 "attention_mask": (torch.ones_like(local_positions) if padding is None
+                                    else shard_tokens(padding, layout, 0))}
         kept = kept_fraction(documents, rule.window)
         self.kept[rule] = kept
         got = evaluate(local)
@@ -280,12 +282,6 @@ class _MaskLearner:
         if not torch.equal(got.expand_as(expected), expected):
             raise AutoSPError(f"module {where} attends with a mask that, on this batch, differs from the rule "
                               f"learnt from probes ({rule}); {_FIX}")
-
-
-def _pad_end(t: torch.Tensor, tokens: int, value: int | None) -> torch.Tensor:
-    from autosp.inputs import _pad_end as pad_end
-
-    return pad_end(t, tokens, value)
 
 
 _FIX = ("AutoSP applies causal attention within documents, padding masks and sliding windows over the whole "
@@ -383,9 +379,7 @@ def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str) -
     """Under Inductor (whose flex_attention lowering does not compile `document_attention` yet): a rule that only
     separates documents by position is the causal mask while the positions are 0..S-1 in every row, which the
     compiled model then checks on every call; anything else is refused."""
-    positions = ctx.full_inputs.get("position_ids")
-    plain = isinstance(positions, torch.Tensor) and not isinstance(positions, FakeTensor) and torch.equal(
-        positions, torch.arange(positions.shape[-1]).expand_as(positions))
+    plain = positions_are_plain(ctx.full_inputs.get("position_ids"))
     if rule.by_position and not rule.padding and rule.window is None and plain:
         ctx.report.requires_plain_positions = True
         return MaskRule(by_position=False, padding=False, window=None)
