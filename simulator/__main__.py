@@ -17,6 +17,8 @@ from simulator.engine import simulate
 from simulator.hardware import get_preset, preset_names
 from simulator.workload import Workload, WorkloadError
 
+log = logging.getLogger("simulator")
+
 EPILOG = """\
 outputs (in --out):
   result.json    step time, per-stream busy time, exposed communication, overlap, peak memory, OOM per rank
@@ -28,8 +30,14 @@ outputs (in --out):
                  time and the longest sequence move with each efficiency and latency constant
                  (simulator.gpu_constants), each re-simulated at the low and high end of its band
 
+with --max-length DIR (instead of a workload): the longest trainable sequence of every model and system whose
+whole steps were exported into DIR (python -m experiments.paper_scale.export_steps), each step's static memory
+from the memory ledger of the training configuration it was exported with, with the ledger's low-high band;
+printed as a table, written to --out/max_length.json when --out is given.
+
 example:
   python -m simulator workload.json --cluster a100-80gb-sxm --nodes 2 --out runs/a100x16
+  python -m simulator --max-length steps/ --cluster a100-80gb-sxm
   python -m simulator workload.json --out runs/s --sensitivity --params 8.03e9 --zero-stage 1 --dp 8
 """
 
@@ -55,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-collapse", action="store_true", help="simulate every rank even when symmetric")
     parser.add_argument("--include-ops", action="store_true", help="add every simulated op's times to result.json")
     parser.add_argument("--list-clusters", action="store_true", help="list hardware presets and exit")
+    parser.add_argument("--max-length", type=Path, default=None, metavar="DIR",
+                        help="longest trainable sequence from the whole-step workloads exported into DIR (below)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sens = parser.add_argument_group("sensitivity (static memory from the DeepSpeed ledger, simulator.ledger)")
     sens.add_argument("--sensitivity", action="store_true",
@@ -82,12 +92,7 @@ def _list_clusters() -> None:
               f"{' (calibrated)' if preset.calibrated else ''}")
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.workload is None or args.out is None:
-        raise ValueError("give a workload JSON and --out DIR (or --list-clusters); see --help")
-    if not args.workload.is_file():
-        raise ValueError(f"workload file {args.workload} does not exist; pass the path of a Workload.to_json file")
-    workload = Workload.from_json(args.workload)
+def _cluster_for(args: argparse.Namespace, world_size: int) -> Cluster:
     preset = get_preset(args.cluster)
     if args.memory_gib is not None:
         if args.memory_gib <= 0:
@@ -95,8 +100,54 @@ def _run(args: argparse.Namespace) -> int:
         preset = dataclasses.replace(preset, device=dataclasses.replace(
             preset.device, memory_bytes=int(args.memory_gib * 2**30)))
     per_node = args.devices_per_node or preset.devices_per_node
-    nodes = args.nodes if args.nodes is not None else max(1, -(-workload.world_size // per_node))
-    cluster = Cluster.from_preset(preset, nodes=nodes, devices_per_node=per_node, network=args.network)
+    nodes = args.nodes if args.nodes is not None else max(1, -(-world_size // per_node))
+    return Cluster.from_preset(preset, nodes=nodes, devices_per_node=per_node, network=args.network)
+
+
+def _max_length(args: argparse.Namespace) -> int:
+    import json
+
+    from simulator.max_length import format_table, max_length_table, steps_from_workloads
+
+    if not args.max_length.is_dir():
+        raise ValueError(f"--max-length {args.max_length}: not a directory of exported workload JSON files")
+    paths = sorted(args.max_length.glob("*.json"))
+    if not paths:
+        raise ValueError(f"{args.max_length} holds no *.json workloads; export some with "
+                         "python -m experiments.paper_scale.export_steps")
+    groups = steps_from_workloads(paths)
+
+    def simulate_dynamic(path: Path) -> tuple[float, int]:
+        workload = Workload.from_json(path)
+        cluster = _cluster_for(args, workload.world_size)
+        result = simulate(workload, cluster, collapse_symmetric=not args.no_collapse)
+        return result.step_time_s, max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+
+    capacity = int(_cluster_for(args, 1).device.memory_bytes)
+    rows = max_length_table(groups, simulate_dynamic, capacity_bytes=capacity, progress=log.info)
+    print(format_table(rows, capacity))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        doc = [{"model": r.model, "system": r.system, "capacity_bytes": capacity,
+                "static_memory_bytes": r.static_memory_bytes, "nominal": r.found.nominal.to_dict(),
+                "low_memory": r.found.low_memory.to_dict(), "high_memory": r.found.high_memory.to_dict(),
+                "next_length": r.next_length, "interpolated_crossing": r.crossing(capacity),
+                "depth_extrapolated": r.extrapolated} for r in rows]
+        (args.out / "max_length.json").write_text(json.dumps(doc, indent=1, default=str))
+        print(f"wrote {args.out / 'max_length.json'}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.max_length is not None:
+        return _max_length(args)
+    if args.workload is None or args.out is None:
+        raise ValueError("give a workload JSON and --out DIR (or --list-clusters); see --help")
+    if not args.workload.is_file():
+        raise ValueError(f"workload file {args.workload} does not exist; pass the path of a Workload.to_json file")
+    workload = Workload.from_json(args.workload)
+    cluster = _cluster_for(args, workload.world_size)
+    preset, nodes = cluster.preset, cluster.nodes
     result = simulate(workload, cluster, collapse_symmetric=not args.no_collapse)
     args.out.mkdir(parents=True, exist_ok=True)
     result.to_json(args.out / "result.json", include_ops=args.include_ops)

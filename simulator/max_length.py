@@ -275,7 +275,7 @@ def format_table(rows: Sequence[TableRow], capacity_bytes: int) -> str:
     out = [head, "-" * len(head)]
     for row in rows:
         nominal = row.found.nominal
-        band = f"{row.found.high_memory.display()}-{row.found.low_memory.display()}"
+        band = f"{row.found.high_memory.display()} – {row.found.low_memory.display()}"
         step = "-" if nominal.step_time_s is None else f"{nominal.step_time_s:.2f}"
         crossing = row.crossing(capacity_bytes)
         notes = []

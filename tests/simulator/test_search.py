@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from simulator import ProgramBuilder, StaticMemory, Workload, max_sequence_length
+from simulator.search import Probe
 from tests.simulator.toys import GFLOP, toy_cluster
 
 BYTES_PER_TOKEN = 1000
@@ -110,3 +111,27 @@ def test_search_max_length_takes_plain_tuples():
 
     found = search_max_length(lambda s: (s <= 5000, s, 0.0), low=1000, high=9000, granularity=1000)
     assert (found.max_seq_len, found.stopped) == (5000, "converged")
+
+
+@pytest.mark.parametrize("capacity_tokens", [900, 3_000, 12_345, 40_000, 99_999, 200_000])
+@pytest.mark.parametrize("secant", [False, True])
+def test_search_over_an_explicit_set_of_lengths_finds_the_longest_member_that_fits(capacity_tokens, secant):
+    from simulator.search import search_max_length
+
+    lengths = [1000, 1500, 4096, 7000, 12_000, 12_345, 30_000, 65_536, 100_000]
+    static = 10**6
+    probed = []
+
+    def probe(seq_len):
+        assert seq_len in lengths  # only exported lengths can be probed
+        probed.append(seq_len)
+        peak = static + seq_len * BYTES_PER_TOKEN
+        return Probe(fits=peak <= static + capacity_tokens * BYTES_PER_TOKEN, peak_memory_bytes=peak,
+                     step_time_s=1.0, static_memory_bytes=static)
+
+    found = search_max_length(probe, low=lengths[0], high=lengths[-1], lengths=lengths, start=lengths[0],
+                              capacity_bytes=static + capacity_tokens * BYTES_PER_TOKEN if secant else None)
+    fitting = [n for n in lengths if n <= capacity_tokens]
+    assert found.max_seq_len == (max(fitting) if fitting else None)
+    assert found.stopped == {900: "none_fit", 200_000: "ceiling"}.get(capacity_tokens, "converged")
+    assert len(probed) == len(set(probed))

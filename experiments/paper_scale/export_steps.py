@@ -1,0 +1,88 @@
+"""Export whole paper-scale training steps as workload JSON files, for ``python -m simulator --max-length DIR``.
+
+Each file is one system's whole step (the traced forward and backward on fake tensors, the ring-attention or
+ZeRO-3 rewrite where the system needs it, DeepSpeed's gradient reduction and optimizer step: exactly what
+`experiments.paper_scale.simulate.step_workload` simulates) for one paper model at one length and one traced
+depth, with `simulator.max_length.step_metadata` saying which model, system, length, depth and training
+configuration it is.  The simulator then finds the longest of the exported lengths that fits, with the ledger's
+band, without torch::
+
+    python -m experiments.paper_scale.export_steps --model llama-3.1-8b --systems autosp ulysses \\
+        --lengths 16384 32768 65536 131072 --out steps/
+    python -m simulator --max-length steps/ --cluster a100-80gb-sxm
+
+``--layers extrapolated`` exports one- and two-layer steps instead of the full depth (fast; the simulator then
+extrapolates in the depth and says so: too low under checkpointing, Note [Depth extrapolation] in
+simulator/max_length.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from experiments.models import PAPER_MODELS
+from experiments.paper_scale.baselines import SYSTEMS
+from experiments.paper_scale.config import PAPER_CONFIG, PaperConfig, training_config
+from experiments.paper_scale.simulate import LAYER_MODES, TraceCache, step_workload
+from simulator.max_length import step_metadata
+
+log = logging.getLogger(__name__)
+
+
+def export_steps(model_name: str, systems: tuple[str, ...], lengths: tuple[int, ...], out: Path, *,
+                 layers: str = "full", ranks: int = 8, config: PaperConfig = PAPER_CONFIG,
+                 cache: TraceCache | None = None, progress: bool = False) -> list[Path]:
+    """Write one whole-step workload per system, length and traced depth into ``out``; returns the paths."""
+    if model_name not in PAPER_MODELS:
+        raise ValueError(f"unknown paper model {model_name!r}; choose one of {sorted(PAPER_MODELS)}")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    if layers not in LAYER_MODES:
+        raise ValueError(f"layers={layers!r}: choose one of {LAYER_MODES}")
+    model = PAPER_MODELS[model_name]
+    depths = (model.num_layers,) if layers == "full" else (1, 2)
+    cache = cache if cache is not None else TraceCache()
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = [(system, length, depth) for system in systems for length in lengths for depth in depths]
+    written = []
+    for system, length, depth in tqdm(jobs, desc="export", file=sys.stderr, disable=not progress):
+        workload = step_workload(system, model, length, depth, ranks=ranks, cache=cache,
+                                 config=replace(config, world_size=ranks))
+        meta = step_metadata(model=model_name, system=system, seq_len=length, layers=depth,
+                             model_layers=model.num_layers,
+                             config=training_config(model, system, replace(config, world_size=ranks)))
+        workload = replace(workload, metadata={**workload.metadata, **meta})
+        path = out / f"{model_name}__{system.replace('+', '-')}__L{depth}__S{length}.json"
+        workload.to_json(path)
+        written.append(path)
+        log.info("wrote %s", path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.paper_scale.export_steps",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, choices=sorted(PAPER_MODELS))
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--lengths", nargs="+", type=int, required=True, help="sequence lengths (tokens)")
+    parser.add_argument("--layers", default="full", choices=LAYER_MODES,
+                        help="trace at the full depth, or at one and two layers (default: %(default)s)")
+    parser.add_argument("--ranks", type=int, default=8, help="GPUs (default: %(default)s)")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the workload JSON files")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    paths = export_steps(args.model, tuple(args.systems), tuple(args.lengths), args.out, layers=args.layers,
+                         ranks=args.ranks, progress=True)
+    print(f"wrote {len(paths)} workloads to {args.out}; next: python -m simulator --max-length {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
