@@ -4,6 +4,17 @@
 and the ``--quick`` preset.  A table's simulated value more than 20 % away from its published counterpart is
 flagged in the ``note`` column; a search that stopped before converging (probe budget, search ceiling) says
 so there too.
+
+Note [Fixed or per-token gap]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+When a simulated max length is longer than the published one, the real run held memory the simulation does
+not count.  Two readings of that gap predict different things across models: a fixed amount per rank (a
+buffer the ledger lacks: it should be about the same, or grow with the parameter count, from model to model)
+or an amount per token (activations the simulation undercounts: it should scale with tokens × hidden size ×
+layers).  `gap_shape` computes both readings at each model's published length and their spread across
+models; the reading with the smaller spread is the one the data support.  It attributes nothing by itself:
+it says where to look (the ledger's static side, or the activations a traced graph holds), and the
+max-seq-len footer prints it from the run.
 """
 
 from __future__ import annotations
@@ -134,20 +145,67 @@ def max_seq_len_summary(rows: list[dict]) -> dict:
     return {"compared": len(errors), "median_abs_error_pct": round(statistics.median(errors), 1) if errors else None,
             "within_disagreement": sum(e <= DISAGREEMENT * 100 for e in errors),
             "alternative_median_abs_error_pct": round(statistics.median(alternative), 1) if alternative else None,
-            "ordering": ordering, "ordering_same_for_every_model": all(v == "same" for v in ordering.values())}
+            "ordering": ordering, "ordering_same_for_every_model": all(v == "same" for v in ordering.values()),
+            "gap_shape": gap_shape(rows)}
 
 
-def headroom_at(result, seq_len: float, capacity_bytes: int) -> float | None:
-    """Capacity minus the nominal peak at ``seq_len`` tokens, the peak from a least-squares line through the
-    lengths the search simulated (peak memory is about linear in the length): how much fixed memory the ledger
-    would be missing for ``seq_len`` to be the longest that fits (negative: it does not fit as simulated)."""
+def _peak_line(result) -> Callable[[float], float] | None:
+    """The nominal peak as a function of the length: a least-squares line through the lengths the search
+    simulated (peak memory is about linear in the length); None with fewer than two lengths."""
     points = sorted({t.seq_len: t.peak_memory_bytes for t in result.trials}.items())
     if len(points) < 2:
         return None
     n = len(points)
     mean_s, mean_p = sum(s for s, _ in points) / n, sum(p for _, p in points) / n
     slope = (sum((s - mean_s) * (p - mean_p) for s, p in points) / sum((s - mean_s) ** 2 for s, _ in points))
-    return capacity_bytes - (mean_p + slope * (seq_len - mean_s))
+    return lambda seq_len: mean_p + slope * (seq_len - mean_s)
+
+
+def headroom_at(result, seq_len: float, capacity_bytes: int) -> float | None:
+    """Capacity minus the nominal peak at ``seq_len`` tokens (`_peak_line`): how much fixed memory the ledger
+    would be missing for ``seq_len`` to be the longest that fits (negative: it does not fit as simulated)."""
+    line = _peak_line(result)
+    return None if line is None else capacity_bytes - line(seq_len)
+
+
+def activation_multiple_at(result, seq_len: float, capacity_bytes: int, static_bytes: int) -> float | None:
+    """The other reading of the same gap (Note [Fixed or per-token gap]): the activation memory a rank would
+    hold at ``seq_len`` tokens if the published length were the longest that fits, as a multiple of the
+    simulated activations there (capacity minus static memory, over the simulated peak minus static memory)."""
+    line = _peak_line(result)
+    if line is None or line(seq_len) <= static_bytes:
+        return None
+    return (capacity_bytes - static_bytes) / (line(seq_len) - static_bytes)
+
+
+def gap_shape(rows: list[dict]) -> dict:
+    """Note [Fixed or per-token gap]: for each system that misses its published length by more than
+    `DISAGREEMENT` on several models, the memory missing at the
+    published length read as a fixed amount per rank (GiB) and as an amount per token, per hidden unit and per
+    layer (bytes), with each reading's spread across the models (coefficient of variation: the smaller, the
+    better that reading describes the gap), and the implied activation multiple."""
+    from experiments.models import PAPER_MODELS
+
+    shape = {}
+    for system in SYSTEMS:
+        mine = [r for r in rows if r["system"] == system and r["headroom_at_published_gib"] != ""
+                and r["error_pct"] != "" and abs(float(r["error_pct"])) > DISAGREEMENT * 100]
+        if len(mine) < 2:
+            continue
+        fixed = [float(r["headroom_at_published_gib"]) for r in mine]
+        per_token = [float(r["headroom_at_published_gib"]) * 2**30 / (
+            float(r["published_tokens"]) * PAPER_MODELS[r["model"]].hidden_size * PAPER_MODELS[r["model"]].num_layers)
+            for r in mine]
+        multiple = [float(r["implied_activation_multiple"]) for r in mine if r["implied_activation_multiple"]]
+
+        def cv(values: list[float]) -> float | None:
+            mean = statistics.fmean(values)
+            return round(statistics.pstdev(values) / abs(mean), 2) if mean else None
+
+        shape[system] = {"models": [r["model"] for r in mine], "fixed_gib": fixed, "fixed_cv": cv(fixed),
+                         "per_token_hidden_layer_bytes": [round(v, 1) for v in per_token],
+                         "per_token_cv": cv(per_token), "implied_activation_multiple": multiple}
+    return shape
 
 
 def _length_of(result) -> str:
@@ -180,12 +238,17 @@ def table_max_seq_len(args) -> list[dict]:
             rows.append({"model": row["model"], "system": row["system"], "published_tokens": row["value"],
                          "simulated_tokens": "", "simulated_nominal": "", "band_tokens": "", "error_pct": "",
                          "stopped": "", "alternative_tokens": "", "alternative_error_pct": "",
-                         "headroom_at_published_gib": "", "note": "not simulated yet"})
+                         "headroom_at_published_gib": "", "implied_activation_multiple": "",
+                         "note": "not simulated yet"})
             continue
         nominal, alternative = found.nominal, found.alternative
         error = _error_pct(nominal.max_seq_len or 0, row["value"])
-        headroom = (headroom_at(nominal, float(row["value"]), nominal.result.capacity_bytes)
-                    if error is not None and nominal.result is not None else None)
+        headroom = multiple = None
+        if error is not None and nominal.result is not None:
+            capacity = nominal.result.capacity_bytes
+            headroom = headroom_at(nominal, float(row["value"]), capacity)
+            multiple = activation_multiple_at(nominal, float(row["value"]), capacity,
+                                              static_memory_bytes(PAPER_MODELS[row["model"]], row["system"]))
         # nothing fits under the alternative: counted as no tokens (-100 %), so the summary does not drop it
         alt_error = _error_pct(None if alternative is None else alternative.max_seq_len or 0, row["value"])
         lower_bound = [f"{name} {r.stopped.replace('_', ' ')}: a lower bound" for name, r in
@@ -202,6 +265,7 @@ def table_max_seq_len(args) -> list[dict]:
             "alternative_tokens": "" if alternative is None else _tokens(alternative),
             "alternative_error_pct": "" if alt_error is None else f"{alt_error:+.0f}",
             "headroom_at_published_gib": "" if headroom is None else f"{headroom / 2**30:.1f}",
+            "implied_activation_multiple": "" if multiple is None else f"{multiple:.2f}",
             "note": "; ".join(filter(None, [
                 f"differs by more than {DISAGREEMENT:.0%}" if error is not None and abs(error) > DISAGREEMENT * 100
                 else "", *lower_bound,
@@ -392,8 +456,25 @@ def _max_seq_len_footer(args) -> list[str]:
         f"{summary['alternative_median_abs_error_pct']} %, shown to "
         "explain the gap. headroom_at_published_gib: capacity minus the simulated nominal peak at the "
         "published length (interpolated between the search's probes): the fixed memory per rank the ledger "
-        "would have to be missing for the published length to be the maximum.",
+        "would have to be missing for the published length to be the maximum; implied_activation_multiple: "
+        "the same gap read as activations, their multiple of the simulated ones at the published length.",
+        *_gap_shape_lines(summary.get("gap_shape", {})),
     ]
+
+
+def _gap_shape_lines(shape: dict) -> list[str]:
+    """The footer's reading of Note [Fixed or per-token gap]."""
+    if not shape:
+        return []
+    lines = ["", "Shape of the gap across models (Note [Fixed or per-token gap] in experiments/reproduce.py; "
+             "coefficient of variation across the models, smaller = the reading describes the gap better):"]
+    for system, s in shape.items():
+        lines.append(f"- {system}: as fixed memory {', '.join(f'{v:.1f}' for v in s['fixed_gib'])} GiB per rank "
+                     f"(CV {s['fixed_cv']}); per token, hidden unit and layer "
+                     f"{', '.join(f'{v:.1f}' for v in s['per_token_hidden_layer_bytes'])} bytes (CV "
+                     f"{s['per_token_cv']}); implied activation multiple "
+                     f"{', '.join(f'{v:.2f}' for v in s['implied_activation_multiple'])} ({', '.join(s['models'])})")
+    return lines
 
 
 TABLE_FOOTERS: dict[str, Callable] = {
