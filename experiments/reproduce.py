@@ -190,7 +190,7 @@ def gap_shape(rows: list[dict]) -> dict:
     for system in SYSTEMS:
         mine = [r for r in rows if r["system"] == system and r["headroom_at_published_gib"] != ""
                 and r["error_pct"] != "" and abs(float(r["error_pct"])) > DISAGREEMENT * 100]
-        if len(mine) < 2:
+        if not mine:
             continue
         fixed = [float(r["headroom_at_published_gib"]) for r in mine]
         per_token = [float(r["headroom_at_published_gib"]) * 2**30 / (
@@ -198,9 +198,9 @@ def gap_shape(rows: list[dict]) -> dict:
             for r in mine]
         multiple = [float(r["implied_activation_multiple"]) for r in mine if r["implied_activation_multiple"]]
 
-        def cv(values: list[float]) -> float | None:
+        def cv(values: list[float]) -> float | None:  # None: fewer than two models, no spread to compare
             mean = statistics.fmean(values)
-            return round(statistics.pstdev(values) / abs(mean), 2) if mean else None
+            return round(statistics.pstdev(values) / abs(mean), 2) if len(values) > 1 and mean else None
 
         shape[system] = {"models": [r["model"] for r in mine], "fixed_gib": fixed, "fixed_cv": cv(fixed),
                          "per_token_hidden_layer_bytes": [round(v, 1) for v in per_token],

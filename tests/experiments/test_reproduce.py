@@ -395,3 +395,44 @@ def test_headroom_at_the_published_length_and_the_summary_of_the_table():
     assert summary["compared"] == 3 and summary["median_abs_error_pct"] == 20
     assert summary["within_disagreement"] == 2 and summary["alternative_median_abs_error_pct"] == 20
     assert summary["ordering"] == {"m": "autosp vs ulysses"} and not summary["ordering_same_for_every_model"]
+
+
+def _gap_rows(missing_gib):
+    """Max-seq-len rows of one system on the three paper models whose published lengths miss ``missing_gib(model,
+    published)`` GiB per rank."""
+    published = {"llama-3.2-3b": 35000, "llama-3.1-8b": 15000, "llama-2-13b": 8000}
+    return [{"model": m, "system": "ulysses", "published_tokens": str(n), "error_pct": "+200",
+             "headroom_at_published_gib": f"{missing_gib(m, n):.4f}", "implied_activation_multiple": "3.00"}
+            for m, n in published.items()]
+
+
+def test_gap_shape_tells_a_per_token_gap_from_a_fixed_one():
+    from experiments.models import PAPER_MODELS
+    from experiments.reproduce import gap_shape
+
+    def per_token(model, tokens):  # 12 bytes per token, hidden unit and layer
+        m = PAPER_MODELS[model]
+        return 12 * tokens * m.hidden_size * m.num_layers / 2**30
+
+    shape = gap_shape(_gap_rows(per_token))["ulysses"]
+    assert shape["per_token_cv"] < 0.01 < shape["fixed_cv"]
+    assert shape["per_token_hidden_layer_bytes"] == [12.0, 12.0, 12.0]
+    fixed = gap_shape(_gap_rows(lambda model, tokens: 30.0))["ulysses"]
+    assert fixed["fixed_cv"] < 0.01 < fixed["per_token_cv"]
+    # Rows within the disagreement band are not gaps to explain; one model gives no spread.
+    within = [dict(r, error_pct="+5") for r in _gap_rows(per_token)]
+    assert gap_shape(within) == {}
+    assert gap_shape(_gap_rows(per_token)[:1])["ulysses"]["per_token_cv"] is None
+
+
+def test_activation_multiple_reads_the_gap_as_activations():
+    from experiments.reproduce import activation_multiple_at, headroom_at
+    from simulator.search import SearchResult, Trial
+
+    static, per_token, capacity = 30 * 2**30, 2**20, 80 * 2**30
+    trials = tuple(Trial(seq_len=n, fits=True, peak_memory_bytes=static + per_token * n, step_time_s=1.0)
+                   for n in (8192, 16384, 32768))
+    found = SearchResult(max_seq_len=32768, stopped="converged", trials=trials)
+    # At 10,240 tokens the simulated activations are 10 GiB of the 50 GiB above static memory: 5x.
+    assert activation_multiple_at(found, 10240, capacity, static) == pytest.approx(5.0)
+    assert headroom_at(found, 10240, capacity) == pytest.approx(40 * 2**30)
