@@ -387,7 +387,8 @@ def test_headroom_at_the_published_length_and_the_summary_of_the_table():
 
     def row(model, system, published, simulated, error, alternative=""):
         return {"model": model, "system": system, "published_tokens": published, "simulated_nominal": simulated,
-                "error_pct": error, "alternative_error_pct": alternative}
+                "error_pct": error, "alternative_error_pct": alternative, "headroom_at_published_gib": "",
+                "implied_activation_multiple": ""}
 
     rows = [row("m", "zero3", "10", "9", "-10", "-50"), row("m", "ulysses", "20", "40", "+100", "+10"),
             row("m", "autosp", "30", "36", "+20", "-20"), row("m", "ulysses+ckpt", "", "50", "")]
@@ -395,6 +396,7 @@ def test_headroom_at_the_published_length_and_the_summary_of_the_table():
     assert summary["compared"] == 3 and summary["median_abs_error_pct"] == 20
     assert summary["within_disagreement"] == 2 and summary["alternative_median_abs_error_pct"] == 20
     assert summary["ordering"] == {"m": "autosp vs ulysses"} and not summary["ordering_same_for_every_model"]
+    assert summary["gap_shape"] == {}  # no headroom computed: nothing to read
 
 
 def _gap_rows(missing_gib):
