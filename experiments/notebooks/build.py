@@ -218,7 +218,13 @@ NOTEBOOKS = {
             '            print(head + f"{-headroom:.1f} GiB per rank over the capacity at the published length; "\n'
             '                  "the simulated activations (whole sequence per rank, no checkpointing) are the item "\n'
             '                  "that grows with the length; largest fixed items: "\n'
-            '                  + ", ".join(f"{ln.name} {ln.bytes / 2**30:.1f} GiB" for ln in largest))'),
+            '                  + ", ".join(f"{ln.name} {ln.bytes / 2**30:.1f} GiB" for ln in largest))\n'
+            "    # The same misses read across models: fixed memory per rank, or memory per token (Note [Fixed or\n"
+            "    # per-token gap] in experiments/reproduce.py); the smaller spread is the reading the data support.\n"
+            '    for system, g in summary.get("gap_shape", {}).items():\n'
+            '        print(f"{system}: as fixed GiB/rank {g[\'fixed_gib\']} (CV {g[\'fixed_cv\']}); as bytes per token, "\n'
+            '              f"hidden unit and layer {g[\'per_token_hidden_layer_bytes\']} (CV {g[\'per_token_cv\']}); "\n'
+            '              f"implied activation multiple {g[\'implied_activation_multiple\']} ({\', \'.join(g[\'models\'])})")'),
         new_markdown_cell(
             "## Reading the misses\n\n"
             "Under the stated configuration (ZeRO-1 without `BF16_Optimizer`, which is what DeepSpeed builds "
@@ -236,6 +242,12 @@ NOTEBOOKS = {
             "under-corrects the smallest (compare the free memory with the added items printed above). Where "
             "ZeRO-3 misses, it misses the other way: its simulated peak (a whole sequence's activations per "
             "rank on top of the ledger) exceeds the capacity before the published length. "
+            "The last lines of the cell read the misses across models both ways: as a fixed amount per rank and "
+            "as bytes per token, hidden unit and layer. Where the second spreads far less than the first, the "
+            "missing memory behaves like activations, not like a buffer, and no ledger item can name it: what "
+            "the real runs held beyond the traced graphs' activations (higher-precision copies, buffers of the "
+            "hand-written attention, allocator fragmentation on the GPU) needs a measured step on the paper's "
+            "hardware to attribute. "
             "Items the ledger does not hold at all are listed in `simulator/ledger.py` and "
             "`simulator/device_reserve.py` (the published figures are also read off a plot at the resolution of "
             "its bars)."),
