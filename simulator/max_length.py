@@ -162,8 +162,12 @@ def step_metadata(*, model: str, system: str, seq_len: int, layers: int, model_l
 
 def _config_from(data: Mapping) -> TrainingConfig:
     fields = dict(data)
-    fields["parameter_numels"] = tuple(fields["parameter_numels"])
-    return TrainingConfig(**fields)
+    try:
+        fields["parameter_numels"] = tuple(fields["parameter_numels"])
+        return TrainingConfig(**fields)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"metadata training_config is not a simulator.ledger.TrainingConfig ({exc}); write it "
+                         "with simulator.max_length.step_metadata") from None
 
 
 @dataclass(frozen=True, kw_only=True)
