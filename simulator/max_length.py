@@ -38,6 +38,7 @@ search pays for its steps, the others start at the nominal answer and pay only f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from pathlib import Path
 
 from simulator.ledger import TrainingConfig, memory_ledger, summarize
 from simulator.search import Probe, SearchResult, search_max_length
+from simulator.workload import Workload
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +156,6 @@ def step_metadata(*, model: str, system: str, seq_len: int, layers: int, model_l
     """The ``metadata`` an exporter writes into a whole-step workload (forward, backward, gradient reduction and
     optimizer step) for :func:`steps_from_workloads`: which model and system, how many tokens, the depth it was
     traced at and the full model's depth, and the training configuration whose ledger gives static memory."""
-    import dataclasses
-
     return {"model": model, "system": system, "seq_len": int(seq_len), "layers": int(layers),
             "model_layers": int(model_layers), "training_config": dataclasses.asdict(config)}
 
@@ -198,8 +198,6 @@ class ExportedSteps:
 
 def steps_from_workloads(paths: Iterable[Path]) -> list[ExportedSteps]:
     """Group exported workload files (each with :func:`step_metadata`) by model and system."""
-    from simulator.workload import Workload
-
     groups: dict[tuple[str, str], dict] = {}
     for path in sorted(paths):
         meta = Workload.from_json(path).metadata
