@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 
 import pytest
 
@@ -204,3 +205,17 @@ def test_multinode_engine_runs_the_planned_phases(algorithm):
     assert result.step_time_s == pytest.approx(planner.isolated_time_s("all_to_all", range(16), nbytes))
     ring = simulate(_ring_workload(16, nbytes), cluster)
     assert ring.step_time_s == pytest.approx(planner.ring_step_time_s(range(16), nbytes))
+
+
+def test_multinode_cli_runs_a_named_cluster_with_the_chosen_all_to_all(tmp_path):
+    from simulator.__main__ import main
+
+    path = tmp_path / "a2a.json"
+    _all_to_all_workload(16, 2**20).to_json(path)
+    assert main([str(path), "--cluster", "h100-sxm-2x8", "--all-to-all", "hierarchical", "--out",
+                 str(tmp_path / "out"), "--no-plots"]) == 0
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["cluster"]["nodes"] == 2 and result["cluster"]["network"] == "ib-ndr-400-rail"
+    assert result["cluster"]["all_to_all"] == "hierarchical"
+    expected = _planner("h100-sxm-2x8", "hierarchical").isolated_time_s("all_to_all", range(16), 2**20)
+    assert result["step_time_s"] == pytest.approx(expected)
