@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 from simulator.cluster import Cluster
+from simulator.cluster_presets import CLUSTER_PRESETS
+from simulator.collectives import ALL_TO_ALL_ALGORITHMS
 from simulator.engine import simulate
 from simulator.hardware import get_preset, preset_names
 from simulator.workload import Workload, WorkloadError
@@ -37,6 +39,7 @@ printed as a table, written to --out/max_length.json when --out is given.
 
 example:
   python -m simulator workload.json --cluster a100-80gb-sxm --nodes 2 --out runs/a100x16
+  python -m simulator workload.json --cluster h100-sxm-4x8 --all-to-all hierarchical --out runs/h100x32
   python -m simulator --max-length steps/ --cluster a100-80gb-sxm
   python -m simulator workload.json --out runs/s --sensitivity --params 8.03e9 --zero-stage 1 --dp 8
 """
@@ -52,7 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("workload", nargs="?", type=Path, help="workload JSON written by Workload.to_json")
     parser.add_argument("--cluster", default="a100-80gb-sxm", metavar="PRESET",
-                        help=f"hardware preset: {', '.join(preset_names())} (default: %(default)s)")
+                        help=f"hardware preset: {', '.join(preset_names())}, or a multi-node cluster preset: "
+                             f"{', '.join(CLUSTER_PRESETS)} (default: %(default)s)")
+    parser.add_argument("--all-to-all", default=None, choices=ALL_TO_ALL_ALGORITHMS,
+                        help="all-to-all algorithm (default: the cluster preset's, else pairwise)")
     parser.add_argument("--nodes", type=int, default=None,
                         help="number of nodes (default: just enough for the workload's world size)")
     parser.add_argument("--devices-per-node", type=int, default=None, help="override the preset's devices per node")
@@ -90,18 +96,31 @@ def _list_clusters() -> None:
               f"{preset.intra_node_kind} {preset.intra_node.bandwidth_bytes_per_s / 1e9:.0f} GB/s per direction"
               f"{'' if preset.network is None else ', network ' + preset.network.name}"
               f"{' (calibrated)' if preset.calibrated else ''}")
+    for name, spec in CLUSTER_PRESETS.items():
+        print(f"{name:16s} {spec.nodes} nodes of {spec.node}, network {spec.network}, {spec.all_to_all} all-to-all")
+
+
+def _cluster_spec(args: argparse.Namespace) -> tuple[str, int | None, str | None, str]:
+    """(node preset, nodes, network, all-to-all algorithm) of ``--cluster``, the other flags taking precedence."""
+    spec = CLUSTER_PRESETS.get(args.cluster)
+    if spec is None:
+        return args.cluster, args.nodes, args.network, args.all_to_all or "pairwise"
+    return (spec.node, spec.nodes if args.nodes is None else args.nodes, args.network or spec.network,
+            args.all_to_all or spec.all_to_all)
 
 
 def _cluster_for(args: argparse.Namespace, world_size: int) -> Cluster:
-    preset = get_preset(args.cluster)
+    node, nodes, network, all_to_all = _cluster_spec(args)
+    preset = get_preset(node)
     if args.memory_gib is not None:
         if args.memory_gib <= 0:
             raise ValueError("--memory-gib must be positive")
         preset = dataclasses.replace(preset, device=dataclasses.replace(
             preset.device, memory_bytes=int(args.memory_gib * 2**30)))
     per_node = args.devices_per_node or preset.devices_per_node
-    nodes = args.nodes if args.nodes is not None else max(1, -(-world_size // per_node))
-    return Cluster.from_preset(preset, nodes=nodes, devices_per_node=per_node, network=args.network)
+    nodes = nodes if nodes is not None else max(1, -(-world_size // per_node))
+    return Cluster.from_preset(preset, nodes=nodes, devices_per_node=per_node, network=network,
+                               all_to_all=all_to_all)
 
 
 def _max_length(args: argparse.Namespace) -> int:
@@ -215,17 +234,21 @@ def _timing_sensitivity(args: argparse.Namespace, workload: Workload, cluster: C
 
     preset = cluster.preset
     memory_bytes = cluster.device.memory_bytes
+    network = _cluster_spec(args)[2]
 
     def simulate_with(table) -> tuple[float, int]:
         rebuilt = build_preset(preset.name, table)
         rebuilt = dataclasses.replace(rebuilt, device=dataclasses.replace(rebuilt.device, memory_bytes=memory_bytes))
         moved = Cluster.from_preset(rebuilt, nodes=nodes, devices_per_node=cluster.devices_per_node,
-                                    network=None if args.network is None else build_network(args.network, table))
+                                    network=None if network is None else build_network(network, table),
+                                    all_to_all=cluster.all_to_all)
         res = simulate(workload, moved, collapse_symmetric=not args.no_collapse)
         return res.step_time_s, max(r.peak_memory_bytes - r.static_memory_bytes for r in res.ranks)
 
     fabric = "nvlink" if preset.intra_node_kind == "nvswitch" else preset.intra_node_kind
-    return timing_sensitivity(cfg, constants=constants_for(preset.architecture, fabric), simulate_with=simulate_with,
+    rails = nodes > 1 and cluster.network is not None and cluster.network.rail_optimized
+    return timing_sensitivity(cfg, constants=constants_for(preset.architecture, fabric, rail_optimized=rails),
+                              simulate_with=simulate_with,
                               seq_len=seq_len, capacity_bytes=int(memory_bytes), granularity=args.granularity)
 
 
