@@ -17,7 +17,7 @@ and number in the built ``paper/build/paper.md`` comes from the results folder
   "equal to"), so a sentence that ranks two systems follows the run, not the author;
 - ``{{run:KEY}}``: a value of ``run.json`` (the settings and timings of the run);
 - ``{{calibration:KEY}}``: a value of the calibrated cpu-gloo preset
-  (``simulator/presets/cpu_gloo.json``, written by ``python -m experiments.calibrate_cpu``):
+  (``simulator/presets/cpu_gloo.json``, written by ``python -m experiments.calibrate_cpu --update-preset``):
   a key of its ``calibration`` record (dotted for nested ones) or one of the values
   `calibration_values` derives from it.
 
