@@ -273,3 +273,9 @@ def test_env_sh_puts_the_venv_tools_on_path():
     found = proc.stdout.split()
     assert proc.returncode == 0 and len(found) == 5, proc.stdout + proc.stderr
     assert all(Path(p).parent == venv_bin for p in found), found
+
+
+def test_paper_readme_names_every_placeholder_kind_the_paper_uses():
+    used = set(re.findall(r"\{\{(\w+):", (ROOT / "paper" / "paper.md").read_text(encoding="utf-8")))
+    documented = set(re.findall(r"`\{\{(\w+):", (ROOT / "paper" / "README.md").read_text(encoding="utf-8")))
+    assert used and used <= documented, f"paper/README.md does not explain {sorted(used - documented)}"
