@@ -6,8 +6,8 @@ parser (``build_parser()``).  Checked:
 
 - ``--help`` exits 0 and changes nothing: the tracked and untracked-but-not-ignored files of the checkout keep
   their size and modification time, and the working folder stays empty;
-- ``prog`` is the command a user types (``python -m MODULE``), every option with a default shows it, every
-  choice is listed, and the help has no reST markup;
+- ``prog`` is the command a user types (``python -m MODULE``), every argument has help text, every option with
+  a default shows it, every choice is listed, and the help has no reST markup;
 - a typo in each choice-type flag exits 2, quickly (the imports are already done: no work started), names the
   typo, and writes nothing;
 - every module of the project that runs as ``__main__`` is in `CLIS` (as the command or as an alias of one).
@@ -114,6 +114,7 @@ for action in parser._actions:
     actions.append({"flags": action.option_strings, "dest": action.dest, "default": repr(action.default),
                     "meaningful_default": action.default not in (None, False, "==SUPPRESS==") and action.help != "==SUPPRESS==",
                     "choices": None if action.choices is None else [str(c) for c in action.choices],
+                    "has_help": bool(action.help),
                     "help": formatter.format_help()})
 print(json.dumps({"runs": results, "prog": parser.prog, "actions": actions}))
 """
@@ -181,6 +182,7 @@ def test_cli_help_is_side_effect_free_and_shows_prog_defaults_choices_without_ma
     for action in report["actions"]:
         if action["dest"] == "help":
             continue
+        assert action["has_help"], f"{cli.prog} {action['flags'] or action['dest']}: no help text"
         if action["meaningful_default"]:
             assert "default" in action["help"], f"{cli.prog} {action['flags']}: the default is not shown"
         for choice in action["choices"] or ():
