@@ -16,7 +16,7 @@ from simulator.cluster import Cluster
 from simulator.cluster_presets import CLUSTER_PRESETS
 from simulator.collectives import ALL_TO_ALL_ALGORITHMS
 from simulator.engine import simulate
-from simulator.hardware import get_preset, preset_names
+from simulator.hardware import NETWORKS, get_preset, preset_names
 from simulator.workload import Workload, WorkloadError
 
 log = logging.getLogger("simulator")
@@ -45,7 +45,7 @@ example:
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m simulator",
         description="Simulate one training step of an exported collective schedule (a simulator.Workload JSON) "
@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("workload", nargs="?", type=Path, help="workload JSON written by Workload.to_json")
-    parser.add_argument("--cluster", default="a100-80gb-sxm", metavar="PRESET",
+    parser.add_argument("--cluster", default="a100-80gb-sxm", choices=(*preset_names(), *CLUSTER_PRESETS),
+                        metavar="PRESET",
                         help=f"hardware preset: {', '.join(preset_names())}, or a multi-node cluster preset: "
                              f"{', '.join(CLUSTER_PRESETS)} (default: %(default)s)")
     parser.add_argument("--all-to-all", default=None, choices=ALL_TO_ALL_ALGORITHMS,
@@ -62,9 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, default=None,
                         help="number of nodes (default: just enough for the workload's world size)")
     parser.add_argument("--devices-per-node", type=int, default=None, help="override the preset's devices per node")
-    parser.add_argument("--network", default=None, help="inter-node network preset (default: the preset's)")
+    parser.add_argument("--network", default=None, choices=tuple(NETWORKS),
+                        help="inter-node network (default: the hardware preset's)")
     parser.add_argument("--memory-gib", type=float, default=None, help="override device memory capacity (GiB)")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (created if missing)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory, created if missing (default: none, print the result only)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     parser.add_argument("--no-collapse", action="store_true", help="simulate every rank even when symmetric")
     parser.add_argument("--include-ops", action="store_true", help="add every simulated op's times to result.json")
@@ -77,11 +80,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="how the longest trainable sequence (and, on GPU presets, the step time) moves with "
                            "each uncertain memory, efficiency and latency constant")
     sens.add_argument("--params", type=float, help="trainable parameters of the full model (e.g. 8.03e9)")
-    sens.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage 0-3 (default: %(default)s)")
+    sens.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default: %(default)s)")
     sens.add_argument("--dp", type=int, default=None, help="ranks ZeRO partitions over (default: world size)")
-    sens.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    sens.add_argument("--grad-accum-dtype", default=None, choices=("bf16", "fp16", "fp32"))
-    sens.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd", "sgd_momentum"))
+    sens.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"),
+                      help="training precision (default: %(default)s)")
+    sens.add_argument("--grad-accum-dtype", default=None, choices=("bf16", "fp16", "fp32"),
+                      help="DeepSpeed's data_types.grad_accum_dtype (default: unset, as DeepSpeed leaves it)")
+    sens.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd", "sgd_momentum"),
+                      help="optimizer whose state the ledger counts (default: %(default)s)")
     sens.add_argument("--seq-len", type=int, default=None, help="the workload's tokens (default: its metadata)")
     sens.add_argument("--granularity", type=int, default=1024, help="length grid (default: %(default)s)")
     return parser
@@ -254,7 +260,7 @@ def _timing_sensitivity(args: argparse.Namespace, workload: Workload, cluster: C
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if args.list_clusters:

@@ -327,7 +327,7 @@ def preset_from_dict(data: Mapping[str, Any]) -> HardwarePreset:
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed hardware preset document ({exc!r}); regenerate it with "
-                         "python -m experiments.calibrate_cpu") from None
+                         "python -m experiments.calibrate_cpu --update-preset") from None
 
 
 def load_cpu_gloo(path: str | Path | None = None) -> HardwarePreset:
