@@ -1,0 +1,123 @@
+"""The tiled output projection and causal-LM loss as custom ops: never the whole [tokens, vocab] logits.
+
+Note [Tiled logits and loss]
+At long context the largest tensors of a causal-LM step are the logits of the output
+projection and their fp32 copies: [tokens, vocab] (16K tokens x a 128,256 vocabulary are
+7.65 GiB in fp32), and cross-entropy keeps its log-softmax of the same size for backward.
+``autosp_testbed::linear_cross_entropy(hidden [N, H], weight [V, H], bias [V] | None,
+target [N], ignore_index, chunk_tokens)`` computes
+
+    loss_sum = sum over rows i with target_i != ignore_index of  lse_i - z[i, target_i],
+    z = hidden @ weight.T + bias (in the model's dtype), lse_i = logsumexp_j z[i, j] (fp32),
+
+one chunk of ``chunk_tokens`` rows at a time, and returns ``(loss_sum, lse)``: an fp32
+scalar and the [N] fp32 log-sum-exps, the only values the backward keeps.  Only one
+chunk's [chunk, V] logits (and their fp32 copy) exist at any time.  The backward,
+``autosp_testbed::linear_cross_entropy_backward``, recomputes each chunk's logits, forms
+their gradient g * (softmax(z) - onehot(target)) for valid rows from the saved lse, and
+accumulates the gradients of the hidden states (per chunk), of the weight and of the bias
+(summed over chunks in fp32, cast to the parameter's dtype at the end).
+
+The result equals ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target,
+ignore_index=ignore_index, reduction="sum")`` and its gradients up to the order of fp32
+summation (tests/autosp/test_tiled_loss.py).  Both ops are opaque nodes to Dynamo,
+AOTAutograd and Inductor, like the collectives in autosp/ops.py; the graph pass that
+places them is autosp/passes/dynamo/tiled_loss.py, which also explains how the
+sequence-sharding analysis classifies them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_backward"]
+
+
+def _chunks(rows: int, chunk_tokens: int):
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    for start in range(0, rows, chunk_tokens):
+        yield start, min(rows, start + chunk_tokens)
+
+
+@torch.library.custom_op("autosp_testbed::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                         ignore_index: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = hidden.shape[0]
+    lse = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start, stop in _chunks(rows, chunk_tokens):
+        logits = F.linear(hidden[start:stop], weight, bias).float()  # one chunk, in fp32
+        chunk_lse = torch.logsumexp(logits, dim=-1)
+        t = target[start:stop]
+        valid = t != ignore_index
+        picked = logits.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+        total += torch.where(valid, chunk_lse - picked, 0.0).sum()
+        lse[start:stop] = chunk_lse
+        del logits
+    return total, lse
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, bias, target, ignore_index, chunk_tokens):
+    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("autosp_testbed::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                                  bias: torch.Tensor | None, target: torch.Tensor, lse: torch.Tensor,
+                                  ignore_index: int, chunk_tokens: int, weight_grad: bool, bias_grad: bool
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad of hidden, grad of weight or an empty tensor, grad of bias or an empty tensor)."""
+    rows = hidden.shape[0]
+    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_grad else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias_grad else None
+    scale = grad_loss.float()
+    for start, stop in _chunks(rows, chunk_tokens):
+        h = hidden[start:stop]
+        t = target[start:stop]
+        valid = t != ignore_index
+        # softmax(z) - onehot(target), times the loss gradient, zero on ignored rows: in place on the fp32 logits
+        probs = F.linear(h, weight, bias).float()
+        probs.sub_(lse[start:stop].unsqueeze(1)).exp_()
+        probs.scatter_add_(1, torch.where(valid, t, 0).unsqueeze(1), probs.new_full((stop - start, 1), -1.0))
+        probs.mul_(torch.where(valid, scale, 0.0).unsqueeze(1))
+        grad_logits = probs.to(hidden.dtype)
+        del probs
+        grad_hidden[start:stop] = torch.mm(grad_logits, weight)
+        if grad_weight is not None:
+            grad_weight += torch.mm(grad_logits.t(), h).float()
+        if grad_bias is not None:
+            grad_bias += grad_logits.float().sum(0)
+    empty = hidden.new_empty(0)
+    return (grad_hidden,
+            grad_weight.to(weight.dtype) if grad_weight is not None else empty,
+            grad_bias.to(bias.dtype) if grad_bias is not None else empty)
+
+
+@linear_cross_entropy_backward.register_fake
+def _(grad_loss, hidden, weight, bias, target, lse, ignore_index, chunk_tokens, weight_grad, bias_grad):
+    return (torch.empty_like(hidden), weight.new_empty(weight.shape if weight_grad else (0,)),
+            weight.new_empty(weight.shape[0] if bias_grad else 0))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, ctx.ignore_index, ctx.chunk_tokens = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(hidden, weight, bias, target, output[1])
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    # lse is returned for the backward only: nothing differentiates through it (grad_lse is unused).
+    hidden, weight, bias, target, lse = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    grad_hidden, grad_weight, grad_bias = linear_cross_entropy_backward(
+        grad_loss, hidden, weight, bias, target, lse, ctx.ignore_index, ctx.chunk_tokens,
+        bool(need[1]), bool(ctx.has_bias and need[2]))
+    return (grad_hidden if need[0] else None, grad_weight if need[1] else None,
+            grad_bias if ctx.has_bias and need[2] else None, None, None, None)
+
+
+linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
