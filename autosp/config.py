@@ -58,9 +58,10 @@ class AutoSPConfig:
     """Tokens per chunk of the tiled loss; None: as many as keep one chunk's fp32 logits within 64 MiB
     (autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES)."""
     return_logits: bool = True
-    """False: when labels are passed, a model that returns its logits beside the loss (Hugging Face) returns
-    None in their place, so that the tiled loss need not materialise them.  True keeps them (and tiled_loss
-    then cannot apply to such a model: "on" is refused, "auto" keeps the plain loss)."""
+    """False (with tiled_loss "on" or "auto"): when labels are passed, a model that returns its logits beside the
+    loss (Hugging Face) returns None in their place, so that the tiled loss need not materialise them.  True
+    keeps them (and tiled_loss then cannot apply to such a model: "on" is refused, "auto" keeps the plain
+    loss)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or self.sp_size < 1:
@@ -78,6 +79,9 @@ class AutoSPConfig:
                               f"{self.length_bucket!r}")
         if self.tiled_loss not in TILED_LOSS:
             raise AutoSPError(f"tiled_loss must be one of {TILED_LOSS}, got {self.tiled_loss!r}")
+        if not self.return_logits and self.tiled_loss == "off":
+            raise AutoSPError("return_logits=False takes effect only with the tiled loss: pass tiled_loss='on' or "
+                              "'auto' too (or leave return_logits=True)")
         if self.loss_chunk_tokens is not None and (
                 not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1):
             raise AutoSPError(f"loss_chunk_tokens must be None or a positive number of tokens, got "

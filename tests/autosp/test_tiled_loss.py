@@ -79,32 +79,66 @@ def _tiled_case(rank, world, *, model, sp_size, seq_len, options, overrides=None
     }
 
 
-def _cases(rank, world, cases):
-    return [_tiled_case(rank, world, **case) for case in cases]
-
-
 _HF = {"tiled_loss": "on", "return_logits": False}
+_CASES = [
+    {"model": "hf-llama", "sp_size": 2, "seq_len": 32, "options": {**_HF, "loss_chunk_tokens": 5}},
+    {"model": "hf-llama", "sp_size": 2, "seq_len": 31, "options": {**_HF, "loss_chunk_tokens": 8}},  # padded
+    {"model": "hf-qwen2", "sp_size": 2, "seq_len": 32, "options": {**_HF, "loss_chunk_tokens": 16}},
+    {"model": "hf-gpt2", "sp_size": 2, "seq_len": 32, "options": {**_HF, "loss_chunk_tokens": 6}},  # tied
+    {"model": "plain-llama", "sp_size": 2, "seq_len": 32,  # classic shift, no logits returned
+     "options": {"tiled_loss": "auto", "loss_chunk_tokens": 7}},
+    {"model": "hf-llama", "sp_size": 1, "seq_len": 24, "options": {**_HF, "loss_chunk_tokens": 7}},
+]
 
 
-def test_tiled_loss_equals_single_device_untiled_training_on_two_ranks():
-    cases = [
-        {"model": "hf-llama", "sp_size": 2, "seq_len": 32, "options": {**_HF, "loss_chunk_tokens": 5}},
-        {"model": "hf-llama", "sp_size": 2, "seq_len": 31, "options": {**_HF, "loss_chunk_tokens": 8}},  # padded
-        {"model": "hf-qwen2", "sp_size": 2, "seq_len": 32, "options": {**_HF, "loss_chunk_tokens": 16}},
-        {"model": "hf-gpt2", "sp_size": 2, "seq_len": 32, "options": {**_HF, "loss_chunk_tokens": 6}},  # tied
-        {"model": "plain-llama", "sp_size": 2, "seq_len": 32,  # classic shift, no logits returned
-         "options": {"tiled_loss": "auto", "loss_chunk_tokens": 7}},
-        {"model": "hf-llama", "sp_size": 1, "seq_len": 24, "options": {**_HF, "loss_chunk_tokens": 7}},
-        {"model": "hf-gpt2", "sp_size": 1, "seq_len": 24, "options": {**_HF, "loss_chunk_tokens": 16}},
-    ]
-    results = run_on_ranks(_cases, 2, cases, timeout_s=600)
+def _peak(*, tiled: bool) -> int:
+    """Per-rank peak tensor memory of one step (after a compiling step) of a vocabulary-heavy model."""
+    import autosp
+    from experiments.cpu.peak_memory import PeakMemory
+    from experiments.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("hf-llama", layers=1, hidden=64, vocab=32000)
+    options = {"tiled_loss": "on", "loss_chunk_tokens": 128, "return_logits": False} if tiled else {}
+    compiled = autosp.compile(model, sp_size=2, compiler="aot_eager", checkpointing="none", **options)
+    ids = torch.randint(0, 32000, (1, 1024), generator=torch.Generator().manual_seed(1))
+    inputs = autosp.prepare_inputs(ids, labels=ids)
+    loss_of(compiled(**inputs)).backward()  # compile outside the measurement
+    model.zero_grad(set_to_none=True)
+    with PeakMemory(static=list(model.parameters())) as pm:
+        loss_of(compiled(**inputs)).backward()
+    return pm.peak_bytes
+
+
+def _on_ranks(rank, world):
+    return {"cases": [_tiled_case(rank, world, **case) for case in _CASES],
+            "peaks": {"untiled": _peak(tiled=False), "tiled": _peak(tiled=True)}}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One launch of 2 gloo ranks for the exactness cases and the memory measurement."""
+    return run_on_ranks(_on_ranks, 2, timeout_s=600)
+
+
+def test_tiled_loss_equals_single_device_untiled_training_on_two_ranks(two_ranks):
+    results = [r["cases"] for r in two_ranks]
     _check(results, FP32_TOL)
     for per_rank in results:
-        for case, r in zip(cases, per_rank, strict=True):
+        for case, r in zip(_CASES, per_rank, strict=True):
             assert r["tiled"], f"{case}: the tiled op is not in the compiled graphs"
             assert r["logits"] is None, f"{case}: logits returned although return_logits=False"
             if case["sp_size"] > 1:
                 assert r["op_class"] == "loss (tiled: partial sum)"
+
+
+def test_tiled_loss_lowers_the_measured_peak_memory_per_rank(two_ranks):
+    """1,024 tokens of a 32,000 vocabulary on 2 ranks: the untiled step holds the [512, 32000] fp32 logits and
+    cross-entropy's log-softmax of the same size at once (62.5 MiB each); the tiled one [128, 32000] at a time."""
+    logits_bytes = 512 * 32000 * 4
+    for r in two_ranks:
+        peaks = r["peaks"]
+        assert peaks["untiled"] - peaks["tiled"] >= 2 * logits_bytes, peaks
 
 
 def _trace(tiled_loss: str, *, seq_len: int, vocab: int, sp_size: int, chunk: int | None = None):
@@ -114,7 +148,7 @@ def _trace(tiled_loss: str, *, seq_len: int, vocab: int, sp_size: int, chunk: in
     torch._dynamo.reset()
     compiled, _ = trace_fake_step(lambda: build_model("hf-llama", layers=1, vocab=vocab), seq_len=seq_len,
                                   sp_size=sp_size, vocab_size=vocab, dtype=torch.float32,
-                                  tiled_loss=tiled_loss, return_logits=False, loss_chunk_tokens=chunk)
+                                  tiled_loss=tiled_loss, return_logits=tiled_loss == "off", loss_chunk_tokens=chunk)
     return compiled
 
 
@@ -137,12 +171,35 @@ def test_traced_graphs_hold_no_tokens_by_vocab_tensor():
     assert not _token_by_vocab_tensors(tiled, rows, vocab)
 
 
+def test_export_prices_the_tiled_loss_as_chunked_matmuls():
+    from autosp.export import export_workload
+
+    seq_len, vocab, sp_size, width, chunk = 256, 4096, 2, 64, 32
+    rows = seq_len // sp_size
+    compiled = _trace("on", seq_len=seq_len, vocab=vocab, sp_size=sp_size, chunk=chunk)
+    program = export_workload(compiled.report.aot_graphs, name="tiled", sp_size=sp_size,
+                              parameter_bytes=0).program(0)
+    tiled = {op.phase: op for op in program.ops if "linear_cross_entropy" in op.name}
+    assert tiled.keys() == {"forward", "backward"}
+    matmul = 2 * rows * width * vocab
+    assert (tiled["forward"].op_class, tiled["forward"].flops) == ("matmul", matmul)
+    assert (tiled["backward"].op_class, tiled["backward"].flops) == ("matmul", 3 * matmul)  # recompute, dh, dW
+    for op in tiled.values():  # one chunk's scratch, allocated and freed by the op itself
+        scratch = [t for t in op.allocates if t in op.frees]
+        assert [program.tensors[t] for t in scratch] == [2 * chunk * vocab * 4]
+    assert max(program.tensors.values()) < rows * vocab * 4
+
+
 def test_auto_keeps_the_plain_loss_within_one_chunk_and_on_refuses_returned_logits():
+    import autosp
     from autosp.errors import AutoSPError
 
     plain = _trace("auto", seq_len=64, vocab=256, sp_size=2)  # 32 rows x 256: one chunk of the default budget
-    assert not any(n.target is torch.ops.autosp_testbed.linear_cross_entropy.default
-                   for n in plain.report.forward_graphs[-1].graph.nodes)
+    graph = plain.report.forward_graphs[-1].graph
+    assert not any(n.target is torch.ops.autosp_testbed.linear_cross_entropy.default for n in graph.nodes)
+    assert None in next(n for n in graph.nodes if n.op == "output").args[0]  # return_logits=False all the same
+    with pytest.raises(AutoSPError, match="tiled_loss='on' or 'auto'"):
+        autosp.AutoSPConfig(sp_size=2, return_logits=False)
     from autosp.export import trace_fake_step
     from experiments.models import build_model
 
@@ -150,36 +207,3 @@ def test_auto_keeps_the_plain_loss_within_one_chunk_and_on_refuses_returned_logi
     with pytest.raises(AutoSPError, match="return_logits=False"):
         trace_fake_step(lambda: build_model("hf-llama", layers=1), seq_len=64, sp_size=2, vocab_size=256,
                         dtype=torch.float32, tiled_loss="on")
-
-
-def _peak(rank, world, *, tiled: bool):
-    import autosp
-    from experiments.cpu.peak_memory import PeakMemory
-    from experiments.models import build_model
-
-    torch.manual_seed(0)
-    model = build_model("hf-llama", layers=1, hidden=64, vocab=32000)
-    options = {"tiled_loss": "on", "loss_chunk_tokens": 128} if tiled else {}
-    compiled = autosp.compile(model, sp_size=2, compiler="aot_eager", return_logits=False,
-                              checkpointing="none", **options)
-    ids = torch.randint(0, 32000, (1, 1024), generator=torch.Generator().manual_seed(1))
-    inputs = autosp.prepare_inputs(ids, labels=ids)
-    loss_of(compiled(**inputs)).backward()  # compile outside the measurement
-    model.zero_grad(set_to_none=True)
-    with PeakMemory(static=list(model.parameters())) as pm:
-        loss_of(compiled(**inputs)).backward()
-    return pm.peak_bytes
-
-
-def _peaks(rank, world):
-    return {"untiled": _peak(rank, world, tiled=False), "tiled": _peak(rank, world, tiled=True)}
-
-
-def test_tiled_loss_lowers_the_measured_peak_memory_per_rank():
-    """1,024 tokens of a 32,000 vocabulary on 2 ranks: the untiled step holds [512, 32000] fp32 logits (62.5 MiB)
-    and cross-entropy's log-softmax of the same size; the tiled one [128, 32000] at a time."""
-    results = run_on_ranks(_peaks, 2, timeout_s=300)
-    logits_bytes = 512 * 32000 * 4
-    for peaks in results:
-        saved = peaks["untiled"] - peaks["tiled"]
-        assert saved >= logits_bytes, peaks

@@ -24,8 +24,9 @@ When: ``tiled_loss="on"`` always (refused with an error if the loss is not of th
 the chunk budget (`chunk_tokens`), silently keeping the plain loss otherwise.  Logits that
 are also returned by the model (Hugging Face returns them beside the loss) cannot be avoided;
 with ``return_logits=False`` the compiled model returns None in their place when labels are
-passed, and the tiling applies; with ``return_logits=True`` "on" is refused and "auto" keeps
-the plain loss.
+passed (whenever the pass recognises the projection and loss, whether "auto" then tiles or
+not), and the tiling applies; with ``return_logits=True`` "on" is refused and "auto" keeps the
+plain loss.
 """
 
 from __future__ import annotations
@@ -178,6 +179,8 @@ def make_tiled_loss_pass(mode: str, loss_chunk_tokens: int | None, return_logits
                             "are materialised anyway; pass return_logits=False to return None in their place "
                             "when labels are given")
             return gm
+        if found.escaping:  # return_logits=False: None in their place, whether "auto" tiles or not
+            _drop_outputs(gm, found.escaping)
         rows, vocab = shape_of(call["input"])
         chunk = chunk_tokens(vocab, loss_chunk_tokens)
         if mode == "auto" and rows <= chunk:
@@ -225,17 +228,20 @@ def _rewrite(gm: fx.GraphModule, found: _Match, call: dict, chunk: int, ctx: Tra
             result = emit("method", "to", result, dtype)
     loss.replace_all_uses_with(result)
     graph.erase_node(loss)
-    output = next(n for n in graph.nodes if n.op == "output")
-    if found.escaping:
-        output.args = fx.node.map_arg(output.args, lambda n: None if n in found.escaping else n)
     for node in reversed([projection, *found.chain]):
         if not node.users:
             graph.erase_node(node)
     graph.lint()
     gm.recompile()
-    log.info("tiled loss in %s: %d tokens x %d vocabulary in chunks of %d tokens%s", module_name(loss),
-             shape_of(rows)[0], shape_of(weight)[0], chunk,
-             "; the model's logits output is None" if found.escaping else "")
+    log.info("tiled loss in %s: %d tokens x %d vocabulary in chunks of %d tokens", module_name(loss),
+             shape_of(rows)[0], shape_of(weight)[0], chunk)
+
+
+def _drop_outputs(gm: fx.GraphModule, nodes: tuple[fx.Node, ...]) -> None:
+    """Return None where the graph returned ``nodes`` (the logits; Dynamo rebuilds the model's output from it)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    output.args = fx.node.map_arg(output.args, lambda n: None if n in nodes else n)
+    log.info("the model's logits output (%s) is None: return_logits=False", ", ".join(n.name for n in nodes))
 
 
 def tiled_loss_placement(an, node: fx.Node):
