@@ -132,11 +132,16 @@ def tiled_loss_flops(node: fx.Node) -> int:
 def workspace_bytes(node: fx.Node) -> int:
     """Bytes an op allocates and frees while it runs, beyond its outputs.  Only the tiled loss has any: two fp32
     [chunk, vocab] buffers (the chunk's logits and the softmax's temporary in forward; the probabilities and
-    the logits' gradient in backward)."""
+    the logits' gradient in backward), and in backward, for a weight that is not fp32, the fp32 accumulator of
+    min(tokens, vocab) x hidden values (Note [Tiled logits and loss])."""
     if node.target not in TILED_LOSS:
         return 0
-    rows, _, vocab, chunk = _tiled_loss_dims(node)
-    return 2 * min(rows, chunk) * vocab * 4
+    rows, width, vocab, chunk = _tiled_loss_dims(node)
+    scratch = 2 * min(rows, chunk) * vocab * 4
+    if node.target is TILED_LOSS[1] and schema_arg(node, "weight").meta["val"].dtype != torch.float32 and (
+            schema_arg(node, "weight_grad")):
+        scratch += min(rows, vocab) * width * 4
+    return scratch
 
 
 def classify(node: fx.Node, *, masked_fraction: float | None = None) -> tuple[str, int]:

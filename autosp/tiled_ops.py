@@ -13,10 +13,14 @@ target [N], ignore_index, chunk_tokens)`` computes
 one chunk of ``chunk_tokens`` rows at a time, and returns ``(loss_sum, lse)``: an fp32
 scalar and the [N] fp32 log-sum-exps, the only values the backward keeps.  Only one
 chunk's [chunk, V] logits (and their fp32 copy) exist at any time.  The backward,
-``autosp_testbed::linear_cross_entropy_backward``, recomputes each chunk's logits, forms
-their gradient g * (softmax(z) - onehot(target)) for valid rows from the saved lse, and
-accumulates the gradients of the hidden states (per chunk), of the weight and of the bias
-(summed over chunks in fp32, cast to the parameter's dtype at the end).
+``autosp_testbed::linear_cross_entropy_backward``, recomputes the logits block by block and
+forms their gradient g * (softmax(z) - onehot(target)) for valid rows from the saved lse.
+Sums over blocks are fp32.  By token chunks, the weight's and bias's gradients are summed over
+chunks; an fp32 weight is its own accumulator, a bf16 one needs a [V, H] fp32 one.  So for a
+weight that is not fp32 and fewer tokens than classes the backward runs over vocabulary blocks
+of [N, chunk * V / N] instead: each block of the weight's gradient is then one matmul over all
+tokens (as untiled), and the sum over blocks is the hidden states' gradient, [N, H] in fp32.
+The extra memory is therefore min(N, V) x H fp32 values for a bf16 weight, none for fp32.
 
 The result equals ``F.cross_entropy(F.linear(hidden, weight, bias).float(), target,
 ignore_index=ignore_index, reduction="sum")`` and its gradients up to the order of fp32
@@ -64,33 +68,74 @@ def _(hidden, weight, bias, target, ignore_index, chunk_tokens):
     return hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape[0], dtype=torch.float32)
 
 
+def _grad_logits(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, row_scale: torch.Tensor,
+                 first_class: int) -> torch.Tensor:
+    """(softmax - onehot(target)) * row_scale for a block of logits holding classes [first_class, first_class +
+    columns), in place on their fp32 copy.  ``row_scale`` is the loss gradient on valid rows, 0 on ignored ones."""
+    probs = logits.float()
+    probs.sub_(lse.unsqueeze(1)).exp_()
+    local = target - first_class
+    hit = (row_scale != 0) & (local >= 0) & (local < probs.shape[1])
+    probs.scatter_add_(1, torch.where(hit, local, 0).unsqueeze(1), hit.to(probs.dtype).neg().unsqueeze(1))
+    return probs.mul_(row_scale.unsqueeze(1))
+
+
+def _backward_by_tokens(hidden, weight, bias, target, lse, row_scale, chunk_tokens, weight_grad, bias_grad):
+    """Token chunks: each chunk's logits once; the weight's and bias's gradients summed over chunks in fp32."""
+    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_grad else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias_grad else None
+    for start, stop in _chunks(hidden.shape[0], chunk_tokens):
+        h = hidden[start:stop]
+        grad_logits = _grad_logits(F.linear(h, weight, bias), lse[start:stop], target[start:stop],
+                                   row_scale[start:stop], 0).to(hidden.dtype)
+        grad_hidden[start:stop] = torch.mm(grad_logits, weight)
+        if grad_weight is not None:
+            grad_weight += torch.mm(grad_logits.t(), h).float()
+        if grad_bias is not None:
+            grad_bias += grad_logits.float().sum(0)
+    return grad_hidden, grad_weight, grad_bias
+
+
+def _backward_by_vocabulary(hidden, weight, bias, target, lse, row_scale, block_classes, bias_grad):
+    """Vocabulary blocks: each block of the weight's gradient is one matmul over all tokens (as untiled); the
+    hidden states' gradient summed over blocks in fp32.  For fewer tokens than classes, where this fp32
+    accumulator ([tokens, H]) is smaller than the weight's ([V, H])."""
+    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    grad_weight = torch.empty_like(weight)
+    grad_bias = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device) if bias_grad else None
+    for start, stop in _chunks(weight.shape[0], block_classes):
+        w = weight[start:stop]
+        grad_logits = _grad_logits(F.linear(hidden, w, None if bias is None else bias[start:stop]), lse, target,
+                                   row_scale, start).to(hidden.dtype)
+        grad_hidden += torch.mm(grad_logits, w).float()
+        grad_weight[start:stop] = torch.mm(grad_logits.t(), hidden)
+        if grad_bias is not None:
+            grad_bias[start:stop] = grad_logits.float().sum(0)
+    return grad_hidden.to(hidden.dtype), grad_weight, grad_bias
+
+
+def by_vocabulary(rows: int, vocab: int, dtype: torch.dtype, weight_grad: bool) -> bool:
+    """Whether the backward loops over vocabulary blocks: a weight gradient to sum in fp32 for a weight that is
+    not fp32 (an fp32 one is its own accumulator), and fewer tokens than classes."""
+    return weight_grad and dtype != torch.float32 and rows < vocab
+
+
 @torch.library.custom_op("autosp_testbed::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                                   bias: torch.Tensor | None, target: torch.Tensor, lse: torch.Tensor,
                                   ignore_index: int, chunk_tokens: int, weight_grad: bool, bias_grad: bool
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad of hidden, grad of weight or an empty tensor, grad of bias or an empty tensor)."""
-    rows = hidden.shape[0]
-    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_grad else None
-    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias_grad else None
-    scale = grad_loss.float()
-    for start, stop in _chunks(rows, chunk_tokens):
-        h = hidden[start:stop]
-        t = target[start:stop]
-        valid = t != ignore_index
-        # softmax(z) - onehot(target), times the loss gradient, zero on ignored rows: in place on the fp32 logits
-        probs = F.linear(h, weight, bias).float()
-        probs.sub_(lse[start:stop].unsqueeze(1)).exp_()
-        probs.scatter_add_(1, torch.where(valid, t, 0).unsqueeze(1), probs.new_full((stop - start, 1), -1.0))
-        probs.mul_(torch.where(valid, scale, 0.0).unsqueeze(1))
-        grad_logits = probs.to(hidden.dtype)
-        del probs
-        grad_hidden[start:stop] = torch.mm(grad_logits, weight)
-        if grad_weight is not None:
-            grad_weight += torch.mm(grad_logits.t(), h).float()
-        if grad_bias is not None:
-            grad_bias += grad_logits.float().sum(0)
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    row_scale = torch.where(target != ignore_index, grad_loss.float(), 0.0)
+    if by_vocabulary(rows, vocab, weight.dtype, weight_grad):
+        block = max(1, chunk_tokens * vocab // max(rows, 1))  # a [rows, block] block as large as one chunk
+        grads = _backward_by_vocabulary(hidden, weight, bias, target, lse, row_scale, block, bias_grad)
+    else:
+        grads = _backward_by_tokens(hidden, weight, bias, target, lse, row_scale, chunk_tokens, weight_grad,
+                                    bias_grad)
+    grad_hidden, grad_weight, grad_bias = grads
     empty = hidden.new_empty(0)
     return (grad_hidden,
             grad_weight.to(weight.dtype) if grad_weight is not None else empty,

@@ -47,6 +47,52 @@ def test_op_equals_linear_then_cross_entropy(bias):
                           (hidden, weight, b, target, -100, 5), test_utils=("test_schema", "test_faketensor"))
 
 
+def _problem(rows: int, vocab: int, width: int = 8, *, bias: bool = True):
+    g = torch.Generator().manual_seed(rows + vocab)
+    hidden = torch.randn(rows, width, generator=g)
+    weight = torch.randn(vocab, width, generator=g)
+    b = torch.randn(vocab, generator=g) if bias else None
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    target[::4] = -100
+    return hidden, weight, b, target
+
+
+def _reference_grads(hidden, weight, b, target, seed):
+    leaves = [t.detach().float().requires_grad_() for t in (hidden, weight, b)]
+    loss = F.cross_entropy(F.linear(*leaves), target, ignore_index=-100, reduction="sum")
+    return torch.autograd.grad(loss, leaves, seed)
+
+
+def test_both_backward_loops_equal_autograd():
+    """By token chunks and by vocabulary blocks (the latter taken for bf16 weights and fewer tokens than
+    classes), each checked in fp32 against autograd, with blocks that do and do not divide."""
+    from autosp.tiled_ops import _backward_by_tokens, _backward_by_vocabulary
+
+    hidden, weight, b, target = _problem(23, 40)
+    seed = torch.tensor(0.37)
+    _, lse = torch.ops.autosp_testbed.linear_cross_entropy(hidden, weight, b, target, -100, 5)
+    row_scale = torch.where(target != -100, seed, 0.0)
+    expected = _reference_grads(hidden, weight, b, target, seed)
+    for grads in (_backward_by_tokens(hidden, weight, b, target, lse, row_scale, 5, True, True),
+                  _backward_by_vocabulary(hidden, weight, b, target, lse, row_scale, 7, True),
+                  _backward_by_vocabulary(hidden, weight, b, target, lse, row_scale, 8, True)):
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+@pytest.mark.parametrize("rows", [12, 60])  # fewer tokens than classes (by vocabulary) and more (by tokens)
+def test_bf16_op_within_bf16_tolerance(rows):
+    hidden, weight, b, target = (t if t is None or t.dtype == torch.long else t.bfloat16()
+                                 for t in _problem(rows, 40, width=16))
+    leaves = [t.requires_grad_() for t in (hidden, weight, b)]
+    loss, _ = torch.ops.autosp_testbed.linear_cross_entropy(*leaves, target, -100, 5)
+    grads = torch.autograd.grad(loss, leaves)
+    expected = _reference_grads(hidden, weight, b, target, torch.tensor(1.0))
+    for got, want in zip(grads, expected, strict=True):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
 def _tiled_case(rank, world, *, model, sp_size, seq_len, options, overrides=None):
     import autosp
     from experiments.models import build_model, vocab_size
