@@ -2,8 +2,8 @@
 
 Note [Tiled logits and loss]
 At long context the largest tensors of a causal-LM step are the logits of the output
-projection and their fp32 copies: [tokens, vocab] (16K tokens x a 128,256 vocabulary are
-7.65 GiB in fp32), and cross-entropy keeps its log-softmax of the same size for backward.
+projection and their fp32 copies: [tokens, vocab] (16,384 tokens x a 128,256 vocabulary are
+7.83 GiB in fp32), and cross-entropy keeps its log-softmax of the same size for backward.
 ``autosp_testbed::linear_cross_entropy(hidden [N, H], weight [V, H], bias [V] | None,
 target [N], ignore_index, chunk_tokens)`` computes
 
@@ -151,11 +151,11 @@ def _(grad_loss, hidden, weight, bias, target, lse, ignore_index, chunk_tokens, 
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, target, ctx.ignore_index, ctx.chunk_tokens = inputs
     ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(output[1])  # the log-sum-exps are returned for the backward only
     ctx.save_for_backward(hidden, weight, bias, target, output[1])
 
 
 def _backward(ctx, grad_loss, grad_lse):
-    # lse is returned for the backward only: nothing differentiates through it (grad_lse is unused).
     hidden, weight, bias, target, lse = ctx.saved_tensors
     need = ctx.needs_input_grad
     grad_hidden, grad_weight, grad_bias = linear_cross_entropy_backward(
