@@ -9,7 +9,7 @@ collective schedule for the simulator.  Entry points: `compile`,
 (and `sequence_parallel_sampler` for data loading).
 """
 
-from autosp import ops  # noqa: F401 - registers the autosp_testbed:: collective ops
+from autosp import ops, tiled_ops  # noqa: F401 - register the autosp_testbed:: custom ops
 from autosp.api import SequenceParallelModel, compile, sync_gradients
 from autosp.config import AutoSPConfig
 from autosp.errors import AutoSPError

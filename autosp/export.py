@@ -16,7 +16,8 @@ Parameters, gradients and optimizer state are static memory, not tensors.
 
 FLOPs: matmuls 2·M·N·K; attention counted here (torch's counter misses the CPU
 kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to two),
-halved under causal masking; elementwise ops one FLOP per output element.
+halved under causal masking; elementwise ops one FLOP per output element.  An op with scratch memory
+(the tiled loss's chunk, `autosp.costs.workspace_bytes`) allocates it and frees it itself.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autosp.costs import VIEWS, attention_scores_of, classify, nbytes_of, packet_name
+from autosp.costs import VIEWS, attention_scores_of, classify, nbytes_of, packet_name, workspace_bytes
 from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,12 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 em.tensors[tid] = written
                 root[node] = tid
                 allocates = (tid,)
+            scratch = workspace_bytes(node)
+            if scratch:  # allocated and freed by this op (the tiled loss's chunk)
+                tid = len(em.tensors)
+                em.tensors[tid] = scratch
+                allocates += (tid,)
+                em.frees_at.setdefault(op_id, []).append(tid)
             read = sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes)
             ours = getattr(node.target, "namespace", None) == "autosp_testbed"
             if ours and packet in _COLLECTIVES:

@@ -645,6 +645,12 @@ def attention(an, gm, node: fx.Node):
     return ulysses_attention(an, gm, node)
 
 
+def tiled_loss(an, gm, node: fx.Node):
+    from autosp.passes.dynamo.tiled_loss import tiled_loss_placement
+
+    return tiled_loss_placement(an, node)
+
+
 def arange(an, gm, node: fx.Node):
     from autosp.passes.dynamo.positions import arange_placement
 
@@ -685,7 +691,8 @@ _RULE_CLASS = {pointwise: "token-local: elementwise", layout: "token-local: layo
                einsum: "token-local: matmul", getitem: "token-local: indexing", cat: "token-local: concatenation",
                split: "token-local: split", pad: "token-local: padding", cross_entropy: "loss (partial sum)",
                arange: "positions", metadata: "metadata", factory: "factory (replicated)",
-               all_reduce: "collective", gather: "collective (gather)", attention: "attention (Ulysses)"}
+               all_reduce: "collective", gather: "collective (gather)", attention: "attention (Ulysses)",
+               tiled_loss: "loss (tiled: partial sum)"}
 
 
 def _rule_for(node: fx.Node) -> Callable | None:
@@ -694,6 +701,8 @@ def _rule_for(node: fx.Node) -> Callable | None:
             return attention
         if node.target is operator.getitem:
             return getitem
+        if node.target is torch.ops.autosp_testbed.linear_cross_entropy.default:  # before the namespace default
+            return tiled_loss
         if getattr(node.target, "namespace", None) == "autosp_testbed":
             return all_reduce if "all_reduce" in node.target._opname else (
                 gather if node.target._opname == "all_gather" else metadata)
