@@ -291,7 +291,7 @@ def module_parameters(aot_graphs: list[tuple[str, fx.GraphModule]], dynamo_graph
 
 def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
                     dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", document_lengths=None,
-                    **options):
+                    micro_batch: int = 1, **options):
     """Compile and run one training step of ``build_model()`` on fake tensors and a fake group.
 
     Paper-scale graphs without paper-scale memory: the model is built inside a
@@ -302,6 +302,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     parameter bytes.  ``options`` are `autosp.compile` options (e.g. checkpointing).
     ``document_lengths``: the sample packs documents of these lengths (real position ids, so a model
     that masks documents is traced with the layout and the report's attention_kept_fraction set).
+    ``micro_batch``: samples per step (the rows of ``input_ids``; each row is a full ``seq_len`` sequence).
     The process must not have a process group of its own.
     """
     import torch.distributed as dist
@@ -316,7 +317,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
         raise RuntimeError("trace_fake_step needs a process without a process group (it creates a fake one)")
     positions = None
     if document_lengths is not None:  # real values (a few integers per token), outside the fake mode
-        positions = torch.cat([torch.arange(int(n)) for n in document_lengths])[None]
+        positions = torch.cat([torch.arange(int(n)) for n in document_lengths])[None].expand(micro_batch, -1)
         if positions.shape[1] != seq_len:
             raise ValueError(f"document_lengths sum to {positions.shape[1]} tokens, not seq_len={seq_len}")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=sp_size)
@@ -330,7 +331,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
                 model = build_model()
             finally:
                 torch.set_default_dtype(previous)
-            ids = torch.randint(0, vocab_size, (1, seq_len))
+            ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
             inputs = prepare_inputs(ids, labels=ids, position_ids=positions)
         compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **options)
         # The step runs in the fake mode too: a graph's factory ops (the zeros a loss backward fills, a

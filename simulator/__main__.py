@@ -189,12 +189,35 @@ def _run(args: argparse.Namespace) -> int:
     print(f"  step time        {result.step_time_s * 1e3:.3f} ms")
     print(f"  exposed comm     {result.exposed_comm_s * 1e3:.3f} ms"
           f"{'' if overlap is None else f' (overlap {overlap:.1%})'}")
-    print(f"  peak memory      {result.peak_memory_bytes / 2**30:.2f} GiB of {cluster.device.memory_bytes / 2**30:.2f}")
-    print(f"  fits             {'yes' if result.fits else 'NO: ' + result.oom.message()}")
+    _print_memory(workload, result, cluster)
     if args.sensitivity:
         _sensitivity(args, workload, result, cluster, nodes)
     print(f"  wrote            {args.out}")
     return 0
+
+
+def _print_memory(workload: Workload, result, cluster: Cluster) -> None:
+    """Peak memory with the one definition of --max-length and python -m autosp.plan (the ledger of the
+    workload's training configuration inside backward, device reserve included, plus the simulated activations)
+    when the workload names its configuration; else the engine's count, saying what it leaves out."""
+    from simulator.max_length import _config_from, ledger_peak
+
+    capacity = cluster.device.memory_bytes
+    config = workload.metadata.get("training_config")
+    if config is not None:
+        activations = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+        peak = ledger_peak(_config_from(config), activations)
+        print(f"  peak memory      {peak / 2**30:.2f} GiB of {capacity / 2**30:.2f} (the memory ledger of the "
+              f"workload's training configuration, device reserve included, plus {activations / 2**30:.2f} GiB "
+              "of simulated activations)")
+        print(f"  fits             {'yes' if peak <= capacity else 'NO'}")
+        return
+    print(f"  peak memory      {result.peak_memory_bytes / 2**30:.2f} GiB of {capacity / 2**30:.2f} (the program's "
+          "tensors plus the workload's static memory only)")
+    print(f"  fits             {'yes' if result.fits else 'NO: ' + result.oom.message()} - without the device "
+          "reserve (CUDA context, NCCL buffers, workspaces, allocator rounding and fragmentation) and the ledger's "
+          "DeepSpeed buffers that --max-length and python -m autosp.plan count: the workload's metadata names no "
+          "training_config (simulator.max_length.step_metadata)")
 
 
 def _sensitivity(args: argparse.Namespace, workload: Workload, result, cluster: Cluster, nodes: int) -> None:

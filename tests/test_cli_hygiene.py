@@ -71,6 +71,9 @@ CLIS = (
                             ("--grad-accum-dtype", "fp64"), ("--optimizer", "adamm"), ("--zero-stage", "4"))),
     Cli("autosp.train", typos=(("--model", "tiny-lama"), ("--compiler", "inductr"), ("--dtype", "fp16"),
                                ("--zero-stage", "3"), ("--deepspeed-config", "no-such-config.json"))),
+    Cli("autosp.plan", required=("--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "1024"),
+        typos=(("--model", "tiny-lama"), ("--cluster", "h100"), ("--dtype", "fp16"), ("--optimizer", "adamm"), ("--offload", "cpu"), ("--zero-stage", "4"),
+               ("--compiler", "inductr"), ("--depth", "ful"))),
     Cli("scripts/gpu_smoke.py"),
 )
 """Every command line of the project: add a new one here (`test_every_main_module_is_listed` fails until then)."""
@@ -105,7 +108,8 @@ if command.endswith(".py"):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 else:
-    module = importlib.import_module(command + ".__main__" if command == "simulator" else command)
+    package = importlib.util.find_spec(command).submodule_search_locations is not None
+    module = importlib.import_module(command + ".__main__" if package else command)
 parser = module.build_parser()
 actions = []
 for action in parser._actions:

@@ -178,7 +178,8 @@ def _parse_module_args(module: str, args: list[str]) -> str | None:
     """None when ``module``'s parser accepts ``args``; its error otherwise."""
     if _find_module(module) is None:
         return f"no module {module}"
-    target = importlib.import_module(module + ".__main__" if module == "simulator" else module)
+    package = importlib.util.find_spec(module).submodule_search_locations is not None  # run as its __main__
+    target = importlib.import_module(module + ".__main__" if package else module)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
