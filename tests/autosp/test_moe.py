@@ -88,3 +88,64 @@ def test_moe_two_ranks_mixtral_qwen2_qwen3_exact_with_router_aux_loss():
 
 def test_moe_four_ranks_mixtral_and_qwen3_exact_with_router_aux_loss():
     _check(run_on_ranks(_moe_cases, 4, ("mixtral", "qwen3-moe"), 16, timeout_s=500))
+
+
+class _RoutedLM(torch.nn.Module):
+    """Embedding, a top-1 routed MLP dispatched as ``dispatch`` spells it, and an LM head (no attention)."""
+
+    def __init__(self, dispatch: str, hidden: int = 16, experts: int = 4):
+        super().__init__()
+        self.dispatch = dispatch
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(experts, hidden, hidden) * 0.1)
+        self.head = torch.nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, input_ids, labels=None, position_ids=None):
+        b, s = input_ids.shape
+        x = self.embed(input_ids).reshape(b * s, -1)
+        probs = self.router(x).softmax(-1)
+        weight, expert = probs.max(-1)
+        if self.dispatch == "expert-choice":  # each expert picks its top tokens: capacity over the whole batch
+            _, chosen = torch.topk(probs, k=max(1, (b * s) // 4), dim=0)
+            y = x[chosen[:, 0]]
+            x = x.index_add(0, chosen[:, 0], y)
+        elif self.dispatch == "capacity":  # tokens past an expert's capacity are dropped
+            onehot = torch.nn.functional.one_hot(expert, probs.shape[-1])
+            position_in_expert = onehot.cumsum(0) * onehot
+            keep = (position_in_expert <= 2).any(-1)
+            x = x * keep[:, None] * weight[:, None]
+        else:
+            keys, perm = torch.sort(expert)
+            rows = torch.bmm(x[perm][:, None], self.w[keys]).squeeze(1)
+            if self.dispatch == "no-inverse":  # scattered back with the permutation itself, not its inverse
+                x = x + rows[perm]
+            elif self.dispatch == "scan-rows":  # a running sum over the permuted rows mixes tokens
+                x = x + rows.cumsum(0)[torch.argsort(perm)]
+            elif self.dispatch == "inverse":  # the per-token dispatch, inverse by argsort: accepted
+                x = x + rows[torch.argsort(perm)]
+        logits = self.head(x).reshape(b, s, -1)
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), shifted.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("dispatch,pattern", [
+    ("expert-choice", r"torch.topk .* token axis"),
+    ("capacity", r"cumsum .* token axis"),
+    ("no-inverse", r"operator.getitem .*shard-local"),
+    ("scan-rows", r"cumsum .*shard-local permutation"),
+])
+def test_moe_dispatch_that_is_not_per_token_is_refused(dispatch, pattern):
+    ids, labels = make_sample(16, VOCAB, seed=0)
+    with fake_process_group(2, rank=0):
+        compiled = autosp.compile(_RoutedLM(dispatch), sp_size=2, compiler="aot_eager")
+        with pytest.raises(AutoSPError, match=pattern):
+            compiled(**autosp.prepare_inputs(ids, labels=labels))
+
+
+def test_moe_sort_dispatch_with_argsort_inverse_is_accepted():
+    ids, labels = make_sample(16, VOCAB, seed=0)
+    with fake_process_group(2, rank=0):
+        compiled = autosp.compile(_RoutedLM("inverse"), sp_size=2, compiler="aot_eager")
+        compiled(**autosp.prepare_inputs(ids, labels=labels))
+        assert compiled.report.op_classes["torch.sort"].startswith("token-local: MoE dispatch")

@@ -299,6 +299,10 @@ def _rowwise(an, node, name):
             raise an.refuse(node, "reshapes across the permuted row axis", _FIX)
         p = an.of(source)
         return Permuted(0, 1, perm=perm, items=items, key=p.key and name in _KEY_DTYPE_NAMES)
+    if name in ("bmm", "matmul", "__matmul__") and len(node.args) == 2 and all(
+            isinstance(places.get(a), Permuted) and len(_shape(a)) >= 3 or isinstance(places.get(a), Replicate)
+            and len(_shape(a)) <= 2 for a in node.args):
+        return Permuted(0, 1, perm=perm, items=items)  # dim 0 (the rows) is a batch dim: one product per row
     if name in ("linear",) and len(places) >= 1 and all(
             isinstance(p, Replicate) for a, p in places.items() if a is not node.args[0]):
         return Permuted(0, 1, perm=perm, items=items)
@@ -320,11 +324,17 @@ def _getitem(an, node):
     idx = an.of(index) if isinstance(index, fx.Node) else None
     if isinstance(idx, LocalIndex) and not isinstance(p, _Local):
         return _gather(an, node, source, p, idx)
+    items = list(index) if isinstance(index, tuple) else [index]
+    if (isinstance(p, Permuted) and not any(isinstance(i, fx.Node) for i in items) and items
+            and isinstance(items[0], slice) and items[0] == slice(None) and _shape(node)[:1] == (p.items,)):
+        return Permuted(0, 1, perm=p.perm, items=p.items)  # x[:, ...]: every row kept, in place
+    if isinstance(idx, Permuted) and isinstance(p, Replicate) and not fake_value(index).is_floating_point():
+        return Permuted(0, 1, perm=idx.perm, items=idx.items)  # a table row per permuted row (W[sorted ids])
     if isinstance(idx, InverseIndex) and isinstance(p, Permuted):
         if _shape(source)[:1] != (idx.items,):
             raise an.refuse(node, "restores token order from rows of another length", _FIX)
         return Shard(0, idx.stride)
-    raise an.refuse(node, f"indexes {p} with {idx if idx is not None else index!r}; only a gather at the "
+    raise an.refuse(node, f"indexes {p} with {idx if idx is not None else repr(index)}; only a gather at the "
                     "permutation (x[perm]) and the gather back at its inverse (rows[inverse]) are per-token", _FIX)
 
 
