@@ -86,6 +86,7 @@ def test_moe_two_ranks_mixtral_qwen2_qwen3_exact_with_router_aux_loss():
     _check(run_on_ranks(_moe_cases, 2, ("mixtral", "qwen2-moe", "qwen3-moe"), 16, timeout_s=400))
 
 
+@pytest.mark.slow
 def test_moe_four_ranks_mixtral_and_qwen3_exact_with_router_aux_loss():
     _check(run_on_ranks(_moe_cases, 4, ("mixtral", "qwen3-moe"), 16, timeout_s=500))
 

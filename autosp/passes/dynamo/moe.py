@@ -184,6 +184,8 @@ def apply(an, gm: fx.GraphModule, node: fx.Node):
         return complete_sequence_reduction(an, gm, node)
     if name in ("truediv", "div", "true_divide", "__truediv__") and _aux_loss_row_count(an, node):
         return REPLICATE
+    if name in ("mul", "__mul__", "__rmul__") and _aux_loss_expert_count(an, node):
+        return REPLICATE
     return NOT_MINE
 
 
@@ -421,10 +423,27 @@ def _grouped_mm(an, node):
 _FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
 
 
+def _in_aux_loss_function(node) -> bool:
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    return bool(frames) and frames[-1][1] in _AUX_LOSS_FUNCTIONS and "transformers" in frames[-1][0]
+
+
+def _aux_loss_expert_count(an, node) -> bool:
+    """In load_balancing_loss_func, ``overall_loss * num_experts``: the literal is the expert count, not a token
+    count (the ordinary rule would refuse it when it happens to equal a multiple of this shard's tokens)."""
+    if not _in_aux_loss_function(node) or len(node.args) != 2:
+        return False
+    x, factor = node.args
+    if (isinstance(x, fx.Node) and x in an.sequence_reduced and isinstance(an.of(x), Replicate)
+            and isinstance(factor, int) and not isinstance(factor, bool)):
+        an.classify(node, "token-local: elementwise (router aux loss: times the expert count)")
+        return True
+    return False
+
+
 def _aux_loss_row_count(an, node) -> bool:
     """In Hugging Face's load_balancing_loss_func, ``sum / total_rows`` with total_rows baked from shapes."""
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    if not frames or frames[-1][1] not in _AUX_LOSS_FUNCTIONS or "transformers" not in frames[-1][0]:
+    if not _in_aux_loss_function(node):
         return False
     x, count = node.args[0], node.args[1] if len(node.args) > 1 else None
     layout = an.ctx.layout
