@@ -68,6 +68,9 @@ class AutoSPTrainer(transformers.Trainer):
                               "torch.distributed.init_process_group) before building the trainer")
         self._sp_size = sp_size or dist.get_world_size()
         self._autosp_options = dict(autosp_options or {})
+        if self.compute_loss_func is not None or self.args.label_smoothing_factor:
+            raise AutoSPError("AutoSPTrainer takes the loss the model returns (the exact causal-LM loss AutoSP makes "
+                              "of it); drop compute_loss_func / label_smoothing_factor")
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise AutoSPError("AutoSPTrainer reduces gradients itself; drop the Trainer's DeepSpeed/FSDP settings "
                               "(for DeepSpeed ZeRO use autosp.deepspeed_initialize)")

@@ -23,11 +23,14 @@ FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 VOCAB = 128
 
 
-def build_moe(family: str) -> torch.nn.Module:
-    """A tiny Hugging Face MoE decoder: 2 layers, hidden 32, 4 experts, top-2, router aux loss on."""
+def build_moe(family: str, experts: str | None = None, **_) -> torch.nn.Module:
+    """A tiny Hugging Face MoE decoder: 2 layers, hidden 32, 4 experts, top-2, router aux loss on.
+
+    ``experts``: Hugging Face's experts implementation (default: its own, ``grouped_mm``)."""
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    extra = {"experts_implementation": experts} if experts else {}
+    common = dict(**extra, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, attn_implementation="sdpa",
                   output_router_logits=True, router_aux_loss_coef=0.1, max_position_embeddings=256)
     if family == "mixtral":
@@ -45,22 +48,36 @@ def build_moe(family: str) -> torch.nn.Module:
     return model
 
 
-def _moe_cases(rank, world, families, seq_len):
+def _moe_cases(rank, world, cases, seq_len):
+    """Each case: (family, options); options ``experts`` (HF experts implementation), ``padding`` (right padding
+    with an attention mask: the aux loss then counts tokens through the mask)."""
     sp_size = world
     out = []
-    for family in families:
+    for family, options in cases:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        reference = build_moe(family)
+        reference = build_moe(family, **options)
         candidate = copy.deepcopy(reference)
         ids, labels = make_sample(seq_len, VOCAB, seed=7)
-        ref = reference(input_ids=ids, labels=labels)
+        mask = None
+        if options.get("padding"):
+            mask = torch.ones_like(ids)
+            mask[1, -5:] = 0
+            labels = labels.masked_fill(mask == 0, -100)
+        ref = reference(input_ids=ids, labels=labels, attention_mask=mask)
         ref.loss.backward()
         compiled = autosp.compile(candidate, sp_size=sp_size, compiler="aot_eager")
-        got = compiled(**autosp.prepare_inputs(ids, labels=labels))
+        case = {"family": f"{family} {options}"}
+        try:
+            got = compiled(**autosp.prepare_inputs(ids, labels=labels, attention_mask=mask))
+        except AutoSPError as err:
+            if not options.get("padding"):
+                raise
+            out.append({**case, "refused": str(err)})  # exact or refused: see _check
+            continue
         got.loss.backward()
         autosp.sync_gradients(compiled)
-        out.append({"family": family, "loss": got.loss.detach(), "ref_loss": ref.loss.detach(),
+        out.append({**case, "loss": got.loss.detach(), "ref_loss": ref.loss.detach(),
                     "aux": got.aux_loss.detach(), "ref_aux": ref.aux_loss.detach(),
                     "grads": named_grads(candidate), "ref_grads": named_grads(reference),
                     "classes": dict(compiled.report.op_classes)})
@@ -71,6 +88,11 @@ def _check(results):
     for rank, per_case in enumerate(results):
         for r in per_case:
             where = f"{r['family']} rank {rank}"
+            if "refused" in r:
+                # Until the analysis places the attention mask as token-sharded, the aux loss's count through the
+                # mask has no rule: refused, never accepted with a wrong count.
+                assert "scatter_add_" in r["refused"], f"{where}: {r['refused']}"
+                continue
             torch.testing.assert_close(r["loss"], r["ref_loss"], **FP32_TOL, msg=lambda m, w=where: f"{w} loss: {m}")
             torch.testing.assert_close(r["aux"], r["ref_aux"], **FP32_TOL, msg=lambda m, w=where: f"{w} aux: {m}")
             assert r["grads"].keys() == r["ref_grads"].keys()
@@ -79,16 +101,18 @@ def _check(results):
                 assert reference.abs().max() > 0, f"{where} grad {name} is zero: the comparison would be vacuous"
                 torch.testing.assert_close(grad, reference, **FP32_TOL,
                                            msg=lambda m, w=f"{where} grad {name}": f"{w}: {m}")
-            assert any("MoE dispatch" in c for c in r["classes"].values()), f"{where}: the sort dispatch was not seen"
+            assert any("MoE dispatch" in c or "layout" in c for c in r["classes"].values()), where
 
 
 def test_moe_two_ranks_mixtral_qwen2_qwen3_exact_with_router_aux_loss():
-    _check(run_on_ranks(_moe_cases, 2, ("mixtral", "qwen2-moe", "qwen3-moe"), 16, timeout_s=400))
+    cases = [("mixtral", {}), ("qwen2-moe", {}), ("qwen3-moe", {}), ("qwen3-moe", {"experts": "batched_mm"}),
+             ("mixtral", {"padding": True})]
+    _check(run_on_ranks(_moe_cases, 2, cases, 16, timeout_s=600))
 
 
 @pytest.mark.slow
 def test_moe_four_ranks_mixtral_and_qwen3_exact_with_router_aux_loss():
-    _check(run_on_ranks(_moe_cases, 4, ("mixtral", "qwen3-moe"), 16, timeout_s=500))
+    _check(run_on_ranks(_moe_cases, 4, [("mixtral", {}), ("qwen3-moe", {})], 16, timeout_s=600))
 
 
 class _RoutedLM(torch.nn.Module):

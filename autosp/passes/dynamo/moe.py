@@ -38,7 +38,10 @@ dropping by a cumulative count against a capacity factor) stays refused by the
 ordinary rules (``topk``/``cumsum`` along the token axis).
 
 Also here, for MoE auxiliary losses: ``histc``/``bincount`` of a token-sharded
-value is a sum of per-token counts (local count + all-reduce, as a sum), and
+value, and ``zeros(n).scatter_add_(0, index, src)`` with token-sharded index and
+source, are sums of per-token counts (local count + all-reduce, as a sum);
+``repeat_interleave(r)`` along the token axis keeps each token's block (r times
+longer: the mask spelling of the aux loss, ``batched_mm`` experts); and
 Hugging Face's ``load_balancing_loss_func`` divides by ``routing_weights.shape[0]``
 summed over layers, a row count Dynamo bakes into the graph as this shard's
 number: inside that function (a library function whose source says the literal
@@ -182,6 +185,13 @@ def apply(an, gm: fx.GraphModule, node: fx.Node):
         from autosp.passes.dynamo.reductions import complete_sequence_reduction
 
         return complete_sequence_reduction(an, gm, node)
+    if name in ("scatter_add", "scatter_add_") and _scatter_count(an, node):
+        an.classify(node, "reduction (over the sequence: all-reduced counts)")
+        from autosp.passes.dynamo.reductions import complete_sequence_reduction
+
+        return complete_sequence_reduction(an, gm, node)
+    if name == "repeat_interleave":
+        return _repeat_interleave(an, node)
     if name in ("truediv", "div", "true_divide", "__truediv__") and _aux_loss_row_count(an, node):
         return REPLICATE
     if name in ("mul", "__mul__", "__rmul__") and _aux_loss_expert_count(an, node):
@@ -191,6 +201,34 @@ def apply(an, gm: fx.GraphModule, node: fx.Node):
 
 def _real_shard(p) -> bool:
     return isinstance(p, Shard) and not isinstance(p, _Local) and not p.tentative
+
+
+def _repeat_interleave(an, node):
+    """``x.repeat_interleave(r)`` along the token axis (an int r): every entry of a token repeated r times in place,
+    so the token keeps its consecutive block, r times longer (MoE: one row per token and expert slot)."""
+    x = node.args[0]
+    p = an.of(x)
+    repeats = _arg(node, 1, "repeats")
+    dim = _arg(node, 2, "dim", None)
+    ndim = len(_shape(x))
+    if (not _real_shard(p) or not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1
+            or (dim is None and ndim != 1) or (dim is not None and dim % max(ndim, 1) != p.dim)):
+        return NOT_MINE
+    an.classify(node, "token-local: layout")
+    return Shard(p.dim, p.inner * repeats)
+
+
+def _scatter_count(an, node) -> bool:
+    """``torch.zeros(n).scatter_add_(0, index, src)`` with token-sharded index and src: a sum over the tokens."""
+    target = node.args[0]
+    dim = _arg(node, 1, "dim")
+    index, src = _arg(node, 2, "index"), _arg(node, 3, "src")
+    if not (isinstance(target, fx.Node) and isinstance(index, fx.Node) and isinstance(src, fx.Node)):
+        return False
+    pi, ps = an.of(index), an.of(src)
+    fresh = _name(target) in ("zeros", "new_zeros") and len(target.users) == 1 and isinstance(an.of(target), Replicate)
+    return (fresh and dim == 0 and len(_shape(target)) == 1 and _real_shard(pi) and _real_shard(ps)
+            and pi.dim == 0 and ps.dim == 0 and (pi.inner, _shape(index)) == (ps.inner, _shape(src)))
 
 
 # -- the permutation ------------------------------------------------------------------------------
