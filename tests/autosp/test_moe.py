@@ -140,6 +140,17 @@ class _RoutedLM(torch.nn.Module):
             position_in_expert = onehot.cumsum(0) * onehot
             keep = (position_in_expert <= 2).any(-1)
             x = x * keep[:, None] * weight[:, None]
+        elif self.dispatch in ("grouped", "descending-groups", "coarse-bins"):
+            import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
+
+            keys, perm = torch.sort(expert, descending=self.dispatch == "descending-groups")
+            bins = probs.shape[-1]
+            top = bins if self.dispatch == "coarse-bins" else bins - 1  # coarse: bins no longer one per id
+            offsets = torch.cumsum(torch.histc(keys.float(), bins=bins, min=0, max=top), dim=0, dtype=torch.int32)
+            rows = torch.ops.transformers.grouped_mm_fallback(x[perm], self.w, offs=offsets)
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(perm.shape[0])
+            x = x + rows[inverse] * weight[:, None]
         else:
             keys, perm = torch.sort(expert)
             rows = torch.bmm(x[perm][:, None], self.w[keys]).squeeze(1)
@@ -147,6 +158,8 @@ class _RoutedLM(torch.nn.Module):
                 x = x + rows[perm]
             elif self.dispatch == "scan-rows":  # a running sum over the permuted rows mixes tokens
                 x = x + rows.cumsum(0)[torch.argsort(perm)]
+            elif self.dispatch == "mixed-order":  # permuted rows added to token-ordered ones
+                x = x + rows
             elif self.dispatch == "inverse":  # the per-token dispatch, inverse by argsort: accepted
                 x = x + rows[torch.argsort(perm)]
         logits = self.head(x).reshape(b, s, -1)
@@ -159,6 +172,9 @@ class _RoutedLM(torch.nn.Module):
     ("capacity", r"cumsum .* token axis"),
     ("no-inverse", r"operator.getitem .*shard-local"),
     ("scan-rows", r"cumsum .*shard-local permutation"),
+    ("mixed-order", r"operator.add .*rows are in different orders"),
+    ("descending-groups", r"torch.histc .*not the sorted expert ids"),
+    ("coarse-bins", r"torch.histc .*not one per id"),
 ])
 def test_moe_dispatch_that_is_not_per_token_is_refused(dispatch, pattern):
     ids, labels = make_sample(16, VOCAB, seed=0)
@@ -168,9 +184,10 @@ def test_moe_dispatch_that_is_not_per_token_is_refused(dispatch, pattern):
             compiled(**autosp.prepare_inputs(ids, labels=labels))
 
 
-def test_moe_sort_dispatch_with_argsort_inverse_is_accepted():
+@pytest.mark.parametrize("dispatch", ["inverse", "grouped"])
+def test_moe_sort_dispatch_per_token_is_accepted(dispatch):
     ids, labels = make_sample(16, VOCAB, seed=0)
     with fake_process_group(2, rank=0):
-        compiled = autosp.compile(_RoutedLM("inverse"), sp_size=2, compiler="aot_eager")
+        compiled = autosp.compile(_RoutedLM(dispatch), sp_size=2, compiler="aot_eager")
         compiled(**autosp.prepare_inputs(ids, labels=labels))
         assert compiled.report.op_classes["torch.sort"].startswith("token-local: MoE dispatch")

@@ -238,14 +238,16 @@ def _sort(an, node, name):
     if not _real_shard(p) or len(_shape(x)) != 1:
         return NOT_MINE  # the ordinary rule (along the token axis: refused)
     dim = _arg(node, 1, "dim", -1)
-    if dim not in (0, -1) or _arg(node, 2, "descending", False) not in (False, True):
+    descending = _arg(node, 2, "descending", False)
+    if dim not in (0, -1) or not isinstance(descending, bool):
         return NOT_MINE
     items = _shape(x)[0]
     an.classify(node, "token-local: MoE dispatch (shard-local permutation)")
     index = LocalIndex(0, 1, perm=node, items=items, div=1, stride=p.inner)
     if name == "argsort":
         return index
-    return (Permuted(0, 1, perm=node, items=items, key=_is_expert_key(x)), index)
+    # Only ascending keys can be grouped by their counts' cumulative sum (offsets).
+    return (Permuted(0, 1, perm=node, items=items, key=not descending and _is_expert_key(x)), index)
 
 
 def _is_expert_key(node: fx.Node) -> bool:
@@ -322,6 +324,9 @@ def _rowwise(an, node, name):
             if isinstance(p, Permuted):
                 if _shape(a)[:1] != (items,) or len(_shape(a)) != out.dim():
                     raise an.refuse(node, "combines permuted rows that do not line up", _FIX)
+            elif not isinstance(p, Replicate):
+                raise an.refuse(node, f"combines rows gathered in a shard-local order with the {p} tensor {a.name}: "
+                                "their rows are in different orders", _FIX)
             elif _per_row(a, out, items):
                 raise an.refuse(node, f"combines rows gathered in a shard-local order with {p} tensor "
                                 f"{a.name} that has one entry per row: in the single-device program its rows are in "
