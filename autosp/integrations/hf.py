@@ -66,6 +66,9 @@ class AutoSPTrainer(transformers.Trainer):
         if not dist.is_initialized():
             raise AutoSPError("AutoSPTrainer needs torch.distributed: launch with torchrun (or call "
                               "torch.distributed.init_process_group) before building the trainer")
+        if isinstance(self.model, SequenceParallelModel):
+            raise AutoSPError("pass AutoSPTrainer the plain model: it compiles it with AutoSP itself (and the Trainer "
+                              "saves and evaluates the plain model)")
         self._sp_size = sp_size or dist.get_world_size()
         self._autosp_options = dict(autosp_options or {})
         if self.compute_loss_func is not None or self.args.label_smoothing_factor:
