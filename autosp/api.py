@@ -22,7 +22,7 @@ from torch import nn
 from autosp.backend import make_backend
 from autosp.config import AutoSPConfig
 from autosp.context import CompileReport, TraceContext
-from autosp.diagnostics import graph_break_error
+from autosp.diagnostics import graph_break_error, install_output_capture_hooks
 from autosp.errors import AutoSPError
 from autosp.groups import SequenceParallelGroups, build_groups
 from autosp.guards import sliding_window_layers
@@ -54,6 +54,7 @@ class SequenceParallelModel(nn.Module):
         backend = make_backend(self._ctx, config, passes=passes_for(config))
         # Kept out of the module tree (not a registered submodule): the compiled wrapper holds the same
         # parameters as ``module``, and state_dict/parameters must list them once.
+        install_output_capture_hooks(module)  # HF's lazy hook installation would break the graph
         self.__dict__["_compiled"] = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
         self._accepts_positions = _accepts(module.forward, "position_ids")
         self._accepts_attention_mask = _accepts(module.forward, "attention_mask")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from autosp.passes.dynamo import moe  # MoE dispatch hook, see apply()
 from autosp.passes.dynamo.attention import ATTENTION_TARGETS
 from autosp.passes.dynamo.placements import (
     PARTIAL,
@@ -712,6 +713,11 @@ def _rule_for(node: fx.Node) -> Callable | None:
 
 
 def apply(an, gm: fx.GraphModule, node: fx.Node):
+    # --- MoE dispatch hook (autosp.passes.dynamo.moe): sorts within a shard, values in a shard-local order,
+    # counts and router aux-loss row counts; it answers moe.NOT_MINE for everything else. ---
+    placed = moe.apply(an, gm, node)
+    if placed is not moe.NOT_MINE:
+        return placed
     rule = _rule_for(node)
     if rule is None:
         if not _sharded_inputs(an, node):
