@@ -30,6 +30,7 @@ from torch import fx
 
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.placements import REPLICATE, Shard, describe
+from autosp.passes.dynamo.registry import rule
 from autosp.passes.graph_utils import module_name
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ def arange_bounds(node: fx.Node) -> tuple[object, object, object]:
     return _arange_signature(*node.args, **node.kwargs)
 
 
-def arange_placement(an, node: fx.Node):
+@rule("positions", "arange")
+def arange_placement(an, gm: fx.GraphModule, node: fx.Node):
     """A tentative token shard for ``arange(0, local_seq_len, 1)``, replicated otherwise."""
     bounds = arange_bounds(node)
     if an.seq_len > 1 and bounds == (0, an.seq_len, 1):

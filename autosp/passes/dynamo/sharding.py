@@ -74,8 +74,8 @@ from autosp.passes.graph_utils import fake_value, infer_fake_value, module_name,
 
 log = logging.getLogger(__name__)
 
-ROLE_PLACEMENTS = {"input_ids": Shard(1), "labels": Shard(1), "position_ids": Shard(1)}
-"""Graph inputs that hold tokens: [batch, sequence] slices of the full sample."""
+ROLE_PLACEMENTS = {"input_ids": Shard(1), "labels": Shard(1), "position_ids": Shard(1), "attention_mask": Shard(1)}
+"""Graph inputs that hold tokens: [batch, sequence] slices of the full sample (every input role is placed)."""
 
 
 @dataclass
@@ -151,11 +151,6 @@ class Analysis:
         return self.of(output.args[0]) if output is not None else ()
 
     def visit(self, gm: fx.GraphModule, node: fx.Node):
-        body = rules.higher_order_body(gm, node)
-        if body is not None:
-            sub, operands = body
-            self.classify(node, "higher-order op (body analysed)")
-            return self.run_graph(sub, [self.of(a) for a in operands])
         return rules.apply(self, gm, node)
 
 
