@@ -79,6 +79,7 @@ class SchemaLM(_Core):
         head_dim = 32 // self.heads
         self.register_buffer("inv_freq", 1.0 / 100.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
         self.register_buffer("pos_w", torch.randn(4096, 32, 32) * 0.1)
+        self.register_buffer("fixed_targets", torch.randint(0, VOCAB, (4096,)))
         self.gate = nn.Linear(32, 32)
         self.weight = nn.Parameter(torch.ones(32))
 
@@ -136,6 +137,9 @@ class SchemaLM(_Core):
             x = torch.bmm(x.transpose(0, 1), self.pos_w[: x.shape[1]]).transpose(0, 1)
         elif p == "per_token_einsum":
             x = torch.einsum("bsh,shk->bsk", x, self.pos_w[: x.shape[1]])
+        elif p == "per_token_target":
+            logits = self.head(x).reshape(-1, VOCAB)
+            extra = F.cross_entropy(logits, self.fixed_targets[: logits.shape[0]], reduction="sum")
         elif p == "divide_by_shape":
             x = x / x.shape[1]
         elif p == "multiply_by_size":
@@ -164,6 +168,7 @@ REFUSED = [
     ("per_token_torch_matmul", r"torch.matmul in module .* replicated tensor .* one entry per local token"),
     ("per_token_bmm", r"torch.bmm in module .* replicated tensor .* one entry per local token"),
     ("per_token_einsum", r"torch.einsum in module .* replicated tensor .* one entry per local token"),
+    ("per_token_target", r"torch.nn.functional.cross_entropy in module .* replicated tensor .* one entry per local"),
     ("divide_by_shape", r"operator.truediv .* by 16, a multiple of this rank's 16 tokens"),
     ("multiply_by_size", r"operator.mul .* by 16, a multiple of this rank's 16 tokens"),
     ("divide_by_numel", r"by 1024, a multiple of this rank's 16 tokens"),
@@ -234,3 +239,56 @@ def test_op_schemas_accepted_spellings_are_exact_two_ranks():
     assert classes[0]["Tensor.norm"] == "reduction (over the sequence: all-reduced sums)"
     assert classes[2]["torch.outer"] == "token-local: matmul"
     assert any("custom autograd.Function" in c for c in classes[3].values())
+
+
+# ---- token counts read from a dynamic shape (Note [Token counts]) ----------------------------------------------
+def _counts_and_positions(x):
+    positions = torch.arange(x.shape[1], dtype=x.dtype)[None, :, None]
+    return x / x.shape[1] + x * x.size(1) - x / x.numel() + positions
+
+
+def _traced_shard(fn, full, *, sp_size, sp_rank):
+    """``fn`` traced by Dynamo with a dynamic sequence dim on rank ``sp_rank``'s shard, analysed, and run on it."""
+    from autosp.context import TraceContext
+    from autosp.inputs import ShardLayout
+    from autosp.passes.dynamo.sharding import analyse_sequence_sharding
+
+    local = full.shape[1] // sp_size
+    shard = full[:, sp_rank * local : (sp_rank + 1) * local].clone()
+    layout = ShardLayout(full.shape[1], full.shape[1], local, sp_rank * local)
+    ctx = TraceContext(sp_size=sp_size, sp_rank=sp_rank, group_name="", ignore_index=-100, layout=layout)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor):
+                node.meta["autosp_role"] = "input_ids"
+        analyse_sequence_sharding(gm, ctx)
+        gm.recompile()
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(shard, 1)
+    out = torch.compile(fn, backend=backend, fullgraph=True)(shard)
+    return out, graphs[0]
+
+
+def test_op_schemas_dynamic_token_counts_and_positions_are_global():
+    full = torch.randn(2, 24, 4)
+    expected = _counts_and_positions(full)
+    for rank in (0, 2):
+        out, gm = _traced_shard(_counts_and_positions, full, sp_size=3, sp_rank=rank)
+        torch.testing.assert_close(out, expected[:, rank * 8 : (rank + 1) * 8], rtol=1e-5, atol=1e-6)
+    assert any(n.target is torch.arange for n in gm.graph.nodes)
+
+
+def test_op_schemas_dynamic_token_count_derived_non_linearly_is_refused():
+    def squared(x):
+        return x / (x.shape[1] * x.shape[1])
+
+    with pytest.raises(AutoSPError, match="derived non-linearly from this rank's token count"):
+        try:
+            _traced_shard(squared, torch.randn(2, 8, 4), sp_size=2, sp_rank=1)
+        except torch._dynamo.exc.BackendCompilerFailed as err:
+            raise err.inner_exception from None

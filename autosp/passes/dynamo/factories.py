@@ -9,7 +9,9 @@ import torch
 from torch import fx
 
 from autosp.passes.dynamo.placements import REPLICATE, Partial, Shard
-from autosp.passes.dynamo.registry import FIX_GENERIC, op_name, rule, sharded_inputs
+from autosp.passes.dynamo.pointwise import token_count_scale
+from autosp.passes.dynamo.registry import FIX_GENERIC, arguments, op_name, rule, sharded_inputs
+from autosp.passes.graph_utils import fake_value
 
 
 @rule("metadata", "size", "dim", "numel", "is_floating_point", "is_contiguous", "get_device", "is_complex",
@@ -23,6 +25,12 @@ def metadata(an, gm, node: fx.Node):
       "linspace", "logspace", "rand", "randn", "randint", "tril", "triu", "new_ones", "new_zeros", "new_empty",
       "new_full", "new_tensor", "finfo", "iinfo", "get_default_dtype")
 def factory(an, gm, node: fx.Node):
+    bound = arguments(node)
+    for key in ("data", "fill_value", "s"):
+        if token_count_scale(an, fake_value(bound.get(key))) is not None:
+            raise an.refuse(node, f"makes a tensor from {bound[key].name}, this rank's token count read from a "
+                            "shape (in the single-device program, the sequence's)",
+                            "count the tokens with a reduction (e.g. torch.ones_like(x).sum())")
     for _, p in sharded_inputs(an, node):
         if isinstance(p, Shard) and not p.tentative and op_name(node) in ("tril", "triu"):
             raise an.refuse(node, "masks a token-sharded tensor by position within the shard", FIX_GENERIC)

@@ -8,6 +8,7 @@ token count read from a shard's shape that scales a sum over the sequence.
 
 from __future__ import annotations
 
+import operator
 import re
 
 import torch
@@ -49,6 +50,8 @@ def elementwise(an, node: fx.Node):
     name = op_name(node)
     out = fake_value(node)
     args = {a: an.of(a) for a in tensor_args(node)}
+    if args:
+        globalize_token_counts(an, node)
     if any(a in an.sequence_reduced for a in args):
         check_token_count_literal(an, node)
     if not any(isinstance(p, (Shard, Partial)) for p in args.values()):
@@ -101,6 +104,37 @@ def elementwise(an, node: fx.Node):
     return Shard(target[0], target[1], frozenset(positions) if not real else frozenset())
 
 
+def token_count_scale(an, value) -> bool | None:
+    """For a SymInt: None if it does not depend on this rank's token count, True if it is proportional to it
+    (``S``, ``B * S * H``: the single-device value is ``sp_size`` times this rank's), False otherwise."""
+    symbol = an.token_symbol
+    if symbol is None or not isinstance(value, torch.SymInt) or symbol not in value.node.expr.free_symbols:
+        return None
+    return symbol not in (value.node.expr / symbol).free_symbols
+
+
+def globalize_token_counts(an, node: fx.Node) -> None:
+    """Note [Token counts]: a token count read from a shard's dynamic shape (``x.shape[1]``, ``x.size(1)``,
+    ``x.numel()``, ``len(x)``), in arithmetic on tensor values, becomes the sequence's (times sp_size)."""
+    for arg in node.all_input_nodes:
+        proportional = token_count_scale(an, fake_value(arg))
+        if proportional is None:
+            continue
+        if not proportional:
+            raise an.refuse(node, f"computes with {arg.name} = {fake_value(arg)}, derived non-linearly from this "
+                            "rank's token count (read from a shape), whose single-device value AutoSP cannot "
+                            "derive", "count the tokens with a reduction (e.g. torch.ones_like(x).sum())")
+        layout = an.ctx.layout
+        if layout is not None and layout.pad_tokens:
+            raise an.refuse(node, f"computes with {arg.name}, a count of this rank's tokens read from a shape, and "
+                            f"the sequence was padded to a multiple of sp_size={an.ctx.sp_size}: the padding "
+                            "would count", f"pass a multiple of {an.ctx.sp_size} tokens")
+        with node.graph.inserting_before(node):
+            whole = node.graph.call_function(operator.mul, (arg, an.ctx.sp_size))
+        an.set(whole, REPLICATE)
+        node.replace_input_with(arg, whole)
+
+
 def refuse_replicated_per_token(an, node: fx.Node, placement, arg: fx.Node):
     """A replicated operand of the token axis's length, combined with token-sharded values: refused (any op)."""
     raise an.refuse(
@@ -127,9 +161,8 @@ def check_token_count_literal(an, node, *, sharded: bool = False):
         counts = {an.seq_len}
         for a in tensor_args(node):
             p = an.of(a)
-            if isinstance(p, Shard) and not p.tentative:
-                counts.add(int(fake_value(a).numel()))
-                counts.add(int(shape(a)[p.dim]))
+            if isinstance(p, Shard) and not p.tentative:  # static sizes only (a dynamic count is a node)
+                counts |= {n for n in (fake_value(a).numel(), shape(a)[p.dim]) if type(n) is int}
         counts.discard(1)
     else:
         counts = {an.seq_len * k for k in range(1, 65)}

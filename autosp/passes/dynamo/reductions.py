@@ -40,8 +40,17 @@ from autosp.passes.dynamo.placements import (
     describe,
     normalize_dims,
 )
-from autosp.passes.dynamo.pointwise import elementwise
-from autosp.passes.dynamo.registry import FIX_GENERIC, arguments, multi, ndim, op_name, rule, sharded_inputs
+from autosp.passes.dynamo.pointwise import elementwise, refuse_replicated_per_token
+from autosp.passes.dynamo.registry import (
+    FIX_GENERIC,
+    arguments,
+    multi,
+    ndim,
+    op_name,
+    rule,
+    shape,
+    sharded_inputs,
+)
 from autosp.passes.graph_utils import fake_value, infer_fake_value, module_name
 
 log = logging.getLogger(__name__)
@@ -251,6 +260,13 @@ def cross_entropy(an, gm, node: fx.Node):
     if not sharded:
         return REPLICATE
     bound = arguments(node)
+    rows, target = bound["input"], bound["target"]
+    # input [N, C] / [B, C, S...] and target [N] / [B, S...]: the class dim 1 is the input's only extra dim
+    for this, other, to_other in ((rows, target, lambda d: d - (d > 1)), (target, rows, lambda d: d + (d > 0))):
+        p = an.of(this)
+        if isinstance(p, Shard) and not isinstance(an.of(other), (Shard, Partial)) and ndim(other) == (
+                ndim(this) + (1 if other is rows else -1)) and shape(other)[to_other(p.dim)] != 1:
+            refuse_replicated_per_token(an, node, p, other)
     reduction = bound.get("reduction", "mean")
     if reduction == "sum":
         return PARTIAL
