@@ -80,7 +80,7 @@ def embedding(an, gm, node: fx.Node):
     bound = arguments(node)
     if isinstance(an.of(bound["weight"]), (Shard, Partial)):
         raise an.refuse(node, "looks up a token-sharded table", FIX_GENERIC)
-    p = an.of(bound["input"])
+    p = an.of(bound.get("indices", bound["input"]))  # F.embedding(input, weight) / aten.embedding(weight, indices)
     return p if isinstance(p, Shard) else REPLICATE
 
 

@@ -9,8 +9,12 @@ collectives) and is registered there by one decorator that names its class:
     def pointwise(an, gm, node): ...
 
 The names are what Dynamo records: a Tensor method's name, a torch function's or
-an ``operator`` builtin's ``__name__``; ``targets`` are matched by identity first
-(attention calls, AutoSP's own collectives, higher-order operators).  The class
+an ``operator`` builtin's ``__name__`` (one rule per name: a second registration
+raises at import).  Lookup order: ``targets`` by identity (attention calls,
+``operator.getitem``), then ``when=`` predicates in registration order (AutoSP's
+collectives, higher-order operators; a family that needs to claim particular
+nodes of an op another family names, e.g. a routing ``topk``, uses a predicate),
+then names.  The class
 is what the compile report lists for the op, so the table, the report and the
 rules are one source.  `autosp.passes.dynamo.rules` imports every family module
 (its FAMILIES tuple) and applies the table; a new family registers its rules the
@@ -101,9 +105,9 @@ def lookup(node: fx.Node) -> OpRule | None:
             found = None
         if found is not None:
             return found
-        for when, entry in TABLE.by_predicate:
-            if when(node):
-                return entry
+    for when, entry in TABLE.by_predicate:
+        if when(node):
+            return entry
     return TABLE.by_name.get(op_name(node))
 
 
@@ -157,8 +161,11 @@ def _schema_signature(schema) -> inspect.Signature:
 
 def _signatures(node: fx.Node) -> list[inspect.Signature]:
     """Candidate signatures of the called op, most specific first."""
-    target = node.target
-    if node.op == "call_method":
+    return _find_signatures(node.op, node.target)
+
+
+def _find_signatures(kind: str, target) -> list[inspect.Signature]:
+    if kind == "call_method":
         method = getattr(torch.Tensor, str(target), None)
         found = []
         if method is not None and not inspect.isbuiltin(method) and not isinstance(method, type(torch.Tensor.add)):
@@ -220,6 +227,8 @@ def arguments(node: fx.Node) -> dict[str, object]:
             if bound is not None:
                 if "self" in bound and "input" not in bound:
                     bound = {("input" if k == "self" else k): v for k, v in bound.items()}
+                if "input" not in bound and bound:  # the first operand, whatever the schema calls it
+                    bound["input"] = next(iter(bound.values()))
                 return bound
     fallback = {f"arg{i}": a for i, a in enumerate(args)}
     if args:
