@@ -51,6 +51,18 @@ class _ScanInside(torch.autograd.Function):
         return grad.flip(1).cumsum(1).flip(1), grad
 
 
+class _ScanInBackward(torch.autograd.Function):
+    """A token-local forward with a backward that scans the sequence (a wrong hand-written gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.cumsum(1)
+
+
 class _WeightGrad(torch.autograd.Function):
     """A Function of tokens and a replicated weight: the weight's gradient sums over the tokens."""
 
@@ -153,6 +165,8 @@ class SchemaLM(_Core):
             return self.lm_loss(x, labels)[0] / input_ids.shape[1]
         elif p == "function_with_scan":
             x = _ScanInside.apply(x, self.gate(x))
+        elif p == "function_scan_in_backward":
+            x = _ScanInBackward.apply(x)
         elif p == "function_weight_gradient":
             x = _WeightGrad.apply(x, self.weight)
         elif p == "cond":
@@ -175,6 +189,7 @@ REFUSED = [
     ("divide_by_len", r"by 32, a multiple of this rank's 16 tokens"),
     ("loss_over_shape", r"operator.truediv .* scales a sum over the sequence by 16"),
     ("function_with_scan", r"custom autograd.Function whose forward is not token-local: Tensor.cumsum"),
+    ("function_scan_in_backward", r"custom autograd.Function whose backward is not token-local: Tensor.cumsum"),
     ("function_weight_gradient", r"custom autograd.Function whose backward mixes tokens.*move the sequence-mixing"),
     ("cond", r"higher-order op cond with the token-sharded operand"),
 ]
