@@ -154,6 +154,10 @@ class SchemaLM(_Core):
             extra = F.cross_entropy(logits, self.fixed_targets[: logits.shape[0]], reduction="sum")
         elif p == "divide_by_shape":
             x = x / x.shape[1]
+        elif p == "divide_by_named_count":
+            batch, length, hidden = x.shape
+            x = torch.tanh(x)
+            x = x / length
         elif p == "multiply_by_size":
             x = x * x.size(1)
         elif p == "divide_by_numel":
@@ -184,6 +188,7 @@ REFUSED = [
     ("per_token_einsum", r"torch.einsum in module .* replicated tensor .* one entry per local token"),
     ("per_token_target", r"torch.nn.functional.cross_entropy in module .* replicated tensor .* one entry per local"),
     ("divide_by_shape", r"operator.truediv .* by 16, a multiple of this rank's 16 tokens"),
+    ("divide_by_named_count", r"operator.truediv .* by 16, a multiple of this rank's 16 tokens"),
     ("multiply_by_size", r"operator.mul .* by 16, a multiple of this rank's 16 tokens"),
     ("divide_by_numel", r"by 1024, a multiple of this rank's 16 tokens"),
     ("divide_by_len", r"by 32, a multiple of this rank's 16 tokens"),

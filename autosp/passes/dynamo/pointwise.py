@@ -8,6 +8,7 @@ token count read from a shard's shape that scales a sum over the sequence.
 
 from __future__ import annotations
 
+import linecache
 import operator
 import re
 
@@ -179,13 +180,31 @@ def check_token_count_literal(an, node, *, sharded: bool = False):
 _SHAPE_READ = re.compile(r"\.shape\b|\.size\(|\bnumel\(|\blen\(")
 
 
+_ASSIGNMENT = re.compile(r"\s*([\w\s,()\[\]]+?)\s*(?<![=!<>+\-*/%&|^])=(?!=)\s*(.*)")
+_FUNCTION_START = re.compile(r"\s*(async\s+)?def\s")
+
+
 def _reads_a_shape(node: fx.Node) -> bool:
-    """Whether the source line that made ``node`` reads a shape (or no source line was recorded)."""
-    trace = [line for line in (node.meta.get("stack_trace") or "").splitlines()
-             if line.strip() and set(line.strip()) - set("^~")]
-    if not trace:
+    """Whether the source line that made ``node`` reads a shape, directly or through a name assigned from one
+    earlier in the same function (``n = x.shape[1]`` ... ``x / n``); True when no source line was recorded."""
+    trace = node.meta.get("stack_trace") or ""
+    code = [line for line in trace.splitlines()
+            if line.strip() and set(line.strip()) - set("^~") and not line.lstrip().startswith("File ")]
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    if not code or not frames:
         return True
-    return bool(_SHAPE_READ.search(trace[-1]))
+    if _SHAPE_READ.search(code[-1]):
+        return True
+    names = set(re.findall(r"\b[A-Za-z_]\w*\b", code[-1]))
+    path, line = frames[-1]
+    lines = linecache.getlines(path)
+    for text in reversed(lines[: int(line) - 1]):
+        if _FUNCTION_START.match(text):
+            break
+        assigned = _ASSIGNMENT.match(text)
+        if assigned and _SHAPE_READ.search(assigned.group(2)) and names & set(re.findall(r"\w+", assigned.group(1))):
+            return True
+    return False
 
 
 @rule("token-local: elementwise", "zeros_like", "ones_like", "empty_like", "full_like")
