@@ -61,7 +61,8 @@ an integer the analysis cannot tell from a coincidental literal, so the likely
 cases are refused (autosp.passes.dynamo.pointwise.check_token_count_literal): a
 multiple of the local count scaling a value computed from a reduction over the
 sequence, and the local token or element count multiplying or dividing
-token-sharded values on a source line that reads a shape.  With a dynamic
+token-sharded values on a source line that reads a shape (directly or through a
+name assigned from one earlier in the function).  With a dynamic
 sequence dim the count is a symbol (``token_symbol``): a count proportional to
 it, in arithmetic on tensors, becomes ``sp_size`` times itself (exact when the
 sequence was not padded), one derived non-linearly is refused, and ``arange`` of
