@@ -71,6 +71,9 @@ CLIS = (
                             ("--grad-accum-dtype", "fp64"), ("--optimizer", "adamm"), ("--zero-stage", "4"))),
     Cli("autosp.train", typos=(("--model", "tiny-lama"), ("--compiler", "inductr"), ("--dtype", "fp16"),
                                ("--zero-stage", "3"), ("--deepspeed-config", "no-such-config.json"))),
+    Cli("autosp.examples.train_lm", required=("--data", "corpus.txt", "--output-dir", "out"),
+        typos=(("--model", "tiny-lama"), ("--compiler", "inductr"), ("--dtype", "fp16"), ("--zero-stage", "3"),
+               ("--text-split", "paragraf"))),
     Cli("scripts/gpu_smoke.py"),
 )
 """Every command line of the project: add a new one here (`test_every_main_module_is_listed` fails until then)."""
