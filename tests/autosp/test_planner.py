@@ -95,3 +95,17 @@ def _train_with(rank, world, options):
 def test_chosen_options_train_exactly_on_two_ranks(fastest):
     results = run_on_ranks(_train_with, 2, fastest.options, timeout_s=600)
     _check(results, FP32_TOL)
+
+
+def test_cli_memory_plan_flags_and_refusals(model, caplog):
+    from autosp.errors import AutoSPError
+    from autosp.plan.__main__ import build_parser, main
+
+    args = build_parser().parse_args(["--model", model, "--cluster", "h100-sxm", "--seq-len", "128",
+                                      "--memory-plan", "auto", "--objective", "longest", "--target-memory", "1.5"])
+    assert (args.memory_plan, args.objective, args.target_memory) == ("auto", "longest", 1.5)
+    assert main(["--model", model, "--cluster", "h100-sxm", "--seq-len", "128", "--memory-plan", "auto",
+                 "--target-memory", "0", "-q"]) == 2
+    assert "--target-memory 0" in caplog.text
+    with pytest.raises(AutoSPError, match="objective"):
+        plan_memory(model, SETUP, load_cluster("h100-sxm", world_size=2), objective="cheapest", plans=PLANS)
