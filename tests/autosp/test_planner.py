@@ -93,8 +93,11 @@ def _train_with(rank, world, options):
 
 
 def test_chosen_options_train_exactly_on_two_ranks(fastest):
-    results = run_on_ranks(_train_with, 2, fastest.options, timeout_s=600)
+    options = fastest.options
+    assert options["tiled_loss"] == "on" and options["checkpointing"] == "full"  # the plan the target leaves
+    results = run_on_ranks(_train_with, 2, options, timeout_s=600)
     _check(results, FP32_TOL)
+    assert all(r["tiled"] and r["logits"] is None for per_rank in results for r in per_rank)
 
 
 def test_cli_memory_plan_flags_and_refusals(model, caplog):
