@@ -2,11 +2,15 @@
 
 `predict` traces the model's AutoSP step on fake tensors, adds DeepSpeed's gradient reduction and optimizer step,
 simulates it on a cluster (a preset or a cluster file, `load_cluster`) and prices memory with the ledger: fits or
-not, peak per rank by ledger category, step time, and the longest sequence that fits.  It is the one package of
+not, peak per rank by ledger category, step time, and the longest sequence that fits.  `plan_memory` predicts
+every candidate memory plan (checkpointing, SAC budget, tiled loss) and chooses one; `choose_options` returns
+the chosen plan's `autosp.compile` options.  It is the one package of
 autosp that uses the simulator beyond its workload schema (docs/design.md, "Import direction").
 """
 
 from autosp.plan.cluster_file import cluster_from_dict, load_cluster
+from autosp.plan.planner import MemoryPlan, PlanReport, candidate_plans, choose_options, plan_memory
 from autosp.plan.predict import Prediction, TrainingSetup, predict
 
-__all__ = ["Prediction", "TrainingSetup", "cluster_from_dict", "load_cluster", "predict"]
+__all__ = ["MemoryPlan", "PlanReport", "Prediction", "TrainingSetup", "candidate_plans", "choose_options",
+           "cluster_from_dict", "load_cluster", "plan_memory", "predict"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from autosp.errors import AutoSPError
 from autosp.plan.cluster_file import cluster_names
+from autosp.plan.planner import OBJECTIVES
 from autosp.plan.predict import COMPILERS, DEPTHS, DTYPES, OFFLOADS, OPTIMIZERS, TrainingSetup
 
 log = logging.getLogger("autosp.plan")
@@ -101,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--max-probes", type=_positive, default=8,
                    help="lengths the --max-length search may simulate (default: %(default)s)")
+    p.add_argument("--memory-plan", default="none", choices=("none", "auto"),
+                   help="auto: choose checkpointing, SAC budget and tiled loss by predicting every candidate plan, "
+                        "print the candidate table and the chosen autosp.compile options (default: %(default)s)")
+    p.add_argument("--objective", default="fastest", choices=OBJECTIVES,
+                   help="with --memory-plan auto: the fastest step that fits at --seq-len, or the longest length "
+                        "that fits (ties by speed) (default: %(default)s)")
+    p.add_argument("--target-memory", type=float, default=None, metavar="GiB",
+                   help="memory per rank a plan must fit (default: the device's memory)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT",
                    help="also write the answer as JSON to this file (default: none)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress logging")
@@ -134,9 +143,19 @@ def main(argv: list[str] | None = None) -> int:
         from autosp.plan.predict import predict
 
         cluster = load_cluster(args.cluster, world_size=setup.world_size)
-        answer = predict(args.model, setup, cluster, max_length=args.max_length,
-                         max_length_high=args.max_length_high, granularity=args.granularity,
-                         max_probes=args.max_probes, progress=lambda s: log.info("step at %s", s))
+        if args.target_memory is not None and args.target_memory <= 0:
+            raise AutoSPError(f"--target-memory {args.target_memory}: give a positive number of GiB")
+        target = None if args.target_memory is None else int(args.target_memory * 2**30)
+        if args.memory_plan == "auto":
+            from autosp.plan.planner import plan_memory
+
+            answer = plan_memory(args.model, setup, cluster, objective=args.objective, target_memory=target,
+                                 max_length_high=args.max_length_high, granularity=args.granularity,
+                                 max_probes=args.max_probes)
+        else:
+            answer = predict(args.model, setup, cluster, capacity_bytes=target, max_length=args.max_length,
+                             max_length_high=args.max_length_high, granularity=args.granularity,
+                             max_probes=args.max_probes, progress=lambda s: log.info("step at %s", s))
     except AutoSPError as err:
         log.error("%s", err)
         return 2

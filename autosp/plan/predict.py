@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from autosp.errors import AutoSPError
@@ -122,9 +122,10 @@ def _torch_dtype(dtype: str):
 
 
 def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
-               config: TrainingConfig) -> Traced:
+               config: TrainingConfig, options: Mapping | None = None) -> Traced:
     """Trace ``layers`` decoder layers (None: all) at ``seq_len`` tokens and build the whole step of ``setup``
-    (``config``: the ledger's configuration of the whole model)."""
+    (``config``: the ledger's configuration of the whole model; ``options``: `autosp.compile` options, e.g. the
+    memory plan's checkpointing and tiled loss)."""
     import torch
 
     from autosp.export import export_workload, module_parameters, trace_fake_step
@@ -142,7 +143,7 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
         warnings.filterwarnings("ignore", message="autosp.compile with sp_size=1")
         compiled, parameter_bytes = trace_fake_step(lambda: source.build(hf, dtype), seq_len=seq_len,
                                                     sp_size=setup.sp_size, vocab_size=hf.vocab_size, dtype=dtype,
-                                                    micro_batch=setup.micro_batch)
+                                                    micro_batch=setup.micro_batch, **(options or {}))
     graphs = compiled.report.aot_graphs
     exported = export_workload(graphs, name=f"{source.spec}/L={depth}/S={seq_len}", sp_size=setup.sp_size,
                                parameter_bytes=parameter_bytes,
@@ -178,14 +179,14 @@ class StepPrediction(ModelStep):
 
 
 def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, config: TrainingConfig,
-                  model_layers: int, seq_len: int) -> StepPrediction:
+                  model_layers: int, seq_len: int, options: Mapping | None = None) -> StepPrediction:
     """Step time and activations of the whole model at ``seq_len`` tokens (full depth, or extrapolated)."""
     if cluster.world_size < setup.world_size:
         raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
 
     def at_depth(layers: int) -> tuple[float, float, int]:
-        traced = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config)
+        traced = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
         start = time.perf_counter()
         result = simulate(traced.step, cluster)
         dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
@@ -308,23 +309,26 @@ class Prediction:
 
 def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: bool = False,
             max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
-            progress: Callable[[str], None] | None = None) -> Prediction:
+            progress: Callable[[str], None] | None = None, options: Mapping | None = None,
+            capacity_bytes: int | None = None) -> Prediction:
     """Predict ``setup`` for ``model`` (a preset of `autosp.train` or a config.json) on ``cluster``; with
-    ``max_length`` also search the longest length that fits (each probe is one more trace)."""
+    ``max_length`` also search the longest length that fits (each probe is one more trace).  ``options``: the
+    `autosp.compile` options the step is traced with; ``capacity_bytes``: the memory a rank may use (default: the
+    cluster's device memory)."""
     start = time.perf_counter()
     setup.check()
     source = ModelSource(model)
     hf = source.config(seq_len=setup.seq_len)
     numels = source.parameter_numels(hf)
     config = setup.training_config(numels)
-    capacity = int(cluster.device.memory_bytes)
+    capacity = int(cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes)
     steps: dict[int, StepPrediction] = {}
 
     def step(seq_len: int) -> StepPrediction:
         if seq_len not in steps:
             if progress:
                 progress(f"{seq_len:,} tokens")
-            steps[seq_len] = simulate_step(source, setup, cluster, config, hf.num_hidden_layers, seq_len)
+            steps[seq_len] = simulate_step(source, setup, cluster, config, hf.num_hidden_layers, seq_len, options)
         return steps[seq_len]
 
     at = step(setup.seq_len)

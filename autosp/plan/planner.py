@@ -1,0 +1,242 @@
+"""The memory planner: choose `autosp.compile`'s memory options (checkpointing, SAC budget, tiled loss) for a model,
+a cluster and a training configuration by predicting every candidate plan (docs/design.md, "Memory planner").
+
+Each candidate is traced and simulated by `autosp.plan.predict.predict` (one memory definition: the ledger inside
+backward plus the simulated activations); the planner picks by a stated objective and explains its choice in a
+`PlanReport`: the candidate table (peak per ledger category, step time, max length), the chosen plan and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from autosp.errors import AutoSPError
+from autosp.plan.predict import Prediction, TrainingSetup, predict
+from simulator.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+OBJECTIVES = ("fastest", "longest")
+SAC_BUDGETS = (None, 0.5, 0.2)
+"""SAC's ``sac_memory_budget`` values tried: None (SAC's default: recompute within ``sac_recompute_limit``), then
+keeping at most half and a fifth of the recomputable bytes."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One candidate: a name and the `autosp.compile` options it sets."""
+
+    name: str
+    options: Mapping
+
+
+def _checkpointing_plans() -> list[tuple[str, dict]]:
+    plans = [("none", {"checkpointing": "none"})]
+    for budget in SAC_BUDGETS:
+        plans.append(("sac" if budget is None else f"sac@{budget:g}",
+                      {"checkpointing": "sac"} if budget is None else {"checkpointing": "sac",
+                                                                        "sac_memory_budget": budget}))
+    plans.append(("full", {"checkpointing": "full"}))
+    return plans
+
+
+def candidate_plans(*, loss_chunk_tokens: int | None = None, checkpointing: Sequence[str] | None = None,
+                    tiled_loss: Sequence[str] = ("off", "on")) -> tuple[MemoryPlan, ...]:
+    """The candidates: checkpointing in {none, sac x `SAC_BUDGETS`, full} (or the names of ``checkpointing``) x tiled
+    loss in ``tiled_loss``.  The tiled loss runs with ``return_logits=False`` (else a Hugging Face model's returned
+    logits are materialised anyway) and ``loss_chunk_tokens`` (default None: one chunk's fp32 logits within 64 MiB,
+    autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES)."""
+    plans = []
+    for loss in tiled_loss:
+        tiled = {"tiled_loss": "on", "return_logits": False} if loss == "on" else {"tiled_loss": "off"}
+        if loss == "on" and loss_chunk_tokens is not None:
+            tiled["loss_chunk_tokens"] = loss_chunk_tokens
+        for name, options in _checkpointing_plans():
+            if checkpointing is not None and name not in checkpointing:
+                continue
+            plans.append(MemoryPlan(f"{name}, tiled loss {loss}", {**options, **tiled}))
+    return tuple(plans)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One plan's prediction at the planned length (and, for ``objective="longest"``, its longest length)."""
+
+    plan: MemoryPlan
+    prediction: Prediction | None
+    """None when the plan does not apply to the model (``refused`` says why)."""
+    refused: str | None = None
+    traces: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.prediction is not None and self.prediction.fits
+
+    @property
+    def max_seq_len(self) -> int | None:
+        found = self.prediction.max_length if self.prediction is not None else None
+        return found["max_seq_len"] if found else None
+
+    @property
+    def max_length_step_time_s(self) -> float | None:
+        found = self.prediction.max_length if self.prediction is not None else None
+        return found["step_time_s"] if found else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    """What the planner predicted for each candidate, what it chose and why."""
+
+    model: str
+    objective: str
+    seq_len: int
+    target_memory_bytes: int
+    candidates: tuple[Candidate, ...]
+    chosen: int | None
+    """Index into ``candidates``; None when no candidate fits."""
+    reason: str
+    traces: int
+    """Fake-tensor traces the decision took (one per candidate and length simulated; two with depth
+    extrapolation)."""
+    seconds: float
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def options(self) -> dict:
+        """The `autosp.compile` options of the chosen plan."""
+        if self.chosen is None:
+            raise AutoSPError(f"no memory plan fits {self.target_memory_bytes / 2**30:.2f} GiB per rank: {self.reason}")
+        return dict(self.candidates[self.chosen].plan.options)
+
+    def format(self) -> str:
+        gib = 2**30
+        categories = []
+        for c in self.candidates:
+            for cat in (c.prediction.by_category if c.prediction else {}):
+                if cat not in categories:
+                    categories.append(cat)
+        longest = self.objective == "longest"
+        head = f"  {'plan':30s} {'fits':4s} {'peak GiB':>9s} " + " ".join(f"{c[:12]:>12s}" for c in categories) \
+            + f" {'step s':>9s}" + (f" {'max len':>9s} {'step s@max':>10s}" if longest else "")
+        out = [f"memory plan for {self.model}: objective {self.objective}, {self.seq_len:,} tokens, target "
+               f"{self.target_memory_bytes / gib:.3f} GiB per rank; {len(self.candidates)} candidates, "
+               f"{self.traces} traces, {self.seconds:.1f} s",
+               "  peak by category (GiB per rank, the ledger inside backward with the simulated activations):", head]
+        for i, c in enumerate(self.candidates):
+            mark = "*" if i == self.chosen else " "
+            if c.prediction is None:
+                out.append(f"{mark} {c.plan.name:30s} refused: {c.refused}")
+                continue
+            p = c.prediction
+            row = f"{mark} {c.plan.name:30s} {'yes' if p.fits else 'no':4s} {p.peak_bytes / gib:9.4f} " + " ".join(
+                f"{p.by_category.get(cat, 0) / gib:12.4f}" for cat in categories) + f" {p.step.step_time_s:9.4g}"
+            if longest:
+                t = c.max_length_step_time_s
+                row += f" {c.max_seq_len or 0:9,d} {t if t is not None else float('nan'):10.4g}"
+            out.append(row)
+        out.append(f"  chosen: {self.candidates[self.chosen].plan.name if self.chosen is not None else 'none'}")
+        out.append(f"  why:    {self.reason}")
+        if self.chosen is not None:
+            out.append(f"  autosp.compile options: {self.options}")
+        out += [f"  note:   {n}" for n in self.notes]
+        return "\n".join(out)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "objective": self.objective, "seq_len": self.seq_len,
+            "target_memory_bytes": self.target_memory_bytes, "traces": self.traces, "seconds": self.seconds,
+            "chosen": self.chosen, "reason": self.reason,
+            "options": self.options if self.chosen is not None else None,
+            "candidates": [{"plan": c.plan.name, "options": dict(c.plan.options), "refused": c.refused,
+                            "fits": c.fits, "traces": c.traces,
+                            "peak_bytes": c.prediction.peak_bytes if c.prediction else None,
+                            "peak_by_category_bytes": c.prediction.by_category if c.prediction else None,
+                            "step_time_s": c.prediction.step.step_time_s if c.prediction else None,
+                            "max_seq_len": c.max_seq_len, "max_length_step_time_s": c.max_length_step_time_s}
+                           for c in self.candidates],
+            "notes": list(self.notes),
+        }
+
+
+def _choose_fastest(candidates: Sequence[Candidate], seq_len: int, target: int) -> tuple[int | None, str]:
+    fitting = [i for i, c in enumerate(candidates) if c.fits]
+    if not fitting:
+        least = min((i for i, c in enumerate(candidates) if c.prediction), default=None,
+                    key=lambda i: candidates[i].prediction.peak_bytes)
+        lowest = f"; the lowest peak is {candidates[least].plan.name}'s, " \
+                 f"{candidates[least].prediction.peak_bytes / 2**30:.3f} GiB" if least is not None else ""
+        return None, (f"no candidate fits {target / 2**30:.3f} GiB at {seq_len:,} tokens{lowest}: use more SP ranks, "
+                      "a shorter sequence or more memory")
+    best = min(fitting, key=lambda i: (candidates[i].prediction.step.step_time_s, candidates[i].prediction.peak_bytes))
+    c = candidates[best]
+    faster = [x.plan.name for x in candidates
+              if x.prediction and x.prediction.step.step_time_s < c.prediction.step.step_time_s]
+    return best, (f"fastest of the {len(fitting)} candidates that fit {target / 2**30:.3f} GiB at {seq_len:,} tokens "
+                  f"(step {c.prediction.step.step_time_s:.4g} s, peak {c.prediction.peak_bytes / 2**30:.3f} GiB)"
+                  + (f"; faster but over the target: {', '.join(faster)}" if faster else "; no candidate is faster"))
+
+
+def _choose_longest(candidates: Sequence[Candidate], target: int) -> tuple[int | None, str]:
+    found = [i for i, c in enumerate(candidates) if c.max_seq_len]
+    if not found:
+        return None, f"no candidate fits {target / 2**30:.3f} GiB at any length searched"
+    best = max(found, key=lambda i: (candidates[i].max_seq_len, -candidates[i].max_length_step_time_s))
+    c = candidates[best]
+    tied = [candidates[i].plan.name for i in found if i != best and candidates[i].max_seq_len == c.max_seq_len]
+    return best, (f"longest length that fits {target / 2**30:.3f} GiB: {c.max_seq_len:,} tokens "
+                  f"(step {c.max_length_step_time_s:.4g} s there)"
+                  + (f"; fastest of those reaching it (also: {', '.join(tied)})" if tied else ""))
+
+
+def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",
+                target_memory: int | None = None, plans: Sequence[MemoryPlan] | None = None,
+                max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8) -> PlanReport:
+    """Predict every plan of ``plans`` (default `candidate_plans`) for ``setup`` on ``cluster`` and choose one:
+    ``"fastest"``: the fastest step at ``setup.seq_len`` whose peak fits ``target_memory`` (bytes per rank; default:
+    the device's memory), ties by the lower peak; ``"longest"``: the longest length that fits (the max-length search
+    of `predict`, starting at ``setup.seq_len``), ties by the faster step at that length."""
+    if objective not in OBJECTIVES:
+        raise AutoSPError(f"objective {objective!r}: choose one of {OBJECTIVES}")
+    setup.check()
+    start = time.perf_counter()
+    target = int(cluster.device.memory_bytes if target_memory is None else target_memory)
+    candidates = []
+    for plan in plans or candidate_plans():
+        try:
+            p = predict(model, setup, cluster, options=plan.options, capacity_bytes=target,
+                        max_length=objective == "longest", max_length_high=max_length_high,
+                        granularity=granularity, max_probes=max_probes)
+        except AutoSPError as err:  # the plan does not apply to this model (e.g. a loss the tiling cannot take)
+            log.info("memory plan %s refused: %s", plan.name, err)
+            candidates.append(Candidate(plan=plan, prediction=None, refused=str(err)))
+            continue
+        lengths = len(p.max_length["lengths_simulated"]) if p.max_length else 1
+        candidates.append(Candidate(plan=plan, prediction=p,
+                                    traces=lengths * (1 if p.step.extrapolated_from is None else 2)))
+    chosen, reason = (_choose_fastest(candidates, setup.seq_len, target) if objective == "fastest"
+                      else _choose_longest(candidates, target))
+    notes = sorted({n for c in candidates if c.prediction for n in c.prediction.notes})
+    report = PlanReport(model=model, objective=objective, seq_len=setup.seq_len, target_memory_bytes=target,
+                        candidates=tuple(candidates), chosen=chosen, reason=reason,
+                        traces=sum(c.traces for c in candidates), seconds=time.perf_counter() - start,
+                        notes=tuple(notes))
+    log.info("%s", report.format())
+    return report
+
+
+def choose_options(model: str, sp_size: int, seq_len: int, target_memory: int | None = None, *,
+                   cluster: str = "h100-sxm", objective: str = "fastest", **setup: object) -> dict:
+    """The `autosp.compile` options of the plan `plan_memory` chooses (an `AutoSPError` when none fits).
+
+    ``model``: a preset of `autosp.train` or a Hugging Face config.json; ``cluster``: a preset or a cluster file;
+    ``setup``: further `TrainingSetup` fields (dp_size, zero_stage, dtype, ...).  Pass the result to
+    ``autosp.compile(model, sp_size=sp_size, **options)``."""
+    from autosp.plan.cluster_file import load_cluster
+
+    training = TrainingSetup(seq_len=seq_len, sp_size=sp_size, **setup)
+    report = plan_memory(model, training, load_cluster(cluster, world_size=training.world_size),
+                         objective=objective, target_memory=target_memory)
+    return report.options

@@ -1,0 +1,114 @@
+"""The memory planner (`autosp.plan.plan_memory`): it picks by its stated objective from a candidate table that the
+test computes independently with `autosp.plan.predict`, and the options it chooses train exactly.
+
+Small sizes: a vocabulary-heavy Qwen2-style config of 1 layer (hidden 32, vocabulary 4,096) traced on fake tensors
+for 2 SP ranks, three candidate plans (no checkpointing with the tiled loss off and on, full recomputation with
+it on; 16-token chunks).  The 8B decision time is measured outside the tests (docs/design.md, "Memory planner").
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autosp.plan import TrainingSetup, candidate_plans, load_cluster, plan_memory, predict
+from tests.autosp.test_equivalence import FP32_TOL, _check
+from tests.harness import run_on_ranks
+
+VOCAB = 4096
+CONFIG = {  # logits dominate: 64 local tokens x 4,096 fp32 logits = 1 MiB against hidden 32
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
+    "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
+    "hidden_act": "silu", "attention_dropout": 0.0,
+}
+SETUP = TrainingSetup(seq_len=128, sp_size=2, dtype="fp32", compiler="aot_eager")
+PLANS = candidate_plans(loss_chunk_tokens=16, checkpointing=("none",)) \
+    + candidate_plans(loss_chunk_tokens=16, checkpointing=("full",), tiled_loss=("on",))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vocab_heavy") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return load_cluster("h100-sxm", world_size=SETUP.world_size)
+
+
+@pytest.fixture(scope="module")
+def table(model, cluster):
+    """The candidates predicted one by one, without the planner."""
+    return {plan.name: predict(model, SETUP, cluster, options=plan.options) for plan in PLANS}
+
+
+@pytest.fixture(scope="module")
+def fastest(model, cluster, table):
+    peaks = sorted({p.peak_bytes for p in table.values()})
+    assert len(peaks) >= 2, f"the candidates' peaks do not differ: {peaks}"
+    target = (peaks[0] + peaks[1]) // 2  # between the two lowest peaks: only the leanest plans fit
+    return plan_memory(model, SETUP, cluster, objective="fastest", target_memory=target, plans=PLANS)
+
+
+def test_fastest_plan_is_the_fastest_candidate_that_fits(fastest, table):
+    target = fastest.target_memory_bytes
+    assert fastest.chosen is not None and fastest.traces == len(PLANS)
+    chosen = fastest.candidates[fastest.chosen]
+    independent = table[chosen.plan.name]
+    assert independent.peak_bytes <= target
+    assert chosen.prediction.peak_bytes == independent.peak_bytes
+    assert chosen.prediction.step.step_time_s == independent.step.step_time_s
+    assert any(p.peak_bytes > target for p in table.values()), "the target excludes no candidate"
+    for name, p in table.items():  # every faster candidate is over the target
+        if p.step.step_time_s < independent.step.step_time_s:
+            assert p.peak_bytes > target, f"{name} is faster than the chosen {chosen.plan.name} and fits"
+    text = fastest.format()
+    assert f"* {chosen.plan.name}" in text and "activations" in text
+    assert fastest.options == dict(chosen.plan.options)
+    assert fastest.to_dict()["candidates"][fastest.chosen]["fits"] is True
+
+
+def test_longest_plan_reaches_every_single_plan_length(model, cluster, table):
+    plans = (PLANS[0], PLANS[-1])  # no checkpointing, tiled loss off; full recomputation, tiled loss on
+    grid = dict(max_length_high=384, granularity=128, max_probes=2)
+    target = table[plans[0].name].peak_bytes + 1  # the plain plan fits at 128 tokens; what fits longer
+    report = plan_memory(model, SETUP, cluster, objective="longest", target_memory=target, plans=plans, **grid)
+    assert report.chosen is not None
+    best = report.candidates[report.chosen].max_seq_len
+    alone = predict(model, SETUP, cluster, options=plans[0].options, max_length=True, capacity_bytes=target, **grid)
+    assert best >= alone.max_length["max_seq_len"] >= SETUP.seq_len
+    assert all(best >= (c.max_seq_len or 0) for c in report.candidates)
+    assert report.traces == sum(c.traces for c in report.candidates) >= len(plans)
+
+
+def _train_with(rank, world, options):
+    from tests.autosp.test_tiled_loss import _tiled_case
+
+    overrides = {"hidden": 32, "vocab": VOCAB}
+    return [_tiled_case(rank, world, model="hf-qwen2", sp_size=2, seq_len=64, options=options, overrides=overrides)]
+
+
+def test_chosen_options_train_exactly_on_two_ranks(fastest):
+    options = fastest.options
+    assert options["tiled_loss"] == "on" and options["checkpointing"] == "full"  # the plan the target leaves
+    results = run_on_ranks(_train_with, 2, options, timeout_s=600)
+    _check(results, FP32_TOL)
+    assert all(r["tiled"] and r["logits"] is None for per_rank in results for r in per_rank)
+
+
+def test_cli_memory_plan_flags_and_refusals(model, caplog):
+    from autosp.errors import AutoSPError
+    from autosp.plan.__main__ import build_parser, main
+
+    args = build_parser().parse_args(["--model", model, "--cluster", "h100-sxm", "--seq-len", "128",
+                                      "--memory-plan", "auto", "--objective", "longest", "--target-memory", "1.5"])
+    assert (args.memory_plan, args.objective, args.target_memory) == ("auto", "longest", 1.5)
+    assert main(["--model", model, "--cluster", "h100-sxm", "--seq-len", "128", "--memory-plan", "auto",
+                 "--target-memory", "0", "-q"]) == 2
+    assert "--target-memory 0" in caplog.text
+    with pytest.raises(AutoSPError, match="objective"):
+        plan_memory(model, SETUP, load_cluster("h100-sxm", world_size=2), objective="cheapest", plans=PLANS)
