@@ -65,8 +65,8 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
     from experiments.paper_scale.config import ALTERNATIVE_CONFIG
     from experiments.paper_scale.simulate import TraceCache, max_length
 
-    cache = cache if cache is not None else TraceCache()
-    before = (cache.misses, cache.hits)
+    cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
+    before = _trace_counts(cache)
     found = {}
     for system in systems:
         # Ring attention's activations are Ulysses' plus small receive buffers: searched after Ulysses in
@@ -77,7 +77,7 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
         found[system] = max_length(system, model, granularity=granularity[system], high=ceiling,
                                    start=start or 8192, max_probes=max_probes, cache=cache,
                                    alternative=ALTERNATIVE_CONFIG, layers=layers)
-    return found, (cache.misses - before[0], cache.hits - before[1])
+    return found, _trace_counts(cache, before)
 
 
 def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], layers: str = "full", cache=None):
@@ -85,14 +85,23 @@ def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], laye
     reused) trace counts.  One task of the throughput table."""
     from experiments.paper_scale.simulate import TraceCache, simulate_step
 
-    cache = cache if cache is not None else TraceCache()
-    before = (cache.misses, cache.hits)
+    cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
+    before = _trace_counts(cache)
     steps = {system: simulate_step(system, model, seq_len, cache=cache, layers=layers) for system in systems}
-    return steps, (cache.misses - before[0], cache.hits - before[1])
+    return steps, _trace_counts(cache, before)
+
+
+def _trace_counts(cache, since: dict | None = None) -> dict:
+    """Traces a cache made (traced), reused and built by interpolation (Note [One trace per length class] in
+    experiments/paper_scale/simulate.py), minus the counts ``since``."""
+    counts = {"traced": cache.misses, "reused": cache.hits, "interpolated": cache.interpolated}
+    return {k: v - (since or {}).get(k, 0) for k, v in counts.items()}
 
 
 TRACE_GROUPS = (("autosp",), ("ulysses", "ring_attention"), ("ulysses+ckpt",), ("zero3",))
-"""Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache)."""
+"""Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache).
+AutoSP first: its selective checkpointing is traced at every length, the others are interpolated between a few
+traces (Note [One trace per length class] in experiments/paper_scale/simulate.py)."""
 
 
 def _run_tasks(args, tasks: list[tuple[Callable, tuple]], desc: str) -> list:
@@ -106,9 +115,9 @@ def _run_tasks(args, tasks: list[tuple[Callable, tuple]], desc: str) -> list:
         futures = {args.pool.submit(fn, *fn_args): i for i, (fn, fn_args) in enumerate(tasks)}
         for future in tqdm(as_completed(futures), total=len(futures), desc=desc, file=sys.stderr):
             results[futures[future]] = future.result()
-    for _, (traced, reused) in results:
-        args.trace_counts["traced"] += traced
-        args.trace_counts["reused"] += reused
+    for _, counts in results:
+        for kind, n in counts.items():
+            args.trace_counts[kind] += n
     return [result for result, _ in results]
 
 
@@ -225,9 +234,12 @@ def table_max_seq_len(args) -> list[dict]:
     models = sorted({r["model"] for r in published})
     granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity
                    for s in SYSTEMS + UNPUBLISHED_SYSTEMS}
+    # Longest tasks first (AutoSP traces every length, deeper models trace longer), so that the last task to
+    # finish on a worker is a short one.
+    by_depth = sorted(models, key=lambda m: -PAPER_MODELS[m].num_layers)
     tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes, args.max_seq_len_ceiling,
                                         args.layers))
-             for model in models for systems in TRACE_GROUPS]
+             for systems in TRACE_GROUPS for model in by_depth]
     simulated: dict = {}
     for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
                                        strict=True):
@@ -645,8 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     vars(args).update(settings)
     from experiments.paper_scale.simulate import TraceCache
 
-    args.cache = TraceCache()  # traces shared within this process (see experiments.paper_scale.simulate.TraceCache)
-    args.trace_counts = {"traced": 0, "reused": 0}
+    # traces shared within this process (see experiments.paper_scale.simulate.TraceCache)
+    args.cache = TraceCache(interpolate_lengths=True)
+    args.trace_counts = {"traced": 0, "reused": 0, "interpolated": 0}
     args.summaries = {}
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -687,10 +700,10 @@ def main(argv: list[str] | None = None) -> int:
             table = (args.out / f"{name}.md").read_text()
             print(f"\n## {name} ({time.perf_counter() - table_start:.0f} s)\n\n{table}")
     if not args.only:
-        misses, hits = args.cache.misses, args.cache.hits
+        before = _trace_counts(args.cache)
         run_info["simulated_step"] = write_simulated_step(args, args.out)
-        args.trace_counts["traced"] += args.cache.misses - misses
-        args.trace_counts["reused"] += args.cache.hits - hits
+        for kind, n in _trace_counts(args.cache, before).items():
+            args.trace_counts[kind] += n
     if "max-seq-len" in args.summaries:
         run_info["max_seq_len_summary"] = args.summaries["max-seq-len"]
     run_info["traces"] = args.trace_counts

@@ -48,7 +48,9 @@ def export_steps(model_name: str, systems: tuple[str, ...], lengths: tuple[int, 
         raise ValueError(f"layers={layers!r}: choose one of {LAYER_MODES}")
     model = PAPER_MODELS[model_name]
     depths = (model.num_layers,) if layers == "full" else (1, 2)
-    cache = cache if cache is not None else TraceCache()
+    # From the fifth length on, the length-invariant systems are interpolated (Note [One trace per length class]
+    # in experiments/paper_scale/simulate.py).
+    cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
     out.mkdir(parents=True, exist_ok=True)
     jobs = [(system, length, depth) for system in systems for length in lengths for depth in depths]
     written = []

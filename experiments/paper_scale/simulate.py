@@ -10,15 +10,36 @@ with the ledger's low/high band.  `max_length` finds the longest sequence with `
 and the band's ends from the same simulated steps (The band of the longest length and the alternative configuration come from one set of simulated steps
 (Note [Max-length band from one set of steps] in simulator/max_length.py); each step's traces are cached in a
 `TraceCache`.
+
+Note [One trace per length class]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Tracing a 32-layer model on fake tensors takes tens of seconds (Dynamo and AOTAutograd; exporting and
+simulating take under a second), and a max-length search probes a dozen lengths.  Under ``checkpointing="none"``
+or ``"full"`` (Ulysses, ring attention, Ulysses+ckpt, ZeRO-3) what is saved or recomputed does not depend on the
+length, and the exported workload is the same program at every length: the same ops, dependencies, tensor
+lifetimes and collectives, with every FLOP, byte and score count a polynomial of degree at most two in the length
+(attention scores and FLOPs quadratic, everything else linear or constant).  So a `TraceCache` with
+``interpolate_lengths`` traces such a system at the first three lengths a caller asks for (the anchors: a
+search's first probes, which it would trace anyway) and at the fourth, where it checks once per model, depth,
+rank count and option set (a `LengthClass`) that exact integer Lagrange interpolation from the anchors gives the
+traced workload: every op, tensor and module equal (``==``).  After that a length strictly inside the traced
+range is interpolated, one outside it is traced (and widens the range).  If the check fails, or a number does
+not come out an integer, that class is traced at every length (and the log says so).  Selective checkpointing
+(AutoSP's SAC) is never interpolated: its recompute budget is a share of the whole graph's FLOPs, whose
+attention part grows quadratically, so which matmuls it recomputes changes with the length (Note
+[Sequence-aware checkpointing] in autosp/passes/joint/checkpointing.py), and each probed length is traced.
+tests/experiments/test_length_interpolation.py checks the interpolated workloads equal real traces.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
 
 from autosp.export import ModuleParameters, export_workload, module_parameters, trace_fake_step
 from experiments.models import PAPER_MODELS, PaperModel
@@ -70,6 +91,20 @@ class SimulatedStep(ModelStep):
         return self.seq_len / self.sp_size / self.step_time_s
 
 
+LENGTH_INVARIANT_CHECKPOINTING = ("none", "full")
+"""Checkpointing settings whose plan does not depend on the length (Note [One trace per length class])."""
+
+
+@dataclass
+class LengthClass:
+    """The real traces of one model, depth, rank count and option set, as a `TraceCache` interpolates them."""
+
+    lengths: list[int] = field(default_factory=list)
+    """Lengths traced, in the order asked for: the first three are the anchors, the fourth the check."""
+    checked: bool | None = None
+    """Whether the interpolation from the anchors equalled the trace at the fourth length (None: not yet)."""
+
+
 @dataclass
 class TraceCache:
     """Exported workloads of one run, keyed by everything that determines the trace.
@@ -81,6 +116,14 @@ class TraceCache:
     workloads: dict = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
+    """Real traces (each a Dynamo and AOTAutograd compile on fake tensors)."""
+    interpolate_lengths: bool = False
+    """Build the workloads of length-invariant systems by interpolation between traces at three lengths (Note
+    [One trace per length class]) instead of tracing every length."""
+    interpolated: int = 0
+    """Workloads built by interpolation."""
+    length_classes: dict = field(default_factory=dict)
+    """`LengthClass` per (model, depth, ranks, options)."""
 
     def get(self, key, make: Callable[[], TracedStep]) -> TracedStep:
         found = self.workloads.get(key)
@@ -101,12 +144,56 @@ class TracedStep:
     """Which ops read which module's parameters and produce its gradients (`autosp.export.module_parameters`)."""
 
 
+def _trace_key(model: PaperModel, seq_len: int, layers: int, sp_size: int, options: dict) -> tuple:
+    return model.name, seq_len, layers, sp_size, tuple(sorted(options.items()))
+
+
+def _trace_name(model: PaperModel, sp_size: int, layers: int, seq_len: int) -> str:
+    return f"{model.name}/{'autosp' if sp_size > 1 else 'single'}/L={layers}/S={seq_len}"
+
+
 def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int,
                    autosp_options: dict | None = None, cache: TraceCache | None = None) -> TracedStep:
     """``layers`` decoder layers of ``model`` compiled by AutoSP for ``sp_size`` ranks (1: without sequence
-    parallelism) on fake tensors, exported as a workload (its static memory is not used: the ledger's is)."""
+    parallelism) on fake tensors, exported as a workload (its static memory is not used: the ledger's is).
+    With a cache that ``interpolate_lengths``, a length-invariant system is traced at the first four lengths asked
+    for and interpolated between them after that (Note [One trace per length class])."""
     options = dict(autosp_options or {})
-    key = (model.name, seq_len, layers, sp_size, tuple(sorted(options.items())))
+    if cache is None or not cache.interpolate_lengths or options.get("checkpointing") not in \
+            LENGTH_INVARIANT_CHECKPOINTING:
+        return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache)
+    lengths = cache.length_classes.setdefault((model.name, layers, sp_size, tuple(sorted(options.items()))),
+                                              LengthClass())
+    anchors = {n: cache.workloads[_trace_key(model, n, layers, sp_size, options)] for n in lengths.lengths[:3]}
+    name = _trace_name(model, sp_size, layers, seq_len)
+    if seq_len in lengths.lengths or not (lengths.checked and min(lengths.lengths) < seq_len < max(lengths.lengths)):
+        traced = _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache)
+        if seq_len not in lengths.lengths:
+            lengths.lengths.append(seq_len)
+        if len(lengths.lengths) == 4 and lengths.checked is None:
+            lengths.checked = interpolate_trace(anchors, seq_len, name=name) == traced
+            if not lengths.checked:
+                log.warning("%s at %d layers (%s): the workload interpolated at %d tokens differs from its trace; "
+                            "tracing every length instead", model.name, layers, options, seq_len)
+        return traced
+    key = ("interpolated", model.name, seq_len, layers, sp_size, tuple(sorted(options.items())))
+    if key in cache.workloads:
+        cache.hits += 1
+        return cache.workloads[key]
+    found = interpolate_trace(anchors, seq_len, name=name)
+    if found is None:  # a number that is not an integer: not this class's program
+        log.warning("%s at %d layers (%s): no exact interpolation at %d tokens; traced", model.name, layers,
+                    options, seq_len)
+        return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache)
+    cache.interpolated += 1
+    cache.workloads[key] = found
+    return found
+
+
+def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, options: dict,
+            cache: TraceCache | None) -> TracedStep:
+    """`trace_workload` by a real trace (once per key with a cache)."""
+    key = _trace_key(model, seq_len, layers, sp_size, options)
 
     def make() -> TracedStep:
         import torch
@@ -124,13 +211,58 @@ def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int
                 seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size, **options,
             )
         graphs = compiled.report.aot_graphs
-        workload = export_workload(
-            graphs, name=f"{model.name}/{'autosp' if sp_size > 1 else 'single'}/L={layers}/S={seq_len}",
-            sp_size=sp_size, parameter_bytes=parameter_bytes,
-        )
+        workload = export_workload(graphs, name=_trace_name(model, sp_size, layers, seq_len), sp_size=sp_size,
+                                   parameter_bytes=parameter_bytes)
         return TracedStep(workload=workload, modules=module_parameters(graphs, compiled.report.forward_graphs[-1]))
 
     return make() if cache is None else cache.get(key, make)
+
+
+_OP_NUMBERS = ("flops", "bytes_read", "bytes_written", "attention_scores")
+
+
+def _skeleton(traced: TracedStep) -> tuple:
+    """Everything of a trace but its length-dependent numbers and its name."""
+    (rank, program), = traced.workload.ranks.items()
+    ops = tuple(replace(op, **dict.fromkeys(_OP_NUMBERS, 0),
+                        collective=op.collective and replace(op.collective, message_bytes=0)) for op in program.ops)
+    return (rank, ops, tuple(program.tensors), program.static_memory, traced.modules,
+            replace(traced.workload, name="", ranks={}))
+
+
+def interpolate_trace(anchors: dict[int, TracedStep], seq_len: int, *, name: str) -> TracedStep | None:
+    """The trace at ``seq_len`` from traces of the same program at three lengths: every op, tensor and collective
+    number by exact Lagrange interpolation in the length (Note [One trace per length class]); None when the
+    anchors are not the same program or a number is not an integer."""
+    lengths = sorted(anchors)
+    if len(lengths) != 3 or any(_skeleton(anchors[n]) != _skeleton(anchors[lengths[0]]) for n in lengths[1:]):
+        return None
+    weights = [math.prod(Fraction(seq_len - m, n - m) for m in lengths if m != n) for n in lengths]
+    scale = math.lcm(*(w.denominator for w in weights))
+    numerators = [int(w * scale) for w in weights]
+    exact = True
+
+    def at(values) -> int:
+        nonlocal exact
+        total = sum(c * v for c, v in zip(numerators, values, strict=True))
+        exact = exact and total % scale == 0
+        return total // scale
+
+    programs = [anchors[n].workload.ranks for n in lengths]
+    (rank, first), = programs[0].items()
+    ops = []
+    for i, op in enumerate(first.ops):
+        same = [p[rank].ops[i] for p in programs]
+        numbers = {f: at([getattr(o, f) for o in same]) for f in _OP_NUMBERS}
+        collective = op.collective and replace(op.collective,
+                                               message_bytes=at([o.collective.message_bytes for o in same]))
+        ops.append(replace(op, **numbers, collective=collective))
+    tensors = {t: at([p[rank].tensors[t] for p in programs]) for t in first.tensors}
+    if not exact:
+        return None
+    workload = replace(anchors[lengths[0]].workload, name=name,
+                       ranks={rank: replace(first, ops=tuple(ops), tensors=tensors)})
+    return TracedStep(workload=workload, modules=anchors[lengths[0]].modules)
 
 
 def _gradients(program, modules: tuple[ModuleParameters, ...], element_bytes: int = 2) -> list[GradientReady]:
