@@ -1,6 +1,7 @@
 """Differential fuzzer of AutoSP's sequence-sharding analysis: random programs, exact or refused on every rank.
 
     python -m experiments.fuzz_analysis --programs 200 --seed 0 --ranks 2 4 [--out fuzz.json]
+    python -m experiments.fuzz_analysis --sweep --ranks 2 4     # one program per op of the pool
 
 Generates ``--programs`` random small causal-LM programs per rank count
 (`experiments.fuzz.programs`: token-local ops, ops with rules, ops that mix
@@ -23,7 +24,7 @@ import sys
 import time
 
 from experiments.fuzz.oracle import run_programs, shrink, summarize
-from experiments.fuzz.programs import OPS, generate
+from experiments.fuzz.programs import OPS, generate, sweep
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-ops", type=int, default=4, help="most ops per program (default 4)")
     parser.add_argument("--batch", type=int, default=50, help="programs per launch of the ranks (default 50)")
     parser.add_argument("--out", help="write every program's outcome to this JSON file")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead of random programs, one program per op and per positions spelling")
     parser.add_argument("--shrink", type=int, default=0, metavar="N",
                         help="shrink the smallest program of the first N kinds of finding to a minimal one")
     parser.add_argument("--show-refusals", action="store_true", help="list refused programs too")
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     records, findings = [], 0
     for sp_size in args.ranks:
-        programs = generate(args.programs, args.seed, sp_size, max_ops=args.max_ops)
+        programs = (sweep(sp_size, args.seed) if args.sweep
+                    else generate(args.programs, args.seed, sp_size, max_ops=args.max_ops))
         start = time.perf_counter()
         results = run_programs(programs, sp_size, batch_size=args.batch)
         elapsed = time.perf_counter() - start

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -217,12 +217,12 @@ OPS: dict[str, OpSpec] = {
     "attention_padding_mask": OpSpec("rule", lambda m, x, env: _attend(
         m, x, mask=_key_mask(env, x.shape[1], x.device), is_causal=False), needs=frozenset({"mask"})),
     "attention_rope_ids": OpSpec("rule", lambda m, x, env: _attend(
-        m, x, rope=_rope_from(env["positions"].float()[..., None] * m.inv_freq)), needs=frozenset({"positions"})),
+        m, x, rope=_rope_from(env["positions"].float()[..., None] * m.rope_freq)), needs=frozenset({"positions"})),
     "attention_rope_arange_einsum": OpSpec("rule", lambda m, x, env: _attend(
         m, x, rope=_rope_from(torch.einsum("s,f->sf", torch.arange(x.shape[1], device=x.device).float(),
-                                           m.inv_freq)))),
+                                           m.rope_freq)))),
     "attention_rope_arange_outer": OpSpec("rule", lambda m, x, env: _attend(
-        m, x, rope=_rope_from(torch.outer(torch.arange(x.shape[1], device=x.device).float(), m.inv_freq)))),
+        m, x, rope=_rope_from(torch.outer(torch.arange(x.shape[1], device=x.device).float(), m.rope_freq)))),
     # -- reductions over the sequence that rules complete -------------------------------------------------
     "center_sequence": OpSpec("rule", lambda m, x, env: x - x.mean(dim=1, keepdim=True)),
     "add_sequence_sum": OpSpec("rule", lambda m, x, env: x + 0.01 * torch.sum(x, 1, keepdim=True)),
@@ -336,7 +336,6 @@ class Program:
     """Pass an attention_mask with zeros (right padding, labels ignored there); the model reads it."""
     lengths: tuple[int, ...] = (32,)
     seed: int = 0
-    extras: dict = field(default_factory=dict, compare=False, hash=False)
 
     def describe(self) -> str:
         inputs = "ids,labels" + (",position_ids" if self.takes_positions else "") + (",attention_mask" if self.mask
@@ -368,6 +367,8 @@ class FuzzLM(nn.Module):
         self.conv_w = nn.Parameter(0.3 * torch.randn(h, 1, 3))
         self.head = nn.Linear(h, VOCAB, bias=False)
         self.register_buffer("inv_freq", 1.0 / (100.0 ** (torch.arange(0, h // 2) / (h // 2))), persistent=False)
+        half_head = h // HEADS // 2
+        self.register_buffer("rope_freq", 1.0 / (100.0 ** (torch.arange(0, half_head) / half_head)), persistent=False)
 
     def run(self, input_ids, labels, position_ids, attention_mask):
         env = {"input_ids": input_ids, "positions": position_ids, "mask": attention_mask, "aux": []}
@@ -457,4 +458,22 @@ def generate(count: int, seed: int, sp_size: int, *, max_ops: int = 4) -> list[P
         programs.append(Program(
             ops=tuple(ops), positions=positions, loss=rng.choice(sorted(LOSSES)), takes_positions=takes_positions,
             mask=mask, lengths=_lengths(rng, sp_size, even), seed=seed * 100003 + i))
+    return programs
+
+
+def sweep(sp_size: int, seed: int = 0) -> list[Program]:
+    """One small program per op and per positions spelling (causal attention plus that op), each called first
+    with a multiple of P tokens and then with one token fewer (the same shard length, padded): the pool's
+    coverage in its most readable form, every finding minimal by construction."""
+    full = 8 * sp_size
+    lengths = (full, full - 1)
+    programs = []
+    for i, (name, spec) in enumerate(OPS.items()):
+        programs.append(Program(ops=("attention", name), takes_positions="positions" in spec.needs,
+                                mask="mask" in spec.needs, lengths=(full,) if "even" in spec.needs else lengths,
+                                seed=seed * 100003 + i))
+    for j, (name, (_, needs)) in enumerate(POSITIONS.items()):
+        if name != "none":
+            programs.append(Program(ops=("attention",), positions=name, takes_positions="positions" in needs,
+                                    lengths=lengths, seed=seed * 100003 + len(OPS) + j))
     return programs

@@ -11,7 +11,7 @@ ranks that disagree fails the test, which lists each finding with its program.  
 from __future__ import annotations
 
 from experiments.fuzz.oracle import ProgramResult, classify, run_programs, summarize
-from experiments.fuzz.programs import OPS, POSITIONS, Program, generate
+from experiments.fuzz.programs import OPS, POSITIONS, Program, build_model, generate, make_batch, sweep
 
 SEED = 0
 PROGRAMS = {2: 8, 4: 2}
@@ -52,6 +52,23 @@ def test_fuzz_generator_covers_the_pool_and_is_deterministic():
     # several lengths per compiled model, lengths that need padding, pairs padded to the same shard length
     assert any(len(p.lengths) > 1 for p in programs) and any(n % 2 for p in programs for n in p.lengths)
     assert any(len({-(-n // 2) for n in p.lengths}) < len(p.lengths) for p in programs)
+
+
+def test_fuzz_every_op_runs_on_one_device():
+    """Every program of the sweep (each op and positions spelling) is a valid single-device model: a finite loss
+    and gradients, at every length it is called with."""
+    import torch
+
+    for program in sweep(2):
+        model = build_model(program)
+        for call, n in enumerate(program.lengths):
+            ids, labels, mask = make_batch(program, n, call)
+            kwargs = {"attention_mask": mask} if mask is not None else {}
+            if program.takes_positions:
+                kwargs["position_ids"] = torch.arange(n)[None].expand_as(ids)
+            loss = model(input_ids=ids, labels=labels, **kwargs).loss
+            loss.backward()
+            assert torch.isfinite(loss), program.describe()
 
 
 def test_fuzz_oracle_classifies_every_disagreement_as_a_finding():
