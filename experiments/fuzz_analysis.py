@@ -81,9 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - start
         for line in _report(results, sp_size, args.show_refusals, args.shrink):
             print(line)
-        print(f"   {len(results)} programs in {elapsed:.0f} s; per call: " + " ".join(f"{c['seconds']:.1f}" for r in results if r.calls for c in r.calls[0]))
+        seconds = sorted(c["seconds"] for r in results if r.calls for c in r.calls[0] if "seconds" in c)
+        median = seconds[len(seconds) // 2] if seconds else 0.0
+        print(f"   {len(results)} programs, {len(seconds)} calls in {elapsed:.0f} s (per call: median {median:.1f} s, "
+              f"max {max(seconds, default=0.0):.1f} s)")
         findings += sum(r.is_finding for r in results)
-        records += [{"sp_size": sp_size, "status": r.status, "program": r.program.describe(), "message": r.message}
+        records += [{"sp_size": sp_size, "status": r.status, "program": r.program.describe(), "message": r.message,
+                     "calls": [(c["length"], c["status"]) for c in (r.calls[0] if r.calls else [])]}
                     for r in results]
     if args.out:
         with open(args.out, "w") as f:
