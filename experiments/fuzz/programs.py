@@ -462,14 +462,15 @@ def generate(count: int, seed: int, sp_size: int, *, max_ops: int = 4) -> list[P
 
 
 def sweep(sp_size: int, seed: int = 0) -> list[Program]:
-    """One small program per op and per positions spelling (causal attention plus that op), each called first
+    """One small program per op and per positions spelling (that op, then causal attention, which must see the op's
+    output token-sharded to be rewritten), each called first
     with a multiple of P tokens and then with one token fewer (the same shard length, padded): the pool's
     coverage in its most readable form, every finding minimal by construction."""
     full = 8 * sp_size
     lengths = (full, full - 1)
     programs = []
     for i, (name, spec) in enumerate(OPS.items()):
-        programs.append(Program(ops=("attention", name), takes_positions="positions" in spec.needs,
+        programs.append(Program(ops=(name, "attention"), takes_positions="positions" in spec.needs,
                                 mask="mask" in spec.needs, lengths=(full,) if "even" in spec.needs else lengths,
                                 seed=seed * 100003 + i))
     for j, (name, (_, needs)) in enumerate(POSITIONS.items()):

@@ -1,6 +1,6 @@
 """The differential fuzzer of the sequence-sharding analysis, at a fixed seed: exact or refused, on every rank.
 
-Random programs (`experiments.fuzz.programs`: ops with and without rules, ops that mix tokens, custom autograd
+Random programs on 2 ranks (`experiments.fuzz.programs`: ops with and without rules, ops that mix tokens, custom autograd
 Functions, positions and token counts spelt several ways, padding masks, several lengths per compiled model) run
 under AutoSP on gloo ranks against a single-device run of the full sequence (loss and every gradient, fp32 rtol
 1e-4 / atol 1e-6).  Any program accepted but wrong, crashing with an error that is not an AutoSPError, or with
@@ -14,7 +14,9 @@ from experiments.fuzz.oracle import ProgramResult, classify, run_programs, summa
 from experiments.fuzz.programs import OPS, POSITIONS, Program, build_model, generate, make_batch, sweep
 
 SEED = 0
-PROGRAMS = {2: 8, 4: 2}
+PROGRAMS = {2: 8}
+"""Programs per rank count in CI (about 35 s on 2 cores); 4 ranks cost about as much again for two programs, so
+P = 4 is left to the longer run (``python -m experiments.fuzz_analysis --ranks 2 4``)."""
 
 
 def _findings_report(results: list[ProgramResult]) -> str:
@@ -36,10 +38,6 @@ def test_fuzz_fixed_seed_two_ranks_exact_or_refused():
     statuses = {r.status for r in results}
     # The draw is not vacuous: some programs run (and are compared), some are refused.
     assert statuses & {"exact", "mixed"} and statuses & {"refused", "mixed"}, statuses
-
-
-def test_fuzz_fixed_seed_four_ranks_exact_or_refused():
-    _fuzz(4)
 
 
 def test_fuzz_generator_covers_the_pool_and_is_deterministic():
