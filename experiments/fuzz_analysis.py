@@ -23,6 +23,7 @@ import logging
 import sys
 import time
 
+from experiments import cli
 from experiments.fuzz.oracle import run_programs, shrink, summarize
 from experiments.fuzz.programs import OPS, generate, sweep
 
@@ -55,20 +56,24 @@ def _report(results, sp_size: int, show_refusals: bool, shrink_groups: int) -> l
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--programs", type=int, default=100, help="programs per rank count (default 100)")
-    parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="SP sizes to run (default 2 4)")
-    parser.add_argument("--max-ops", type=int, default=4, help="most ops per program (default 4)")
-    parser.add_argument("--batch", type=int, default=50, help="programs per launch of the ranks (default 50)")
-    parser.add_argument("--out", help="write every program's outcome to this JSON file")
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.parser("experiments.fuzz_analysis", __doc__)
+    parser.add_argument("--programs", type=int, default=100, help="random programs per rank count")
+    parser.add_argument("--seed", type=int, default=0, help="generator seed")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="SP sizes to run, one launch series each")
+    parser.add_argument("--max-ops", type=int, default=4, help="most ops per random program")
+    parser.add_argument("--batch", type=int, default=50, help="programs per launch of the ranks")
+    parser.add_argument("--out", help="write every program's outcome to this JSON file (nothing is written without it)")
     parser.add_argument("--sweep", action="store_true",
                         help="instead of random programs, one program per op and per positions spelling")
     parser.add_argument("--shrink", type=int, default=0, metavar="N",
                         help="shrink the smallest program of the first N kinds of finding to a minimal one")
     parser.add_argument("--show-refusals", action="store_true", help="list refused programs too")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
