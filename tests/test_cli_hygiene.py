@@ -65,6 +65,7 @@ CLIS = (
         typos=(("--model", "llama-9b"), ("--model", "llama-3.1-8b", "--systems", "autosp", "ulyses"),
                ("--model", "llama-3.1-8b", "--layers", "ful"))),
     Cli("experiments.paper_scale.analysis_cost", typos=(("--model", "llama-9b"),)),
+    Cli("experiments.fuzz_analysis"),
     Cli("experiments.notebooks.build"),
     Cli("simulator", typos=(("--cluster", "a100"), ("--all-to-all", "pairwize"), ("--network", "ib-hdr-100"),
                             ("--precision", "bf32"),
