@@ -167,14 +167,40 @@ def check_token_count_literal(an, node, *, sharded: bool = False):
         counts.discard(1)
     else:
         counts = {an.seq_len * k for k in range(1, 65)}
-    values = [v for k, v in arguments(node).items() if not isinstance(v, fx.Node)]
-    for value in values:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value in counts and value > 1:
+    for value in _literal_operands(node):
+        if _is_count_or_inverse(value, counts):
             raise an.refuse(node, f"scales {'token-sharded values' if sharded else 'a sum over the sequence'} by "
                             f"{value}, a multiple of this rank's {an.seq_len} tokens (probably read from a tensor's "
-                            "shape, size(), numel() or len(), which are the shard's, not the sequence's)",
+                            "shape, size(), numel() or len(), which are the shard's, not the sequence's), or its reciprocal",
                             "use mean() over the tokens, or count them with a reduction "
                             "(e.g. torch.ones_like(x).sum()), so the count is global")
+
+
+_SCALAR_FACTORIES = frozenset(("tensor", "as_tensor", "scalar_tensor", "full"))
+
+
+def _literal_operands(node: fx.Node) -> list:
+    """The Python numbers ``node`` computes with: its literal arguments, and the literal inside a scalar tensor
+    made for it (``x / torch.tensor(float(x.shape[1]))``)."""
+    values = []
+    for value in arguments(node).values():
+        if isinstance(value, fx.Node):
+            if value.op == "call_function" and op_name(value) in _SCALAR_FACTORIES:
+                values += [v for v in value.args if not isinstance(v, fx.Node)]
+        else:
+            values.append(value)
+    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _is_count_or_inverse(value: float, counts: set[int]) -> bool:
+    """``value`` is one of the token counts, or the reciprocal of one (``* (1.0 / x.shape[1])``)."""
+    if value in counts and value > 1:
+        return True
+    if isinstance(value, float) and 0 < value < 1:
+        inverse = 1.0 / value
+        nearest = round(inverse)
+        return nearest > 1 and nearest in counts and abs(inverse - nearest) <= 1e-9 * nearest
+    return False
 
 
 _SHAPE_READ = re.compile(r"\.shape\b|\.size\(|\bnumel\(|\blen\(")
