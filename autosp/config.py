@@ -48,6 +48,10 @@ class AutoSPConfig:
     overlap_communication: bool = True
     """Issue the all-to-alls asynchronously (start early, wait late) so they run while
     independent computation proceeds, forward and backward; numerics are unchanged."""
+    check_same_sample: bool = True
+    """On every call, check that all ranks of the SP group were given the same sample (input ids, labels,
+    positions, mask), with one all-gather of a few checksums; a mismatch (e.g. a plain DistributedSampler
+    over all ranks) is refused on every rank.  False skips the check (autosp.guards.check_same_sample)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or self.sp_size < 1:
