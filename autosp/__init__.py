@@ -6,10 +6,11 @@ the tokens, wrap every ``scaled_dot_product_attention`` in all-to-alls, make the
 loss and gradients those of the full sequence, and export the resulting
 collective schedule for the simulator.  Entry points: `compile`,
 `prepare_inputs`, `sync_gradients`; with DeepSpeed, `deepspeed_initialize`
-(and `sequence_parallel_sampler` for data loading).
+(and `sequence_parallel_sampler` for data loading); with the Hugging Face Trainer,
+`AutoSPTrainer` (autosp.integrations.hf, imported on first use: it needs accelerate).
 """
 
-from autosp import ops  # noqa: F401 - registers the autosp_testbed:: collective ops
+from autosp import ops, tiled_ops  # noqa: F401 - register the autosp_testbed:: custom ops
 from autosp.api import SequenceParallelModel, compile, sync_gradients
 from autosp.config import AutoSPConfig
 from autosp.errors import AutoSPError
@@ -19,6 +20,7 @@ from autosp.sampler import sequence_parallel_sampler
 
 __all__ = [
     "AutoSPConfig",
+    "AutoSPTrainer",
     "AutoSPError",
     "SequenceParallelMPU",
     "SequenceParallelModel",
@@ -28,3 +30,12 @@ __all__ = [
     "sequence_parallel_sampler",
     "sync_gradients",
 ]
+
+
+def __getattr__(name: str):
+    # The Trainer integration imports transformers' Trainer and accelerate: only when asked for.
+    if name == "AutoSPTrainer":
+        from autosp.integrations.hf import AutoSPTrainer
+
+        return AutoSPTrainer
+    raise AttributeError(f"module 'autosp' has no attribute {name!r}")

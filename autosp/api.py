@@ -22,13 +22,13 @@ from torch import nn
 from autosp.backend import make_backend
 from autosp.config import AutoSPConfig
 from autosp.context import CompileReport, TraceContext
-from autosp.diagnostics import graph_break_error
+from autosp.diagnostics import graph_break_error, install_output_capture_hooks
 from autosp.errors import AutoSPError
 from autosp.gradients import GradientReduction
 from autosp.groups import SequenceParallelGroups, build_groups
 from autosp.guards import check_same_sample, sliding_window_layers
 from autosp.inputs import PREPARED_KEY, shard_batch, shard_layout
-from autosp.pipeline import SEQUENCE_PARALLEL_PASSES
+from autosp.pipeline import passes_for
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,12 @@ class SequenceParallelModel(nn.Module):
             sp_size=config.sp_size, sp_rank=groups.sp_rank, group_name=groups.sp_group_name,
             ignore_index=config.ignore_index,
         )
-        # sp_size=1: no sequence-parallel passes, but the same AOTAutograd path (checkpointing option,
-        # graphs recorded in the report for autosp.export).
-        backend = make_backend(self._ctx, config, passes=() if config.sp_size == 1 else SEQUENCE_PARALLEL_PASSES)
+        # sp_size=1: no sequence-parallel passes (only the tiled loss, when enabled), but the same AOTAutograd
+        # path (checkpointing option, graphs recorded in the report for autosp.export).
+        backend = make_backend(self._ctx, config, passes=passes_for(config))
         # Kept out of the module tree (not a registered submodule): the compiled wrapper holds the same
         # parameters as ``module``, and state_dict/parameters must list them once.
+        install_output_capture_hooks(module)  # HF's lazy hook installation would break the graph
         self.__dict__["_compiled"] = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
         self._accepts_positions = _accepts(module.forward, "position_ids")
         self._accepts_attention_mask = _accepts(module.forward, "attention_mask")
@@ -158,7 +159,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     groups = build_groups(sp_size, process_group)
     if sp_size == 1:
         warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
-                      "(the checkpointing option still applies)", stacklevel=2)
+                      "(the checkpointing and tiled_loss options still apply)", stacklevel=2)
     return SequenceParallelModel(model, config, groups)
 
 

@@ -8,6 +8,7 @@ from autosp.errors import AutoSPError
 
 COMPILERS = ("inductor", "aot_eager")
 CHECKPOINTING = ("sac", "none", "default", "full")
+TILED_LOSS = ("off", "on", "auto")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,19 @@ class AutoSPConfig:
     """On every call, check that all ranks of the SP group were given the same sample (input ids, labels,
     positions, mask), with one all-gather of a few checksums; a mismatch (e.g. a plain DistributedSampler
     over all ranks) is refused on every rank.  False skips the check (autosp.guards.check_same_sample)."""
+    tiled_loss: str = "off"
+    """Compute the output projection and the causal-LM loss in token chunks, forward and backward, so the
+    [tokens, vocab] logits and their fp32 copies never exist (Note [Tiled logits and loss] in
+    autosp/tiled_ops.py): "on" (an error if the model's loss is not cross-entropy over a linear projection),
+    "auto" (on when this rank's logits span more than one chunk, and the model's loss has that form), "off"."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the tiled loss; None: as many as keep one chunk's fp32 logits within 64 MiB
+    (autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES)."""
+    return_logits: bool = True
+    """False (with tiled_loss "on" or "auto"): when labels are passed, a model that returns its logits beside the
+    loss (Hugging Face) returns None in their place, so that the tiled loss need not materialise them.  True
+    keeps them (and tiled_loss then cannot apply to such a model: "on" is refused, "auto" keeps the plain
+    loss)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or self.sp_size < 1:
@@ -67,6 +81,15 @@ class AutoSPConfig:
                 not isinstance(self.length_bucket, int) or self.length_bucket < 1 or self.length_bucket % self.sp_size):
             raise AutoSPError(f"length_bucket must be a positive multiple of sp_size={self.sp_size}, got "
                               f"{self.length_bucket!r}")
+        if self.tiled_loss not in TILED_LOSS:
+            raise AutoSPError(f"tiled_loss must be one of {TILED_LOSS}, got {self.tiled_loss!r}")
+        if not self.return_logits and self.tiled_loss == "off":
+            raise AutoSPError("return_logits=False takes effect only with the tiled loss: pass tiled_loss='on' or "
+                              "'auto' too (or leave return_logits=True)")
+        if self.loss_chunk_tokens is not None and (
+                not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1):
+            raise AutoSPError(f"loss_chunk_tokens must be None or a positive number of tokens, got "
+                              f"{self.loss_chunk_tokens!r}")
         if self.sac_memory_budget is not None and not 0 <= self.sac_memory_budget <= 1:
             raise AutoSPError(f"sac_memory_budget must be None or a fraction in [0, 1], got {self.sac_memory_budget!r}")
 

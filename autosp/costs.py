@@ -3,8 +3,9 @@
 FLOPs: matmuls 2·M·N·K; attention counted here (torch's FLOP counter misses the
 CPU kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to
 two), halved under causal masking, scaled by the kept fraction of the scores under
-a document mask (flex_attention, Note [Document masks]); reductions one FLOP per input element;
-elementwise ops one FLOP per output element; views and data movement none.
+a document mask (flex_attention, Note [Document masks]); the tiled logits and loss as the matmuls they run
+(Note [Tiled logits and loss]), with the scratch of one chunk (`workspace_bytes`); reductions one FLOP per
+input element; elementwise ops one FLOP per output element; views and data movement none.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import math
 
 import torch
 from torch import fx
+
+from autosp import tiled_ops  # noqa: F401 - registers the tiled loss ops priced below
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
@@ -104,6 +107,43 @@ def attention_scores_of(node: fx.Node, *, masked_fraction: float | None = None) 
     return attention_scores(q, k, causal=causal, backward=backward, kept=masked_fraction if flex else None)
 
 
+TILED_LOSS = (torch.ops.autosp_testbed.linear_cross_entropy.default,
+              torch.ops.autosp_testbed.linear_cross_entropy_backward.default)
+"""The tiled logits and loss, forward and backward (Note [Tiled logits and loss] in autosp/tiled_ops.py)."""
+
+
+def _tiled_loss_dims(node: fx.Node) -> tuple[int, int, int, int]:
+    """(rows N, hidden size H, vocabulary V, tokens per chunk) of a tiled-loss node."""
+    rows, width = schema_arg(node, "hidden").meta["val"].shape
+    vocab = schema_arg(node, "weight").meta["val"].shape[0]
+    return int(rows), int(width), int(vocab), int(schema_arg(node, "chunk_tokens"))
+
+
+def tiled_loss_flops(node: fx.Node) -> int:
+    """The logits matmul forward (2·N·H·V); backward its recomputation and the gradient of the hidden states,
+    plus the weight's gradient when it is computed (2 or 3 × 2·N·H·V).  The softmax's few FLOPs per logit are
+    left out, as for an untiled matmul."""
+    rows, width, vocab, _ = _tiled_loss_dims(node)
+    backward = node.target is TILED_LOSS[1]
+    matmuls = (3 if schema_arg(node, "weight_grad") else 2) if backward else 1
+    return matmuls * 2 * rows * width * vocab
+
+
+def workspace_bytes(node: fx.Node) -> int:
+    """Bytes an op allocates and frees while it runs, beyond its outputs.  Only the tiled loss has any: two fp32
+    [chunk, vocab] buffers (the chunk's logits and the softmax's temporary in forward; the probabilities and
+    the logits' gradient in backward), and in backward, for a weight that is not fp32, the fp32 accumulator of
+    min(tokens, vocab) x hidden values (Note [Tiled logits and loss])."""
+    if node.target not in TILED_LOSS:
+        return 0
+    rows, width, vocab, chunk = _tiled_loss_dims(node)
+    scratch = 2 * min(rows, chunk) * vocab * 4
+    if node.target is TILED_LOSS[1] and schema_arg(node, "weight").meta["val"].dtype != torch.float32 and (
+            schema_arg(node, "weight_grad")):
+        scratch += min(rows, vocab) * width * 4
+    return scratch
+
+
 def classify(node: fx.Node, *, masked_fraction: float | None = None) -> tuple[str, int]:
     """(op_class, flops) of a compute node (``masked_fraction``: see `attention_scores_of`)."""
     target, packet = node.target, packet_name(node.target)
@@ -112,6 +152,8 @@ def classify(node: fx.Node, *, masked_fraction: float | None = None) -> tuple[st
         q, k, causal, backward, flex = shapes
         return "attention", attention_flops(q, k, causal=causal, backward=backward,
                                             kept=masked_fraction if flex else None)
+    if target in TILED_LOSS:
+        return "matmul", tiled_loss_flops(node)
     if target in MATMULS:
         a, b = (node.args[1], node.args[2]) if target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
         sa, sb = a.meta["val"].shape, b.meta["val"].shape

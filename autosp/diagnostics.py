@@ -1,10 +1,36 @@
-"""Errors from torch.compile turned into AutoSP errors that say what to change."""
+"""Errors from torch.compile turned into AutoSP errors that say what to change, and what avoids them."""
 
 from __future__ import annotations
 
+import logging
 import re
 
+from torch import nn
+
 from autosp.errors import AutoSPError
+
+log = logging.getLogger(__name__)
+
+
+def install_output_capture_hooks(module: nn.Module) -> None:
+    """Install Hugging Face's output-capturing hooks now, outside the compiled forward.
+
+    Hugging Face models that return per-layer outputs (``output_router_logits``,
+    ``output_hidden_states``, ``output_attentions``) install forward hooks lazily, on
+    the first call that asks for them, under a ``threading.Lock``: a context manager
+    Dynamo cannot trace (a graph break, refused under fullgraph).  Installed before
+    compiling, the check inside the forward finds them and the hooks trace like any
+    other code.  They record nothing unless a call asks for those outputs.
+    """
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks
+    except ImportError:  # no transformers, or a version without lazy output capture: nothing to install
+        return
+    for sub in module.modules():
+        if isinstance(sub, PreTrainedModel) and _CAN_RECORD_REGISTRY.get(sub):
+            maybe_install_capturing_hooks(sub)
+            log.debug("installed Hugging Face output-capturing hooks on %s", type(sub).__name__)
 
 
 def graph_break_error(err: Exception, model: str) -> AutoSPError:

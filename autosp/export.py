@@ -16,7 +16,8 @@ Parameters, gradients and optimizer state are static memory, not tensors.
 
 FLOPs: matmuls 2·M·N·K; attention counted here (torch's counter misses the CPU
 kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to two),
-halved under causal masking; elementwise ops one FLOP per output element.
+halved under causal masking; elementwise ops one FLOP per output element.  An op with scratch memory
+(the tiled loss's chunk, `autosp.costs.workspace_bytes`) allocates it and frees it itself.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autosp.costs import VIEWS, attention_scores_of, classify, nbytes_of, packet_name
+from autosp.costs import VIEWS, attention_scores_of, classify, nbytes_of, packet_name, workspace_bytes
 from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,12 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 em.tensors[tid] = written
                 root[node] = tid
                 allocates = (tid,)
+            scratch = workspace_bytes(node)
+            if scratch:  # allocated and freed by this op (the tiled loss's chunk)
+                tid = len(em.tensors)
+                em.tensors[tid] = scratch
+                allocates += (tid,)
+                em.frees_at.setdefault(op_id, []).append(tid)
             read = sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes)
             ours = getattr(node.target, "namespace", None) == "autosp_testbed"
             if ours and packet in _COLLECTIVES:
@@ -284,7 +291,7 @@ def module_parameters(aot_graphs: list[tuple[str, fx.GraphModule]], dynamo_graph
 
 def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
                     dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", document_lengths=None,
-                    **options):
+                    micro_batch: int = 1, **options):
     """Compile and run one training step of ``build_model()`` on fake tensors and a fake group.
 
     Paper-scale graphs without paper-scale memory: the model is built inside a
@@ -295,6 +302,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     parameter bytes.  ``options`` are `autosp.compile` options (e.g. checkpointing).
     ``document_lengths``: the sample packs documents of these lengths (real position ids, so a model
     that masks documents is traced with the layout and the report's attention_kept_fraction set).
+    ``micro_batch``: samples per step (the rows of ``input_ids``; each row is a full ``seq_len`` sequence).
     The process must not have a process group of its own.
     """
     import torch.distributed as dist
@@ -309,7 +317,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
         raise RuntimeError("trace_fake_step needs a process without a process group (it creates a fake one)")
     positions = None
     if document_lengths is not None:  # real values (a few integers per token), outside the fake mode
-        positions = torch.cat([torch.arange(int(n)) for n in document_lengths])[None]
+        positions = torch.cat([torch.arange(int(n)) for n in document_lengths])[None].expand(micro_batch, -1)
         if positions.shape[1] != seq_len:
             raise ValueError(f"document_lengths sum to {positions.shape[1]} tokens, not seq_len={seq_len}")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=sp_size)
@@ -323,7 +331,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
                 model = build_model()
             finally:
                 torch.set_default_dtype(previous)
-            ids = torch.randint(0, vocab_size, (1, seq_len))
+            ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
             inputs = prepare_inputs(ids, labels=ids, position_ids=positions)
         compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **options)
         # The step runs in the fake mode too: a graph's factory ops (the zeros a loss backward fills, a

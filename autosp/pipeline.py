@@ -8,12 +8,14 @@ from collections.abc import Callable, Sequence
 
 from torch import fx
 
+from autosp.config import AutoSPConfig
 from autosp.context import TraceContext
 from autosp.passes.dynamo.cleanup import eliminate_dead_code_pass, refresh_metadata_pass
 from autosp.passes.dynamo.loss import exact_causal_lm_loss_pass
 from autosp.passes.dynamo.masks import attention_mask_pass
 from autosp.passes.dynamo.sharding import sequence_sharding_pass
 from autosp.passes.dynamo.tag_inputs import tag_sequence_inputs_pass
+from autosp.passes.dynamo.tiled_loss import make_tiled_loss_pass
 from autosp.passes.graph_utils import op_counts
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,19 @@ SEQUENCE_PARALLEL_PASSES: tuple[Pass, ...] = (
 """Stage 1 (autosp.passes.dynamo): Dynamo graph of one rank's shard, single-device semantics -> exact
 sequence-parallel graph.  The loss rule runs before the analysis (it removes the model's own label shift,
 which would otherwise read as a slice of the token axis); the analysis applies the other rules."""
+
+
+def passes_for(config: AutoSPConfig) -> tuple[Pass, ...]:
+    """The Dynamo-stage passes of one compile.  The tiled loss (Note [Tiled loss pass]) runs after the loss rule
+    (it tiles the local loss sum that rule leaves) and before the analysis, which classifies its op like any
+    other.  Without sequence parallelism (sp_size=1) only the tiled loss runs, when it is enabled."""
+    if config.tiled_loss == "off":
+        return () if config.sp_size == 1 else SEQUENCE_PARALLEL_PASSES
+    tiled = make_tiled_loss_pass(config.tiled_loss, config.loss_chunk_tokens, config.return_logits)
+    if config.sp_size == 1:
+        return (tag_sequence_inputs_pass, tiled, eliminate_dead_code_pass)
+    at = SEQUENCE_PARALLEL_PASSES.index(exact_causal_lm_loss_pass) + 1
+    return SEQUENCE_PARALLEL_PASSES[:at] + (tiled,) + SEQUENCE_PARALLEL_PASSES[at:]
 
 
 def run_passes(

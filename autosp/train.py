@@ -57,7 +57,29 @@ PRESETS: dict[str, LlamaSize] = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+FLAG_DEFAULTS = {"zero_stage": 0, "micro_batch_size": 1, "compiler": "inductor"}
+"""Defaults of the flags a ``--deepspeed-config`` file can also set: an explicit flag wins over the file, the
+file wins over these defaults (`merge_config` logs each conflict)."""
+
+
+def _model(value: str) -> str:
+    """``--model``: a preset name or an existing config.json (or a folder holding one), checked before any work."""
+    if value in PRESETS:
+        return value
+    path = os.path.join(value, "config.json") if os.path.isdir(value) else value
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json "
+                                         "file or a folder holding one")
+    return value
+
+
+def _json_file(value: str) -> str:
+    if not os.path.isfile(value):
+        raise argparse.ArgumentTypeError(f"{value!r}: no such file")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m autosp.train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a causal LM on random tokens with AutoSP (sequence parallelism) and DeepSpeed ZeRO 0-2.\n"
@@ -76,8 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                "  deepspeed --hostfile hostfile --module autosp.train \\\n"
                "      --model llama-3.1-8b --seq-len 131072 --sp-size 8 --zero-stage 2\n"
                "Keep an SP group inside a node (--sp-size at most the GPUs per node). On CPU set OMP_NUM_THREADS\n"
-               "on a busy machine (torchrun sets 1).")
-    p.add_argument("--model", default="tiny-llama",
+               "on a busy machine (torchrun sets 1).\n"
+               "--deepspeed-config FILE is merged deeply over the config these flags build: a flag given on the\n"
+               "command line wins over the file, the file wins over a flag's default; each conflict is logged and\n"
+               "the summary shows the values that were used.")
+    p.add_argument("--model", default="tiny-llama", type=_model,
                    help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face config.json (or its folder) "
                         "(default: %(default)s)")
     p.add_argument("--num-layers", type=int, help="override the number of decoder layers (default: the model's)")
@@ -86,27 +111,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sp-size", type=int,
                    help="ranks sharing one sequence; divides the world size, the rest is data parallelism "
                         "(default: all ranks)")
-    p.add_argument("--zero-stage", type=int, default=0, help="DeepSpeed ZeRO stage: 0, 1 or 2 (default: %(default)s)")
+    p.add_argument("--zero-stage", type=int, metavar="{0,1,2}",
+                   help=f"DeepSpeed ZeRO stage: 0, 1 or 2; 3 does not compose with AutoSP "
+                        f"(default: {FLAG_DEFAULTS['zero_stage']})")
     p.add_argument("--steps", type=int, default=10, help="training steps (default: %(default)s)")
     p.add_argument("--warmup-steps", type=int, default=1,
                    help="first steps (compilation) left out of tokens/s (default: %(default)s)")
-    p.add_argument("--micro-batch-size", type=int, default=1,
-                   help="samples per SP group per step (default: %(default)s)")
+    p.add_argument("--micro-batch-size", type=int,
+                   help=f"samples per SP group per step (default: {FLAG_DEFAULTS['micro_batch_size']})")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate, unless the DeepSpeed config names an optimizer (default: %(default)s)")
-    p.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
-                   help="torch.compile backend AutoSP hands its graphs to (default: %(default)s)")
+    p.add_argument("--compiler", choices=("inductor", "aot_eager"),
+                   help=f"torch.compile backend AutoSP hands its graphs to (default: {FLAG_DEFAULTS['compiler']})")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="parameter and compute dtype (default: bf16 on GPUs, "
                                                              "fp32 on CPU)")
-    p.add_argument("--deepspeed-config", metavar="JSON",
-                   help="a DeepSpeed config file merged over the one built from these flags")
+    p.add_argument("--deepspeed-config", metavar="JSON", type=_json_file,
+                   help="a DeepSpeed config file merged deeply over the one built from these flags (see below)")
     p.add_argument("--summary-json", metavar="PATH", help="also write rank 0's JSON summary to this file")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the random tokens (default: %(default)s)")
     p.add_argument("--log-interval", type=int, default=1, help="log every N steps (default: %(default)s)")
     # The deepspeed launcher passes --local_rank (LOCAL_RANK in the environment says the same).
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.steps <= args.warmup_steps:
         p.error(f"--steps ({args.steps}) must exceed --warmup-steps ({args.warmup_steps}) to measure tokens/s")
+    for flag in ("seq_len", "steps", "log_interval", "sp_size", "micro_batch_size", "num_layers"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} {value}: give a positive number")
+    if args.zero_stage is not None and args.zero_stage not in (0, 1, 2):
+        p.error(f"--zero-stage {args.zero_stage}: ZeRO stage {args.zero_stage} does not compose with AutoSP; "
+                "use 0, 1 or 2 (ZeRO 2 already partitions gradients and optimizer state)")
+    # Which of FLAG_DEFAULTS were typed (they win over --deepspeed-config); the rest take their defaults.
+    args.explicit = {name for name in (*FLAG_DEFAULTS, "dtype", "sp_size") if getattr(args, name) is not None}
+    for name, default in FLAG_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     return args
 
 
@@ -167,7 +211,45 @@ def build_model(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Mo
     return model.train()
 
 
+CONFIG_FLAGS = {
+    ("train_micro_batch_size_per_gpu",): "micro_batch_size",
+    ("sequence_parallel_size",): "sp_size",
+    ("zero_optimization", "stage"): "zero_stage",
+    ("autosp", "compiler"): "compiler",
+    ("bf16", "enabled"): "dtype",
+}
+"""The entries of the generated DeepSpeed config that come from a flag (key path -> argparse dest)."""
+
+
+def merge_config(base: dict, extra: dict, *, explicit: set[str] = frozenset(), source: str = "the file",
+                 _path: tuple[str, ...] = ()) -> dict:
+    """``extra`` (a ``--deepspeed-config`` file) merged deeply over ``base`` (the config built from the flags).
+
+    Sections merge key by key at every depth; a value that is not a section (a number, a list) replaces the
+    other whole.  On a conflict the file wins, except over an entry whose flag was typed on the command line
+    (``explicit``: argparse dests, see `CONFIG_FLAGS`); each conflict is logged, naming the winner.
+    """
+    merged = dict(base)
+    for key, value in extra.items():
+        path = (*_path, key)
+        if key not in base:
+            merged[key] = value
+        elif isinstance(base[key], dict) and isinstance(value, dict):
+            merged[key] = merge_config(base[key], value, explicit=explicit, source=source, _path=path)
+        elif base[key] != value:
+            name, flag = ".".join(path), CONFIG_FLAGS.get(path)
+            if flag in explicit:
+                log.info("DeepSpeed config %s: --%s on the command line (%r) wins over %r in %s", name,
+                         flag.replace("_", "-"), base[key], value, source)
+            else:
+                merged[key] = value
+                log.info("DeepSpeed config %s: %r in %s wins over %r (%s)", name, value, source, base[key],
+                         f"the default of --{flag.replace('_', '-')}" if flag else "built in")
+    return merged
+
+
 def ds_config(args: argparse.Namespace, sp_size: int, dtype: torch.dtype) -> dict:
+    """The DeepSpeed config of this run: built from the flags, with ``--deepspeed-config`` merged over it."""
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -181,7 +263,12 @@ def ds_config(args: argparse.Namespace, sp_size: int, dtype: torch.dtype) -> dic
     }
     if args.deepspeed_config:
         with open(args.deepspeed_config) as f:
-            config.update(json.load(f))
+            extra = json.load(f)
+        if not isinstance(extra, dict):
+            raise AutoSPError(f"--deepspeed-config {args.deepspeed_config}: expected a JSON object (a DeepSpeed "
+                              "config), got " + type(extra).__name__)
+        config = merge_config(config, extra, explicit=getattr(args, "explicit", set()),
+                              source=args.deepspeed_config)
     return config
 
 
@@ -203,23 +290,28 @@ def train(args: argparse.Namespace) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     sp_size = args.sp_size or world
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    config_dict = ds_config(args, sp_size, dtype)
+    # The values in effect (a --deepspeed-config entry may have replaced a flag's default).
+    dtype = torch.bfloat16 if (config_dict.get("bf16") or {}).get("enabled") else torch.float32
+    zero_stage = int((config_dict.get("zero_optimization") or {}).get("stage", 0))
+    compiler = (config_dict.get("autosp") or {}).get("compiler", FLAG_DEFAULTS["compiler"])
+    micro_batch = int(config_dict["train_micro_batch_size_per_gpu"])
     torch.manual_seed(args.seed)
     config = hf_config(args)
     model = build_model(config, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    config_dict = ds_config(args, sp_size, dtype)
     # A torch optimizer unless --deepspeed-config names one (refused on CPU if it would JIT-build ops).
     optimizer = None if "optimizer" in config_dict else torch.optim.AdamW(model.parameters(), lr=args.lr)
     engine, *_ = autosp.deepspeed_initialize(model=model, optimizer=optimizer, config=config_dict)
     groups = engine.module.groups
     log.info("model %s: %.3g B parameters, %d layers; world %d = SP %d x DP %d; seq %d; ZeRO %d; %s; %s on %s",
              args.model, n_params / 1e9, config.num_hidden_layers, world, groups.sp_size, groups.dp_size,
-             args.seq_len, args.zero_stage, args.compiler, str(dtype).removeprefix("torch."), device.type)
+             args.seq_len, zero_stage, compiler, str(dtype).removeprefix("torch."), device.type)
 
-    tokens_per_step = groups.dp_size * args.micro_batch_size * args.seq_len  # each sequence counted once
+    tokens_per_step = groups.dp_size * micro_batch * args.seq_len  # each sequence counted once
     measured_s, losses = 0.0, []
     for step in range(args.steps):
-        ids = random_sample(step, groups.dp_rank, batch=args.micro_batch_size, seq_len=args.seq_len,
+        ids = random_sample(step, groups.dp_rank, batch=micro_batch, seq_len=args.seq_len,
                             vocab=config.vocab_size, seed=args.seed, device=device)
         start = time.perf_counter()
         loss = engine(**autosp.prepare_inputs(ids, labels=ids)).loss
@@ -241,11 +333,11 @@ def train(args: argparse.Namespace) -> dict | None:
     summary = {
         "model": args.model, "parameters": n_params, "layers": config.num_hidden_layers, "world_size": world,
         "sp_size": groups.sp_size, "dp_size": groups.dp_size, "seq_len": args.seq_len,
-        "micro_batch_size": args.micro_batch_size, "zero_stage": args.zero_stage, "compiler": args.compiler,
+        "micro_batch_size": micro_batch, "zero_stage": zero_stage, "compiler": compiler,
         "dtype": str(dtype).removeprefix("torch."), "device": device.type, "steps": args.steps,
         "losses": losses, "tokens_per_step": tokens_per_step,
         "step_time_s": measured_s / measured_steps, "tokens_per_s": tokens_per_step * measured_steps / measured_s,
-        "per_rank_memory": per_rank,
+        "per_rank_memory": per_rank, "deepspeed_config": config_dict,
     }
     for entry in per_rank:
         log.info("rank %d peak memory %s", entry["rank"],

@@ -17,7 +17,7 @@ and number in the built ``paper/build/paper.md`` comes from the results folder
   "equal to"), so a sentence that ranks two systems follows the run, not the author;
 - ``{{run:KEY}}``: a value of ``run.json`` (the settings and timings of the run);
 - ``{{calibration:KEY}}``: a value of the calibrated cpu-gloo preset
-  (``simulator/presets/cpu_gloo.json``, written by ``python -m experiments.calibrate_cpu``):
+  (``simulator/presets/cpu_gloo.json``, written by ``python -m experiments.calibrate_cpu --update-preset``):
   a key of its ``calibration`` record (dotted for nested ones) or one of the values
   `calibration_values` derives from it.
 
@@ -183,15 +183,23 @@ def build_paper(results: pathlib.Path, out: pathlib.Path, source: pathlib.Path =
     return target
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.paper", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from experiments import cli
+
+    parser = cli.parser("experiments.paper", __doc__)
     parser.add_argument("--results", type=pathlib.Path, default=pathlib.Path("results"),
                         help="folder written by python -m experiments.reproduce")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("paper/build"), help="output folder")
-    parser.add_argument("--source", type=pathlib.Path, default=SOURCE, help="paper source with placeholders")
+    parser.add_argument("--source", type=pathlib.Path, default=SOURCE,
+                        help="paper source with placeholders (default: paper/paper.md)")
     parser.add_argument("--preset", type=pathlib.Path, default=PRESET,
-                        help="calibrated cpu-gloo preset for the {{calibration:...}} placeholders")
+                        help="calibrated cpu-gloo preset for the {{calibration:...}} placeholders "
+                             "(default: simulator/presets/cpu_gloo.json)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -37,6 +37,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from tqdm import tqdm
 
+from experiments import cli
 from experiments.tables import bar_plot, write_table
 
 REFERENCE_CSV = pathlib.Path(__file__).resolve().parent / "data" / "autosp-paper-figures.csv"
@@ -580,16 +581,6 @@ def _plain(value) -> str:
         else str(value)
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Description and epilog as written; the default of every option that has one shown."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
-            text += " (default: %(default)s)"
-        return text
-
-
 def _command_line(argv: list[str]) -> str:
     return shlex.join(["python", "-m", "experiments.reproduce", *argv])
 
@@ -615,23 +606,38 @@ def _write_run_json(path: pathlib.Path, run_info: dict, tables: dict[str, dict])
     path.write_text(json.dumps(run_info, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=DESCRIPTION,
-                                     epilog=_preset_epilog(), formatter_class=_HelpFormatter)
+def paper_models() -> list[str]:
+    """The models of the published max-seq-len figure: what ``--models`` and ``--iteration-model`` accept."""
+    return list(dict.fromkeys(r["model"] for r in published_figures() if r["figure"] == "max_seq_len"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    models = paper_models()
+    parser = cli.parser("experiments.reproduce", DESCRIPTION, epilog=_preset_epilog())
     parser.add_argument("--quick", action="store_true",
                         help="the quick preset: coarser searches, fewer ranks, tokens and steps (below)")
     parser.add_argument("--only", choices=list(TABLES), help="run one table (all when absent)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder")
-    parser.add_argument("--iteration-model", default="llama-3.1-8b",
+    parser.add_argument("--iteration-model", default="llama-3.1-8b", choices=models,
                         help="paper model simulated for the throughput table (the published iteration times are unlabelled)")
-    parser.add_argument("--models", nargs="+", default=None,
-                        help="paper models of the max-seq-len table (all published ones when absent)")
+    parser.add_argument("--models", nargs="+", default=None, choices=models, metavar="MODEL",
+                        help=f"paper models of the max-seq-len table: {', '.join(models)} (all when absent)")
     parser.add_argument("--memory-cap-mib", type=float, default=None,
                         help="per-rank cap of the memory-cap table (when absent: the preset's, below)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                        help="worker processes for the simulated tables (1: none; the default is the CPU count, at most 2)")
+                        help="worker processes for the simulated tables (1: none; the default is the CPU count, "
+                             "at most 2: %(default)s here)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give 1 or more worker processes")
+    if args.memory_cap_mib is not None and args.memory_cap_mib <= 0:
+        parser.error(f"--memory-cap-mib {args.memory_cap_mib:g}: give a positive cap")
     preset = "quick" if args.quick else "default"
     settings = {**PRESETS[preset], **SHARED}
     if args.memory_cap_mib is not None:

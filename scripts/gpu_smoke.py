@@ -132,10 +132,19 @@ def _nccl_one_rank() -> str | None:
             dist.destroy_process_group()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python scripts/gpu_smoke.py",
+        description="GPU smoke test for AutoSP (not run in CI), under 5 minutes on a CUDA machine: two ranks, "
+                    "inductor, bf16 loss and gradients against single-device training, fused attention kernels "
+                    "in the aten graphs, NCCL. Exits 0 when every check passes, 1 with a message otherwise "
+                    "(also when there is no GPU).")
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens of the sample (default: %(default)s)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-len", type=int, default=4096)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         sys.exit("gpu_smoke: no CUDA GPU visible (torch.cuda.is_available() is False); run this on a GPU machine "

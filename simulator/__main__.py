@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 from simulator.cluster import Cluster
+from simulator.cluster_presets import CLUSTER_PRESETS
+from simulator.collectives import ALL_TO_ALL_ALGORITHMS
 from simulator.engine import simulate
-from simulator.hardware import get_preset, preset_names
+from simulator.hardware import NETWORKS, get_preset, preset_names
 from simulator.workload import Workload, WorkloadError
 
 log = logging.getLogger("simulator")
@@ -37,12 +39,13 @@ printed as a table, written to --out/max_length.json when --out is given.
 
 example:
   python -m simulator workload.json --cluster a100-80gb-sxm --nodes 2 --out runs/a100x16
+  python -m simulator workload.json --cluster h100-sxm-4x8 --all-to-all hierarchical --out runs/h100x32
   python -m simulator --max-length steps/ --cluster a100-80gb-sxm
   python -m simulator workload.json --out runs/s --sensitivity --params 8.03e9 --zero-stage 1 --dp 8
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m simulator",
         description="Simulate one training step of an exported collective schedule (a simulator.Workload JSON) "
@@ -51,14 +54,20 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("workload", nargs="?", type=Path, help="workload JSON written by Workload.to_json")
-    parser.add_argument("--cluster", default="a100-80gb-sxm", metavar="PRESET",
-                        help=f"hardware preset: {', '.join(preset_names())} (default: %(default)s)")
+    parser.add_argument("--cluster", default="a100-80gb-sxm", choices=(*preset_names(), *CLUSTER_PRESETS),
+                        metavar="PRESET",
+                        help=f"hardware preset: {', '.join(preset_names())}, or a multi-node cluster preset: "
+                             f"{', '.join(CLUSTER_PRESETS)} (default: %(default)s)")
+    parser.add_argument("--all-to-all", default=None, choices=ALL_TO_ALL_ALGORITHMS,
+                        help="all-to-all algorithm (default: the cluster preset's, else pairwise)")
     parser.add_argument("--nodes", type=int, default=None,
                         help="number of nodes (default: just enough for the workload's world size)")
     parser.add_argument("--devices-per-node", type=int, default=None, help="override the preset's devices per node")
-    parser.add_argument("--network", default=None, help="inter-node network preset (default: the preset's)")
+    parser.add_argument("--network", default=None, choices=tuple(NETWORKS),
+                        help="inter-node network (default: the hardware preset's)")
     parser.add_argument("--memory-gib", type=float, default=None, help="override device memory capacity (GiB)")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (created if missing)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory, created if missing (default: none, print the result only)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     parser.add_argument("--no-collapse", action="store_true", help="simulate every rank even when symmetric")
     parser.add_argument("--include-ops", action="store_true", help="add every simulated op's times to result.json")
@@ -71,11 +80,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="how the longest trainable sequence (and, on GPU presets, the step time) moves with "
                            "each uncertain memory, efficiency and latency constant")
     sens.add_argument("--params", type=float, help="trainable parameters of the full model (e.g. 8.03e9)")
-    sens.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage 0-3 (default: %(default)s)")
+    sens.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default: %(default)s)")
     sens.add_argument("--dp", type=int, default=None, help="ranks ZeRO partitions over (default: world size)")
-    sens.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    sens.add_argument("--grad-accum-dtype", default=None, choices=("bf16", "fp16", "fp32"))
-    sens.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd", "sgd_momentum"))
+    sens.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"),
+                      help="training precision (default: %(default)s)")
+    sens.add_argument("--grad-accum-dtype", default=None, choices=("bf16", "fp16", "fp32"),
+                      help="DeepSpeed's data_types.grad_accum_dtype (default: unset, as DeepSpeed leaves it)")
+    sens.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd", "sgd_momentum"),
+                      help="optimizer whose state the ledger counts (default: %(default)s)")
     sens.add_argument("--seq-len", type=int, default=None, help="the workload's tokens (default: its metadata)")
     sens.add_argument("--granularity", type=int, default=1024, help="length grid (default: %(default)s)")
     return parser
@@ -90,18 +102,31 @@ def _list_clusters() -> None:
               f"{preset.intra_node_kind} {preset.intra_node.bandwidth_bytes_per_s / 1e9:.0f} GB/s per direction"
               f"{'' if preset.network is None else ', network ' + preset.network.name}"
               f"{' (calibrated)' if preset.calibrated else ''}")
+    for name, spec in CLUSTER_PRESETS.items():
+        print(f"{name:16s} {spec.nodes} nodes of {spec.node}, network {spec.network}, {spec.all_to_all} all-to-all")
+
+
+def _cluster_spec(args: argparse.Namespace) -> tuple[str, int | None, str | None, str]:
+    """(node preset, nodes, network, all-to-all algorithm) of ``--cluster``, the other flags taking precedence."""
+    spec = CLUSTER_PRESETS.get(args.cluster)
+    if spec is None:
+        return args.cluster, args.nodes, args.network, args.all_to_all or "pairwise"
+    return (spec.node, spec.nodes if args.nodes is None else args.nodes, args.network or spec.network,
+            args.all_to_all or spec.all_to_all)
 
 
 def _cluster_for(args: argparse.Namespace, world_size: int) -> Cluster:
-    preset = get_preset(args.cluster)
+    node, nodes, network, all_to_all = _cluster_spec(args)
+    preset = get_preset(node)
     if args.memory_gib is not None:
         if args.memory_gib <= 0:
             raise ValueError("--memory-gib must be positive")
         preset = dataclasses.replace(preset, device=dataclasses.replace(
             preset.device, memory_bytes=int(args.memory_gib * 2**30)))
     per_node = args.devices_per_node or preset.devices_per_node
-    nodes = args.nodes if args.nodes is not None else max(1, -(-world_size // per_node))
-    return Cluster.from_preset(preset, nodes=nodes, devices_per_node=per_node, network=args.network)
+    nodes = nodes if nodes is not None else max(1, -(-world_size // per_node))
+    return Cluster.from_preset(preset, nodes=nodes, devices_per_node=per_node, network=network,
+                               all_to_all=all_to_all)
 
 
 def _max_length(args: argparse.Namespace) -> int:
@@ -164,12 +189,35 @@ def _run(args: argparse.Namespace) -> int:
     print(f"  step time        {result.step_time_s * 1e3:.3f} ms")
     print(f"  exposed comm     {result.exposed_comm_s * 1e3:.3f} ms"
           f"{'' if overlap is None else f' (overlap {overlap:.1%})'}")
-    print(f"  peak memory      {result.peak_memory_bytes / 2**30:.2f} GiB of {cluster.device.memory_bytes / 2**30:.2f}")
-    print(f"  fits             {'yes' if result.fits else 'NO: ' + result.oom.message()}")
+    _print_memory(workload, result, cluster)
     if args.sensitivity:
         _sensitivity(args, workload, result, cluster, nodes)
     print(f"  wrote            {args.out}")
     return 0
+
+
+def _print_memory(workload: Workload, result, cluster: Cluster) -> None:
+    """Peak memory with the one definition of --max-length and python -m autosp.plan (the ledger of the
+    workload's training configuration inside backward, device reserve included, plus the simulated activations)
+    when the workload names its configuration; else the engine's count, saying what it leaves out."""
+    from simulator.max_length import _config_from, ledger_peak
+
+    capacity = cluster.device.memory_bytes
+    config = workload.metadata.get("training_config")
+    if config is not None:
+        activations = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+        peak = ledger_peak(_config_from(config), activations)
+        print(f"  peak memory      {peak / 2**30:.2f} GiB of {capacity / 2**30:.2f} (the memory ledger of the "
+              f"workload's training configuration, device reserve included, plus {activations / 2**30:.2f} GiB "
+              "of simulated activations)")
+        print(f"  fits             {'yes' if peak <= capacity else 'NO'}")
+        return
+    print(f"  peak memory      {result.peak_memory_bytes / 2**30:.2f} GiB of {capacity / 2**30:.2f} (the program's "
+          "tensors plus the workload's static memory only)")
+    print(f"  fits             {'yes' if result.fits else 'NO: ' + result.oom.message()} - without the device "
+          "reserve (CUDA context, NCCL buffers, workspaces, allocator rounding and fragmentation) and the ledger's "
+          "DeepSpeed buffers that --max-length and python -m autosp.plan count: the workload's metadata names no "
+          "training_config (simulator.max_length.step_metadata)")
 
 
 def _sensitivity(args: argparse.Namespace, workload: Workload, result, cluster: Cluster, nodes: int) -> None:
@@ -215,23 +263,27 @@ def _timing_sensitivity(args: argparse.Namespace, workload: Workload, cluster: C
 
     preset = cluster.preset
     memory_bytes = cluster.device.memory_bytes
+    network = _cluster_spec(args)[2]
 
     def simulate_with(table) -> tuple[float, int]:
         rebuilt = build_preset(preset.name, table)
         rebuilt = dataclasses.replace(rebuilt, device=dataclasses.replace(rebuilt.device, memory_bytes=memory_bytes))
         moved = Cluster.from_preset(rebuilt, nodes=nodes, devices_per_node=cluster.devices_per_node,
-                                    network=None if args.network is None else build_network(args.network, table))
+                                    network=None if network is None else build_network(network, table),
+                                    all_to_all=cluster.all_to_all)
         res = simulate(workload, moved, collapse_symmetric=not args.no_collapse)
         return res.step_time_s, max(r.peak_memory_bytes - r.static_memory_bytes for r in res.ranks)
 
     fabric = "nvlink" if preset.intra_node_kind == "nvswitch" else preset.intra_node_kind
-    return timing_sensitivity(cfg, constants=constants_for(preset.architecture, fabric), simulate_with=simulate_with,
+    rails = nodes > 1 and cluster.network is not None and cluster.network.rail_optimized
+    return timing_sensitivity(cfg, constants=constants_for(preset.architecture, fabric, rail_optimized=rails),
+                              simulate_with=simulate_with,
                               seq_len=seq_len, capacity_bytes=int(memory_bytes), granularity=args.granularity)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if args.list_clusters:

@@ -2,7 +2,9 @@
 
 Rank ``r`` runs on device ``r``, which sits on node ``r // devices_per_node``. A cluster may have more devices
 than a workload has ranks (the extra devices idle); never fewer. Build one with :meth:`Cluster.from_preset`,
-passing a preset name (``"a100-80gb-sxm"``) or a :class:`~simulator.hardware.HardwarePreset` of your own.
+passing a preset name (``"a100-80gb-sxm"``) or a :class:`~simulator.hardware.HardwarePreset` of your own, or
+:meth:`Cluster.from_cluster_preset` with a named multi-node cluster (``"h100-sxm-4x8"``, see
+:mod:`simulator.cluster_presets`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from simulator.cluster_presets import get_cluster_preset
+from simulator.collectives import ALL_TO_ALL_ALGORITHMS
 from simulator.hardware import DeviceSpec, HardwarePreset, NetworkSpec, get_network, get_preset
 from simulator.topology import Topology, build_topology
 
@@ -28,11 +32,14 @@ class Cluster:
     """Inter-node network (``None`` for a single node without a network)."""
     topology: Topology = field(repr=False, compare=False)
     """The link graph (see :mod:`simulator.topology`)."""
+    all_to_all: str = "pairwise"
+    """All-to-all algorithm (Note [All-to-all algorithms] in :mod:`simulator.collectives`)."""
 
     @classmethod
     def from_preset(cls, preset: str | HardwarePreset, *, nodes: int = 1, devices_per_node: int | None = None,
-                    network: str | NetworkSpec | None = None) -> Cluster:
-        """A cluster of ``nodes`` nodes of ``preset``; ``network`` overrides the preset's inter-node network."""
+                    network: str | NetworkSpec | None = None, all_to_all: str = "pairwise") -> Cluster:
+        """A cluster of ``nodes`` nodes of ``preset``; ``network`` overrides the preset's inter-node network,
+        ``all_to_all`` picks the all-to-all algorithm (``"pairwise"`` or ``"hierarchical"``)."""
         if isinstance(preset, str):
             preset = get_preset(preset)
         if isinstance(network, str):
@@ -42,10 +49,20 @@ class Cluster:
             raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
         if not isinstance(per_node, int) or per_node < 1:
             raise ValueError(f"devices_per_node must be a positive integer, got {per_node!r}")
+        if all_to_all not in ALL_TO_ALL_ALGORITHMS:
+            raise ValueError(f"unknown all-to-all algorithm {all_to_all!r}; choose one of {ALL_TO_ALL_ALGORITHMS}")
         net = network if network is not None else preset.network
         topology = build_topology(preset, nodes=nodes, devices_per_node=per_node, network=net)
         return cls(preset=preset, nodes=nodes, devices_per_node=per_node, network=net,
-                   topology=topology)
+                   topology=topology, all_to_all=all_to_all)
+
+    @classmethod
+    def from_cluster_preset(cls, name: str, *, all_to_all: str | None = None) -> Cluster:
+        """The named multi-node cluster ``name`` (a key of :data:`simulator.hardware.CLUSTER_PRESETS`, e.g.
+        ``"h100-sxm-2x8"``); ``all_to_all`` overrides its all-to-all algorithm."""
+        spec = get_cluster_preset(name)
+        return cls.from_preset(spec.node, nodes=spec.nodes, network=spec.network,
+                               all_to_all=spec.all_to_all if all_to_all is None else all_to_all)
 
     @property
     def device(self) -> DeviceSpec:
@@ -78,4 +95,5 @@ class Cluster:
                            "bandwidth_bytes_per_s": self.preset.intra_node.effective_bandwidth_bytes_per_s,
                            "latency_s": self.preset.intra_node.latency_s},
             "network": None if self.network is None or self.nodes == 1 else self.network.name,
+            "all_to_all": self.all_to_all,
         }

@@ -157,7 +157,7 @@ def simulate(workload: Workload, cluster: Cluster, *, collapse_symmetric: bool =
         raise ValueError(f"workload {workload.name!r} has {workload.world_size} ranks but the cluster has only "
                          f"{cluster.world_size} devices; add nodes (--nodes) or pick a preset with more devices")
     env = simpy.Environment()
-    planner = CollectivePlanner(cluster.topology)
+    planner = CollectivePlanner(cluster.topology, all_to_all=cluster.all_to_all)
     runtime = CollectiveRuntime(env, planner, Network(env, cluster.topology.link_bandwidth_bytes_per_s))
     plan = plan_ranks(workload, planner, collapse=collapse_symmetric)
     logger.info("%s: %s", workload.name, plan.note)

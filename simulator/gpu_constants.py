@@ -9,7 +9,8 @@ published figures. :func:`simulator.hardware.build_preset` reads the nominal val
 --sensitivity`` moves each constant to its low and high end and re-simulates (:func:`constants_for`).
 
 Names are ``<scope>.<quantity>``; the scope is an architecture (``ampere``: A100; ``hopper``: H100, H200, GH200;
-``cdna2``: MI250), ``gpu`` (shared by all of them), or a fabric (``nvlink``, ``xgmi``, ``pcie``, ``ib``).
+``cdna2``: MI250), ``gpu`` (shared by all of them), or a fabric (``nvlink``, ``xgmi``, ``pcie``, ``ib``, ``rail``:
+the leaf switches of a rail-optimised network).
 
 Note [Attention efficiency is the kernel PyTorch runs]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -116,18 +117,26 @@ GPU_CONSTANTS: dict[str, Uncertain] = {u.name: u for u in (
     _u("ib.switch_latency_s", 0.3e-6, 0.6e-6, 1.5e-6, "seconds through the fabric",
        "NVIDIA Quantum (HDR) and Quantum-2 (NDR) switch datasheets: ~100-130 ns port to port; a three-level fat "
        "tree crosses up to five switches plus cables. Assumption", assumption=True),
+    # --- rail-optimised inter-node fabrics (multi-node cluster presets) --------------------------------------
+    _u("rail.leaf_latency_s", 0.15e-6, 0.3e-6, 0.6e-6, "seconds through one rail (leaf) switch",
+       "rail-optimised compute fabric as in the NVIDIA DGX SuperPOD reference architectures (DGX A100 and DGX "
+       "H100): NIC k of every node in a scalable unit plugs into leaf switch k, so traffic between GPUs of equal "
+       "local index crosses one switch; Quantum/Quantum-2 switch datasheets give ~100-130 ns port to port, plus "
+       "cables. Traffic between rails crosses leaf-spine-leaf and pays ib.switch_latency_s instead. Assumption",
+       assumption=True),
 )}
 """Every efficiency and latency constant of the GPU presets, by name."""
 
 ARCHITECTURES = ("ampere", "hopper", "cdna2")
 
 
-def constants_for(arch: str, fabric: str) -> tuple[str, ...]:
-    """Names of the constants a preset of architecture ``arch`` with intra-node fabric ``fabric`` reads."""
+def constants_for(arch: str, fabric: str, *, rail_optimized: bool = False) -> tuple[str, ...]:
+    """Names of the constants a preset of architecture ``arch`` with intra-node fabric ``fabric`` reads (with
+    ``rail_optimized``: also those of a rail-optimised inter-node network, see ``simulator.hardware.NETWORKS``)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
-    return tuple(n for n in GPU_CONSTANTS
-                 if n.split(".")[0] in (arch, "gpu", fabric, "pcie", "ib"))
+    scopes = (arch, "gpu", fabric, "pcie", "ib", *(("rail",) if rail_optimized else ()))
+    return tuple(n for n in GPU_CONSTANTS if n.split(".")[0] in scopes)
 
 
 def moved(name: str, to: str, table: Mapping[str, Uncertain] | None = None) -> dict[str, Uncertain]:

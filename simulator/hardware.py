@@ -9,6 +9,9 @@ direction (a "600 GB/s bidirectional" NVLink figure becomes 300 GB/s). Presets: 
 constant of the GPU presets comes from :data:`simulator.gpu_constants.GPU_CONSTANTS` (value, band, provenance), and
 :func:`build_preset` rebuilds a preset with any of them moved (what ``--sensitivity`` does). GPU presets price
 pointwise/reduction chains as Inductor's fused kernels (:mod:`simulator.fusion`); ``cpu-gloo`` does not.
+Inter-node networks (:data:`NETWORKS`): ``ib-hdr-200``, ``ib-ndr-400`` (one non-blocking fat tree) and
+``ib-ndr-400-rail`` (rail-optimised); the named multi-node clusters built on them are in
+:mod:`simulator.cluster_presets`.
 """
 
 from __future__ import annotations
@@ -126,9 +129,19 @@ class NetworkSpec:
     nic: LinkSpec
     """One device's NIC port, per direction."""
     switch_latency_s: float
-    """Latency through the fabric (all switch hops of the fat tree together)."""
+    """Latency through the fabric (all switch hops of the fat tree together); on a rail-optimised network, the
+    latency between NICs on different rails (leaf, spine, leaf)."""
     source: str = ""
     """Datasheet the figures come from."""
+    rail_latency_s: float | None = None
+    """Rail-optimised network (NIC ``k`` of every node on leaf switch ``k``): the latency between NICs of equal
+    local index, through their one leaf switch. ``None``: one non-blocking fat tree, every pair pays
+    ``switch_latency_s``. Both shapes are non-blocking (full bisection bandwidth); see :mod:`simulator.topology`."""
+
+    @property
+    def rail_optimized(self) -> bool:
+        """Whether NICs of equal local index share a leaf switch (see :attr:`rail_latency_s`)."""
+        return self.rail_latency_s is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,21 +236,32 @@ DATASHEETS: dict[str, _Datasheet] = {
 }
 """Datasheet figures of every GPU preset; the efficiencies and latencies come from ``GPU_CONSTANTS``."""
 
-_IB_RATES = {"ib-hdr-200": (25 * GB, "NVIDIA ConnectX-6 VPI product brief (HDR 200 Gb/s)"),
-             "ib-ndr-400": (50 * GB, "NVIDIA ConnectX-7 product brief (NDR 400 Gb/s)")}
-"""InfiniBand product briefs: 200 Gb/s per port = 25 GB/s per direction, 400 Gb/s = 50 GB/s."""
+_CX6_HDR = "NVIDIA ConnectX-6 VPI product brief (HDR 200 Gb/s)"
+_CX7_NDR = "NVIDIA ConnectX-7 product brief (NDR 400 Gb/s InfiniBand, 400GbE RoCE)"
+_RAILS = ("NVIDIA DGX SuperPOD reference architecture (DGX H100): rail-optimised compute fabric, one NDR 400 Gb/s "
+          "ConnectX-7 per GPU, NIC k of every node on leaf switch k, non-blocking leaf-spine fat tree")
+NETWORK_RATES = {"ib-hdr-200": (25 * GB, _CX6_HDR, False),
+             "ib-ndr-400": (50 * GB, _CX7_NDR, False),
+             "ib-ndr-400-rail": (50 * GB, f"{_CX7_NDR}; {_RAILS}", True)}
+"""Network name -> (NIC line rate per direction, source, rail-optimised). InfiniBand product briefs: 200 Gb/s per
+port = 25 GB/s per direction, 400 Gb/s = 50 GB/s. A 400GbE RoCE fabric on the same ConnectX-7 has the same line
+rate; its latencies and efficiency are taken as InfiniBand's (the constants' bands cover both)."""
 
 
 def build_network(name: str, constants: Mapping[str, Uncertain] | None = None) -> NetworkSpec:
     """The inter-node network ``name`` with latencies and efficiency from ``constants`` (default the table's)."""
     c = {k: u.nominal for k, u in (GPU_CONSTANTS if constants is None else constants).items()}
-    rate, source = _IB_RATES[name]
+    try:
+        rate, source, rails = NETWORK_RATES[name]
+    except KeyError:
+        raise ValueError(f"unknown network {name!r}; choose one of {', '.join(NETWORK_RATES)}") from None
     return NetworkSpec(name=name, nic=LinkSpec(bandwidth_bytes_per_s=rate, latency_s=c["ib.nic_latency_s"],
                                                efficiency=c["ib.efficiency"]),
-                       switch_latency_s=c["ib.switch_latency_s"], source=source)
+                       switch_latency_s=c["ib.switch_latency_s"], source=source,
+                       rail_latency_s=c["rail.leaf_latency_s"] if rails else None)
 
 
-NETWORKS: dict[str, NetworkSpec] = {name: build_network(name) for name in _IB_RATES}
+NETWORKS: dict[str, NetworkSpec] = {name: build_network(name) for name in NETWORK_RATES}
 
 
 def build_preset(name: str, constants: Mapping[str, Uncertain] | None = None) -> HardwarePreset:
@@ -303,7 +327,7 @@ def preset_from_dict(data: Mapping[str, Any]) -> HardwarePreset:
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed hardware preset document ({exc!r}); regenerate it with "
-                         "python -m experiments.calibrate_cpu") from None
+                         "python -m experiments.calibrate_cpu --update-preset") from None
 
 
 def load_cpu_gloo(path: str | Path | None = None) -> HardwarePreset:
@@ -334,3 +358,4 @@ def get_network(name: str) -> NetworkSpec:
         return NETWORKS[name]
     except KeyError:
         raise ValueError(f"unknown network {name!r}; choose one of {', '.join(NETWORKS)}") from None
+

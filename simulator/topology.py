@@ -5,10 +5,18 @@
 
     gpu{r} <-> fabric{n}          node-local NVSwitch / Infinity Fabric / loopback, one per node
     gpu{r} <-> pcie{r} <-> nic{r} the device's PCIe switch and NIC (GPUDirect RDMA path), multi-node only
-    nic{r} <-> ib                 a non-blocking fat tree abstracted as one switch
+    nic{r} <-> ib                 a non-blocking fat tree abstracted as one switch, or, on a rail-optimised
+    nic{r} <-> rail{k} <-> spine  network, NIC r into the leaf switch of its rail k = r % devices_per_node, the
+                                  leaves into a non-blocking spine
 
-Routes between devices are latency-weighted shortest paths (intra-node traffic stays on the node fabric), cached
-per source. :class:`Topology` exposes them as tuples of integer link indices so that the cost model and the
+On a rail-optimised network (:attr:`~simulator.hardware.NetworkSpec.rail_latency_s`) a transfer between GPUs of
+equal local index crosses one leaf switch; one between rails crosses leaf, spine and leaf and pays the fat tree's
+``switch_latency_s``. The spine's uplinks carry the rail's whole NIC bandwidth (non-blocking, as in the DGX
+SuperPOD reference architecture), so rails change latencies, not bandwidth; NCCL's PXN (moving cross-rail data
+over NVLink to the GPU on the right rail first) is not modelled.
+
+Routes between devices are latency-weighted shortest paths that never pass through a third device (intra-node
+traffic stays on the node fabric), cached per source. :class:`Topology` exposes them as tuples of integer link indices so that the cost model and the
 bandwidth-sharing network can work on flat arrays.
 """
 
@@ -33,7 +41,8 @@ class Link:
     dst: str
     """Graph node the data enters."""
     kind: str
-    """``"nvswitch"``, ``"xgmi"``, ``"loopback"``, ``"pcie"`` or ``"network"``."""
+    """``"nvswitch"``, ``"xgmi"``, ``"loopback"``, ``"pcie"``, ``"network"`` (a NIC's port) or ``"spine"`` (a rail's
+    leaf-to-spine uplink)."""
     bandwidth_bytes_per_s: float
     """Effective (achievable) bandwidth in this direction."""
     latency_s: float
@@ -75,13 +84,27 @@ class Topology:
         else:
             routes = self._routes.get(src)
             if routes is None:
-                routes = nx.single_source_dijkstra_path(self.graph, self.device_node(src), weight="latency_s")
+                routes = nx.single_source_dijkstra_path(self.graph, self.device_node(src),
+                                                        weight=self._weight_from(self.device_node(src)))
                 self._routes[src] = routes
             nodes = routes[self.device_node(dst)]
             links = tuple(self.graph.edges[u, v]["index"] for u, v in itertools.pairwise(nodes))
         self._paths[key] = links
         self._latency[key] = sum(self.links[i].latency_s for i in links)
         return links
+
+    def _weight_from(self, source: str):
+        """Edge latency as a Dijkstra weight, hiding the edges out of any device but ``source`` (no transit)."""
+        nodes = self.graph.nodes
+
+        def weight(u: str, _v: str, data: dict) -> float | None:
+            return None if u != source and nodes[u].get("kind") == "device" else data["latency_s"]
+
+        return weight
+
+    def node_of(self, rank: int) -> int:
+        """The node hosting device ``rank``."""
+        return self.graph.nodes[self.device_node(rank)]["node"]
 
     def path_latency_s(self, src: int, dst: int) -> float:
         """Sum of the per-hop latencies from ``src`` to ``dst``."""
@@ -124,5 +147,16 @@ def build_topology(preset: HardwarePreset, *, nodes: int, devices_per_node: int,
                 graph.add_node(nic, kind="nic", node=n)
                 _add_duplex(graph, gpu, pcie, preset.host_link, "pcie")
                 _add_duplex(graph, pcie, nic, preset.host_link, "pcie")
-                _add_duplex(graph, nic, "ib", network.nic, "network", network.switch_latency_s / 2)
+                if network.rail_optimized:
+                    _add_duplex(graph, nic, f"rail{local}", network.nic, "network", network.rail_latency_s / 2)
+                else:
+                    _add_duplex(graph, nic, "ib", network.nic, "network", network.switch_latency_s / 2)
+    if nodes > 1 and network.rail_optimized:
+        # Non-blocking: each leaf's uplink carries all of its rail's NICs at once; crossing leaf-spine-leaf adds
+        # what the fat tree's latency has beyond one leaf's.
+        uplink = LinkSpec(bandwidth_bytes_per_s=nodes * network.nic.effective_bandwidth_bytes_per_s,
+                          latency_s=max(0.0, network.switch_latency_s - network.rail_latency_s) / 2)
+        for local in range(devices_per_node):
+            graph.add_node(f"rail{local}", kind="rail_switch")
+            _add_duplex(graph, f"rail{local}", "spine", uplink, "spine")
     return Topology(graph, nodes * devices_per_node)

@@ -32,7 +32,7 @@ Followed in deepspeed 0.19.8 (see Note [Which DeepSpeed path holds what] in :mod
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from simulator.ledger import OPTIMIZER_STATES, TrainingConfig
@@ -101,6 +101,20 @@ def gradients_from_modules(program: RankProgram,
         if found:
             out.append(GradientReady(op_id=max(found)[1], numel=int(numel)))
     return out
+
+
+def release_gradients(program: RankProgram, gradient_ops: Iterable[str]) -> RankProgram:
+    """``program`` with every tensor the named ops allocate (the parameters' gradients) freed by the op itself.
+
+    DeepSpeed's backward hooks copy each gradient into its own buffers as soon as it is produced (ZeRO 1/2: the
+    ipg bucket, ``reduce_independent_p_g_buckets_and_remove_grads``; ZeRO 0: ``param.grad``), and the memory
+    ledger (:mod:`simulator.ledger`) prices those buffers; the exported program's gradient tensors would count them
+    a second time. ``gradient_ops``: op names, e.g. ``autosp.export.ModuleParameters.gradients``."""
+    names = set(gradient_ops)
+    freed = {t for op in program.ops for t in op.frees}
+    ops = tuple(dataclasses.replace(op, frees=tuple(sorted(set(op.frees) | {t for t in op.allocates if t not in freed})))
+                if op.name in names else op for op in program.ops)
+    return dataclasses.replace(program, ops=ops)
 
 
 def bucket_gradients(gradients: Sequence[GradientReady], bucket_elements: int) -> list[list[GradientReady]]:

@@ -1,7 +1,8 @@
-"""Calibrate the simulator's ``cpu-gloo`` preset on this machine and write ``simulator/presets/cpu_gloo.json``.
+"""Calibrate the simulator's ``cpu-gloo`` preset on this machine: write ``results/calibration/cpu_gloo.json``.
 
-Run ``python -m experiments.calibrate_cpu`` (about two and a half minutes on 2 cores; ``--quick`` halves it, ``--out PATH``
-writes elsewhere), with nothing else running. With one thread per process, as the gloo tests run, it measures:
+Run ``python -m experiments.calibrate_cpu`` (about two and a half minutes on 2 cores; ``--quick`` halves it,
+``--out PATH`` writes elsewhere, ``--update-preset`` replaces the tracked ``simulator/presets/cpu_gloo.json``,
+the preset the simulator and the paper use), with nothing else running. With one thread per process, as the gloo tests run, it measures:
 fp32 matmul FLOP/s (the preset's peak), elementwise, copy and reduction memory bandwidth, causal
 ``scaled_dot_product_attention`` forward and backward over head dims 16-128 (fitted to a matmul rate plus a time
 per query-key score, see `measure_attention`), the host cost of one graph node and of entering one compiled graph
@@ -36,7 +37,8 @@ import torch.nn.functional as F
 
 from experiments.launch import run_on_ranks
 
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "simulator" / "presets" / "cpu_gloo.json"
+DEFAULT_OUT = Path("results/calibration/cpu_gloo.json")
+TRACKED_PRESET = Path(__file__).resolve().parents[2] / "simulator" / "presets" / "cpu_gloo.json"
 A2A_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
 WORLDS = (2, 4)
 
@@ -433,13 +435,25 @@ def apply_step_factor(preset: dict, factor: float) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.calibrate_cpu", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the preset JSON")
+def build_parser() -> argparse.ArgumentParser:
+    from experiments import cli
+
+    parser = cli.parser("experiments.calibrate_cpu", __doc__.split("\n")[0])
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the preset JSON")
+    where.add_argument("--update-preset", action="store_true",
+                       help="write the tracked simulator/presets/cpu_gloo.json instead (the preset python -m "
+                            "simulator, the tests and the paper read): a change to commit")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (about half the time)")
     parser.add_argument("--no-reference-step", action="store_true",
                         help="microbenchmarks only: skip the reference model step (step_factor 1)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.update_preset:
+        args.out = TRACKED_PRESET
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
     compute = measure_compute(repeat=3 if args.quick else 5)
@@ -466,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(preset, indent=2) + "\n")
     print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s")
+    if args.out != TRACKED_PRESET:
+        print(f"check it: python -m experiments.validate_simulator --preset {args.out}; make it the tracked preset: "
+              "python -m experiments.calibrate_cpu --update-preset (or copy it to simulator/presets/cpu_gloo.json)")
     return 0
 
 

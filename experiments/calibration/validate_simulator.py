@@ -270,17 +270,29 @@ def write_outputs(rows: list[dict], out: Path) -> None:
     write_table("validation", rows, out, columns=COLUMNS, footer=summary_lines(rows))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.validate_simulator",
-                                     description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    from experiments import cli
+
+    parser = cli.parser("experiments.validate_simulator", __doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sequence lengths and steps")
     parser.add_argument("--smallest", action="store_true", help="one 2-rank, 256-token case (for tests)")
     parser.add_argument("--out", type=Path, default=Path("results/validation"), help="folder for CSV and Markdown")
     parser.add_argument("--preset", type=Path, default=None,
-                        help="cpu-gloo preset JSON to simulate with (default: the one shipped in simulator/presets)")
+                        help="cpu-gloo preset JSON to simulate with, e.g. results/calibration/cpu_gloo.json "
+                             "written by python -m experiments.calibrate_cpu (default: the tracked "
+                             "simulator/presets/cpu_gloo.json)")
     parser.add_argument("--verbose", action="store_true", help="log per-case details")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per case (default 15, quick 9)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.preset is not None and not args.preset.is_file():
+        parser.error(f"--preset {args.preset}: no such file (python -m experiments.calibrate_cpu writes one)")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps {args.steps}: give at least one timed step")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cases = sweep(quick=args.quick, smallest=args.smallest)

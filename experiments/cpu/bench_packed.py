@@ -70,17 +70,23 @@ def _bench_on_rank(rank: int, world: int, spec: dict) -> dict:
     return {"times": times, "kept": kept}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    from experiments import cli
+
+    parser = cli.parser("experiments.cpu.bench_packed", __doc__)
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per row")
+    parser.add_argument("--documents", type=int, default=8, help="documents in the packed row")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"),
+                        help="autosp.compile backend (inductor compiles flex_attention)")
+    return parser
+
+
 def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     from experiments.launch import run_on_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per row (default 2048)")
-    parser.add_argument("--documents", type=int, default=8, help="documents in the packed row (default 8)")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (default 5)")
-    parser.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"),
-                        help="autosp.compile backend (default aot_eager; inductor compiles flex_attention)")
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     spec = {"seq_len": args.seq_len, "documents": args.documents, "layers": args.layers, "steps": args.steps,
             "compiler": args.compiler}

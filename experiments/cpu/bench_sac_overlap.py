@@ -174,22 +174,31 @@ def run_paper_scale(model: str, seq_len: int, granularity: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench_sac_overlap", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096], help="tokens per sample")
+def build_parser() -> argparse.ArgumentParser:
+    from experiments import cli
+    from experiments.models import PAPER_MODELS, TINY_MODELS
+
+    parser = cli.parser("experiments.bench_sac_overlap", __doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096], metavar="TOKENS",
+                        help="tokens per sample")
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (the SP degree)")
-    parser.add_argument("--model", default="hf-llama", help="tiny model preset (experiments.models)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--model", default="hf-llama", choices=sorted(TINY_MODELS), help="tiny model preset")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the tiny model")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size of the tiny model")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--cap-mib", type=float, default=1024.0, help="per-rank memory cap for the max-length table")
     parser.add_argument("--quick", action="store_true", help="two short lengths, two timed steps")
-    parser.add_argument("--paper-scale", metavar="MODEL", help="also simulate MODEL (e.g. llama-3.1-8b) on 8xA100")
+    parser.add_argument("--paper-scale", metavar="MODEL", choices=sorted(PAPER_MODELS),
+                        help=f"also simulate MODEL ({', '.join(sorted(PAPER_MODELS))}) on 8xA100")
     parser.add_argument("--paper-seq-len", type=int, default=65536, help="sequence length of the paper-scale step")
     parser.add_argument("--granularity", type=int, default=8192, help="paper-scale max-length search step")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_sac_overlap"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_sac_overlap"),
+                        help="folder for the CSV and Markdown tables")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.quick:
         args.seq_lens, args.steps = [256, 512], 2
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

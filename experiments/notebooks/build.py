@@ -269,5 +269,24 @@ def build(folder: pathlib.Path = HERE) -> list[pathlib.Path]:
     return paths
 
 
+def build_parser():
+    from experiments import cli
+
+    parser = cli.parser("experiments.notebooks.build", "Write the notebooks of experiments/notebooks from the cells "
+                        "defined in experiments/notebooks/build.py (stored without outputs).")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE,
+                        help="folder to write the notebooks into (default: experiments/notebooks, i.e. rewrite the "
+                             "tracked notebooks from the cells in experiments/notebooks/build.py)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for path in build(args.out):
+        print(f"wrote {path}")  # noqa: T201 - the command's output
+    return 0
+
+
 if __name__ == "__main__":
-    build()
+    raise SystemExit(main())

@@ -30,12 +30,19 @@ def measure(model_name: str, world: int, seq_len: int) -> dict[str, float]:
     return {"total_first_step_s": time.perf_counter() - start, **compiled.report.pass_seconds}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    from experiments import cli
+    from experiments.models import PAPER_MODELS
+
+    parser = cli.parser("experiments.paper_scale.analysis_cost", __doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(PAPER_MODELS), help="paper-scale preset")
+    parser.add_argument("--world", type=int, default=8, help="fake SP group size")
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens")
+    return parser
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama-3.1-8b", help="paper-scale preset (default llama-3.1-8b)")
-    parser.add_argument("--world", type=int, default=8, help="fake SP group size (default 8)")
-    parser.add_argument("--seq-len", type=int, default=8192, help="tokens (default 8192)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     times = measure(args.model, args.world, args.seq_len)
     total = times.pop("total_first_step_s")
     analysis = times.get("sequence_sharding_pass", 0.0) + times.get("attention_mask_pass", 0.0)

@@ -66,17 +66,26 @@ def export_steps(model_name: str, systems: tuple[str, ...], lengths: tuple[int, 
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.paper_scale.export_steps",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, choices=sorted(PAPER_MODELS))
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--lengths", nargs="+", type=int, required=True, help="sequence lengths (tokens)")
+def build_parser() -> argparse.ArgumentParser:
+    from experiments import cli
+
+    parser = cli.parser("experiments.paper_scale.export_steps", __doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, choices=sorted(PAPER_MODELS), help="paper model")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, metavar="SYSTEM",
+                        help=f"systems to export: {', '.join(SYSTEMS)}")
+    parser.add_argument("--lengths", nargs="+", type=int, required=True, metavar="TOKENS", help="sequence lengths")
     parser.add_argument("--layers", default="full", choices=LAYER_MODES,
-                        help="trace at the full depth, or at one and two layers (default: %(default)s)")
-    parser.add_argument("--ranks", type=int, default=8, help="GPUs (default: %(default)s)")
+                        help="trace at the full depth, or at one and two layers")
+    parser.add_argument("--ranks", type=int, default=8, help="GPUs")
     parser.add_argument("--out", type=Path, required=True, help="directory for the workload JSON files")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if min(args.lengths) < 1 or args.ranks < 1:
+        parser.error("--lengths and --ranks must be positive")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     paths = export_steps(args.model, tuple(args.systems), tuple(args.lengths), args.out, layers=args.layers,
                          ranks=args.ranks, progress=True)

@@ -193,12 +193,22 @@ def report(c: GpuCheck) -> str:
     return "\n".join(lines)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    from experiments import cli
+    from simulator.hardware import PRESETS
+
+    parser = cli.parser("experiments.gpu_check", __doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(PAPER_MODELS), help="paper model")
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens of the traced step")
+    parser.add_argument("--cluster", default="h100-sxm", choices=sorted(PRESETS), help="GPU hardware preset")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(PAPER_MODELS))
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--cluster", default="h100-sxm")
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.seq_len < 1:
+        parser.error(f"--seq-len {args.seq_len}: give a positive number of tokens")
     logging.basicConfig(level=logging.WARNING)
     print(report(check(args.model, args.seq_len, args.cluster)))
     return 0

@@ -62,3 +62,36 @@ def test_train_unsupported_zero_stage_exits_with_the_reason():
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "ZeRO stage 3 does not compose" in proc.stderr
+
+
+def test_train_deepspeed_config_merges_deeply_and_typed_flags_win(tmp_path, caplog):
+    from autosp import train
+
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
+                                 "autosp": {"compiler": "aot_eager"}, "gradient_clipping": 0.5,
+                                 "train_micro_batch_size_per_gpu": 2, "wall_clock_breakdown": True}))
+    base = ["--model", "tiny-llama", "--deepspeed-config", str(extra)]
+    # Flags left at their defaults: the file's values win, its other keys are kept beside the generated ones.
+    with caplog.at_level("INFO", logger="autosp.train"):
+        config = train.ds_config(train.parse_args(base), 2, torch.float32)
+    assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
+    assert config["autosp"] == {"compiler": "aot_eager"} and config["gradient_clipping"] == 0.5
+    assert config["train_micro_batch_size_per_gpu"] == 2 and config["wall_clock_breakdown"] is True
+    assert config["compile"] == {"deepcompile": True, "passes": ["autosp"]}  # generated, not in the file
+    assert config["sequence_parallel_size"] == 2 and config["bf16"] == {"enabled": False}
+    log = caplog.text
+    assert "zero_optimization.stage: 2 in" in log and "the default of --zero-stage" in log
+    assert "autosp.compiler: 'aot_eager' in" in log and "gradient_clipping: 0.5 in" in log and "built in" in log
+    # Typed flags win over the file, and the log says so; the rest of the file's sections still merge.
+    caplog.clear()
+    with caplog.at_level("INFO", logger="autosp.train"):
+        config = train.ds_config(train.parse_args([*base, "--zero-stage", "1", "--compiler", "inductor",
+                                                   "--micro-batch-size", "1"]), 2, torch.float32)
+    assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1000}
+    assert config["autosp"] == {"compiler": "inductor"} and config["train_micro_batch_size_per_gpu"] == 1
+    assert "--zero-stage on the command line (1) wins over 2" in caplog.text
+    assert "--compiler on the command line ('inductor') wins over 'aot_eager'" in caplog.text
+    # The same value in both is no conflict; a section replacing a scalar (or the reverse) is the file's.
+    assert train.merge_config({"a": {"b": 1}, "c": 1}, {"a": {"b": 1}, "c": {"d": 2}}) == {"a": {"b": 1},
+                                                                                          "c": {"d": 2}}

@@ -136,7 +136,7 @@ def exact_causal_lm_loss_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceC
         raise AutoSPError("labels were passed but the model's graph never reads them; pass labels=None")
     losses = [
         n for n in graph.nodes
-        if n.op == "call_function" and n.target is F.cross_entropy and labels in _ancestors(n)
+        if n.op == "call_function" and n.target is F.cross_entropy and labels in ancestors(n)
     ]
     if len(losses) != 1:
         raise AutoSPError(
@@ -190,7 +190,8 @@ def exact_causal_lm_loss_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceC
     return gm
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node ``node`` depends on (transitively)."""
     seen: set[fx.Node] = set()
     stack = list(node.all_input_nodes)
     while stack:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from autosp.passes.dynamo import moe  # MoE dispatch hook, see apply()
 from autosp.passes.dynamo.attention import ATTENTION_TARGETS
 from autosp.passes.dynamo.placements import (
     PARTIAL,
@@ -645,6 +646,12 @@ def attention(an, gm, node: fx.Node):
     return ulysses_attention(an, gm, node)
 
 
+def tiled_loss(an, gm, node: fx.Node):
+    from autosp.passes.dynamo.tiled_loss import tiled_loss_placement
+
+    return tiled_loss_placement(an, node)
+
+
 def arange(an, gm, node: fx.Node):
     from autosp.passes.dynamo.positions import arange_placement
 
@@ -685,7 +692,8 @@ _RULE_CLASS = {pointwise: "token-local: elementwise", layout: "token-local: layo
                einsum: "token-local: matmul", getitem: "token-local: indexing", cat: "token-local: concatenation",
                split: "token-local: split", pad: "token-local: padding", cross_entropy: "loss (partial sum)",
                arange: "positions", metadata: "metadata", factory: "factory (replicated)",
-               all_reduce: "collective", gather: "collective (gather)", attention: "attention (Ulysses)"}
+               all_reduce: "collective", gather: "collective (gather)", attention: "attention (Ulysses)",
+               tiled_loss: "loss (tiled: partial sum)"}
 
 
 def _rule_for(node: fx.Node) -> Callable | None:
@@ -694,6 +702,8 @@ def _rule_for(node: fx.Node) -> Callable | None:
             return attention
         if node.target is operator.getitem:
             return getitem
+        if node.target is torch.ops.autosp_testbed.linear_cross_entropy.default:  # before the namespace default
+            return tiled_loss
         if getattr(node.target, "namespace", None) == "autosp_testbed":
             return all_reduce if "all_reduce" in node.target._opname else (
                 gather if node.target._opname == "all_gather" else metadata)
@@ -703,6 +713,11 @@ def _rule_for(node: fx.Node) -> Callable | None:
 
 
 def apply(an, gm: fx.GraphModule, node: fx.Node):
+    # --- MoE dispatch hook (autosp.passes.dynamo.moe): sorts within a shard, values in a shard-local order,
+    # counts and router aux-loss row counts; it answers moe.NOT_MINE for everything else. ---
+    placed = moe.apply(an, gm, node)
+    if placed is not moe.NOT_MINE:
+        return placed
     rule = _rule_for(node)
     if rule is None:
         if not _sharded_inputs(an, node):

@@ -1,0 +1,168 @@
+"""AutoSP with the Hugging Face Trainer: ``AutoSPTrainer``, a drop-in ``transformers.Trainer``.
+
+One line changes in a Trainer script::
+
+    from autosp.integrations.hf import AutoSPTrainer as Trainer   # was: from transformers import Trainer
+
+and it runs under ``torchrun`` as before (``sp_size`` defaults to the world size; pass
+``sp_size=P`` to make the other ranks data-parallel replicas, ``autosp_options={...}``
+for `autosp.compile`'s options).  See Note [The Trainer path].
+
+Note [The Trainer path]
+The Trainer, through accelerate, would wrap the model in DistributedDataParallel and
+shard each batch over every rank; under sequence parallelism both are wrong (DDP
+averages gradients over the SP ranks of one sequence, and the ranks of an SP group
+must hold the same sample).  `AutoSPTrainer` overrides four documented hooks:
+
+- ``_wrap_model``: the distributed wrapper is the `SequenceParallelModel` (the
+  Trainer then leaves the model to it and prepares only the optimizer with
+  accelerate: no DDP); evaluation runs the plain model;
+- ``get_train_dataloader``: the Trainer's collator (unused columns removed, dynamic
+  padding as the collator does it) over `autosp.sequence_parallel_sampler`: the
+  ranks of an SP group read the same samples, replicas different ones;
+- ``compute_loss``: the batch goes through `autosp.prepare_inputs` (ids, labels,
+  padding mask, position ids); where the Trainer counts the accumulated targets
+  (``num_items_in_batch``, as for a model that takes loss kwargs) the sample's mean
+  loss is turned into the Trainer's sum / count, so gradient accumulation weighs
+  tokens exactly as on one device;
+- ``training_step``: after the last micro-batch's backward of an optimizer step,
+  `autosp.sync_gradients` (sum over the SP group, average over replicas), before
+  the Trainer clips and steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from torch.utils.data import DataLoader
+
+import autosp
+from autosp.api import SequenceParallelModel
+from autosp.errors import AutoSPError
+
+log = logging.getLogger(__name__)
+
+_TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+class _EpochLoader(DataLoader):
+    """A DataLoader whose ``set_epoch`` reaches its sampler (the Trainer calls it each epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+class AutoSPTrainer(transformers.Trainer):
+    """``transformers.Trainer`` training the model with AutoSP sequence parallelism (Note [The Trainer path])."""
+
+    def __init__(self, *args: Any, sp_size: int | None = None, autosp_options: dict | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise AutoSPError("AutoSPTrainer needs torch.distributed: launch with torchrun (or call "
+                              "torch.distributed.init_process_group) before building the trainer")
+        if isinstance(self.model, SequenceParallelModel):
+            raise AutoSPError("pass AutoSPTrainer the plain model: it compiles it with AutoSP itself (and the Trainer "
+                              "saves and evaluates the plain model)")
+        self._sp_size = sp_size or dist.get_world_size()
+        self._autosp_options = dict(autosp_options or {})
+        if self.compute_loss_func is not None or self.args.label_smoothing_factor:
+            raise AutoSPError("AutoSPTrainer takes the loss the model returns (the exact causal-LM loss AutoSP makes "
+                              "of it); drop compute_loss_func / label_smoothing_factor")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise AutoSPError("AutoSPTrainer reduces gradients itself; drop the Trainer's DeepSpeed/FSDP settings "
+                              "(for DeepSpeed ZeRO use autosp.deepspeed_initialize)")
+        self._sp_model: SequenceParallelModel | None = None
+        if getattr(getattr(self.model, "config", None), "use_cache", False):
+            self.model.config.use_cache = False  # a KV cache serves generation, not training
+            log.info("AutoSPTrainer: set model.config.use_cache = False for training")
+
+    # -- the model -----------------------------------------------------------------------------
+    @property
+    def sp_model(self) -> SequenceParallelModel:
+        """The AutoSP-compiled model (built on first use, on every rank)."""
+        if self._sp_model is None:
+            self._sp_model = autosp.compile(self.model, sp_size=self._sp_size, **self._autosp_options)
+        return self._sp_model
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
+        if not training:
+            return self.model
+        return self.sp_model
+
+    # -- the data ------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            import datasets
+
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise AutoSPError("AutoSPTrainer needs a map-style dataset (with __len__) so that every rank of an SP "
+                              "group reads the same samples")
+        sampler = autosp.sequence_parallel_sampler(dataset, self.sp_model, shuffle=True, seed=self.args.seed,
+                                                   drop_last=self.args.dataloader_drop_last)
+        return _EpochLoader(dataset, batch_size=self._train_batch_size, sampler=sampler, collate_fn=collator,
+                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+                            drop_last=self.args.dataloader_drop_last)
+
+    # -- the step ------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not isinstance(model, SequenceParallelModel):  # evaluation: the plain model
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        extra = sorted(k for k, v in inputs.items() if k not in _TOKEN_KEYS and v is not None)
+        if extra:
+            raise AutoSPError(f"the batch has inputs {extra} that AutoSP does not shard; AutoSPTrainer passes "
+                              f"{list(_TOKEN_KEYS)} (drop the others in the collator)")
+        labels = inputs.get("labels")
+        if labels is None:
+            raise AutoSPError("the batch has no labels; use a causal-LM collator (e.g. DataCollatorForLanguageModeling "
+                              "with mlm=False) so that the model returns its loss")
+        outputs = model(**autosp.prepare_inputs(inputs["input_ids"], labels=labels,
+                                                attention_mask=inputs.get("attention_mask"),
+                                                position_ids=inputs.get("position_ids")))
+        loss = outputs.loss
+        if num_items_in_batch is not None:
+            if getattr(outputs, "aux_loss", None) is not None:
+                # HF adds the auxiliary loss unweighted to sum / count; the sample's mean loss cannot be split.
+                raise AutoSPError(
+                    "the model returns an auxiliary (router) loss, which the Trainer's token-weighted gradient "
+                    "accumulation leaves unweighted while AutoSPTrainer can only weigh the whole loss; set "
+                    "trainer.model_accepts_loss_kwargs = False (each micro-batch's loss then counts 1 / accumulation "
+                    "steps, as on one device with that setting)")
+            loss = loss * self._token_weight(labels, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+    def _token_weight(self, labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+        """Factor turning this sample's mean loss into the Trainer's sum over targets / accumulated count."""
+        groups = self.sp_model.groups
+        targets = (labels[..., 1:] != self.sp_model.config.ignore_index).sum()
+        total, scale = num_items_in_batch, 1
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            # The Trainer summed the count over every rank: each SP group's sample sp_size times.  The
+            # replicas' gradients are averaged by sync_gradients, so each carries dp_size times its share.
+            total, scale = num_items_in_batch / groups.sp_size, groups.dp_size
+        return targets.to(torch.float32) * scale / total
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if isinstance(model, SequenceParallelModel) and self.accelerator.sync_gradients:
+            autosp.sync_gradients(model)  # once per optimizer step, after its last micro-batch's backward
+        return loss
+
+
+__all__ = ["AutoSPTrainer"]

@@ -1,0 +1,153 @@
+"""``python -m autosp.plan``: predict a training configuration for a model on a cluster before running it.
+
+Answers whether it fits, the peak per rank by ledger category, the step time and (with ``--max-length``) the
+longest sequence that fits; ``--json`` writes the same as a document.  Exit status 0 with an answer (also when it
+does not fit), 2 on a usage error with a message saying what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from autosp.errors import AutoSPError
+from autosp.plan.cluster_file import cluster_names
+from autosp.plan.predict import COMPILERS, DEPTHS, DTYPES, OFFLOADS, OPTIMIZERS, TrainingSetup
+
+log = logging.getLogger("autosp.plan")
+
+EPILOG = """\
+--cluster takes a hardware preset (as many nodes as the ranks need), a multi-node cluster preset, or a cluster
+file (JSON; fields and units: docs/design.md, "Cluster files"; example: docs/examples/two_node_cluster.json).
+Peak memory is one definition everywhere: the DeepSpeed memory ledger inside backward (parameters, gradients,
+optimizer state, communication buffers, CUDA context, NCCL, workspaces, allocator rounding and fragmentation)
+plus the simulated activations of the traced AutoSP step - what python -m simulator --max-length reports.
+
+examples:
+  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 65536 --sp-size 8
+  python -m autosp.plan --model path/to/config.json --cluster docs/examples/two_node_cluster.json \\
+      --seq-len 131072 --sp-size 4 --dp-size 2 --zero-stage 2 --micro-batch 2 --json plan.json
+  python -m autosp.plan --model tiny-llama --cluster a100-80gb-sxm --seq-len 4096 --sp-size 2 --max-length
+"""
+
+
+def _model(value: str) -> str:
+    from autosp.train import _model as train_model  # the training entry point's check: one model source
+
+    return train_model(value)
+
+
+def _cluster(value: str) -> str:
+    if value in cluster_names() or Path(value).is_file():
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a preset ({', '.join(cluster_names())}) nor a "
+                                     "cluster file")
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number}: give a positive number")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m autosp.plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Predict an AutoSP training configuration for a model on a cluster: whether it fits, the peak "
+                    "memory per rank by\nledger category, the step time and the longest sequence that fits. The "
+                    "model is traced on fake tensors\n(no weights, no downloads) and the step simulated.")
+    p.add_argument("--model", required=True, type=_model,
+                   help="a preset of python -m autosp.train (tiny-llama, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b) "
+                        "or the path of any Hugging Face causal-LM config.json (or its folder)")
+    p.add_argument("--cluster", required=True, type=_cluster, metavar="PRESET_OR_FILE",
+                   help=f"a hardware or cluster preset ({', '.join(cluster_names())}) or a cluster file (JSON)")
+    p.add_argument("--seq-len", required=True, type=_positive, help="tokens per sample (the full sequence)")
+    p.add_argument("--sp-size", type=_positive, default=1, help="ranks sharing one sequence (default: %(default)s)")
+    p.add_argument("--dp-size", type=_positive, default=None,
+                   help="data-parallel replicas (default: --world-size / --sp-size, else 1)")
+    p.add_argument("--world-size", type=_positive, default=None,
+                   help="ranks in all, SP x DP (default: --sp-size x --dp-size)")
+    p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
+                   help="DeepSpeed ZeRO stage; 3 is refused (AutoSP does not compose with it) (default: %(default)s)")
+    p.add_argument("--micro-batch", type=_positive, default=1,
+                   help="samples per SP group per micro-step (default: %(default)s)")
+    p.add_argument("--grad-accum", type=_positive, default=1,
+                   help="micro-steps per optimizer step (default: %(default)s)")
+    p.add_argument("--dtype", default="bf16", choices=DTYPES, help="parameter and compute dtype (default: %(default)s)")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="optimizer whose state the ledger counts (default: %(default)s)")
+    p.add_argument("--offload", default="none", choices=OFFLOADS,
+                   help="optimizer offload to host memory; 'optimizer' is refused until the ledger has it "
+                        "(default: %(default)s)")
+    p.add_argument("--compiler", default="inductor", choices=COMPILERS,
+                   help="backend the graphs run under (frees saved activations after last use; aot_eager holds "
+                        "them to the end of backward) (default: %(default)s)")
+    p.add_argument("--depth", default="full", choices=DEPTHS,
+                   help="trace every layer, or 1 and 2 layers and extrapolate (faster; too low under activation "
+                        "checkpointing) (default: %(default)s)")
+    p.add_argument("--max-length", action="store_true",
+                   help="also search the longest sequence that fits (one trace per length probed)")
+    p.add_argument("--max-length-high", type=_positive, default=None,
+                   help="ceiling of the --max-length search (default: 8 x --seq-len)")
+    p.add_argument("--granularity", type=_positive, default=1024,
+                   help="length grid of the --max-length search, rounded up to a multiple of --sp-size "
+                        "(default: %(default)s)")
+    p.add_argument("--max-probes", type=_positive, default=8,
+                   help="lengths the --max-length search may simulate (default: %(default)s)")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT",
+                   help="also write the answer as JSON to this file (default: none)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress logging")
+    return p
+
+
+def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
+    """The training configuration of the flags (world = SP x DP)."""
+    dp = args.dp_size
+    if args.world_size is not None:
+        if args.world_size % args.sp_size:
+            raise AutoSPError(f"--world-size {args.world_size} is not a multiple of --sp-size {args.sp_size}")
+        if dp is not None and dp * args.sp_size != args.world_size:
+            raise AutoSPError(f"--world-size {args.world_size} != --sp-size {args.sp_size} x --dp-size {dp}")
+        dp = args.world_size // args.sp_size
+    setup = TrainingSetup(seq_len=args.seq_len, sp_size=args.sp_size, dp_size=dp or 1, zero_stage=args.zero_stage,
+                          micro_batch=args.micro_batch, grad_accum=args.grad_accum, dtype=args.dtype,
+                          optimizer=args.optimizer, offload=args.offload, compiler=args.compiler, depth=args.depth)
+    setup.check()
+    return setup
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        setup = setup_from_args(args)  # every refusal before any work
+        from autosp.plan.cluster_file import load_cluster
+        from autosp.plan.predict import predict
+
+        cluster = load_cluster(args.cluster, world_size=setup.world_size)
+        answer = predict(args.model, setup, cluster, max_length=args.max_length,
+                         max_length_high=args.max_length_high, granularity=args.granularity,
+                         max_probes=args.max_probes, progress=lambda s: log.info("step at %s", s))
+    except AutoSPError as err:
+        log.error("%s", err)
+        return 2
+    # The command's result (not a diagnostic): the answer on stdout.
+    sys.stdout.write(answer.format() + "\n")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(answer.to_dict(), indent=1, default=str))
+        sys.stdout.write(f"wrote {args.json}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

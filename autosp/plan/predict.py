@@ -1,0 +1,353 @@
+"""Predict one training configuration on one cluster: fits or not, peak per rank by ledger category, step time,
+and the longest sequence that fits.
+
+The step is built from the real AutoSP program: the model is traced on fake tensors
+(`autosp.export.trace_fake_step`) and exported (`autosp.export.export_workload`), the data-parallel replicas and
+DeepSpeed's gradient reduction and optimizer step are added (`simulator.training_step.add_training_step`), and
+the simulator runs it on the cluster.  Memory has one definition (docs/design.md, "One memory
+definition"): the ledger of the training configuration inside backward (`simulator.ledger.memory_ledger`,
+device reserve included) with the simulated activations as its ``activations`` line, i.e.
+`simulator.max_length.ledger_peak` - what ``python -m simulator --max-length`` reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autosp.errors import AutoSPError
+from autosp.plan.model_source import ModelSource
+from simulator.cluster import Cluster
+from simulator.engine import simulate
+from simulator.ledger import OPTIMIZER_STATES, LedgerLine, TrainingConfig, memory_ledger, summarize
+from simulator.max_length import BANDS, ModelStep, extrapolate_depth, ledger_peak
+from simulator.max_length import max_length as search_max_length
+from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
+from simulator.workload import Workload
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("bf16", "fp32")
+OPTIMIZERS = tuple(OPTIMIZER_STATES)
+OFFLOADS = ("none", "optimizer")
+COMPILERS = ("inductor", "aot_eager")
+DEPTHS = ("full", "extrapolated")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSetup:
+    """The training configuration a prediction is for (the flags of ``python -m autosp.plan``)."""
+
+    seq_len: int
+    """Tokens per sample, the full sequence before sharding."""
+    sp_size: int = 1
+    """Ranks sharing one sequence (contiguous ranks, inside a node where possible)."""
+    dp_size: int = 1
+    """Data-parallel replicas; the world is ``sp_size * dp_size`` ranks and ZeRO partitions over all of them."""
+    zero_stage: int = 1
+    micro_batch: int = 1
+    """Samples per SP group per micro-step."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step."""
+    dtype: str = "bf16"
+    optimizer: str = "adamw"
+    offload: str = "none"
+    compiler: str = "inductor"
+    """The backend the graphs run under: Inductor frees each saved activation after its last backward use,
+    ``aot_eager`` holds them to the end of backward (see Note [Tensor lifetimes in the export])."""
+    depth: str = "full"
+    """``full``: trace every layer; ``extrapolated``: trace 1 and 2 layers and extrapolate (faster, too low
+    under activation checkpointing, see Note [Depth extrapolation] in simulator/max_length.py)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.sp_size * self.dp_size
+
+    def check(self) -> None:
+        """Refuse what cannot be predicted, naming what is missing."""
+        for name in ("seq_len", "sp_size", "dp_size", "micro_batch", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise AutoSPError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive number")
+        choices = {"dtype": DTYPES, "optimizer": OPTIMIZERS, "offload": OFFLOADS, "compiler": COMPILERS,
+                   "depth": DEPTHS, "zero_stage": (0, 1, 2, 3)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise AutoSPError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose one of {allowed}")
+        if self.seq_len % self.sp_size:
+            raise AutoSPError(f"--seq-len {self.seq_len} is not divisible by --sp-size {self.sp_size}; give a "
+                              "multiple of the SP degree")
+        if self.zero_stage == 3:
+            raise AutoSPError("--zero-stage 3: AutoSP does not compose with ZeRO 3 (DeepSpeed's AutoSP backend "
+                              "refuses it), and the planner has no ZeRO-3 step: its per-layer parameter gathers are "
+                              "a workload rewrite that exists only in experiments/paper_scale/workload_rewrites.py. "
+                              "Use ZeRO 0, 1 or 2")
+        if self.offload != "none":
+            raise AutoSPError(f"--offload {self.offload}: the memory ledger (simulator/ledger.py) has no optimizer "
+                              "offload yet (DeepSpeed's offload_optimizer: optimizer state and fp32 master weights "
+                              "in host memory, CPU Adam) and the simulator no host-memory pool; use --offload none")
+        if self.zero_stage == 1 and self.grad_accum > 1:
+            raise AutoSPError("--zero-stage 1 with --grad-accum > 1: DeepSpeed's ZeRO 1 keeps every parameter's "
+                              "unreduced gradient between micro-steps (it reduces at the accumulation boundary "
+                              "only), which the memory ledger does not list; use --grad-accum 1, or ZeRO 2 (it "
+                              "reduces each micro-step)")
+
+    def training_config(self, parameter_numels: tuple[int, ...]) -> TrainingConfig:
+        """The ledger's configuration (ZeRO partitions over all ``world_size`` ranks: the sequence-data-parallel
+        group)."""
+        return TrainingConfig(parameter_numels=parameter_numels, optimizer=self.optimizer, precision=self.dtype,
+                              zero_stage=self.zero_stage, dp_world_size=self.world_size,
+                              gradient_accumulation_steps=self.grad_accum, micro_batch_size=self.micro_batch,
+                              nccl_communicators=2 if self.sp_size > 1 else 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Traced:
+    """One traced micro-step (forward and backward) of ``layers`` layers, and its whole training step."""
+
+    layers: int
+    backward: Workload
+    """Forward and backward of every rank, gradients released into the ledger's buffers."""
+    step: Workload
+    """``backward`` followed by the gradient reduction and the optimizer step."""
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+
+
+def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
+               config: TrainingConfig) -> Traced:
+    """Trace ``layers`` decoder layers (None: all) at ``seq_len`` tokens and build the whole step of ``setup``
+    (``config``: the ledger's configuration of the whole model)."""
+    import torch
+
+    from autosp.export import export_workload, module_parameters, trace_fake_step
+
+    hf = source.config(seq_len=seq_len, num_layers=layers)
+    depth = hf.num_hidden_layers
+    dtype = _torch_dtype(setup.dtype)
+    start = time.perf_counter()
+    log.info("tracing %s: %d layers, %s x %d tokens over %d SP ranks", source.spec, depth, setup.micro_batch,
+             seq_len, setup.sp_size)
+    # Each trace compiles the model's code afresh on fake tensors; forget the previous traces' compiled code so
+    # Dynamo's recompile limit is never reached (the planner owns the compiled functions of its process).
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="autosp.compile with sp_size=1")
+        compiled, parameter_bytes = trace_fake_step(lambda: source.build(hf, dtype), seq_len=seq_len,
+                                                    sp_size=setup.sp_size, vocab_size=hf.vocab_size, dtype=dtype,
+                                                    micro_batch=setup.micro_batch)
+    graphs = compiled.report.aot_graphs
+    exported = export_workload(graphs, name=f"{source.spec}/L={depth}/S={seq_len}", sp_size=setup.sp_size,
+                               parameter_bytes=parameter_bytes,
+                               saved_freed_at_last_use=setup.compiler == "inductor",
+                               attention_kept_fraction=compiled.report.attention_kept_fraction)
+    modules = module_parameters(graphs, compiled.report.forward_graphs[-1])
+    log.info("traced in %.1f s: %d ops", time.perf_counter() - start, len(exported.ranks[0].ops))
+    sp, world = setup.sp_size, setup.world_size
+    program = release_gradients(exported.ranks[0], (n for m in modules for n in m.gradients))
+    backward = dataclasses.replace(exported, world_size=world, ranks={0: program},
+                                   groups={"sp": [list(range(d * sp, (d + 1) * sp)) for d in range(setup.dp_size)]},
+                                   metadata={**exported.metadata, "dp_size": setup.dp_size})
+    element = dtype.itemsize
+    gradients = gradients_from_modules(program, [(m.gradients, m.parameter_bytes // element) for m in modules])
+    # A shallower trace (depth extrapolation) reduces and updates only its own layers' parameters.
+    step_config = config if layers is None else dataclasses.replace(config, parameter_numels=source.parameter_numels(hf))
+    step = add_training_step(backward, gradients, step_config, group="dp", group_instances=[list(range(world))])
+    return Traced(layers=depth, backward=backward, step=step)
+
+
+def _without_optimizer(workload: Workload) -> Workload:
+    program = workload.ranks[0]
+    ops = tuple(op for op in program.ops if op.phase != "optimizer")
+    return dataclasses.replace(workload, ranks={0: dataclasses.replace(program, ops=ops)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPrediction(ModelStep):
+    """A simulated step of the whole model at one length (what the max-length search runs over)."""
+
+    micro_step_time_s: float
+    """One micro-step: forward and backward (and ZeRO 2's reduction); the optimizer step is in ``step_time_s``."""
+
+
+def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, config: TrainingConfig,
+                  model_layers: int, seq_len: int) -> StepPrediction:
+    """Step time and activations of the whole model at ``seq_len`` tokens (full depth, or extrapolated)."""
+    if cluster.world_size < setup.world_size:
+        raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
+                          f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
+
+    def at_depth(layers: int) -> tuple[float, float, int]:
+        traced = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config)
+        start = time.perf_counter()
+        result = simulate(traced.step, cluster)
+        dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+        step_s = micro_s = result.step_time_s
+        if setup.grad_accum > 1:
+            # ZeRO 2 reduces its gradients every micro-step; ZeRO 0 (and 1) at the accumulation boundary only.
+            micro = _without_optimizer(traced.step) if setup.zero_stage == 2 else traced.backward
+            micro_s = simulate(micro, cluster).step_time_s
+            step_s = result.step_time_s + (setup.grad_accum - 1) * micro_s
+        log.info("simulated on %s in %.1f s: step %.3f s, activations %.2f GiB", cluster.preset.name,
+                 time.perf_counter() - start, step_s, dynamic / 2**30)
+        return step_s, micro_s, dynamic
+
+    depths = (model_layers, model_layers) if setup.depth == "full" else (1, 2)
+    memo: dict[int, tuple[float, float, int]] = {}
+
+    def cached(layers: int) -> tuple[float, float, int]:
+        if layers not in memo:
+            memo[layers] = at_depth(None if layers == model_layers else layers)
+        return memo[layers]
+
+    step_s, dynamic = extrapolate_depth(lambda d: (cached(d)[0], cached(d)[2]), model_layers, depths)
+    micro_s, _ = extrapolate_depth(lambda d: (cached(d)[1], cached(d)[2]), model_layers, depths)
+    return StepPrediction(seq_len=seq_len, step_time_s=step_s, dynamic_memory_bytes=dynamic,
+                          micro_step_time_s=micro_s,
+                          extrapolated_from=None if depths[0] == depths[1] else depths)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """The answer of ``python -m autosp.plan`` for one model, configuration, cluster and length."""
+
+    model: str
+    parameters: int
+    layers: int
+    setup: TrainingSetup
+    cluster: dict
+    """`simulator.cluster.Cluster.describe` of the cluster."""
+    wrapper: str
+    """The DeepSpeed optimizer path (see Note [Which DeepSpeed path holds what] in simulator/ledger.py)."""
+    capacity_bytes: int
+    step: StepPrediction
+    lines: tuple[LedgerLine, ...]
+    """The ledger inside backward with the simulated activations as its ``activations`` line: the peak is their
+    sum (docs/design.md, "One memory definition")."""
+    peak_band: tuple[int, int, int]
+    """(low, nominal, high) peak bytes per rank, from the ledger's band."""
+    max_length: dict | None = None
+    """With ``--max-length``: the longest length that fits, the band's ends and every length simulated."""
+    seconds: float = 0.0
+    """Wall time the prediction took."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_band[1]
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.capacity_bytes
+
+    @property
+    def by_category(self) -> dict[str, int]:
+        return {c: v[1] for c, v in summarize(self.lines).by_category.items() if v[2]}
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.setup.seq_len * self.setup.micro_batch * self.setup.grad_accum * self.setup.dp_size \
+            / self.step.step_time_s
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "parameters": self.parameters, "layers": self.layers,
+            "setup": dataclasses.asdict(self.setup), "world_size": self.setup.world_size, "cluster": self.cluster,
+            "deepspeed_path": self.wrapper, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
+            "peak_bytes": self.peak_bytes, "peak_band_bytes": {b: v for b, v in zip(BANDS, self.peak_band, strict=True)},
+            "peak_by_category_bytes": self.by_category,
+            "activation_bytes": self.step.dynamic_memory_bytes,
+            "ledger": [dataclasses.asdict(ln) for ln in self.lines],
+            "step_time_s": self.step.step_time_s, "micro_step_time_s": self.step.micro_step_time_s,
+            "tokens_per_s": self.tokens_per_s, "depth_extrapolated_from": self.step.extrapolated_from,
+            "max_length": self.max_length, "seconds": self.seconds,
+            "memory_definition": "ledger inside backward (parameters, gradients, optimizer state, communication "
+                                 "buffers, CUDA context/NCCL/workspaces, allocator rounding and fragmentation) plus "
+                                 "the simulated activations: simulator.max_length.ledger_peak",
+            "notes": list(self.notes),
+        }
+
+    def format(self) -> str:
+        gib = 2**30
+
+        def size(b: int) -> str:
+            return f"{b / gib:9.3f} GiB" if b >= gib else f"{b / 2**20:9.3f} MiB"
+
+        s = self.setup
+        out = [f"{self.model}: {self.parameters / 1e9:.3g} B parameters, {self.layers} layers",
+               f"  setup       SP {s.sp_size} x DP {s.dp_size} = {s.world_size} ranks; ZeRO {s.zero_stage} "
+               f"({self.wrapper}); {s.dtype}; {s.optimizer}; micro-batch {s.micro_batch} x {s.seq_len:,} tokens; "
+               f"grad accum {s.grad_accum}; {s.compiler}",
+               f"  cluster     {self.cluster['nodes']} x {self.cluster['devices_per_node']} {self.cluster['device']} "
+               f"({self.cluster['preset']}), {self.capacity_bytes / gib:.2f} GiB per device",
+               f"  fits        {'yes' if self.fits else 'NO'}: peak {self.peak_bytes / gib:.2f} GiB per rank "
+               f"[band {self.peak_band[0] / gib:.2f} - {self.peak_band[2] / gib:.2f}] of "
+               f"{self.capacity_bytes / gib:.2f}",
+               "  peak by category, per rank (the ledger's lines summed; activations simulated):"]
+        out += [f"    {cat:24s} {size(b)}" for cat, b in self.by_category.items()]
+        extrapolated = self.step.extrapolated_from
+        t = self.step.step_time_s
+        out.append(f"  step time   {f'{t:.3f} s' if t >= 1 else f'{t * 1e3:.3f} ms'} ({self.tokens_per_s:,.0f} tokens/s)"
+                   + (f"; depth extrapolated from {extrapolated[0]} and {extrapolated[1]} layers" if extrapolated
+                      else ""))
+        if self.max_length is not None:
+            m = self.max_length
+            out.append(f"  max length  {m['display']} tokens ({m['stopped']}), band {m['band'][0]} - {m['band'][1]}"
+                       f"; {len(m['lengths_simulated'])} lengths simulated")
+        out += [f"  note        {n}" for n in self.notes]
+        out.append(f"  ({self.seconds:.1f} s)")
+        return "\n".join(out)
+
+
+def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: bool = False,
+            max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
+            progress: Callable[[str], None] | None = None) -> Prediction:
+    """Predict ``setup`` for ``model`` (a preset of `autosp.train` or a config.json) on ``cluster``; with
+    ``max_length`` also search the longest length that fits (each probe is one more trace)."""
+    start = time.perf_counter()
+    setup.check()
+    source = ModelSource(model)
+    hf = source.config(seq_len=setup.seq_len)
+    numels = source.parameter_numels(hf)
+    config = setup.training_config(numels)
+    capacity = int(cluster.device.memory_bytes)
+    steps: dict[int, StepPrediction] = {}
+
+    def step(seq_len: int) -> StepPrediction:
+        if seq_len not in steps:
+            if progress:
+                progress(f"{seq_len:,} tokens")
+            steps[seq_len] = simulate_step(source, setup, cluster, config, hf.num_hidden_layers, seq_len)
+        return steps[seq_len]
+
+    at = step(setup.seq_len)
+    lines = tuple(memory_ledger(config, at="backward", activation_bytes=at.dynamic_memory_bytes))
+    band = tuple(ledger_peak(config, at.dynamic_memory_bytes, which) for which in BANDS)
+    found = None
+    if max_length:
+        grain = -(-granularity // setup.sp_size) * setup.sp_size
+        found_ml = search_max_length(step, config, capacity_bytes=capacity, low=grain,
+                                     high=max_length_high or 8 * setup.seq_len, granularity=grain,
+                                     start=setup.seq_len - setup.seq_len % grain or grain, max_probes=max_probes)
+        found = {"max_seq_len": found_ml.nominal.max_seq_len, "display": found_ml.nominal.display(),
+                 "stopped": found_ml.nominal.stopped,
+                 "band": [found_ml.high_memory.display(), found_ml.low_memory.display()],
+                 "step_time_s": found_ml.nominal.step_time_s, "granularity": grain,
+                 "lengths_simulated": sorted(steps)}
+    notes = []
+    if at.extrapolated_from:
+        notes.append("depth extrapolated from 1 and 2 layers: too low under activation checkpointing "
+                     "(Note [Depth extrapolation] in simulator/max_length.py)")
+    if not cluster.preset.architecture:
+        notes.append("the device reserve (CUDA context, NCCL, workspaces) is a GPU's; this device is not a GPU")
+    return Prediction(model=model, parameters=sum(numels), layers=hf.num_hidden_layers, setup=setup,
+                      cluster=cluster.describe(), wrapper=config.wrapper, capacity_bytes=capacity, step=at,
+                      lines=lines, peak_band=band, max_length=found, seconds=time.perf_counter() - start,
+                      notes=tuple(notes))

@@ -1,0 +1,251 @@
+"""``python -m autosp.plan``: predictions for a model the project does not ship, on a cluster file, with one memory
+definition (the ledger's lines plus the simulated activations), checked against a CPU measurement.
+
+Small sizes: a Qwen2-style config of 2 layers (hidden 64) traced on fake tensors for SP 4 x DP 2; the measured
+case runs the tiny-llama preset on 2 gloo ranks.  The paper-scale acceptance case (a Qwen2-1.5B-style config at
+131,072 tokens) is timed outside the tests (see the helper's report in docs/design.md, "The planner CLI").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from autosp.errors import AutoSPError
+from autosp.plan import TrainingSetup, cluster_from_dict, load_cluster, predict
+from autosp.plan.__main__ import build_parser, main, setup_from_args
+from simulator.ledger import memory_ledger, summarize
+from simulator.max_length import ledger_peak
+
+QWEN2 = {  # a Qwen2-style config (biases on q/k/v, tied embeddings, GQA): not a model the project ships
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+    "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
+    "hidden_act": "silu", "attention_dropout": 0.0,
+}
+
+TWO_NODES = {  # a cluster file: 2 nodes of 4 custom devices, a network given by its figures
+    "name": "test-2x4", "nodes": 2, "devices_per_node": 4,
+    "node": {"name": "test-gpu", "architecture": "hopper", "devices_per_node": 4, "intra_node_kind": "nvswitch",
+             "device": {"name": "test gpu", "peak_flops_per_s": 5e14, "memory_bandwidth_bytes_per_s": 2e12,
+                        "memory_bytes": 40 * 2**30, "kernel_launch_overhead_s": 4e-6, "fuses_pointwise": True,
+                        "efficiency": {"matmul": {"flops": 0.7, "memory": 0.8},
+                                       "other": {"flops": 0.06, "memory": 0.6}}},
+             "intra_node": {"bandwidth_bytes_per_s": 2e11, "latency_s": 1e-6, "efficiency": 0.8},
+             "host_link": {"bandwidth_bytes_per_s": 3.2e10, "latency_s": 5e-7}},
+    "network": {"name": "test-ib", "nic": {"bandwidth_bytes_per_s": 2.5e10, "latency_s": 2.5e-6, "efficiency": 0.9},
+                "switch_latency_s": 6e-7},
+}
+
+
+@pytest.fixture(scope="module")
+def qwen2_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2") / "config.json"
+    path.write_text(json.dumps(QWEN2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cluster") / "two_nodes.json"
+    path.write_text(json.dumps(TWO_NODES))
+    return path
+
+
+@pytest.fixture(scope="module")
+def answer(qwen2_config, cluster_file, tmp_path_factory):
+    """The acceptance case's shape at small size, through the command line: ZeRO 2, SP 4 x DP 2, micro-batch 2."""
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    argv = ["--model", str(qwen2_config), "--cluster", str(cluster_file), "--seq-len", "256", "--sp-size", "4",
+            "--dp-size", "2", "--zero-stage", "2", "--micro-batch", "2", "--json", str(out), "-q"]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_plan_answers_for_an_unshipped_hf_config_on_a_two_node_cluster_file(answer):
+    assert answer["setup"]["zero_stage"] == 2 and answer["world_size"] == 8
+    assert answer["cluster"]["nodes"] == 2 and answer["cluster"]["devices_per_node"] == 4
+    assert answer["cluster"]["network"] == "test-ib"
+    assert answer["capacity_bytes"] == 40 * 2**30
+    assert answer["deepspeed_path"] == "DeepSpeedZeroOptimizer"
+    assert answer["fits"] is True and answer["step_time_s"] > 0
+    # the Qwen2 model itself: tied embeddings once, q/k/v biases (kv width = 64 / 4 heads x 2 kv heads = 32)
+    h, kv, f, v = 64, 32, 160, 320
+    layer = h * h + h + 2 * (kv * h + kv) + h * h + 3 * f * h + 2 * h
+    assert answer["parameters"] == v * h + 2 * layer + h
+    cats = answer["peak_by_category_bytes"]
+    for category in ("parameters", "gradients", "optimizer", "activations", "communication buffers", "runtime"):
+        assert cats[category] > 0, category
+
+
+def test_plan_peak_is_the_ledger_lines_plus_the_simulated_activations(answer):
+    """One memory definition: the peak is the sum of the ledger's lines inside backward (device reserve included),
+    whose activations line is the simulated step's, i.e. simulator.max_length.ledger_peak."""
+    lines = answer["ledger"]
+    assert answer["peak_bytes"] == sum(ln["bytes"] for ln in lines)
+    activations = [ln for ln in lines if ln["category"] == "activations"]
+    assert [ln["bytes"] for ln in activations] == [answer["activation_bytes"]] and answer["activation_bytes"] > 0
+    setup = TrainingSetup(**answer["setup"])
+    from autosp.plan.model_source import ModelSource
+
+    source = ModelSource(answer["model"])
+    config = setup.training_config(source.parameter_numels(source.config(seq_len=setup.seq_len)))
+    assert answer["peak_bytes"] == ledger_peak(config, answer["activation_bytes"])
+    assert answer["peak_by_category_bytes"] == {
+        c: v[1] for c, v in summarize(memory_ledger(config, at="backward", activation_bytes=answer["activation_bytes"]))
+        .by_category.items() if v[2]}
+    device_lines = {"CUDA context and kernel images", "NCCL communicator buffers", "cuBLAS workspaces",
+                    "caching-allocator rounding", "fragmentation"}
+    assert device_lines <= {ln["name"] for ln in lines}
+    band = answer["peak_band_bytes"]
+    assert band["low"] <= band["nominal"] == answer["peak_bytes"] <= band["high"]
+
+
+def _measure(rank: int, world: int, seq_len: int, micro_batch: int) -> dict:
+    """One AutoSP step of tiny-llama (fp32, aot_eager) after a first step and an AdamW step, with the gradients
+    set to None as DeepSpeed's ``zero_grad`` does: the bytes held before it (parameters, optimizer state), the
+    peak of the tensors it creates (activations, and the gradients that become ``param.grad``) and the gradients'
+    bytes."""
+    import torch
+
+    import autosp
+    from autosp.plan.model_source import ModelSource
+    from experiments.cpu.peak_memory import PeakMemory, storage_bytes
+
+    torch.manual_seed(0)
+    source = ModelSource("tiny-llama")
+    model = source.build(source.config(seq_len=seq_len), torch.float32)
+    compiled = autosp.compile(model, sp_size=world, compiler="aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        compiled(**autosp.prepare_inputs(ids, labels=ids)).loss.backward()
+
+    step()
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    with PeakMemory(static=params + state) as pm:
+        step()
+    return {"static": pm.static_bytes, "peak": pm.peak_bytes, "gradients": storage_bytes(p.grad for p in params)}
+
+
+@pytest.mark.slow
+def test_plan_prediction_matches_a_cpu_measurement():
+    """The predicted peak without the GPU-only lines (CUDA context, NCCL, allocator) against a real step on 2
+    gloo ranks (ZeRO 0, fp32, AdamW: DeepSpeed's path is the torch optimizer's): the ledger's static lines
+    (parameters, param.grad, two moments, step counters) exactly; the whole peak from above, by less than the
+    gradients' bytes (the ledger holds param.grad through the whole backward, the real step from the end of its
+    backward on, where the compiled backward returns them)."""
+    from simulator.cluster import Cluster
+    from simulator.hardware import get_preset
+    from tests.harness import run_on_ranks
+
+    seq_len, micro_batch = 128, 2
+    setup = TrainingSetup(seq_len=seq_len, sp_size=2, zero_stage=0, dtype="fp32", optimizer="adamw",
+                          micro_batch=micro_batch, compiler="aot_eager")
+    got = predict("tiny-llama", setup, Cluster.from_preset(get_preset("cpu-gloo")))
+    measured = run_on_ranks(_measure, 2, seq_len, micro_batch, timeout_s=600.0)
+    config = setup.training_config(_numels("tiny-llama", seq_len))
+    assert summarize(memory_ledger(config, at="backward", device=False)).nominal == max(
+        m["static"] + m["gradients"] for m in measured)
+    predicted_cpu = summarize(memory_ledger(config, at="backward", device=False,
+                                            activation_bytes=got.step.dynamic_memory_bytes)).nominal
+    peak = max(m["peak"] for m in measured)
+    logging.getLogger(__name__).info("predicted %d (activations %d), measured %d: %+.1f %%", predicted_cpu,
+                                     got.step.dynamic_memory_bytes, peak, 100 * (predicted_cpu - peak) / peak)
+    assert peak <= predicted_cpu <= peak + max(m["gradients"] for m in measured)
+    assert got.peak_bytes == sum(ln.bytes for ln in got.lines) > predicted_cpu  # plus the device reserve
+
+
+def _numels(model: str, seq_len: int) -> tuple[int, ...]:
+    from autosp.plan.model_source import ModelSource
+
+    source = ModelSource(model)
+    return source.parameter_numels(source.config(seq_len=seq_len))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--zero-stage", "3"], "ZeRO 3"),
+    (["--offload", "optimizer"], "no optimizer offload"),
+    (["--zero-stage", "1", "--grad-accum", "4"], "unreduced gradient"),
+    (["--seq-len", "1001", "--sp-size", "4"], "not divisible"),
+    (["--world-size", "6", "--sp-size", "4"], "not a multiple"),
+])
+def test_plan_refuses_what_it_cannot_predict_before_any_work(argv, message):
+    base = {"--model": "tiny-llama", "--cluster": "h100-sxm", "--seq-len": "1024"}
+    for flag in argv[::2]:
+        base.pop(flag, None)
+    args = build_parser().parse_args([x for kv in base.items() for x in kv] + argv)
+    with pytest.raises(AutoSPError, match=message):
+        setup_from_args(args)
+
+
+def test_plan_world_is_sp_times_dp():
+    args = build_parser().parse_args(["--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "1024",
+                                      "--sp-size", "4", "--world-size", "16"])
+    assert setup_from_args(args).dp_size == 4
+
+
+def test_plan_cluster_file_builds_the_simulator_cluster(cluster_file):
+    cluster = load_cluster(str(cluster_file), world_size=8)
+    assert (cluster.nodes, cluster.devices_per_node, cluster.world_size) == (2, 4, 8)
+    assert cluster.device.memory_bytes == 40 * 2**30 and cluster.device.fuses_pointwise
+    assert cluster.preset.host_link.bandwidth_bytes_per_s == 3.2e10
+    assert cluster.network.nic.effective_bandwidth_bytes_per_s == pytest.approx(2.5e10 * 0.9)
+    # presets by name: a node preset gets as many nodes as the ranks need; a cluster preset is itself
+    assert load_cluster("h100-sxm", world_size=16).nodes == 2
+    assert load_cluster("a100-80gb-sxm-2x8", world_size=8).world_size == 16
+    # a preset node, a named network and a memory override
+    small = cluster_from_dict({"node": "a100-80gb-sxm", "nodes": 2, "network": "ib-hdr-200", "memory_gib": 40})
+    assert small.device.memory_bytes == 40 * 2**30 and small.network.name == "ib-hdr-200"
+
+
+@pytest.mark.parametrize("document, message", [
+    ({"node": "a100-80gb-sxm", "nodez": 2}, "unknown field"),
+    ({"nodes": 2}, "missing field 'node'"),
+    ({"node": "a100-80gb", "nodes": 1}, "unknown hardware preset"),
+    ({**TWO_NODES, "network": None}, "need a network"),
+    ({**TWO_NODES, "node": {k: v for k, v in TWO_NODES["node"].items() if k != "host_link"}}, "host_link"),
+    ({**TWO_NODES, "node": {**TWO_NODES["node"], "device": {"name": "x"}}}, "malformed"),
+    ({**TWO_NODES, "network": {"nic": {"latency_s": 1e-6}, "switch_latency_s": 1e-6}}, "bandwidth_bytes_per_s"),
+])
+def test_plan_cluster_file_errors_name_the_field(document, message):
+    with pytest.raises(AutoSPError, match=message):
+        cluster_from_dict(document)
+
+
+def test_plan_refuses_a_cluster_smaller_than_the_ranks(qwen2_config):
+    setup = TrainingSetup(seq_len=256, sp_size=4, dp_size=4)
+    with pytest.raises(AutoSPError, match="needs 16"):
+        predict(str(qwen2_config), setup, cluster_from_dict(TWO_NODES))
+
+
+def test_simulator_cli_reports_the_same_memory_definition_or_says_what_it_leaves_out(tmp_path, capsys):
+    """``python -m simulator W.json``: with the training configuration in the workload's metadata its peak is the
+    planner's (the ledger plus the simulated activations); without it, the output names what is left out."""
+    import dataclasses
+
+    from simulator.__main__ import main as simulator_main
+    from simulator.ledger import TrainingConfig
+    from simulator.max_length import step_metadata
+    from simulator.synthetic import LlamaShape, llama_ulysses_workload
+
+    shape = LlamaShape(layers=1, hidden=256, heads=8, kv_heads=8, ffn_hidden=512, vocab=1000)
+    workload = llama_ulysses_workload(seq_len=4096, sp_degree=8, shape=shape, ops_per_layer=(20, 30))
+    config = TrainingConfig.from_parameter_count(10**8, zero_stage=1, dp_world_size=8)
+    plain, described = tmp_path / "plain.json", tmp_path / "described.json"
+    workload.to_json(plain)
+    dataclasses.replace(workload, metadata={**workload.metadata, **step_metadata(
+        model="m", system="s", seq_len=4096, layers=1, model_layers=1, config=config)}).to_json(described)
+    assert simulator_main([str(plain), "--cluster", "h100-sxm", "--out", str(tmp_path / "a"), "--no-plots"]) == 0
+    assert "without the device reserve (CUDA context, NCCL" in capsys.readouterr().out
+    assert simulator_main([str(described), "--cluster", "h100-sxm", "--out", str(tmp_path / "b"), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "b" / "result.json").read_text())
+    activations = max(r["peak_memory_bytes"] - r["static_memory_bytes"] for r in result["ranks"])
+    assert f"{ledger_peak(config, activations) / 2**30:.2f} GiB" in out and "device reserve included" in out

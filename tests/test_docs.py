@@ -1,0 +1,282 @@
+"""The docs cannot drift silently: what README.md, docs/*.md and paper/README.md name exists, and README's commands
+are accepted as written.
+
+Read from the documents themselves (nothing is listed twice):
+
+- every backticked repository path (``autosp/api.py``, ``passes/joint/``, ``masks.py``) exists: a path starting
+  at a top-level entry of the checkout is checked there (unless git ignores it: an output such as
+  ``paper/build/paper.md``), a shorter one must be the end of some file's or folder's path;
+- every module named as ``python -m MODULE`` or as a backticked dotted name (``simulator.ledger``,
+  ``autosp.export.trace_fake_step``) is found by the import system's path finder, without importing anything
+  (a package run with ``-m`` needs a ``__main__.py``; a trailing attribute must be named in the module's source);
+- every ``Note [Title]`` cited is defined in the code (a line ``Note [Title]`` or ``# Note [Title]``);
+- every ``autosp.NAME`` in README's Python examples is in ``autosp.__all__``;
+- every ``bash`` block of README carries a mode in an HTML comment just above it, ``<!-- readme-test: MODE -->``:
+  ``run`` executes each line (in bash, after ``source bin/env.sh``, from the root; keep such blocks cheap and
+  free of outputs), ``parse`` hands each command's arguments, as written, to the parser of the program it
+  starts (``python -m M`` / ``torchrun ... -m M`` / ``deepspeed ... --module M`` / ``bash bin/reproduce``:
+  the module's ``build_parser()``, and torchrun's and the deepspeed launcher's own parsers for their
+  arguments), for commands too long or needing GPUs to run here; ``skip: REASON`` (a network install) checks
+  nothing and says why.  A block without a mode fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.machinery
+import importlib.util
+import io
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")), "paper/README.md")
+PACKAGES = ("autosp", "simulator", "experiments", "tests")
+BLOCK = re.compile(r"(?:<!--\s*readme-test:\s*(?P<mode>[^>]*?)\s*-->\s*\n)?```(?P<lang>\w*)\n(?P<body>.*?)```",
+                   re.DOTALL)
+PATH_LIKE = re.compile(r"^[\w.-]+(/[\w.*-]+)*/?$")
+FILE_SUFFIXES = (".py", ".md", ".json", ".csv", ".ipynb", ".toml", ".ini", ".txt", ".sh", ".png")
+
+
+def _tracked() -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, check=True).stdout.decode()
+        return [p for p in out.split("\0") if p]
+    except (OSError, subprocess.CalledProcessError):
+        return [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and ".venv" not in p.parts]
+
+
+def _ignored(path: str) -> bool:
+    try:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+    except OSError:
+        return path.startswith(("results/", "paper/build"))
+
+
+def _find_module(name: str):
+    """The spec of module ``name`` from the path finder, one component at a time: no package is imported."""
+    spec, path, parts = None, [str(ROOT)], name.split(".")
+    for i in range(len(parts)):
+        if path is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), path)
+        if spec is None:
+            return None
+        path = spec.submodule_search_locations
+    return spec
+
+
+def _code_text(text: str) -> str:
+    """``text`` without fenced blocks (their paths are checked as commands, or are outputs)."""
+    return BLOCK.sub("", text)
+
+
+def _backticked(text: str) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", _code_text(text))
+
+
+def _check_path(token: str, files: list[str], top: set[str]) -> str | None:
+    """``token`` when it is a repository path that does not exist; None when it exists or is not one (a
+    placeholder such as ``NAME.md``, an output such as ``results/`` or ``run.json``, a module name)."""
+    token = token.rstrip(".,;:)")
+    if not PATH_LIKE.match(token) or token.startswith((".", "-")) or "*" in token:
+        return None
+    if any(re.fullmatch(r"[A-Z_]+", Path(part).stem) for part in token.split("/") if part):
+        return None  # a placeholder: NAME.md, WORKLOAD.json, S/P
+    if "/" not in token:
+        if not token.endswith(".py"):
+            return None  # a bare output name (run.json) or a word
+        return None if any(f == token or f.endswith("/" + token) for f in files) else token
+    if _ignored(token):
+        return None  # an output: results/, paper/build/
+    if token.split("/")[0] in top:
+        return None if (ROOT / token).exists() else token
+    folders = {"/".join(f.split("/")[:i]) + "/" for f in files for i in range(1, f.count("/") + 1)}
+    ok = any(f.endswith("/" + token) for f in files) or any(d.endswith("/" + token) or d == token for d in folders)
+    return None if ok else token
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_name_only_paths_modules_and_notes_that_exist(doc):
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    files = _tracked()
+    top = {f.split("/")[0] for f in files}
+    missing = []
+    plain_blocks = [m.group("body") for m in BLOCK.finditer(text) if m.group("lang") == ""]
+    words = [w for token in _backticked(text) for w in token.split()]
+    words += [w for body in plain_blocks for w in re.split(r"[\s,()·]+", body) if w.endswith((*FILE_SUFFIXES, "/"))]
+    for word in words:
+        bad = _check_path(word, files, top)
+        if bad:
+            missing.append(f"path {bad}")
+    modules = {m.rstrip(".") for m in re.findall(r"python -m ([\w.]+)", text)}
+    dotted = {w.rstrip(".,;:()") for token in _backticked(text) for w in re.split(r"[\s(\[]", token)}
+    dotted = {w for w in dotted if re.fullmatch(rf"({'|'.join(PACKAGES)})(\.\w+)+", w)}
+    for name in sorted(modules):
+        if name.split(".")[0] not in PACKAGES:  # an installed tool (pip): found without importing it
+            if importlib.util.find_spec(name.split(".")[0]) is None:
+                missing.append(f"module {name} (python -m)")
+            continue
+        spec = _find_module(name)
+        if spec is None:
+            missing.append(f"module {name} (python -m)")
+        elif spec.submodule_search_locations is not None and _find_module(name + ".__main__") is None:
+            missing.append(f"package {name} has no __main__.py (python -m)")
+    for name in sorted(dotted):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            spec = _find_module(".".join(parts[:cut]))
+            if spec is not None:
+                break
+        if spec is None or spec.origin is None:
+            missing.append(f"module {name}")
+            continue
+        rest = parts[cut:]
+        if rest and not re.search(rf"\b{re.escape(rest[0])}\b", Path(spec.origin).read_text(encoding="utf-8")):
+            missing.append(f"{rest[0]} in {'.'.join(parts[:cut])} ({name})")
+    defined = set()
+    for f in files:
+        if f.endswith(".py") and f.split("/")[0] in PACKAGES:
+            defined |= set(re.findall(r"^\s*(?:#\s*)?Note \[([^\]]+)\]\s*$", (ROOT / f).read_text(encoding="utf-8"),
+                                      re.MULTILINE))
+    for title in re.findall(r"Note \[([^\]]+)\]", re.sub(r"\s+", " ", text)):
+        if title not in defined and title != "...":
+            missing.append(f"Note [{title}]")
+    assert missing == [], f"{doc} names what does not exist: {sorted(set(missing))}"
+
+
+def _blocks(doc: str = "README.md"):
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    return [(m.group("mode"), m.group("lang"), m.group("body"), text.count("\n", 0, m.start()) + 1)
+            for m in BLOCK.finditer(text)]
+
+
+def _commands(body: str) -> list[str]:
+    """The command lines of a shell block: continuations joined, comments and blank lines dropped."""
+    lines, current = [], ""
+    for raw in body.splitlines():
+        line = raw.split(" #")[0].rstrip() if not raw.lstrip().startswith("#") else ""
+        if not line and not current:
+            continue
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        lines.append((current + line).strip())
+        current = ""
+    return [ln for ln in lines if ln]
+
+
+def _parse_module_args(module: str, args: list[str]) -> str | None:
+    """None when ``module``'s parser accepts ``args``; its error otherwise."""
+    if _find_module(module) is None:
+        return f"no module {module}"
+    package = importlib.util.find_spec(module).submodule_search_locations is not None  # run as its __main__
+    target = importlib.import_module(module + ".__main__" if package else module)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            target.build_parser().parse_args(args)
+    except SystemExit as exc:
+        errors = [ln for ln in err.getvalue().splitlines() if "error" in ln] or [err.getvalue()[-500:]]
+        return f"python -m {module} {shlex.join(args)}: exit {exc.code}: {errors[-1]}"
+    return None
+
+
+def _parse(command: str) -> str | None:
+    words = shlex.split(command)
+    while words and re.fullmatch(r"\w+=.*", words[0]):
+        words = words[1:]
+    program, args = words[0], words[1:]
+    if program == "source" or program == "bash":
+        if not (ROOT / args[0]).is_file():
+            return f"no file {args[0]}"
+        if args[0] == "bin/reproduce":
+            return _parse_module_args("experiments.reproduce", args[1:])
+        return None
+    if program == "python" and args[:1] == ["-m"]:
+        return _parse_module_args(args[1], args[2:])
+    if program == "python" and args and args[0].endswith(".py"):
+        return None if (ROOT / args[0]).is_file() else f"no file {args[0]}"
+    if program == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        launched = get_args_parser().parse_args(args)
+        if not launched.module:
+            return f"{command}: run the module with -m"
+        return _parse_module_args(launched.training_script, launched.training_script_args)
+    if program == "deepspeed":
+        from deepspeed.launcher.runner import parse_args
+
+        launched = parse_args(args)
+        if not launched.module:
+            return f"{command}: run the module with --module"
+        return _parse_module_args(launched.user_script, launched.user_args)
+    if program == "jupyter":
+        return None if (ROOT / args[-1]).exists() else f"no path {args[-1]}"
+    return f"{command}: tests/test_docs.py does not know {program!r}; teach it or mark the block 'skip: REASON'"
+
+
+def test_readme_command_blocks_run_or_parse_as_written():
+    failures, ran = [], 0
+    for mode, lang, body, line in _blocks():
+        if lang not in ("bash", "sh", "shell", "console", ""):
+            continue
+        if lang == "" and not re.search(r"^(python|bash|torchrun|deepspeed) ", body, re.MULTILINE):
+            continue  # a plain block that is not commands (the layout tree)
+        where = f"README.md line {line}"
+        if mode is None:
+            failures.append(f"{where}: a command block without <!-- readme-test: run|parse|skip: REASON -->")
+        elif mode.startswith("skip:"):
+            assert mode[5:].strip(), f"{where}: say why the block is skipped"
+        elif mode == "parse":
+            for command in _commands(body):
+                error = _parse(command)
+                if error:
+                    failures.append(f"{where}: {error}")
+        elif mode == "run":
+            script = "set -euo pipefail\nsource bin/env.sh\n" + "\n".join(_commands(body)) + "\n"
+            proc = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            ran += 1
+            if proc.returncode != 0:
+                failures.append(f"{where}: exit {proc.returncode}\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+        else:
+            failures.append(f"{where}: unknown mode {mode!r}")
+    assert failures == [], "\n".join(failures)
+    assert ran >= 1, "README has no block the test runs: keep the set-up check runnable"
+
+
+def test_readme_python_examples_use_public_names():
+    tree = ast.parse((ROOT / "autosp" / "__init__.py").read_text(encoding="utf-8"))
+    public = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                  and any(getattr(t, "id", None) == "__all__" for t in node.targets))
+    used = {name for _, lang, body, _ in _blocks() if lang == "python" for name in re.findall(r"\bautosp\.(\w+)", body)}
+    assert used and used <= set(public), f"README uses autosp names outside autosp.__all__: {used - set(public)}"
+
+
+def test_env_sh_puts_the_venv_tools_on_path():
+    """After ``source bin/env.sh`` the README's tools are the .venv's (skipped where .venv is not set up: tox)."""
+    venv_bin = ROOT / ".venv" / "bin"
+    if not (venv_bin / "python").exists():
+        pytest.skip(".venv is not set up (bash bin/bootstrap creates it)")
+    script = f"source {shlex.quote(str(ROOT / 'bin' / 'env.sh'))} && for t in python torchrun deepspeed jupyter pytest; do command -v $t; done"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
+    env["PATH"] = "/usr/bin:/bin"
+    proc = subprocess.run(["bash", "-c", script], cwd="/", env=env, capture_output=True, text=True, timeout=60,
+                          input="")
+    found = proc.stdout.split()
+    assert proc.returncode == 0 and len(found) == 5, proc.stdout + proc.stderr
+    assert all(Path(p).parent == venv_bin for p in found), found
+
+
+def test_paper_readme_names_every_placeholder_kind_the_paper_uses():
+    used = set(re.findall(r"\{\{(\w+):", (ROOT / "paper" / "paper.md").read_text(encoding="utf-8")))
+    documented = set(re.findall(r"`\{\{(\w+):", (ROOT / "paper" / "README.md").read_text(encoding="utf-8")))
+    assert used and used <= documented, f"paper/README.md does not explain {sorted(used - documented)}"
