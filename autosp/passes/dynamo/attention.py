@@ -39,6 +39,7 @@ from autosp.context import AttentionSite, TraceContext
 from autosp.document_attention import document_attention
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.placements import REPLICATE, Partial, Shard
+from autosp.passes.dynamo.registry import rule
 from autosp.passes.graph_utils import bind, infer_fake_value, module_name, shape_of
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def kv_replication_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> in
     return factor if group % factor == 0 else group
 
 
+@rule("attention (Ulysses)", targets=ATTENTION_TARGETS)
 def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
     """The analysis's rule for scaled_dot_product_attention (in the top graph or a nested body).
 

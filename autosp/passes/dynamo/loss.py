@@ -30,7 +30,7 @@ from torch import fx
 
 from autosp.context import TraceContext
 from autosp.errors import AutoSPError
-from autosp.passes.dynamo.rules import LOCAL_REDUCTION
+from autosp.passes.dynamo.higher_order import LOCAL_REDUCTION
 from autosp.passes.dynamo.tag_inputs import placeholder_with_role
 from autosp.passes.graph_utils import (
     bind,

@@ -47,7 +47,7 @@ summed over layers, a row count Dynamo bakes into the graph as this shard's
 number: inside that function (a library function whose source says the literal
 is a row count) the divisor is made the sequence's.
 
-Hooked into the op table by one call at the top of ``rules.apply`` (`apply` below
+Consulted before the op table by ``rules.apply`` (`apply` below
 returns `NOT_MINE` for every node it does not handle).
 """
 
@@ -306,7 +306,11 @@ def _on_local(an, gm, node, name):
 
 def _rowwise(an, node, name):
     """Pointwise ops and per-row layout changes of permuted rows (rows stay rows, dim 0 keeps its length)."""
-    from autosp.passes.dynamo.rules import _LAYOUT_NAMES, _POINTWISE_NAMES
+    from autosp.passes.dynamo.pointwise import pointwise
+    from autosp.passes.dynamo.registry import names_of
+    from autosp.passes.dynamo.views import layout
+
+    pointwise_names, layout_names = names_of(pointwise), names_of(layout)
 
     out = fake_value(node)
     places = {a: an.of(a) for a in node.all_input_nodes if isinstance(fake_value(a), torch.Tensor)}
@@ -319,7 +323,7 @@ def _rowwise(an, node, name):
     items = next(p.items for p in places.values() if isinstance(p, Permuted))
     if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != items:
         raise an.refuse(node, "changes the row axis of rows gathered in a shard-local order", _FIX)
-    if name in _POINTWISE_NAMES and name not in ("copy_", "masked_fill_", "add_", "sub_", "mul_", "div_", "clamp_"):
+    if name in pointwise_names and name not in ("copy_", "masked_fill_", "add_", "sub_", "mul_", "div_", "clamp_"):
         for a, p in places.items():
             if isinstance(p, Permuted):
                 if _shape(a)[:1] != (items,) or len(_shape(a)) != out.dim():
@@ -332,7 +336,7 @@ def _rowwise(an, node, name):
                                 f"{a.name} that has one entry per row: in the single-device program its rows are in "
                                 "another order", _FIX)
         return Permuted(0, 1, perm=perm, items=items)
-    if name in _LAYOUT_NAMES or name in _ROW_LAYOUT_NAMES or name in ("silu", "gelu", "relu"):
+    if name in layout_names or name in _ROW_LAYOUT_NAMES or name in ("silu", "gelu", "relu"):
         source = node.args[0]
         if len(places) != 1 or not isinstance(an.of(source), Permuted):
             raise an.refuse(node, "mixes permuted rows with other tensors in a layout op", _FIX)

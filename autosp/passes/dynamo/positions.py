@@ -24,13 +24,15 @@ The rewrite happens after the walk, when every use has been seen.
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 from torch import fx
 
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.placements import REPLICATE, Shard, describe
-from autosp.passes.graph_utils import module_name
+from autosp.passes.dynamo.registry import rule
+from autosp.passes.graph_utils import fake_value, module_name
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +48,14 @@ def arange_bounds(node: fx.Node) -> tuple[object, object, object]:
     return _arange_signature(*node.args, **node.kwargs)
 
 
-def arange_placement(an, node: fx.Node):
+@rule("positions", "arange")
+def arange_placement(an, gm: fx.GraphModule, node: fx.Node):
     """A tentative token shard for ``arange(0, local_seq_len, 1)``, replicated otherwise."""
-    bounds = arange_bounds(node)
-    if an.seq_len > 1 and bounds == (0, an.seq_len, 1):
+    start, end, step = arange_bounds(node)
+    if isinstance(end, fx.Node) and an.token_symbol is not None:  # a dynamic length: its symbol says
+        value = fake_value(end)
+        end = an.seq_len if isinstance(value, torch.SymInt) and value.node.expr == an.token_symbol else None
+    if an.seq_len > 1 and (start, end, step) == (0, an.seq_len, 1):
         return Shard(0, 1, frozenset({node}))
     return REPLICATE
 
@@ -71,6 +77,15 @@ def globalize_positions(an) -> None:
             continue
         offset = layout.start
         kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
+        length = arange_bounds(node)[1]
+        if isinstance(length, fx.Node):  # a dynamic length: rank r's tokens are [r * length, (r + 1) * length)
+            with node.graph.inserting_before(node):
+                first = node.graph.call_function(operator.mul, (length, an.ctx.sp_rank))
+                last = node.graph.call_function(operator.mul, (length, an.ctx.sp_rank + 1))
+            node.args = (first, last)
+            node.kwargs = kwargs
+            node.target = torch.arange
+            continue
         node.args = (offset, offset + an.seq_len)
         node.kwargs = kwargs
         node.target = torch.arange

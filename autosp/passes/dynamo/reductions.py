@@ -29,8 +29,29 @@ import logging
 import torch
 from torch import fx
 
+from autosp import tiled_ops  # noqa: F401 - registers autosp_testbed::linear_cross_entropy
 from autosp.errors import AutoSPError
-from autosp.passes.dynamo.placements import PARTIAL, REPLICATE, Partial, Replicate, Shard, describe
+from autosp.passes.dynamo.higher_order import LOCAL_REDUCTION, inlined_body
+from autosp.passes.dynamo.placements import (
+    PARTIAL,
+    REPLICATE,
+    Partial,
+    Replicate,
+    Shard,
+    describe,
+    normalize_dims,
+)
+from autosp.passes.dynamo.pointwise import elementwise, refuse_replicated_per_token
+from autosp.passes.dynamo.registry import (
+    FIX_GENERIC,
+    arguments,
+    multi,
+    ndim,
+    op_name,
+    rule,
+    shape,
+    sharded_inputs,
+)
 from autosp.passes.graph_utils import fake_value, infer_fake_value, module_name
 
 log = logging.getLogger(__name__)
@@ -46,7 +67,7 @@ def complete_sequence_reduction(an, gm: fx.GraphModule, node: fx.Node):
     an.set(node, PARTIAL)
     local = node
     with graph.inserting_after(node):
-        if _name(node) == "mean":
+        if op_name(node) == "mean":
             local = graph.call_function(torch.div, (node, ctx.sp_size))
             infer_fake_value(local)
             an.set(local, PARTIAL)
@@ -65,7 +86,7 @@ def complete_sequence_reduction(an, gm: fx.GraphModule, node: fx.Node):
     an.sequence_reduced.add(reduced)
     an.result.sequence_reductions.append(reduced)
     log.info("%s in %s reduces over the sequence: local %s + all-reduce", describe(node), module_name(node),
-             _name(node))
+             op_name(node))
     return PARTIAL
 
 
@@ -96,18 +117,13 @@ class _Emitter:
         return reduced
 
 
-def _dims_keepdim(node: fx.Node, ndim: int) -> tuple[tuple[int, ...], bool, int]:
-    """(reduced dims, keepdim, correction) of a logsumexp/var/std call in any of its spellings."""
-    from autosp.passes.dynamo.placements import normalize_dims
-
-    args, kwargs = list(node.args[1:]), dict(node.kwargs)
-    dims = kwargs.pop("dim", args.pop(0) if args and not isinstance(args[0], bool) else None)
-    unbiased = kwargs.pop("unbiased", args.pop(0) if args and isinstance(args[0], bool) else None)
-    keepdim = kwargs.pop("keepdim", args.pop(0) if args else False)
-    correction = kwargs.pop("correction", None)
+def _dims_keepdim(node: fx.Node, rank: int) -> tuple[tuple[int, ...], bool, int]:
+    """(reduced dims, keepdim, correction) of a logsumexp/var/std call in any of its spellings (by schema)."""
+    bound = arguments(node)
+    correction = bound.get("correction")
     if correction is None:
-        correction = 0 if unbiased is False else 1
-    return normalize_dims(dims, ndim), bool(keepdim), correction
+        correction = 0 if bound.get("unbiased") is False else 1
+    return normalize_dims(bound.get("dim"), rank), bool(bound.get("keepdim", False)), correction
 
 
 def rewrite_sequence_statistic(an, gm: fx.GraphModule, node: fx.Node):
@@ -119,11 +135,11 @@ def rewrite_sequence_statistic(an, gm: fx.GraphModule, node: fx.Node):
       n the global count; std = sqrt(var).
     """
     _refuse_padding(an, node)
-    x = node.args[0]
+    x = arguments(node)["input"]
     value = fake_value(x)
     dims, keepdim, correction = _dims_keepdim(node, value.dim())
     emit = _Emitter(an, gm, node)
-    name = _name(node)
+    name = op_name(node)
     shard = an.of(x)
     if name == "logsumexp":
         local_max = emit(REPLICATE, torch.amax, x, dims, keepdim=True)
@@ -156,8 +172,114 @@ def _refuse_padding(an, node: fx.Node) -> None:
     an.ctx.require_unpadded(f"{describe(node)} in module {module_name(node)} reduces over the sequence")
 
 
-def _name(node: fx.Node) -> str:
-    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+# ---------------------------------------------------------------------------------------------
+# Rules: reductions, ops along a dim, losses
+# ---------------------------------------------------------------------------------------------
+_EXACT_SEQUENCE_REDUCTIONS = frozenset(("sum", "mean", "nansum"))
+"""Reductions over the token axis that a local reduction plus an all-reduce computes exactly."""
+_COMPOSED_SEQUENCE_STATISTICS = frozenset(("logsumexp", "var", "std"))
+"""Reductions over the token axis composed from all-reduced sums (`rewrite_sequence_statistic`)."""
+_WHOLE_TENSOR = frozenset(("histc", "bincount"))
+
+
+@rule("reduction (over the sequence: all-reduced sums)",
+      "sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "argmax", "argmin", "prod", "var", "std",
+      "logsumexp", "norm", "linalg_vector_norm", "linalg_norm", "any", "all", "count_nonzero", "median",
+      "nanmedian", "mode", "var_mean", "std_mean", "aminmax", "histc", "bincount")
+def reduction(an, gm, node: fx.Node):
+    bound = arguments(node)
+    if "other" in bound:  # torch.max(a, b), torch.min(a, b): the elementwise forms
+        return elementwise(an, node)
+    x = bound["input"]
+    p = an.of(x)
+    name = op_name(node)
+    if isinstance(p, Partial):
+        if name in ("sum", "nansum") and fake_value(node) is not None:
+            return PARTIAL
+        raise an.refuse(node, "reduces a partial sum over the sequence non-linearly", FIX_GENERIC)
+    if not isinstance(p, Shard):
+        return multi(node, REPLICATE)
+    dims = normalize_dims(None if name in _WHOLE_TENSOR else bound.get("dim"), ndim(x))
+    keepdim = bool(bound.get("keepdim", False)) and name not in _WHOLE_TENSOR
+    if p.dim not in dims:
+        dim = p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)
+        return multi(node, p.moved(dim))
+    if p.tentative:
+        an.use_positions(p, "replicated")
+        return multi(node, REPLICATE)
+    if node.meta.get(LOCAL_REDUCTION):  # a rule (the loss) completes this sum with its own all-reduce
+        return PARTIAL
+    if name in _COMPOSED_SEQUENCE_STATISTICS and not isinstance(fake_value(node), (tuple, list)):
+        return rewrite_sequence_statistic(an, gm, node)
+    if name not in _EXACT_SEQUENCE_REDUCTIONS or isinstance(fake_value(node), (tuple, list)):
+        raise an.refuse(node, f"reduces over the token axis ({name}); AutoSP completes sums, means, logsumexp, "
+                        "var and std over the sequence", "express it with one of those over the tokens")
+    return complete_sequence_reduction(an, gm, node)
+
+
+_NORMALIZED_SHAPE = frozenset(("layer_norm", "rms_norm", "group_norm"))
+
+
+@rule("token-local unless along the sequence",
+      "softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "topk", "sort",
+      "argsort", "kthvalue", "diff", "normalize", "glu", "flip", "roll", "cumulative_trapezoid", "gumbel_softmax",
+      "layer_norm", "rms_norm")
+def along_dim(an, gm, node: fx.Node):
+    """Ops that work along named dims (softmax, scans, sorts) or trailing dims (norms): local unless one is the
+    token axis."""
+    bound = arguments(node)
+    x = bound["input"]
+    p = an.of(x)
+    if not isinstance(p, Shard):
+        if isinstance(p, Partial):
+            raise an.refuse(node, "applies a non-linear function to a partial sum over the sequence", FIX_GENERIC)
+        return multi(node, REPLICATE)
+    rank = ndim(x)
+    if op_name(node) in _NORMALIZED_SHAPE:
+        normalized = bound.get("normalized_shape")
+        count = 1 if isinstance(normalized, int) else len(normalized)
+        dims = tuple(range(rank - count, rank))
+    else:
+        dims = normalize_dims(bound.get("dim", bound.get("dims")), rank)
+    if p.dim in dims:
+        if p.tentative:
+            an.use_positions(p, "replicated")
+            return multi(node, REPLICATE)
+        raise an.refuse(node, f"works along dim {p.dim}, the token axis, so it would see only this rank's tokens",
+                        FIX_GENERIC)
+    return multi(node, p)
+
+
+@rule("loss (tiled: partial sum)", targets=(torch.ops.autosp_testbed.linear_cross_entropy.default,))
+def tiled_loss(an, gm, node: fx.Node):
+    """The tiled logits + loss op (Note [Tiled loss pass] in autosp/passes/dynamo/tiled_loss.py)."""
+    from autosp.passes.dynamo.tiled_loss import tiled_loss_placement
+
+    return tiled_loss_placement(an, node)
+
+
+@rule("loss (partial sum)", "cross_entropy", "nll_loss")
+def cross_entropy(an, gm, node: fx.Node):
+    sharded = sharded_inputs(an, node)
+    if not sharded:
+        return REPLICATE
+    bound = arguments(node)
+    rows, target = bound["input"], bound["target"]
+    # input [N, C] / [B, C, S...] and target [N] / [B, S...]: the class dim 1 is the input's only extra dim
+    for this, other, to_other in ((rows, target, lambda d: d - (d > 1)), (target, rows, lambda d: d + (d > 0))):
+        p = an.of(this)
+        if isinstance(p, Shard) and not isinstance(an.of(other), (Shard, Partial)) and ndim(other) == (
+                ndim(this) + (1 if other is rows else -1)) and shape(other)[to_other(p.dim)] != 1:
+            refuse_replicated_per_token(an, node, p, other)
+    reduction = bound.get("reduction", "mean")
+    if reduction == "sum":
+        return PARTIAL
+    if reduction == "none":
+        q = an.of(bound["target"])
+        return q if isinstance(q, Shard) else sharded[0][1]
+    raise an.refuse(node, "averages a loss over token-sharded rows outside AutoSP's causal-LM loss rule",
+                    "compute the loss with one cross_entropy over the labels passed to the model, or use "
+                    "reduction='sum' and divide by a token count reduced with sum()")
 
 
 def _differentiable(node: fx.Node) -> bool:
@@ -167,8 +289,6 @@ def _differentiable(node: fx.Node) -> bool:
 
 def gradient_kinds(an, gm: fx.GraphModule, output_kinds=None) -> dict[fx.Node, set[str]]:
     """For each replicated value of ``gm``: is its gradient replicated, partial, or both?  (reverse walk)"""
-    from autosp.passes.dynamo.rules import higher_order_body
-
     kinds: dict[fx.Node, set[str]] = {}
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
@@ -184,7 +304,7 @@ def gradient_kinds(an, gm: fx.GraphModule, output_kinds=None) -> dict[fx.Node, s
         for user in node.users:
             if user.op == "output":
                 continue
-            body = higher_order_body(gm, user)
+            body = inlined_body(gm, user)
             if body is not None:
                 sub, operands = body
                 inner = gradient_kinds(an, sub, _hop_output_kinds(user, sub, kinds))

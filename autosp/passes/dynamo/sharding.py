@@ -54,9 +54,22 @@ all-reduce accordingly, refusing the mixed case, and refuses a parameter whose
 gradient would be replicated: `sync_gradients` sums gradients over the group,
 so it would count P times.
 
-What it cannot see: integers Dynamo baked into the graph from the shard's shape
-(``x.sum(0) / x.shape[0]``); a literal equal to a local token count that divides
-a reduction over the sequence is refused as the likely case.
+Note [Token counts]
+A count read from a shard's shape (``x.shape[1]``, ``x.size(1)``, ``x.numel()``,
+``len(x)``) is the shard's.  With static shapes Dynamo bakes it into the graph as
+an integer the analysis cannot tell from a coincidental literal, so the likely
+cases are refused (autosp.passes.dynamo.pointwise.check_token_count_literal): a
+multiple of the local count scaling a value computed from a reduction over the
+sequence, and the local token or element count multiplying or dividing
+token-sharded values on a source line that reads a shape (directly or through a
+name assigned from one earlier in the function).  With a dynamic
+sequence dim the count is a symbol (``token_symbol``): a count proportional to
+it, in arithmetic on tensors, becomes ``sp_size`` times itself (exact when the
+sequence was not padded), one derived non-linearly is refused, and ``arange`` of
+it is a position table (Note [Positions built in the graph]).
+
+The op rules are registered by family (Note [Op rule registry] in
+autosp.passes.dynamo.registry) and read arguments bound by the ops' schemas.
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
 
 from autosp.context import TraceContext
@@ -74,8 +88,8 @@ from autosp.passes.graph_utils import fake_value, infer_fake_value, module_name,
 
 log = logging.getLogger(__name__)
 
-ROLE_PLACEMENTS = {"input_ids": Shard(1), "labels": Shard(1), "position_ids": Shard(1)}
-"""Graph inputs that hold tokens: [batch, sequence] slices of the full sample."""
+ROLE_PLACEMENTS = {"input_ids": Shard(1), "labels": Shard(1), "position_ids": Shard(1), "attention_mask": Shard(1)}
+"""Graph inputs that hold tokens: [batch, sequence] slices of the full sample (every input role is placed)."""
 
 
 @dataclass
@@ -104,6 +118,8 @@ class Analysis:
         self.result = SequenceSharding()
         self.sequence_reduced: set[fx.Node] = set()
         """Replicated values computed from a reduction over the sequence (for the token-count literal check)."""
+        self.token_symbol = None
+        """The symbol of this rank's token count when the sequence dim is dynamic (Note [Token counts])."""
 
     # -- placements -------------------------------------------------------------------------
     def of(self, arg):
@@ -136,6 +152,11 @@ class Analysis:
                 self.set(node, inputs[i])
             else:
                 self.set(node, ROLE_PLACEMENTS.get(node.meta.get("autosp_role"), REPLICATE))
+                placed, value = self.of(node), fake_value(node)
+                if isinstance(placed, Shard) and isinstance(value, torch.Tensor):
+                    length = value.shape[placed.dim]
+                    if isinstance(length, torch.SymInt) and self.token_symbol is None:
+                        self.token_symbol = length.node.expr
         output = None
         for node in list(gm.graph.nodes):
             if node.op in ("placeholder", "get_attr"):
@@ -151,11 +172,6 @@ class Analysis:
         return self.of(output.args[0]) if output is not None else ()
 
     def visit(self, gm: fx.GraphModule, node: fx.Node):
-        body = rules.higher_order_body(gm, node)
-        if body is not None:
-            sub, operands = body
-            self.classify(node, "higher-order op (body analysed)")
-            return self.run_graph(sub, [self.of(a) for a in operands])
         return rules.apply(self, gm, node)
 
 
