@@ -4,8 +4,9 @@
 full-length batch from `prepare_inputs`, cuts out this rank's shard (padding,
 global positions, labels shifted over the whole sequence) and runs the model
 compiled by the AutoSP backend.  The loss it returns is the single-device loss
-of the full sequence on every rank; after ``loss.backward()``,
-`sync_gradients` makes every gradient the single-device gradient.
+of the full sequence on every rank; ``loss.backward()`` makes every gradient the
+single-device gradient (the model reduces them over the SP group in backward:
+autosp.gradients), and `sync_gradients` is kept as a checked no-op.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -24,9 +24,10 @@ from autosp.config import AutoSPConfig
 from autosp.context import CompileReport, TraceContext
 from autosp.diagnostics import graph_break_error, install_output_capture_hooks
 from autosp.errors import AutoSPError
+from autosp.gradients import GradientReduction
 from autosp.groups import SequenceParallelGroups, build_groups
-from autosp.guards import sliding_window_layers
-from autosp.inputs import PREPARED_KEY, positions_are_plain, shard_batch, shard_layout
+from autosp.guards import check_same_sample, sliding_window_layers
+from autosp.inputs import PREPARED_KEY, shard_batch, shard_layout
 from autosp.pipeline import passes_for
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class SequenceParallelModel(nn.Module):
         self._accepts_attention_mask = _accepts(module.forward, "attention_mask")
         self._ctx.sliding_window = sliding_window_layers(module)
         self._ctx.document_attention_compiles = config.compiler != "inductor"
-        self._synced: dict[nn.Parameter, tuple[weakref.ref, int]] = {}
+        self.__dict__["_gradients"] = GradientReduction(module, groups)  # Note [Gradient reduction in backward]
 
     @property
     def report(self) -> CompileReport:
@@ -86,21 +87,14 @@ class SequenceParallelModel(nn.Module):
                 "labels=labels)) with the full-length sample on every rank of the SP group"
             )
         cfg = self.config
+        if cfg.check_same_sample and cfg.sp_size > 1:
+            check_same_sample(kwargs, self.groups.sp_group, cfg.sp_size, kwargs["input_ids"].device)
         layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                               pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket)
-        if self.report.requires_plain_positions and not positions_are_plain(kwargs.get("position_ids")):
-            raise AutoSPError(
-                "this model was compiled with Inductor for one unpacked sequence per row, and this batch packs "
-                "documents (position ids restart): compile with compiler='aot_eager' to train on packed batches")
         if "attention_mask" in kwargs and not self._accepts_attention_mask:
             raise AutoSPError(
                 f"the batch has a padding mask but {type(self.module).__name__}.forward takes no attention_mask; "
                 "pad at the end, set those labels to ignore_index and drop the mask (exact under causal attention)"
-            )
-        if layout.pad_tokens and self.report.attention_sites and not self.report.all_attention_causal:
-            raise AutoSPError(
-                f"the model uses non-causal attention, where padding {batch.seq_len} tokens to a multiple of "
-                f"sp_size={cfg.sp_size} is not exact; pass a multiple of {cfg.sp_size} tokens"
             )
         if cfg.sp_size == 1:
             local = dict(kwargs)  # plain compile: the model sees the whole sample as it is
@@ -116,7 +110,10 @@ class SequenceParallelModel(nn.Module):
         ctx.input_roles = {id(local[k]): k for k in ("input_ids", "labels", "position_ids", "attention_mask")
                            if local.get(k) is not None}
         try:
-            return self._compiled(**local)
+            # Padding, packed positions and outputs are checked per compiled program (autosp.guards.ProgramGuard).
+            out = self._compiled(**local)
+            self._gradients.attach(ctx.program_outputs)
+            return out
         except torch._dynamo.exc.BackendCompilerFailed as err:
             if isinstance(err.inner_exception, AutoSPError):
                 raise err.inner_exception from None
@@ -131,11 +128,17 @@ class SequenceParallelModel(nn.Module):
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
             raise graph_break_error(err, type(self.module).__name__) from err
         finally:
-            ctx.input_roles, ctx.full_inputs = {}, {}
+            ctx.input_roles, ctx.full_inputs, ctx.program_outputs = {}, {}, ()
 
     def sync_gradients(self) -> None:
         """See `sync_gradients`."""
         sync_gradients(self)
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether backward reduces the gradients over the SP group (False once an engine that knows the SP
+        group, DeepSpeed given AutoSP's mpu, does it instead)."""
+        return self._gradients.engine is None
 
 
 def compile(  # noqa: A001 - mirrors torch.compile
@@ -160,49 +163,23 @@ def compile(  # noqa: A001 - mirrors torch.compile
     return SequenceParallelModel(model, config, groups)
 
 
-def _grads_by_dtype(model: nn.Module) -> dict[torch.dtype, list[torch.Tensor]]:
-    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            buckets.setdefault(p.grad.dtype, []).append(p.grad)
-    return buckets
-
-
 def sync_gradients(model: SequenceParallelModel) -> None:
-    """Make each gradient the single-device one: sum over the SP group, average over data-parallel replicas.
+    """Kept for compatibility: checks that nothing is left to do, and does nothing.
 
-    Call after ``loss.backward()`` on every rank.  One all-reduce per gradient dtype
-    (gradients are flattened into one buffer).
+    The compiled model reduces every gradient in backward (summed over the SP group,
+    averaged over data-parallel replicas; Note [Gradient reduction in backward] in
+    autosp.gradients), so after ``loss.backward()`` the gradients are already the
+    single-device ones and a second sum would multiply them by sp_size.  Raises when
+    the gradients are reduced by an engine instead (autosp.deepspeed_initialize).
     """
     if not isinstance(model, SequenceParallelModel):
         raise AutoSPError("sync_gradients expects the model returned by autosp.compile")
-    groups = model.groups
-    if dist.get_world_size(groups.group) == 1:
-        return
-    _refuse_second_sum(model)
-    for grads in _grads_by_dtype(model).values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.group)
-        if groups.dp_size > 1:
-            flat /= groups.dp_size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-    model._synced = {p: (weakref.ref(p.grad), p.grad._version) for p in model.parameters() if p.grad is not None}
-
-
-def _refuse_second_sum(model: SequenceParallelModel) -> None:
-    """Gradients summed by the last sync, with exactly one more backward accumulated into them, would be summed
-    again (the per-micro-batch mistake under gradient accumulation)."""
-    for p, (grad_ref, version) in model._synced.items():
-        if p.grad is not None and grad_ref() is p.grad and p.grad._version == version + 1:
-            raise AutoSPError(
-                "sync_gradients was called again on gradients it already summed over the SP group, with one more "
-                "backward accumulated into them: the earlier micro-batches would be counted sp_size times.  Under "
-                "gradient accumulation call sync_gradients once per optimizer step, after the last micro-batch's "
-                "backward (and zero the gradients after optimizer.step())"
-            )
+    engine = model._gradients.engine
+    if engine is not None:
+        raise AutoSPError(
+            f"the gradients of this model are reduced by {engine}, which sums them over the SP group itself; "
+            "calling autosp.sync_gradients on top would sum them again.  Remove the call")
+    log.debug("sync_gradients: nothing to do, the compiled model reduced its gradients in backward")
 
 
 def _refuse_outer_wrappers(model: SequenceParallelModel) -> None:
@@ -212,9 +189,9 @@ def _refuse_outer_wrappers(model: SequenceParallelModel) -> None:
     if DistributedDataParallel._get_active_ddp_module() is not None:
         raise AutoSPError(
             "the AutoSP model is wrapped in DistributedDataParallel, which averages gradients over every rank "
-            "(the SP ranks of one sequence too, making gradients sp_size times too small); do not wrap it: call "
-            "autosp.sync_gradients(model) after backward (it sums over the SP group and averages over data-parallel "
-            "replicas), or use autosp.deepspeed_initialize"
+            "(the SP ranks of one sequence too, making gradients sp_size times too small); do not wrap it: the "
+            "compiled model already sums its gradients over the SP group and averages them over data-parallel "
+            "replicas during backward (or use autosp.deepspeed_initialize)"
         )
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -223,5 +200,5 @@ def _refuse_outer_wrappers(model: SequenceParallelModel) -> None:
         raise AutoSPError(
             "the AutoSP model (or a module inside it) is sharded with FSDP, whose gradient reduction averages over "
             "the SP ranks of one sequence too; AutoSP composes with DeepSpeed ZeRO 0-2 "
-            "(autosp.deepspeed_initialize) or with autosp.sync_gradients"
+            "(autosp.deepspeed_initialize) or reduces its own gradients (use it unwrapped)"
         )

@@ -28,6 +28,7 @@ from torch._functorch import config as functorch_config
 
 from autosp.config import AutoSPConfig
 from autosp.context import CompileReport, TraceContext
+from autosp.guards import ProgramGuard
 from autosp.passes.joint.checkpointing import make_recompute_tagger
 from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
 from autosp.pipeline import SEQUENCE_PARALLEL_PASSES, Pass, run_passes
@@ -112,8 +113,9 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
         setting=config.checkpointing, recompute_limit=config.sac_recompute_limit,
         memory_budget=config.sac_memory_budget, record=ctx.report.checkpoint_plans.append,
     )
-    return CODE_GENERATORS[config.compiler](gm, example_inputs, config=config, report=ctx.report,
-                                            tag_joint=tag_joint)
+    program = CODE_GENERATORS[config.compiler](gm, example_inputs, config=config, report=ctx.report,
+                                               tag_joint=tag_joint)
+    return ProgramGuard(program, ctx)  # its assumptions checked on every call (autosp.guards)
 
 
 def make_backend(ctx: TraceContext, config: AutoSPConfig, *, passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES):

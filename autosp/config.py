@@ -49,6 +49,10 @@ class AutoSPConfig:
     overlap_communication: bool = True
     """Issue the all-to-alls asynchronously (start early, wait late) so they run while
     independent computation proceeds, forward and backward; numerics are unchanged."""
+    check_same_sample: bool = True
+    """On every call, check that all ranks of the SP group were given the same sample (input ids, labels,
+    positions, mask), with one all-gather of a few checksums; a mismatch (e.g. a plain DistributedSampler
+    over all ranks) is refused on every rank.  False skips the check (autosp.guards.check_same_sample)."""
     tiled_loss: str = "off"
     """Compute the output projection and the causal-LM loss in token chunks, forward and backward, so the
     [tokens, vocab] logits and their fp32 copies never exist (Note [Tiled logits and loss] in

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autosp.errors import AutoSPError
 from autosp.inputs import ShardLayout
 
 
@@ -51,6 +52,11 @@ class CompileReport:
     """autosp.passes.dynamo.masks.MaskRule of every attention given a mask over the whole sequence."""
     requires_plain_positions: bool = False
     """The program assumed one unpacked sequence per row (position ids 0..S-1): checked on every call."""
+    padding_refusals: list[str] = field(default_factory=list)
+    """Why this program is not exact on a padded sequence (a reduction over the sequence, non-causal attention):
+    refused while tracing a padded batch, and re-checked on every call (autosp.guards.ProgramGuard)."""
+    output_placements: tuple = ()
+    """Placement of each output of the Dynamo graph (autosp.passes.dynamo.placements), in output order."""
     attention_kept_fraction: float | None = None
     """Fraction of the causal attention scores the traced batch's masks keep (1.0: plain causal; None: not
     known, a shape-only trace), what the export prices masked attention at."""
@@ -81,3 +87,23 @@ class TraceContext:
     input_roles: dict[int, str] = field(default_factory=dict)
     """id() of each local input tensor -> its role ("input_ids", "labels", "position_ids", "attention_mask")."""
     report: CompileReport = field(default_factory=CompileReport)
+    program_outputs: tuple = ()
+    """The flat outputs of the program that ran in the current call (autosp.gradients attaches to them)."""
+
+    def require_unpadded(self, reason: str) -> None:
+        """Record that the program being traced is exact only without padding (``reason`` says why, naming the op
+        and module), and refuse the traced batch if it is padded.  Every later call of the program is checked
+        again (autosp.guards.ProgramGuard): a padded batch can share an unpadded one's shapes (length_bucket)."""
+        self.report.padding_refusals.append(reason)
+        refuse_padding(self.report.padding_refusals, self.layout, self.sp_size)
+
+
+def refuse_padding(reasons: list[str], layout: ShardLayout | None, sp_size: int) -> None:
+    """Raise if ``layout`` pads the sequence and a program is exact only without padding (``reasons``)."""
+    if reasons and layout is not None and layout.pad_tokens:
+        raise AutoSPError(
+            f"{reasons[0]}, and this sequence ({layout.seq_len} tokens) is padded to {layout.padded_seq_len} "
+            f"(a multiple of sp_size={sp_size}, or of length_bucket): the padding tokens would count.  Pass a "
+            f"multiple of {sp_size} tokens (of length_bucket, if set), e.g. pad with the labels ignored and "
+            "an attention_mask"
+        )

@@ -74,8 +74,12 @@ def prepare_inputs(
     (``ignore_index`` where a token must not count).  ``position_ids`` default to
     0..S-1; packed documents are given either as position ids that restart at each
     document or as ``document_lengths`` (one list of lengths for every row, or one
-    per row), which become such position ids.  An ``attention_mask`` of all ones is
-    dropped; a padding mask (zeros) is passed to the model.
+    per row), which become such position ids.  A padding ``attention_mask`` (with
+    zeros) is passed to the model; one of all ones is dropped only where the positions
+    are 0..S-1 in every row, where a model reads it as no mask at all.  With packed
+    positions it is kept: Hugging Face detects packed documents from the position ids
+    only when no mask is given, so an all-ones mask there means "attend across the
+    documents" and dropping it would change what the model computes.
 
     The model then computes exactly what it computes on one device from the same
     inputs: where its attention mask depends on the positions (Hugging Face's
@@ -106,7 +110,7 @@ def prepare_inputs(
             raise AutoSPError(
                 f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
             )
-        if not bool((attention_mask != 0).all()):
+        if not (bool((attention_mask != 0).all()) and positions_are_plain(position_ids)):
             kwargs["attention_mask"] = attention_mask
     if labels is not None:
         kwargs["labels"] = labels

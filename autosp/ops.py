@@ -86,7 +86,7 @@ all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_set
 # rank's seed) and scale every parameter gradient by P.  Only one copy of the
 # total is the objective, so the backward is the identity: partial_r receives
 # gradient 1 on its own rank, and summing parameter gradients over the group
-# (autosp.sync_gradients) yields the gradient of the total exactly once.
+# (the reduction in backward, autosp.gradients) yields the gradient of the total exactly once.
 
 
 @torch.library.custom_op("autosp_testbed::all_reduce_sum", mutates_args=())

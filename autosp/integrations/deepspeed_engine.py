@@ -60,8 +60,12 @@ _TORCH_ADAM_OPTIMIZERS = ("adam", "adamw")
 #     same factor (stage_1_and_2.average_tensor / allreduce_bucket);
 #   - parameters and optimizer state are partitioned over that group, so every rank
 #     holds one partition of the one replicated model.
-# So gradients are reduced once, by DeepSpeed, and `autosp.sync_gradients` must NOT be
-# called on top.  Gradient-norm clipping also counts each SP group once: the "model
+# So gradients are reduced once, by DeepSpeed: building the mpu from the compiled model
+# turns the model's own in-backward reduction off (Note [Gradient reduction in backward]
+# in autosp.gradients), and `autosp.sync_gradients` refuses to run on top.  Without the
+# mpu (plain ``deepspeed.initialize``, accelerate's DeepSpeed plugin) the model's own
+# reduction stays on and DeepSpeed averages gradients that are already equal on every
+# rank over all ranks, which leaves them unchanged (tests/autosp/test_deepspeed.py).  Gradient-norm clipping also counts each SP group once: the "model
 # parallel" group is aliased to the SP group (as DeepSpeed's Ulysses mpu does), and the
 # ZeRO 0 norm counts only model-parallel rank 0's (identical, already reduced) copy.
 # ZeRO 3 gathers parameters with per-module hooks that run inside the compiled forward;
@@ -72,14 +76,23 @@ _TORCH_ADAM_OPTIMIZERS = ("adam", "adamw")
 class SequenceParallelMPU:
     """AutoSP's groups in the "mpu" interface DeepSpeed uses for Ulysses sequence parallelism.
 
-    Hand it to ``deepspeed.initialize(mpu=...)``; `deepspeed_initialize` does.  The
-    method names are DeepSpeed's (``parallel_state_sp``); the data-parallel methods
-    give the replicas (SP groups), which DeepSpeed's data loader and batch-size
-    arithmetic use.
+    Built from the model of `autosp.compile` and handed to
+    ``deepspeed.initialize(model=sp_model, mpu=SequenceParallelMPU(sp_model))``;
+    `deepspeed_initialize` does both.  DeepSpeed then reduces the gradients over the
+    SP group, so the model's own reduction is turned off here (gradients are reduced
+    exactly once).  The method names are DeepSpeed's (``parallel_state_sp``); the
+    data-parallel methods give the replicas (SP groups), which DeepSpeed's data loader
+    and batch-size arithmetic use.
     """
 
-    def __init__(self, groups: SequenceParallelGroups):
-        self.groups = groups
+    def __init__(self, model: SequenceParallelModel):
+        if not isinstance(model, SequenceParallelModel):
+            raise AutoSPError(
+                f"SequenceParallelMPU takes the model from autosp.compile (got a {type(model).__name__}): DeepSpeed "
+                "given this mpu reduces gradients over the SP group, so the model must stop reducing them itself, "
+                "which it does when the mpu is built from it")
+        model._gradients.hand_to_engine("DeepSpeed (given AutoSP's mpu)")
+        self.groups = model.groups
 
     # DeepSpeed recognises a Ulysses mpu by this method's presence.
     def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
@@ -241,7 +254,8 @@ def deepspeed_initialize(
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; ``engine.module``
     is the `SequenceParallelModel`.  Call the engine with ``**autosp.prepare_inputs(...)``
     (the full-length sample on every rank of the SP group), then ``engine.backward(loss)``
-    and ``engine.step()``; do not call ``autosp.sync_gradients`` or ``engine.compile()``.
+    and ``engine.step()``; the engine reduces the gradients (``autosp.sync_gradients`` refuses to run on top;
+    ``engine.compile()`` is harmless and unnecessary).
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -279,5 +293,5 @@ def deepspeed_initialize(
         groups.sp_size, groups.dp_size, _zero_stage(ds_config), autosp_config.compiler,
     )
     return deepspeed.initialize(
-        model=sp_model, optimizer=optimizer, config=ds_config, mpu=SequenceParallelMPU(groups), **kwargs
+        model=sp_model, optimizer=optimizer, config=ds_config, mpu=SequenceParallelMPU(sp_model), **kwargs
     )

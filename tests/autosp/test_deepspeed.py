@@ -58,7 +58,22 @@ def _full_grad(param):
     return None if grad is None else grad.detach().clone().reshape(param.shape)
 
 
-def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model="hf-llama", data=False, gas=1):
+def _plain_deepspeed(model, sp_size, optimizer, config):
+    """A compiled model handed to deepspeed.initialize itself, with no mpu (as accelerate's DeepSpeed plugin does):
+    DeepSpeed averages over every rank gradients the model already reduced (Note [Gradient reduction in
+    backward] in autosp.gradients)."""
+    import deepspeed
+
+    import autosp
+
+    config = {k: v for k, v in config.items() if k not in ("sequence_parallel_size", "compile", "autosp")}
+    deepspeed.init_distributed(dist_backend="gloo")
+    sp_model = autosp.compile(model, sp_size=sp_size, compiler="aot_eager")
+    return deepspeed.initialize(model=sp_model, optimizer=optimizer, config=config)
+
+
+def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model="hf-llama", data=False, gas=1,
+                plain=False):
     import autosp
     from experiments.models import build_model, vocab_size
 
@@ -71,11 +86,17 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
 
     ref_opt = _make_optimizer(optimizer, reference.parameters())
     dataset = torch.utils.data.TensorDataset(torch.arange(16)) if data else None
-    engine, _, loader, _ = autosp.deepspeed_initialize(
-        model=candidate, optimizer=_make_optimizer(optimizer, candidate.parameters()),
-        config=_ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip, gas=gas), training_data=dataset,
-    )
+    config = _ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip, gas=gas)
+    if plain:
+        engine, _, loader, _ = _plain_deepspeed(candidate, sp_size, _make_optimizer(optimizer, candidate.parameters()),
+                                                config)
+    else:
+        engine, _, loader, _ = autosp.deepspeed_initialize(
+            model=candidate, optimizer=_make_optimizer(optimizer, candidate.parameters()), config=config,
+            training_data=dataset,
+        )
     assert engine.module.groups.sp_size == sp_size and engine.module.module is candidate
+    assert engine.module.reduces_gradients == plain  # reduced exactly once: by the model or by the engine
 
     out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": [], "ref_norm": []}
     if data:  # DeepSpeed's loader and AutoSP's sampler: the same samples within an SP group
@@ -135,7 +156,7 @@ def _check(results, cases):
 
 
 def _check_data(results, sp_size):
-    ids = [(r[0]["loader_ids"], r[0]["sampler_ids"]) for r in results]
+    ids = [next((c["loader_ids"], c["sampler_ids"]) for c in r if "loader_ids" in c) for r in results]
     for rank, got in enumerate(ids):
         assert got == ids[rank - rank % sp_size], f"rank {rank} reads other samples than its SP group"
     replicas = ids[::sp_size]
@@ -150,9 +171,17 @@ ZERO_CASES = [
 ]
 
 
+PLAIN_CASES = [  # deepspeed.initialize without AutoSP's mpu
+    {"zero_stage": 0, "optimizer": "sgd", "clip": CLIP, "plain": True},
+    {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP, "gas": 2, "plain": True},
+]
+
+
 def test_deepspeed_zero_0_1_2_two_ranks_match_single_device():
-    cases = [{**c, "sp_size": 2} for c in ZERO_CASES]
-    results = run_on_ranks(_cases_on_rank, 2, cases, timeout_s=400)
+    # The plain engines first: an engine given an mpu records it in DeepSpeed's process-wide groups, which a
+    # later engine in the same process would read.
+    cases = [{**c, "sp_size": 2} for c in PLAIN_CASES + ZERO_CASES]
+    results = run_on_ranks(_cases_on_rank, 2, cases, timeout_s=500)
     _check(results, cases)
     _check_data(results, 2)
 

@@ -248,22 +248,28 @@ def test_errors_data_parallel_wrapper_refused_with_the_fix():
     with fake_process_group(2, rank=0):
         compiled = autosp.compile(build_model("plain-llama"), sp_size=2, compiler="aot_eager")
         wrapped = DistributedDataParallel(compiled)
-        with pytest.raises(AutoSPError, match="DistributedDataParallel.*autosp.sync_gradients"):
+        with pytest.raises(AutoSPError, match="DistributedDataParallel.*already sums its gradients"):
             wrapped(**autosp.prepare_inputs(ids, labels=labels))
 
 
-def test_errors_second_sync_of_accumulated_gradients_refused():
+def test_errors_sync_gradients_is_a_no_op_and_refused_where_an_engine_reduces():
+    """The model reduces its gradients in backward: sync_gradients (per micro-batch too) changes nothing; once
+    DeepSpeed's mpu took the reduction over, calling it would sum twice and is refused."""
     ids, labels = make_sample(16, 256, seed=0)
     with fake_process_group(2, rank=0):
         compiled = autosp.compile(build_model("plain-llama"), sp_size=2, compiler="aot_eager")
         compiled(**autosp.prepare_inputs(ids, labels=labels)).backward()
-        autosp.sync_gradients(compiled)  # micro-batch 1 ...
-        compiled(**autosp.prepare_inputs(ids, labels=labels)).backward()
-        with pytest.raises(AutoSPError, match="once per optimizer step"):
-            autosp.sync_gradients(compiled)  # ... synced again per micro-batch: would re-sum micro-batch 1
-        compiled.module.zero_grad(set_to_none=True)  # the right pattern passes
-        compiled(**autosp.prepare_inputs(ids, labels=labels)).backward()
+        before = {n: p.grad.clone() for n, p in compiled.named_parameters()}
         autosp.sync_gradients(compiled)
+        autosp.sync_gradients(compiled)
+        for n, p in compiled.named_parameters():
+            assert torch.equal(p.grad, before[n]), n
+        with pytest.raises(AutoSPError, match="SequenceParallelMPU takes the model from autosp.compile"):
+            autosp.SequenceParallelMPU(compiled.groups)
+        autosp.SequenceParallelMPU(compiled)
+        assert not compiled.reduces_gradients
+        with pytest.raises(AutoSPError, match="reduced by DeepSpeed.*would sum them again"):
+            autosp.sync_gradients(compiled)
 
 
 def test_errors_state_dict_has_the_original_keys_and_loads_into_the_plain_model():

@@ -110,12 +110,9 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
             "choose an sp_size that divides the number of heads"
         )
     causal = documents or bool(args["is_causal"])
-    if ctx.layout is not None and ctx.layout.pad_tokens and not causal:
-        raise AutoSPError(
-            f"module {where} uses non-causal attention and the sequence ({ctx.layout.seq_len} tokens) was "
-            f"padded to a multiple of sp_size={p}; padding is exact only under causal attention: pass a "
-            f"multiple of {p} tokens"
-        )
+    if not causal:  # checked again on every call of the program: autosp.context.TraceContext.require_unpadded
+        ctx.require_unpadded(f"module {where} uses non-causal attention (padding is exact only under causal "
+                             "attention)")
     replicate = kv_replication_factor(heads, kv_heads, p) if kv_heads != heads else 1
     a2a = torch.ops.autosp_testbed.all_to_all.default
     token_sharded = Shard(SEQ_DIM)

@@ -497,12 +497,8 @@ def _aux_loss_row_count(an, node) -> bool:
     if (not isinstance(x, fx.Node) or x not in an.sequence_reduced or isinstance(count, bool)
             or not isinstance(count, (int, float)) or layout is None or not an.seq_len or count % an.seq_len):
         return False
-    if layout.pad_tokens:
-        from autosp.errors import AutoSPError
-
-        raise AutoSPError(f"the router auxiliary loss counts rows from shapes, and the sequence ({layout.seq_len} "
-                          f"tokens) was padded to a multiple of sp_size={an.ctx.sp_size}: the padding would count.  "
-                          f"Pass a multiple of {an.ctx.sp_size} tokens")
+    # Checked again on every call of the program: autosp.context.TraceContext.require_unpadded.
+    an.ctx.require_unpadded("the router auxiliary loss counts rows from shapes")
     node.args = (x, count * an.ctx.sp_size, *node.args[2:])
     an.classify(node, "reduction (router aux loss: row count made global)")
     log.info("router auxiliary loss: the row count %s read from a shard's shape is now the sequence's (%s)",

@@ -15,9 +15,17 @@ import re
 import torch
 from torch import fx
 
-from autosp.passes.dynamo.placements import PARTIAL, REPLICATE, Partial, Shard, broadcast_dim, real_shard
+from autosp.passes.dynamo.placements import (
+    PARTIAL,
+    REPLICATE,
+    Partial,
+    Shard,
+    broadcast_dim,
+    describe,
+    real_shard,
+)
 from autosp.passes.dynamo.registry import FIX_GENERIC, arguments, ndim, op_name, rule, shape, tensor_args
-from autosp.passes.graph_utils import fake_value
+from autosp.passes.graph_utils import fake_value, module_name
 
 _LINEAR_NAMES = frozenset((
     "add", "sub", "neg", "mul", "div", "true_divide", "truediv", "iadd", "isub", "imul", "itruediv", "__add__",
@@ -125,11 +133,9 @@ def globalize_token_counts(an, node: fx.Node) -> None:
             raise an.refuse(node, f"computes with {arg.name} = {fake_value(arg)}, derived non-linearly from this "
                             "rank's token count (read from a shape), whose single-device value AutoSP cannot "
                             "derive", "count the tokens with a reduction (e.g. torch.ones_like(x).sum())")
-        layout = an.ctx.layout
-        if layout is not None and layout.pad_tokens:
-            raise an.refuse(node, f"computes with {arg.name}, a count of this rank's tokens read from a shape, and "
-                            f"the sequence was padded to a multiple of sp_size={an.ctx.sp_size}: the padding "
-                            "would count", f"pass a multiple of {an.ctx.sp_size} tokens")
+        # Checked again on every call of the program: autosp.context.TraceContext.require_unpadded.
+        an.ctx.require_unpadded(f"{describe(node)} in module {module_name(node)} computes with {arg.name}, a count "
+                                "of this rank's tokens read from a shape")
         with node.graph.inserting_before(node):
             whole = node.graph.call_function(operator.mul, (arg, an.ctx.sp_size))
         an.set(whole, REPLICATE)

@@ -168,13 +168,8 @@ def rewrite_sequence_statistic(an, gm: fx.GraphModule, node: fx.Node):
 
 
 def _refuse_padding(an, node: fx.Node) -> None:
-    ctx = an.ctx
-    if ctx.layout is not None and ctx.layout.pad_tokens:
-        raise AutoSPError(
-            f"{describe(node)} in module {module_name(node)} reduces over the sequence, and the sequence "
-            f"({ctx.layout.seq_len} tokens) was padded to a multiple of sp_size={ctx.sp_size}: the padding tokens "
-            f"would count.  Pass a multiple of {ctx.sp_size} tokens"
-        )
+    # Checked again on every call of the program: autosp.context.TraceContext.require_unpadded.
+    an.ctx.require_unpadded(f"{describe(node)} in module {module_name(node)} reduces over the sequence")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -215,6 +215,9 @@ def sequence_sharding_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceCont
             infer_fake_value(node)
     result = analyse_sequence_sharding(gm, ctx)
     ctx.report.op_classes.update(result.op_classes)
+    output = next(n for n in gm.graph.nodes if n.op == "output")  # read at run time by autosp.guards
+    ctx.report.output_placements = tuple(result.placements.get(a, REPLICATE) if isinstance(a, fx.Node) else REPLICATE
+                                         for a in _flatten(output.args[0]))
     for sub in gm.modules():
         if isinstance(sub, fx.GraphModule) and sub is not gm:
             sub.graph.lint()
