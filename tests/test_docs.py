@@ -280,3 +280,12 @@ def test_paper_readme_names_every_placeholder_kind_the_paper_uses():
     used = set(re.findall(r"\{\{(\w+):", (ROOT / "paper" / "paper.md").read_text(encoding="utf-8")))
     documented = set(re.findall(r"`\{\{(\w+):", (ROOT / "paper" / "README.md").read_text(encoding="utf-8")))
     assert used and used <= documented, f"paper/README.md does not explain {sorted(used - documented)}"
+
+
+def test_no_tracked_text_file_holds_a_merge_conflict_marker():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+    offenders = [name for name in tracked.split()
+                 if name.endswith((".py", ".md", ".json", ".ini", ".toml", ".txt", ".sh", ".ipynb", ".csv"))
+                 and marker.search((ROOT / name).read_text(errors="replace"))]
+    assert offenders == []
