@@ -1,7 +1,7 @@
 """``python -m autosp.examples.train_lm``: train a causal LM on your own data with AutoSP, save and resume.
 
 An example training script on the public API (`autosp.compile`, `autosp.prepare_inputs`,
-`autosp.sync_gradients`, `autosp.sequence_parallel_sampler`, `autosp.deepspeed_initialize`) and the model
+`autosp.sequence_parallel_sampler`, `autosp.deepspeed_initialize`) and the model
 presets and launcher helpers of `autosp.train`: copy it and put your model and data in place of these.  Launch it with torchrun (one process per GPU, or gloo ranks on CPU):
 
     torchrun --standalone --nproc-per-node 2 -m autosp.examples.train_lm \\
@@ -471,8 +471,7 @@ def train(args: argparse.Namespace) -> dict:
                 else:
                     (loss / args.grad_accum).backward()
                 total += loss.detach().item() / args.grad_accum
-            if engine is None:
-                autosp.sync_gradients(sp_model)
+            if engine is None:  # gradients were reduced over the SP group by the model during backward
                 if args.max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()

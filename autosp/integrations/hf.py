@@ -25,9 +25,9 @@ must hold the same sample).  `AutoSPTrainer` overrides four documented hooks:
   (``num_items_in_batch``, as for a model that takes loss kwargs) the sample's mean
   loss is turned into the Trainer's sum / count, so gradient accumulation weighs
   tokens exactly as on one device;
-- ``training_step``: after the last micro-batch's backward of an optimizer step,
-  `autosp.sync_gradients` (sum over the SP group, average over replicas), before
-  the Trainer clips and steps.
+Gradients need nothing more: the compiled model reduces them during backward (sum over
+the SP group, average over replicas; autosp/gradients.py), before
+the Trainer clips and steps.
 """
 
 from __future__ import annotations
@@ -154,15 +154,9 @@ class AutoSPTrainer(transformers.Trainer):
         total, scale = num_items_in_batch, 1
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             # The Trainer summed the count over every rank: each SP group's sample sp_size times.  The
-            # replicas' gradients are averaged by sync_gradients, so each carries dp_size times its share.
+            # replicas' gradients are averaged by the model's reduction, so each carries dp_size times its share.
             total, scale = num_items_in_batch / groups.sp_size, groups.dp_size
         return targets.to(torch.float32) * scale / total
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if isinstance(model, SequenceParallelModel) and self.accelerator.sync_gradients:
-            autosp.sync_gradients(model)  # once per optimizer step, after its last micro-batch's backward
-        return loss
 
 
 __all__ = ["AutoSPTrainer"]
