@@ -42,7 +42,9 @@ the fork's own files disagree).  Its benchmark, ``bench_dc_ulysses/``, states (p
 So the figures' SP x DP split is not stated; the candidates are the splits of 8 GPUs the script supports (SP 8,
 SP 4 x DP 2, SP 2 x DP 4 -- the last one has the script's default SP), under stage 0, which in 0.16.3 with bf16
 runs ``BF16_Optimizer`` (Note [DeepSpeed 0.16.3 as the AutoSP fork ran it] in simulator/ledger.py).  The PyTorch
-blog's example configuration is ZeRO 1 with SP 4 x DP 2 (as reported in issue 23; not re-read here).  The earlier
+blog's usage example (2026-04-29) sets ``sequence_parallel_size`` 4 and ZeRO stage 1 (seen in a quotation of
+the blog, 24-ai.news 2026-04-30; it is written for the merged DeepSpeed AutoSP, whose SP group follows that
+setting, while the fork's spans every rank): SP 4 x DP 2 on 8 GPUs.  The earlier
 stated configuration of this project (ZeRO 1, SP 8) is kept as a candidate too: under 0.16.3 ZeRO 1 with bf16
 accumulates in bf16 and runs ``DeepSpeedZeroOptimizer``, as 0.19.8 does.  :data:`PUBLIC_CONFIGS` lists them;
 :data:`BAND_CONFIGS` are those a source states for the published runs; current DeepSpeed's stage 0 is listed
@@ -54,6 +56,10 @@ dim 1 >= 4096), transformers 4.50.3's K/V repetition before SDPA (``integrations
 29-31: AutoSP's saved K/V then hold every query head), and the Ulysses baseline's kernel (``bench_dc_ulysses/
 distributed_attention.py``: SDPA with ``is_causal=True`` and ``enable_gqa=False`` since commit f97a5a6,
 2026-01-28; ``True`` from 181c2c5, 2026-01-25: with ``False`` a GQA model's SDPA cannot use a fused kernel).
+The baseline's attention function receives K/V before any repetition (transformers 4.50.3 repeats them only inside
+its own ``sdpa_attention_forward``), so after f97a5a6 a GQA model's per-rank query and K/V head counts must
+broadcast (K/V heads / SP = 1: SP 8 for the Llama-3 models) -- read off the code, not run here.  The patched
+partitioner replaces torch's (README step 6), so the baselines run with ``torch.compile`` use the same rule.
 """
 
 from __future__ import annotations
@@ -112,8 +118,9 @@ PUBLIC_CONFIGS: dict[str, PaperConfig] = {
                                    provenance=_STAGE0 + "; run_ulysses.sh default SP_SIZE=${3:-2} (run_acc_lm.py "
                                    "--sp_size default 2), DP 4 to fill 8 GPUs"),
     "fork-z1-sp4xdp2": PaperConfig(deepspeed="0.16.3", sp_zero_stage=1, sp_size=4,
-                                   provenance="PyTorch blog 'Introducing AutoSP' example config: ZeRO 1, SP 4 x DP 2 "
-                                   "(as issue 23 reports it)"),
+                                   provenance="PyTorch blog 'Introducing AutoSP' (2026-04-29) usage example: "
+                                   "sequence_parallel_size 4, zero_optimization.stage 1 (quoted by 24-ai.news, "
+                                   "2026-04-30); written for the merged DeepSpeed AutoSP, 8 GPUs give DP 2"),
     "fork-z1-sp8": PaperConfig(deepspeed="0.16.3", sp_zero_stage=1, sp_size=8,
                                provenance=_FORK + "commit 3ef4233 (baselines at ZeRO 1, reverted the same day) and "
                                "this project's earlier stated configuration"),
