@@ -482,6 +482,8 @@ def table_memory_cap(args) -> list[dict]:
 
 
 SIMULATED_TABLES = ("max-seq-len", "max-seq-len-configs", "external-fidelity", "throughput")
+ON_REQUEST = ("max-seq-len-configs", "external-fidelity")
+"""Tables run only when ``--only`` names them (each is several times the max-seq-len table's simulation)."""
 TABLES: dict[str, Callable] = {
     "max-seq-len": table_max_seq_len, "max-seq-len-configs": table_max_seq_len_configs,
     "external-fidelity": table_external_fidelity, "throughput": table_throughput,
@@ -652,6 +654,8 @@ Tables (--only NAME runs one):
                   single-device training, per-rank peak tensor memory
   memory-cap      the longest sequence each system trains on CPU gloo ranks under a per-rank memory cap
 
+max-seq-len-configs and external-fidelity run only with --only NAME.
+
 Outputs in --out: NAME.csv and NAME.md per table, PNG plots, run.json (the command line, settings and
 timings; written by every run, --only included), and, on a full run, one simulated step of the
 throughput model: its workload, a Perfetto trace (open in ui.perfetto.dev), timeline and memory plots.
@@ -760,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
             args.pool = stack.enter_context(ProcessPoolExecutor(max_workers=args.jobs,
                                                                 mp_context=multiprocessing.get_context("spawn")))
         for name, build in TABLES.items():
-            if args.only and name != args.only:
+            if (args.only and name != args.only) or (not args.only and name in ON_REQUEST):
                 continue
             if name not in SIMULATED_TABLES and args.pool is not None:
                 args.pool.shutdown()  # idle workers must not share the CPU with measured gloo ranks
