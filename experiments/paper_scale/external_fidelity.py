@@ -124,6 +124,7 @@ def reserved_bytes(figure: ExternalFigure, dynamic_memory_bytes: int) -> int:
 
 def simulated_dynamic_bytes(figure: ExternalFigure, *, layers: str = "full", cache=None) -> int:
     """Peak memory above static memory of the figure's simulated step (one FSDP replica's ranks)."""
+    from experiments.paper_scale.baselines import system_options
     from experiments.paper_scale.config import PaperConfig
     from experiments.paper_scale.simulate import simulate_step
     from simulator import Cluster
@@ -132,7 +133,8 @@ def simulated_dynamic_bytes(figure: ExternalFigure, *, layers: str = "full", cac
     ranks = 8 if figure.cp == 1 else figure.cp
     step = simulate_step(system, figure.model, figure.seq_len, ranks=ranks, cluster=Cluster.from_preset(figure.cluster),
                          cache=cache, config=PaperConfig(sp_zero_stage=3, world_size=ranks, optimizer="adamw"),
-                         autosp_options={"checkpointing": figure.checkpointing}, layers=layers)
+                         autosp_options={**system_options(system), "checkpointing": figure.checkpointing},
+                         layers=layers)
     return step.dynamic_memory_bytes
 
 
