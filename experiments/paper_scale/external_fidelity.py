@@ -153,7 +153,8 @@ def external_fidelity_rows(figures: tuple[ExternalFigure, ...] = EXTERNAL_FIGURE
         rows.append({"source": fig.source, "figure": fig.figure, "published": f"{fig.published_gib:.2f}",
                      "simulated": f"{simulated:.2f}", "error": f"{100 * (simulated / fig.published_gib - 1):+.1f}",
                      "modelled_as": fig.modelled_as + ("" if layers == "full" else
-                                                        f"; depth {layers} (--quick: too low under checkpointing)"),
+                                                        "; depth extrapolated from 1 and 2 layers (--quick: under "
+                                                        "checkpointing it differs from a full-depth trace)"),
                      "provenance": fig.provenance})
     return rows
 
