@@ -321,7 +321,7 @@ def table_max_seq_len_configs(args) -> list[dict]:
         for (name, system), result in found.items():
             lengths[name][model, system] = result.nominal.max_seq_len
     band = tuple(name for name in BAND_CONFIGS if name in configs)
-    rows = configuration_band(published, lengths, band=band)
+    rows = configuration_band(published, lengths, band=band, granularity=granularity)
     args.summaries["max-seq-len-configs"] = {
         "configs": {name: {"label": PUBLIC_CONFIGS[name].label, "provenance": PUBLIC_CONFIGS[name].provenance}
                     for name in configs},
@@ -335,7 +335,8 @@ def _max_seq_len_configs_footer(args) -> list[str]:
     consistent = ", ".join(summary["consistent_with_all"]) or "none"
     return [
         f"{summary['inside_band']} of {summary['compared']} published lengths inside the band of "
-        f"{', '.join(summary['band'])}. Configuration within {DISAGREEMENT:.0%} of every published length: "
+        f"{', '.join(summary['band'])} (its upper end extended by the search granularity: a search answers the "
+        "longest fitting multiple of it). Configuration within {DISAGREEMENT:.0%} of every published length: "
         f"{consistent}. closest_config is a choice among stated configurations, not a prediction; nothing is "
         "fitted. Traces model AutoSP with this project's SAC, transformers' K/V without repetition and fused "
         "attention for every baseline (Note [The public configurations of the published runs]).",

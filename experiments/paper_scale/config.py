@@ -179,12 +179,14 @@ never as the configuration the lengths are reported for."""
 
 
 def configuration_band(published: list[dict], lengths: dict, *, band: tuple[str, ...] = BAND_CONFIGS,
-                       script_default: str = SCRIPT_DEFAULT) -> list[dict]:
+                       script_default: str = SCRIPT_DEFAULT, granularity: dict[str, int] | None = None) -> list[dict]:
     """One row per published max length: the simulated length under every configuration of ``lengths``
     ({config name: {(model, system): tokens or None (nothing fits)}}), the script default's, the band the
     ``band`` configurations span, whether the published figure lies inside it, and the configuration whose length
     is closest to it (a choice among stated configurations, not a prediction).  ``published``: rows with
-    ``model``, ``system`` and ``value`` (tokens)."""
+    ``model``, ``system`` and ``value`` (tokens).  ``granularity`` ({system: tokens}): the searches' step; a
+    search answers the longest fitting multiple of it, so the longest fitting length lies below the next
+    multiple, and the band's upper end extends to it for ``inside_band``."""
     rows = []
     for row in published:
         key, value = (row["model"], row["system"]), float(row["value"])
@@ -198,7 +200,8 @@ def configuration_band(published: list[dict], lengths: dict, *, band: tuple[str,
             **{f"config:{name}": "" if found.get(name) is None else found[name] for name in lengths},
             "script_default": "" if found.get(script_default) is None else found[script_default],
             "band_low": "" if low is None else low, "band_high": "" if high is None else high,
-            "inside_band": "" if low is None else str(low <= value <= high).lower(),
+            "inside_band": "" if low is None else
+            str(low <= value < high + max(1, (granularity or {}).get(row["system"], 1))).lower(),
             "closest_config": closest,
             "closest_error": "" if not closest else f"{100 * (in_band[closest] / value - 1):+.0f}",
         })

@@ -85,6 +85,13 @@ def test_configuration_band_columns_and_closest():
     assert (asp["band_low"], asp["band_high"], asp["closest_config"], asp["closest_error"]) == (20000, 90000, "a",
                                                                                                  "+2")
     tight = configuration_band(published, {"a": lengths["a"]}, band=("a",), script_default="a")
-    assert tight[0]["inside_band"] == "false"
+    assert tight[0]["inside_band"] == "false" and tight[1]["inside_band"] == "false"  # 41000 > 40000
+    # a search's answer is the longest fitting multiple of its granularity: the band reaches the next one
+    coarse = configuration_band(published, {"a": lengths["a"]}, band=("a",), script_default="a",
+                                granularity={"ulysses": 4000, "autosp": 1024})
+    assert [r["inside_band"] for r in coarse] == ["false", "false"]
+    coarse = configuration_band(published, {"a": lengths["a"]}, band=("a",), script_default="a",
+                                granularity={"ulysses": 4001, "autosp": 1024})
+    assert [r["inside_band"] for r in coarse] == ["true", "false"]
     assert consistent_configs(rows, ("a", "b", "c", "x"), 0.2) == ["x"]
     assert consistent_configs(rows, ("a", "b"), 0.2) == []
