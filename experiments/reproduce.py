@@ -290,6 +290,83 @@ def table_max_seq_len(args) -> list[dict]:
     return rows
 
 
+def search_configs_task(model: str, systems: tuple[str, ...], configs: tuple[str, ...], granularity: dict[str, int],
+                        max_probes: int, ceiling: int, layers: str = "full", cache=None) -> tuple[dict, tuple[int, int]]:
+    """Longest simulated sequence of ``systems`` for one model under each public configuration ``configs``
+    ({(config, system): MaxLength}); traces of equal SP degree are shared through ``cache``."""
+    from experiments.paper_scale.config import PUBLIC_CONFIGS
+    from experiments.paper_scale.simulate import TraceCache, max_length
+
+    cache = cache if cache is not None else TraceCache()
+    before = (cache.misses, cache.hits)
+    found = {}
+    for name in configs:
+        for system in systems:
+            ulysses = found.get((name, "ulysses"))
+            start = ulysses.nominal.max_seq_len if system == "ring_attention" and ulysses else None
+            found[name, system] = max_length(system, model, granularity=granularity[system], high=ceiling,
+                                             start=start or 8192, max_probes=max_probes, cache=cache,
+                                             config=PUBLIC_CONFIGS[name], layers=layers)
+    return found, (cache.misses - before[0], cache.hits - before[1])
+
+
+def table_max_seq_len_configs(args) -> list[dict]:
+    """The published max lengths beside the simulated ones under every public configuration, their band and
+    the closest configuration (Note [The public configurations of the published runs])."""
+    from experiments.paper_scale.config import (
+        BAND_CONFIGS,
+        PUBLIC_CONFIGS,
+        configuration_band,
+        consistent_configs,
+    )
+
+    published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
+    published = [r for r in published if not args.models or r["model"] in args.models]
+    configs = tuple(PUBLIC_CONFIGS)
+    granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity for s in SYSTEMS}
+    groups = [g for g in TRACE_GROUPS if set(g) <= set(SYSTEMS)]
+    tasks = [(search_configs_task, (model, systems, configs, granularity, args.search_probes,
+                                    args.max_seq_len_ceiling, args.layers))
+             for model in sorted({r["model"] for r in published}) for systems in groups]
+    lengths: dict = {name: {} for name in configs}
+    for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len-configs"), strict=True):
+        for (name, system), result in found.items():
+            lengths[name][model, system] = result.nominal.max_seq_len
+    band = tuple(name for name in BAND_CONFIGS if name in configs)
+    rows = configuration_band(published, lengths, band=band, granularity=granularity)
+    args.summaries["max-seq-len-configs"] = {
+        "configs": {name: {"label": PUBLIC_CONFIGS[name].label, "provenance": PUBLIC_CONFIGS[name].provenance}
+                    for name in configs},
+        "band": list(band), "inside_band": sum(r["inside_band"] == "true" for r in rows), "compared": len(rows),
+        "consistent_with_all": consistent_configs(rows, tuple(configs), DISAGREEMENT)}
+    return rows
+
+
+def _max_seq_len_configs_footer(args) -> list[str]:
+    summary = args.summaries["max-seq-len-configs"]
+    consistent = ", ".join(summary["consistent_with_all"]) or "none"
+    return [
+        f"{summary['inside_band']} of {summary['compared']} published lengths inside the band of "
+        f"{', '.join(summary['band'])} (its upper end extended by the search granularity: a search answers the "
+        "longest fitting multiple of it). Configuration within {DISAGREEMENT:.0%} of every published length: "
+        f"{consistent}. closest_config is a choice among stated configurations, not a prediction; nothing is "
+        "fitted. Traces model AutoSP with this project's SAC, transformers' K/V without repetition and fused "
+        "attention for every baseline (Note [The public configurations of the published runs]).",
+        "", *[f"{name}: {c['label']} -- {c['provenance']}" for name, c in summary["configs"].items()],
+    ]
+
+
+def table_external_fidelity(args) -> list[dict]:
+    """Published per-GPU memory of runs whose whole configuration is published, beside the simulated one
+    (experiments.paper_scale.external_fidelity)."""
+    from experiments.paper_scale.external_fidelity import external_fidelity_rows, median_abs_error_pct
+
+    rows = external_fidelity_rows(layers=args.layers, cache=args.cache)
+    args.summaries["external-fidelity"] = {"median_abs_error_pct": median_abs_error_pct(rows),
+                                           "figures": len(rows), "sources": sorted({r["source"] for r in rows})}
+    return rows
+
+
 def table_throughput(args) -> list[dict]:
     rows = []
     published = [r for r in published_figures() if r["figure"] == "iteration_s"]
@@ -417,9 +494,12 @@ def table_memory_cap(args) -> list[dict]:
     return rows
 
 
-SIMULATED_TABLES = ("max-seq-len", "throughput")
+SIMULATED_TABLES = ("max-seq-len", "max-seq-len-configs", "external-fidelity", "throughput")
+ON_REQUEST = ("max-seq-len-configs", "external-fidelity")
+"""Tables run only when ``--only`` names them (each is several times the max-seq-len table's simulation)."""
 TABLES: dict[str, Callable] = {
-    "max-seq-len": table_max_seq_len, "throughput": table_throughput,
+    "max-seq-len": table_max_seq_len, "max-seq-len-configs": table_max_seq_len_configs,
+    "external-fidelity": table_external_fidelity, "throughput": table_throughput,
     "measured-cpu": table_measured_cpu, "memory-cap": table_memory_cap,
 }
 
@@ -492,6 +572,13 @@ def _gap_shape_lines(shape: dict) -> list[str]:
 
 TABLE_FOOTERS: dict[str, Callable] = {
     "max-seq-len": _max_seq_len_footer,
+    "max-seq-len-configs": _max_seq_len_configs_footer,
+    "external-fidelity": lambda args: [
+        f"Median |simulated / published - 1|: {args.summaries['external-fidelity']['median_abs_error_pct']} % over "
+        f"{args.summaries['external-fidelity']['figures']} figures from "
+        f"{', '.join(args.summaries['external-fidelity']['sources'])}; nothing fitted. Memory is torch's "
+        "max_memory_reserved (no CUDA context, no NCCL buffers); how each configuration is modelled is in "
+        "modelled_as (Note [What the external figures measure and how they are modelled])."],
     "throughput": lambda args: [THROUGHPUT_UNKNOWN + " Simulated: one whole step (forward, backward, gradient "
                                 "reduction, optimizer) of one sequence split over the ranks (ZeRO-3: one "
                                 "sequence per rank), micro-batch 1."],
@@ -566,12 +653,21 @@ Tables (--only NAME runs one):
                   the published figures, with the signed error, the search's stop reason, the length
                   under an alternative configuration (BF16_Optimizer) and a summary (median error,
                   ordering of systems)
+  max-seq-len-configs
+                  the published max lengths beside the simulated ones under every public configuration
+                  of the authors' runs (DeepSpeed 0.16.3 stage 0 / ZeRO 1, SP 8, SP 4 x DP 2, SP 2 x DP 4),
+                  the script default, the band they span and the closest configuration
+  external-fidelity
+                  published per-GPU memory of runs whose whole configuration is published (torchtitan's
+                  Llama-3.1-8B benchmarks), beside the simulated one, with each configuration's provenance
   throughput      simulated tokens/s per GPU of every system at the published lengths, beside the
                   published iteration seconds (whose batch and timer are not published: no ratio)
   measured-cpu    the systems side by side on real gloo ranks with a small Hugging Face Llama: compile time,
                   median step time and its ratio to hand-written Ulysses, loss and gradient error against
                   single-device training, per-rank peak tensor memory
   memory-cap      the longest sequence each system trains on CPU gloo ranks under a per-rank memory cap
+
+max-seq-len-configs and external-fidelity run only with --only NAME.
 
 Outputs in --out: NAME.csv and NAME.md per table, PNG plots, run.json (the command line, settings and
 timings; written by every run, --only included), and, on a full run, one simulated step of the
@@ -597,7 +693,8 @@ def _command_line(argv: list[str]) -> str:
     return shlex.join(["python", "-m", "experiments.reproduce", *argv])
 
 
-TABLE_RECORDS = ("max_seq_len_summary", "simulated_step")
+TABLE_RECORDS = ("max_seq_len_summary", "max_seq_len_configs_summary", "external_fidelity_summary",
+                 "simulated_step")
 """run.json entries a table run writes besides its table; kept from an earlier run.json when this run did not
 redo them."""
 
@@ -681,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
             args.pool = stack.enter_context(ProcessPoolExecutor(max_workers=args.jobs,
                                                                 mp_context=multiprocessing.get_context("spawn")))
         for name, build in TABLES.items():
-            if args.only and name != args.only:
+            if (args.only and name != args.only) or (not args.only and name in ON_REQUEST):
                 continue
             if name not in SIMULATED_TABLES and args.pool is not None:
                 args.pool.shutdown()  # idle workers must not share the CPU with measured gloo ranks
@@ -706,6 +803,10 @@ def main(argv: list[str] | None = None) -> int:
             args.trace_counts[kind] += n
     if "max-seq-len" in args.summaries:
         run_info["max_seq_len_summary"] = args.summaries["max-seq-len"]
+    if "external-fidelity" in args.summaries:
+        run_info["external_fidelity_summary"] = args.summaries["external-fidelity"]
+    if "max-seq-len-configs" in args.summaries:
+        run_info["max_seq_len_configs_summary"] = args.summaries["max-seq-len-configs"]
     run_info["traces"] = args.trace_counts
     run_info["total_s"] = round(time.perf_counter() - start, 1)
     _write_run_json(args.out / "run.json", run_info, tables)

@@ -33,6 +33,30 @@ only inside backward, ``when="in_backward"``). The test ``tests/simulator/test_l
 three against real engines on CPU (``backward`` at the end of a backward pass, without the ``in_backward``
 lines).
 Device-side lines (CUDA context, NCCL, workspaces, allocator) follow :mod:`simulator.device_reserve`.
+
+Note [DeepSpeed 0.16.3 as the AutoSP fork ran it]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``TrainingConfig(deepspeed="0.16.3")`` follows the DeepSpeed the paper's runs used: the authors' research fork
+(GitHub spikerheado1234/AutoSP, commit fd542b43619e03c7454abfcff3b5aaeef05c5318, ``version.txt`` 0.16.3). Its
+``runtime/engine.py`` differs from 0.19.8 where it matters here:
+
+* ``get_data_types`` (lines 953-968): without ``data_types.grad_accum_dtype``, bf16 *without ZeRO* accumulates in
+  fp32; with ZeRO (stage >= 1) in the model dtype, as 0.19.8 does for every stage.
+* ``_do_optimizer_sanity_check`` (lines 1243-1295): ZeRO 0 with bf16 and fp32 accumulation returns ``BFLOAT16``
+  (line 1290-1291), so ZeRO 0 + bf16 runs ``BF16_Optimizer`` (``_configure_bf16_optimizer``, lines 1535-1556,
+  partitioning over ``seq_data_parallel_group``: every rank when no ``mpu`` is given); ZeRO 0 + bf16 + bf16
+  accumulation is refused (lines 1276-1285).
+* ``_take_model_step`` (lines 2191-2196): under bf16 without ZeRO it never zeroes gradients, and
+  ``BF16_Optimizer.backward`` (``runtime/bf16_optimizer.py`` lines 316-329) frees the bf16 ``param.grad`` only at
+  the start of the *next* backward (``clear_lp_grads``), after ``update_hp_grads`` copied them into the fp32
+  buffer. So the bf16 gradients are resident between steps and through the next forward (``when="step"``).
+
+``deepspeed="0.19.8"`` (the default) is the installed one, and current DeepSpeed (deepspeedai/DeepSpeed commit
+edaa7221267243c7be7fb49c5d5f5c4fb97b4641, ``runtime/engine.py`` ``get_data_types`` lines 1485-1496 and
+``_do_optimizer_sanity_check`` line 2019) selects the same wrappers: ZeRO 0 + bf16 gets ``FP16_UnfusedOptimizer``
+with unpartitioned fp32 masters and Adam state. Its ``step`` (``runtime/fp16/unfused_optimizer.py`` lines
+215-231) converts every gradient to fp32 before the update and frees them after it: that instant is
+``at="optimizer_step"`` (lines ``when="in_step"``), about 20 bytes per parameter with Adam.
 """
 
 from __future__ import annotations
@@ -44,13 +68,15 @@ from simulator.device_reserve import ALLOCATOR_PROVENANCE, UNCERTAIN, Uncertain,
 from simulator.workload import StaticMemory
 
 DS = "deepspeed 0.19.8 "
+DS016 = "deepspeed 0.16.3 (spikerheado1234/AutoSP fd542b4) "
+DEEPSPEED_VERSIONS = ("0.19.8", "0.16.3")
+"""DeepSpeed versions whose code the ledger follows (Note [DeepSpeed 0.16.3 as the AutoSP fork ran it])."""
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "logits/loss", "communication buffers",
               "runtime", "allocator")
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
 """fp32 state tensors per optimized element (torch.optim: exp_avg and exp_avg_sq; momentum_buffer)."""
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-_AT = ("initialize", "step", "backward")
-_WHEN = ("initialize", "step", "backward", "in_backward")
+_AT = ("initialize", "step", "backward", "optimizer_step")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,8 +110,19 @@ class TrainingConfig:
     nccl_communicators: int = 2
     """NCCL communicators this rank creates (e.g. the data-parallel and the sequence-parallel group)."""
     compute_streams: int = 1
+    deepspeed: str = "0.19.8"
+    """DeepSpeed version whose code paths the ledger follows (:data:`DEEPSPEED_VERSIONS`)."""
 
     def __post_init__(self) -> None:
+        if self.deepspeed not in DEEPSPEED_VERSIONS:
+            raise ValueError(f"deepspeed must be one of {DEEPSPEED_VERSIONS}, got {self.deepspeed!r}")
+        if self.deepspeed == "0.16.3" and self.zero_stage == 0 and self.precision != "bf16":
+            raise ValueError("the ledger follows DeepSpeed 0.16.3 only for ZeRO >= 1 or ZeRO 0 with bf16 (the AutoSP "
+                             "fork's configurations); use deepspeed='0.19.8' for fp32/fp16 without ZeRO")
+        if self.deepspeed == "0.16.3" and self.zero_stage == 0 and self.accum_dtype != "fp32":
+            raise ValueError("DeepSpeed 0.16.3 refuses bf16 without ZeRO and bf16 gradient accumulation (engine.py "
+                             "_do_optimizer_sanity_check: 'Bfloat16 wrapper must use a gradient accumulation type "
+                             "of fp32'); leave grad_accum_dtype unset")
         if not self.parameter_numels or min(self.parameter_numels) < 1:
             raise ValueError("parameter_numels must list at least one positive element count")
         if self.optimizer not in OPTIMIZER_STATES:
@@ -96,7 +133,8 @@ class TrainingConfig:
             raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
         if min(self.dp_world_size, self.gradient_accumulation_steps, self.micro_batch_size) < 1:
             raise ValueError("dp_world_size, gradient_accumulation_steps and micro_batch_size must be >= 1")
-        if self.zero_stage == 0 and self.precision != "fp32" and self.accum_dtype != self.precision:
+        if (self.deepspeed == "0.19.8" and self.zero_stage == 0 and self.precision != "fp32"
+                and self.accum_dtype != self.precision):
             raise ValueError("DeepSpeed rejects ZeRO 0 with low-precision parameters and a different gradient "
                              "accumulation dtype (engine.py _do_optimizer_sanity_check: unsupported mix); use "
                              "ZeRO 1 for BF16_Optimizer")
@@ -124,7 +162,13 @@ class TrainingConfig:
 
     @property
     def accum_dtype(self) -> str:
-        return self.grad_accum_dtype or self.precision
+        """Gradient accumulation dtype: as set, else DeepSpeed's default (``get_data_types``; 0.16.3 accumulates
+        bf16 in fp32 without ZeRO, Note [DeepSpeed 0.16.3 as the AutoSP fork ran it])."""
+        if self.grad_accum_dtype is not None:
+            return self.grad_accum_dtype
+        if self.deepspeed == "0.16.3" and self.zero_stage == 0 and self.precision == "bf16":
+            return "fp32"
+        return self.precision
 
     @property
     def wrapper(self) -> str:
@@ -135,6 +179,8 @@ class TrainingConfig:
             if self.zero_stage == 1 and self.precision == "bf16" and self.accum_dtype == "fp32":
                 return "BF16_Optimizer"
             return "DeepSpeedZeroOptimizer"
+        if self.deepspeed == "0.16.3":  # checked in __post_init__: bf16 with fp32 accumulation
+            return "BF16_Optimizer"
         return "torch" if self.precision == "fp32" else "FP16_UnfusedOptimizer"
 
 
@@ -153,7 +199,8 @@ class LedgerLine:
     """The code or public source the line follows (or ``assumption: ...``)."""
     when: str = "initialize"
     """Allocated at ``initialize``, at the first ``step`` (then resident), during ``backward`` (alive at its end,
-    freed by the step) or ``in_backward`` (alive only inside backward: ipg buckets, prefetched parameters)."""
+    freed by the step), ``in_backward`` (alive only inside backward: ipg buckets, prefetched parameters) or
+    ``in_step`` (alive only inside the optimizer step)."""
     tensor_bytes: tuple[int, ...] = ()
     """Sizes of the individual allocations (for allocator rounding); empty for non-tensor memory."""
 
@@ -229,9 +276,15 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
         lines.append(_line("gradients", f"{cfg.precision} param.grad", [lp * e for e in numels],
                            DS + "runtime/fp16/unfused_optimizer.py FP16_UnfusedOptimizer.step: fp16 grads set to None "
                            "after the update", "backward"))
+        lines.append(_line("gradients", "fp32 copies of the gradients (optimizer step)", [4 * e for e in numels],
+                           DS + "runtime/fp16/unfused_optimizer.py FP16_UnfusedOptimizer.step: fp32_param.grad = "
+                           "fp16_param.grad.to(fp32) for every parameter before optimizer.step, set to None after "
+                           "(deepspeedai/DeepSpeed edaa722 lines 215-231)", "in_step"))
     elif wrapper == "BF16_Optimizer":
         flat = _ceil_to(n, 2 * d)
-        where = DS + "runtime/bf16_optimizer.py BF16_Optimizer._setup_for_real_optimizer: "
+        fork = cfg.deepspeed == "0.16.3"
+        source = DS016 if fork else DS
+        where = source + "runtime/bf16_optimizer.py BF16_Optimizer._setup_for_real_optimizer: "
         lines.append(_line("parameters", "flat bf16 parameters (unpartitioned)", [2 * flat],
                            where + "bf16_groups_flat, aligned to nccl_start_alignment_factor(2) x dp"))
         lines.append(_line("optimizer", "fp32 master partition", [4 * flat // d],
@@ -239,9 +292,15 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
         lines.append(_line("gradients", "fp32 gradient accumulation buffer (unpartitioned)", [4 * flat],
                            where + "fp32_groups_gradients_flat = zeros_like(bf16_groups_flat, grad_acc_dtype)"))
         optimizer_state([flat // d], "the fp32 master partition")
-        lines.append(_line("gradients", "bf16 param.grad", [2 * e for e in numels],
-                           DS + "runtime/bf16_optimizer.py BF16_Optimizer.update_hp_grads accumulates them into the "
-                           "fp32 buffer; DeepSpeedEngine.zero_grad frees them after the step", "backward"))
+        if fork and cfg.zero_stage == 0:
+            lines.append(_line("gradients", "bf16 param.grad (kept until the next backward)", [2 * e for e in numels],
+                               DS016 + "runtime/engine.py _take_model_step lines 2191-2196 (bf16 without ZeRO: no "
+                               "zero_grad); runtime/bf16_optimizer.py BF16_Optimizer.backward lines 316-329 frees them "
+                               "by clear_lp_grads at the start of the next backward", "step"))
+        else:
+            lines.append(_line("gradients", "bf16 param.grad", [2 * e for e in numels],
+                               source + "runtime/bf16_optimizer.py BF16_Optimizer.update_hp_grads accumulates them "
+                               "into the fp32 buffer; DeepSpeedEngine.zero_grad frees them after the step", "backward"))
     elif wrapper == "DeepSpeedZeroOptimizer":
         flat = _ceil_to(n, 2 * d)
         where = DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__: "
@@ -300,7 +359,8 @@ def _band_line(category: str, name: str, u: Uncertain, count: float, when: str =
 
 def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True, activation_bytes: int = 0,
                   logits_bytes: int = 0, uncertain: Mapping[str, Uncertain] | None = None) -> list[LedgerLine]:
-    """Every buffer one rank holds at instant ``at`` (``initialize``, ``step`` or ``backward``, see Note [Which
+    """Every buffer one rank holds at instant ``at`` (``initialize``, ``step``, ``backward`` or ``optimizer_step``
+    (inside the optimizer step, with the gradients), see Note [Which
     DeepSpeed path holds what]).
 
     ``device=False`` leaves out what only a GPU process holds (CUDA context, NCCL, workspaces, allocator);
@@ -310,7 +370,9 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
     """
     if at not in _AT:
         raise ValueError(f"at must be one of {_AT}, got {at!r}")
-    keep = _WHEN[:_AT.index(at) + 1] + (("in_backward",) if at == "backward" else ())
+    keep = {"initialize": ("initialize",), "step": ("initialize", "step"),
+            "backward": ("initialize", "step", "backward", "in_backward"),
+            "optimizer_step": ("initialize", "step", "backward", "in_step")}[at]
     lines = [ln for ln in _framework_lines(cfg) if ln.when in keep]
     if activation_bytes:
         lines.append(_line("activations", "activations (simulated workload)", [activation_bytes],

@@ -80,6 +80,15 @@ def system_options(system: str) -> dict:
     raise ValueError(f"system {system!r} is not simulated at paper scale; choose one of {SYSTEMS}")
 
 
-def sp_size_of(system: str, ranks: int) -> int:
-    """Ranks one sequence is split over: all of them, except under ZeRO-3 (each rank its own sequence)."""
-    return 1 if system == "zero3" else ranks
+def sp_size_of(system: str, ranks: int, baseline_sp: int | None = None) -> int:
+    """Ranks one sequence is split over: 1 under ZeRO-3 (each rank its own sequence); all of them for AutoSP (the
+    AutoSP fork's all-to-alls run on the whole world, Note [The public configurations of the published runs] in
+    experiments.paper_scale.config); ``baseline_sp`` (default: all) for the hand-written SP baselines, whose
+    groups the benchmark script builds from its ``--sp_size``."""
+    if system == "zero3":
+        return 1
+    if system == "autosp" or baseline_sp is None:
+        return ranks
+    if baseline_sp < 1 or ranks % baseline_sp:
+        raise ValueError(f"baseline_sp {baseline_sp} must divide ranks {ranks}")
+    return baseline_sp

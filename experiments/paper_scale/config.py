@@ -17,6 +17,49 @@ Where each choice comes from (read off the installed DeepSpeed package):
 * Adam, 8 ranks (one node of 8×A100-80GB, the paper's hardware), micro-batch 1.
 
 No constant here is fitted to the published figures.
+
+Note [The public configurations of the published runs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The published figures were made with the authors' research fork of DeepSpeed 0.16.3 (GitHub
+spikerheado1234/AutoSP, commit fd542b43619e03c7454abfcff3b5aaeef05c5318; README: torch 2.7.0 + CUDA 12.8,
+transformers 4.50.3 -- its ``need_to_copy_paste/req.txt`` lists torch 2.5.1 and transformers 4.50.0.dev0 instead:
+the fork's own files disagree).  Its benchmark, ``bench_dc_ulysses/``, states (paths under that folder):
+
+* ``run_acc_lm.py``: accelerate + DeepSpeed, ``--batch_size`` 1, ``--gradient_accumulation_steps`` 1,
+  ``torch.optim.AdamW``, ``--sp_size`` 2 and ``--dp_size`` 1 by default (``get_args``); every sample padded to
+  the full length (``padding='max_length'``); ``--activation_checkpointing`` off unless passed; ``accelerator.
+  backward`` runs DeepSpeed's ``engine.backward`` and ``engine.step`` (accelerate's ``DeepSpeedEngineWrapper``).
+  The baselines' SP groups are built by the script (``sp_dp_registry.populate_registry``) and never handed to
+  DeepSpeed, so DeepSpeed's data-parallel group -- the one ``BF16_Optimizer`` partitions over -- is every rank.
+* ``run_ulysses.sh``: ``SP_SIZE=${3:-2}``, ``DP_SIZE=${4:-1}``: SP 2 is the script's default.
+* ``configs/*.json``: every public config has ``"zero_optimization": {"stage": 0}`` and ``bf16``; the baselines'
+  stage-1 change (commit 3ef4233, 2026-01-26 02:24 UTC, "working zero-1 for all baselines") was set back to 0 the
+  same day (b1d1db1, 07:14 UTC).
+* The fork's AutoSP shards over the whole world, whatever ``--sp_size`` says: ``deepspeed/compile/custom_ops/
+  all_to_all.py`` runs its all-to-alls on ``dist.group.WORLD`` (lines 28, 38) and ``deepspeed/compile/passes/
+  autosp.py`` divides the sequence by ``dist.get_world_size()`` (lines 39, 86).
+
+So the figures' SP x DP split is not stated; the candidates are the splits of 8 GPUs the script supports (SP 8,
+SP 4 x DP 2, SP 2 x DP 4 -- the last one has the script's default SP), under stage 0, which in 0.16.3 with bf16
+runs ``BF16_Optimizer`` (Note [DeepSpeed 0.16.3 as the AutoSP fork ran it] in simulator/ledger.py).  The PyTorch
+blog's usage example (2026-04-29) sets ``sequence_parallel_size`` 4 and ZeRO stage 1 (seen in a quotation of
+the blog, 24-ai.news 2026-04-30; it is written for the merged DeepSpeed AutoSP, whose SP group follows that
+setting, while the fork's spans every rank): SP 4 x DP 2 on 8 GPUs.  The earlier
+stated configuration of this project (ZeRO 1, SP 8) is kept as a candidate too: under 0.16.3 ZeRO 1 with bf16
+accumulates in bf16 and runs ``DeepSpeedZeroOptimizer``, as 0.19.8 does.  :data:`PUBLIC_CONFIGS` lists them;
+:data:`BAND_CONFIGS` are those a source states for the published runs; current DeepSpeed's stage 0 is listed
+for comparison only (it did not make the figures: the merged AutoSP needs torch >= 2.9).
+
+Not modelled yet (each changes the traced workload, not the ledger): the fork's checkpointing rule
+(``need_to_copy_paste/partitioners.py`` line 1081: a tensor needed in backward may be recomputed only when its
+dim 1 >= 4096), transformers 4.50.3's K/V repetition before SDPA (``integrations/sdpa_attention.py`` lines
+29-31: AutoSP's saved K/V then hold every query head), and the Ulysses baseline's kernel (``bench_dc_ulysses/
+distributed_attention.py``: SDPA with ``is_causal=True`` and ``enable_gqa=False`` since commit f97a5a6,
+2026-01-28; ``True`` from 181c2c5, 2026-01-25: with ``False`` a GQA model's SDPA cannot use a fused kernel).
+The baseline's attention function receives K/V before any repetition (transformers 4.50.3 repeats them only inside
+its own ``sdpa_attention_forward``), so after f97a5a6 a GQA model's per-rank query and K/V head counts must
+broadcast (K/V heads / SP = 1: SP 8 for the Llama-3 models) -- read off the code, not run here.  The patched
+partitioner replaces torch's (README step 6), so the baselines run with ``torch.compile`` use the same rule.
 """
 
 from __future__ import annotations
@@ -33,13 +76,65 @@ class PaperConfig:
     micro_batch_size: int = 1
     sp_zero_stage: int = 1
     zero3_zero_stage: int = 3
+    sp_size: int | None = None
+    """Ranks the hand-written baselines split one sequence over (``None``: all of them); the rest of the world
+    is data parallel.  AutoSP always shards over every rank and ZeRO-3 over none
+    (`experiments.paper_scale.baselines.sp_size_of`)."""
+    deepspeed: str = "0.19.8"
+    """DeepSpeed version whose code the ledger follows (`simulator.ledger.TrainingConfig.deepspeed`)."""
+    provenance: str = ""
+    """Where the configuration is stated."""
+
+    def __post_init__(self) -> None:
+        if self.sp_size is not None and (self.sp_size < 1 or self.world_size % self.sp_size):
+            raise ValueError(f"sp_size {self.sp_size} must divide world_size {self.world_size}")
 
     def zero_stage(self, system: str) -> int:
         """ZeRO stage of ``system`` (``zero3`` or one of the SP systems)."""
         return self.zero3_zero_stage if system.replace("-", "") == "zero3" else self.sp_zero_stage
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas of the baselines (``world_size / sp_size``)."""
+        return self.world_size // (self.sp_size or self.world_size)
 
-PAPER_CONFIG = PaperConfig()
+    @property
+    def label(self) -> str:
+        sp = self.sp_size or self.world_size
+        split = f"SP {sp}" if sp == self.world_size else f"SP {sp} x DP {self.dp_size}"
+        return f"DeepSpeed {self.deepspeed} ZeRO {self.sp_zero_stage}, {split}"
+
+
+PAPER_CONFIG = PaperConfig(provenance="this project's earlier stated configuration (ZeRO 1, SP 8, DeepSpeed 0.19.8)")
+
+_FORK = "spikerheado1234/AutoSP fd542b4 "
+_STAGE0 = _FORK + "bench_dc_ulysses/configs/*.json: zero_optimization.stage 0, bf16"
+PUBLIC_CONFIGS: dict[str, PaperConfig] = {
+    "fork-z0-sp8": PaperConfig(deepspeed="0.16.3", sp_zero_stage=0, sp_size=8,
+                               provenance=_STAGE0 + "; SP 8 = the whole node (run_ulysses.sh SP_SIZE argument)"),
+    "fork-z0-sp4xdp2": PaperConfig(deepspeed="0.16.3", sp_zero_stage=0, sp_size=4,
+                                   provenance=_STAGE0 + "; run_ulysses.sh SP_SIZE=4 DP_SIZE=2"),
+    "fork-z0-sp2xdp4": PaperConfig(deepspeed="0.16.3", sp_zero_stage=0, sp_size=2,
+                                   provenance=_STAGE0 + "; run_ulysses.sh default SP_SIZE=${3:-2} (run_acc_lm.py "
+                                   "--sp_size default 2), DP 4 to fill 8 GPUs"),
+    "fork-z1-sp4xdp2": PaperConfig(deepspeed="0.16.3", sp_zero_stage=1, sp_size=4,
+                                   provenance="PyTorch blog 'Introducing AutoSP' (2026-04-29) usage example: "
+                                   "sequence_parallel_size 4, zero_optimization.stage 1 (quoted by 24-ai.news, "
+                                   "2026-04-30); written for the merged DeepSpeed AutoSP, 8 GPUs give DP 2"),
+    "fork-z1-sp8": PaperConfig(deepspeed="0.16.3", sp_zero_stage=1, sp_size=8,
+                               provenance=_FORK + "commit 3ef4233 (baselines at ZeRO 1, reverted the same day) and "
+                               "this project's earlier stated configuration"),
+    "current-z0-sp8": PaperConfig(deepspeed="0.19.8", sp_zero_stage=0, sp_size=8,
+                                  provenance="current DeepSpeed stage 0 (FP16_UnfusedOptimizer; did not make the "
+                                  "figures)"),
+}
+"""Every configuration a public source states or allows for the published runs (Note [The public configurations
+of the published runs]), by name."""
+BAND_CONFIGS = ("fork-z0-sp8", "fork-z0-sp4xdp2", "fork-z0-sp2xdp4", "fork-z1-sp4xdp2", "fork-z1-sp8")
+"""The configurations whose band the max-seq-len-configs table reports (those that could have made the
+figures)."""
+SCRIPT_DEFAULT = "fork-z0-sp2xdp4"
+"""The authors' script default (stage 0, SP 2) on the paper's 8 GPUs."""
 
 
 def training_config(model, system: str, config: PaperConfig = PAPER_CONFIG):
@@ -51,7 +146,7 @@ def training_config(model, system: str, config: PaperConfig = PAPER_CONFIG):
         heads=model.num_heads, kv_heads=model.num_kv_heads, vocab=model.vocab_size,
         tied_embeddings=model.tie_word_embeddings, optimizer=config.optimizer, precision=config.precision,
         grad_accum_dtype=config.grad_accum_dtype, zero_stage=config.zero_stage(system),
-        dp_world_size=config.world_size, micro_batch_size=config.micro_batch_size)
+        dp_world_size=config.world_size, micro_batch_size=config.micro_batch_size, deepspeed=config.deepspeed)
 
 
 def static_memory_bytes(model, system: str, which: str = "nominal", config: PaperConfig = PAPER_CONFIG) -> int:
@@ -81,3 +176,43 @@ ALTERNATIVE_CONFIG = PaperConfig(grad_accum_dtype="fp32")
 and bf16 selects DeepSpeed's ``BF16_Optimizer`` and its unpartitioned fp32 gradient buffer (and fp32 gradient
 partitions under ZeRO 3).  The max-seq-len table shows it as an explanation of the gap to the published figures,
 never as the configuration the lengths are reported for."""
+
+
+def configuration_band(published: list[dict], lengths: dict, *, band: tuple[str, ...] = BAND_CONFIGS,
+                       script_default: str = SCRIPT_DEFAULT, granularity: dict[str, int] | None = None) -> list[dict]:
+    """One row per published max length: the simulated length under every configuration of ``lengths``
+    ({config name: {(model, system): tokens or None (nothing fits)}}), the script default's, the band the
+    ``band`` configurations span, whether the published figure lies inside it, and the configuration whose length
+    is closest to it (a choice among stated configurations, not a prediction).  ``published``: rows with
+    ``model``, ``system`` and ``value`` (tokens).  ``granularity`` ({system: tokens}): the searches' step; a
+    search answers the longest fitting multiple of it, so the longest fitting length lies below the next
+    multiple, and the band's upper end extends to it for ``inside_band``."""
+    rows = []
+    for row in published:
+        key, value = (row["model"], row["system"]), float(row["value"])
+        found = {name: per[key] for name, per in lengths.items() if key in per}
+        in_band = {name: found[name] or 0 for name in band if name in found}
+        low = min(in_band.values()) if in_band else None
+        high = max(in_band.values()) if in_band else None
+        closest = min(in_band, key=lambda name: abs(in_band[name] / value - 1)) if in_band else ""
+        rows.append({
+            "model": row["model"], "system": row["system"], "published": int(value),
+            **{f"config:{name}": "" if found.get(name) is None else found[name] for name in lengths},
+            "script_default": "" if found.get(script_default) is None else found[script_default],
+            "band_low": "" if low is None else low, "band_high": "" if high is None else high,
+            "inside_band": "" if low is None else
+            str(low <= value < high + max(1, (granularity or {}).get(row["system"], 1))).lower(),
+            "closest_config": closest,
+            "closest_error": "" if not closest else f"{100 * (in_band[closest] / value - 1):+.0f}",
+        })
+    return rows
+
+
+def consistent_configs(rows: list[dict], names: tuple[str, ...], tolerance: float) -> list[str]:
+    """The configurations among ``names`` whose simulated length is within ``tolerance`` (relative) of every
+    published figure in ``rows`` (rows of `configuration_band`); empty when none is."""
+    def ok(name: str, row: dict) -> bool:
+        got = row.get(f"config:{name}")
+        return got not in ("", None) and abs(float(got) / row["published"] - 1) <= tolerance
+
+    return [name for name in names if rows and all(ok(name, row) for row in rows)]

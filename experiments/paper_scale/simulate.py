@@ -289,9 +289,13 @@ def step_workload(system: str, model: PaperModel, seq_len: int, layers: int, *, 
     that many layers' parameters (Note [The whole step at paper scale]).  ``autosp_options`` replaces the
     system's `autosp.compile` options (e.g. another checkpointing policy for AutoSP)."""
     options = autosp_options if autosp_options is not None else system_options(system)
-    sp = sp_size_of(system, ranks)
+    sp = sp_size_of(system, ranks, config.sp_size)
     traced = trace_workload(model, seq_len, layers, sp_size=sp, autosp_options=options, cache=cache)
     cfg = training_config(replace(model, num_layers=layers), system, replace(config, world_size=ranks))
+    if system != "zero3" and sp < ranks:
+        # One data-parallel replica (sp ranks) is simulated; its step reduces over those ranks.  Memory is the
+        # ledger's over every rank (DeepSpeed's data-parallel group, see experiments.paper_scale.config).
+        cfg = replace(cfg, dp_world_size=sp)
     if system == "zero3":
         workload = zero3_workload(traced.workload, traced.modules, world_size=ranks)
         return add_training_step(workload, [], cfg, group="dp_reduce")  # the rewrite reduces the gradients
@@ -300,7 +304,7 @@ def step_workload(system: str, model: PaperModel, seq_len: int, layers: int, *, 
         workload = ring_attention_workload(workload)
     workload = replace(workload, ranks={r: _gradients_into_buckets(p, traced.modules) for r, p in workload.ranks.items()})
     gradients = {r: _gradients(p, traced.modules) for r, p in workload.ranks.items()}
-    return add_training_step(workload, gradients, cfg, group="dp", group_instances=[list(range(ranks))])
+    return add_training_step(workload, gradients, cfg, group="dp", group_instances=[list(range(cfg.dp_world_size))])
 
 
 
@@ -346,7 +350,7 @@ def simulate_step(system: str, model_name: str, seq_len: int, *, ranks: int = 8,
                                               autosp_options=autosp_options), cluster)
 
     depths = (model.num_layers, model.num_layers) if layers == "full" else (1, 2)
-    return extrapolate_layers(system, model_name, seq_len, per_layers, sp_size=sp_size_of(system, ranks),
+    return extrapolate_layers(system, model_name, seq_len, per_layers, sp_size=sp_size_of(system, ranks, config.sp_size),
                               cluster=cluster, config=config, depths=depths)
 
 

@@ -42,3 +42,56 @@ def test_alternative_configuration_adds_bf16_optimizers_unpartitioned_fp32_gradi
     # fp32 buffer of every gradient (4 n) and the bf16 param.grad kept until the step (2 n), less the stated
     # configuration's partition gradients and ipg bucket (a few GB): between 4 n and 6 n bytes more
     assert 4 * n < extra < 6 * n
+
+
+def test_public_configurations_split_the_node_and_name_their_source():
+    from experiments.paper_scale.baselines import sp_size_of
+    from experiments.paper_scale.config import BAND_CONFIGS, PUBLIC_CONFIGS, SCRIPT_DEFAULT
+
+    assert SCRIPT_DEFAULT in BAND_CONFIGS and set(BAND_CONFIGS) <= set(PUBLIC_CONFIGS)
+    assert PUBLIC_CONFIGS[SCRIPT_DEFAULT].sp_size == 2 and PUBLIC_CONFIGS[SCRIPT_DEFAULT].sp_zero_stage == 0
+    splits = {(c.sp_size, c.dp_size) for name, c in PUBLIC_CONFIGS.items() if name in BAND_CONFIGS}
+    assert splits == {(8, 1), (4, 2), (2, 4)}
+    model = PAPER_MODELS["llama-3.1-8b"]
+    for name, config in PUBLIC_CONFIGS.items():
+        assert config.provenance and config.sp_size * config.dp_size == config.world_size == 8, name
+        # the fork's AutoSP shards over every rank, ZeRO-3 over none, the baselines over the configured SP
+        assert sp_size_of("autosp", 8, config.sp_size) == 8 and sp_size_of("zero3", 8, config.sp_size) == 1
+        assert sp_size_of("ulysses", 8, config.sp_size) == config.sp_size
+        # DeepSpeed partitions over every rank: the benchmark never hands it the SP groups
+        cfg = training_config(model, "ulysses", config)
+        assert cfg.dp_world_size == 8 and cfg.deepspeed == config.deepspeed
+    assert training_config(model, "ulysses", PUBLIC_CONFIGS["fork-z0-sp8"]).wrapper == "BF16_Optimizer"
+    assert training_config(model, "ulysses", PUBLIC_CONFIGS["fork-z1-sp4xdp2"]).wrapper == "DeepSpeedZeroOptimizer"
+    assert training_config(model, "ulysses", PUBLIC_CONFIGS["current-z0-sp8"]).wrapper == "FP16_UnfusedOptimizer"
+    assert training_config(model, "zero3", PUBLIC_CONFIGS["fork-z0-sp8"]).zero_stage == 3
+
+
+def test_configuration_band_columns_and_closest():
+    from experiments.paper_scale.config import configuration_band, consistent_configs
+
+    published = [{"model": "m", "system": "ulysses", "value": "10000"},
+                 {"model": "m", "system": "autosp", "value": "40000"}]
+    lengths = {"a": {("m", "ulysses"): 6000, ("m", "autosp"): 41000},
+               "b": {("m", "ulysses"): 13000, ("m", "autosp"): 90000},
+               "c": {("m", "ulysses"): None, ("m", "autosp"): 20000},   # nothing fits: counted as 0 tokens
+               "x": {("m", "ulysses"): 10000, ("m", "autosp"): 40000}}  # outside the band
+    rows = configuration_band(published, lengths, band=("a", "b", "c"), script_default="b")
+    assert [list(r)[:3] for r in rows] == [["model", "system", "published"]] * 2
+    uly, asp = rows
+    assert (uly["band_low"], uly["band_high"], uly["inside_band"]) == (0, 13000, "true")
+    assert (uly["closest_config"], uly["closest_error"], uly["script_default"]) == ("b", "+30", 13000)
+    assert uly["config:c"] == "" and uly["config:x"] == 10000
+    assert (asp["band_low"], asp["band_high"], asp["closest_config"], asp["closest_error"]) == (20000, 90000, "a",
+                                                                                                 "+2")
+    tight = configuration_band(published, {"a": lengths["a"]}, band=("a",), script_default="a")
+    assert tight[0]["inside_band"] == "false" and tight[1]["inside_band"] == "false"  # 41000 > 40000
+    # a search's answer is the longest fitting multiple of its granularity: the band reaches the next one
+    coarse = configuration_band(published, {"a": lengths["a"]}, band=("a",), script_default="a",
+                                granularity={"ulysses": 4000, "autosp": 1024})
+    assert [r["inside_band"] for r in coarse] == ["false", "false"]
+    coarse = configuration_band(published, {"a": lengths["a"]}, band=("a",), script_default="a",
+                                granularity={"ulysses": 4001, "autosp": 1024})
+    assert [r["inside_band"] for r in coarse] == ["true", "false"]
+    assert consistent_configs(rows, ("a", "b", "c", "x"), 0.2) == ["x"]
+    assert consistent_configs(rows, ("a", "b"), 0.2) == []
