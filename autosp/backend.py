@@ -18,18 +18,21 @@ changed, so two compiles in one process do not interact.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 from torch import fx
 from torch._functorch import config as functorch_config
 
-from autosp.config import AutoSPConfig
+from autosp.config import CHECKPOINTING, AutoSPConfig
 from autosp.context import CompileReport, TraceContext
+from autosp.errors import AutoSPError
 from autosp.guards import ProgramGuard
-from autosp.passes.joint.checkpointing import make_recompute_tagger
+from autosp.passes.joint.checkpointing import make_recompute_tagger, tag_recomputation
 from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
 from autosp.pipeline import SEQUENCE_PARALLEL_PASSES, Pass, run_passes
 
@@ -38,16 +41,52 @@ log = logging.getLogger(__name__)
 JointGraphPass = Callable[[fx.Graph], None]
 
 
+def _rewrite_partitioned(graph: fx.GraphModule, config: AutoSPConfig) -> fx.GraphModule:
+    """Last rewrites of one partitioned graph."""
+    return overlap_all_to_alls_pass(graph) if config.overlap_communication else graph
+
+
 def _finish(kind: str, graph: fx.GraphModule, config: AutoSPConfig, report: CompileReport) -> fx.GraphModule:
     """Last rewrites of one partitioned graph, then record it."""
-    if config.overlap_communication:
-        graph = overlap_all_to_alls_pass(graph)
+    graph = _rewrite_partitioned(graph, config)
     report.aot_graphs.append((kind, graph))
     return graph
 
 
+def _partition_variants(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, config: AutoSPConfig,
+                        report: CompileReport, variants: Sequence[tuple[str, float | None]]) -> None:
+    """Partition copies of ``joint`` under each checkpointing variant ``(setting, sac_memory_budget)`` into
+    ``report.variant_graphs`` (docs/design.md, "Trace reuse").  A variant whose tags equal an earlier one's (or the
+    compile's own setting's) has the same partition: it gets that one's graphs and is named in
+    ``report.variant_same_as``.  The copies are taken before ``joint`` is tagged."""
+    from functorch.compile import min_cut_rematerialization_partition
+
+    own = (config.checkpointing, config.sac_memory_budget)
+    with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        copies = {v: fx.GraphModule(joint, copy.deepcopy(joint.graph)) for v in variants if v != own}
+    own_plan = tag_recomputation(joint.graph, setting=own[0],  # the same tags the compile's own pass sets next
+                                 recompute_limit=config.sac_recompute_limit, memory_budget=own[1])
+    decided = {(own_plan.saved, own_plan.recomputed): own}
+    for variant, graph in copies.items():
+        plan = tag_recomputation(graph.graph, setting=variant[0], recompute_limit=config.sac_recompute_limit,
+                                 memory_budget=variant[1])
+        same = decided.setdefault((plan.saved, plan.recomputed), variant)
+        report.variant_plans[variant] = plan
+        if same != variant:
+            report.variant_same_as[variant] = same
+            log.info("checkpointing %s tags the joint graph as %s does: same partition", variant, same)
+            continue
+        fw, bw = min_cut_rematerialization_partition(graph, joint_inputs, **partition_kwargs)
+        report.partitions += 1
+        report.variant_graphs[variant] = [("forward", _rewrite_partitioned(fw, config)),
+                                          ("backward", _rewrite_partitioned(bw, config))]
+    if own in variants:
+        report.variant_plans[own] = own_plan
+
+
 def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, report: CompileReport,
-               tag_joint: JointGraphPass):
+               tag_joint: JointGraphPass, variants: Sequence[tuple[str, float | None]] = ()):
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -58,7 +97,11 @@ def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repo
         return compile_graph
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        report.joint_graphs += 1
+        if variants:
+            _partition_variants(joint, joint_inputs, kwargs, config=config, report=report, variants=variants)
         tag_joint(joint.graph)
+        report.partitions += 1
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
@@ -113,8 +156,15 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
         setting=config.checkpointing, recompute_limit=config.sac_recompute_limit,
         memory_budget=config.sac_memory_budget, record=ctx.report.checkpoint_plans.append,
     )
-    program = CODE_GENERATORS[config.compiler](gm, example_inputs, config=config, report=ctx.report,
-                                               tag_joint=tag_joint)
+    for setting, _ in ctx.checkpointing_variants:
+        if setting not in CHECKPOINTING:
+            raise AutoSPError(f"checkpointing variant {setting!r}: choose one of {CHECKPOINTING}")
+    if ctx.checkpointing_variants and config.compiler != "aot_eager":
+        raise AutoSPError("checkpointing variants (the planner's trace reuse) partition the joint graph through "
+                          "AOTAutograd's partition_fn: trace with compiler='aot_eager'")
+    generate = functools.partial(_aot_eager, variants=ctx.checkpointing_variants) if ctx.checkpointing_variants \
+        else CODE_GENERATORS[config.compiler]
+    program = generate(gm, example_inputs, config=config, report=ctx.report, tag_joint=tag_joint)
     return ProgramGuard(program, ctx)  # its assumptions checked on every call (autosp.guards)
 
 

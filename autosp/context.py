@@ -44,6 +44,19 @@ class CompileReport:
     (after the overlap pass, i.e. as they run)."""
     checkpoint_plans: list[object] = field(default_factory=list)
     """autosp.passes.joint.checkpointing.CheckpointPlan of each joint graph, latest last."""
+    joint_graphs: int = 0
+    """Joint graphs AOTAutograd built (one per compiled graph with a backward)."""
+    partitions: int = 0
+    """Min-cut partitions run (the compile's own, plus one per distinct checkpointing variant)."""
+    variant_graphs: dict[tuple, list[tuple[str, object]]] = field(default_factory=dict)
+    """(checkpointing, sac_memory_budget) of each `TraceContext.checkpointing_variants` entry -> its forward and
+    backward graphs, like ``aot_graphs`` (docs/design.md, "Trace reuse"); absent for a variant in
+    ``variant_same_as`` and for the compile's own setting (its graphs are ``aot_graphs``)."""
+    variant_plans: dict[tuple, object] = field(default_factory=dict)
+    """Each variant -> its CheckpointPlan."""
+    variant_same_as: dict[tuple, tuple] = field(default_factory=dict)
+    """A variant whose recomputation tags equal an earlier variant's (or the compile's own setting's) -> that
+    one: the same partition, so the same program."""
     op_classes: dict[str, str] = field(default_factory=dict)
     """Each op the sequence-sharding analysis met -> the rule class that handled it."""
     causal_masks_replaced: int = 0
@@ -86,6 +99,9 @@ class TraceContext:
     """autosp.guards.SlidingWindow of the model's config, or None."""
     input_roles: dict[int, str] = field(default_factory=dict)
     """id() of each local input tensor -> its role ("input_ids", "labels", "position_ids", "attention_mask")."""
+    checkpointing_variants: tuple[tuple[str, float | None], ...] = ()
+    """(checkpointing, sac_memory_budget) pairs to partition the same joint graph with besides the compile's own
+    setting, into ``report.variant_graphs`` (the planner's trace reuse; aot_eager only)."""
     report: CompileReport = field(default_factory=CompileReport)
     program_outputs: tuple = ()
     """The flat outputs of the program that ran in the current call (autosp.gradients attaches to them)."""

@@ -291,7 +291,7 @@ def module_parameters(aot_graphs: list[tuple[str, fx.GraphModule]], dynamo_graph
 
 def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
                     dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", document_lengths=None,
-                    micro_batch: int = 1, **options):
+                    micro_batch: int = 1, checkpointing_variants=(), **options):
     """Compile and run one training step of ``build_model()`` on fake tensors and a fake group.
 
     Paper-scale graphs without paper-scale memory: the model is built inside a
@@ -303,6 +303,8 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     ``document_lengths``: the sample packs documents of these lengths (real position ids, so a model
     that masks documents is traced with the layout and the report's attention_kept_fraction set).
     ``micro_batch``: samples per step (the rows of ``input_ids``; each row is a full ``seq_len`` sequence).
+    ``checkpointing_variants``: (checkpointing, sac_memory_budget) pairs whose programs the same trace also
+    partitions, into ``report.variant_graphs`` (docs/design.md, "Trace reuse"; aot_eager only).
     The process must not have a process group of its own.
     """
     import torch.distributed as dist
@@ -333,7 +335,10 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
                 torch.set_default_dtype(previous)
             ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
             inputs = prepare_inputs(ids, labels=ids, position_ids=positions)
-        compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **options)
+        # The fake group's collectives carry no data, so the same-sample check (autosp.guards.check_same_sample)
+        # would compare fake tensors by value; the trace has one sample by construction.
+        compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **{"check_same_sample": False, **options})
+        compiled._ctx.checkpointing_variants = tuple(checkpointing_variants)
         # The step runs in the fake mode too: a graph's factory ops (the zeros a loss backward fills, a
         # [S, vocab] buffer) would otherwise allocate real memory, gigabytes at paper scale.
         with fake_mode:

@@ -1,9 +1,11 @@
 """The memory planner: choose `autosp.compile`'s memory options (checkpointing, SAC budget, tiled loss) for a model,
 a cluster and a training configuration by predicting every candidate plan (docs/design.md, "Memory planner").
 
-Each candidate is traced and simulated by `autosp.plan.predict.predict` (one memory definition: the ledger inside
-backward plus the simulated activations); the planner picks by a stated objective and explains its choice in a
-`PlanReport`: the candidate table (peak per ledger category, step time, max length), the chosen plan and why.
+Each candidate is predicted by `autosp.plan.predict.predict` (one memory definition: the ledger inside backward plus
+the simulated activations); candidates differing only in checkpointing share one trace, and those with the same
+program one simulation (`autosp.plan.predict.TraceReuse`, docs/design.md "Trace reuse").  The planner picks by a
+stated objective and explains its choice in a `PlanReport`: the candidate table (peak per ledger category, step
+time, max length), the chosen plan and why.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autosp.errors import AutoSPError
-from autosp.plan.predict import Prediction, TrainingSetup, predict
+from autosp.plan.predict import Prediction, TraceReuse, TrainingSetup, predict
 from simulator.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,10 @@ class Candidate:
     """None when the plan does not apply to the model (``refused`` says why)."""
     refused: str | None = None
     traces: int = 0
+    """Fake-tensor traces taken while predicting this plan (0: every program it needed was traced before)."""
+    same_program_as: str | None = None
+    """An earlier candidate whose program this plan's is (equal recomputation tags: same partition), so its
+    prediction is that one's (docs/design.md, "Trace reuse")."""
 
     @property
     def fits(self) -> bool:
@@ -99,9 +105,12 @@ class PlanReport:
     """Index into ``candidates``; None when no candidate fits."""
     reason: str
     traces: int
-    """Fake-tensor traces the decision took (one per candidate and length simulated; two with depth
-    extrapolation)."""
+    """Fake-tensor traces (Dynamo captures, each with one joint graph) the decision took: one per group of plans
+    differing only in checkpointing and length simulated (two with depth extrapolation); one per candidate
+    without trace reuse."""
     seconds: float
+    partitions: int = 0
+    """Min-cut partitions of the joint graphs: one per distinct program."""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -123,7 +132,7 @@ class PlanReport:
             + f" {'step s':>9s}" + (f" {'max len':>9s} {'step s@max':>10s}" if longest else "")
         out = [f"memory plan for {self.model}: objective {self.objective}, {self.seq_len:,} tokens, target "
                f"{self.target_memory_bytes / gib:.3f} GiB per rank; {len(self.candidates)} candidates, "
-               f"{self.traces} traces, {self.seconds:.1f} s",
+               f"{self.traces} traces, {self.partitions} partitions, {self.seconds:.1f} s",
                "  peak by category (GiB per rank, the ledger inside backward with the simulated activations):", head]
         for i, c in enumerate(self.candidates):
             mark = "*" if i == self.chosen else " "
@@ -136,6 +145,8 @@ class PlanReport:
             if longest:
                 t = c.max_length_step_time_s
                 row += f" {c.max_seq_len or 0:9,d} {t if t is not None else float('nan'):10.4g}"
+            if c.same_program_as:
+                row += f"  (same program as {c.same_program_as})"
             out.append(row)
         out.append(f"  chosen: {self.candidates[self.chosen].plan.name if self.chosen is not None else 'none'}")
         out.append(f"  why:    {self.reason}")
@@ -147,11 +158,12 @@ class PlanReport:
     def to_dict(self) -> dict:
         return {
             "model": self.model, "objective": self.objective, "seq_len": self.seq_len,
-            "target_memory_bytes": self.target_memory_bytes, "traces": self.traces, "seconds": self.seconds,
+            "target_memory_bytes": self.target_memory_bytes, "traces": self.traces,
+            "partitions": self.partitions, "seconds": self.seconds,
             "chosen": self.chosen, "reason": self.reason,
             "options": self.options if self.chosen is not None else None,
             "candidates": [{"plan": c.plan.name, "options": dict(c.plan.options), "refused": c.refused,
-                            "fits": c.fits, "traces": c.traces,
+                            "fits": c.fits, "traces": c.traces, "same_program_as": c.same_program_as,
                             "peak_bytes": c.prediction.peak_bytes if c.prediction else None,
                             "peak_by_category_bytes": c.prediction.by_category if c.prediction else None,
                             "step_time_s": c.prediction.step.step_time_s if c.prediction else None,
@@ -193,36 +205,49 @@ def _choose_longest(candidates: Sequence[Candidate], target: int) -> tuple[int |
 
 def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",
                 target_memory: int | None = None, plans: Sequence[MemoryPlan] | None = None,
-                max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8) -> PlanReport:
+                max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
+                reuse_traces: bool = True) -> PlanReport:
     """Predict every plan of ``plans`` (default `candidate_plans`) for ``setup`` on ``cluster`` and choose one:
     ``"fastest"``: the fastest step at ``setup.seq_len`` whose peak fits ``target_memory`` (bytes per rank; default:
     the device's memory), ties by the lower peak; ``"longest"``: the longest length that fits (the max-length search
-    of `predict`, starting at ``setup.seq_len``), ties by the faster step at that length."""
+    of `predict`, starting at ``setup.seq_len``), ties by the faster step at that length.  ``reuse_traces``: plans
+    differing only in checkpointing share one trace and plans with the same program one simulation (`TraceReuse`);
+    False traces every plan on its own (the same predictions, slower)."""
     if objective not in OBJECTIVES:
         raise AutoSPError(f"objective {objective!r}: choose one of {OBJECTIVES}")
     setup.check()
     start = time.perf_counter()
     target = int(cluster.device.memory_bytes if target_memory is None else target_memory)
-    candidates = []
-    for plan in plans or candidate_plans():
+    plans = tuple(plans or candidate_plans())
+    reuse = TraceReuse([p.options for p in plans]) if reuse_traces else None
+    candidates, traces = [], 0
+    for plan in plans:
+        before = reuse.traces if reuse else 0
         try:
             p = predict(model, setup, cluster, options=plan.options, capacity_bytes=target,
                         max_length=objective == "longest", max_length_high=max_length_high,
-                        granularity=granularity, max_probes=max_probes)
+                        granularity=granularity, max_probes=max_probes, reuse=reuse)
         except AutoSPError as err:  # the plan does not apply to this model (e.g. a loss the tiling cannot take)
             log.info("memory plan %s refused: %s", plan.name, err)
             candidates.append(Candidate(plan=plan, prediction=None, refused=str(err)))
             continue
-        lengths = len(p.max_length["lengths_simulated"]) if p.max_length else 1
-        candidates.append(Candidate(plan=plan, prediction=p,
-                                    traces=lengths * (1 if p.step.extrapolated_from is None else 2)))
+        if reuse:
+            taken = reuse.traces - before
+            same = next((c.plan.name for c in candidates
+                         if c.prediction and reuse.same_program(plan.options, c.plan.options)), None)
+        else:
+            lengths = len(p.max_length["lengths_simulated"]) if p.max_length else 1
+            taken, same = lengths * (1 if p.step.extrapolated_from is None else 2), None
+        traces += taken
+        candidates.append(Candidate(plan=plan, prediction=p, traces=taken, same_program_as=same))
+    traces = reuse.traces if reuse else traces  # with a refused group's traces
     chosen, reason = (_choose_fastest(candidates, setup.seq_len, target) if objective == "fastest"
                       else _choose_longest(candidates, target))
     notes = sorted({n for c in candidates if c.prediction for n in c.prediction.notes})
     report = PlanReport(model=model, objective=objective, seq_len=setup.seq_len, target_memory_bytes=target,
                         candidates=tuple(candidates), chosen=chosen, reason=reason,
-                        traces=sum(c.traces for c in candidates), seconds=time.perf_counter() - start,
-                        notes=tuple(notes))
+                        traces=traces, partitions=reuse.partitions if reuse else traces,
+                        seconds=time.perf_counter() - start, notes=tuple(notes))
     log.info("%s", report.format())
     return report
 

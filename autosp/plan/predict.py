@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autosp.errors import AutoSPError
@@ -121,14 +121,28 @@ def _torch_dtype(dtype: str):
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 
+CHECKPOINTING_OPTIONS = ("checkpointing", "sac_memory_budget")
+"""The `autosp.compile` options that act only after AOTAutograd builds the joint graph: plans differing only in
+these share one trace (`TraceReuse`)."""
+
+
+def checkpointing_variant(options: Mapping | None) -> tuple[str, float | None]:
+    """``options``' (checkpointing, sac_memory_budget), with `autosp.compile`'s defaults."""
+    options = options or {}
+    return options.get("checkpointing", "sac"), options.get("sac_memory_budget")
+
+
 def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
-               config: TrainingConfig, options: Mapping | None = None) -> Traced:
+               config: TrainingConfig, options: Mapping | None = None,
+               variants: tuple[tuple[str, float | None], ...] = ()) -> Traced | dict[tuple, Traced]:
     """Trace ``layers`` decoder layers (None: all) at ``seq_len`` tokens and build the whole step of ``setup``
     (``config``: the ledger's configuration of the whole model; ``options``: `autosp.compile` options, e.g. the
-    memory plan's checkpointing and tiled loss)."""
+    memory plan's checkpointing and tiled loss).  With ``variants`` ((checkpointing, sac_memory_budget) pairs) the
+    one trace also partitions the joint graph under each (docs/design.md, "Trace reuse") and the answer maps each
+    variant, and ``options``' own, to its step; variants with the same program share one `Traced`."""
     import torch
 
-    from autosp.export import export_workload, module_parameters, trace_fake_step
+    from autosp.export import trace_fake_step
 
     hf = source.config(seq_len=seq_len, num_layers=layers)
     depth = hf.num_hidden_layers
@@ -143,14 +157,38 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
         warnings.filterwarnings("ignore", message="autosp.compile with sp_size=1")
         compiled, parameter_bytes = trace_fake_step(lambda: source.build(hf, dtype), seq_len=seq_len,
                                                     sp_size=setup.sp_size, vocab_size=hf.vocab_size, dtype=dtype,
-                                                    micro_batch=setup.micro_batch, **(options or {}))
-    graphs = compiled.report.aot_graphs
+                                                    micro_batch=setup.micro_batch, checkpointing_variants=variants,
+                                                    **(options or {}))
+    report = compiled.report
+    log.info("traced in %.1f s: %d joint graph(s), %d partition(s)", time.perf_counter() - start,
+             report.joint_graphs, report.partitions)
+
+    def build(graphs) -> Traced:
+        return _build_step(source, setup, hf, graphs, parameter_bytes=parameter_bytes, report=report,
+                           config=config, layers=layers, seq_len=seq_len, dtype=dtype)
+
+    own = build(report.aot_graphs)
+    if not variants:
+        return own
+    found = {checkpointing_variant(options): own}
+    for variant, graphs in report.variant_graphs.items():
+        found[variant] = build(graphs)
+    for variant, same in report.variant_same_as.items():
+        found[variant] = found[same]
+    return found
+
+
+def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, parameter_bytes: int, report,
+                config: TrainingConfig, layers: int | None, seq_len: int, dtype) -> Traced:
+    """Export one traced program (forward and backward ``graphs``) and build its whole training step."""
+    from autosp.export import export_workload, module_parameters
+
+    depth = hf.num_hidden_layers
     exported = export_workload(graphs, name=f"{source.spec}/L={depth}/S={seq_len}", sp_size=setup.sp_size,
                                parameter_bytes=parameter_bytes,
                                saved_freed_at_last_use=setup.compiler == "inductor",
-                               attention_kept_fraction=compiled.report.attention_kept_fraction)
-    modules = module_parameters(graphs, compiled.report.forward_graphs[-1])
-    log.info("traced in %.1f s: %d ops", time.perf_counter() - start, len(exported.ranks[0].ops))
+                               attention_kept_fraction=report.attention_kept_fraction)
+    modules = module_parameters(graphs, report.forward_graphs[-1])
     sp, world = setup.sp_size, setup.world_size
     program = release_gradients(exported.ranks[0], (n for m in modules for n in m.gradients))
     backward = dataclasses.replace(exported, world_size=world, ranks={0: program},
@@ -162,6 +200,63 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
     step_config = config if layers is None else dataclasses.replace(config, parameter_numels=source.parameter_numels(hf))
     step = add_training_step(backward, gradients, step_config, group="dp", group_instances=[list(range(world))])
     return Traced(layers=depth, backward=backward, step=step)
+
+
+class TraceReuse:
+    """Traces shared between the memory plans of one decision (docs/design.md, "Trace reuse").
+
+    Plans that differ only in `CHECKPOINTING_OPTIONS` form a group: the first trace of any of them (at one length
+    and depth) partitions the joint graph for the whole group, and a group member whose recomputation tags equal
+    another's reuses that one's program and its simulation."""
+
+    def __init__(self, plans: Sequence[Mapping]):
+        self._plans = [dict(p) for p in plans]
+        self._traced: dict[tuple, Traced] = {}
+        self._simulated: dict[tuple[int, int], tuple] = {}
+        self.traces = 0
+        """Fake-tensor traces (Dynamo captures) taken."""
+        self.joint_graphs = 0
+        self.partitions = 0
+        self.simulations = 0
+
+    @staticmethod
+    def _group(options: Mapping | None) -> tuple:
+        return tuple(sorted((k, repr(v)) for k, v in (options or {}).items() if k not in CHECKPOINTING_OPTIONS))
+
+    def trace(self, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
+              config: TrainingConfig, options: Mapping | None) -> Traced:
+        group = self._group(options)
+        key = (seq_len, layers, group)
+        own = checkpointing_variant(options)
+        if (*key, own) not in self._traced:
+            variants = tuple(dict.fromkeys(checkpointing_variant(p) for p in self._plans
+                                           if self._group(p) == group and checkpointing_variant(p) != own))
+            found = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options,
+                               variants=variants)
+            found = found if variants else {own: found}
+            self.traces += 1
+            self.joint_graphs += 1  # one Dynamo graph (fullgraph), one joint graph
+            self.partitions += len({id(t) for t in found.values()})
+            for variant, traced in found.items():
+                self._traced[(*key, variant)] = traced
+        return self._traced[(*key, own)]
+
+    def same_program(self, options: Mapping, other: Mapping) -> bool:
+        """Whether ``options`` and ``other`` traced to the same program at every length and depth traced for both
+        (one shared `Traced`: their recomputation tags are equal)."""
+        mine, theirs = (self._group(options), checkpointing_variant(options)), \
+            (self._group(other), checkpointing_variant(other))
+        found = [(traced, self._traced.get((*key[:2], *theirs))) for key, traced in self._traced.items()
+                 if (key[2], key[3]) == mine]
+        return bool(found) and all(a is b for a, b in found)
+
+    def simulate(self, traced: Traced, workload: Workload, cluster: Cluster):
+        """``simulate(workload, cluster)``, once per ``workload`` object (``traced`` keeps it alive)."""
+        key = (id(workload), id(cluster))
+        if key not in self._simulated:
+            self._simulated[key] = (traced, cluster, simulate(workload, cluster))
+            self.simulations += 1
+        return self._simulated[key][2]
 
 
 def _without_optimizer(workload: Workload) -> Workload:
@@ -179,22 +274,30 @@ class StepPrediction(ModelStep):
 
 
 def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, config: TrainingConfig,
-                  model_layers: int, seq_len: int, options: Mapping | None = None) -> StepPrediction:
-    """Step time and activations of the whole model at ``seq_len`` tokens (full depth, or extrapolated)."""
+                  model_layers: int, seq_len: int, options: Mapping | None = None,
+                  reuse: TraceReuse | None = None) -> StepPrediction:
+    """Step time and activations of the whole model at ``seq_len`` tokens (full depth, or extrapolated);
+    ``reuse``: traces and simulations shared with other plans."""
     if cluster.world_size < setup.world_size:
         raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
 
     def at_depth(layers: int) -> tuple[float, float, int]:
-        traced = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
+        if reuse is None:
+            traced = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
+        else:
+            traced = reuse.trace(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
         start = time.perf_counter()
-        result = simulate(traced.step, cluster)
+        result = simulate(traced.step, cluster) if reuse is None else reuse.simulate(traced, traced.step, cluster)
         dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
         step_s = micro_s = result.step_time_s
         if setup.grad_accum > 1:
             # ZeRO 2 reduces its gradients every micro-step; ZeRO 0 (and 1) at the accumulation boundary only.
-            micro = _without_optimizer(traced.step) if setup.zero_stage == 2 else traced.backward
-            micro_s = simulate(micro, cluster).step_time_s
+            if setup.zero_stage == 2:
+                micro_s = simulate(_without_optimizer(traced.step), cluster).step_time_s
+            else:
+                micro_s = (simulate(traced.backward, cluster) if reuse is None
+                           else reuse.simulate(traced, traced.backward, cluster)).step_time_s
             step_s = result.step_time_s + (setup.grad_accum - 1) * micro_s
         log.info("simulated on %s in %.1f s: step %.3f s, activations %.2f GiB", cluster.preset.name,
                  time.perf_counter() - start, step_s, dynamic / 2**30)
@@ -310,11 +413,11 @@ class Prediction:
 def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: bool = False,
             max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
             progress: Callable[[str], None] | None = None, options: Mapping | None = None,
-            capacity_bytes: int | None = None) -> Prediction:
+            capacity_bytes: int | None = None, reuse: TraceReuse | None = None) -> Prediction:
     """Predict ``setup`` for ``model`` (a preset of `autosp.train` or a config.json) on ``cluster``; with
     ``max_length`` also search the longest length that fits (each probe is one more trace).  ``options``: the
     `autosp.compile` options the step is traced with; ``capacity_bytes``: the memory a rank may use (default: the
-    cluster's device memory)."""
+    cluster's device memory); ``reuse``: traces shared with other plans' predictions (`TraceReuse`)."""
     start = time.perf_counter()
     setup.check()
     source = ModelSource(model)
@@ -328,7 +431,8 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
         if seq_len not in steps:
             if progress:
                 progress(f"{seq_len:,} tokens")
-            steps[seq_len] = simulate_step(source, setup, cluster, config, hf.num_hidden_layers, seq_len, options)
+            steps[seq_len] = simulate_step(source, setup, cluster, config, hf.num_hidden_layers, seq_len, options,
+                                           reuse)
         return steps[seq_len]
 
     at = step(setup.seq_len)

@@ -56,7 +56,8 @@ def fastest(model, cluster, table):
 
 def test_fastest_plan_is_the_fastest_candidate_that_fits(fastest, table):
     target = fastest.target_memory_bytes
-    assert fastest.chosen is not None and fastest.traces == len(PLANS)
+    # Trace reuse: one trace per tiled-loss setting (none and full with it on share one), one partition per plan.
+    assert fastest.chosen is not None and (fastest.traces, fastest.partitions) == (2, len(PLANS))
     chosen = fastest.candidates[fastest.chosen]
     independent = table[chosen.plan.name]
     assert independent.peak_bytes <= target
@@ -83,6 +84,36 @@ def test_longest_plan_reaches_every_single_plan_length(model, cluster, table):
     assert best >= alone.max_length["max_seq_len"] >= SETUP.seq_len
     assert all(best >= (c.max_seq_len or 0) for c in report.candidates)
     assert report.traces == sum(c.traces for c in report.candidates) >= len(plans)
+
+
+def test_trace_reuse_gives_every_checkpointing_plan_its_own_program(tmp_path, cluster):
+    """One trace partitioned under every checkpointing variant builds, for each, the very training step (exported
+    forward and backward, gradient reduction, optimizer) a separate trace of that plan builds; variants with equal
+    recomputation tags share one partition.  Two layers (SAC keeps the residual stream between them), the tiled
+    loss on."""
+    from autosp.plan.model_source import ModelSource
+    from autosp.plan.predict import checkpointing_variant, trace_step
+
+    path = tmp_path / "config.json"
+    # Matmuls outweigh attention and logits here, so SAC's recompute limit leaves some of them kept.
+    path.write_text(json.dumps({**CONFIG, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 256,
+                                "vocab_size": 256}))
+    source = ModelSource(str(path))
+    config = SETUP.training_config(source.parameter_numels(source.config(seq_len=SETUP.seq_len)))
+    plans = [p.options for p in candidate_plans(loss_chunk_tokens=16, tiled_loss=("on",))]
+    variants = tuple(checkpointing_variant(p) for p in plans[1:])
+    shared = trace_step(source, SETUP, seq_len=SETUP.seq_len, layers=None, config=config, options=plans[0],
+                        variants=variants)
+    programs = {}
+    for options in plans:
+        alone = trace_step(source, SETUP, seq_len=SETUP.seq_len, layers=None, config=config, options=options)
+        reused = shared[checkpointing_variant(options)]
+        assert reused.step == alone.step, f"{checkpointing_variant(options)}: the shared trace's step differs"
+        programs.setdefault(id(reused), []).append(checkpointing_variant(options))
+    # On this model sac@0.5 and sac@0.2 keep what plain SAC keeps (its FLOP limit recomputes the matmuls they add).
+    assert {frozenset(v) for v in programs.values()} == {
+        frozenset({("none", None)}), frozenset({("sac", None), ("sac", 0.5), ("sac", 0.2)}),
+        frozenset({("full", None)})}, programs
 
 
 def _train_with(rank, world, options):
