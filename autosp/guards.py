@@ -6,7 +6,7 @@
   unpadded one's shapes, e.g. under ``length_bucket``), whether the positions were
   0..S-1.  The guard records them when the program is built and checks each call
   against them before the program runs, so no outcome depends on which batch came
-  first (Note [Run-time guards] in docs/design.md).  It also gathers the program's
+  first (Note [Run-time guards] below).  It also gathers the program's
   token-sharded outputs to full length when the call passed no labels.
 - `check_same_sample`: every rank of an SP group must hold the same full-length
   sample; one small all-gather of checksums per call says whether they do.
@@ -16,6 +16,13 @@
   least that long is invisible there, so its length and the layers it applies to come
   from the model's configuration (Hugging Face's ``sliding_window``,
   ``use_sliding_window``, ``layer_types``).
+
+Note [Run-time guards]
+A compile-time fact that is not a shape (padding present, plain positions) is
+either refused at trace time *and* recorded in the program's `ProgramAssumptions`
+(`TraceContext.require_unpadded`), or not relied on; the guard re-checks the
+recorded facts on every call, so for any order of batches each batch is exact or
+refused on its own merits.
 """
 
 from __future__ import annotations
