@@ -63,17 +63,24 @@ def _bench_on_rank(rank: int, world: int, spec: dict) -> dict:
     return {"times": times, "alone": statistics.median(alone)}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    from experiments import cli
+
+    parser = cli.parser("experiments.cpu.bench_same_sample", __doc__)
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per row")
+    parser.add_argument("--batch", type=int, default=1, help="rows")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per variant")
+    parser.add_argument("--calls", type=int, default=50, help="timed calls of the check alone")
+    parser.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"),
+                        help="autosp.compile backend")
+    return parser
+
+
 def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     from experiments.launch import run_on_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per row (default 1024)")
-    parser.add_argument("--batch", type=int, default=1, help="rows (default 1)")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    parser.add_argument("--steps", type=int, default=7, help="timed steps per variant (default 7)")
-    parser.add_argument("--calls", type=int, default=50, help="timed calls of the check alone (default 50)")
-    parser.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"))
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     spec = {"seq_len": args.seq_len, "batch": args.batch, "layers": args.layers, "steps": args.steps,
             "calls": args.calls, "compiler": args.compiler}
