@@ -9,7 +9,7 @@ Read from the documents themselves (nothing is listed twice):
 - every module named as ``python -m MODULE`` or as a backticked dotted name (``simulator.ledger``,
   ``autosp.export.trace_fake_step``) is found by the import system's path finder, without importing anything
   (a package run with ``-m`` needs a ``__main__.py``; a trailing attribute must be named in the module's source);
-- every ``Note [Title]`` cited is defined in the code (a line ``Note [Title]`` or ``# Note [Title]``);
+- every Note cited (``Note`` followed by its bracketed title) is defined in the code, on a line of its own;
 - every ``autosp.NAME`` in README's Python examples is in ``autosp.__all__``;
 - every ``bash`` block of README carries a mode in an HTML comment just above it, ``<!-- readme-test: MODE -->``:
   ``run`` executes each line (in bash, after ``source bin/env.sh``, from the root; keep such blocks cheap and
@@ -149,7 +149,7 @@ def test_docs_name_only_paths_modules_and_notes_that_exist(doc):
                                       re.MULTILINE))
     for title in re.findall(r"Note \[([^\]]+)\]", re.sub(r"\s+", " ", text)):
         if title not in defined and title != "...":
-            missing.append(f"Note [{title}]")
+            missing.append("Note " + f"[{title}]")
     assert missing == [], f"{doc} names what does not exist: {sorted(set(missing))}"
 
 

@@ -113,7 +113,7 @@ NOTEBOOKS = {
                       'MODEL = "llama-3.2-3b"\nSYSTEM = "autosp"\nGRANULARITY = 16384\n'
                       "CEILING = 262144  # search ceiling (tokens): a fit at the ceiling is reported as ≥ CEILING\n"
                       'LAYERS = "extrapolated"  # from 1 and 2 layers: fast, memory too low under checkpointing; '
-                      "\"full\": exact (Note [Layer extrapolation])\n"
+                      "\"full\": exact (Note [Depth extrapolation] in simulator/max_length.py)\n"
                       'RESULTS = "results"  # a folder written by python -m experiments.reproduce, if there is one'),
         new_code_cell(SETUP),
         new_code_cell(

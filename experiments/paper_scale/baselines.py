@@ -25,9 +25,9 @@ Each is derived from a graph the real compiler produces for the same model:
   reduce-scatters over the 8 data-parallel ranks; static memory from the ledger
   under ZeRO 3 (see Note [ZeRO-3 as a rewrite of the single-device trace]).
 
-Every system then gets DeepSpeed's gradient reduction and optimizer step (Note [The
-whole step at paper scale]); step time and activation memory of a full model are
-extrapolated from one- and two-layer traces (Note [Layer extrapolation]), and the
+Every system then gets DeepSpeed's gradient reduction and optimizer step (Note
+[DeepSpeed gradient reduction] in simulator/training_step.py); step time and activation memory of a full model are
+extrapolated from one- and two-layer traces (Note [Depth extrapolation] in simulator/max_length.py), and the
 longest sequence is found by `experiments.paper_scale.simulate.max_length`, all in
 experiments.paper_scale.simulate.
 

@@ -4,7 +4,7 @@ its memory from the ledger, and one maximum-sequence-length search.
 `simulate_step` simulates one training step of a system (``autosp``, ``ulysses``, ``ulysses+ckpt``,
 ``ring_attention``, ``zero3``; see Note [Baselines as AutoSP variants] in experiments.paper_scale.baselines):
 the traced forward and backward, then DeepSpeed's gradient reduction and optimizer step
-(`simulator.training_step.add_training_step`, Note [The whole step at paper scale]); its peak memory is the
+(`simulator.training_step.add_training_step`, Note [DeepSpeed gradient reduction] in simulator/training_step.py); its peak memory is the
 simulated activations plus the memory ledger of the paper's configuration (`experiments.paper_scale.config`),
 with the ledger's low/high band.  `max_length` finds the longest sequence with `simulator.search.search_max_length`
 and the band's ends from the same simulated steps (The band of the longest length and the alternative configuration come from one set of simulated steps
@@ -273,7 +273,7 @@ def _gradients_into_buckets(program: RankProgram, modules: tuple[ModuleParameter
     """``program`` with every parameter gradient freed by the op that produces it: DeepSpeed's backward hook
     copies it into the ipg bucket and points ``param.grad`` there (``reduce_independent_p_g_buckets_and_remove_grads``
     with ``contiguous_gradients``), so the gradients' memory is the ledger's (buckets, gradient partition), not the
-    traced tensors' (Note [The whole step at paper scale])."""
+    traced tensors' (Note [DeepSpeed gradient reduction] in simulator/training_step.py)."""
     names = {n for m in modules for n in m.gradients}
     freed = {t for op in program.ops for t in op.frees}
     ops = tuple(replace(op, frees=tuple(sorted(set(op.frees) | {t for t in op.allocates if t not in freed})))
@@ -286,7 +286,7 @@ def step_workload(system: str, model: PaperModel, seq_len: int, layers: int, *, 
                   autosp_options: dict | None = None) -> Workload:
     """The whole training step of ``layers`` decoder layers of ``model`` under ``system``: the traced (and, for
     ring attention and ZeRO-3, rewritten) forward and backward, then gradient reduction and the optimizer step of
-    that many layers' parameters (Note [The whole step at paper scale]).  ``autosp_options`` replaces the
+    that many layers' parameters (Note [DeepSpeed gradient reduction] in simulator/training_step.py).  ``autosp_options`` replaces the
     system's `autosp.compile` options (e.g. another checkpointing policy for AutoSP)."""
     options = autosp_options if autosp_options is not None else system_options(system)
     sp = sp_size_of(system, ranks, config.sp_size)
@@ -318,7 +318,7 @@ def extrapolate_layers(system: str, model_name: str, seq_len: int, per_layers: C
                        *, sp_size: int, cluster: Cluster, config: PaperConfig = PAPER_CONFIG,
                        depths: tuple[int, int] = (1, 2)) -> SimulatedStep:
     """The full model's step from ``per_layers(L)`` = (step time, dynamic memory) of L = ``depths`` layers (see
-    Note [Layer extrapolation]; equal depths: the full model traced directly) and the full model's ledger."""
+    Note [Depth extrapolation] in simulator/max_length.py; equal depths: the full model traced directly) and the full model's ledger."""
     model = PAPER_MODELS[model_name]
     step_time_s, dynamic = extrapolate_depth(per_layers, model.num_layers, depths)
     static = tuple(peak_memory_bytes(model, system, 0, which, config) for which in BANDS)
@@ -330,14 +330,14 @@ def extrapolate_layers(system: str, model_name: str, seq_len: int, per_layers: C
 
 
 LAYER_MODES = ("full", "extrapolated")
-"""How deep the simulated step is traced (Note [Layer extrapolation])."""
+"""How deep the simulated step is traced (Note [Depth extrapolation] in simulator/max_length.py)."""
 
 
 def simulate_step(system: str, model_name: str, seq_len: int, *, ranks: int = 8, cluster: Cluster | None = None,
                   cache: TraceCache | None = None, config: PaperConfig = PAPER_CONFIG,
                   autosp_options: dict | None = None, layers: str = "full") -> SimulatedStep:
     """One whole training step of ``system`` for a paper model, traced at full depth or extrapolated from one
-    and two layers (``layers``, Note [Layer extrapolation])."""
+    and two layers (``layers``, Note [Depth extrapolation] in simulator/max_length.py)."""
     if layers not in LAYER_MODES:
         raise ValueError(f"layers={layers!r}: choose one of {LAYER_MODES}")
     if system not in SYSTEMS:

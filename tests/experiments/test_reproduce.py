@@ -92,7 +92,7 @@ def test_reproduce_plots_and_traces_exist_and_parse(quick_results):
 
 
 def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
-    # See Note [Layer extrapolation]: x(L) = x(1) + (L-1)(x(2) - x(1)), checked against L = 4 traced directly,
+    # See Note [Depth extrapolation] in simulator/max_length.py: x(L) = x(1) + (L-1)(x(2) - x(1)), checked against L = 4 traced directly,
     # each with the whole step (gradient reduction and optimizer step of its own parameters).
     from experiments.models import PAPER_MODELS
     from experiments.paper_scale.simulate import step_workload
