@@ -21,7 +21,7 @@ from torch import nn
 
 from autosp.backend import make_backend
 from autosp.config import AutoSPConfig
-from autosp.context import CompileReport, TraceContext
+from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.diagnostics import graph_break_error, install_output_capture_hooks
 from autosp.errors import AutoSPError
 from autosp.gradients import GradientReduction
@@ -36,6 +36,23 @@ log = logging.getLogger(__name__)
 def _accepts(forward, name: str) -> bool:
     params = inspect.signature(forward).parameters
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+# Note [One program per length]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A compiled model trains on any mix of sequence lengths with no setting.  Each call runs a program
+# specialised to its shard's shapes; torch.compile guards every program on those shapes, so a new length
+# (or batch size) compiles one more program and a length seen before reuses its own.  The sequence
+# dimension is deliberately not symbolic: the sequence-sharding analysis, the mask probes and the rank's
+# position offset read concrete shard lengths.  Under a symbolic length those reads would either install
+# guards that specialise the program anyway, or -- for a value computed from the shard layout rather than
+# from a traced shape, like the offset of this rank's positions -- bake one length's constant into a
+# program that Dynamo would then reuse, unguarded, at other lengths: a silently wrong result.  A program per
+# shape keeps every program exact by construction.  What the default needs instead is room: torch.compile
+# recompiles one function at most 8 times (recompile_limit), so the model's calls raise that limit to
+# ``max_programs`` (scoped to the call), each compile is logged and listed in `SequenceParallelModel.programs`,
+# and past ``max_programs`` a call is refused naming length_bucket, which pads lengths to shared programs.
+# The cost is one compile per distinct length; the step time of every program is that of static shapes.
 
 
 class SequenceParallelModel(nn.Module):
@@ -62,6 +79,11 @@ class SequenceParallelModel(nn.Module):
         self._ctx.sliding_window = sliding_window_layers(module)
         self._ctx.document_attention_compiles = config.compiler != "inductor"
         self.__dict__["_gradients"] = GradientReduction(module, groups)  # Note [Gradient reduction in backward]
+
+    @property
+    def programs(self) -> tuple[CompiledProgram, ...]:
+        """Every program compiled for this model so far (one per distinct shard shape), in order."""
+        return tuple(self._ctx.programs)
 
     @property
     def report(self) -> CompileReport:
@@ -104,6 +126,7 @@ class SequenceParallelModel(nn.Module):
             local.pop("position_ids")
         ctx = self._ctx
         ctx.layout = layout
+        ctx.batch_size = int(local["input_ids"].shape[0])
         ctx.labels_passed = local.get("labels") is not None
         ctx.positions_passed = "position_ids" in local
         ctx.full_inputs = {k: kwargs.get(k) for k in ("position_ids", "attention_mask")}
@@ -111,7 +134,8 @@ class SequenceParallelModel(nn.Module):
                            if local.get(k) is not None}
         try:
             # Padding, packed positions and outputs are checked per compiled program (autosp.guards.ProgramGuard).
-            out = self._compiled(**local)
+            with torch._dynamo.config.patch(recompile_limit=max(cfg.max_programs, torch._dynamo.config.recompile_limit)):
+                out = self._compiled(**local)  # Note [One program per length]
             self._gradients.attach(ctx.program_outputs)
             return out
         except torch._dynamo.exc.BackendCompilerFailed as err:
@@ -120,10 +144,10 @@ class SequenceParallelModel(nn.Module):
             raise
         except torch._dynamo.exc.FailOnRecompileLimitHit as err:
             raise AutoSPError(
-                f"torch.compile's recompile limit for {type(self.module).__name__}.forward was reached: every "
-                "compiled model instance (and every new input shape) compiles that code again.  Call "
-                "torch._dynamo.reset() between compiles of throwaway models, or raise "
-                "torch._dynamo.config.recompile_limit"
+                f"torch.compile's recompile limit for {type(self.module).__name__}.forward was reached "
+                f"(max_programs={cfg.max_programs}, shared by every compiled instance of this class: each instance "
+                "and each new input shape compiles that code again).  Call torch._dynamo.reset() between compiles "
+                "of throwaway models, pass length_bucket=N so that lengths share programs, or raise max_programs"
             ) from err
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
             raise graph_break_error(err, type(self.module).__name__) from err

@@ -29,7 +29,7 @@ from torch import fx
 from torch._functorch import config as functorch_config
 
 from autosp.config import CHECKPOINTING, AutoSPConfig
-from autosp.context import CompileReport, TraceContext
+from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.errors import AutoSPError
 from autosp.guards import ProgramGuard
 from autosp.passes.joint.checkpointing import make_recompute_tagger, tag_recomputation
@@ -144,6 +144,12 @@ CODE_GENERATORS = {"aot_eager": _aot_eager, "inductor": _inductor}
 
 def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, config: AutoSPConfig,
                    passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES):
+    if len(ctx.programs) >= config.max_programs:
+        raise AutoSPError(
+            f"this model already holds max_programs={config.max_programs} compiled programs (one per distinct "
+            f"shard shape: {sorted({(p.batch_size, p.local_seq_len) for p in ctx.programs})} as (batch, tokens per "
+            "rank)); pass length_bucket=N to autosp.compile so that lengths share programs (pads each sequence to "
+            "a multiple of N), or raise max_programs")
     start = time.perf_counter()
     ctx.report = CompileReport()  # the report describes the latest compile (a recompile starts it afresh)
     gm = run_passes(gm, example_inputs, ctx=ctx, passes=passes)
@@ -165,7 +171,18 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
     generate = functools.partial(_aot_eager, variants=ctx.checkpointing_variants) if ctx.checkpointing_variants \
         else CODE_GENERATORS[config.compiler]
     program = generate(gm, example_inputs, config=config, report=ctx.report, tag_joint=tag_joint)
+    _record_program(ctx, time.perf_counter() - start)
     return ProgramGuard(program, ctx)  # its assumptions checked on every call (autosp.guards)
+
+
+def _record_program(ctx: TraceContext, seconds: float) -> None:
+    layout = ctx.layout
+    program = CompiledProgram(seq_len=layout.seq_len if layout else 0,
+                              local_seq_len=layout.local_seq_len if layout else 0, batch_size=ctx.batch_size,
+                              seconds=seconds)
+    ctx.programs.append(program)
+    log.info("AutoSP compiled program %d of this model: %d tokens (%d per rank), batch %d, in %.1f s",
+             len(ctx.programs), program.seq_len, program.local_seq_len, program.batch_size, seconds)
 
 
 def make_backend(ctx: TraceContext, config: AutoSPConfig, *, passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES):

@@ -27,10 +27,16 @@ class AutoSPConfig:
     length_bucket: int | None = None
     """Pad every sequence to a multiple of this many tokens (itself a multiple of sp_size) instead of
     sp_size, so that sequences of different lengths share compiled programs: training on lengths up to
-    N compiles at most ceil(N / length_bucket) programs (torch.compile recompiles a model at most
-    ``torch._dynamo.config.recompile_limit`` times, 8 by default).  The padding costs at most
+    N compiles at most ceil(N / length_bucket) programs (see max_programs).  The padding costs at most
     length_bucket - 1 tokens per sequence; like all padding it is exact under causal attention with
     reductions over the sequence refused.  None: pad to a multiple of sp_size only."""
+    max_programs: int = 64
+    """Compiled programs this model may hold (Note [One program per length]): each distinct shard shape (a new
+    sequence length, a new batch size) compiles one program, specialised to its shapes and guarded by them, so
+    any mix of lengths trains with no setting; the first call at a new length pays its compile
+    (`SequenceParallelModel.programs` lists them).  A call that would compile one more is refused, naming
+    length_bucket (which makes lengths share programs).  It also raises torch.compile's per-function recompile
+    limit (8 by default) to this many for the model's calls."""
     pad_token_id: int = 0
     """Token id used for that padding (its outputs never reach the loss)."""
     checkpointing: str = "sac"
@@ -81,6 +87,8 @@ class AutoSPConfig:
                 not isinstance(self.length_bucket, int) or self.length_bucket < 1 or self.length_bucket % self.sp_size):
             raise AutoSPError(f"length_bucket must be a positive multiple of sp_size={self.sp_size}, got "
                               f"{self.length_bucket!r}")
+        if not isinstance(self.max_programs, int) or self.max_programs < 1:
+            raise AutoSPError(f"max_programs must be a positive number of compiled programs, got {self.max_programs!r}")
         if self.tiled_loss not in TILED_LOSS:
             raise AutoSPError(f"tiled_loss must be one of {TILED_LOSS}, got {self.tiled_loss!r}")
         if not self.return_logits and self.tiled_loss == "off":

@@ -79,6 +79,20 @@ class CompileReport:
         return all(site.is_causal for site in self.attention_sites)
 
 
+@dataclass(frozen=True)
+class CompiledProgram:
+    """One program a compiled model holds (Note [One program per length] in autosp.api)."""
+
+    seq_len: int
+    """Tokens of the sample that compiled it (before padding; later calls of the program may differ within
+    the same padded length)."""
+    local_seq_len: int
+    """Tokens per rank: the shard length the program is specialised to."""
+    batch_size: int
+    seconds: float
+    """Wall time of the compile (the AutoSP passes and code generation of forward and, for Inductor, backward)."""
+
+
 @dataclass
 class TraceContext:
     """Facts about the call being traced; updated by the compiled model before each call."""
@@ -88,6 +102,8 @@ class TraceContext:
     group_name: str
     ignore_index: int
     layout: ShardLayout | None = None
+    batch_size: int = 0
+    """Rows of the call's batch."""
     labels_passed: bool = False
     positions_passed: bool = True
     full_inputs: dict[str, object] = field(default_factory=dict)
@@ -103,6 +119,8 @@ class TraceContext:
     """(checkpointing, sac_memory_budget) pairs to partition the same joint graph with besides the compile's own
     setting, into ``report.variant_graphs`` (the planner's trace reuse; aot_eager only)."""
     report: CompileReport = field(default_factory=CompileReport)
+    programs: list[CompiledProgram] = field(default_factory=list)
+    """Every program compiled for this model, in order."""
     program_outputs: tuple = ()
     """The flat outputs of the program that ran in the current call (autosp.gradients attaches to them)."""
 
