@@ -5,7 +5,9 @@ the paper-scale tables, the notebooks, the CLIs): its name, who implements it (t
 baseline, DeepSpeed), how it parallelises the sequence (Ulysses, ring, a Ulysses x ring hybrid, the pass's own
 choice, or not at all) with its degrees, the ZeRO stage it trains under at paper scale, the ``autosp.compile``
 options its simulated workload is traced with, and how its whole-step workload is built from that trace
-(:class:`WorkloadRecipe`). Look systems up in :data:`STRATEGIES` (``STRATEGIES["ring"]``); an unknown name raises
+(:class:`WorkloadRecipe`, whose :meth:`~WorkloadRecipe.build` puts the trace, the rewrites of
+:mod:`simulator.workload_rewrites` and DeepSpeed's step of :mod:`simulator.training_step` together). Look systems
+up in :data:`STRATEGIES` (``STRATEGIES["ring"]``); an unknown name raises
 :class:`UnknownStrategyError` listing the valid ones. The hybrid family is open: ``STRATEGIES["autosp-hybrid-2x4"]``
 (Ulysses degree 2, ring degree 4) or :func:`hybrid`.
 
@@ -13,8 +15,10 @@ The module is torch-free (the simulator never imports torch): the experiments tu
 system, and filter its options against the installed ``autosp.AutoSPConfig`` with :meth:`Strategy.options_for`,
 which refuses (rather than silently drops) an option that changes what is computed.
 
-Adding a strategy: add its :class:`Strategy` to ``_FIXED`` below (or a family to :func:`lookup`), give it a
-recipe, list it in the tables it belongs to (``tables``) and add a case to ``tests/simulator/test_strategies.py``.
+Adding a strategy: add its :class:`Strategy` to ``_FIXED`` below (or a family to ``_Registry.__getitem__``),
+give it a recipe, list it in the tables it belongs to (``tables``) and add a case to
+``tests/simulator/test_strategies.py``; the tables, searches and CLIs read it from here (docs/design.md, "Adding a
+strategy").
 
 Note [Hybrid rank layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -29,9 +33,16 @@ arXiv 2405.07719). Pure Ulysses is ``u = sp, r = 1``, pure ring ``u = 1, r = sp`
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
+from simulator.workload_rewrites import ModuleParameters, ring_workload, zero3_workload
+
+if TYPE_CHECKING:
+    from simulator.ledger import TrainingConfig
+    from simulator.workload import Workload
 
 IMPLEMENTATIONS = ("autosp", "hand-written", "deepspeed")
 """Who runs a strategy: this project's pass (``autosp``), a hand-written baseline in ``experiments/baselines``,
@@ -40,7 +51,7 @@ SEQUENCE_PARALLEL = ("ulysses", "ring", "hybrid", "auto", "none")
 """How the sequence is split: Ulysses all-to-alls, a ring of K/V passes, both (Note [Hybrid rank layout]), the
 pass's choice by simulation (``auto``), or not at all (each rank trains on the whole sequence)."""
 REWRITES = ("ring", "zero3")
-"""Rewrites of a traced workload (``experiments/paper_scale/workload_rewrites.py`` today): ``ring``: the Ulysses
+"""Rewrites of a traced workload (:mod:`simulator.workload_rewrites`): ``ring``: the Ulysses
 trace with each attention split into peer-to-peer ring steps and online-softmax merges (the hand-written ring
 baseline); ``zero3``: the single-device trace with per-layer parameter all-gathers and gradient reduce-scatters."""
 TABLES = ("measured-cpu", "paper-scale")
@@ -76,6 +87,28 @@ class WorkloadRecipe:
             raise ValueError(f"unknown workload rewrite {self.rewrite!r}; choose one of {REWRITES}")
         if self.gradient_step not in ("deepspeed", "in-rewrite"):
             raise ValueError(f"gradient_step must be 'deepspeed' or 'in-rewrite', got {self.gradient_step!r}")
+
+    def build(self, traced: Workload, modules: Sequence[ModuleParameters], cfg: TrainingConfig, *,
+              element_bytes: int = 2) -> Workload:
+        """The whole training step from ``traced`` (one forward and backward exported by ``autosp.export``, traced
+        as :attr:`trace_sequence_parallel` says) and its module map ``modules``
+        (``autosp.export.module_parameters``): the rewrite, then DeepSpeed's gradient reduction and optimizer step
+        under ``cfg`` (Note [DeepSpeed gradient reduction] in simulator/training_step.py) over
+        ``cfg.dp_world_size`` ranks; ``element_bytes``: bytes of one parameter or activation element (2: bf16)."""
+        workload = traced
+        if self.rewrite == "zero3":
+            workload = zero3_workload(traced, modules, world_size=cfg.dp_world_size)
+        elif self.rewrite == "ring":
+            workload = ring_workload(traced, element_bytes=element_bytes)
+        if self.gradient_step == "in-rewrite":  # ZeRO-3's reduce-scatters run on the rewrite's dp_reduce group
+            return add_training_step(workload, [], cfg, group="dp_reduce")
+        # DeepSpeed's hooks move each gradient into its buckets: the ledger holds them, not the traced tensors.
+        names = [n for m in modules for n in m.gradients]
+        workload = replace(workload, ranks={r: release_gradients(p, names) for r, p in workload.ranks.items()})
+        sizes = [(m.gradients, m.parameter_bytes // element_bytes) for m in modules]
+        gradients = {r: gradients_from_modules(p, sizes) for r, p in workload.ranks.items()}
+        return add_training_step(workload, gradients, cfg, group="dp",
+                                 group_instances=[list(range(cfg.dp_world_size))])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,6 +290,19 @@ class _Registry(Mapping[str, Strategy]):
         if name not in TABLES:
             raise ValueError(f"unknown table {name!r}; choose one of {TABLES}")
         return tuple(s.name for s in self._by_name.values() if name in s.tables)
+
+
+    def trace_groups(self, names: Iterable[str]) -> tuple[tuple[str, ...], ...]:
+        """``names`` grouped by the trace their simulated workloads are built from (the same SP tracing and
+        compile options: ``ring`` rewrites ``ulysses``' trace), in order of first appearance; what one task of a
+        table simulates with one trace cache."""
+        groups: dict[tuple, list[str]] = {}
+        for name in names:
+            strategy = self[name]
+            if strategy.workload is None:
+                raise ValueError(f"{name} is never simulated (it has no workload recipe)")
+            groups.setdefault((strategy.workload.trace_sequence_parallel, strategy.options), []).append(name)
+        return tuple(tuple(g) for g in groups.values())
 
 
 STRATEGIES = _Registry()

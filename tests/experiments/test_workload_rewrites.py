@@ -1,4 +1,4 @@
-"""The ZeRO-3 and ring-attention workload rewrites (experiments.paper_scale.workload_rewrites) and the module map they use."""
+"""The ZeRO-3 and ring-attention workload rewrites (simulator.workload_rewrites) and the module map they use."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 
 from autosp.export import ModuleParameters
-from experiments.paper_scale.workload_rewrites import kv_chunk_bytes, ring_attention_workload, zero3_workload
 from simulator import Cluster, simulate, validate_workload
 from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
+from simulator.workload_rewrites import kv_chunk_bytes, ring_workload, zero3_workload
 
 P = 4
 Q_BYTES, KV_BYTES, OUT_BYTES = 4096, 1024, 4096  # per rank: q has 4x the heads of k and v (GQA)
@@ -74,7 +74,7 @@ def _attention_flops(program: RankProgram) -> Counter:
 
 def test_ring_rewrite_preserves_every_attention_flop_and_splits_each_attention_in_p_chunks():
     source = _ulysses_toy()
-    ring = ring_attention_workload(source)
+    ring = ring_workload(source)
     for rank in range(P):
         program = ring.program(rank)
         assert _attention_flops(program) == _attention_flops(source.program(0))
@@ -83,7 +83,7 @@ def test_ring_rewrite_preserves_every_attention_flop_and_splits_each_attention_i
 
 
 def test_ring_rewrite_sends_p_minus_one_kv_chunks_per_attention_to_the_next_rank():
-    ring = ring_attention_workload(_ulysses_toy(layers=2))
+    ring = ring_workload(_ulysses_toy(layers=2))
     for rank in range(P):
         starts = [op for op in ring.program(rank).ops if op.kind == "collective_start"]
         assert not any(op.collective.kind == "all_to_all" for op in ring.program(rank).ops if op.collective)
@@ -101,7 +101,7 @@ def test_ring_rewrite_sends_p_minus_one_kv_chunks_per_attention_to_the_next_rank
 
 def test_ring_rewrite_validates_simulates_and_keeps_the_receive_buffers_in_memory():
     source = _ulysses_toy()
-    ring = ring_attention_workload(source)
+    ring = ring_workload(source)
     validate_workload(ring)
     assert kv_chunk_bytes(source) == [2 * KV_BYTES, 2 * KV_BYTES]
     extra = sum(ring.program(0).tensors.values()) - sum(source.program(0).tensors.values())
@@ -117,7 +117,7 @@ def test_ring_rewrite_validates_simulates_and_keeps_the_receive_buffers_in_memor
 
 def test_ring_rewrite_models_the_online_softmax_merge_and_the_gradient_sums():
     source = _ulysses_toy()
-    ring = ring_attention_workload(source)
+    ring = ring_workload(source)
     ulysses_s = simulate(source, Cluster.from_preset("a100-80gb-sxm")).step_time_s
     for rank in range(P):
         ops = ring.program(rank).ops
@@ -137,7 +137,7 @@ def test_ring_rewrite_models_the_online_softmax_merge_and_the_gradient_sums():
 
 def test_ring_rewrite_refuses_split_all_to_alls():
     with pytest.raises(ValueError, match="overlap_communication=False"):
-        ring_attention_workload(_ulysses_toy(blocking=False))
+        ring_workload(_ulysses_toy(blocking=False))
 
 
 # --- ZeRO-3 ---------------------------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ def test_module_parameters_and_both_rewrites_on_a_traced_llama():
                                                 sp_size=4, vocab_size=256, dtype=torch.float32, checkpointing="none",
                                                 overlap_communication=False)
     ulysses = export_workload(compiled.report.aot_graphs, name="ulysses", sp_size=4, parameter_bytes=parameter_bytes)
-    ring = ring_attention_workload(ulysses)
+    ring = ring_workload(ulysses)
     assert _attention_flops(ring.program(3)) == _attention_flops(ulysses.program(0))
     result = simulate(ring, cluster)
     assert math.isfinite(result.step_time_s) and len(result.ranks) == 4

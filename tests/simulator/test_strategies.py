@@ -147,3 +147,12 @@ def test_strategies_sp_candidates(sp, heads, expected):
         assert u * r == sp and heads % u == 0
     with pytest.raises(ValueError, match="divide"):
         sp_candidates(sp, heads=heads, kv_heads=heads + 1)
+
+
+def test_strategies_trace_groups_put_a_rewrite_beside_the_trace_it_rewrites():
+    assert STRATEGIES.trace_groups(STRATEGIES.table("paper-scale")) == (
+        ("autosp",), ("ulysses", "ring"), ("ulysses+ckpt",), ("zero3",))
+    assert STRATEGIES.trace_groups(["ring", "autosp-hybrid-2x2", "ulysses"]) == (("ring", "ulysses"),
+                                                                                ("autosp-hybrid-2x2",))
+    with pytest.raises(ValueError, match="never simulated"):
+        STRATEGIES.trace_groups(["autosp", "deepspeed-autosp"])

@@ -1,8 +1,9 @@
-"""Workload rewrites for the paper's hand-written baselines: ZeRO-3 and ring attention (plain data, no torch).
+"""Workload rewrites of the strategies traced as another's program: ZeRO-3 and ring attention (torch-free).
 
 Each rewrite takes a workload exported from a real trace (`autosp.export`) and returns
 the workload of a system that computes the same model differently: the same kernels
-(same FLOPs and bytes, same activations), different communication.  See
+(same FLOPs and bytes, same activations), different communication.  Which strategy uses
+which rewrite is its :class:`simulator.strategies.WorkloadRecipe`.  See
 Note [ZeRO-3 as a rewrite of the single-device trace] and
 Note [Ring attention as a rewrite of the Ulysses trace].
 
@@ -101,12 +102,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
 
-if TYPE_CHECKING:
-    from autosp.export import ModuleParameters
+
+class ModuleParameters(Protocol):
+    """One module's parameters in a traced workload, by op name (``autosp.export.ModuleParameters``)."""
+
+    module: str
+    parameter_bytes: int
+    forward_reads: tuple[str, ...]
+    backward_reads: tuple[str, ...]
+    gradients: tuple[str, ...]
 
 
 class _Program:
@@ -384,7 +392,7 @@ def _ring_program(source: RankProgram, rank: int, p: int, sites: list[tuple[int,
     return out.build(source.static_memory)
 
 
-def ring_attention_workload(workload: Workload, *, name: str | None = None, element_bytes: int = 2) -> Workload:
+def ring_workload(workload: Workload, *, name: str | None = None, element_bytes: int = 2) -> Workload:
     """The ring-attention step of a Ulysses ``workload`` on the same ranks (one program per rank).
 
     ``element_bytes``: bytes of one activation element (2: bf16).  See Note [Ring attention as a rewrite of the
@@ -393,7 +401,7 @@ def ring_attention_workload(workload: Workload, *, name: str | None = None, elem
     if p < 2:
         raise ValueError("ring attention needs at least two ranks")
     if not workload.symmetric:
-        raise ValueError("ring_attention_workload expects the symmetric Ulysses workload autosp.export writes")
+        raise ValueError("ring_workload expects the symmetric Ulysses workload autosp.export writes")
     sites = attention_input_bytes(workload)
     source = workload.program(0)
     everyone = [list(range(p))]
@@ -401,4 +409,4 @@ def ring_attention_workload(workload: Workload, *, name: str | None = None, elem
                     groups={**{g: [list(m) for m in inst] for g, inst in workload.groups.items()},
                             "ring_send": everyone, "ring_recv": everyone},
                     ranks={r: _ring_program(source, r, p, sites, element_bytes) for r in range(p)}, symmetric=False,
-                    metadata={**workload.metadata, "system": "ring_attention"})
+                    metadata={**workload.metadata, "system": "ring"})
