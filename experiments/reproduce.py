@@ -39,12 +39,10 @@ from tqdm import tqdm
 
 from experiments import cli
 from experiments.tables import bar_plot, write_table
+from simulator.strategies import STRATEGIES
 
 REFERENCE_CSV = pathlib.Path(__file__).resolve().parent / "data" / "autosp-paper-figures.csv"
 DISAGREEMENT = 0.20
-SYSTEMS = ("zero3", "ring_attention", "ulysses", "autosp")
-UNPUBLISHED_SYSTEMS = ("ulysses+ckpt",)  # simulated beside the published systems, no published figure
-MEASURED_SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp")
 CPU_MODEL, CPU_MODEL_OPTIONS = "hf-llama", {"kv_heads": 4}  # 8 query heads, 4 kv heads: GQA splits over 4 ranks
 EXACT_GRAD_ERROR = 1e-3  # above this relative gradient error a system is flagged inexact
 MEASUREMENT_TIMEOUT_S = 3600.0  # deadline of one gloo run of the measured tables (all systems)
@@ -54,6 +52,20 @@ COLLECTIVE_TIMEOUT_S = 600.0  # how long a collective waits for a rank still com
 def published_figures() -> list[dict[str, str]]:
     lines = [ln for ln in REFERENCE_CSV.read_text().splitlines() if ln and not ln.startswith("#")]
     return list(csv.DictReader(lines))
+
+
+def published_systems() -> tuple[str, ...]:
+    """The strategies with a published figure, in the order of the published-figures table (its ``system``
+    column spells them as `simulator.strategies.STRATEGIES` does)."""
+    return tuple(dict.fromkeys(STRATEGIES[r["system"]].name for r in published_figures()))
+
+
+SIMULATED = STRATEGIES.table("paper-scale")
+"""The systems of the simulated tables."""
+UNPUBLISHED = tuple(s for s in SIMULATED if not STRATEGIES[s].published)
+"""Simulated beside the published systems, with no published figure."""
+MEASURED = STRATEGIES.table("measured-cpu")
+"""The systems of the measured CPU tables."""
 
 
 def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: dict[str, int], max_probes: int,
@@ -69,11 +81,11 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
     before = _trace_counts(cache)
     found = {}
     for system in systems:
-        # Ring attention's activations are Ulysses' plus small receive buffers: searched after Ulysses in
-        # the same task, it starts at the Ulysses length, whose traces are cached (Note [Baselines as
-        # AutoSP variants]).
-        ulysses = found.get("ulysses")
-        start = ulysses.nominal.max_seq_len if system == "ring_attention" and ulysses else None
+        # ``systems`` share one trace (`STRATEGIES.trace_groups`): the later ones rewrite the first's (ring:
+        # Ulysses' activations plus small receive buffers), so they start at its length, whose traces are
+        # cached (Note [Baselines as AutoSP variants]).
+        first = found.get(systems[0])
+        start = first.nominal.max_seq_len if first else None
         found[system] = max_length(system, model, granularity=granularity[system], high=ceiling,
                                    start=start or 8192, max_probes=max_probes, cache=cache,
                                    alternative=ALTERNATIVE_CONFIG, layers=layers)
@@ -98,10 +110,10 @@ def _trace_counts(cache, since: dict | None = None) -> dict:
     return {k: v - (since or {}).get(k, 0) for k, v in counts.items()}
 
 
-TRACE_GROUPS = (("autosp",), ("ulysses", "ring_attention"), ("ulysses+ckpt",), ("zero3",))
+TRACE_GROUPS = STRATEGIES.trace_groups(SIMULATED)
 """Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache).
-AutoSP first: its selective checkpointing is traced at every length, the others are interpolated between a few
-traces (Note [One trace per length class] in experiments/paper_scale/simulate.py)."""
+AutoSP first (first in the registry): its selective checkpointing is traced at every length, the others are
+interpolated between a few traces (Note [One trace per length class] in experiments/paper_scale/simulate.py)."""
 
 
 def _run_tasks(args, tasks: list[tuple[Callable, tuple]], desc: str) -> list:
@@ -197,7 +209,7 @@ def gap_shape(rows: list[dict]) -> dict:
     from experiments.models import PAPER_MODELS
 
     shape = {}
-    for system in SYSTEMS:
+    for system in published_systems():
         mine = [r for r in rows if r["system"] == system and r["headroom_at_published_gib"] != ""
                 and r["error_pct"] != "" and abs(float(r["error_pct"])) > DISAGREEMENT * 100]
         if not mine:
@@ -232,8 +244,7 @@ def table_max_seq_len(args) -> list[dict]:
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
     published = [r for r in published if not args.models or r["model"] in args.models]
     models = sorted({r["model"] for r in published})
-    granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity
-                   for s in SYSTEMS + UNPUBLISHED_SYSTEMS}
+    granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity for s in SIMULATED}
     # Longest tasks first (AutoSP traces every length, deeper models trace longer), so that the last task to
     # finish on a worker is a short one.
     by_depth = sorted(models, key=lambda m: -PAPER_MODELS[m].num_layers)
@@ -244,7 +255,7 @@ def table_max_seq_len(args) -> list[dict]:
     for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
                                        strict=True):
         simulated.update({(model, system): result for system, result in found.items()})
-    published += [{"model": model, "system": system, "value": ""} for model in models for system in UNPUBLISHED_SYSTEMS]
+    published += [{"model": model, "system": system, "value": ""} for model in models for system in UNPUBLISHED]
     for row in published:
         found = simulated.get((row["model"], row["system"]))
         if found is None:
@@ -283,11 +294,17 @@ def table_max_seq_len(args) -> list[dict]:
                 f"differs by more than {DISAGREEMENT:.0%}" if error is not None and abs(error) > DISAGREEMENT * 100
                 else "", *lower_bound,
                 "memory extrapolated from 1 and 2 layers (--quick): too low under checkpointing"
-                if args.layers == "extrapolated" and row["system"] in ("autosp", "ulysses+ckpt") else ""])),
+                if args.layers == "extrapolated" and _checkpoints(row["system"]) else ""])),
         })
-    rows = sorted(rows, key=lambda r: (r["model"], (SYSTEMS + UNPUBLISHED_SYSTEMS).index(r["system"])))
+    order = published_systems() + UNPUBLISHED
+    rows = sorted(rows, key=lambda r: (r["model"], order.index(r["system"])))
     args.summaries["max-seq-len"] = max_seq_len_summary(rows)
     return rows
+
+
+def _checkpoints(system: str) -> bool:
+    """Whether ``system`` recomputes activations (its trace option ``checkpointing``; none: the pass's SAC)."""
+    return STRATEGIES[system].compile_options.get("checkpointing") != "none"
 
 
 def search_configs_task(model: str, systems: tuple[str, ...], configs: tuple[str, ...], granularity: dict[str, int],
@@ -301,9 +318,9 @@ def search_configs_task(model: str, systems: tuple[str, ...], configs: tuple[str
     before = (cache.misses, cache.hits)
     found = {}
     for name in configs:
-        for system in systems:
-            ulysses = found.get((name, "ulysses"))
-            start = ulysses.nominal.max_seq_len if system == "ring_attention" and ulysses else None
+        for system in systems:  # the later systems of a trace group start at the first's length (as above)
+            first = found.get((name, systems[0]))
+            start = first.nominal.max_seq_len if first else None
             found[name, system] = max_length(system, model, granularity=granularity[system], high=ceiling,
                                              start=start or 8192, max_probes=max_probes, cache=cache,
                                              config=PUBLIC_CONFIGS[name], layers=layers)
@@ -323,8 +340,9 @@ def table_max_seq_len_configs(args) -> list[dict]:
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
     published = [r for r in published if not args.models or r["model"] in args.models]
     configs = tuple(PUBLIC_CONFIGS)
-    granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity for s in SYSTEMS}
-    groups = [g for g in TRACE_GROUPS if set(g) <= set(SYSTEMS)]
+    published_only = published_systems()
+    granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity for s in published_only}
+    groups = [g for g in TRACE_GROUPS if set(g) <= set(published_only)]
     tasks = [(search_configs_task, (model, systems, configs, granularity, args.search_probes,
                                     args.max_seq_len_ceiling, args.layers))
              for model in sorted({r["model"] for r in published}) for systems in groups]
@@ -372,7 +390,7 @@ def table_throughput(args) -> list[dict]:
     published = [r for r in published_figures() if r["figure"] == "iteration_s"]
     lengths = sorted({int(r["seq_len"]) for r in published})
     published += [{"seq_len": str(length), "system": system, "value": ""} for length in lengths
-                  for system in UNPUBLISHED_SYSTEMS]
+                  for system in UNPUBLISHED]
     tasks = [(simulate_steps_task, (args.iteration_model, seq_len, systems, args.layers))
              for seq_len in lengths for systems in TRACE_GROUPS]
     sims = {}
@@ -424,7 +442,7 @@ def table_measured_cpu(args) -> list[dict]:
         # Each system in its own processes: a fresh compile state and its own graph-break/recompile counts.
         by_system = {name: [r["systems"][name] for r in run_on_ranks(
             measure_on_rank, ranks, {**spec, "systems": [name]}, timeout_s=MEASUREMENT_TIMEOUT_S,
-            collective_timeout_s=COLLECTIVE_TIMEOUT_S)] for name in MEASURED_SYSTEMS}
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S)] for name in MEASURED}
         ulysses = by_system["ulysses"]
         ulysses_s = max(r["median_step_s"] for r in ulysses) if "median_step_s" in ulysses[0] else None
         for name, results in by_system.items():
@@ -473,8 +491,8 @@ def table_memory_cap(args) -> list[dict]:
         results = {name: run_on_ranks(max_seq_len_on_rank, ranks, {**spec, "systems": [name]},
                                       timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
                                       )[0]["systems"][name]
-                   for name in MEASURED_SYSTEMS}  # each system in its own processes
-        for name in MEASURED_SYSTEMS:
+                   for name in MEASURED}  # each system in its own processes
+        for name in MEASURED:
             r = results[name]
             probes = ", ".join(f"{s}:{p / 2**20:.1f}" for s, p in r["probes"])
             row = {"system": name, "ranks": ranks, "cap_mib": f"{args.memory_cap_mib:g}"}
@@ -511,20 +529,21 @@ def plot_max_seq_len(rows: list[dict], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     models = sorted({r["model"] for r in rows})
+    systems = published_systems()
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.13
-    for i, system in enumerate(SYSTEMS):
+    for i, system in enumerate(systems):
         values = [next((float(r["published_tokens"]) for r in rows if r["model"] == m and r["system"] == system), 0)
                   for m in models]
         ax.bar([x + i * width for x in range(len(models))], values, width, label=f"{system} (published)")
-    simulated_systems = [s for s in SYSTEMS if any(r["system"] == s and r["simulated_nominal"] != "" for r in rows)]
+    simulated_systems = [s for s in systems if any(r["system"] == s and r["simulated_nominal"] != "" for r in rows)]
     for j, system in enumerate(simulated_systems):
         simulated = [next((float(r["simulated_nominal"] or 0) for r in rows if r["model"] == m and r["system"] == system),
                           0) for m in models]
-        ax.bar([x + (len(SYSTEMS) + j) * width for x in range(len(models))], simulated, width,
+        ax.bar([x + (len(systems) + j) * width for x in range(len(models))], simulated, width,
                label=f"{system} (simulated)", hatch="//" if system == "autosp" else "..", color="white",
-               edgecolor=f"C{SYSTEMS.index(system)}")
-    ax.set_xticks([x + (len(SYSTEMS) + len(simulated_systems) - 1) * width / 2 for x in range(len(models))], models)
+               edgecolor=f"C{systems.index(system)}")
+    ax.set_xticks([x + (len(systems) + len(simulated_systems) - 1) * width / 2 for x in range(len(models))], models)
     ax.set_ylabel("max trainable sequence (tokens)")
     ax.set_title("8×A100-80GB: published vs simulated")
     ax.legend(fontsize=7)

@@ -6,14 +6,15 @@ through the `System` protocol: ``step(input_ids, labels)`` gets the same
 full-length sample on every rank of a sequence-parallel (SP) group, runs forward,
 backward and the gradient synchronisation, and returns the loss; ``gradients()``
 gives each parameter's gradient as single-device training would have it, for
-error measurement.  Systems: ``autosp`` (this project's compiler pass, default
-settings), ``autosp-nosac`` (the same with sequence-aware activation
-checkpointing off: ``checkpointing="none"``),
-``ulysses`` (hand-written DeepSpeed-Ulysses on ``DistributedAttention``),
-``ulysses+ckpt`` (the same with per-layer activation checkpointing),
-``ring`` (hand-written exact, load-balanced ring attention), ``zero3`` (DeepSpeed
-ZeRO-3 data parallelism, no SP) and ``deepspeed-autosp`` (DeepSpeed's own AutoSP
-pass, run as it is, faults included).
+error measurement.  Systems: the strategies of `simulator.strategies.STRATEGIES`,
+by the registry's name; who implements one says which class runs it: ``autosp``
+(this project's compiler pass with the strategy's options, e.g. ``autosp`` and
+``autosp-nosac``), ``hand-written`` Ulysses on ``DistributedAttention``
+(``ulysses``; ``ulysses+ckpt`` with per-layer activation checkpointing) or exact,
+load-balanced ring attention (``ring``), and ``deepspeed``: ZeRO-3 data
+parallelism, no SP (``zero3``), or DeepSpeed's own AutoSP pass, run as it is,
+faults included (``deepspeed-autosp``).  The measured tables list
+``STRATEGIES.table("measured-cpu")``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from experiments.baselines.common import BaselineUnsupported
+from simulator.strategies import STRATEGIES
 
 
 @runtime_checkable
@@ -32,7 +34,7 @@ class System(Protocol):
     """One training system; every rank of every SP group drives it with the same calls."""
 
     name: str
-    """The name it was built under (a key of `SYSTEMS`)."""
+    """The name it was built under (a name of `simulator.strategies.STRATEGIES`)."""
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward, backward and gradient sync on a full-length [B, S] sample (the same on every rank of
@@ -50,10 +52,6 @@ class System(Protocol):
         ...
 
 
-SYSTEMS = ("autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp")
-"""Names `build_system` accepts."""
-
-
 def build_system(
     name: str,
     model: nn.Module,
@@ -63,34 +61,43 @@ def build_system(
     compiler: str = "aot_eager",
     **options,
 ) -> System:
-    """Build the system ``name`` around ``model`` on every rank of ``process_group`` (default: the world).
+    """Build the system ``name`` (a strategy of `simulator.strategies.STRATEGIES`) around ``model`` on every
+    rank of ``process_group`` (default: the world).
 
     ``process_group`` is split into SP groups of ``sp_size`` contiguous ranks (the
     groups are data-parallel replicas); ``compiler`` is the ``torch.compile``
     backend (``"aot_eager"``, ``"inductor"``, or ``"eager"`` for none).
     ``options`` go to the system's constructor (e.g. ``load_balance=False`` for
     ``ring``).  The system owns ``model`` from now on; pass a copy to keep one.
-    Raises `BaselineUnsupported` (a ``NotImplementedError``) where a system cannot
-    run this model, with the reason.
+    Raises `simulator.strategies.UnknownStrategyError` (a ``ValueError``) for a name
+    that is no strategy, and `BaselineUnsupported` (a ``NotImplementedError``) where a
+    system cannot run this model or here, with the reason.
     """
-    if name in ("autosp", "autosp-nosac"):
-        from experiments.baselines.autosp_system import AutoSPSystem, autosp_options
+    strategy = STRATEGIES[name]
+    kind = (strategy.implementation, strategy.sequence_parallel)
+    if strategy.implementation == "autosp":
+        from experiments.baselines.autosp_system import AutoSPSystem as cls
+        from experiments.baselines.autosp_system import autosp_options
 
-        options = {**autosp_options(name), **options}
-        return _checked(AutoSPSystem, name, model, sp_size, process_group, compiler, options)
-    elif name in ("ulysses", "ulysses+ckpt"):
+        try:
+            options = {**autosp_options(name), **options}
+        except ValueError as e:  # a strategy option the installed pass lacks
+            raise BaselineUnsupported(str(e)) from None
+    elif kind == ("hand-written", "ulysses"):
         from experiments.baselines.ulysses import UlyssesSystem as cls
 
-        if name == "ulysses+ckpt":
+        # Note [Ulysses with per-layer checkpointing] in experiments/paper_scale/baselines.py: "full" stands for it
+        if strategy.compile_options.get("checkpointing") == "full":
             options = {"activation_checkpointing": True, **options}
-    elif name == "ring":
+    elif kind == ("hand-written", "ring"):
         from experiments.baselines.ring import RingSystem as cls
-    elif name == "zero3":
+    elif kind == ("deepspeed", "none"):
         from experiments.baselines.zero3 import ZeRO3System as cls
-    elif name == "deepspeed-autosp":
+    elif kind == ("deepspeed", "ulysses"):
         from experiments.baselines.deepspeed_autosp import DeepSpeedAutoSPSystem as cls
     else:
-        raise ValueError(f"unknown system {name!r}; choose one of {list(SYSTEMS)}")
+        raise BaselineUnsupported(f"no runnable system for {name} ({strategy.implementation}, "
+                                  f"{strategy.sequence_parallel})")
     return _checked(cls, name, model, sp_size, process_group, compiler, options)
 
 
@@ -102,4 +109,4 @@ def _checked(cls, name, model, sp_size, process_group, compiler, options) -> Sys
     return system
 
 
-__all__ = ["SYSTEMS", "BaselineUnsupported", "System", "build_system"]
+__all__ = ["BaselineUnsupported", "System", "build_system"]

@@ -6,15 +6,16 @@ cuts out the rank's shard itself), and `autosp.sync_gradients` sums gradients
 over the SP group.  The loss it returns is already the full-sample loss on every
 rank.  Extra ``options`` are `autosp.AutoSPConfig` fields.
 
-``autosp-nosac`` is the same system with ``checkpointing="none"``; with an
-`autosp.AutoSPConfig` that has no ``checkpointing`` field (no SAC to turn off) it
-is plain ``autosp``.
+Every strategy the pass implements (``autosp``, ``autosp-nosac``, ... in
+`simulator.strategies.STRATEGIES`) runs here with its registry options
+(`autosp_options`): ``autosp-nosac`` is the same system with
+``checkpointing="none"``; with an `autosp.AutoSPConfig` that has no
+``checkpointing`` field (no SAC to turn off) it is plain ``autosp``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import torch.distributed as dist
@@ -22,18 +23,15 @@ from torch import nn
 
 import autosp
 from experiments.baselines.common import loss_of, named_gradients
-
-log = logging.getLogger(__name__)
+from simulator.strategies import STRATEGIES
 
 
 def autosp_options(name: str) -> dict:
-    """The `autosp.compile` options of the registry entry ``name`` ("autosp" or "autosp-nosac")."""
-    if name == "autosp":
-        return {}
-    if "checkpointing" not in {f.name for f in dataclasses.fields(autosp.AutoSPConfig)}:
-        log.info("%s: this autosp has no checkpointing option (no SAC); running its defaults", name)
-        return {}
-    return {"checkpointing": "none"}
+    """The `autosp.compile` options of strategy ``name`` (`simulator.strategies.STRATEGIES`) that the installed
+    pass accepts (`simulator.strategies.Strategy.options_for`): what an AutoSP strategy runs with here and what
+    every simulated workload is traced with.  Raises ``ValueError`` for a strategy the installed pass cannot
+    run (a ``strategy`` option it lacks)."""
+    return STRATEGIES[name].options_for({f.name for f in dataclasses.fields(autosp.AutoSPConfig)})
 
 
 class AutoSPSystem:

@@ -1,5 +1,9 @@
 """Paper-scale baselines in the simulator: hand-written Ulysses, ring attention and ZeRO-3, from real traces.
 
+What each system is (its name, trace options, ZeRO stage, SP degree and whole-step recipe) is its entry in
+`simulator.strategies.STRATEGIES`; the systems simulated at paper scale are ``STRATEGIES.table("paper-scale")``.
+This module explains how those entries model the paper's baselines.
+
 Note [Baselines as AutoSP variants]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The paper compares AutoSP on 8×A100-80GB with three hand-written baselines; the
@@ -15,10 +19,10 @@ Each is derived from a graph the real compiler produces for the same model:
 - ``ulysses+ckpt``: hand-written Ulysses with per-layer activation checkpointing,
   as Ulysses is run for long sequences in practice.  Traced like ``ulysses`` but
   with ``checkpointing="full"``; see Note [Ulysses with per-layer checkpointing].
-- ``ring_attention``: that same Ulysses trace, rewritten: no all-to-alls, each
+- ``ring``: that same Ulysses trace, rewritten: no all-to-alls, each
   attention split into 8 chunks between peer-to-peer K,V (and dK,dV) transfers
   around the ring (see Note [Ring attention as a rewrite of the Ulysses trace] in
-  experiments.paper_scale.workload_rewrites); static memory as Ulysses'.
+  simulator.workload_rewrites); static memory as Ulysses'.
 - ``zero3``: the model compiled without sequence parallelism (``autosp.compile``
   with ``sp_size=1``, ``checkpointing="none"``: each rank trains on the full
   sequence), rewritten with ZeRO-3's per-module parameter all-gathers and gradient
@@ -26,7 +30,8 @@ Each is derived from a graph the real compiler produces for the same model:
   under ZeRO 3 (see Note [ZeRO-3 as a rewrite of the single-device trace]).
 
 Every system then gets DeepSpeed's gradient reduction and optimizer step (Note
-[DeepSpeed gradient reduction] in simulator/training_step.py); step time and activation memory of a full model are
+[DeepSpeed gradient reduction] in simulator/training_step.py; the rewrite and the step are put together by
+`simulator.strategies.WorkloadRecipe.build`); step time and activation memory of a full model are
 extrapolated from one- and two-layer traces (Note [Depth extrapolation] in simulator/max_length.py), and the
 longest sequence is found by `experiments.paper_scale.simulate.max_length`, all in
 experiments.paper_scale.simulate.
@@ -49,46 +54,3 @@ real baseline's (by four blocking all-to-alls per layer).  The CPU measurement
 (``ulysses+ckpt`` in the measured-cpu and memory-cap tables) runs the real
 per-layer checkpoint.
 """
-
-from __future__ import annotations
-
-import dataclasses
-
-SYSTEMS = ("autosp", "ulysses", "ulysses+ckpt", "ring_attention", "zero3")
-"""Every system simulated at paper scale (names as in the published-figures table)."""
-SIMULATED_BASELINES = ("zero3", "ring_attention", "ulysses", "ulysses+ckpt")
-"""The baselines among them (``ulysses+ckpt`` has no published figure)."""
-
-
-def _autosp_options(**wanted) -> dict:
-    import autosp
-
-    fields = {f.name for f in dataclasses.fields(autosp.AutoSPConfig)}
-    return {k: v for k, v in wanted.items() if k in fields}
-
-
-def system_options(system: str) -> dict:
-    """`autosp.compile` options of the trace ``system`` is derived from (Note [Baselines as AutoSP variants])."""
-    if system == "autosp":
-        return {}  # autosp.compile's defaults: SAC and overlapped all-to-alls
-    if system in ("ulysses", "ring_attention"):
-        return _autosp_options(checkpointing="none", overlap_communication=False)
-    if system == "ulysses+ckpt":  # see Note [Ulysses with per-layer checkpointing] for what "full" stands for
-        return _autosp_options(checkpointing="full", overlap_communication=False)
-    if system == "zero3":
-        return _autosp_options(checkpointing="none")
-    raise ValueError(f"system {system!r} is not simulated at paper scale; choose one of {SYSTEMS}")
-
-
-def sp_size_of(system: str, ranks: int, baseline_sp: int | None = None) -> int:
-    """Ranks one sequence is split over: 1 under ZeRO-3 (each rank its own sequence); all of them for AutoSP (the
-    AutoSP fork's all-to-alls run on the whole world, Note [The public configurations of the published runs] in
-    experiments.paper_scale.config); ``baseline_sp`` (default: all) for the hand-written SP baselines, whose
-    groups the benchmark script builds from its ``--sp_size``."""
-    if system == "zero3":
-        return 1
-    if system == "autosp" or baseline_sp is None:
-        return ranks
-    if baseline_sp < 1 or ranks % baseline_sp:
-        raise ValueError(f"baseline_sp {baseline_sp} must divide ranks {ranks}")
-    return baseline_sp

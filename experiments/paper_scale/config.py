@@ -66,6 +66,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator.strategies import STRATEGIES
+
 
 @dataclass(frozen=True)
 class PaperConfig:
@@ -78,8 +80,7 @@ class PaperConfig:
     zero3_zero_stage: int = 3
     sp_size: int | None = None
     """Ranks the hand-written baselines split one sequence over (``None``: all of them); the rest of the world
-    is data parallel.  AutoSP always shards over every rank and ZeRO-3 over none
-    (`experiments.paper_scale.baselines.sp_size_of`)."""
+    is data parallel.  AutoSP always shards over every rank and ZeRO-3 over none (`sp_size_of`)."""
     deepspeed: str = "0.19.8"
     """DeepSpeed version whose code the ledger follows (`simulator.ledger.TrainingConfig.deepspeed`)."""
     provenance: str = ""
@@ -90,8 +91,23 @@ class PaperConfig:
             raise ValueError(f"sp_size {self.sp_size} must divide world_size {self.world_size}")
 
     def zero_stage(self, system: str) -> int:
-        """ZeRO stage of ``system`` (``zero3`` or one of the SP systems)."""
-        return self.zero3_zero_stage if system.replace("-", "") == "zero3" else self.sp_zero_stage
+        """ZeRO stage of strategy ``system`` (a name of `simulator.strategies.STRATEGIES`): ``zero3_zero_stage``
+        for a strategy that trains under ZeRO 3 by definition, this configuration's ``sp_zero_stage`` for the
+        others."""
+        return self.zero3_zero_stage if STRATEGIES[system].zero_stage == 3 else self.sp_zero_stage
+
+    def sp_size_of(self, system: str, ranks: int) -> int:
+        """Ranks one sequence of strategy ``system`` is split over on ``ranks`` ranks: ``sp_size`` for the
+        hand-written baselines, whose SP groups the authors' benchmark script builds from its ``--sp_size``; the
+        strategy's own for the others (`simulator.strategies.Strategy.sp_size`: 1 under ZeRO-3, every rank for
+        AutoSP, whose fork's all-to-alls run on the whole world, Note [The public configurations of the
+        published runs])."""
+        strategy = STRATEGIES[system]
+        if strategy.implementation != "hand-written" or self.sp_size is None:
+            return strategy.sp_size(ranks)
+        if ranks % self.sp_size:
+            raise ValueError(f"sp_size {self.sp_size} must divide ranks {ranks}")
+        return self.sp_size
 
     @property
     def dp_size(self) -> int:

@@ -1,8 +1,8 @@
 """Export whole paper-scale training steps as workload JSON files, for ``python -m simulator --max-length DIR``.
 
-Each file is one system's whole step (the traced forward and backward on fake tensors, the ring-attention or
-ZeRO-3 rewrite where the system needs it, DeepSpeed's gradient reduction and optimizer step: exactly what
-`experiments.paper_scale.simulate.step_workload` simulates) for one paper model at one length and one traced
+Each file is one system's whole step (the traced forward and backward on fake tensors, the ring or ZeRO-3
+rewrite where its `simulator.strategies.WorkloadRecipe` says so, DeepSpeed's gradient reduction and optimizer
+step: exactly what `experiments.paper_scale.simulate.step_workload` simulates) for one paper model at one length and one traced
 depth, with `simulator.max_length.step_metadata` saying which model, system, length, depth and training
 configuration it is.  The simulator then finds the longest of the exported lengths that fits, with the ledger's
 band, without torch::
@@ -27,10 +27,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from experiments.models import PAPER_MODELS
-from experiments.paper_scale.baselines import SYSTEMS
 from experiments.paper_scale.config import PAPER_CONFIG, PaperConfig, training_config
-from experiments.paper_scale.simulate import LAYER_MODES, TraceCache, step_workload
+from experiments.paper_scale.simulate import LAYER_MODES, TraceCache, simulated_strategy, step_workload
 from simulator.max_length import step_metadata
+from simulator.strategies import STRATEGIES
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,8 @@ def export_steps(model_name: str, systems: tuple[str, ...], lengths: tuple[int, 
     """Write one whole-step workload per system, length and traced depth into ``out``; returns the paths."""
     if model_name not in PAPER_MODELS:
         raise ValueError(f"unknown paper model {model_name!r}; choose one of {sorted(PAPER_MODELS)}")
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        raise ValueError(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    for system in systems:
+        simulated_strategy(system)  # an unknown name, or one never simulated, is refused with the valid ones
     if layers not in LAYER_MODES:
         raise ValueError(f"layers={layers!r}: choose one of {LAYER_MODES}")
     model = PAPER_MODELS[model_name]
@@ -73,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = cli.parser("experiments.paper_scale.export_steps", __doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, choices=sorted(PAPER_MODELS), help="paper model")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, metavar="SYSTEM",
-                        help=f"systems to export: {', '.join(SYSTEMS)}")
+    systems = STRATEGIES.table("paper-scale")
+    parser.add_argument("--systems", nargs="+", default=list(systems), choices=systems, metavar="SYSTEM",
+                        help=f"systems to export: {', '.join(systems)}")
     parser.add_argument("--lengths", nargs="+", type=int, required=True, metavar="TOKENS", help="sequence lengths")
     parser.add_argument("--layers", default="full", choices=LAYER_MODES,
                         help="trace at the full depth, or at one and two layers")

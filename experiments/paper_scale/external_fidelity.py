@@ -18,7 +18,7 @@ with the simulated activations, their allocator rounding and fragmentation) with
   bytes per parameter over the shard group) is modelled by the ZeRO-3 system and ledger (bf16 partition, fp32
   master, Adam moments, bf16 gradient partition: also 16 bytes per parameter over the shard group).  FSDP2's
   gathered bf16 layer parameters are the ZeRO-3 rewrite's per-module gathers.
-* Context parallelism (CP) of degree c: the ring-attention system over c ranks (each holds seq_len / c tokens),
+* Context parallelism (CP) of degree c: the ``ring`` system over c ranks (each holds seq_len / c tokens),
   with the ZeRO-3 ledger over every rank (torchtitan shards FSDP over the dp_shard x cp mesh).
 * Full activation checkpointing: ``checkpointing="full"``.  torchtitan's selective "op" policy (save every other
   ``mm`` and the attention outputs, torchtitan 9dec370 ``torchtitan/parallelisms/parallelize_llama.py`` lines
@@ -115,7 +115,7 @@ def reserved_bytes(figure: ExternalFigure, dynamic_memory_bytes: int) -> int:
     from experiments.paper_scale.config import PaperConfig, training_config
     from simulator.ledger import memory_ledger, summarize
 
-    system = "zero3" if figure.cp == 1 else "ring_attention"
+    system = "zero3" if figure.cp == 1 else "ring"
     config = PaperConfig(sp_zero_stage=3, world_size=figure.shard, optimizer="adamw")
     lines = memory_ledger(training_config(PAPER_MODELS[figure.model], system, config), at="backward",
                           activation_bytes=int(dynamic_memory_bytes))
@@ -124,16 +124,16 @@ def reserved_bytes(figure: ExternalFigure, dynamic_memory_bytes: int) -> int:
 
 def simulated_dynamic_bytes(figure: ExternalFigure, *, layers: str = "full", cache=None) -> int:
     """Peak memory above static memory of the figure's simulated step (one FSDP replica's ranks)."""
-    from experiments.paper_scale.baselines import system_options
+    from experiments.baselines.autosp_system import autosp_options
     from experiments.paper_scale.config import PaperConfig
     from experiments.paper_scale.simulate import simulate_step
     from simulator import Cluster
 
-    system = "zero3" if figure.cp == 1 else "ring_attention"
+    system = "zero3" if figure.cp == 1 else "ring"
     ranks = 8 if figure.cp == 1 else figure.cp
     step = simulate_step(system, figure.model, figure.seq_len, ranks=ranks, cluster=Cluster.from_preset(figure.cluster),
                          cache=cache, config=PaperConfig(sp_zero_stage=3, world_size=ranks, optimizer="adamw"),
-                         autosp_options={**system_options(system), "checkpointing": figure.checkpointing},
+                         autosp_options={**autosp_options(system), "checkpointing": figure.checkpointing},
                          layers=layers)
     return step.dynamic_memory_bytes
 

@@ -1,10 +1,11 @@
 """Simulated paper-scale runs on 8×A100-80GB for the paper's Llama models: every system, its whole training step,
 its memory from the ledger, and one maximum-sequence-length search.
 
-`simulate_step` simulates one training step of a system (``autosp``, ``ulysses``, ``ulysses+ckpt``,
-``ring_attention``, ``zero3``; see Note [Baselines as AutoSP variants] in experiments.paper_scale.baselines):
-the traced forward and backward, then DeepSpeed's gradient reduction and optimizer step
-(`simulator.training_step.add_training_step`, Note [DeepSpeed gradient reduction] in simulator/training_step.py); its peak memory is the
+`simulate_step` simulates one training step of a system (a strategy of `simulator.strategies.STRATEGIES` with a
+workload recipe: those of ``STRATEGIES.table("paper-scale")``; see Note [Baselines as AutoSP variants] in
+experiments.paper_scale.baselines): the traced forward and backward, rewritten and followed by DeepSpeed's
+gradient reduction and optimizer step as the strategy's `simulator.strategies.WorkloadRecipe.build` says (Note
+[DeepSpeed gradient reduction] in simulator/training_step.py); its peak memory is the
 simulated activations plus the memory ledger of the paper's configuration (`experiments.paper_scale.config`),
 with the ledger's low/high band.  `max_length` finds the longest sequence with `simulator.search.search_max_length`
 and the band's ends from the same simulated steps (The band of the longest length and the alternative configuration come from one set of simulated steps
@@ -42,16 +43,15 @@ from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 
 from autosp.export import ModuleParameters, export_workload, module_parameters, trace_fake_step
+from experiments.baselines.autosp_system import autosp_options as strategy_options
 from experiments.models import PAPER_MODELS, PaperModel
-from experiments.paper_scale.baselines import SYSTEMS, sp_size_of, system_options
 from experiments.paper_scale.config import PAPER_CONFIG, PaperConfig, peak_memory_bytes, training_config
-from experiments.paper_scale.workload_rewrites import ring_attention_workload, zero3_workload
 from simulator import Cluster, simulate
 from simulator.max_length import BANDS, ModelStep, extrapolate_depth
 from simulator.max_length import MaxLength as BandedMaxLength
 from simulator.max_length import max_length as search_with_band
-from simulator.training_step import GradientReady, add_training_step, gradients_from_modules
-from simulator.workload import RankProgram, Workload
+from simulator.strategies import STRATEGIES, Strategy
+from simulator.workload import Workload
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class TraceCache:
 
     Owned by a caller (one reproduction run) and passed down explicitly; the searches of
     different systems probe some of the same lengths (ring attention reuses the Ulysses
-    trace, see experiments.paper_scale.baselines), each of which is traced once."""
+    trace: `simulator.strategies.STRATEGIES.trace_groups`), each of which is traced once."""
 
     workloads: dict = field(default_factory=dict)
     hits: int = 0
@@ -265,47 +265,34 @@ def interpolate_trace(anchors: dict[int, TracedStep], seq_len: int, *, name: str
     return TracedStep(workload=workload, modules=anchors[lengths[0]].modules)
 
 
-def _gradients(program, modules: tuple[ModuleParameters, ...], element_bytes: int = 2) -> list[GradientReady]:
-    return gradients_from_modules(program, [(m.gradients, m.parameter_bytes // element_bytes) for m in modules])
-
-
-def _gradients_into_buckets(program: RankProgram, modules: tuple[ModuleParameters, ...]) -> RankProgram:
-    """``program`` with every parameter gradient freed by the op that produces it: DeepSpeed's backward hook
-    copies it into the ipg bucket and points ``param.grad`` there (``reduce_independent_p_g_buckets_and_remove_grads``
-    with ``contiguous_gradients``), so the gradients' memory is the ledger's (buckets, gradient partition), not the
-    traced tensors' (Note [DeepSpeed gradient reduction] in simulator/training_step.py)."""
-    names = {n for m in modules for n in m.gradients}
-    freed = {t for op in program.ops for t in op.frees}
-    ops = tuple(replace(op, frees=tuple(sorted(set(op.frees) | {t for t in op.allocates if t not in freed})))
-                if op.name in names else op for op in program.ops)
-    return replace(program, ops=ops)
-
-
 def step_workload(system: str, model: PaperModel, seq_len: int, layers: int, *, ranks: int = 8,
                   cache: TraceCache | None = None, config: PaperConfig = PAPER_CONFIG,
                   autosp_options: dict | None = None) -> Workload:
-    """The whole training step of ``layers`` decoder layers of ``model`` under ``system``: the traced (and, for
-    ring attention and ZeRO-3, rewritten) forward and backward, then gradient reduction and the optimizer step of
-    that many layers' parameters (Note [DeepSpeed gradient reduction] in simulator/training_step.py).  ``autosp_options`` replaces the
-    system's `autosp.compile` options (e.g. another checkpointing policy for AutoSP)."""
-    options = autosp_options if autosp_options is not None else system_options(system)
-    sp = sp_size_of(system, ranks, config.sp_size)
-    traced = trace_workload(model, seq_len, layers, sp_size=sp, autosp_options=options, cache=cache)
+    """The whole training step of ``layers`` decoder layers of ``model`` under strategy ``system``: traced, then
+    built by its `simulator.strategies.WorkloadRecipe` (for ring attention and ZeRO-3 a rewrite; gradient
+    reduction and the optimizer step of that many layers' parameters, Note [DeepSpeed gradient reduction] in
+    simulator/training_step.py).  ``autosp_options`` replaces the strategy's `autosp.compile` options (e.g.
+    another checkpointing policy for AutoSP)."""
+    strategy = simulated_strategy(system)
+    options = autosp_options if autosp_options is not None else strategy_options(system)
+    sp = config.sp_size_of(system, ranks)
+    traced = trace_workload(model, seq_len, layers, sp_size=sp if strategy.workload.trace_sequence_parallel else 1,
+                            autosp_options=options, cache=cache)
     cfg = training_config(replace(model, num_layers=layers), system, replace(config, world_size=ranks))
-    if system != "zero3" and sp < ranks:
+    if strategy.workload.trace_sequence_parallel and sp < ranks:
         # One data-parallel replica (sp ranks) is simulated; its step reduces over those ranks.  Memory is the
         # ledger's over every rank (DeepSpeed's data-parallel group, see experiments.paper_scale.config).
         cfg = replace(cfg, dp_world_size=sp)
-    if system == "zero3":
-        workload = zero3_workload(traced.workload, traced.modules, world_size=ranks)
-        return add_training_step(workload, [], cfg, group="dp_reduce")  # the rewrite reduces the gradients
-    workload = traced.workload
-    if system == "ring_attention":
-        workload = ring_attention_workload(workload)
-    workload = replace(workload, ranks={r: _gradients_into_buckets(p, traced.modules) for r, p in workload.ranks.items()})
-    gradients = {r: _gradients(p, traced.modules) for r, p in workload.ranks.items()}
-    return add_training_step(workload, gradients, cfg, group="dp", group_instances=[list(range(cfg.dp_world_size))])
+    return strategy.workload.build(traced.workload, traced.modules, cfg)
 
+
+def simulated_strategy(system: str) -> Strategy:
+    """The strategy ``system`` names, refused unless it has a workload recipe (is simulated)."""
+    strategy = STRATEGIES[system]
+    if strategy.workload is None:
+        raise ValueError(f"{system} is not simulated (no workload recipe); simulated at paper scale: "
+                         f"{', '.join(STRATEGIES.table('paper-scale'))}")
+    return strategy
 
 
 def simulate_dynamic(workload: Workload, cluster: Cluster) -> tuple[float, int]:
@@ -340,8 +327,7 @@ def simulate_step(system: str, model_name: str, seq_len: int, *, ranks: int = 8,
     and two layers (``layers``, Note [Depth extrapolation] in simulator/max_length.py)."""
     if layers not in LAYER_MODES:
         raise ValueError(f"layers={layers!r}: choose one of {LAYER_MODES}")
-    if system not in SYSTEMS:
-        raise ValueError(f"system {system!r} is not simulated at paper scale; choose one of {SYSTEMS}")
+    simulated_strategy(system)
     model = PAPER_MODELS[model_name]
     cluster = cluster or Cluster.from_preset(PAPER_CLUSTER)
     @functools.cache
@@ -350,7 +336,7 @@ def simulate_step(system: str, model_name: str, seq_len: int, *, ranks: int = 8,
                                               autosp_options=autosp_options), cluster)
 
     depths = (model.num_layers, model.num_layers) if layers == "full" else (1, 2)
-    return extrapolate_layers(system, model_name, seq_len, per_layers, sp_size=sp_size_of(system, ranks, config.sp_size),
+    return extrapolate_layers(system, model_name, seq_len, per_layers, sp_size=config.sp_size_of(system, ranks),
                               cluster=cluster, config=config, depths=depths)
 
 

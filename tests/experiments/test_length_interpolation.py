@@ -9,8 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from experiments.baselines.autosp_system import autosp_options
 from experiments.models import PaperModel
-from experiments.paper_scale.baselines import sp_size_of, system_options
+from experiments.paper_scale.config import PAPER_CONFIG
 from experiments.paper_scale.simulate import (
     TraceCache,
     interpolate_trace,
@@ -33,7 +34,7 @@ def fast() -> TraceCache:
 def test_interpolated_whole_steps_equal_traced_ones_for_every_length_invariant_system(fast):
     cluster = Cluster.from_preset("a100-80gb-sxm")
     slow = TraceCache()
-    for system in ("ulysses", "ring_attention", "ulysses+ckpt", "zero3"):
+    for system in ("ulysses", "ring", "ulysses+ckpt", "zero3"):
         for n in (*ANCHORS, CHECK):
             step_workload(system, MODEL, n, MODEL.num_layers, cache=fast)
         quick = step_workload(system, MODEL, LENGTH, MODEL.num_layers, cache=fast)
@@ -49,10 +50,10 @@ def test_interpolated_whole_steps_equal_traced_ones_for_every_length_invariant_s
 
 def test_sac_is_traced_at_every_length_and_a_different_program_is_not_interpolated(fast):
     before = fast.misses
-    trace_workload(MODEL, LENGTH, MODEL.num_layers, sp_size=sp_size_of("autosp", 8),
-                   autosp_options=system_options("autosp"), cache=fast)
+    trace_workload(MODEL, LENGTH, MODEL.num_layers, sp_size=PAPER_CONFIG.sp_size_of("autosp", 8),
+                   autosp_options=autosp_options("autosp"), cache=fast)
     assert fast.misses == before + 1  # SAC's plan depends on the length: traced, not interpolated
-    options = system_options("ulysses")
+    options = autosp_options("ulysses")
     anchors = {n: trace_workload(MODEL, n, MODEL.num_layers, sp_size=8, autosp_options=options, cache=fast)
                for n in ANCHORS}
     assert fast.misses == before + 1  # the anchors are cached

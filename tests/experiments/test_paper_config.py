@@ -1,3 +1,5 @@
+import pytest
+
 from experiments.models import PAPER_MODELS
 from experiments.paper_scale.config import PAPER_CONFIG, static_memory_bytes, training_config
 
@@ -6,6 +8,8 @@ def test_zero_stages_follow_the_system():
     assert PAPER_CONFIG.zero_stage("autosp") == 1
     assert PAPER_CONFIG.zero_stage("ulysses") == 1
     assert PAPER_CONFIG.zero_stage("zero3") == 3
+    with pytest.raises(ValueError, match="zero3"):  # another spelling is refused, not read as an SP system
+        PAPER_CONFIG.zero_stage("ZeRO-3")
     assert PAPER_CONFIG.grad_accum_dtype is None
 
 
@@ -45,7 +49,6 @@ def test_alternative_configuration_adds_bf16_optimizers_unpartitioned_fp32_gradi
 
 
 def test_public_configurations_split_the_node_and_name_their_source():
-    from experiments.paper_scale.baselines import sp_size_of
     from experiments.paper_scale.config import BAND_CONFIGS, PUBLIC_CONFIGS, SCRIPT_DEFAULT
 
     assert SCRIPT_DEFAULT in BAND_CONFIGS and set(BAND_CONFIGS) <= set(PUBLIC_CONFIGS)
@@ -56,8 +59,8 @@ def test_public_configurations_split_the_node_and_name_their_source():
     for name, config in PUBLIC_CONFIGS.items():
         assert config.provenance and config.sp_size * config.dp_size == config.world_size == 8, name
         # the fork's AutoSP shards over every rank, ZeRO-3 over none, the baselines over the configured SP
-        assert sp_size_of("autosp", 8, config.sp_size) == 8 and sp_size_of("zero3", 8, config.sp_size) == 1
-        assert sp_size_of("ulysses", 8, config.sp_size) == config.sp_size
+        assert config.sp_size_of("autosp", 8) == 8 and config.sp_size_of("zero3", 8) == 1
+        assert config.sp_size_of("ulysses", 8) == config.sp_size_of("ring", 8) == config.sp_size
         # DeepSpeed partitions over every rank: the benchmark never hands it the SP groups
         cfg = training_config(model, "ulysses", config)
         assert cfg.dp_world_size == 8 and cfg.deepspeed == config.deepspeed

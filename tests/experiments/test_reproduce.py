@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from experiments.paper_scale.simulate import simulate_step
+from simulator.strategies import STRATEGIES
 
 pytestmark = pytest.mark.timeout(1800)  # the first test to use quick_results pays for the whole quick run
 
@@ -36,7 +37,7 @@ def test_reproduce_max_seq_len_table_has_every_system_and_model(quick_results):
     rows = _rows(quick_results / "max-seq-len.csv")
     assert {(r["model"], r["system"]) for r in rows} == {
         (m, s) for m in ("llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
-        for s in ("zero3", "ring_attention", "ulysses", "autosp", "ulysses+ckpt")
+        for s in STRATEGIES.table("paper-scale")
     }
     errors = []
     for r in rows:  # every system simulated (see experiments.paper_scale.simulate)
@@ -66,7 +67,7 @@ def test_reproduce_throughput_table_shows_tokens_per_gpu_beside_published_second
     rows = _rows(quick_results / "throughput.csv")
     assert {(int(r["seq_len"]), r["system"]) for r in rows} == {
         (s, system) for s in (8000, 24000, 90000)
-        for system in ("zero3", "ring_attention", "ulysses", "autosp", "ulysses+ckpt")}
+        for system in STRATEGIES.table("paper-scale")}
     assert "simulated_over_published" not in rows[0]  # no ratio of unlike things
     for r in rows:
         assert r["simulated_tokens_per_s_per_gpu"] or r["note"] == "simulated OOM", r
@@ -284,7 +285,6 @@ def test_paper_placeholders_are_filled_from_the_results_folder(tmp_path):
 
 def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces():
     from experiments.models import PAPER_MODELS
-    from experiments.paper_scale.baselines import SYSTEMS
     from experiments.paper_scale.simulate import TraceCache
     from simulator.ledger import TrainingConfig, memory_ledger, summarize
 
@@ -302,7 +302,7 @@ def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces()
     assert ulysses.sp_size == 8 and ulysses.fits
     assert ulysses.step_time_s > 0 and ulysses.peak_memory_bytes > ulysses.static_memory_bytes
     assert ulysses.static == ledger_static(1)  # ZeRO 1: DeepSpeedZeroOptimizer's buffers
-    ring = simulate_step("ring_attention", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
+    ring = simulate_step("ring", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert (cache.misses, cache.hits) == (2, 2)  # ring attention is a rewrite of the same two traces
     assert ring.static == ulysses.static and ring.step_time_s > 0  # the same engine settings, the same ledger
     assert ring.peak_memory_bytes >= ulysses.peak_memory_bytes  # plus its receive buffers
@@ -316,23 +316,24 @@ def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces()
     assert ckpt.step_time_s > ulysses.step_time_s  # ... and recomputes the forward in backward
     autosp = simulate_step("autosp", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert autosp.static == ulysses.static
-    assert set(SYSTEMS) == {"autosp", "zero3", "ring_attention", "ulysses", "ulysses+ckpt"}
+    assert set(STRATEGIES.table("paper-scale")) == {"autosp", "zero3", "ring", "ulysses", "ulysses+ckpt"}
     with pytest.raises(ValueError, match="ulysses"):
         simulate_step("megatron", "llama-3.2-3b", 4096)
+    with pytest.raises(ValueError, match="not simulated"):  # DeepSpeed's own AutoSP has no workload recipe
+        simulate_step("deepspeed-autosp", "llama-3.2-3b", 4096)
 
 
 def test_whole_step_adds_gradient_reduction_and_an_optimizer_step_to_every_system():
     from dataclasses import replace
 
     from experiments.models import PAPER_MODELS
-    from experiments.paper_scale.baselines import SYSTEMS
     from experiments.paper_scale.simulate import TraceCache, step_workload
 
     model = PAPER_MODELS["llama-3.2-3b"]
     one_layer = replace(model, num_layers=1).parameter_count()  # tied embeddings: one vocab x hidden matrix
     assert one_layer == 128256 * 3072 + (2 * 3072 * 3072 + 2 * 3072 * 1024 + 3 * 3072 * 8192 + 2 * 3072) + 3072
     cache = TraceCache()
-    for system in SYSTEMS:
+    for system in STRATEGIES.table("paper-scale"):
         workload = step_workload(system, model, 2048, 1, cache=cache)
         for program in workload.ranks.values():
             names = [op.name for op in program.ops]
