@@ -187,11 +187,14 @@ def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 def shard_batch(kwargs: dict, layout: ShardLayout, *, ignore_index: int, pad_token_id: int) -> dict:
     """This rank's slice of a prepared batch.  ``labels`` come out already shifted over the full sequence."""
     local = dict(kwargs)
-    local["input_ids"] = shard_tokens(kwargs["input_ids"], layout, pad_token_id)
+    # Every shard is made contiguous: Dynamo guards a program on its inputs' strides, and a view's strides
+    # depend on how the full tensor was built (an expanded arange of positions, or one padded by a cat), which
+    # would compile a second program for one shard shape (Note [One program per length] in autosp/api.py).
+    local["input_ids"] = shard_tokens(kwargs["input_ids"], layout, pad_token_id).contiguous()
     # Padding tokens reuse the last position: any valid position is exact since their outputs are ignored.
-    local["position_ids"] = shard_tokens(kwargs["position_ids"], layout, None)
+    local["position_ids"] = shard_tokens(kwargs["position_ids"], layout, None).contiguous()
     if kwargs.get("attention_mask") is not None:  # tokens padded to the layout are padding: 0
-        local["attention_mask"] = shard_tokens(kwargs["attention_mask"], layout, 0)
+        local["attention_mask"] = shard_tokens(kwargs["attention_mask"], layout, 0).contiguous()
     if kwargs.get("labels") is not None:
         shifted = shift_labels(kwargs["labels"], ignore_index)
         local["labels"] = shard_tokens(shifted, layout, ignore_index).contiguous()

@@ -641,7 +641,9 @@ def write_simulated_step(args, out: pathlib.Path) -> dict:
 
 
 PRESETS: dict[str, dict] = {
-    "default": {"granularity": 1024, "zero3_granularity": 1024, "search_probes": 10, "cpu_ranks": (2, 4),
+    # measured-cpu on 2 ranks: 4 gloo ranks on a 2-core machine share cores, their step times measure the
+    # contention (--cpu-ranks 2 4 on a machine with 4 or more cores)
+    "default": {"granularity": 1024, "zero3_granularity": 1024, "search_probes": 10, "cpu_ranks": (2,),
                 "cpu_seq_len": 1024, "cpu_steps": 8, "memory_cap_mib": 16.0, "cap_granularity": 128,
                 "cap_probes": 5, "layers": "full"},
     # zero3 fits about 10K tokens: the quick preset's 8K-token steps would be too coarse for it
@@ -752,6 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"paper models of the max-seq-len table: {', '.join(models)} (all when absent)")
     parser.add_argument("--memory-cap-mib", type=float, default=None,
                         help="per-rank cap of the memory-cap table (when absent: the preset's, below)")
+    parser.add_argument("--cpu-ranks", type=int, nargs="+", default=None, metavar="N",
+                        help="gloo rank counts of the measured-cpu table, e.g. 2 4 (when absent: the preset's, "
+                             "below; give no more ranks than CPU cores, or the step times measure the sharing)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="worker processes for the simulated tables (1: none; the default is the CPU count, "
                              "at most 2: %(default)s here)")
@@ -768,8 +773,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--memory-cap-mib {args.memory_cap_mib:g}: give a positive cap")
     preset = "quick" if args.quick else "default"
     settings = {**PRESETS[preset], **SHARED}
+    if args.cpu_ranks is not None and any(n < 2 for n in args.cpu_ranks):
+        parser.error(f"--cpu-ranks {' '.join(map(str, args.cpu_ranks))}: give rank counts of 2 or more")
     if args.memory_cap_mib is not None:
         settings["memory_cap_mib"] = args.memory_cap_mib
+    if args.cpu_ranks is not None:
+        settings["cpu_ranks"] = tuple(args.cpu_ranks)
     vars(args).update(settings)
     from experiments.paper_scale.simulate import TraceCache
 

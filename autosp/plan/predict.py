@@ -82,8 +82,8 @@ class TrainingSetup:
                               "multiple of the SP degree")
         if self.zero_stage == 3:
             raise AutoSPError("--zero-stage 3: AutoSP does not compose with ZeRO 3 (DeepSpeed's AutoSP backend "
-                              "refuses it), and the planner has no ZeRO-3 step: its per-layer parameter gathers are "
-                              "a workload rewrite that exists only in experiments/paper_scale/workload_rewrites.py. "
+                              "refuses it), and the planner does not price the ZeRO-3 baseline's step (its per-layer "
+                              "parameter gathers: simulator/workload_rewrites.py, used by the paper-scale tables). "
                               "Use ZeRO 0, 1 or 2")
         if self.offload != "none":
             raise AutoSPError(f"--offload {self.offload}: the memory ledger (simulator/ledger.py) has no optimizer "

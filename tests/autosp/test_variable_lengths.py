@@ -1,95 +1,83 @@
-"""One compiled model trains on many sequence lengths with default options, every step exact.
+"""One compiled model trains on many sequence lengths with no setting, every step exact.
 
 Note [One program per length] (autosp/api.py): each distinct shard shape compiles one
-program, guarded by its shapes, so twelve lengths need no setting, a length seen
-before compiles nothing, and the count is reported by `SequenceParallelModel.programs`.
-Each step compares the loss and every gradient with a single-device run of the full
-sequence (fp32 rtol 1e-4 / atol 1e-6).  Lengths that are not multiples of sp_size are
-padded at the end (labels ignored) and share the padded length's program.
+program, guarded by its shapes, so twelve lengths need no option, a length seen before
+compiles nothing, and the compiles are listed by `SequenceParallelModel.programs`.
+`experiments.cpu.bench_lengths.train_on_lengths` compares every step with a
+single-device run of the full sequence (loss and every gradient, fp32 rtol 1e-4 /
+atol 1e-6).  Lengths that are not multiples of sp_size are padded at the end (labels
+ignored) and share the padded length's program.  The twelve-length runs use aot_eager
+(Inductor's cold compile takes tens of seconds per program on CPU); the default options,
+Inductor included, run on three lengths here and on twelve in the benchmark
+(`python -m experiments.cpu.bench_lengths`).
 """
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from tests.autosp.cases import loss_of, make_sample, named_grads
+from experiments.cpu.bench_lengths import train_on_lengths
 from tests.harness import run_on_ranks
 
-FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
-# Twelve lengths: odd ones (padded to the next multiple of sp_size), a length that shares its padded
-# length with another (31 and 32 at sp_size 2), and a repeat of the first at the end (no compile).
-LENGTHS = (16, 24, 17, 32, 40, 9, 48, 31, 64, 20, 56, 12, 16)
+TWELVE = (16, 24, 17, 32, 40, 9, 48, 31, 64, 20, 56, 12, 16)
+"""Twelve distinct lengths: odd ones, 31 sharing 32's padded length at sp_size 2, and a repeat of the first."""
 
 
-def _padded(length: int, sp_size: int) -> int:
-    return -(-length // sp_size) * sp_size
+def _shard_lengths(lengths, sp_size: int) -> list[int]:
+    """Tokens per rank of each length's program, in the order they first arrive."""
+    return list(dict.fromkeys(-(-n // sp_size) for n in lengths))
 
 
-def _train_on_lengths(rank, world, name, lengths, options):
-    import autosp
-    from experiments.models import build_model, vocab_size
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    reference = build_model(name)
-    candidate = copy.deepcopy(reference)
-    compiled = autosp.compile(candidate, sp_size=world, **options)
-    for step, length in enumerate(lengths):
-        ids, labels = make_sample(length, vocab_size(reference), seed=step)
-        for model in (reference, candidate):
-            model.zero_grad(set_to_none=True)
-        ref_loss = loss_of(reference(input_ids=ids, labels=labels))
-        ref_loss.backward()
-        loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
-        loss.backward()
-        where = f"rank {rank} {name} step {step} ({length} tokens)"
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **FP32_TOL, msg=lambda m, w=where: f"{w}: {m}")
-        got, ref = named_grads(candidate), named_grads(reference)
-        assert got.keys() == ref.keys() and ref, where
-        for key, grad in got.items():
-            assert ref[key].abs().max() > 0, f"{where}: reference gradient of {key} is zero (vacuous comparison)"
-            torch.testing.assert_close(grad, ref[key], **FP32_TOL, msg=lambda m, w=where, k=key: f"{w} {k}: {m}")
-    return [(p.seq_len, p.local_seq_len, p.batch_size, p.seconds) for p in compiled.programs]
+def _check_compiles(per_rank, lengths, sp_size):
+    expected = _shard_lengths(lengths, sp_size)
+    for rows in per_rank:
+        assert [r["length"] for r in rows] == list(lengths)
+        assert rows[-1]["programs"] == len(expected)
+        # A step compiles exactly when its shard length is new; the repeat at the end compiles nothing.
+        seen, compiled = set(), []
+        for r in rows:
+            shard = -(-r["length"] // sp_size)
+            assert (r["compile_s"] > 0) == (shard not in seen), r
+            compiled += [shard] if shard not in seen else []
+            seen.add(shard)
+        assert compiled == expected
 
 
 @pytest.mark.parametrize("name", ["hf-llama", "hf-qwen2"])
-def test_twelve_lengths_one_model_default_options(name):
-    results = run_on_ranks(_train_on_lengths, 2, name, LENGTHS, {}, timeout_s=900, collective_timeout_s=300)
-    distinct = sorted({_padded(n, 2) // 2 for n in LENGTHS})
-    assert len(set(LENGTHS)) == 12
-    for programs in results:
-        # One compile per distinct shard length, in the order the lengths first arrived; none for a repeat.
-        assert [local for _, local, _, _ in programs] == list(dict.fromkeys(_padded(n, 2) // 2 for n in LENGTHS))
-        assert sorted(local for _, local, _, _ in programs) == distinct
-        assert all(batch == 2 and seconds > 0 for _, _, batch, seconds in programs)
-    print(f"{name}: {len(LENGTHS)} steps on {len(set(LENGTHS))} lengths, {len(results[0])} compiles, "
-          f"{sum(s for *_, s in results[0]):.1f} s compiling on rank 0")
+def test_twelve_lengths_one_compiled_model_every_step_exact(name):
+    assert len(set(TWELVE)) == 12
+    spec = {"model": name, "layers": 2, "batch": 2, "lengths": TWELVE, "options": {"compiler": "aot_eager"}}
+    per_rank = run_on_ranks(train_on_lengths, 2, spec, timeout_s=900, collective_timeout_s=300)
+    _check_compiles(per_rank, TWELVE, 2)
+
+
+@pytest.mark.inductor
+def test_variable_lengths_with_default_options():
+    lengths = (16, 17, 16)  # 17 pads to 18: a second program; 16 again reuses the first
+    spec = {"model": "hf-llama", "layers": 1, "batch": 2, "lengths": lengths, "options": {}}
+    per_rank = run_on_ranks(train_on_lengths, 2, spec, timeout_s=900, collective_timeout_s=600)
+    _check_compiles(per_rank, lengths, 2)
 
 
 def _past_max_programs(rank, world):
     import autosp
     from autosp.errors import AutoSPError
-    from experiments.models import build_model, vocab_size
+    from experiments.models import build_model
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = build_model("hf-llama")
+    model = build_model("hf-llama", layers=1)
     compiled = autosp.compile(model, sp_size=world, compiler="aot_eager", max_programs=2)
-    for step, length in enumerate((16, 24, 16)):
-        ids, labels = make_sample(length, vocab_size(model), seed=step)
-        loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels))).backward()
-    ids, labels = make_sample(32, vocab_size(model), seed=3)
-    try:
-        compiled(**autosp.prepare_inputs(ids, labels=labels))
-    except AutoSPError as err:
-        return len(compiled.programs), str(err)
-    return len(compiled.programs), None
+    for length in (16, 24, 16, 32):
+        ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
+        try:
+            compiled(**autosp.prepare_inputs(ids, labels=ids)).loss.backward()
+        except AutoSPError as err:
+            return length, len(compiled.programs), str(err)
+    return None, len(compiled.programs), None
 
 
 def test_a_length_past_max_programs_is_refused_naming_length_bucket():
-    for programs, message in run_on_ranks(_past_max_programs, 2):
-        assert programs == 2
-        assert message is not None and "max_programs=2" in message and "length_bucket" in message
+    for refused_at, programs, message in run_on_ranks(_past_max_programs, 2):
+        assert (refused_at, programs) == (32, 2)
+        assert "max_programs=2" in message and "length_bucket" in message
