@@ -420,7 +420,7 @@ def tiled_mlp_backward(grad_out: torch.Tensor, x: torch.Tensor, w_in0: torch.Ten
     params = (w_in0, b_in0, w_in1, b_in1, w_out, b_out)
     totals = [torch.zeros(p.shape, dtype=torch.float32 if p.dtype != torch.float32 else p.dtype, device=p.device)
               if p is not None and need else None for p, need in zip(params, needs[1:], strict=True)]
-    grad_x = torch.empty_like(x) if needs[0] else None
+    grad_x = x.new_empty(x.shape) if needs[0] else None
     projections = _mlp_projections(w_in0, b_in0, w_in1, b_in1)
     for start, stop in _chunks(x.shape[0], chunk_tokens):
         rows, grad_rows = x[start:stop], grad_out[start:stop]
@@ -445,8 +445,8 @@ def tiled_mlp_backward(grad_out: torch.Tensor, x: torch.Tensor, w_in0: torch.Ten
 @tiled_mlp_backward.register_fake
 def _(grad_out, x, w_in0, b_in0, w_in1, b_in1, w_out, b_out, expression, chunk_tokens, needs):
     params = (w_in0, b_in0, w_in1, b_in1, w_out, b_out)
-    return (torch.empty_like(x) if needs[0] else x.new_empty(0),
-            *(torch.empty_like(p) if p is not None and need else x.new_empty(0)
+    return (x.new_empty(x.shape) if needs[0] else x.new_empty(0),  # contiguous, as the kernel returns them
+            *(p.new_empty(p.shape) if p is not None and need else x.new_empty(0)
               for p, need in zip(params, needs[1:], strict=True)))
 
 

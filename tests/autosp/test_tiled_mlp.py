@@ -53,7 +53,8 @@ def test_op_equals_the_untiled_chain(gated):
     w0, wo = torch.randn(inner, width, generator=g), torch.randn(width, inner, generator=g)
     if gated:
         params = [w0, None, torch.randn(inner, width, generator=g), None, wo, None]
-    else:
+    else:  # GPT-2's Conv1D weights are [in, out]: the pass hands the op their transposes
+        w0, wo = torch.randn(width, inner, generator=g).t(), torch.randn(inner, width, generator=g).t()
         params = [w0, torch.randn(inner, generator=g), None, None, wo, torch.randn(width, generator=g)]
     params = [p.requires_grad_() if p is not None else None for p in params]
     leaves = [x, *(p for p in params if p is not None)]
@@ -67,6 +68,9 @@ def test_op_equals_the_untiled_chain(gated):
         for got, want in zip(torch.autograd.grad(out, leaves, seed), expected_grads, strict=True):
             torch.testing.assert_close(got, want, **FP32_TOL)
     torch.library.opcheck(_TILED, (x, *params, expression, 5), test_utils=("test_schema", "test_faketensor"))
+    needs = [True, *(p is not None for p in params)]
+    torch.library.opcheck(_TILED_BACKWARD, (seed, x.detach(), *(p.detach() if p is not None else None for p in params),
+                                            expression, 5, needs), test_utils=("test_schema", "test_faketensor"))
 
 
 _STEPS = [  # every op of the expression vocabulary, with literal operands first and last and parameters
