@@ -73,6 +73,21 @@ def test_op_equals_the_untiled_chain(gated):
                                             expression, 5, needs), test_utils=("test_schema", "test_faketensor"))
 
 
+def test_bf16_op_within_bf16_tolerance():
+    """bf16 parameters: gradients summed over chunks in fp32, returned in bf16, against fp32 autograd."""
+    g = torch.Generator().manual_seed(5)
+    x, w0, w1, wo = (torch.randn(*shape, generator=g) for shape in ((40, 16), (32, 16), (32, 16), (16, 32)))
+    leaves = [t.bfloat16().requires_grad_() for t in (x, w0, w1, wo)]
+    out = _TILED(leaves[0], leaves[1], None, leaves[2], None, leaves[3], None, _GATED, 6)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    reference = [t.detach().float().requires_grad_() for t in leaves]
+    want = _untiled(reference[0], reference[1], None, reference[2], None, reference[3], None, True)
+    expected = torch.autograd.grad(want, reference, torch.ones_like(want))
+    for got, ref in zip((out, *grads), (want.detach(), *expected), strict=True):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
 _STEPS = [  # every op of the expression vocabulary, with literal operands first and last and parameters
     ("add", [Ref(0), Ref(1)], {}), ("add", [1.5, Ref(0)], {"alpha": 1}), ("add", [Ref(0), Ref(1)], {"alpha": 0.5}),
     ("sub", [Ref(0), Ref(1)], {}), ("sub", [2.0, Ref(0)], {}), ("sub", [Ref(0), Ref(1)], {"alpha": 3}),
