@@ -248,7 +248,7 @@ def expression_step(kind: str, target, args: tuple, kwargs: dict) -> tuple[str, 
     if kind == "call_method":
         name, swapped = _METHOD_NAMES.get(target, (None, False))
     else:
-        name, swapped = _FUNCTION_NAMES.get(target) if _hashable(target) else None, False
+        name, swapped = (_FUNCTION_NAMES.get(target) if _hashable(target) else None), False
     if name is None:
         return None
     arity = 2 if name in _BINARY else 1
@@ -257,11 +257,16 @@ def expression_step(kind: str, target, args: tuple, kwargs: dict) -> tuple[str, 
         return None
     params = {**dict(zip(_PARAMETERS.get(name, ()), extra, strict=False)), **kwargs}
     if set(params) - set(_PARAMETERS.get(name, ())) or params.pop("inplace", False) or not all(
-            isinstance(v, _LITERALS) for v in params.values()):
+            is_literal(v) for v in params.values()):
         return None
     if name == "gelu" and params.get("approximate", "none") not in ("none", "tanh"):
         return None
     return name, operands[::-1] if swapped else operands, params
+
+
+def is_literal(value) -> bool:
+    """Whether ``value`` can be an expression's constant (a Python bool, int, float, str or None)."""
+    return isinstance(value, _LITERALS)
 
 
 def _hashable(target) -> bool:
@@ -288,7 +293,7 @@ def encode_expression(inputs: int, steps: list[tuple[str, list, dict]], out: int
     def operand(a):
         if isinstance(a, Ref):
             return {"$": a.index}
-        if not isinstance(a, _LITERALS):
+        if not is_literal(a):
             raise ValueError(f"expression operand {a!r} is neither a value nor a literal")
         return a
 

@@ -125,10 +125,6 @@ def _projection(node: fx.Node) -> _Projection | None:
     return _Projection(node, x, w, b, transposed)
 
 
-def _literal(value) -> bool:
-    return isinstance(value, (bool, int, float, str, type(None)))
-
-
 def _match(down_node: fx.Node) -> _Match | None:
     """The MLP-shaped chain ending in the projection ``down_node``, if there is one."""
     down = _projection(down_node)
@@ -149,7 +145,7 @@ def _match(down_node: fx.Node) -> _Match | None:
             stack.append(node.args[0])
         elif node.op in ("call_function", "call_method") and tiled_ops.expression_step(
                 node.op, node.target, node.args, node.kwargs) is not None:
-            if not all(isinstance(v, fx.Node) or _literal(v) for v in (*node.args, *node.kwargs.values())):
+            if not all(isinstance(v, fx.Node) or tiled_ops.is_literal(v) for v in (*node.args, *node.kwargs.values())):
                 return None
             if any(_tensor(a) is None for a in node.all_input_nodes):
                 return None  # a symbolic size or another non-tensor value
