@@ -20,13 +20,14 @@ graphs: the op computes and recomputes them one chunk of ``mlp_chunk_tokens`` ro
 Where it runs: stage 1, after the loss rule and the tiled loss and before the sequence-sharding
 analysis, which classifies the op like any other: `tiled_mlp_placement` is its rule (rows
 token-sharded along dim 0, or replicated, with replicated parameters -> the output placed like the
-rows; anything else refused).  Without sequence parallelism (sp_size=1) it runs alone
-(autosp.pipeline.passes_for).
+rows; anything else refused).  Without sequence parallelism (sp_size=1) the tiling passes run without
+the others (autosp.pipeline.passes_for).
 
 When: ``tiled_mlp="on"`` tiles every match and is refused with an error when the graph has none;
 ``"auto"`` tiles a match when its rows span more than one chunk, i.e. one chunk's input-projection
 outputs would exceed `MLP_CHUNK_BYTES` (or ``mlp_chunk_tokens`` rows are fewer than the rows).
-SAC never recomputes the op (no ``autosp_testbed`` op is recomputed); it keeps only its input rows.
+SAC never recomputes the op (no ``autosp_testbed`` op is recomputed); the op keeps only its input rows
+(and the parameters) for backward.
 Not found: chains inside a higher-order op's body (a user's activation-checkpointed block) and chains
 with more than two input projections.
 """
