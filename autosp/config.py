@@ -9,6 +9,7 @@ from autosp.errors import AutoSPError
 COMPILERS = ("inductor", "aot_eager")
 CHECKPOINTING = ("sac", "none", "default", "full")
 TILED_LOSS = ("off", "on", "auto")
+TILED_MLP = ("off", "on", "auto")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +68,15 @@ class AutoSPConfig:
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the tiled loss; None: as many as keep one chunk's fp32 logits within 64 MiB
     (autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES)."""
+    tiled_mlp: str = "off"
+    """Compute each MLP-shaped chain (linear -> elementwise ops [x linear] -> linear, e.g. Llama's
+    ``down(act(gate(x)) * up(x))``) in token chunks, recomputing a chunk's intermediates in backward, so its
+    [tokens, intermediate] values exist one chunk at a time (Note [Tiled MLP pass] in
+    autosp/passes/dynamo/tiled_mlp.py): "on" (an error if the model has no such chain), "auto" (on for each
+    chain whose rows on this rank span more than one chunk), "off"."""
+    mlp_chunk_tokens: int | None = None
+    """Tokens per chunk of the tiled MLP; None: as many as keep one chunk's input-projection outputs within
+    64 MiB (autosp.passes.dynamo.tiled_mlp.MLP_CHUNK_BYTES)."""
     return_logits: bool = True
     """False (with tiled_loss "on" or "auto"): when labels are passed, a model that returns its logits beside the
     loss (Hugging Face) returns None in their place, so that the tiled loss need not materialise them.  True
@@ -98,6 +108,13 @@ class AutoSPConfig:
                 not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1):
             raise AutoSPError(f"loss_chunk_tokens must be None or a positive number of tokens, got "
                               f"{self.loss_chunk_tokens!r}")
+        if self.tiled_mlp not in TILED_MLP:
+            raise AutoSPError(f"tiled_mlp must be one of {TILED_MLP}, got {self.tiled_mlp!r}")
+        if self.mlp_chunk_tokens is not None and (
+                not isinstance(self.mlp_chunk_tokens, int) or isinstance(self.mlp_chunk_tokens, bool)
+                or self.mlp_chunk_tokens < 1):
+            raise AutoSPError(f"mlp_chunk_tokens must be None or a positive number of tokens, got "
+                              f"{self.mlp_chunk_tokens!r}")
         if self.sac_memory_budget is not None and not 0 <= self.sac_memory_budget <= 1:
             raise AutoSPError(f"sac_memory_budget must be None or a fraction in [0, 1], got {self.sac_memory_budget!r}")
 

@@ -4,18 +4,20 @@ FLOPs: matmuls 2·M·N·K; attention counted here (torch's FLOP counter misses t
 CPU kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to
 two), halved under causal masking, scaled by the kept fraction of the scores under
 a document mask (flex_attention, Note [Document masks]); the tiled logits and loss as the matmuls they run
-(Note [Tiled logits and loss]), with the scratch of one chunk (`workspace_bytes`); reductions one FLOP per
+(Note [Tiled logits and loss]) and the tiled MLP likewise (Note [Tiled MLP]), with the scratch of one chunk
+(`workspace_bytes`); reductions one FLOP per
 input element; elementwise ops one FLOP per output element; views and data movement none.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
 from torch import fx
 
-from autosp import tiled_ops  # noqa: F401 - registers the tiled loss ops priced below
+from autosp import tiled_ops  # noqa: F401 - registers the tiled loss and MLP ops priced below
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
@@ -129,11 +131,60 @@ def tiled_loss_flops(node: fx.Node) -> int:
     return matmuls * 2 * rows * width * vocab
 
 
+TILED_MLP = (torch.ops.autosp_testbed.tiled_mlp.default, torch.ops.autosp_testbed.tiled_mlp_backward.default)
+"""The tiled MLP, forward and backward (Note [Tiled MLP] in autosp/tiled_ops.py)."""
+_MLP_PARAMS = ("w_in0", "b_in0", "w_in1", "b_in1", "w_out", "b_out")
+
+
+def _tiled_mlp_dims(node: fx.Node) -> tuple[int, int, int, int, int, int]:
+    """(rows N, width H, intermediate I, output width O, input projections k, tokens per chunk) of a tiled-MLP
+    node."""
+    rows, width = schema_arg(node, "x").meta["val"].shape
+    intermediate = schema_arg(node, "w_in0").meta["val"].shape[0]
+    projections = 1 if schema_arg(node, "w_in1") is None else 2
+    out = schema_arg(node, "w_out").meta["val"].shape[0]
+    return int(rows), int(width), int(intermediate), int(out), projections, int(schema_arg(node, "chunk_tokens"))
+
+
+def tiled_mlp_flops(node: fx.Node) -> int:
+    """Forward: the projections' matmuls, 2·N·I·(k·H + O).  Backward: their recomputation (k·2·N·H·I), the
+    gradient of the activation (2·N·O·I) and, for each gradient computed, its matmul (the input's k·2·N·H·I,
+    each weight's 2·N·H·I or 2·N·O·I).  The elementwise ops' few FLOPs per value are left out, as for an
+    untiled matmul."""
+    rows, width, inner, out, k, _ = _tiled_mlp_dims(node)
+    if node.target is TILED_MLP[0]:
+        return 2 * rows * inner * (k * width + out)
+    needs = schema_arg(node, "needs")
+    matmuls = k * width + out + (k * width if needs[0] else 0)
+    matmuls += sum(width for i in range(k) if needs[1 + 2 * i]) + (out if needs[5] else 0)
+    return 2 * rows * inner * matmuls
+
+
+def _tiled_mlp_scratch(node: fx.Node) -> int:
+    """One chunk's intermediates: forward the k projections' outputs and the activation's result and one
+    temporary; backward also f's saved values (one per expression step), the activation's gradient and the k
+    projections' gradients; plus, backward, the fp32 accumulators of parameters that are not fp32."""
+    rows, _, inner, _, k, chunk = _tiled_mlp_dims(node)
+    itemsize = schema_arg(node, "x").meta["val"].element_size()
+    if node.target is TILED_MLP[0]:
+        return (k + 2) * min(rows, chunk) * inner * itemsize
+    steps = len(json.loads(schema_arg(node, "expression"))["steps"])
+    scratch = (2 * k + 2 + steps) * min(rows, chunk) * inner * itemsize
+    for name, need in zip(_MLP_PARAMS, schema_arg(node, "needs")[1:], strict=True):
+        param = schema_arg(node, name)
+        if need and param is not None and param.meta["val"].dtype != torch.float32:
+            scratch += param.meta["val"].numel() * 4
+    return scratch
+
+
 def workspace_bytes(node: fx.Node) -> int:
-    """Bytes an op allocates and frees while it runs, beyond its outputs.  Only the tiled loss has any: two fp32
+    """Bytes an op allocates and frees while it runs, beyond its outputs.  The tiled loss: two fp32
     [chunk, vocab] buffers (the chunk's logits and the softmax's temporary in forward; the probabilities and
     the logits' gradient in backward), and in backward, for a weight that is not fp32, the fp32 accumulator of
-    min(tokens, vocab) x hidden values (Note [Tiled logits and loss])."""
+    min(tokens, vocab) x hidden values (Note [Tiled logits and loss]).  The tiled MLP: one chunk's
+    intermediates (`_tiled_mlp_scratch`).  No other op has any."""
+    if node.target in TILED_MLP:
+        return _tiled_mlp_scratch(node)
     if node.target not in TILED_LOSS:
         return 0
     rows, width, vocab, chunk = _tiled_loss_dims(node)
@@ -154,6 +205,8 @@ def classify(node: fx.Node, *, masked_fraction: float | None = None) -> tuple[st
                                             kept=masked_fraction if flex else None)
     if target in TILED_LOSS:
         return "matmul", tiled_loss_flops(node)
+    if target in TILED_MLP:
+        return "matmul", tiled_mlp_flops(node)
     if target in MATMULS:
         a, b = (node.args[1], node.args[2]) if target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
         sa, sb = a.meta["val"].shape, b.meta["val"].shape

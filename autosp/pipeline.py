@@ -16,6 +16,7 @@ from autosp.passes.dynamo.masks import attention_mask_pass
 from autosp.passes.dynamo.sharding import sequence_sharding_pass
 from autosp.passes.dynamo.tag_inputs import tag_sequence_inputs_pass
 from autosp.passes.dynamo.tiled_loss import make_tiled_loss_pass
+from autosp.passes.dynamo.tiled_mlp import make_tiled_mlp_pass
 from autosp.passes.graph_utils import op_counts
 
 log = logging.getLogger(__name__)
@@ -36,16 +37,21 @@ which would otherwise read as a slice of the token axis); the analysis applies t
 
 
 def passes_for(config: AutoSPConfig) -> tuple[Pass, ...]:
-    """The Dynamo-stage passes of one compile.  The tiled loss (Note [Tiled loss pass]) runs after the loss rule
-    (it tiles the local loss sum that rule leaves) and before the analysis, which classifies its op like any
-    other.  Without sequence parallelism (sp_size=1) only the tiled loss runs, when it is enabled."""
-    if config.tiled_loss == "off":
+    """The Dynamo-stage passes of one compile.  The tiled loss (Note [Tiled loss pass]) and the tiled MLP (Note
+    [Tiled MLP pass]) run after the loss rule (the tiled loss tiles the local loss sum that rule leaves) and
+    before the analysis, which classifies their ops like any other.  Without sequence parallelism (sp_size=1)
+    only the tiling passes run, when enabled."""
+    tiled: tuple[Pass, ...] = ()
+    if config.tiled_loss != "off":
+        tiled += (make_tiled_loss_pass(config.tiled_loss, config.loss_chunk_tokens, config.return_logits),)
+    if config.tiled_mlp != "off":
+        tiled += (make_tiled_mlp_pass(config.tiled_mlp, config.mlp_chunk_tokens),)
+    if not tiled:
         return () if config.sp_size == 1 else SEQUENCE_PARALLEL_PASSES
-    tiled = make_tiled_loss_pass(config.tiled_loss, config.loss_chunk_tokens, config.return_logits)
     if config.sp_size == 1:
-        return (tag_sequence_inputs_pass, tiled, eliminate_dead_code_pass)
+        return (tag_sequence_inputs_pass, *tiled, eliminate_dead_code_pass)
     at = SEQUENCE_PARALLEL_PASSES.index(exact_causal_lm_loss_pass) + 1
-    return SEQUENCE_PARALLEL_PASSES[:at] + (tiled,) + SEQUENCE_PARALLEL_PASSES[at:]
+    return SEQUENCE_PARALLEL_PASSES[:at] + tiled + SEQUENCE_PARALLEL_PASSES[at:]
 
 
 def run_passes(

@@ -53,6 +53,22 @@ def shape_of(node: fx.Node) -> tuple[int, ...]:
     return tuple(value.shape)
 
 
+LINEARS = (torch.nn.functional.linear, torch._C._nn.linear)
+
+
+def is_linear(node: fx.Node) -> bool:
+    """Whether ``node`` calls ``F.linear`` (what ``nn.Linear`` records)."""
+    return node.op == "call_function" and node.target in LINEARS
+
+
+def linear_args(node: fx.Node) -> tuple:
+    """(input, weight, bias) of a linear call (torch._C._nn.linear has no Python signature to bind)."""
+    names = ("input", "weight", "bias")
+    values = dict(zip(names, node.args, strict=False))
+    values.update(node.kwargs)
+    return values["input"], values["weight"], values.get("bias")
+
+
 def op_counts(gm: fx.GraphModule) -> Counter:
     """How many nodes call each target (for per-pass diffs in the logs)."""
     counts: Counter = Counter()
@@ -95,6 +111,15 @@ def infer_fake_value(node: fx.Node) -> None:
         else:
             value = node.target(*args, **kwargs)
     node.meta[EXAMPLE_VALUE] = value
+
+
+def emit_call(graph: fx.Graph, kind: str, target, args: tuple, meta: dict) -> fx.Node:
+    """Insert a call (``kind`` "method" or "function") at the graph's insertion point, with ``meta`` (module
+    stack, source line) and its fake value."""
+    node = graph.call_method(target, args) if kind == "method" else graph.call_function(target, args)
+    node.meta.update(meta)
+    infer_fake_value(node)
+    return node
 
 
 def _tensors(tree) -> list[torch.Tensor]:

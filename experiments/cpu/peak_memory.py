@@ -12,7 +12,9 @@ Note [What PeakMemory counts]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 It is a ``TorchDispatchMode``: every aten op that runs inside the block (eager ops, the ops of an
 ``aot_eager``-compiled forward and backward graph, custom ops such as AutoSP's all-to-all, and the
-autograd engine's gradient accumulation) is seen with its outputs. Each output's *storage* is counted
+autograd engine's gradient accumulation) is seen with its outputs; so are the ops inside the kernels of
+AutoSP's tiled loss and tiled MLP, which allocate their chunks there (a mode does not see inside other
+custom ops, whose kernels allocate only what they return). Each output's *storage* is counted
 once (views share it) from the op that created it until Python's weak reference to the storage fires,
 i.e. until the C++ storage is really freed (storages keep their Python object alive while C++ holds
 them, so the callback marks the true free). Sizes are ``storage.nbytes()``: the CPU allocator does not
@@ -39,9 +41,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from autosp.costs import TILED_LOSS, TILED_MLP
+
 log = logging.getLogger(__name__)
 
 __all__ = ["PeakMemory", "storage_bytes"]
+
+_SCRATCH_OPS = frozenset((*TILED_LOSS, *TILED_MLP))
+"""AutoSP's ops that allocate and free scratch inside their kernels (autosp.costs.workspace_bytes)."""
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
@@ -49,6 +56,13 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     if st.nbytes() == 0:
         return None
     return (st.data_ptr(), st.nbytes())
+
+
+def _has_storage(t) -> bool:
+    """A real tensor with a storage: not meta, not a torch.func wrapper (the tiled MLP's backward runs
+    ``torch.func.vjp``; the mode sees its ops on the wrappers and again on the tensors they wrap)."""
+    return (isinstance(t, torch.Tensor) and t.device.type != "meta"
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -138,13 +152,19 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if func in _SCRATCH_OPS and not any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
+                                            for t in tree_leaves((args, kwargs))):
+            # A dispatch mode is off while its handler runs, so it never sees the ops inside a custom op's
+            # kernel; these ops allocate their chunks there.  Run the (Python) CPU kernel with the mode on.
+            with self:
+                out = func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         # Views, in-place and out= ops return (aliases of) an input: no new memory.
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if _has_storage(t)}
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and id(leaf.untyped_storage()) not in inputs:
+            if _has_storage(leaf) and id(leaf.untyped_storage()) not in inputs:
                 self._track(leaf, name)
         return out
 

@@ -12,8 +12,10 @@ graph]) keep being positions through a product (RoPE's ``outer(t, inv_freq)``).
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
+from autosp import tiled_ops  # noqa: F401 - registers autosp_testbed::tiled_mlp
 from autosp.passes.dynamo.placements import PARTIAL, REPLICATE, Partial, Shard
 from autosp.passes.dynamo.pointwise import refuse_replicated_per_token
 from autosp.passes.dynamo.registry import FIX_GENERIC, arguments, ndim, rule, shape
@@ -143,6 +145,14 @@ def addmm(an, gm, node: fx.Node):
         if 0 <= d < ndim(bias) and shape(bias)[d] != 1:
             refuse_replicated_per_token(an, node, placed, bias)
     return placed
+
+
+@rule("token-local: tiled MLP", targets=(torch.ops.autosp_testbed.tiled_mlp.default,))
+def tiled_mlp(an, gm, node: fx.Node):
+    """The tiled MLP op (Note [Tiled MLP pass] in autosp/passes/dynamo/tiled_mlp.py)."""
+    from autosp.passes.dynamo.tiled_mlp import tiled_mlp_placement
+
+    return tiled_mlp_placement(an, node)
 
 
 @rule("token-local: matmul", "einsum")

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from autosp import tiled_ops  # noqa: F401 - registers autosp_testbed::linear_cross_entropy
+from autosp import tiled_ops  # registers autosp_testbed::linear_cross_entropy
 from autosp.context import TraceContext
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.loss import ancestors
@@ -47,10 +47,12 @@ from autosp.passes.dynamo.placements import PARTIAL, REPLICATE, Partial, Replica
 from autosp.passes.dynamo.tag_inputs import placeholder_with_role
 from autosp.passes.graph_utils import (
     bind,
+    emit_call,
     fake_value,
-    infer_fake_value,
     is_full_slice,
     is_getitem,
+    is_linear,
+    linear_args,
     module_name,
     shape_of,
 )
@@ -61,7 +63,6 @@ TILED_LOSS_MODES = ("off", "on", "auto")
 LOSS_CHUNK_BYTES = 64 * 2**20
 """Default budget of one chunk's fp32 logits (64 MiB: 524 tokens of a 32,000 vocabulary, 130 of 128,256)."""
 
-_LINEARS = (F.linear, torch._C._nn.linear)
 _DTYPE_METHODS = {"float", "double", "half", "bfloat16", "contiguous", "to"}
 _RESHAPE_METHODS = {"view", "reshape", "flatten"}
 
@@ -69,7 +70,7 @@ _RESHAPE_METHODS = {"view", "reshape", "flatten"}
 def chunk_tokens(vocab: int, configured: int | None) -> int:
     """Tokens per chunk: the configured number, else as many as keep one chunk's fp32 logits within
     `LOSS_CHUNK_BYTES`."""
-    return configured if configured is not None else max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+    return tiled_ops.tokens_per_chunk(4 * vocab, configured, LOSS_CHUNK_BYTES)
 
 
 @dataclass(frozen=True)
@@ -82,23 +83,16 @@ class _Match:
     """Nodes of [projection, *chain] the graph also returns."""
 
 
-def _refuse_or_skip(mode: str, why: str) -> None:
+def refuse_or_skip(option: str, mode: str, why: str) -> None:
+    """A tiling option's pattern is absent: an error under "on", a log line under "auto"."""
     if mode == "on":
-        raise AutoSPError(f"tiled_loss='on': {why}; compile with tiled_loss='off' (or 'auto', which skips such "
+        raise AutoSPError(f"{option}='on': {why}; compile with {option}='off' (or 'auto', which skips such "
                           "models)")
-    log.info("tiled loss not applied: %s", why)
+    log.info("%s not applied: %s", option, why)
 
 
-def _is_projection(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _LINEARS
-
-
-def _linear_args(node: fx.Node) -> tuple:
-    """(input, weight, bias) of a linear call (torch._C._nn.linear has no Python signature to bind)."""
-    names = ("input", "weight", "bias")
-    values = dict(zip(names, node.args, strict=False))
-    values.update(node.kwargs)
-    return values["input"], values["weight"], values.get("bias")
+def _refuse_or_skip(mode: str, why: str) -> None:
+    refuse_or_skip("tiled_loss", mode, why)
 
 
 def _layout_step(node: fx.Node, vocab: int) -> bool:
@@ -130,7 +124,7 @@ def _match(loss: fx.Node) -> _Match | str:
     vocab = shape_of(logits)[-1]
     chain = []
     node = logits
-    while not _is_projection(node):
+    while not is_linear(node):
         if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function") or not _layout_step(
                 node, vocab):
             return (f"the logits of the cross-entropy in {module_name(loss)} do not come from a linear output "
@@ -195,15 +189,12 @@ def make_tiled_loss_pass(mode: str, loss_chunk_tokens: int | None, return_logits
 
 def _rewrite(gm: fx.GraphModule, found: _Match, call: dict, chunk: int, ctx: TraceContext) -> None:
     graph, loss, projection = gm.graph, found.loss, found.projection
-    hidden, weight, bias = _linear_args(projection)
+    hidden, weight, bias = linear_args(projection)
     width = shape_of(hidden)[-1]
     meta = {k: v for k, v in loss.meta.items() if k in ("nn_module_stack", "stack_trace")}
 
     def emit(kind, target, *args):
-        node = graph.call_method(target, args) if kind == "method" else graph.call_function(target, args)
-        node.meta.update(meta)
-        infer_fake_value(node)
-        return node
+        return emit_call(graph, kind, target, args, meta)
 
     with graph.inserting_before(loss):
         rows = hidden
