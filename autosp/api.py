@@ -183,7 +183,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     groups = build_groups(sp_size, process_group)
     if sp_size == 1:
         warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
-                      "(the checkpointing and tiled_loss options still apply)", stacklevel=2)
+                      "(the checkpointing, tiled_loss and tiled_mlp options still apply)", stacklevel=2)
     return SequenceParallelModel(model, config, groups)
 
 
