@@ -31,7 +31,8 @@ Delta = rowsum(dO * O) are those of full attention and the dQ, dK, dV it returns
 full attention restricted to the block.  dQ accumulates locally; the dK/dV of a block travel around the ring
 behind it: at step s a rank adds its contribution to the accumulator that arrived from rank r - 1 and sends
 the sum on to rank r + 1, the transfer overlapping step s + 1's compute, so after P steps and one last
-transfer each rank holds the finished dK/dV of its own tokens.  All accumulation is fp32.
+transfer each rank holds the finished dK/dV of its own tokens.  All accumulation is fp32 (fp64 for fp64
+inputs).
 
 Grouped-query attention: key/value heads travel unreplicated (each rank holds every head of its tokens); a
 kernel call sees them expanded to the query heads, and their gradients are summed back over each group.
@@ -157,9 +158,9 @@ def _expand_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Online-softmax merge of a block into the fp32 accumulators ``out`` [B, H, l, D], ``lse`` [B, H, l], in place."""
+    """Online-softmax merge of a block into the accumulators ``out`` [B, H, l, D], ``lse`` [B, H, l], in place."""
     new_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out.float() * torch.exp(block_lse - new_lse)[..., None])
+    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None])
     lse.copy_(new_lse)
 
 
@@ -167,33 +168,40 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
 
 
 def _math_forward(q, k, v, causal: bool, scale: float):
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    acc = _accumulator(q.dtype)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         lq, lk = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()).to(q.dtype), lse
+    return torch.matmul(torch.exp(scores - lse[..., None]), v.to(acc)).to(q.dtype), lse
 
 
 def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    acc = _accumulator(q.dtype)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         lq, lk = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     probs = torch.exp(scores - lse[..., None])
-    dout32 = dout.float()
-    dv = torch.matmul(probs.transpose(-1, -2), dout32)
-    delta = (dout32 * out.float()).sum(-1, keepdim=True)
-    dscores = probs * (torch.matmul(dout32, v.float().transpose(-1, -2)) - delta)
-    return torch.matmul(dscores, k.float()) * scale, torch.matmul(dscores.transpose(-1, -2), q.float()) * scale, dv
+    grad = dout.to(acc)
+    dv = torch.matmul(probs.transpose(-1, -2), grad)
+    delta = (grad * out.to(acc)).sum(-1, keepdim=True)
+    dscores = probs * (torch.matmul(grad, v.to(acc).transpose(-1, -2)) - delta)
+    return torch.matmul(dscores, k.to(acc)) * scale, torch.matmul(dscores.transpose(-1, -2), q.to(acc)) * scale, dv
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ring accumulates in (and returns the log-sum-exp in): fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _block_forward(q, k, v, causal: bool, scale: float):
-    """(output, fp32 log-sum-exp [B, H, Lq]) of attention of q over k/v: the CPU flash kernel; on other devices
+    """(output, log-sum-exp [B, H, Lq] in the accumulator dtype) of attention of q over k/v: the CPU flash kernel; on other devices
     the same in plain matmuls (a [Lq, Lk] score block: exact, but neither fused nor lean; untried on GPUs)."""
     if q.device.type == "cpu":
         out, lse = _cpu_flash(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
+        return out, lse.to(_accumulator(q.dtype))
     return _math_forward(q, k, v, causal, scale)
 
 
@@ -212,8 +220,9 @@ def _ring_forward(q, k, v, ring: _Ring, scale: float, causal: bool):
     groups = h // k.shape[1]
     n = len(ring.mine)
     q_chunks = q.chunk(n, dim=2)
-    out = torch.zeros(b, h, length, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, length), float("-inf"), dtype=torch.float32, device=q.device)
+    acc = _accumulator(q.dtype)
+    out = torch.zeros(b, h, length, d, dtype=acc, device=q.device)
+    lse = torch.full((b, h, length), float("-inf"), dtype=acc, device=q.device)
     out_chunks, lse_chunks = out.chunk(n, dim=2), lse.chunk(n, dim=2)
     kv = torch.stack([k, v]).contiguous()  # [2, B, Hkv, L, D]
     pending = None
@@ -244,7 +253,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, scale: float, causal: b
     n = len(ring.mine)
     dout = dout.to(q.dtype)
     q_chunks, dout_chunks, out_chunks, lse_chunks = (t.chunk(n, dim=2) for t in (q, dout, out, lse))
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc = _accumulator(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dq_chunks = dq.chunk(n, dim=2)
     kv = torch.stack([k, v]).contiguous()
     pending, grads_in_flight = None, None
@@ -259,7 +269,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, scale: float, causal: b
                     request.wait()
                 continue
             # This step's dK/dV contributions, for the block of rank r - step.
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
             dk_chunks, dv_chunks = dkv[0].chunk(n, dim=2), dkv[1].chunk(n, dim=2)
             for rows, cols, block_causal in blocks(ring.mine, ring.chunks_at(event.step), causal):
@@ -307,7 +317,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, size:
 @torch.library.custom_op("autosp_testbed::ring_attention", mutates_args=())
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, layout: str,
                    group_name: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output [B, H, L, D], fp32 log-sum-exp [B, H, L]) of attention of this rank's queries over the whole
+    """(output [B, H, L, D], log-sum-exp [B, H, L] in fp32, fp64 for fp64 inputs) of attention of this rank's queries over the whole
     sequence's keys and values, held by the ranks of the group as ``layout`` says (Note [Ring attention])."""
     _check(q, k, v, layout, group_size)
     return _ring_forward(q, k, v, _Ring(group_name, group_size, layout), scale, causal)
@@ -316,7 +326,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 @ring_attention.register_fake
 def _(q, k, v, scale, causal, layout, group_name, group_size):
     _check(q, k, v, layout, group_size)  # the real op's outputs are contiguous, whatever the inputs' strides
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_accumulator(q.dtype))
 
 
 @torch.library.custom_op("autosp_testbed::ring_attention_backward", mutates_args=())

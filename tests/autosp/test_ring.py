@@ -166,6 +166,34 @@ def _masks_case(rank, world):
     return out
 
 
+def _op_case(rank, world):
+    """The op alone, eager, against full-sequence SDPA: causal and not, GQA, zig-zag and contiguous layouts."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from autosp.ring_attention import rank_chunks, ring_attention
+
+    group = dist.group.WORLD
+    errors = {}
+    for layout in ("zigzag", "contiguous"):
+        for causal in (True, False):
+            g = torch.Generator().manual_seed(11)
+            q, k, v = (torch.randn(2, heads, 24, 8, generator=g, dtype=torch.float64) for heads in (4, 2, 2))
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
+            grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+            ref.backward(grad)
+            chunks = rank_chunks(layout, world, rank)
+            size = 24 // (2 * world if layout == "zigzag" else world)
+            index = torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+            local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+            out, _ = ring_attention(*local, 8 ** -0.5, causal, layout, group.group_name, world)
+            out.backward(grad[:, :, index])
+            errors[(layout, causal)] = [float((a - b[:, :, index]).abs().max()) for a, b in
+                                        [(out, ref)] + [(x.grad, y.grad) for x, y in zip(local, full, strict=True)]]
+    return errors
+
+
 def _two_rank_cases(rank, world):
     cases = [
         {"model": "hf-qwen2", "sp_size": 2, "seq_len": 32, "options": RING},  # GQA: 4 heads, 2 kv heads
@@ -174,7 +202,7 @@ def _two_rank_cases(rank, world):
     ]
     results = [_run_case(rank, world, **case) for case in cases]
     return {"cases": results, "no_labels": _no_labels_case(rank, world), "order": _order_and_graphs(rank, world),
-            "masks": _masks_case(rank, world)}
+            "masks": _masks_case(rank, world), "op": _op_case(rank, world)}
 
 
 def test_ring_two_ranks_matches_single_device_and_overlaps_each_transfer_with_compute():
@@ -197,6 +225,8 @@ def test_ring_two_ranks_matches_single_device_and_overlaps_each_transfer_with_co
         bwd = [t for phase, targets in graphs.items() if phase == "backward" for t in targets]
         assert sum("ring_attention.default" in t for t in fwd) == 2 and not any("all_to_all" in t for t in fwd)
         assert sum("ring_attention_backward" in t for t in bwd) == 2
+        for case, errors in r["op"].items():  # fp64: exact up to rounding
+            assert max(errors) < 1e-12, (case, errors)
         masks = r["masks"]  # Hugging Face Llama, GQA: 8 heads, 2 kv heads
         assert masks["plain_positions"]  # the mask read the positions: is_causal only while they are plain
         torch.testing.assert_close(*masks["exact"]["loss"], **FP32_TOL)
