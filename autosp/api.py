@@ -65,7 +65,7 @@ class SequenceParallelModel(nn.Module):
         self.groups = groups
         self._ctx = TraceContext(
             sp_size=config.sp_size, sp_rank=groups.sp_rank, group_name=groups.sp_group_name,
-            ignore_index=config.ignore_index,
+            ignore_index=config.ignore_index, strategy=config.strategy,
         )
         # sp_size=1: no sequence-parallel passes (only the tiled loss, when enabled), but the same AOTAutograd
         # path (checkpointing option, graphs recorded in the report for autosp.export).
@@ -112,7 +112,8 @@ class SequenceParallelModel(nn.Module):
         if cfg.check_same_sample and cfg.sp_size > 1:
             check_same_sample(kwargs, self.groups.sp_group, cfg.sp_size, kwargs["input_ids"].device)
         layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
-                              pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket)
+                              pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket,
+                              zigzag=cfg.strategy == "ring")
         if "attention_mask" in kwargs and not self._accepts_attention_mask:
             raise AutoSPError(
                 f"the batch has a padding mask but {type(self.module).__name__}.forward takes no attention_mask; "
@@ -173,7 +174,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     compiler: str = "inductor",
     **options,
 ) -> SequenceParallelModel:
-    """Compile ``model`` for Ulysses sequence parallelism over ``sp_size`` ranks.
+    """Compile ``model`` for sequence parallelism over ``sp_size`` ranks (Ulysses, or ``strategy="ring"``).
 
     ``process_group`` (default: the world) is split into SP groups of ``sp_size``
     contiguous ranks; the groups are data-parallel replicas.  ``options`` are the

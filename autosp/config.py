@@ -6,6 +6,12 @@ from dataclasses import dataclass, fields
 
 from autosp.errors import AutoSPError
 
+STRATEGIES = ("ulysses", "ring")
+"""The sequence-parallel strategies the pass implements, spelt as in simulator.strategies.SEQUENCE_PARALLEL, the one
+registry of strategy names (autosp may import only simulator.workload, so tests/autosp/test_ring.py checks the
+spelling); the registry's "hybrid" and "auto" are not implemented by the pass yet."""
+_NOT_YET = ("hybrid", "auto")
+
 COMPILERS = ("inductor", "aot_eager")
 CHECKPOINTING = ("sac", "none", "default", "full")
 TILED_LOSS = ("off", "on", "auto")
@@ -17,7 +23,11 @@ class AutoSPConfig:
     """How `autosp.compile` makes a model sequence-parallel."""
 
     sp_size: int
-    """Ranks that share one sequence (the Ulysses degree); must divide the process group's size."""
+    """Ranks that share one sequence (the Ulysses or ring degree); must divide the process group's size."""
+    strategy: str = "ulysses"
+    """How attention runs over the sequence: "ulysses" (all-to-alls around every attention; heads divisible by
+    sp_size) or "ring" (zig-zag ring attention, any number of heads: Note [Ring attention] in
+    autosp/ring_attention.py; packed documents, padding masks and sliding windows are refused)."""
     compiler: str = "inductor"
     """Code generator after the AutoSP passes: "inductor" (fast kernels) or "aot_eager" (quick to compile)."""
     ignore_index: int = -100
@@ -86,6 +96,9 @@ class AutoSPConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or self.sp_size < 1:
             raise AutoSPError(f"sp_size must be a positive integer, got {self.sp_size!r}")
+        if self.strategy not in STRATEGIES:
+            known = f"; {self.strategy!r} is not implemented yet" if self.strategy in _NOT_YET else ""
+            raise AutoSPError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}{known}")
         if self.compiler not in COMPILERS:
             raise AutoSPError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
         if self.checkpointing not in CHECKPOINTING:
@@ -97,6 +110,10 @@ class AutoSPConfig:
                 not isinstance(self.length_bucket, int) or self.length_bucket < 1 or self.length_bucket % self.sp_size):
             raise AutoSPError(f"length_bucket must be a positive multiple of sp_size={self.sp_size}, got "
                               f"{self.length_bucket!r}")
+        if self.strategy == "ring" and self.length_bucket is not None and self.length_bucket % (2 * self.sp_size):
+            raise AutoSPError(f"length_bucket must be a multiple of 2 * sp_size = {2 * self.sp_size} under "
+                              f"strategy='ring' (its zig-zag layout cuts the sequence into that many equal "
+                              f"chunks), got {self.length_bucket!r}")
         if not isinstance(self.max_programs, int) or self.max_programs < 1:
             raise AutoSPError(f"max_programs must be a positive number of compiled programs, got {self.max_programs!r}")
         if self.tiled_loss not in TILED_LOSS:

@@ -101,6 +101,8 @@ class TraceContext:
     sp_rank: int
     group_name: str
     ignore_index: int
+    strategy: str = "ulysses"
+    """AutoSPConfig.strategy: "ulysses" or "ring" (zig-zag layout, Note [Ring attention] in autosp/ring_attention.py)."""
     layout: ShardLayout | None = None
     batch_size: int = 0
     """Rows of the call's batch."""

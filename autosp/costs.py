@@ -17,7 +17,7 @@ import math
 import torch
 from torch import fx
 
-from autosp import tiled_ops  # noqa: F401 - registers the tiled loss and MLP ops priced below
+from autosp import ring_attention, tiled_ops  # noqa: F401 - registers the ring, tiled loss and tiled MLP ops priced below
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
@@ -86,9 +86,20 @@ FLEX_ATTENTION = ("flex_attention", "flex_attention_backward")
 """Packets of the flex_attention higher-order ops (document-masked attention)."""
 
 
+RING_ATTENTION = ("ring_attention", "ring_attention_backward")
+"""Packets of AutoSP's ring attention (autosp/ring_attention.py): priced as attention of this rank's queries over
+the whole sequence's keys (group_size times the local ones)."""
+
+
 def _attention_shapes(node: fx.Node):
     """(q shape, k shape, causal, backward, flex) of an attention node, None for any other node."""
     packet = packet_name(node.target)
+    if packet in RING_ATTENTION and getattr(node.target, "namespace", None) == "autosp_testbed":
+        backward = packet == RING_ATTENTION[1]
+        q, k = node.args[1:3] if backward else node.args[0:2]
+        k_shape = list(k.meta["val"].shape)
+        k_shape[-2] *= int(schema_arg(node, "group_size"))
+        return q.meta["val"].shape, tuple(k_shape), bool(schema_arg(node, "causal")), backward, False
     flex = packet in FLEX_ATTENTION
     if not (flex or "scaled_dot_product" in packet or "flash_attention" in packet or "efficient_attention" in packet):
         return None

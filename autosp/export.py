@@ -28,7 +28,16 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autosp.costs import VIEWS, attention_scores_of, classify, nbytes_of, packet_name, workspace_bytes
+from autosp.costs import (
+    RING_ATTENTION,
+    VIEWS,
+    attention_scores_of,
+    classify,
+    nbytes_of,
+    packet_name,
+    workspace_bytes,
+)
+from autosp.errors import AutoSPError
 from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
 
 log = logging.getLogger(__name__)
@@ -115,6 +124,10 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 em.frees_at.setdefault(op_id, []).append(tid)
             read = sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes)
             ours = getattr(node.target, "namespace", None) == "autosp_testbed"
+            if ours and packet in RING_ATTENTION:
+                raise AutoSPError("this program runs ring attention (strategy='ring'), whose point-to-point "
+                                  "transfers the export does not describe yet: export a strategy='ulysses' "
+                                  "program")
             if ours and packet in _COLLECTIVES:
                 kind, op_class, flops = "collective", "other", 0
             elif ours and packet in _ASYNC_PHASES:

@@ -37,7 +37,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autosp.context import TraceContext, refuse_padding
 from autosp.errors import AutoSPError
-from autosp.inputs import positions_are_plain
+from autosp.inputs import positions_are_plain, zigzag_chunks
 from autosp.passes.dynamo.placements import Shard
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,9 @@ class ProgramGuard:
         refuse_padding(list(assumed.padding_refusals), ctx.layout, ctx.sp_size)
         if assumed.plain_positions and not positions_are_plain(ctx.full_inputs.get("position_ids")):
             raise AutoSPError(
-                "this model was compiled with Inductor for one unpacked sequence per row, and this batch packs "
-                "documents (position ids restart): compile with compiler='aot_eager' to train on packed batches")
+                "this model was compiled for one unpacked sequence per row (with Inductor, or strategy='ring'), and "
+                "this batch packs documents (position ids restart): compile with compiler='aot_eager' and "
+                "strategy='ulysses' to train on packed batches")
         outputs = self.program(*args)
         ctx.program_outputs = outputs  # the gradient reduction finds the program's backward from these
         if assumed.labels_passed or not any(isinstance(p, Shard) for p in assumed.output_placements):
@@ -126,16 +127,29 @@ class ProgramGuard:
 
 
 class _GatherTokens(torch.autograd.Function):
+    """Every rank's tokens in sequence order: rank order, or under the zig-zag layout (Note [Zig-zag layout] in
+    autosp/inputs.py) the ranks' chunks put back in place.  The backward is this rank's tokens of the gradient."""
+
     @staticmethod
-    def forward(ctx, x, dim: int, group_name: str, size: int, rank: int):
+    def forward(ctx, x, dim: int, group_name: str, size: int, rank: int, zigzag: bool):
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x.contiguous(), group=_resolve_process_group(group_name))
-        ctx.dim, ctx.start, ctx.length = dim, rank * x.shape[dim], x.shape[dim]
-        return torch.cat(parts, dim)
+        ctx.dim, ctx.rank, ctx.size, ctx.zigzag, ctx.length = dim, rank, size, zigzag, x.shape[dim]
+        if not zigzag:
+            return torch.cat(parts, dim)
+        chunks = [None] * (2 * size)
+        for r, part in enumerate(parts):
+            for c, piece in zip(zigzag_chunks(size, r), part.chunk(2, dim), strict=True):
+                chunks[c] = piece
+        return torch.cat(chunks, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None, None, None
+        if not ctx.zigzag:
+            return grad.narrow(ctx.dim, ctx.rank * ctx.length, ctx.length), None, None, None, None, None
+        chunks = grad.chunk(2 * ctx.size, ctx.dim)
+        mine = torch.cat([chunks[c] for c in zigzag_chunks(ctx.size, ctx.rank)], ctx.dim)
+        return mine, None, None, None, None, None
 
 
 def _gather_output(value, placement, ctx: TraceContext):
@@ -146,7 +160,8 @@ def _gather_output(value, placement, ctx: TraceContext):
             f"the model, called without labels, returns a per-token output ({placement}) that AutoSP cannot "
             "gather to the whole sequence (its token axis is merged with another); pass labels so that the model "
             "returns the loss of the whole sequence, or return the per-token output as [batch, sequence, ...]")
-    full = _GatherTokens.apply(value, placement.dim, ctx.group_name, ctx.sp_size, ctx.sp_rank)
+    zigzag = ctx.layout is not None and ctx.layout.zigzag
+    full = _GatherTokens.apply(value, placement.dim, ctx.group_name, ctx.sp_size, ctx.sp_rank, zigzag)
     return full.narrow(placement.dim, 0, ctx.layout.seq_len) if ctx.layout is not None else full
 
 

@@ -5,7 +5,8 @@ arguments to call a compiled model with; every rank of an SP group passes the sa
 sample.  `shard_batch` (called by the compiled model, not by users) pads the
 sequence to a multiple of the SP size, shifts the labels by one over the *whole*
 sequence (so the target at every shard border survives) and cuts out this rank's
-contiguous slice of tokens, global position ids, padding mask and shifted labels.
+tokens, global position ids, padding mask and shifted labels: one contiguous slice
+(Ulysses), or the two zig-zag chunks of ring attention (Note [Zig-zag layout]).
 """
 
 from __future__ import annotations
@@ -117,6 +118,25 @@ def prepare_inputs(
     return kwargs
 
 
+# Note [Zig-zag layout]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Under strategy="ring" the (padded) sequence is cut into 2P equal chunks and group rank i holds chunks i and
+# 2P-1-i, concatenated in that order (`zigzag_chunks`).  Under causal attention every rank then computes the
+# same number of (query, key) blocks in the ring (autosp/ring_attention.py), where a contiguous layout would
+# leave rank 0 one block and rank P-1 P blocks.  Everything token-indexed follows this one layout: the tokens,
+# their global position ids, the padding mask, the labels (shifted over the whole sequence *before* the cut,
+# so a chunk's last target is the next chunk's first token wherever that chunk lives), positions the model
+# builds in the graph (autosp/passes/dynamo/positions.py) and outputs gathered back to the whole sequence
+# (autosp/guards.py).  Sums over the tokens (the loss) do not depend on the order.  A consumer that needs a
+# contiguous shard reads `ShardLayout.start` only after checking `ShardLayout.contiguous`, or refuses.
+
+
+def zigzag_chunks(sp_size: int, sp_rank: int) -> tuple[int, int]:
+    """The chunks of 2 * sp_size equal chunks that group rank ``sp_rank`` holds, in local order (Note [Zig-zag
+    layout])."""
+    return sp_rank, 2 * sp_size - 1 - sp_rank
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     """Where one rank's tokens sit in the (padded) full sequence."""
@@ -124,29 +144,57 @@ class ShardLayout:
     seq_len: int
     """Tokens in the sample as given."""
     padded_seq_len: int
-    """Tokens after padding to a multiple of the SP size."""
+    """Tokens after padding to a multiple of the SP size (2 x SP size for the zig-zag layout)."""
     local_seq_len: int
     """Tokens on each rank."""
     start: int
     """Index of this rank's first token."""
+    ranges: tuple[tuple[int, int], ...] = ()
+    """This rank's tokens as [begin, end) index ranges of the padded sequence, in local order; () means the one
+    contiguous range from ``start`` (filled in on creation)."""
+
+    def __post_init__(self) -> None:
+        if not self.ranges:
+            object.__setattr__(self, "ranges", ((self.start, self.start + self.local_seq_len),))
 
     @property
     def pad_tokens(self) -> int:
         return self.padded_seq_len - self.seq_len
 
+    @property
+    def contiguous(self) -> bool:
+        """Whether this rank holds one contiguous slice [start, start + local_seq_len) (False: zig-zag)."""
+        return len(self.ranges) == 1
+
+    @property
+    def zigzag(self) -> bool:
+        return not self.contiguous
+
+    def window(self) -> ShardLayout:
+        """The contiguous layout of ``local_seq_len`` tokens from ``start`` (this layout, when contiguous)."""
+        return self if self.contiguous else ShardLayout(self.seq_len, self.padded_seq_len, self.local_seq_len,
+                                                        self.start)
+
 
 def shard_layout(seq_len: int, *, sp_size: int, sp_rank: int, pad_to_multiple: bool,
-                 length_bucket: int | None = None) -> ShardLayout:
-    """Contiguous shard of a sequence of ``seq_len`` tokens for group rank ``sp_rank``.
+                 length_bucket: int | None = None, zigzag: bool = False) -> ShardLayout:
+    """The shard of a sequence of ``seq_len`` tokens for group rank ``sp_rank``: contiguous, or with ``zigzag`` the
+    chunks of Note [Zig-zag layout].
 
-    The sequence is padded to a multiple of ``length_bucket`` when given (see AutoSPConfig), else of sp_size."""
+    The sequence is padded to a multiple of ``length_bucket`` when given (see AutoSPConfig), else of sp_size
+    (2 * sp_size for the zig-zag layout, whose chunks are equal)."""
     if seq_len < sp_size:
         raise AutoSPError(f"sequence of {seq_len} tokens is shorter than sp_size={sp_size}; pass at least sp_size tokens")
-    multiple = length_bucket or sp_size
+    multiple = length_bucket or (2 * sp_size if zigzag else sp_size)
+    if zigzag and multiple % (2 * sp_size):
+        raise AutoSPError(f"length_bucket={length_bucket} is not a multiple of 2 * sp_size = {2 * sp_size}, which "
+                          "strategy='ring' needs (its zig-zag layout cuts the sequence into 2 * sp_size equal "
+                          "chunks); pass a multiple of it")
     padded = -(-seq_len // multiple) * multiple
     if padded != seq_len and not pad_to_multiple:
+        what = f"2 * sp_size = {multiple}" if zigzag else f"sp_size={sp_size}"
         raise AutoSPError(
-            f"sequence length {seq_len} is not divisible by sp_size={sp_size}; pass a multiple of {sp_size} "
+            f"sequence length {seq_len} is not divisible by {what}; pass a multiple of {multiple} "
             "tokens or compile with pad_to_multiple=True"
         )
     local = padded // sp_size
@@ -156,7 +204,12 @@ def shard_layout(seq_len: int, *, sp_size: int, sp_rank: int, pad_to_multiple: b
             f"least 2 tokens per rank (models such as Hugging Face's treat a one-token query as non-causal): pass "
             f"at least {2 * sp_size} tokens"
         )
-    return ShardLayout(seq_len=seq_len, padded_seq_len=padded, local_seq_len=local, start=sp_rank * local)
+    if not zigzag or sp_size == 1:
+        return ShardLayout(seq_len=seq_len, padded_seq_len=padded, local_seq_len=local, start=sp_rank * local)
+    chunk = local // 2
+    ranges = tuple((c * chunk, (c + 1) * chunk) for c in zigzag_chunks(sp_size, sp_rank))
+    return ShardLayout(seq_len=seq_len, padded_seq_len=padded, local_seq_len=local, start=ranges[0][0],
+                       ranges=ranges)
 
 
 def pad_end(t: torch.Tensor, tokens: int, value: int | None) -> torch.Tensor:
@@ -172,11 +225,13 @@ def pad_end(t: torch.Tensor, tokens: int, value: int | None) -> torch.Tensor:
 
 def shard_tokens(t: torch.Tensor, layout: ShardLayout, value: int | None) -> torch.Tensor:
     """This rank's tokens of the full-sequence ``t``: padded to the layout's length with ``value`` (see `pad_end`),
-    then cut to the rank's window.
+    then cut to the rank's window (or zig-zag chunks, in local order).
 
-    The one place a rank's window is taken, so that `shard_batch` and the attention-mask
+    The one place a rank's tokens are taken, so that `shard_batch` and the attention-mask
     pass's check of the real batch see the same tokens."""
-    return pad_end(t, layout.pad_tokens, value)[:, layout.start:layout.start + layout.local_seq_len]
+    padded = pad_end(t, layout.pad_tokens, value)
+    pieces = [padded[:, begin:end] for begin, end in layout.ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=SEQ_DIM)
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autosp.inputs import shift_labels
+from autosp.ring_attention import rank_chunks
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +64,6 @@ def ensure_deepspeed_comm() -> None:
 # --- token layouts ------------------------------------------------------------------------------------
 
 
-def contiguous_chunks(sp_size: int, sp_rank: int) -> tuple[int, ...]:
-    """Rank ``sp_rank`` holds chunk ``sp_rank`` of ``sp_size`` equal chunks (DeepSpeed-Ulysses' layout)."""
-    return (sp_rank,)
-
-
-def zigzag_chunks(sp_size: int, sp_rank: int) -> tuple[int, ...]:
-    """Rank r holds chunks r and 2P-1-r of 2P equal chunks: under causal attention every rank then
-    attends over the same number of (query, key) pairs (load-balanced ring attention)."""
-    return (sp_rank, 2 * sp_size - 1 - sp_rank)
-
-
 @dataclass(frozen=True)
 class TokenLayout:
     """Which equal-sized chunks of the sequence each rank of an SP group holds, in local order."""
@@ -82,14 +72,22 @@ class TokenLayout:
     """The sequence is cut into this many equal chunks."""
     chunks: tuple[tuple[int, ...], ...]
     """``chunks[r]``: the chunk indices rank r holds, concatenated in this order."""
+    kind: str = "contiguous"
+    """The layout's name in autosp.ring_attention.LAYOUTS (what AutoSP's ring attention is told)."""
+
+    @classmethod
+    def of(cls, kind: str, sp_size: int) -> TokenLayout:
+        """The layout ``kind`` ("contiguous", or "zigzag": Note [Zig-zag layout] in autosp/inputs.py)."""
+        chunks = tuple(rank_chunks(kind, sp_size, r) for r in range(sp_size))
+        return cls(sum(len(c) for c in chunks), chunks, kind)
 
     @classmethod
     def contiguous(cls, sp_size: int) -> TokenLayout:
-        return cls(sp_size, tuple(contiguous_chunks(sp_size, r) for r in range(sp_size)))
+        return cls.of("contiguous", sp_size)
 
     @classmethod
     def zigzag(cls, sp_size: int) -> TokenLayout:
-        return cls(2 * sp_size, tuple(zigzag_chunks(sp_size, r) for r in range(sp_size)))
+        return cls.of("zigzag", sp_size)
 
     def chunk_len(self, seq_len: int) -> int:
         if seq_len % self.num_chunks:

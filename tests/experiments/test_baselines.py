@@ -257,7 +257,7 @@ def test_baselines_ulysses_ckpt_keeps_less_activation_memory_in_one_graph():
 
 @pytest.mark.parametrize("sp_size", [2, 3, 4])
 def test_baselines_zigzag_ring_runs_one_fused_attention_per_step_covering_exactly_the_causal_pairs(sp_size):
-    from experiments.baselines.ring import _blocks
+    from autosp.ring_attention import blocks as _blocks
 
     layout = TokenLayout.zigzag(sp_size)
     for rank in range(sp_size):

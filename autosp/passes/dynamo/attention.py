@@ -1,4 +1,4 @@
-"""Wrap every attention in Ulysses all-to-alls.
+"""Wrap every attention in Ulysses all-to-alls, or make it ring attention (strategy="ring", `_ring_attention`).
 
 Before the pass, each rank's ``scaled_dot_product_attention`` sees its own slice
 of the sequence and all heads: q [B, H, S/P, D], k and v [B, Hkv, S/P, D].  The
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from autosp.errors import AutoSPError
 from autosp.passes.dynamo.placements import REPLICATE, Partial, Shard
 from autosp.passes.dynamo.registry import rule
 from autosp.passes.graph_utils import bind, infer_fake_value, module_name, shape_of
+from autosp.ring_attention import default_scale
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +67,13 @@ def kv_replication_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> in
     return factor if group % factor == 0 else group
 
 
-@rule("attention (Ulysses)", targets=ATTENTION_TARGETS)
+@rule("attention (Ulysses or ring)", targets=ATTENTION_TARGETS)
 def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
     """The analysis's rule for scaled_dot_product_attention (in the top graph or a nested body).
 
-    Token-sharded q, k, v ([B, H, S/P, D], tokens on dim 2) are wrapped in all-to-alls;
-    replicated ones (attention over something other than the tokens) stay as they are.
+    Token-sharded q, k, v ([B, H, S/P, D], tokens on dim 2) are wrapped in all-to-alls, or under
+    strategy="ring" replaced by ring attention (`_ring_attention`); replicated ones (attention over
+    something other than the tokens) stay as they are.
     """
     ctx: TraceContext = an.ctx
     graph, p = gm.graph, ctx.sp_size
@@ -99,6 +102,8 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
             "the padding mask alone (packed documents, padding, sliding windows: Note [Attention masks built from "
             "the inputs]); a mask computed from anything else (the tokens, a buffer) is not supported"
         )
+    if ctx.strategy == "ring":
+        return _ring_attention(an, gm, node, args, documents)
     if documents and an.of(args["documents"]) != REPLICATE:
         raise AutoSPError(f"module {where}: the document ids of its attention are {an.of(args['documents'])}, "
                           "not the whole sequence's; this is a bug in AutoSP's mask pass")
@@ -107,7 +112,7 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
     if heads % p:
         raise AutoSPError(
             f"module {where} has {heads} attention heads, not divisible by sp_size={p}; "
-            "choose an sp_size that divides the number of heads"
+            "choose an sp_size that divides the number of heads, or strategy='ring' (any number of heads)"
         )
     causal = documents or bool(args["is_causal"])
     if not causal:  # checked again on every call of the program: autosp.context.TraceContext.require_unpadded
@@ -149,4 +154,45 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
     an.result.attention.append(out)
     ctx.report.attention_sites.append(AttentionSite(where, heads, kv_heads, replicate, causal))
     log.debug("all-to-all around %s (heads %d, kv heads %d x%d)", where, heads, kv_heads, replicate)
+    return token_sharded
+
+
+def _ring_attention(an, gm: fx.GraphModule, node: fx.Node, args: dict, documents: bool):
+    """strategy="ring": the attention becomes ``autosp_testbed::ring_attention`` over the zig-zag shards
+    (Note [Ring attention] in autosp/ring_attention.py); q, k and v keep every head and stay token-sharded, the
+    output is this rank's tokens like the input.  Key/value heads are not replicated under GQA."""
+    ctx: TraceContext = an.ctx
+    graph, p, where = gm.graph, ctx.sp_size, module_name(node)
+    if documents:
+        raise AutoSPError(f"module {where} attends with a mask over packed documents, padding or a sliding window, "
+                          "which strategy='ring' does not apply yet: use strategy='ulysses'")
+    if ctx.layout is not None and not ctx.layout.zigzag:
+        raise AutoSPError(f"module {where}: strategy='ring' needs the zig-zag layout; this is a bug in AutoSP")
+    q_shape, k_shape = shape_of(args["query"]), shape_of(args["key"])
+    heads, kv_heads = q_shape[HEAD_DIM], k_shape[HEAD_DIM]
+    if kv_heads != heads and (not args["enable_gqa"] or heads % kv_heads):
+        raise AutoSPError(f"module {where} calls scaled_dot_product_attention with {heads} query heads and {kv_heads} "
+                          "key/value heads without enable_gqa; expand the key/value heads or pass enable_gqa=True")
+    causal = bool(args["is_causal"])
+    if not causal:  # checked again on every call of the program: autosp.context.TraceContext.require_unpadded
+        ctx.require_unpadded(f"module {where} uses non-causal attention (padding is exact only under causal "
+                             "attention)")
+    scale = args["scale"] if args["scale"] is not None else default_scale(q_shape[-1])
+    token_sharded = Shard(SEQ_DIM)
+    with graph.inserting_before(node):
+        ring = graph.call_function(torch.ops.autosp_testbed.ring_attention.default,
+                                   (args["query"], args["key"], args["value"], float(scale), causal, "zigzag",
+                                    ctx.group_name, p))
+        infer_fake_value(ring)
+        out = graph.call_function(operator.getitem, (ring, 0))
+        infer_fake_value(out)
+        for new in (ring, out):
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    an.set(ring, (token_sharded, token_sharded))
+    an.set(out, token_sharded)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    an.result.attention.append(out)
+    ctx.report.attention_sites.append(AttentionSite(where, heads, kv_heads, 1, causal))
+    log.debug("ring attention in %s (heads %d, kv heads %d, %d ranks)", where, heads, kv_heads, p)
     return token_sharded

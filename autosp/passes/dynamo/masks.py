@@ -261,7 +261,9 @@ class _MaskLearner:
 
     def _check_real(self, where: str, rule: MaskRule, evaluate, roles: list[str]) -> None:
         full = self.ctx.full_inputs
-        layout = self.ctx.layout
+        # A contiguous block of the real batch: under the zig-zag layout (strategy="ring") this rank's own tokens
+        # are two chunks, on which the model's mask would see a document boundary that is not in the batch.
+        layout = self.ctx.layout.window() if self.ctx.layout is not None else None
         if layout is None or any(isinstance(full.get(r), FakeTensor) for r in MASK_INPUTS):
             return  # a shape-only trace: no values to check against
         positions, padding = full.get("position_ids"), full.get("attention_mask")
@@ -335,8 +337,12 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
         if rule is None:
             continue
         changed = True
-        if not ctx.document_attention_compiles and not (seq_len is None or rule.plain_causal(seq_len)):
-            rule = _without_document_attention(rule, ctx, where)
+        if ctx.strategy == "ring" and not (seq_len is None or rule.plain_causal(seq_len)):
+            rule = _without_document_attention(rule, ctx, where, "strategy='ring' does not apply it yet: use "
+                                               "strategy='ulysses'")
+        elif not ctx.document_attention_compiles and not (seq_len is None or rule.plain_causal(seq_len)):
+            rule = _without_document_attention(rule, ctx, where, "AutoSP applies it with flex_attention, which it "
+                                               "cannot compile with Inductor yet: compile with compiler='aot_eager'")
         if seq_len is None or rule.plain_causal(seq_len):
             call["attn_mask"], call["is_causal"] = None, True
             q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
@@ -375,18 +381,17 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
     return gm
 
 
-def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str) -> MaskRule:
-    """Under Inductor (whose flex_attention lowering does not compile `document_attention` yet): a rule that only
-    separates documents by position is the causal mask while the positions are 0..S-1 in every row, which the
-    compiled model then checks on every call; anything else is refused."""
+def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str, why: str) -> MaskRule:
+    """Where `document_attention` is not available (under Inductor, whose flex_attention lowering does not compile
+    it yet, and under strategy="ring"): a rule that only separates documents by position is the causal mask while
+    the positions are 0..S-1 in every row, which the compiled model then checks on every call; anything else is
+    refused, saying ``why``."""
     plain = positions_are_plain(ctx.full_inputs.get("position_ids"))
     if rule.by_position and not rule.padding and rule.window is None and plain:
         ctx.report.requires_plain_positions = True
         return MaskRule(by_position=False, padding=False, window=None)
-    raise AutoSPError(
-        f"module {where} attends with a mask over packed documents, padding or a sliding window ({rule}); "
-        "AutoSP applies it with flex_attention, which it cannot compile with Inductor yet: compile with "
-        "compiler='aot_eager'")
+    raise AutoSPError(f"module {where} attends with a mask over packed documents, padding or a sliding window "
+                      f"({rule}); {why}")
 
 
 def _drop_unused_operands(gm: fx.GraphModule) -> None:

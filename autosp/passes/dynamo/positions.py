@@ -12,7 +12,8 @@ that length by coincidence.  So the analysis treats each such arange as a
 - it meets a token-sharded value along the token axis (``cos(pos) * q``,
   ``embed(pos) + x``): in the single-device program it had one entry per token
   of the whole sequence, so it is a position; this rank's slice is
-  ``arange(offset, offset + local_seq_len)``;
+  ``arange(offset, offset + local_seq_len)`` (under strategy="ring" the
+  concatenated aranges of its zig-zag chunks, Note [Zig-zag layout]);
 - it is used any other way (reduced, contracted, combined with a replicated
   tensor of its own length, or never meets tokens): it is a replicated value and
   is left alone;
@@ -32,7 +33,7 @@ from torch import fx
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.placements import REPLICATE, Shard, describe
 from autosp.passes.dynamo.registry import rule
-from autosp.passes.graph_utils import fake_value, module_name
+from autosp.passes.graph_utils import fake_value, infer_fake_value, module_name
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +74,24 @@ def globalize_positions(an) -> None:
                 "single-device program meant.  Pass position_ids to the model (autosp.prepare_inputs does) and "
                 "use them for positions"
             )
-        if layout is None or layout.start == 0:
+        if layout is None or (layout.contiguous and layout.start == 0):
             continue
         offset = layout.start
         kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
         length = arange_bounds(node)[1]
+        if layout.zigzag:  # this rank's chunks (Note [Zig-zag layout] in autosp/inputs.py), concatenated
+            if isinstance(length, fx.Node):
+                raise AutoSPError(f"{describe(node)} in module {module_name(node)} builds positions from a dynamic "
+                                  "length, which strategy='ring' does not support: pass position_ids to the model "
+                                  "(autosp.prepare_inputs does), or use strategy='ulysses'")
+            with node.graph.inserting_before(node):
+                pieces = [node.graph.call_function(torch.arange, (begin, end), kwargs) for begin, end in layout.ranges]
+            for piece in pieces:
+                piece.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+                infer_fake_value(piece)
+            node.target, node.args, node.kwargs = torch.cat, (pieces,), {}
+            log.info("positions built in %s now are this rank's zig-zag chunks %s", module_name(node), layout.ranges)
+            continue
         if isinstance(length, fx.Node):  # a dynamic length: rank r's tokens are [r * length, (r + 1) * length)
             with node.graph.inserting_before(node):
                 first = node.graph.call_function(operator.mul, (length, an.ctx.sp_rank))

@@ -1,0 +1,363 @@
+"""Exact ring attention over a sequence-parallel group, as custom ops with autograd.
+
+Note [Ring attention]
+~~~~~~~~~~~~~~~~~~~~~
+Under ``strategy="ring"`` each rank holds the queries, keys and values of its own tokens, all heads
+(autosp/passes/dynamo/attention.py puts ``autosp_testbed::ring_attention`` where the model calls
+scaled_dot_product_attention).  With the zig-zag layout (Note [Zig-zag layout] in autosp/inputs.py) group
+rank r holds chunks r and 2P-1-r of the 2P equal chunks, in ascending order; with the contiguous one (used
+by the hand-written baseline's ``load_balance=False``) chunk r of P.
+
+Forward: in P steps rank r sees every rank's key/value block, its own first; at step s it holds the block of
+rank r - s.  Before it computes with that block it starts the transfer of the same block to rank r + 1 and
+the receive of the next one from rank r - 1 (``dist.batch_isend_irecv``: asynchronous point-to-point), so the
+P - 1 transfers overlap the P - 1 first steps' compute (`schedule`).  For a query chunk a and a key chunk b,
+causal attention is nothing if b > a, the causal triangle if b == a, every pair if b < a; each step's work is
+cut into as few fused attention calls as that structure allows (`blocks`): at step 0 one causal call over the
+rank's concatenated chunks (exact because they are in ascending order), at a later step, under the zig-zag
+layout, one non-causal call (both query chunks against an earlier rank's first chunk, or the second query
+chunk against both chunks of a later rank): every rank does the same work at every step.  Each call is a
+fused attention kernel that returns its output O_b (softmax over the block's keys) and the row-wise
+log-sum-exp L_b, with no score matrix kept (CPU flash attention; on other devices plain matmuls stand in,
+untried: `_block_forward`); the blocks merge exactly, in fp32, by the online-softmax rule
+
+    L = logaddexp(L1, L2),   O = O1 * exp(L1 - L) + O2 * exp(L2 - L),
+
+so after P steps O and L are those of softmax attention over the whole sequence.
+
+Backward (``autosp_testbed::ring_attention_backward``): the key/value blocks travel the same ring again; each
+block's kernel backward is given the *final* O and L of its query rows, so its P_b = exp(S_b - L) and
+Delta = rowsum(dO * O) are those of full attention and the dQ, dK, dV it returns are exactly the gradient of
+full attention restricted to the block.  dQ accumulates locally; the dK/dV of a block travel around the ring
+behind it: at step s a rank adds its contribution to the accumulator that arrived from rank r - 1 and sends
+the sum on to rank r + 1, the transfer overlapping step s + 1's compute, so after P steps and one last
+transfer each rank holds the finished dK/dV of its own tokens.  All accumulation is fp32 (fp64 for fp64
+inputs).
+
+Grouped-query attention: key/value heads travel unreplicated (each rank holds every head of its tokens); a
+kernel call sees them expanded to the query heads, and their gradients are summed back over each group.
+
+The op is one node for Dynamo, AOTAutograd and Inductor (like the collectives of autosp/ops.py): it is saved,
+never recomputed, by selective checkpointing (autosp/passes/joint/checkpointing.py treats every
+``autosp_testbed`` op as a collective), and its backward is a second op, so the forward's and backward's
+communication sit inside the two.  Each step runs under ``torch.profiler.record_function`` ranges named
+``autosp.ring.<phase>.send_recv.<step>`` and ``autosp.ring.<phase>.compute.<step>``, which the tests read to
+check the order of transfers and compute (tests/autosp/test_ring.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autosp.inputs import zigzag_chunks
+
+__all__ = ["LAYOUTS", "ring_attention", "ring_attention_backward", "schedule"]
+
+LAYOUTS = ("zigzag", "contiguous")
+"""How the tokens are spread over the group: zig-zag chunks (autosp's ring) or one contiguous slice per rank."""
+
+_KV_TAG, _GRAD_TAG = 0, 1
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def rank_chunks(layout: str, size: int, rank: int) -> tuple[int, ...]:
+    """The chunk indices rank ``rank`` holds, in local order (2P chunks for zig-zag, P for contiguous)."""
+    if layout == "zigzag":
+        return zigzag_chunks(size, rank)
+    if layout == "contiguous":
+        return (rank,)
+    raise ValueError(f"ring layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One event of a ring pass: ``kind`` is "send_recv" (issue the transfer of the block held at ``step``),
+    "compute" (the block's attention) or "wait" (block until that transfer arrived)."""
+
+    kind: str
+    step: int
+
+
+def schedule(size: int) -> tuple[Step, ...]:
+    """The order of events of one ring pass over ``size`` ranks, forward and backward alike: at every step but
+    the last, the transfer of the held block is issued before the step's compute and waited for after it."""
+    events: list[Step] = []
+    for step in range(size):
+        if step < size - 1:
+            events.append(Step("send_recv", step))
+        events.append(Step("compute", step))
+        if step < size - 1:
+            events.append(Step("wait", step))
+    return tuple(events)
+
+
+class _Ring:
+    """This rank's place in the ring: its neighbours (global ranks, as point-to-point ops want) and chunks."""
+
+    def __init__(self, group_name: str, size: int, layout: str):
+        self.group = _resolve_process_group(group_name)
+        self.size = size
+        self.rank = dist.get_rank(self.group)
+        if dist.get_world_size(self.group) != size:
+            raise ValueError(f"ring attention over a group of {dist.get_world_size(self.group)} ranks given size {size}")
+        self.layout = layout
+        self.mine = rank_chunks(layout, size, self.rank)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % size)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % size)
+
+    def chunks_at(self, step: int) -> tuple[int, ...]:
+        """The chunk indices of the key/value block held at ``step`` (it came from rank - step)."""
+        return rank_chunks(self.layout, self.size, (self.rank - step) % self.size)
+
+    def start_shift(self, tensor: torch.Tensor, tag: int):
+        """Send ``tensor`` to the next rank, receive the previous rank's; returns (requests, receive buffer)."""
+        received = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, received, self.prev, self.group, tag)]
+        return dist.batch_isend_irecv(ops), received
+
+
+def _relation(query_chunk: int, key_chunk: int, causal: bool) -> str | None:
+    """``"full"``, ``"diagonal"`` (causal triangle) or None (masked out entirely)."""
+    if not causal or key_chunk < query_chunk:
+        return "full"
+    return "diagonal" if key_chunk == query_chunk else None
+
+
+def blocks(mine: tuple[int, ...], theirs: tuple[int, ...], causal: bool) -> list[tuple[list[int], list[int], bool]]:
+    """The fused attention calls of one ring step: (local query chunk positions, key chunk positions, causal).
+
+    As few as the causal structure allows (Note [Ring attention]): the pairs a call covers are exactly the
+    pairs that attend, in ascending chunk order."""
+    live = {(i, j): rel for i, a in enumerate(mine) for j, b in enumerate(theirs)
+            if (rel := _relation(a, b, causal)) is not None}
+    if not live:
+        return []
+    if mine == theirs and list(mine) == sorted(mine):  # own chunks: one call over their concatenation
+        return [(list(range(len(mine))), list(range(len(theirs))), causal)]
+    rows = sorted({i for i, _ in live})
+    cols = sorted({j for _, j in live})
+    if all(rel == "full" for rel in live.values()) and len(live) == len(rows) * len(cols):
+        return [(rows, cols, False)]  # a rectangle of whole blocks: one non-causal call
+    return [([i], [j], rel == "diagonal") for (i, j), rel in sorted(live.items())]
+
+
+def _take(chunks: tuple[torch.Tensor, ...], positions: list[int]) -> torch.Tensor:
+    return chunks[positions[0]] if len(positions) == 1 else torch.cat([chunks[i] for i in positions], dim=2)
+
+
+def _expand_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, L, D] -> [B, Hkv * groups, L, D], each kv head repeated for its query heads."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Online-softmax merge of a block into the accumulators ``out`` [B, H, l, D], ``lse`` [B, H, l], in place."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None])
+    lse.copy_(new_lse)
+
+
+# --- one block: a fused kernel that returns the log-sum-exp, and its backward from the final O and L -------------
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    acc = _accumulator(q.dtype)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if causal:
+        lq, lk = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v.to(acc)).to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    acc = _accumulator(q.dtype)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if causal:
+        lq, lk = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    probs = torch.exp(scores - lse[..., None])
+    grad = dout.to(acc)
+    dv = torch.matmul(probs.transpose(-1, -2), grad)
+    delta = (grad * out.to(acc)).sum(-1, keepdim=True)
+    dscores = probs * (torch.matmul(grad, v.to(acc).transpose(-1, -2)) - delta)
+    return torch.matmul(dscores, k.to(acc)) * scale, torch.matmul(dscores.transpose(-1, -2), q.to(acc)) * scale, dv
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ring accumulates in (and returns the log-sum-exp in): fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _block_forward(q, k, v, causal: bool, scale: float):
+    """(output, log-sum-exp [B, H, Lq] in the accumulator dtype) of attention of q over k/v: the CPU flash kernel; on other devices
+    the same in plain matmuls (a [Lq, Lk] score block: exact, but neither fused nor lean; untried on GPUs)."""
+    if q.device.type == "cpu":
+        out, lse = _cpu_flash(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.to(_accumulator(q.dtype))
+    return _math_forward(q, k, v, causal, scale)
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of a block, given the final output and log-sum-exp of its query rows."""
+    if q.device.type == "cpu":
+        return _cpu_flash_backward(dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+    return tuple(g.to(q.dtype) for g in _math_backward(dout, q, k, v, out, lse, causal, scale))
+
+
+# --- the ring -------------------------------------------------------------------------------------------------
+
+
+def _ring_forward(q, k, v, ring: _Ring, scale: float, causal: bool):
+    b, h, length, d = q.shape
+    groups = h // k.shape[1]
+    n = len(ring.mine)
+    q_chunks = q.chunk(n, dim=2)
+    acc = _accumulator(q.dtype)
+    out = torch.zeros(b, h, length, d, dtype=acc, device=q.device)
+    lse = torch.full((b, h, length), float("-inf"), dtype=acc, device=q.device)
+    out_chunks, lse_chunks = out.chunk(n, dim=2), lse.chunk(n, dim=2)
+    kv = torch.stack([k, v]).contiguous()  # [2, B, Hkv, L, D]
+    pending = None
+    for event in schedule(ring.size):
+        with torch.profiler.record_function(f"autosp.ring.forward.{event.kind}.{event.step}"):
+            if event.kind == "send_recv":
+                pending = ring.start_shift(kv, _KV_TAG)
+            elif event.kind == "wait":
+                requests, kv = pending
+                for request in requests:
+                    request.wait()
+            else:
+                k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
+                for rows, cols, block_causal in blocks(ring.mine, ring.chunks_at(event.step), causal):
+                    block_out, block_lse = _block_forward(
+                        _take(q_chunks, rows), _expand_heads(_take(k_chunks, cols), groups),
+                        _expand_heads(_take(v_chunks, cols), groups), block_causal, scale)
+                    c = block_out.shape[2] // len(rows)
+                    for t, i in enumerate(rows):
+                        merge(out_chunks[i], lse_chunks[i], block_out[:, :, t * c:(t + 1) * c],
+                              block_lse[:, :, t * c:(t + 1) * c])
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, scale: float, causal: bool):
+    h, hkv = q.shape[1], k.shape[1]
+    groups = h // hkv
+    n = len(ring.mine)
+    dout = dout.to(q.dtype)
+    q_chunks, dout_chunks, out_chunks, lse_chunks = (t.chunk(n, dim=2) for t in (q, dout, out, lse))
+    acc = _accumulator(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq_chunks = dq.chunk(n, dim=2)
+    kv = torch.stack([k, v]).contiguous()
+    pending, grads_in_flight = None, None
+    for event in schedule(ring.size):
+        with torch.profiler.record_function(f"autosp.ring.backward.{event.kind}.{event.step}"):
+            if event.kind == "send_recv":
+                pending = ring.start_shift(kv, _KV_TAG)
+                continue
+            if event.kind == "wait":
+                requests, kv = pending
+                for request in requests:
+                    request.wait()
+                continue
+            # This step's dK/dV contributions, for the block of rank r - step.
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
+            dk_chunks, dv_chunks = dkv[0].chunk(n, dim=2), dkv[1].chunk(n, dim=2)
+            for rows, cols, block_causal in blocks(ring.mine, ring.chunks_at(event.step), causal):
+                dq_blk, dk_blk, dv_blk = _block_backward(
+                    _take(dout_chunks, rows), _take(q_chunks, rows),
+                    _expand_heads(_take(k_chunks, cols), groups), _expand_heads(_take(v_chunks, cols), groups),
+                    _take(out_chunks, rows), _take(lse_chunks, rows), block_causal, scale)
+                c = dq_blk.shape[2] // len(rows)
+                for t, i in enumerate(rows):
+                    dq_chunks[i].add_(dq_blk[:, :, t * c:(t + 1) * c])
+                if groups > 1:  # gradients of the expanded heads, summed back onto each kv head
+                    dk_blk = dk_blk.unflatten(1, (hkv, groups)).sum(dim=2)
+                    dv_blk = dv_blk.unflatten(1, (hkv, groups)).sum(dim=2)
+                for t, j in enumerate(cols):
+                    dk_chunks[j].add_(dk_blk[:, :, t * c:(t + 1) * c])
+                    dv_chunks[j].add_(dv_blk[:, :, t * c:(t + 1) * c])
+            if grads_in_flight is not None:  # the accumulator of this block, from rank r - 1: add ours to it
+                requests, arrived, _sent = grads_in_flight
+                for request in requests:
+                    request.wait()
+                dkv.add_(arrived)
+            if ring.size == 1:
+                grads_in_flight = ([], dkv, dkv)
+            else:  # on to rank r + 1 (the block's owner after the last step); overlaps the next step's compute
+                with torch.profiler.record_function(f"autosp.ring.backward.grad_send_recv.{event.step}"):
+                    grads_in_flight = (*ring.start_shift(dkv, _GRAD_TAG), dkv)  # the sent buffer kept alive
+    requests, dkv, _sent = grads_in_flight
+    for request in requests:
+        request.wait()
+    # Separate tensors (a custom op's outputs must not alias each other), in the inputs' dtypes.
+    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, size: int) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        raise ValueError(f"ring attention takes q [B, H, L, D] and k, v [B, Hkv, L, D], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of the {k.shape[1]} key/value heads")
+    chunks = len(rank_chunks(layout, size, 0))
+    if q.shape[2] % chunks:
+        raise ValueError(f"ring attention ({layout}) needs a multiple of {chunks} local tokens, got {q.shape[2]}")
+
+
+@torch.library.custom_op("autosp_testbed::ring_attention", mutates_args=())
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, layout: str,
+                   group_name: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [B, H, L, D], log-sum-exp [B, H, L] in fp32, fp64 for fp64 inputs) of attention of this rank's queries over the whole
+    sequence's keys and values, held by the ranks of the group as ``layout`` says (Note [Ring attention])."""
+    _check(q, k, v, layout, group_size)
+    return _ring_forward(q, k, v, _Ring(group_name, group_size, layout), scale, causal)
+
+
+@ring_attention.register_fake
+def _(q, k, v, scale, causal, layout, group_name, group_size):
+    _check(q, k, v, layout, group_size)  # the real op's outputs are contiguous, whatever the inputs' strides
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_accumulator(q.dtype))
+
+
+@torch.library.custom_op("autosp_testbed::ring_attention_backward", mutates_args=())
+def ring_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, layout: str,
+                            group_name: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `ring_attention`, dK/dV passed around the ring (Note [Ring attention])."""
+    return _ring_backward(grad_out, q, k, v, out, lse, _Ring(group_name, group_size, layout), scale, causal)
+
+
+@ring_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, scale, causal, layout, group_name, group_size):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, ctx.scale, ctx.causal, ctx.layout, ctx.group_name, ctx.group_size = inputs
+    ctx.mark_non_differentiable(output[1])  # the log-sum-exp is returned for the backward only
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward(grad_out, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.layout,
+                                         ctx.group_name, ctx.group_size)
+    return dq, dk, dv, None, None, None, None, None
+
+
+ring_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def default_scale(head_dim: int) -> float:
+    """scaled_dot_product_attention's default softmax scale, 1 / sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,266 @@
+"""strategy="ring": zig-zag ring attention in the compiled program equals single-device training, or is refused.
+
+Exactness (fp32 rtol 1e-4 / atol 1e-6, loss and every gradient) against a single-device full-sequence run on
+real gloo ranks, one launch per rank count running several cases; the ring's order of transfers and compute
+read from the profiler at run time; the zig-zag layout and the option's validation without ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.autosp.cases import loss_of, make_sample, named_grads
+from tests.autosp.test_equivalence import FP32_TOL, _check, _run_case
+from tests.harness import run_on_ranks
+
+RING = {"strategy": "ring"}
+
+
+# --- without ranks ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sp_size", [1, 2, 3, 4])
+def test_ring_zigzag_layout_covers_the_padded_sequence_once_and_balances_causal_work(sp_size):
+    from autosp.inputs import shard_layout
+
+    layouts = [shard_layout(8 * sp_size - 1, sp_size=sp_size, sp_rank=r, pad_to_multiple=True, zigzag=True)
+               for r in range(sp_size)]
+    tokens = [[i for begin, end in layout.ranges for i in range(begin, end)] for layout in layouts]
+    assert sorted(i for t in tokens for i in t) == list(range(8 * sp_size))  # padded to 2P chunks, once each
+    assert all(len(t) == layout.local_seq_len for t, layout in zip(tokens, layouts, strict=True))
+    assert len({sum(i + 1 for i in t) for t in tokens}) == 1  # every rank attends over as many causal pairs
+    assert all(layout.zigzag == (sp_size > 1) for layout in layouts)
+
+
+def test_ring_shard_batch_cuts_tokens_positions_and_shifted_labels_by_the_zigzag_layout():
+    from autosp.inputs import prepare_inputs, shard_batch, shard_layout
+
+    ids = torch.arange(10)[None] + 100
+    batch = prepare_inputs(ids, labels=ids.clone())
+    batch.pop("autosp_batch")
+    shards = []
+    for rank in range(2):
+        layout = shard_layout(10, sp_size=2, sp_rank=rank, pad_to_multiple=True, zigzag=True)
+        shards.append(shard_batch(batch, layout, ignore_index=-100, pad_token_id=0))
+    # 10 tokens padded to 12, chunks of 3: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+    assert shards[0]["position_ids"].tolist() == [[0, 1, 2, 9, 9, 9]]  # padding repeats the last position
+    assert shards[1]["position_ids"].tolist() == [[3, 4, 5, 6, 7, 8]]
+    assert shards[0]["input_ids"].tolist() == [[100, 101, 102, 109, 0, 0]]
+    # Shifted over the whole sequence before the cut: chunk 0's last target is chunk 1's first token.
+    assert shards[0]["labels"].tolist() == [[101, 102, 103, -100, -100, -100]]
+    assert shards[1]["labels"].tolist() == [[104, 105, 106, 107, 108, 109]]
+
+
+def test_ring_strategy_option_is_validated_with_the_registry_names():
+    from autosp import AutoSPConfig
+    from autosp.config import STRATEGIES
+    from autosp.errors import AutoSPError
+    from simulator.strategies import SEQUENCE_PARALLEL
+    from simulator.strategies import STRATEGIES as REGISTRY
+
+    # One spelling: the pass's names are the registry's (the registry's "none" is sp_size=1, not a strategy).
+    assert set(STRATEGIES) | {"hybrid", "auto", "none"} == set(SEQUENCE_PARALLEL)
+    assert AutoSPConfig(sp_size=2).strategy == "ulysses"
+    assert REGISTRY["autosp-ring"].options_for({"strategy"}) == {"strategy": "ring"}
+    AutoSPConfig(sp_size=2, strategy="ring", length_bucket=8)
+    with pytest.raises(AutoSPError, match="not implemented yet"):
+        AutoSPConfig(sp_size=2, strategy="hybrid")
+    with pytest.raises(AutoSPError, match="strategy must be one of"):
+        AutoSPConfig(sp_size=2, strategy="ring_attention")
+    with pytest.raises(AutoSPError, match="multiple of 2 \\* sp_size = 4"):
+        AutoSPConfig(sp_size=2, strategy="ring", length_bucket=6)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_ring_schedule_issues_each_transfer_before_its_step_compute(size):
+    from autosp.ring_attention import schedule
+
+    events = [(e.kind, e.step) for e in schedule(size)]
+    assert sum(kind == "send_recv" for kind, _ in events) == size - 1
+    assert [step for kind, step in events if kind == "compute"] == list(range(size))
+    for step in range(size - 1):
+        assert events.index(("send_recv", step)) < events.index(("compute", step)) < events.index(("wait", step))
+        assert events.index(("wait", step)) < events.index(("compute", step + 1))
+
+
+# --- on gloo ranks ------------------------------------------------------------------------------------------------
+
+
+def _order_and_graphs(rank, world):
+    """Compile a 2-layer model with the ring, run a step under the profiler; the ring's events and graph ops."""
+    import autosp
+    from experiments.models import build_model, vocab_size
+
+    torch.manual_seed(0)
+    model = build_model("plain-llama", layers=2)
+    compiled = autosp.compile(model, sp_size=world, compiler="aot_eager", strategy="ring")
+    ids, labels = make_sample(32, vocab_size(model), seed=7)
+    compiled(**autosp.prepare_inputs(ids, labels=labels))  # compile outside the profiled step
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels))).backward()
+    events = sorted((e.time_range.start, e.name) for e in prof.events() if e.name.startswith("autosp.ring."))
+    graphs = {phase: [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+              for phase, gm in compiled.report.aot_graphs}
+    return {"events": [name for _, name in events], "graphs": graphs}
+
+
+def _no_labels_case(rank, world):
+    """Called without labels: the logits are gathered back into sequence order from the zig-zag shards."""
+    import torch.nn.functional as F
+
+    import autosp
+    from experiments.models import build_model, vocab_size
+
+    torch.manual_seed(0)
+    reference = build_model("plain-llama")
+    candidate = copy.deepcopy(reference)
+    ids, labels = make_sample(24, vocab_size(reference), seed=3)
+
+    def loss(logits):
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    ref_logits = reference(input_ids=ids)
+    loss(ref_logits).backward()
+    compiled = autosp.compile(candidate, sp_size=world, compiler="aot_eager", strategy="ring")
+    logits = compiled(**autosp.prepare_inputs(ids))
+    loss(logits).backward()
+    return {"logits": (logits.detach(), ref_logits.detach()), "grads": named_grads(candidate),
+            "ref_grads": named_grads(reference)}
+
+
+def _masks_case(rank, world):
+    """A Hugging Face Llama (GQA) with use_cache=False builds its mask from the position ids: one unpacked sequence
+    per row is exact (is_causal, checked on every call); packed documents and padding masks are refused.  (With
+    the default use_cache=True it builds no mask from them, attending across documents on one device too.)"""
+    import autosp
+    from autosp.errors import AutoSPError
+    from experiments.models import build_model, vocab_size
+
+    torch.manual_seed(0)
+    reference = build_model("hf-llama")
+    reference.config.use_cache = False
+    ids, labels = make_sample(32, vocab_size(reference), seed=5)
+    candidate = copy.deepcopy(reference)
+    ref_loss = loss_of(reference(input_ids=ids, labels=labels))
+    ref_loss.backward()
+    compiled = autosp.compile(candidate, sp_size=world, compiler="aot_eager", strategy="ring")
+    loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
+    loss.backward()
+    out = {"exact": {"loss": (loss.detach(), ref_loss.detach()), "grads": named_grads(candidate),
+                     "ref_grads": named_grads(reference)},
+           "plain_positions": compiled.report.requires_plain_positions}
+    mask = torch.ones_like(ids)
+    mask[:, -3:] = 0
+    batches = {"packed": autosp.prepare_inputs(ids, labels=labels, document_lengths=[10, 22]),
+               "padding mask": autosp.prepare_inputs(ids, labels=labels, attention_mask=mask)}
+    out["refusals"] = {}
+    for name, batch in batches.items():
+        try:
+            compiled(**batch)  # a new program (a new mask input), or the guard of the one compiled above
+            out["refusals"][name] = None
+        except AutoSPError as err:
+            out["refusals"][name] = str(err)
+    return out
+
+
+def _op_case(rank, world):
+    """The op alone, eager, against full-sequence SDPA: causal and not, GQA, zig-zag and contiguous layouts."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from autosp.ring_attention import rank_chunks, ring_attention
+
+    group = dist.group.WORLD
+    errors = {}
+    for layout in ("zigzag", "contiguous"):
+        for causal in (True, False):
+            g = torch.Generator().manual_seed(11)
+            q, k, v = (torch.randn(2, heads, 24, 8, generator=g, dtype=torch.float64) for heads in (4, 2, 2))
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
+            grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+            ref.backward(grad)
+            chunks = rank_chunks(layout, world, rank)
+            size = 24 // (2 * world if layout == "zigzag" else world)
+            index = torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+            local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+            out, _ = ring_attention(*local, 8 ** -0.5, causal, layout, group.group_name, world)
+            out.backward(grad[:, :, index])
+            errors[(layout, causal)] = [float((a - b[:, :, index]).abs().max()) for a, b in
+                                        [(out, ref)] + [(x.grad, y.grad) for x, y in zip(local, full, strict=True)]]
+    return errors
+
+
+def _two_rank_cases(rank, world):
+    cases = [
+        {"model": "hf-qwen2", "sp_size": 2, "seq_len": 32, "options": RING},  # GQA: 4 heads, 2 kv heads
+        {"model": "plain-llama", "sp_size": 2, "seq_len": 30, "overrides": {"heads": 4, "kv_heads": 1},
+         "options": {**RING, "checkpointing": "none", "overlap_communication": False}},  # padded to 2P chunks
+    ]
+    results = [_run_case(rank, world, **case) for case in cases]
+    return {"cases": results, "no_labels": _no_labels_case(rank, world), "order": _order_and_graphs(rank, world),
+            "masks": _masks_case(rank, world), "op": _op_case(rank, world)}
+
+
+def test_ring_two_ranks_matches_single_device_and_overlaps_each_transfer_with_compute():
+    out = run_on_ranks(_two_rank_cases, 2, timeout_s=600)
+    _check([r["cases"] for r in out], FP32_TOL)
+    assert out[0]["cases"][0]["sites"] == [(4, 2, 1)] * 2  # kv heads travel unreplicated
+    for r in out:
+        logits, ref_logits = r["no_labels"]["logits"]
+        torch.testing.assert_close(logits, ref_logits, **FP32_TOL)
+        for name, grad in r["no_labels"]["grads"].items():
+            torch.testing.assert_close(grad, r["no_labels"]["ref_grads"][name], **FP32_TOL)
+        # Per attention forward: P - 1 = 1 transfer, issued before the compute of the block it overlaps.
+        forward = [name for name in r["order"]["events"] if name.startswith("autosp.ring.forward.")]
+        per_attention = ["send_recv.0", "compute.0", "wait.0", "compute.1"]
+        assert forward == [f"autosp.ring.forward.{e}" for e in per_attention] * 2, forward
+        backward = [name for name in r["order"]["events"] if name.startswith("autosp.ring.backward.")]
+        assert sum(".send_recv." in n for n in backward) == 2 and sum(".grad_send_recv." in n for n in backward) == 4
+        graphs = r["order"]["graphs"]
+        fwd = [t for phase, targets in graphs.items() if phase == "forward" for t in targets]
+        bwd = [t for phase, targets in graphs.items() if phase == "backward" for t in targets]
+        assert sum("ring_attention.default" in t for t in fwd) == 2 and not any("all_to_all" in t for t in fwd)
+        assert sum("ring_attention_backward" in t for t in bwd) == 2
+        for case, errors in r["op"].items():  # fp64: exact up to rounding
+            assert max(errors) < 1e-12, (case, errors)
+        masks = r["masks"]  # Hugging Face Llama, GQA: 8 heads, 2 kv heads
+        assert masks["plain_positions"]  # the mask read the positions: is_causal only while they are plain
+        torch.testing.assert_close(*masks["exact"]["loss"], **FP32_TOL)
+        for name, grad in masks["exact"]["grads"].items():
+            torch.testing.assert_close(grad, masks["exact"]["ref_grads"][name], **FP32_TOL)
+        for name, message in masks["refusals"].items():
+            assert message is not None and "strategy='ulysses'" in message, (name, message)
+
+
+def _four_rank_cases(rank, world):
+    import autosp
+    from autosp.errors import AutoSPError
+    from experiments.models import build_model
+
+    cases = [
+        {"model": "hf-llama", "sp_size": 4, "seq_len": 32, "options": RING},  # 2 kv heads < 4 ranks
+        {"model": "plain-llama", "sp_size": 4, "seq_len": 30, "overrides": {"heads": 2, "kv_heads": 2},
+         "options": RING},  # more ranks than heads
+        {"model": "plain-llama", "sp_size": 2, "seq_len": 32, "overrides": {"kv_heads": 2},
+         "options": RING},  # SP 2 x DP 2
+    ]
+    results = [_run_case(rank, world, **case) for case in cases]
+    try:  # Ulysses cannot run the 2-head model on 4 ranks
+        model = build_model("plain-llama", heads=2, kv_heads=2)
+        ids = torch.randint(0, 256, (1, 16))
+        autosp.compile(model, sp_size=4, compiler="aot_eager")(**autosp.prepare_inputs(ids, labels=ids))
+        ulysses = None
+    except AutoSPError as err:
+        ulysses = str(err)
+    return {"cases": results, "ulysses": ulysses}
+
+
+@pytest.mark.slow
+def test_ring_four_ranks_gqa_more_ranks_than_heads_and_data_parallel_match_single_device():
+    out = run_on_ranks(_four_rank_cases, 4, timeout_s=900)
+    _check([r["cases"] for r in out], FP32_TOL)
+    assert all("strategy='ring'" in r["ulysses"] for r in out)
