@@ -20,7 +20,7 @@ import pytest
 from simulator.strategies import STRATEGIES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MISSPELLED_ON_PURPOSE = ("tests/simulator/test_strategies.py", "tests/test_strategy_names.py")
+MISSPELLED_ON_PURPOSE = ("tests/simulator/test_strategies.py", "tests/test_strategy_names.py", "tests/autosp/test_ring.py")
 """Tests that spell names wrong to check that the registry refuses them."""
 QUOTED = re.compile(r"""\\?[`'"]([A-Za-z][\w+\-]*)\\?[`'"]""")
 NAME_LIST = re.compile(r"""[\[(]\s*(?:\\?["'][^"'\n]+\\?["']\s*,\s*)+\\?["'][^"'\n]+\\?["']\s*,?\s*[\])]""")

@@ -218,9 +218,11 @@ def test_baselines_autosp_nosac_turns_checkpointing_off_where_autosp_has_it():
     import autosp
     from experiments.baselines.autosp_system import autosp_options
 
-    has_checkpointing = "checkpointing" in {f.name for f in dataclasses.fields(autosp.AutoSPConfig)}
-    assert autosp_options("autosp") == {}
-    assert autosp_options("autosp-nosac") == ({"checkpointing": "none"} if has_checkpointing else {})
+    fields = {f.name for f in dataclasses.fields(autosp.AutoSPConfig)}
+    strategy = {"strategy": "ulysses"} if "strategy" in fields else {}
+    assert autosp_options("autosp") == strategy
+    assert autosp_options("autosp-nosac") == {**strategy, **({"checkpointing": "none"} if "checkpointing" in fields
+                                                              else {})}
 
 
 def test_baselines_layout_refuses_a_length_it_cannot_split():
