@@ -419,6 +419,10 @@ class Prediction:
             m = self.max_length
             out.append(f"  max length  {m['display']} tokens ({m['stopped']}), band {m['band'][0]} - {m['band'][1]}"
                        f"; {len(m['lengths_simulated'])} lengths simulated")
+            if m["peak_by_category_bytes"]:
+                there = m["peak_by_category_bytes"]
+                out.append(f"  at max      peak {sum(there.values()) / gib:.2f} GiB per rank, of which activations "
+                           f"{there.get('activations', 0) / gib:.2f} GiB (--json: by category)")
         out += [f"  note        {n}" for n in self.notes]
         out.append(f"  ({self.seconds:.1f} s)")
         return "\n".join(out)

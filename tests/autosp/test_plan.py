@@ -206,6 +206,8 @@ def test_plan_max_length_answers_the_peak_by_category_at_the_longest_length_and_
     assert probes[512]["peak_bytes"] == sum(m["peak_by_category_bytes"].values())
     grown = {c for c, b in m["peak_by_category_bytes"].items() if b != found.by_category[c]}
     assert "activations" in grown and "parameters" not in grown
+    peak_there = sum(m["peak_by_category_bytes"].values()) / 2**30
+    assert f"at max      peak {peak_there:.2f} GiB per rank" in found.format()
 
 
 def test_plan_world_is_sp_times_dp():
