@@ -191,10 +191,11 @@ NOTEBOOKS = {
             'display(Image(filename=str(folder / "timeline.png")))'),
         new_markdown_cell(
             "One row per stream of the first ranks over the simulated step (identical ranks are simulated "
-            "once, so often only rank 0 appears): the compute row runs the traced forward, then backward, then "
-            "the optimizer step; the `comm:sp` row shows AutoSP's all-to-alls around each attention and the "
-            "`comm:dp` row the gradient reduction at the end of backward. A grey stall in the compute row is time "
-            "spent waiting for a collective; a collective under a coloured compute segment is overlapped."),
+            "once, so often only the first rank appears): the compute row runs the traced forward, then "
+            "backward, then the optimizer step; the `comm:sp` row shows AutoSP's all-to-alls around each "
+            "attention and the `comm:dp` row the gradient reduction at the end of backward. A grey stall in the "
+            "compute row is time spent waiting for a collective; a collective under a coloured compute segment "
+            "is overlapped."),
         new_code_cell(
             'plot_memory(result, folder / "memory.png", max_ranks=2)\n'
             'display(Image(filename=str(folder / "memory.png")))'),
@@ -230,8 +231,8 @@ NOTEBOOKS = {
             'CLUSTER = "a100-80gb-sxm"  # a hardware or cluster preset, or a cluster file\n'
             + TRAINING_PARAMETERS.format(sp=8) + "\n"
             "START = 32768  # first length probed (tokens)\n"
-            "GRANULARITY = 8192  # the answer is a multiple of this (rounded up to a multiple of SP_SIZE)\n"
-            "CEILING = 262144  # search ceiling (tokens): a fit at the ceiling is reported as ≥ CEILING\n"
+            "GRANULARITY = 16384  # the answer is a multiple of this (rounded up to a multiple of SP_SIZE)\n"
+            "CEILING = 524288  # search ceiling (tokens): a fit at the ceiling is reported as ≥ CEILING\n"
             "MAX_PROBES = 8  # lengths the search may simulate (one trace each)\n"
             'RESULTS = "results"  # a folder written by python -m experiments.reproduce, if there is one'),
         new_code_cell(SETUP),
@@ -275,8 +276,9 @@ NOTEBOOKS = {
             "Each marker is a length the search simulated, at its predicted peak per rank (the ledger plus the "
             "simulated activations); the peak grows with the length because the activations do, and the "
             "longest length that fits is the last one below the red device-memory line (black line). Where "
-            "`MODEL` is one of the paper's models the dotted line marks the published AutoSP length, which was "
-            "measured with the paper's own configuration."),
+            "`MODEL` is one of the paper's models the dotted line marks the published AutoSP length, measured "
+            "with the paper's own, unpublished DeepSpeed configuration (\"Reading the misses\" below discusses "
+            "why predictions under the stated configuration come out longer)."),
         new_markdown_cell(
             "## The ledger at the longest length\n\n"
             "Per-rank peak by category at the first length probed and at the longest that fits: parameters, "
@@ -383,6 +385,9 @@ def with_parameters(nb, **values):
 def build(folder: pathlib.Path = HERE) -> list[pathlib.Path]:
     paths = []
     for name, cells in NOTEBOOKS.items():
+        cells = copy.deepcopy(cells)
+        for i, cell in enumerate(cells):  # stable ids: a rebuild changes only the cells edited here
+            cell.id = f"{pathlib.Path(name).stem}-{i}"
         nb = new_notebook(cells=cells, metadata={
             "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
             "language_info": {"name": "python"},
