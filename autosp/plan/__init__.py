@@ -2,15 +2,19 @@
 
 `predict` traces the model's AutoSP step on fake tensors, adds DeepSpeed's gradient reduction and optimizer step,
 simulates it on a cluster (a preset or a cluster file, `load_cluster`) and prices memory with the ledger: fits or
-not, peak per rank by ledger category, step time, and the longest sequence that fits.  `plan_memory` predicts
-every candidate memory plan (checkpointing, SAC budget, tiled loss) and chooses one; `choose_options` returns
-the chosen plan's `autosp.compile` options.  It is the one package of
-autosp that uses the simulator beyond its workload schema (docs/design.md, "Import direction").
+not, peak per rank by ledger category, step time, and the longest sequence that fits (with the peak by category
+there); the answer keeps the simulated step (``Prediction.step.simulated``) for `simulator.plots`.  `ModelSource`
+is the model a name or a config.json stands for (the model ``python -m autosp.train --model`` builds).
+`plan_memory` predicts every candidate memory plan (checkpointing, SAC budget, tiled loss) and chooses one;
+`choose_options` returns the chosen plan's `autosp.compile` options.  It is the one package of autosp that uses
+the simulator beyond its workload schema (docs/design.md, "Import direction").
 """
 
-from autosp.plan.cluster_file import cluster_from_dict, load_cluster
+from autosp.plan.cluster_file import cluster_from_dict, cluster_names, load_cluster
+from autosp.plan.model_source import ModelSource
 from autosp.plan.planner import MemoryPlan, PlanReport, candidate_plans, choose_options, plan_memory
-from autosp.plan.predict import Prediction, TrainingSetup, predict
+from autosp.plan.predict import Prediction, StepPrediction, TrainingSetup, peak_by_category, predict
 
-__all__ = ["MemoryPlan", "PlanReport", "Prediction", "TrainingSetup", "candidate_plans", "choose_options",
-           "cluster_from_dict", "load_cluster", "plan_memory", "predict"]
+__all__ = ["MemoryPlan", "ModelSource", "PlanReport", "Prediction", "StepPrediction", "TrainingSetup",
+           "candidate_plans", "choose_options", "cluster_from_dict", "cluster_names", "load_cluster",
+           "peak_by_category", "plan_memory", "predict"]

@@ -26,6 +26,7 @@ from simulator.engine import simulate
 from simulator.ledger import OPTIMIZER_STATES, LedgerLine, TrainingConfig, memory_ledger, summarize
 from simulator.max_length import BANDS, ModelStep, extrapolate_depth, ledger_peak
 from simulator.max_length import max_length as search_max_length
+from simulator.result import Result
 from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
 from simulator.workload import Workload
 
@@ -271,6 +272,9 @@ class StepPrediction(ModelStep):
 
     micro_step_time_s: float
     """One micro-step: forward and backward (and ZeRO 2's reduction); the optimizer step is in ``step_time_s``."""
+    simulated: Result | None = field(default=None, compare=False, repr=False)
+    """The simulator's result of the traced training step (with depth extrapolation: of the deeper trace), for
+    `simulator.plots` (timeline, memory over time)."""
 
 
 def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, config: TrainingConfig,
@@ -282,7 +286,7 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
         raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
 
-    def at_depth(layers: int) -> tuple[float, float, int]:
+    def at_depth(layers: int) -> tuple[float, float, int, Result]:
         if reuse is None:
             traced = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
         else:
@@ -301,12 +305,12 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
             step_s = result.step_time_s + (setup.grad_accum - 1) * micro_s
         log.info("simulated on %s in %.1f s: step %.3f s, activations %.2f GiB", cluster.preset.name,
                  time.perf_counter() - start, step_s, dynamic / 2**30)
-        return step_s, micro_s, dynamic
+        return step_s, micro_s, dynamic, result
 
     depths = (model_layers, model_layers) if setup.depth == "full" else (1, 2)
-    memo: dict[int, tuple[float, float, int]] = {}
+    memo: dict[int, tuple[float, float, int, Result]] = {}
 
-    def cached(layers: int) -> tuple[float, float, int]:
+    def cached(layers: int) -> tuple[float, float, int, Result]:
         if layers not in memo:
             memo[layers] = at_depth(None if layers == model_layers else layers)
         return memo[layers]
@@ -314,8 +318,14 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
     step_s, dynamic = extrapolate_depth(lambda d: (cached(d)[0], cached(d)[2]), model_layers, depths)
     micro_s, _ = extrapolate_depth(lambda d: (cached(d)[1], cached(d)[2]), model_layers, depths)
     return StepPrediction(seq_len=seq_len, step_time_s=step_s, dynamic_memory_bytes=dynamic,
-                          micro_step_time_s=micro_s,
+                          micro_step_time_s=micro_s, simulated=memo[depths[1]][3],
                           extrapolated_from=None if depths[0] == depths[1] else depths)
+
+
+def peak_by_category(lines: Sequence[LedgerLine]) -> dict[str, int]:
+    """Nominal bytes per ledger category of ``lines`` (categories with nothing in them left out): the peak by
+    category that ``python -m autosp.plan`` prints."""
+    return {c: v[1] for c, v in summarize(lines).by_category.items() if v[2]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -338,7 +348,11 @@ class Prediction:
     peak_band: tuple[int, int, int]
     """(low, nominal, high) peak bytes per rank, from the ledger's band."""
     max_length: dict | None = None
-    """With ``--max-length``: the longest length that fits, the band's ends and every length simulated."""
+    """With ``--max-length``: the longest length that fits (``max_seq_len``, ``display``, ``stopped``), the band's
+    ends, the step time and the peak by ledger category there (``peak_by_category_bytes``), and every probe of the
+    search (``probes``: seq_len, fits, peak_bytes, step_time_s)."""
+    max_length_step: StepPrediction | None = None
+    """With ``--max-length``: the simulated step at the longest length that fits (None when none fits)."""
     seconds: float = 0.0
     """Wall time the prediction took."""
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -353,7 +367,7 @@ class Prediction:
 
     @property
     def by_category(self) -> dict[str, int]:
-        return {c: v[1] for c, v in summarize(self.lines).by_category.items() if v[2]}
+        return peak_by_category(self.lines)
 
     @property
     def tokens_per_s(self) -> float:
@@ -405,6 +419,10 @@ class Prediction:
             m = self.max_length
             out.append(f"  max length  {m['display']} tokens ({m['stopped']}), band {m['band'][0]} - {m['band'][1]}"
                        f"; {len(m['lengths_simulated'])} lengths simulated")
+            if m["peak_by_category_bytes"]:
+                there = m["peak_by_category_bytes"]
+                out.append(f"  at max      peak {sum(there.values()) / gib:.2f} GiB per rank, of which activations "
+                           f"{there.get('activations', 0) / gib:.2f} GiB (--json: by category)")
         out += [f"  note        {n}" for n in self.notes]
         out.append(f"  ({self.seconds:.1f} s)")
         return "\n".join(out)
@@ -438,16 +456,21 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     at = step(setup.seq_len)
     lines = tuple(memory_ledger(config, at="backward", activation_bytes=at.dynamic_memory_bytes))
     band = tuple(ledger_peak(config, at.dynamic_memory_bytes, which) for which in BANDS)
-    found = None
+    found = longest = None
     if max_length:
         grain = -(-granularity // setup.sp_size) * setup.sp_size
         found_ml = search_max_length(step, config, capacity_bytes=capacity, low=grain,
                                      high=max_length_high or 8 * setup.seq_len, granularity=grain,
                                      start=setup.seq_len - setup.seq_len % grain or grain, max_probes=max_probes)
+        longest = found_ml.nominal.result
         found = {"max_seq_len": found_ml.nominal.max_seq_len, "display": found_ml.nominal.display(),
                  "stopped": found_ml.nominal.stopped,
                  "band": [found_ml.high_memory.display(), found_ml.low_memory.display()],
                  "step_time_s": found_ml.nominal.step_time_s, "granularity": grain,
+                 "peak_by_category_bytes": None if longest is None else peak_by_category(
+                     memory_ledger(config, at="backward", activation_bytes=longest.dynamic_memory_bytes)),
+                 "probes": [{"seq_len": t.seq_len, "fits": t.fits, "peak_bytes": t.peak_memory_bytes,
+                             "step_time_s": t.step_time_s} for t in found_ml.nominal.trials],
                  "lengths_simulated": sorted(steps)}
     notes = []
     if at.extrapolated_from:
@@ -457,5 +480,7 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
         notes.append("the device reserve (CUDA context, NCCL, workspaces) is a GPU's; this device is not a GPU")
     return Prediction(model=model, parameters=sum(numels), layers=hf.num_hidden_layers, setup=setup,
                       cluster=cluster.describe(), wrapper=config.wrapper, capacity_bytes=capacity, step=at,
-                      lines=lines, peak_band=band, max_length=found, seconds=time.perf_counter() - start,
+                      lines=lines, peak_band=band, max_length=found,
+                      max_length_step=longest,
+                      seconds=time.perf_counter() - start,
                       notes=tuple(notes))

@@ -1,26 +1,37 @@
 """Write the notebooks of this folder from the cells below (``python -m experiments.notebooks.build``).
 
-The notebooks are thin: parameters in the first code cell, then calls into
-`experiments` and `simulator`, then a plot.  They are stored without outputs;
-``tests/experiments/test_notebooks.py`` executes each one.  Edit the cells here
-and rebuild rather than editing the ``.ipynb`` files by hand.
+The notebooks are thin: a parameter cell, then calls into the public API - `autosp.plan` (what
+``python -m autosp.plan`` runs: the model a name or a config.json stands for, a cluster preset or file,
+`autosp.plan.predict`), `autosp.compile` and `autosp.prepare_inputs`, and `simulator.plots` - then a plot with a
+sentence saying what it shows.  They are stored without outputs; ``tests/experiments/test_notebooks.py`` executes
+each one.  Edit the cells here and rebuild rather than editing the ``.ipynb`` files by hand.
+
+Parameters.  The first code cell of each notebook sets its parameters (``MODEL``: a preset of
+``python -m autosp.train`` or the path of a Hugging Face config.json; ``CLUSTER``: a preset or a cluster file;
+then the training configuration) and carries papermill's ``parameters`` tag.  `with_parameters` inserts a cell
+after it that sets other values - what ``papermill NOTEBOOK OUT -p NAME VALUE`` does, with nbclient alone - so
+the notebook test runs each notebook on a small model without changing its defaults.
 """
 
 from __future__ import annotations
 
+import copy
 import pathlib
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = pathlib.Path(__file__).resolve().parent
+PARAMETERS_TAG = "parameters"
+"""The tag of the parameter cell (papermill's)."""
 
 SETUP = """\
 import os
 import pathlib
 import sys
 
-# Run from the repository root whatever the notebook's working folder (experiments/notebooks).
+# Run from the repository root whatever the notebook's working folder (experiments/notebooks): the paths of the
+# parameters (a config.json, a cluster file, a results folder) are relative to it.
 root = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "experiments").is_dir())
 os.chdir(root)
 sys.path.insert(0, str(root))
@@ -29,197 +40,299 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".torch_extensions"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")"""
 
+YOUR_MODEL = (
+    "**Your model and cluster.** Set `MODEL` below to the path of a Hugging Face `config.json` (or its folder; "
+    "the weights are random and nothing is downloaded) and `CLUSTER` to a preset (`python -m autosp.plan --help` "
+    "lists them) or a cluster file (fields and units: docs/design.md, \"Cluster files\"; an example: "
+    "`docs/examples/two_node_cluster.json`); paths are relative to the repository root. To run it with other "
+    "values without editing it: `papermill NOTEBOOK OUT -p MODEL path/to/config.json` (the parameter cell is "
+    "tagged `parameters`), or `experiments.notebooks.build.with_parameters` as the notebook test does.")
+
+
+def _parameters(source: str):
+    return new_code_cell(source, metadata={"tags": [PARAMETERS_TAG]})
+
+
+TRAINING_PARAMETERS = (
+    "SP_SIZE = {sp}  # ranks sharing one sequence\n"
+    "DP_SIZE = 1  # data-parallel replicas (the world is SP_SIZE x DP_SIZE ranks)\n"
+    "ZERO_STAGE = 1  # DeepSpeed ZeRO 0, 1 or 2\n"
+    "MICRO_BATCH = 1  # samples per SP group per micro-step\n"
+    'DTYPE = "bf16"  # or "fp32"\n'
+    'DEPTH = "full"  # trace every layer; "extrapolated": shallow traces, too low under checkpointing '
+    "(Note [Depth extrapolation] in simulator/max_length.py)")
+
+SETUP_FROM_PARAMETERS = (
+    "from autosp.plan import TrainingSetup, load_cluster, predict\n\n"
+    "setup = TrainingSetup(seq_len={seq_len}, sp_size=SP_SIZE, dp_size=DP_SIZE, zero_stage=ZERO_STAGE,\n"
+    "                      micro_batch=MICRO_BATCH, dtype=DTYPE, depth=DEPTH)\n"
+    "cluster = load_cluster(CLUSTER, world_size=setup.world_size)\n")
+
 NOTEBOOKS = {
     "equivalence_and_overhead.ipynb": [
         new_markdown_cell(
             "# Equivalence and overhead on CPU gloo ranks\n\n"
-            "Each system trains one step of a small Hugging Face Llama on real gloo ranks; its loss and gradients "
-            "are compared with single-device training of the full sequence, and its median step time with "
-            "hand-written Ulysses. `python -m experiments.reproduce --only measured-cpu` runs the full-size "
-            "version of this table."),
-        new_code_cell("# Parameters (small: the notebook runs in well under a minute)\n"
-                      "RANKS = 2\nSEQ_LEN = 128\nSTEPS = 2\n"
-                      'SYSTEMS = ["autosp", "autosp-nosac", "ulysses", "ring"]'),
+            "A model compiled by `autosp.compile` over `RANKS` gloo ranks of this machine trains one step beside "
+            "the same step on one device over the full sequence (the README's \"Use it on your model\" snippet, "
+            "in `experiments/notebooks/ranks.py`): the loss and every gradient are compared, then the median "
+            "step time of each. `autosp.plan.predict` (what `python -m autosp.plan` prints) then simulates the "
+            "same training step on `CLUSTER`, so the measured and the predicted step stand side by side. "
+            "`python -m experiments.reproduce --only measured-cpu` compares AutoSP with the hand-written "
+            "baselines (Ulysses, ring attention, ZeRO-3) at the reproduction's sizes."),
+        new_markdown_cell(YOUR_MODEL + " On a CPU keep a large model small: copy its `config.json` and lower "
+                          "`num_hidden_layers` and `hidden_size`."),
+        _parameters(
+            "# Parameters (small: the notebook runs in well under a minute)\n"
+            'MODEL = "tiny-llama"  # a preset of python -m autosp.train, or the path of a Hugging Face config.json\n'
+            'CLUSTER = "cpu-gloo"  # where the step is predicted: a preset or a cluster file (cpu-gloo: this '
+            "machine's calibrated preset)\n"
+            "RANKS = 2  # gloo ranks on this machine: the SP degree\n"
+            "SEQ_LEN = 128  # tokens of the sample, before sharding\n"
+            "STEPS = 3  # timed steps of each after the first\n"
+            'COMPILER = "aot_eager"  # the backend AutoSP hands its graphs to ("inductor": slow cold compile on CPU)\n'
+            'VARIANTS = {"autosp": {}, "autosp, no checkpointing": {"checkpointing": "none"}}  '
+            "# name -> autosp.compile options"),
         new_code_cell(SETUP),
         new_code_cell(
-            "from experiments.cpu.measure import measure_on_rank\n"
             "from experiments.launch import run_on_ranks\n"
-            "from experiments.reproduce import CPU_MODEL, CPU_MODEL_OPTIONS\n\n"
-            'spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "seq_len": SEQ_LEN,\n'
-            '        "systems": SYSTEMS, "steps": STEPS}\n'
-            "per_rank = run_on_ranks(measure_on_rank, RANKS, spec, timeout_s=600, collective_timeout_s=300)\n"
-            'results = {s: [r["systems"][s] for r in per_rank] for s in SYSTEMS}\n'
-            'ulysses_s = max(r["median_step_s"] for r in results["ulysses"])\n'
-            "for s, rs in results.items():\n"
-            '    print(f"{s:14s} loss error {max(r[\'loss_error\'] for r in rs):.1e}  "\n'
-            '          f"grad error {max(r[\'grad_max_rel_error\'] for r in rs):.1e}  "\n'
-            '          f"step / ulysses {max(r[\'median_step_s\'] for r in rs) / ulysses_s:.2f}")'),
+            "from experiments.notebooks.ranks import ATOL, RTOL, equivalence_on_rank\n\n"
+            'spec = {"model": MODEL, "seq_len": SEQ_LEN, "steps": STEPS, "compiler": COMPILER, "variants": VARIANTS}\n'
+            "per_rank = run_on_ranks(equivalence_on_rank, RANKS, spec, timeout_s=600, collective_timeout_s=300)\n"
+            "# the slowest rank's step and the largest error over the ranks\n"
+            'single_s = max(r["reference_median_step_s"] for r in per_rank)\n'
+            'measured = {name: {key: max(r["variants"][name][key] for r in per_rank)\n'
+            '                   for key in ("loss_error", "grad_max_rel_error", "first_step_s", "median_step_s")}\n'
+            "            for name in VARIANTS}\n"
+            'exact = {name: all(r["variants"][name]["grads_close"] for r in per_rank) for name in VARIANTS}\n'
+            'print(f"single device, full sequence: step {single_s * 1e3:.1f} ms")\n'
+            "for name, m in measured.items():\n"
+            '    print(f"{name}: loss error {m[\'loss_error\']:.1e}, largest relative gradient error "\n'
+            '          f"{m[\'grad_max_rel_error\']:.1e}, every gradient within rtol {RTOL:g} / atol {ATOL:g}: "\n'
+            '          f"{exact[name]}; first (compiling) step {m[\'first_step_s\']:.1f} s, then "\n'
+            '          f"{m[\'median_step_s\'] * 1e3:.1f} ms a training step ({m[\'median_step_s\'] / single_s:.2f} x "\n'
+            '          "single device)")'),
         new_code_cell(
             "import matplotlib.pyplot as plt\n\n"
-            "fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))\n"
-            'ax1.bar(SYSTEMS, [max(max(r["grad_max_rel_error"] for r in results[s]), 1e-12) for s in SYSTEMS])\n'
-            'ax1.set_yscale("log")\n'
-            'ax1.set_ylabel("max relative gradient error")\n'
-            'ax2.bar(SYSTEMS, [max(r["median_step_s"] for r in results[s]) / ulysses_s for s in SYSTEMS])\n'
-            'ax2.axhline(1, color="black", lw=0.8)\n'
-            'ax2.set_ylabel("step time / Ulysses")\n'
-            "for ax in (ax1, ax2):\n"
-            '    ax.tick_params(axis="x", labelsize=7)\n'
-            'fig.suptitle(f"{RANKS} gloo ranks, {SEQ_LEN} tokens")\n'
+            "fig, ax = plt.subplots(figsize=(6, 3.2))\n"
+            'ax.bar(list(VARIANTS), [max(measured[n]["grad_max_rel_error"], 1e-12) for n in VARIANTS])\n'
+            'ax.axhline(RTOL, color="black", ls="--", lw=0.8, label=f"rtol {RTOL:g}")\n'
+            'ax.set_yscale("log")\n'
+            'ax.set_ylabel("largest relative gradient error")\n'
+            'ax.set_title(f"{MODEL}: {RANKS} gloo ranks vs one device, {SEQ_LEN} tokens")\n'
+            "ax.legend(fontsize=7)\n"
             "fig.tight_layout()\n"
             "plt.show()"),
+        new_markdown_cell(
+            "Each bar is the largest relative difference, over every parameter and rank, between the gradient "
+            "AutoSP computed and the single-device one (log scale): a bar below the dashed tolerance line means "
+            "the sequence-parallel step trained exactly what the single-device step trains, up to fp32 rounding "
+            "(the printed line above says whether every gradient passed the elementwise check), and a bar above it "
+            "is a bug to report."),
+        new_code_cell(
+            "from autosp.plan import TrainingSetup, load_cluster, predict\n\n"
+            "# the same step predicted on CLUSTER: plain autosp.compile (no ZeRO), fp32, the ranks above\n"
+            'setup = TrainingSetup(seq_len=SEQ_LEN, sp_size=RANKS, zero_stage=0, dtype="fp32", compiler=COMPILER)\n'
+            "cluster = load_cluster(CLUSTER, world_size=setup.world_size)\n"
+            "predicted = {name: predict(MODEL, setup, cluster, options=options) for name, options in VARIANTS.items()}\n"
+            "print(next(iter(predicted.values())).format())"),
+        new_code_cell(
+            "import numpy as np\n\n"
+            "names = list(VARIANTS)\n"
+            "x = np.arange(len(names))\n"
+            "fig, ax = plt.subplots(figsize=(7, 3.2))\n"
+            'ax.bar(x - 0.2, [measured[n]["median_step_s"] * 1e3 for n in names], 0.4, label="measured here")\n'
+            "ax.bar(x + 0.2, [predicted[n].step.step_time_s * 1e3 for n in names], 0.4, hatch=\"//\",\n"
+            '       color="white", edgecolor="black", label=f"predicted on {CLUSTER}")\n'
+            'ax.axhline(single_s * 1e3, color="gray", ls="--", lw=0.8, label="single device, measured")\n'
+            "ax.set_xticks(x, names, fontsize=7)\n"
+            'ax.set_ylabel("training step (ms)")\n'
+            "ax.legend(fontsize=7)\n"
+            "fig.tight_layout()\n"
+            "plt.show()"),
+        new_markdown_cell(
+            "The solid bars are each variant's measured median training step on this machine's gloo ranks "
+            "(forward, backward and an AdamW step) and the dashed line the single-device step over the whole "
+            "sequence; the hatched bars are the step `autosp.plan.predict` simulates for the same model, length "
+            "and ranks on `CLUSTER` (forward, backward, gradient reduction and optimizer step). With `cpu-gloo` "
+            "calibrated on this machine (`python -m experiments.calibrate_cpu --update-preset`) and nothing else "
+            "running, a hatched bar is the simulator's estimate of its solid neighbour, so their gap is the "
+            "simulator's error here (a tiny model's step is mostly per-operation overhead, the hardest case); "
+            "with another cluster it is that cluster's predicted step."),
     ],
     "simulated_timeline.ipynb": [
         new_markdown_cell(
             "# A simulated AutoSP step\n\n"
-            "Traces a paper model's training step through the AutoSP pass on a fake process group (no real "
-            "memory or GPU), exports the collective schedule and simulates it on a cluster preset: compute and "
-            "communication streams per rank (gradient reduction and the optimizer step included), then memory over "
-            "time. `python -m experiments.reproduce` writes the same plots (and a Perfetto trace) for its "
-            "throughput model (`--iteration-model`)."),
-        new_code_cell("# Parameters (small: a few seconds of tracing)\n"
-                      'MODEL = "llama-3.2-3b"\nSEQ_LEN = 4096\nLAYERS = 1\nSP_SIZE = 8\nCLUSTER = "a100-80gb-sxm"'),
+            "`autosp.plan.predict` (what `python -m autosp.plan` prints) traces a model's training step through "
+            "the AutoSP pass on fake tensors (no weights, no GPU), adds the gradient reduction and DeepSpeed's "
+            "optimizer step, and simulates it on a cluster; the simulated step it keeps "
+            "(`prediction.step.simulated`) is drawn here with `simulator.plots`: compute and communication "
+            "streams per rank, then memory over time. `python -m experiments.reproduce` writes the same plots "
+            "(and a Perfetto trace) for its throughput model (`--iteration-model`)."),
+        new_markdown_cell(YOUR_MODEL),
+        _parameters(
+            "# Parameters (a paper model at full depth: tracing takes a while on a laptop)\n"
+            'MODEL = "llama-3.2-3b"  # a preset of python -m autosp.train, or the path of a Hugging Face '
+            "config.json\n"
+            'CLUSTER = "a100-80gb-sxm"  # a hardware or cluster preset, or a cluster file\n'
+            "SEQ_LEN = 4096  # tokens per sample\n"
+            + TRAINING_PARAMETERS.format(sp=8)),
         new_code_cell(SETUP),
+        new_code_cell(
+            SETUP_FROM_PARAMETERS.format(seq_len="SEQ_LEN")
+            + "prediction = predict(MODEL, setup, cluster)\n"
+            "print(prediction.format())\n"
+            "result = prediction.step.simulated  # the simulator's result of the traced step"),
         new_code_cell(
             "import tempfile\n\n"
             "from IPython.display import Image, display\n\n"
-            "from experiments.models import PAPER_MODELS\n"
-            "from experiments.paper_scale.simulate import step_workload\n"
-            "from simulator import Cluster, simulate\n"
             "from simulator.plots import plot_memory, plot_timeline\n\n"
-            "cluster = Cluster.from_preset(CLUSTER)\n"
-            "# the whole step: forward, backward, DeepSpeed's gradient reduction and optimizer step\n"
-            'workload = step_workload("autosp", PAPER_MODELS[MODEL], SEQ_LEN, LAYERS, ranks=SP_SIZE)\n'
-            "result = simulate(workload, cluster)\n"
-            'print(f"step {result.step_time_s * 1e3:.1f} ms, peak {result.ranks[0].peak_memory_bytes / 2**30:.2f} GiB")'),
-        new_code_cell(
             "folder = pathlib.Path(tempfile.mkdtemp())\n"
             'plot_timeline(result, folder / "timeline.png", max_ranks=2)\n'
+            'display(Image(filename=str(folder / "timeline.png")))'),
+        new_markdown_cell(
+            "One row per stream of the first ranks over the simulated step (identical ranks are simulated "
+            "once, so often only the first rank appears): the compute row runs the traced forward, then "
+            "backward, then the optimizer step; the `comm:sp` row shows AutoSP's all-to-alls around each "
+            "attention and the `comm:dp` row the gradient reduction at the end of backward. A grey stall in the "
+            "compute row is time spent waiting for a collective; a collective under a coloured compute segment "
+            "is overlapped."),
+        new_code_cell(
             'plot_memory(result, folder / "memory.png", max_ranks=2)\n'
-            'display(Image(filename=str(folder / "timeline.png")), Image(filename=str(folder / "memory.png")))'),
+            'display(Image(filename=str(folder / "memory.png")))'),
+        new_markdown_cell(
+            "The memory the simulator counts on each rank over the step, against the device's capacity: the "
+            "floor is the workload's static memory (the model's parameters, gradients and optimizer state), and "
+            "on top of it the traced program's tensors climb through the forward as activations are saved, peak "
+            "around the loss (where the logits are live) and fall through backward as they are freed. The peak "
+            "`prediction.format()` prints above is the memory ledger of the training configuration "
+            "(communication buffers, CUDA context and allocator reserve included) with this step's peak above its "
+            "floor as the activations line (docs/design.md, \"One memory definition\")."),
     ],
     "max_sequence_length.ipynb": [
         new_markdown_cell(
             "# Longest trainable sequence, and where the memory goes\n\n"
-            "The simulated maximum sequence length of one paper model and system on a node of A100-80GB GPUs: "
-            "each probe traces the model through the real pass on a fake process group, adds DeepSpeed's "
-            "gradient reduction and optimizer step, simulates it, and adds the memory ledger of the paper's "
-            "configuration (`experiments/paper_scale/config.py`: bf16, ZeRO-1 for the sequence-parallel systems, "
-            "ZeRO-3 for the ZeRO-3 baseline). The ledger's low and high ends give a band; the search says why it "
-            "stopped (a length at the ceiling or at the probe budget prints as a lower bound, ≥). "
-            "`python -m experiments.reproduce --only max-seq-len` runs every model and system at a finer "
-            "granularity (its `--help` lists the settings); the last cells read its results, if there are any."),
-        new_code_cell("# Parameters (coarse: a handful of simulated probes)\n"
-                      'MODEL = "llama-3.2-3b"\nSYSTEM = "autosp"\nGRANULARITY = 16384\n'
-                      "CEILING = 262144  # search ceiling (tokens): a fit at the ceiling is reported as ≥ CEILING\n"
-                      'LAYERS = "extrapolated"  # from 1 and 2 layers: fast, memory too low under checkpointing; '
-                      "\"full\": exact (Note [Depth extrapolation] in simulator/max_length.py)\n"
-                      'RESULTS = "results"  # a folder written by python -m experiments.reproduce, if there is one'),
+            "`autosp.plan.predict` with `max_length=True` (what `python -m autosp.plan --max-length` prints) "
+            "searches the longest sequence a model trains with AutoSP on a cluster: each probed length traces "
+            "the model's step through the real pass on fake tensors, adds the gradient reduction and the "
+            "optimizer step, simulates it, and prices memory with the DeepSpeed ledger of the training "
+            "configuration (one memory definition: the ledger inside backward plus the simulated activations). "
+            "The ledger's low and high ends give a band; the search says why it stopped (a length at the ceiling "
+            "or at the probe budget prints as a lower bound, ≥)."),
+        new_markdown_cell(
+            YOUR_MODEL + "\n\n`DEPTH` is `\"full\"` by default: every probe traces every layer, which takes "
+            "minutes for a paper model on a laptop. `\"extrapolated\"` traces shallow copies of the model and "
+            "extrapolates linearly in the depth - much faster, but under activation checkpointing (AutoSP's "
+            "default) the shallow graphs checkpoint a different share of each layer, so the memory comes out too "
+            "low and the length too long (Note [Depth extrapolation] in `simulator/max_length.py`)."),
+        _parameters(
+            "# Parameters (a paper model on the paper's hardware, traced at full depth)\n"
+            'MODEL = "llama-3.2-3b"  # a preset of python -m autosp.train, or the path of a Hugging Face '
+            "config.json\n"
+            'CLUSTER = "a100-80gb-sxm"  # a hardware or cluster preset, or a cluster file\n'
+            + TRAINING_PARAMETERS.format(sp=8) + "\n"
+            "START = 32768  # first length probed (tokens)\n"
+            "GRANULARITY = 16384  # the answer is a multiple of this (rounded up to a multiple of SP_SIZE)\n"
+            "CEILING = 524288  # search ceiling (tokens): a fit at the ceiling is reported as ≥ CEILING\n"
+            "MAX_PROBES = 8  # lengths the search may simulate (one trace each)\n"
+            'RESULTS = "results"  # a folder written by python -m experiments.reproduce, if there is one'),
         new_code_cell(SETUP),
         new_code_cell(
-            "from experiments.paper_scale.config import ALTERNATIVE_CONFIG\n"
-            "from experiments.paper_scale.simulate import max_length\n"
-            "from experiments.reproduce import published_figures\n\n"
-            "found = max_length(SYSTEM, MODEL, granularity=GRANULARITY, high=CEILING, alternative=ALTERNATIVE_CONFIG,\n"
-            "                   layers=LAYERS)\n"
-            'print(f"paper-scale depth: {LAYERS}")\n'
-            'published = {r["system"]: float(r["value"]) for r in published_figures()\n'
-            '             if r["figure"] == "max_seq_len" and r["model"] == MODEL}\n'
-            'print(f"{SYSTEM} {MODEL}: {found.nominal.display()} tokens (search {found.nominal.stopped}), "\n'
-            '      f"band {found.high_memory.display()} to {found.low_memory.display()}; published "\n'
-            '      f"{published.get(SYSTEM, float(\'nan\')):,.0f}")\n'
-            'print(f"with fp32 gradient accumulation (BF16_Optimizer, not the stated configuration): "\n'
-            '      f"{found.alternative.display()} tokens")'),
-        new_markdown_cell(
-            "## The ledger at the simulated maximum\n\n"
-            "Per-rank peak memory by category at the nominal maximum length: parameters, gradients and optimizer "
-            "state as DeepSpeed's optimizer class allocates them, the simulated activations, communication "
-            "buffers (ipg buckets, NCCL), the runtime (CUDA context, workspaces) and the caching allocator "
-            "(rounding, fragmentation). Each line cites the code it follows; the band comes from the uncertain "
-            "device-side items (`simulator/device_reserve.py`). The second configuration is the alternative "
-            "the reproduction table shows beside the stated one."),
+            SETUP_FROM_PARAMETERS.format(seq_len="START")
+            + "prediction = predict(MODEL, setup, cluster, max_length=True, max_length_high=CEILING,\n"
+            "                     granularity=GRANULARITY, max_probes=MAX_PROBES)\n"
+            "print(prediction.format())\n"
+            "found = prediction.max_length\n"
+            "gib = 2**30\n"
+            "capacity = prediction.capacity_bytes / gib"),
         new_code_cell(
-            "from experiments.models import PAPER_MODELS\n"
-            "from experiments.paper_scale.config import PAPER_CONFIG, ledger_lines\n"
-            "from simulator.ledger import CATEGORIES, format_ledger, summarize\n\n"
-            "at = found.nominal.result  # the simulated step at the longest fitting length\n"
-            "model = PAPER_MODELS[MODEL]\n"
-            "ledgers = {name: ledger_lines(model, SYSTEM, at.dynamic_memory_bytes, cfg)\n"
-            '           for name, cfg in (("stated", PAPER_CONFIG), ("fp32 grad accumulation", ALTERNATIVE_CONFIG))}\n'
-            'print(f"{MODEL} {SYSTEM} at {at.seq_len} tokens, stated configuration (GiB: nominal [low, high])")\n'
-            'print(format_ledger(ledgers["stated"]))\n'
-            "stated, alternative = (summarize(lines) for lines in ledgers.values())\n"
-            "for category in CATEGORIES:\n"
-            "    delta = alternative.by_category[category][1] - stated.by_category[category][1]\n"
-            "    if delta:\n"
-            '        print(f"fp32 gradient accumulation adds {delta / 2**30:.1f} GiB of {category}")'),
+            "import csv\n\n"
+            "# The paper's published lengths (8 x A100-80GB, SP 8), where MODEL is one of its models\n"
+            'figures = pathlib.Path("experiments/data/autosp-paper-figures.csv").read_text().splitlines()\n'
+            'published = {r["system"]: int(r["value"]) for r in csv.DictReader(ln for ln in figures if ln and ln[0] != "#")\n'
+            '             if r["figure"] == "max_seq_len" and r["model"] == MODEL}\n'
+            'print(f"published for {MODEL}: " + (", ".join(f"{s} {v:,}" for s, v in published.items()) or "none") +\n'
+            '      f"; predicted for AutoSP on {CLUSTER}: {found[\'display\']} tokens")'),
         new_code_cell(
             "import matplotlib.pyplot as plt\n\n"
-            "fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))\n"
-            "bottom = [0.0, 0.0]\n"
-            "for category in CATEGORIES:\n"
-            "    values = [s.by_category[category][1] / 2**30 for s in (stated, alternative)]\n"
-            '    ax1.bar(["stated", "fp32 grad acc."], values, bottom=bottom, label=category)\n'
-            "    bottom = [b + v for b, v in zip(bottom, values, strict=True)]\n"
-            'ax1.axhline(at.capacity_bytes / 2**30, color="black", lw=0.8)\n'
-            'ax1.set_ylabel("GiB per rank")\n'
-            'ax1.set_title(f"ledger at {at.seq_len} tokens")\n'
-            "ax1.legend(fontsize=6)\n"
-            "systems = list(published)\n"
-            'ax2.bar([f"{s}\\n(published)" for s in systems], [published[s] for s in systems])\n'
-            "low, high = found.band\n"
-            'ax2.bar([f"{SYSTEM}\\n(simulated)"], [found.nominal.max_seq_len or 0], hatch="//", color="white",\n'
-            '        edgecolor="black", yerr=[[(found.nominal.max_seq_len or 0) - (low or 0)],\n'
-            "                                 [(high or 0) - (found.nominal.max_seq_len or 0)]], capsize=4)\n"
-            'ax2.set_ylabel("max trainable sequence (tokens)")\n'
-            'ax2.tick_params(axis="x", labelsize=7)\n'
+            'probes = sorted(found["probes"], key=lambda p: p["seq_len"])\n'
+            "fig, ax = plt.subplots(figsize=(7, 3.6))\n"
+            'ax.plot([p["seq_len"] for p in probes], [p["peak_bytes"] / gib for p in probes], color="gray", lw=0.8)\n'
+            "for fits, marker in ((True, \"o\"), (False, \"x\")):\n"
+            '    ax.scatter([p["seq_len"] for p in probes if p["fits"] == fits],\n'
+            '               [p["peak_bytes"] / gib for p in probes if p["fits"] == fits], marker=marker,\n'
+            '               label="fits" if fits else "does not fit")\n'
+            'ax.axhline(capacity, color="red", ls="--", lw=0.8, label="device memory")\n'
+            'if found["max_seq_len"]:\n'
+            '    ax.axvline(found["max_seq_len"], color="black", lw=0.8, label=f"longest: {found[\'display\']}")\n'
+            'if "autosp" in published:\n'
+            '    ax.axvline(published["autosp"], color="green", ls=":", label="published (AutoSP)")\n'
+            'ax.set_xlabel("sequence length (tokens)")\n'
+            'ax.set_ylabel("peak per rank (GiB)")\n'
+            'ax.set_title(f"{MODEL}, SP {SP_SIZE} x DP {DP_SIZE}, ZeRO {ZERO_STAGE}, on {CLUSTER}")\n'
+            "ax.legend(fontsize=7)\n"
             "fig.tight_layout()\n"
             "plt.show()"),
         new_markdown_cell(
-            "## Every published length beside the simulated band\n\n"
-            "From a reproduction's results folder: each published maximum length, the simulated nominal length "
-            "and band, the signed error and the search's stop reason, then the summary (median absolute error, "
-            "ordering of systems per model). Every miss beyond the reproduction's threshold is explained by a "
-            "named ledger item: the cell recomputes the ledger under the alternative configuration and prints "
-            "which items it adds and the length the reproduction found with them. The alternative is an "
-            "explanation of the gap, not the configuration the lengths are reported for: the paper does not "
-            "publish its DeepSpeed configuration file."),
+            "Each marker is a length the search simulated, at its predicted peak per rank (the ledger plus the "
+            "simulated activations); the peak grows with the length because the activations do, and the "
+            "longest length that fits is the last one below the red device-memory line (black line). Where "
+            "`MODEL` is one of the paper's models the dotted line marks the published AutoSP length, measured "
+            "with the paper's own, unpublished DeepSpeed configuration (\"Reading the misses\" below discusses "
+            "why predictions under the stated configuration come out longer)."),
+        new_markdown_cell(
+            "## The ledger at the longest length\n\n"
+            "Per-rank peak by category at the first length probed and at the longest that fits: parameters, "
+            "gradients and optimizer state as DeepSpeed's optimizer class allocates them, the simulated "
+            "activations, communication buffers (ipg buckets, NCCL), the runtime (CUDA context, workspaces) and "
+            "the caching allocator (rounding, fragmentation). Each ledger line cites the code it follows "
+            "(`simulator/ledger.py`); the band comes from the uncertain device-side items "
+            "(`simulator/device_reserve.py`)."),
         new_code_cell(
-            "import csv\n"
+            'bars = {f"{START:,} tokens": prediction.by_category}\n'
+            'if found["peak_by_category_bytes"]:\n'
+            '    bars[f"{found[\'max_seq_len\']:,} tokens (longest)"] = found["peak_by_category_bytes"]\n'
+            "categories = list(dict.fromkeys(c for b in bars.values() for c in b))\n"
+            "for label, by_category in bars.items():\n"
+            '    print(label + ": " + ", ".join(f"{c} {b / gib:.2f} GiB" for c, b in by_category.items()))\n'
+            "fig, ax = plt.subplots(figsize=(6, 3.6))\n"
+            "bottom = [0.0] * len(bars)\n"
+            "for category in categories:\n"
+            "    values = [b.get(category, 0) / gib for b in bars.values()]\n"
+            "    ax.bar(list(bars), values, bottom=bottom, label=category)\n"
+            "    bottom = [b + v for b, v in zip(bottom, values, strict=True)]\n"
+            'ax.axhline(capacity, color="red", ls="--", lw=0.8)\n'
+            'ax.set_ylabel("GiB per rank")\n'
+            "ax.legend(fontsize=6)\n"
+            "fig.tight_layout()\n"
+            "plt.show()"),
+        new_markdown_cell(
+            "Each bar stacks the per-rank peak by ledger category at one length, against the device memory (red "
+            "line): everything but the activations (and the allocator's share of them) stays the same as the "
+            "length grows, so the gap between the two bars is what the longer sequence's activations cost, and "
+            "the fixed part is what a different ZeRO stage, DP degree or precision would change."),
+        new_markdown_cell(
+            "## Every published length beside the simulated band\n\n"
+            "From a reproduction's results folder (`python -m experiments.reproduce --out results`, every paper "
+            "model and system simulated on the paper's hardware): each published maximum length, the simulated "
+            "nominal length and band, the signed error and the search's stop reason, the length under the "
+            "alternative configuration (fp32 gradient accumulation, `BF16_Optimizer`) and the memory per rank "
+            "left free at the published length; then the summary (median absolute error, ordering of systems per "
+            "model) and the misses read across models."),
+        new_code_cell(
             "import json\n\n"
-            "from experiments.reproduce import DISAGREEMENT\n\n"
-            'folder = pathlib.Path(RESULTS)\n'
+            "folder = pathlib.Path(RESULTS)\n"
             'if not (folder / "max-seq-len.csv").exists():\n'
             '    print(f"no {folder}/max-seq-len.csv: python -m experiments.reproduce --out {folder} writes it")\n'
             "else:\n"
-            '    rows = list(csv.DictReader((folder / "max-seq-len.csv").open()))\n'
-            "    for r in rows:\n"
+            '    for r in csv.DictReader((folder / "max-seq-len.csv").open()):\n'
             '        print(f"{r[\'model\']:13s} {r[\'system\']:15s} published {r[\'published_tokens\'] or \'-\':>6s}  "\n'
             '              f"simulated {r[\'simulated_tokens\']:>9s}  band {r[\'band_tokens\']:>19s}  "\n'
-            '              f"error {r[\'error_pct\'] or \'-\':>5s} %  ({r[\'stopped\']})")\n'
+            '              f"error {r[\'error_pct\'] or \'-\':>5s} %  ({r[\'stopped\']}); alternative "\n'
+            '              f"{r[\'alternative_tokens\']} (error {r[\'alternative_error_pct\'] or \'-\'} %), "\n'
+            '              f"free at the published length {r[\'headroom_at_published_gib\'] or \'-\'} GiB")\n'
             '    summary = json.loads((folder / "run.json").read_text()).get("max_seq_len_summary", {})\n'
             '    print(f"median |error| {summary.get(\'median_abs_error_pct\')} %, ordering: {summary.get(\'ordering\')}")\n'
-            "    for r in rows:\n"
-            '        if not r["error_pct"] or abs(float(r["error_pct"])) <= DISAGREEMENT * 100:\n'
-            "            continue\n"
-            '        m, system, headroom = PAPER_MODELS[r["model"]], r["system"], float(r["headroom_at_published_gib"])\n'
-            '        base = {ln.name: ln.bytes for ln in ledger_lines(m, system, 0, PAPER_CONFIG)}\n'
-            '        alt = {ln.name: ln.bytes for ln in ledger_lines(m, system, 0, ALTERNATIVE_CONFIG)}\n'
-            "        added = {name: (b - base.get(name, 0)) / 2**30 for name, b in alt.items()\n"
-            "                 if abs(b - base.get(name, 0)) > 2**28}\n"
-            '        head = f"{r[\'model\']} {system}: error {r[\'error_pct\']} %, "\n'
-            "        if headroom > 0:  # simulated longer: the ledger would be missing this much fixed memory\n"
-            '            items = ", ".join(f"{name} {gib:+.1f} GiB" for name, gib in added.items()) or "nothing"\n'
-            '            print(head + f"{headroom:.1f} GiB per rank free at the published length; fp32 gradient "\n'
-            '                  f"accumulation (BF16_Optimizer) adds {items}, {sum(added.values()):+.1f} GiB in all, "\n'
-            '                  f"and gives {r[\'alternative_tokens\']} tokens (error {r[\'alternative_error_pct\'] or \'-\'} %)")\n'
-            "        else:  # simulated shorter: the largest items of the stated ledger at the published length\n"
-            '            largest = sorted(ledger_lines(m, system, 0, PAPER_CONFIG), key=lambda ln: -ln.bytes)[:3]\n'
-            '            print(head + f"{-headroom:.1f} GiB per rank over the capacity at the published length; "\n'
-            '                  "the simulated activations (whole sequence per rank, no checkpointing) are the item "\n'
-            '                  "that grows with the length; largest fixed items: "\n'
-            '                  + ", ".join(f"{ln.name} {ln.bytes / 2**30:.1f} GiB" for ln in largest))\n'
-            "    # The same misses read across models: fixed memory per rank, or memory per token (Note [Fixed or\n"
+            "    # The misses read across models: fixed memory per rank, or memory per token (Note [Fixed or\n"
             "    # per-token gap] in experiments/reproduce.py); the smaller spread is the reading the data support.\n"
             '    for system, g in summary.get("gap_shape", {}).items():\n'
             '        print(f"{system}: as fixed GiB/rank {g[\'fixed_gib\']} (CV {g[\'fixed_cv\']}); as bytes per token, "\n'
@@ -231,17 +344,16 @@ NOTEBOOKS = {
             "when nothing sets `grad_accum_dtype`) the sequence-parallel systems keep little fixed memory per "
             "rank: the flat bf16 parameters, an eighth of the fp32 master weights and Adam moments, the ipg "
             "buckets and the device reserve. Their simulated lengths then come out well above the published "
-            "ones, while ZeRO-3, whose ranks each hold a whole sequence's activations, lands close. The cell "
-            "above names, for each miss, the ledger items that the alternative configuration adds - the "
-            "unpartitioned fp32 gradient buffer and the bf16 gradients `BF16_Optimizer` keeps until the step - "
-            "and the length the reproduction found with them; where that length is close to the published one, "
-            "the miss is explained by that buffer, and the stated configuration is the assumption to revisit. "
+            "ones, while ZeRO-3, whose ranks each hold a whole sequence's activations, lands close. The "
+            "alternative configuration adds the unpartitioned fp32 gradient buffer and the bf16 gradients "
+            "`BF16_Optimizer` keeps until the step; where its length is close to the published one, the miss is "
+            "explained by that buffer, and the stated configuration is the assumption to revisit. "
             "In our runs no single item explains every miss: the free memory at the published lengths is about "
             "the same for every sequence-parallel system of one model but does not grow with the parameter "
             "count the way those buffers do, so the alternative over-corrects the larger models and "
-            "under-corrects the smallest (compare the free memory with the added items printed above). Where "
-            "ZeRO-3 misses, it misses the other way: its simulated peak (a whole sequence's activations per "
-            "rank on top of the ledger) exceeds the capacity before the published length. "
+            "under-corrects the smallest. Where ZeRO-3 misses, it misses the other way: its simulated peak (a "
+            "whole sequence's activations per rank on top of the ledger) exceeds the capacity before the "
+            "published length. "
             "The last lines of the cell read the misses across models both ways: as a fixed amount per rank and "
             "as bytes per token, hidden unit and layer. Where the second spreads far less than the first, the "
             "missing memory behaves like activations, not like a buffer, and no ledger item can name it: what "
@@ -255,9 +367,27 @@ NOTEBOOKS = {
 }
 
 
+def with_parameters(nb, **values):
+    """A copy of ``nb`` with a cell after its parameter cell (tagged ``parameters``) that sets ``values`` (Python
+    literals): what ``papermill -p NAME VALUE`` does, for nbclient.  Unknown names are refused."""
+    nb = copy.deepcopy(nb)
+    at = next(i for i, c in enumerate(nb.cells) if PARAMETERS_TAG in c.get("metadata", {}).get("tags", ()))
+    known = {}
+    exec(nb.cells[at].source, {}, known)  # noqa: S102 - the notebook's own parameter cell: literals only
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{unknown} are not parameters of this notebook ({', '.join(known)})")
+    source = "# Injected parameters\n" + "\n".join(f"{name} = {value!r}" for name, value in values.items())
+    nb.cells.insert(at + 1, new_code_cell(source, metadata={"tags": ["injected-parameters"]}))
+    return nb
+
+
 def build(folder: pathlib.Path = HERE) -> list[pathlib.Path]:
     paths = []
     for name, cells in NOTEBOOKS.items():
+        cells = copy.deepcopy(cells)
+        for i, cell in enumerate(cells):  # stable ids: a rebuild changes only the cells edited here
+            cell.id = f"{pathlib.Path(name).stem}-{i}"
         nb = new_notebook(cells=cells, metadata={
             "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
             "language_info": {"name": "python"},

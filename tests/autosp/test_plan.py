@@ -185,6 +185,31 @@ def test_plan_refuses_what_it_cannot_predict_before_any_work(argv, message):
         setup_from_args(args)
 
 
+def test_plan_max_length_answers_the_peak_by_category_at_the_longest_length_and_keeps_the_simulated_step():
+    """What the max_sequence_length notebook plots: every probe, and the ledger by category at the longest length,
+    with the same memory definition as the answer at --seq-len; the simulated step is kept for simulator.plots."""
+    from simulator.result import Result
+
+    setup = TrainingSetup(seq_len=256, sp_size=2, dtype="fp32", compiler="aot_eager")
+    found = predict("tiny-llama", setup, load_cluster("a100-80gb-sxm", world_size=2), max_length=True,
+                    max_length_high=512, granularity=256, max_probes=3)
+    assert isinstance(found.step.simulated, Result) and found.step.simulated.step_time_s == found.step.step_time_s
+    m = found.max_length
+    assert (m["max_seq_len"], m["stopped"]) == (512, "ceiling")  # a tiny model fits an A100 at any length here
+    longest = found.max_length_step
+    assert longest.seq_len == 512 and isinstance(longest.simulated, Result)
+    assert longest.dynamic_memory_bytes > found.step.dynamic_memory_bytes
+    probes = {p["seq_len"]: p for p in m["probes"]}
+    assert set(probes) == {256, 512} and all(p["fits"] for p in probes.values())
+    # at --seq-len the probe's peak is the answer's; at the longest length it is the sum of the categories there
+    assert probes[256]["peak_bytes"] == found.peak_bytes == sum(found.by_category.values())
+    assert probes[512]["peak_bytes"] == sum(m["peak_by_category_bytes"].values())
+    grown = {c for c, b in m["peak_by_category_bytes"].items() if b != found.by_category[c]}
+    assert "activations" in grown and "parameters" not in grown
+    peak_there = sum(m["peak_by_category_bytes"].values()) / 2**30
+    assert f"at max      peak {peak_there:.2f} GiB per rank" in found.format()
+
+
 def test_plan_world_is_sp_times_dp():
     args = build_parser().parse_args(["--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "1024",
                                       "--sp-size", "4", "--world-size", "16"])
