@@ -98,19 +98,17 @@ def test_strategy_names_one_spelling_per_system():
 
 
 NOTEBOOKS = (NOTEBOOK_BUILDER, "experiments/notebooks/*.ipynb")
-"""The notebook builder and the notebooks it writes: being rewritten onto the registry (issue 21)."""
+"""The notebook builder and the notebooks it writes (checked on their own below)."""
 
 
 def test_strategy_names_no_module_keeps_its_own_list_of_systems():
-    exempt = {p for pattern in NOTEBOOKS for p in _files(pattern)} | {ROOT / "simulator/strategies.py"}
+    exempt = {ROOT / "simulator/strategies.py"}
     found = {str(p.relative_to(ROOT)): _name_lists(_text(p))
              for p in _files("experiments/**/*.py", "simulator/**/*.py") if p not in exempt}
     assert {path: lists for path, lists in found.items() if lists} == {}, \
         "read the systems from simulator.strategies.STRATEGIES (its .table(...))"
 
 
-@pytest.mark.xfail(strict=True, reason="the notebook builder still lists its systems (issue 21); once it reads "
-                   "STRATEGIES this passes: drop this mark and NOTEBOOKS' exemption above")
 def test_strategy_names_the_notebooks_keep_no_list_of_systems():
     found = {str(p.relative_to(ROOT)): _name_lists(_text(p)) for pattern in NOTEBOOKS for p in _files(pattern)}
     assert {path: lists for path, lists in found.items() if lists} == {}
