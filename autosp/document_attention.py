@@ -8,7 +8,9 @@ all-to-all is
 
     query q may read key k  ⇔  k ≤ q  and  |doc[q]| = doc[k]  and  (window is None or q − k < window)
 
-with document ids ≥ 1, negated for padding tokens.  A padding key (negative id)
+with document ids ≥ 1, negated for padding tokens.  Chunked attention (a query
+reads only keys of its own chunk of C tokens) is documents too: a new document
+starts at every multiple of C, of the token index or of the position.  A padding key (negative id)
 is read by no query; a padding query reads the valid keys of its document, as
 Hugging Face masks keys only (a row with no valid key gives 0, as
 scaled_dot_product_attention does).  That is, exactly, the mask Hugging Face
@@ -43,20 +45,29 @@ BLOCK = 128
 
 
 def document_ids(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                 by_position: bool, padding: bool) -> torch.Tensor:
+                 by_position: bool, padding: bool, chunk: int | None = None, chunk_by_position: bool = False,
+                 first_index: int = 0) -> torch.Tensor:
     """Document id of every token of full-length rows ([B, S] int32), see Note [Document masks].
 
     ``by_position``: a document starts wherever a position is not its predecessor's plus one (Hugging Face's
-    packed-sequence rule); otherwise ``position_ids`` only give the shape.  ``padding``: a token whose
-    ``attention_mask`` is 0 gets its document's id negated (read by no query)."""
-    batch, length = position_ids.shape
-    reference = position_ids
+    packed-sequence rule); otherwise ``position_ids`` only give the shape.  ``chunk``: a document also starts at
+    every token whose index (``chunk_by_position``: whose position) is a multiple of ``chunk`` (chunked attention,
+    Llama-4's ``attention_chunk_size``); ``first_index`` is the index of the rows' first token.  Chunks by position
+    without documents by position are ``position // chunk`` (a restart returns to an earlier chunk).  ``padding``: a
+    token whose ``attention_mask`` is 0 gets its document's id negated (read by no query)."""
+    if chunk is not None and chunk_by_position and not by_position:
+        docs = (torch.div(position_ids, chunk, rounding_mode="floor") + 1).to(torch.int32)
+        return torch.where(attention_mask != 0, docs, -docs) if padding and attention_mask is not None else docs
+    length = position_ids.shape[1]
+    first = torch.ones_like(position_ids[:, :1], dtype=torch.bool)
     if by_position:
-        steps = position_ids[:, 1:] - position_ids[:, :-1]
-        starts = torch.cat([torch.ones_like(position_ids[:, :1], dtype=torch.bool), steps != 1], dim=1)
-        docs = starts.to(torch.int32).cumsum(1, dtype=torch.int32)
+        starts = torch.cat([first, position_ids[:, 1:] - position_ids[:, :-1] != 1], dim=1)
     else:
-        docs = torch.ones(batch, length, dtype=torch.int32, device=reference.device)
+        starts = torch.cat([first, torch.zeros_like(position_ids[:, 1:], dtype=torch.bool)], dim=1)
+    if chunk is not None:
+        index = position_ids if chunk_by_position else first_index + torch.arange(length, device=position_ids.device)
+        starts = starts | (index % chunk == 0)
+    docs = starts.to(torch.int32).cumsum(1, dtype=torch.int32)
     if padding and attention_mask is not None:
         docs = torch.where(attention_mask != 0, docs, -docs)
     return docs

@@ -12,21 +12,27 @@ A mask is a function of the inputs it reads, so the pass learns which function:
    constants (anything else, e.g. the tokens, is left to the attention rule,
    which refuses it), and its values must be a pure mask (booleans, or 0 and
    -inf / the dtype's minimum: a bias such as ALiBi is refused);
-2. the subgraph is evaluated on *probe* inputs of the shard's shape: plain
-   positions 0..L-1 (the mask must be causal, possibly within a window: the
-   window is read off the last row), positions restarting at 0 and jumping
-   mid-row (does the model separate documents where a position is not its
-   predecessor's plus one?), and a padding mask with a left-padded and a middle
-   token (are padding keys masked?).  Each probe must equal the rule of Note
-   [Document masks] (autosp.document_attention) with the learnt ingredients,
-   row for row; a model whose mask is anything else (bidirectional, prefix-LM,
-   documents split another way) is refused, naming the module;
+2. the subgraph is evaluated on *probe* inputs of the shard's shape, as if the
+   shard were the block of tokens [o, o+L) for offsets o stepping by L/2 over the
+   whole sequence (its in-graph ``arange`` shifted to o: Note [Mask probes at
+   other offsets] in mask_probes.py): plain positions o..o+L-1 (the mask must be
+   causal, possibly within a window, the most keys a row reads, and within chunks,
+   which start where a token cannot read its predecessor: the first such index is
+   the chunk size), positions one ahead of the index (are chunks counted by index
+   or by position?), positions restarting and jumping mid-row (does the model
+   separate documents where a position is not its predecessor's plus one?), and a
+   padding mask with a left-padded and a middle token (are padding keys masked?).
+   Each probe must equal the rule of Note [Document masks]
+   (autosp.document_attention) with the learnt ingredients, row for row; a model
+   whose mask is anything else (bidirectional, prefix-LM, documents or chunks split
+   another way) is refused, naming the module;
 3. a window at least as long as the shard is invisible to the probes: its length
    comes from the model's configuration (autosp.guards), and is refused when the
    configuration mixes sliding and full layers (which layers slide cannot be
    told apart on the shard);
 4. the subgraph is evaluated once more on the traced call's real inputs, and must
-   equal the learnt rule on this rank's block of the real sequence;
+   equal the learnt rule on every rank's block of the real sequence (so every rank
+   decides alike);
 5. the attention is rewritten: a rule that is the plain causal mask over the whole
    sequence becomes ``is_causal=True`` (Ulysses' SDPA), any other becomes
    `document_attention` over document ids computed in the graph from the
@@ -50,8 +56,9 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from autosp.context import TraceContext
 from autosp.document_attention import document_attention, document_ids, kept_fraction
 from autosp.errors import AutoSPError
-from autosp.inputs import pad_end, positions_are_plain, shard_tokens
+from autosp.inputs import pad_end, positions_are_plain
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
+from autosp.passes.dynamo.mask_probes import IndexFlow, ShiftedProgram, probe_offsets
 from autosp.passes.dynamo.rules import higher_order_body
 from autosp.passes.dynamo.tag_inputs import ROLE
 from autosp.passes.graph_utils import bind, fake_value, infer_fake_value, module_name
@@ -72,10 +79,22 @@ class MaskRule:
     """Keys whose attention_mask is 0 are read by no query."""
     window: int | None
     """Queries read the ``window`` most recent keys (themselves included); None: no window."""
+    chunk: int | None = None
+    """Queries read only keys of their own chunk of ``chunk`` tokens (chunked attention); None: no chunks."""
+    chunk_by_position: bool = False
+    """Chunks are counted by position (a chunk starts where a position is a multiple of ``chunk``), not by index."""
 
     def plain_causal(self, seq_len: int) -> bool:
         """True when, on ``seq_len`` tokens, the rule is the causal mask whatever the batch holds."""
-        return not self.by_position and not self.padding and (self.window is None or self.window >= seq_len)
+        return (not self.by_position and not self.padding and (self.window is None or self.window >= seq_len)
+                and self.chunk is None)
+
+    def documents(self, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  first_index: int = 0) -> torch.Tensor:
+        """Document ids of rows whose first token has index ``first_index`` (see `document_ids`)."""
+        return document_ids(position_ids, attention_mask, by_position=self.by_position,
+                            padding=self.padding and attention_mask is not None, chunk=self.chunk,
+                            chunk_by_position=self.chunk_by_position, first_index=first_index)
 
 
 def _sdpa_nodes(gm: fx.GraphModule, hop: fx.Node | None = None):
@@ -162,19 +181,35 @@ def expected_block(documents: torch.Tensor, start: int, length: int, window: int
     return allowed
 
 
-def _probe_inputs(batch: int, length: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Probe (position_ids, attention_mask) pairs of step 2 of the Note."""
-    plain = torch.arange(length).expand(batch, length)
+def _probe_inputs(batch: int, length: int, offset: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Probe (position_ids, attention_mask) pairs of step 2 of the Note, for the block of tokens starting at
+    ``offset`` (positions shifted by it)."""
+    plain = offset + torch.arange(length).expand(batch, length)
     ones = torch.ones(batch, length, dtype=torch.long)
     third = max(1, length // 3)
-    packed = torch.cat([torch.arange(third), torch.arange(third), third + 7 + torch.arange(length - 2 * third)])
+    packed = offset + torch.cat([torch.arange(third), torch.arange(third),
+                                 third + 7 + torch.arange(length - 2 * third)]).expand(batch, length)
     padded = ones.clone()
     padded[:, 0] = 0
     padded[:, length // 2] = 0
     return {"plain": {"position_ids": plain, "attention_mask": ones},
-            "packed": {"position_ids": packed.expand(batch, length), "attention_mask": ones},
+            "ahead": {"position_ids": plain + 1, "attention_mask": ones},
+            "packed": {"position_ids": packed, "attention_mask": ones},
             "padded": {"position_ids": plain, "attention_mask": padded},
-            "packed+padded": {"position_ids": packed.expand(batch, length), "attention_mask": padded}}
+            "packed+padded": {"position_ids": packed, "attention_mask": padded}}
+
+
+def _borders(plain: dict[int, torch.Tensor], length: int) -> tuple[int | None, int | None]:
+    """(window, chunk) read off the plain-position probes at every offset: a chunk starts at every token that
+    cannot read its predecessor (the first such index is the chunk size), a window is the most keys any row
+    reads, when fewer than a shard's and a chunk's."""
+    widest = max(int(got.sum(-1).max()) for got in plain.values())
+    if widest <= 1:
+        return 1, None
+    starts = [offset + i for offset, got in plain.items() for i in range(1, length) if not bool(got[0, i, i - 1])]
+    chunk = min(starts) if starts else None
+    window = widest if widest < min(length, chunk or length) else None
+    return window, chunk
 
 
 class _MaskLearner:
@@ -204,12 +239,15 @@ class _MaskLearner:
         examples = [fake_value(n) for n in inputs]
         shape = fake_value(mask).shape  # [B or 1, heads or 1, L, L]
         batch, length = (examples[0].shape[0] if examples else shape[0]), shape[-1]
+        flow = IndexFlow(module, length, where)  # Note [Mask probes at other offsets]
+        layout = self.ctx.layout
+        seq_len = layout.padded_seq_len if layout is not None else length * self.ctx.sp_size
 
-        def evaluate(values: dict[str, torch.Tensor]) -> torch.Tensor:
+        def evaluate(values: dict[str, torch.Tensor], offset: int) -> torch.Tensor:
             args = [values[r].to(e.dtype) for r, e in zip(roles, examples, strict=True)]
             try:
                 with torch.no_grad():
-                    allowed = _allowed(module(*args))
+                    allowed = _allowed(ShiftedProgram(module, flow, offset).run(*args))
             except Exception as err:  # noqa: BLE001 - a mask we cannot evaluate is refused below
                 raise AutoSPError(f"module {where} attends with a mask built from {roles} that AutoSP could not "
                                   f"evaluate on probe inputs ({err}); {_FIX}") from err
@@ -218,33 +256,60 @@ class _MaskLearner:
                                   f"{roles}, not a mask; {_FIX}")
             return allowed
 
-        probes = _probe_inputs(batch, length)
-        plain = evaluate(probes["plain"])
-        visible = int(plain[0, -1].sum())
-        window = visible if visible < length else None
-        rule = MaskRule(by_position=False, padding=False, window=window)
-        self._check(where, "plain positions", plain, rule, probes["plain"])
+        offsets = probe_offsets(length, seq_len)
+        probes = {offset: _probe_inputs(batch, length, offset) for offset in offsets}
+        results: dict[tuple[str, int], torch.Tensor] = {}
+
+        def check(name: str, rule: MaskRule) -> None:
+            for offset in offsets:
+                if (name, offset) not in results:
+                    results[name, offset] = evaluate(probes[offset][name], offset)
+                self._check(where, f"{name} probe at token {offset}", results[name, offset], rule,
+                            probes[offset][name], offset)
+
+        plain = {offset: evaluate(probes[offset]["plain"], offset) for offset in offsets}
+        results.update({("plain", offset): got for offset, got in plain.items()})
+        window, chunk = _borders(plain, length)
+        rule = MaskRule(by_position=False, padding=False, window=window, chunk=chunk)
+        check("plain", rule)
         if "position_ids" in roles:
-            packed = evaluate(probes["packed"])
-            rule = MaskRule(by_position=not torch.equal(packed, plain), padding=False, window=window)
-            self._check(where, "packed positions", packed, rule, probes["packed"])
+            if chunk is not None:  # chunks counted by index or by position: positions one ahead tell
+                rule = self._chunk_source(rule, where, check)
+            if not self._matches(check, "packed", rule):
+                rule = MaskRule(True, False, window, rule.chunk, rule.chunk_by_position)
+            check("packed", rule)
         if "attention_mask" in roles:
-            rule = MaskRule(rule.by_position, padding=True, window=window)
-            for name in ("padded", "packed+padded"):
-                self._check(where, f"a padding mask ({name})", evaluate(probes[name]), rule, probes[name])
+            rule = MaskRule(rule.by_position, True, window, rule.chunk, rule.chunk_by_position)
+            check("padded", rule)
+            check("packed+padded", rule)
         rule = self._configured_window(rule, where, length)
-        self._check_real(where, rule, evaluate, roles)
+        self._check_real(where, rule, evaluate)
         return rule
 
-    def _check(self, where: str, probe: str, got: torch.Tensor, rule: MaskRule, values: dict) -> None:
-        documents = document_ids(values["position_ids"], values["attention_mask"], by_position=rule.by_position,
-                                 padding=rule.padding)
+    @staticmethod
+    def _matches(check, name: str, rule: MaskRule) -> bool:
+        try:
+            check(name, rule)
+        except AutoSPError:
+            return False
+        return True
+
+    def _chunk_source(self, rule: MaskRule, where: str, check) -> MaskRule:
+        for by_position in (False, True):
+            candidate = MaskRule(rule.by_position, rule.padding, rule.window, rule.chunk, by_position)
+            if self._matches(check, "ahead", candidate):
+                return candidate
+        raise AutoSPError(f"module {where} attends with chunks of {rule.chunk} tokens that start neither at "
+                          f"multiples of {rule.chunk} of the token index nor of the position; {_FIX}")
+
+    def _check(self, where: str, probe: str, got: torch.Tensor, rule: MaskRule, values: dict, offset: int) -> None:
+        documents = rule.documents(values["position_ids"], values["attention_mask"], first_index=offset)
         expected = expected_block(documents, 0, got.shape[-1], rule.window)
         if not torch.equal(got.expand_as(expected), expected):
             raise AutoSPError(
-                f"module {where} attends with a mask that, on {probe}, is not causal attention within documents "
-                f"(a new document where a position is not its predecessor's plus one), padding and a sliding "
-                f"window; {_FIX}")
+                f"module {where} attends with a mask that, on the {probe}, is not causal attention within "
+                f"documents (a new document where a position is not its predecessor's plus one), chunks, padding "
+                f"and a sliding window; {_FIX}")
 
     def _configured_window(self, rule: MaskRule, where: str, length: int) -> MaskRule:
         configured, layout = self.ctx.sliding_window, self.ctx.layout
@@ -257,9 +322,10 @@ class _MaskLearner:
                 f"module {where}: the model mixes sliding-window ({configured.window} tokens) and full attention "
                 f"layers, and on a shard of {length} tokens the two masks look the same; use a smaller sp_size "
                 f"(shards of more than {configured.window} tokens) or sequences of at most {configured.window} tokens")
-        return MaskRule(rule.by_position, rule.padding, configured.window)
+        return MaskRule(rule.by_position, rule.padding, configured.window, rule.chunk, rule.chunk_by_position)
 
-    def _check_real(self, where: str, rule: MaskRule, evaluate, roles: list[str]) -> None:
+    def _check_real(self, where: str, rule: MaskRule, evaluate) -> None:
+        """The learnt rule against the traced batch, on every rank's block (the same outcome on every rank)."""
         full = self.ctx.full_inputs
         # A contiguous block of the real batch: under the zig-zag layout (strategy="ring") this rank's own tokens
         # are two chunks, on which the model's mask would see a document boundary that is not in the batch.
@@ -267,26 +333,25 @@ class _MaskLearner:
         if layout is None or any(isinstance(full.get(r), FakeTensor) for r in MASK_INPUTS):
             return  # a shape-only trace: no values to check against
         positions, padding = full.get("position_ids"), full.get("attention_mask")
-        batch, seq_len = positions.shape
         padded_positions = pad_end(positions, layout.pad_tokens, None)
         padded_mask = None if padding is None else pad_end(padding, layout.pad_tokens, 0)
-        documents = document_ids(padded_positions, padded_mask, by_position=rule.by_position,
-                                 padding=rule.padding and padded_mask is not None)
-        # This rank's block, cut as shard_batch cuts the inputs the traced call was given.
-        local_positions = shard_tokens(positions, layout, None)
-        local = {"position_ids": local_positions,
-                 "attention_mask": (torch.ones_like(local_positions) if padding is None
-                                    else shard_tokens(padding, layout, 0))}
-        kept = kept_fraction(documents, rule.window)
-        self.kept[rule] = kept
-        got = evaluate(local)
-        expected = expected_block(documents, layout.start, layout.local_seq_len, rule.window)
-        if not torch.equal(got.expand_as(expected), expected):
-            raise AutoSPError(f"module {where} attends with a mask that, on this batch, differs from the rule "
-                              f"learnt from probes ({rule}); {_FIX}")
+        documents = rule.documents(padded_positions, padded_mask)
+        self.kept[rule] = kept_fraction(documents, rule.window)
+        length = layout.local_seq_len
+        for start in range(0, layout.padded_seq_len, length):
+            # Rank start // length's block, cut as shard_batch cuts the inputs (autosp.inputs.shard_tokens).
+            block = slice(start, start + length)
+            local = {"position_ids": padded_positions[:, block],
+                     "attention_mask": (torch.ones_like(padded_positions[:, block]) if padded_mask is None
+                                        else padded_mask[:, block])}
+            got = evaluate(local, start)
+            expected = expected_block(documents, start, length, rule.window)
+            if not torch.equal(got.expand_as(expected), expected):
+                raise AutoSPError(f"module {where} attends with a mask that, on this batch's tokens {start}.."
+                                  f"{start + length - 1}, differs from the rule learnt from probes ({rule}); {_FIX}")
 
 
-_FIX = ("AutoSP applies causal attention within documents, padding masks and sliding windows over the whole "
+_FIX = ("AutoSP applies causal attention within documents, chunks, padding masks and sliding windows over the whole "
         "sequence (Note [Attention masks built from the inputs]); other masks are not supported")
 
 
@@ -295,15 +360,15 @@ class _DocumentIds:
 
     def __init__(self, gm: fx.GraphModule, ctx: TraceContext):
         self.gm, self.ctx = gm, ctx
-        self.nodes: dict[tuple[bool, bool], fx.Node] = {}
+        self.nodes: dict[tuple, fx.Node] = {}
 
     def node(self, rule: MaskRule) -> fx.Node:
-        key = (rule.by_position, rule.padding)
+        key = (rule.by_position, rule.padding, rule.chunk, rule.chunk_by_position)
         if key not in self.nodes:
             self.nodes[key] = self._insert(*key)
         return self.nodes[key]
 
-    def _insert(self, by_position: bool, padding: bool) -> fx.Node:
+    def _insert(self, by_position: bool, padding: bool, chunk: int | None, chunk_by_position: bool) -> fx.Node:
         graph, ctx = self.gm.graph, self.ctx
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         by_role = {n.meta.get(ROLE): n for n in placeholders}
@@ -314,7 +379,8 @@ class _DocumentIds:
         with graph.inserting_before(first):  # inserted in order, after every placeholder
             gathered = [graph.call_function(gather, (source, 1, ctx.group_name, ctx.sp_size)) for source in sources]
             documents = graph.call_function(document_ids, (gathered[0], gathered[1] if padding else None),
-                                            {"by_position": by_position, "padding": padding})
+                                            {"by_position": by_position, "padding": padding, "chunk": chunk,
+                                             "chunk_by_position": chunk_by_position})
         for node in (*gathered, documents):
             infer_fake_value(node)
         return documents
@@ -387,11 +453,11 @@ def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str, w
     the positions are 0..S-1 in every row, which the compiled model then checks on every call; anything else is
     refused, saying ``why``."""
     plain = positions_are_plain(ctx.full_inputs.get("position_ids"))
-    if rule.by_position and not rule.padding and rule.window is None and plain:
+    if rule.by_position and not rule.padding and rule.window is None and rule.chunk is None and plain:
         ctx.report.requires_plain_positions = True
         return MaskRule(by_position=False, padding=False, window=None)
-    raise AutoSPError(f"module {where} attends with a mask over packed documents, padding or a sliding window "
-                      f"({rule}); {why}")
+    raise AutoSPError(f"module {where} attends with a mask over packed documents, chunks, padding or a sliding "
+                      f"window ({rule}); {why}")
 
 
 def _drop_unused_operands(gm: fx.GraphModule) -> None:

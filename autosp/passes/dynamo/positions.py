@@ -49,6 +49,26 @@ def arange_bounds(node: fx.Node) -> tuple[object, object, object]:
     return _arange_signature(*node.args, **node.kwargs)
 
 
+_FILLS = {"ones": None, "new_ones": None, "full": 1, "new_full": 2}
+"""Factories of one constant value -> the position of their fill value (None: 1)."""
+
+
+def constant_fill(node: object, length: int) -> float | None:
+    """The value c of a one-dim tensor of ``length`` copies of c built by a factory (``ones(L)``,
+    ``x.new_full((L,), c)`` ...), else None."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    value = fake_value(node)
+    if name not in _FILLS or not isinstance(value, torch.Tensor) or tuple(value.shape) != (length,):
+        return None
+    at = _FILLS[name]
+    if at is None:
+        return 1
+    fill = node.kwargs.get("fill_value", node.args[at] if len(node.args) > at else None)
+    return fill if isinstance(fill, (int, float)) and not isinstance(fill, bool) else None
+
+
 @rule("positions", "arange")
 def arange_placement(an, gm: fx.GraphModule, node: fx.Node):
     """A tentative token shard for ``arange(0, local_seq_len, 1)``, replicated otherwise."""

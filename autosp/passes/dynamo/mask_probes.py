@@ -1,0 +1,183 @@
+"""Evaluate a model's mask subgraph as if its shard sat at another offset of the sequence.
+
+Note [Mask probes at other offsets]
+A mask built from an in-graph ``arange(L)`` (a shard of L tokens) sees token
+indices 0..L-1 on every rank; the single-device program saw the whole sequence's.
+A mask whose indices matter beyond their differences — chunked attention,
+``q // C == k // C`` — shows on the shard's own block only the chunks that fall
+inside it: with C a multiple of L aligned to the shards every block looks causal.
+So the mask pass (Note [Attention masks built from the inputs]) evaluates the
+subgraph with every such arange *shifted* to an offset ``o``: its values become
+``o..o+L-1``, i.e. the block of tokens [o, o+L) of the whole sequence.
+
+- The token indices are the subgraph's ``arange(0, L, 1)`` (shifted by o) and
+  running counts ``cumsum`` of L copies of a constant c (shifted by c·o, as Note
+  [Positions built in the graph] shifts them); an arange of L values that is not
+  0..L-1, or token indices built another way from constants (``linspace``, a
+  ``cumprod``), cannot be shifted and is refused.
+- Values that are a shifted arange through views and the addition of constants
+  (HF's ``kv_idx = arange(L)[None, None, None, :]``) are shift-equivariant; used as
+  an index into the probe inputs (``padding_mask[b, kv_idx]``) they are shifted
+  back, since a probe input of L tokens stands for the tokens [o, o+L).  An index
+  computed from a token arange any other way is refused (the probes could not
+  say which token it reads).
+- Everything else computes on the shifted values as the model does.
+
+The offsets step by L/2 over the whole (padded) sequence, so every token index
+is inside some probed block (every chunk border is seen), and every pair of
+tokens less than L/2 apart is in one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autosp.errors import AutoSPError
+from autosp.passes.dynamo.positions import arange_bounds, constant_fill
+from autosp.passes.graph_utils import fake_value, module_name, source_location
+
+_INDEX_LIKE = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "linspace", "logspace"}
+"""Ops that build token indices from constants in a way a shift cannot follow."""
+_VIEWS = {"view", "reshape", "unsqueeze", "expand", "expand_as", "flatten", "squeeze", "contiguous", "clone", "to",
+          "type", "long", "int", "float", "getitem"}
+"""Ops that keep a shifted arange shifted (getitem with a basic index only)."""
+_SHIFTS = {"add", "sub"}
+"""With a constant operand: still shifted by the same offset."""
+_INDEX_OPERANDS = {"getitem": (1, None), "gather": (2, "index"), "index_select": (2, "index"),
+                   "take_along_dim": (1, "indices"), "take": (1, "index")}
+"""Indexing ops: (position, keyword) of the operand that holds indices."""
+_FIX = ("build the mask's token indices with torch.arange(seq_len) (or from position_ids), as Hugging Face does; "
+        "see Note [Mask probes at other offsets]")
+
+
+def _op(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target)).removeprefix("__").removesuffix("__")
+    return ""
+
+
+def _nodes_in(tree) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(tree, found.append)
+    return found
+
+
+def _index_step(node: fx.Node, length: int) -> float | None:
+    """How much a token index source grows per token: 1 for ``arange(L)``, c for a running count of c's, else
+    None."""
+    if _op(node) == "arange":
+        return 1 if arange_bounds(node) == (0, length, 1) else None
+    if _op(node) == "cumsum" and node.args and len(node.all_input_nodes) == 1:
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        return constant_fill(node.args[0], length) if dim in (0, -1) else None
+    return None
+
+
+def _index_operand(node: fx.Node):
+    op = _op(node)
+    if op not in _INDEX_OPERANDS:
+        return None
+    position, keyword = _INDEX_OPERANDS[op]
+    if keyword is not None and keyword in node.kwargs:
+        return node.kwargs[keyword]
+    return node.args[position] if len(node.args) > position else None
+
+
+class IndexFlow:
+    """Which nodes of a mask subgraph are token aranges, shifted values, and indices into the probe inputs."""
+
+    def __init__(self, module: fx.GraphModule, length: int, where: str):
+        self.token: dict[fx.Node, float] = {}
+        """Token index sources -> how much they grow per token (an arange 1, a running count of c's: c)."""
+        shifted: set[fx.Node] = set()
+        derived: set[fx.Node] = set()
+        constant: set[fx.Node] = set()
+        self.indices: dict[fx.Node, set[fx.Node]] = {}
+        """Indexing node -> the shifted nodes it uses as indices (shifted back when it runs)."""
+        for node in module.graph.nodes:
+            inputs = node.all_input_nodes
+            if node.op == "placeholder" or node.op == "output":
+                continue
+            step = _index_step(node, length)
+            if all(n in constant for n in inputs):
+                constant.add(node)
+                if step is None:
+                    self._refuse_unshiftable(node, length, where)
+            if step is not None:
+                self.token[node] = step
+                derived.add(node)
+                if step == 1:  # an index into the probe inputs only with one token per step
+                    shifted.add(node)
+                continue
+            if any(n in derived for n in inputs):
+                derived.add(node)
+            index = _index_operand(node)
+            index_nodes = [n for n in (_nodes_in(index) if index is not None else []) if n in derived]
+            if index_nodes:  # an index into the probe inputs: shifted back when it runs
+                data = node.args[0] if node.args else None
+                if not all(n in shifted for n in index_nodes) or data in index_nodes:
+                    raise AutoSPError(
+                        f"module {where}{source_location(node)} indexes a tensor at token indices computed from "
+                        f"an in-graph arange ({_op(node)}) in its attention mask, which AutoSP cannot check at "
+                        f"other shard offsets; {_FIX}")
+                self.indices[node] = set(index_nodes)
+                if data in shifted:  # a shifted table read at the block's tokens: still shifted
+                    shifted.add(node)
+            elif self._keeps_shift(node, shifted, derived):
+                shifted.add(node)
+
+    @staticmethod
+    def _refuse_unshiftable(node: fx.Node, length: int, where: str) -> None:
+        op = _op(node)
+        value = fake_value(node)
+        tokens = isinstance(value, torch.Tensor) and length in tuple(value.shape)
+        if op in _INDEX_LIKE and tokens or (op == "arange" and tokens and arange_bounds(node) != (0, length, 1)):
+            raise AutoSPError(
+                f"module {module_name(node)}{source_location(node)} builds token indices for its attention mask "
+                f"with {op} from constants; on a shard they restart at 0 and AutoSP cannot shift them to the "
+                f"shard's offset (module {where}); {_FIX}")
+
+    @staticmethod
+    def _keeps_shift(node: fx.Node, shifted: set[fx.Node], derived: set[fx.Node]) -> bool:
+        op, args = _op(node), node.args
+        if not args or not isinstance(args[0], fx.Node):
+            return False
+        if op in _VIEWS:
+            return args[0] in shifted and not any(n in derived for n in _nodes_in((args[1:], node.kwargs)))
+        if op in _SHIFTS and len(args) == 2 and not node.kwargs:
+            first, second = args
+            return first in shifted and not isinstance(second, fx.Node) or (
+                op == "add" and second in shifted and not isinstance(first, fx.Node))
+        return False
+
+
+class ShiftedProgram(fx.Interpreter):
+    """A mask subgraph run with its token aranges shifted by ``shift`` (see the Note)."""
+
+    def __init__(self, module: fx.GraphModule, flow: IndexFlow, shift: int):
+        super().__init__(module)
+        self.flow, self.shift = flow, shift
+
+    def run_node(self, n: fx.Node):
+        if n in self.flow.token:
+            return super().run_node(n) + self.flow.token[n] * self.shift
+        indices = self.flow.indices.get(n)
+        if not indices or not self.shift:
+            return super().run_node(n)
+        load = lambda x: self.env[x] - self.shift if x in indices else self.env[x]  # noqa: E731
+        args, kwargs = fx.node.map_arg(n.args, load), fx.node.map_arg(n.kwargs, load)
+        return getattr(self, n.op)(n.target, args, kwargs)
+
+
+def probe_offsets(length: int, seq_len: int) -> list[int]:
+    """Offsets of the probed blocks of ``length`` tokens in a sequence of ``seq_len`` (see the Note)."""
+    if seq_len <= length:
+        return [0]
+    step = max(1, length // 2)
+    offsets = list(range(0, seq_len - length + 1, step))
+    if offsets[-1] != seq_len - length:
+        offsets.append(seq_len - length)
+    return offsets
