@@ -20,9 +20,13 @@ from tests.autosp.soundness_models import VOCAB, _Core
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import fake_process_group, run_on_ranks
 
+SEQ_LEN = 32
+"""Tokens per row: shards of 16 on 2 ranks, 8 on 4."""
+
 
 class ChunkedLM(_Core):
-    """Embedding, one attention layer with a chunked causal mask built in the graph, and an LM head.
+    """Embedding (plus learned positions from a running count for three spellings), one attention layer with a
+    chunked causal mask built in the graph, and an LM head.
 
     ``spelling``: how the mask is built -- ``arange`` (one arange, boolean), ``two_aranges`` (query and key
     indices from separate aranges broadcast to [1, 1, S, S], an additive float mask, as Hugging Face builds it),
@@ -33,6 +37,18 @@ class ChunkedLM(_Core):
     def __init__(self, chunk: int, spelling: str = "arange"):
         super().__init__()
         self.chunk, self.spelling = chunk, spelling
+        self.pos = torch.nn.Embedding(SEQ_LEN, self.embed.embedding_dim)
+
+    def positions(self, input_ids):
+        """Learned positions from a running count (Note [Positions built in the graph]), spelt three ways."""
+        s = input_ids.shape[1]
+        if self.spelling == "cumsum":
+            return torch.ones(s).cumsum(0).long() - 1
+        if self.spelling == "arange":
+            return input_ids.new_ones(s).cumsum(-1) - 1
+        if self.spelling == "hf":
+            return input_ids.new_full((s,), 2).cumsum(0) // 2 - 1
+        return None
 
     def mask(self, s: int, position_ids, attention_mask):
         c = self.chunk
@@ -65,15 +81,14 @@ class ChunkedLM(_Core):
 
     def forward(self, input_ids, labels=None, position_ids=None, attention_mask=None):
         x = self.embed(input_ids)
+        if (count := self.positions(input_ids)) is not None:
+            x = x + self.pos(count)
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(s, position_ids, attention_mask))
         x = x + self.out(y.transpose(1, 2).reshape(b, s, h))
         return self.lm_loss(x, labels)[0]
 
-
-SEQ_LEN = 32
-"""Tokens per row: shards of 16 on 2 ranks, 8 on 4."""
 
 EXACT = [  # (chunk, spelling, the learnt rule's chunk: None is the plain causal mask)
     (16, "arange", 16),  # a chunk per shard on 2 ranks (two shards on 4): each shard's block alone looks causal

@@ -3,7 +3,8 @@
 Note [Positions built in the graph]
 A model called without position ids builds them from the length it sees,
 ``torch.arange(S)`` (or ``arange(0, S)``, ``arange(end=S)``, ``arange(S, dtype=..)``,
-``cache_position`` in Hugging Face).  On a shard that length is the local one
+``cache_position`` in Hugging Face, or a running count ``ones(S).cumsum(0) - 1``).
+On a shard that length is the local one
 and the positions would restart at 0 on every rank.  But not every
 ``arange(local_seq_len)`` is a position: a head index or a feature ramp may have
 that length by coincidence.  So the analysis treats each such arange as a
@@ -20,6 +21,12 @@ that length by coincidence.  So the analysis treats each such arange as a
 - both: refused, since no single rewrite is right for both uses.
 
 The rewrite happens after the walk, when every use has been seen.
+
+A running count is a position for the same reason: ``cumsum`` of L copies of a
+constant c along its only dim is c·(i+1), and the single-device program's
+``cumsum`` of S copies, cut to rank r's tokens j = rL + i, is c·(rL + i + 1): the
+local count plus c·rL, which the rewrite adds (`constant_fill` says which counts
+qualify: ``ones``, ``new_ones``, ``full``, ``new_full`` of one dim of L entries).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from torch import fx
 
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.placements import REPLICATE, Shard, describe
-from autosp.passes.dynamo.registry import rule
+from autosp.passes.dynamo.registry import arguments, op_name, rule
 from autosp.passes.graph_utils import fake_value, infer_fake_value, module_name
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,14 @@ def constant_fill(node: object, length: int) -> float | None:
     return fill if isinstance(fill, (int, float)) and not isinstance(fill, bool) else None
 
 
+def running_count(an, node: fx.Node):
+    """A tentative token shard for ``cumsum`` over a constant fill of this shard's length, else None."""
+    bound = arguments(node)
+    if an.seq_len <= 1 or constant_fill(bound.get("input"), an.seq_len) is None or bound.get("dim") not in (0, -1):
+        return None
+    return Shard(0, 1, frozenset({node}))
+
+
 @rule("positions", "arange")
 def arange_placement(an, gm: fx.GraphModule, node: fx.Node):
     """A tentative token shard for ``arange(0, local_seq_len, 1)``, replicated otherwise."""
@@ -97,6 +112,19 @@ def globalize_positions(an) -> None:
         if layout is None or (layout.contiguous and layout.start == 0):
             continue
         offset = layout.start
+        if op_name(node) == "cumsum":  # a running count (see the Note): add the tokens before this shard
+            if layout.zigzag:
+                raise AutoSPError(f"{describe(node)} in module {module_name(node)} builds positions as a running "
+                                  "count, which strategy='ring' (two chunks per rank) does not shift yet: pass "
+                                  "position_ids to the model (autosp.prepare_inputs does), or use "
+                                  "strategy='ulysses'")
+            fill = constant_fill(arguments(node)["input"], an.seq_len)
+            with node.graph.inserting_after(node):
+                shifted = node.graph.call_function(operator.add, (node, fill * offset))
+            node.replace_all_uses_with(shifted, delete_user_cb=lambda user, added=shifted: user is not added)
+            infer_fake_value(shifted)
+            log.info("running count in %s now starts at global offset %d", module_name(node), offset)
+            continue
         kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
         length = arange_bounds(node)[1]
         if layout.zigzag:  # this rank's chunks (Note [Zig-zag layout] in autosp/inputs.py), concatenated

@@ -42,6 +42,7 @@ from autosp.passes.dynamo.placements import (
     normalize_dims,
 )
 from autosp.passes.dynamo.pointwise import elementwise, refuse_replicated_per_token
+from autosp.passes.dynamo.positions import running_count
 from autosp.passes.dynamo.registry import (
     FIX_GENERIC,
     arguments,
@@ -230,6 +231,8 @@ def along_dim(an, gm, node: fx.Node):
     bound = arguments(node)
     x = bound["input"]
     p = an.of(x)
+    if p == REPLICATE and op_name(node) == "cumsum" and (count := running_count(an, node)) is not None:
+        return count  # Note [Positions built in the graph]
     if not isinstance(p, Shard):
         if isinstance(p, Partial):
             raise an.refuse(node, "applies a non-linear function to a partial sum over the sequence", FIX_GENERIC)
