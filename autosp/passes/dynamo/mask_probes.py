@@ -23,9 +23,9 @@ subgraph with every such arange *shifted* to an offset ``o``: its values become
   say which token it reads).
 - Everything else computes on the shifted values as the model does.
 
-The offsets step by L/2 over the whole (padded) sequence, so every token index
-is inside some probed block (every chunk border is seen), and every pair of
-tokens less than L/2 apart is in one.
+The offsets step by L-1 over the whole (padded) sequence, so every token index
+but the first is inside some probed block, after its predecessor: every chunk
+border is seen.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def probe_offsets(length: int, seq_len: int) -> list[int]:
     """Offsets of the probed blocks of ``length`` tokens in a sequence of ``seq_len`` (see the Note)."""
     if seq_len <= length:
         return [0]
-    step = max(1, length // 2)
+    step = max(1, length - 1)
     offsets = list(range(0, seq_len - length + 1, step))
     if offsets[-1] != seq_len - length:
         offsets.append(seq_len - length)

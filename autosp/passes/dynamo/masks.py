@@ -13,9 +13,10 @@ A mask is a function of the inputs it reads, so the pass learns which function:
    which refuses it), and its values must be a pure mask (booleans, or 0 and
    -inf / the dtype's minimum: a bias such as ALiBi is refused);
 2. the subgraph is evaluated on *probe* inputs of the shard's shape, as if the
-   shard were the block of tokens [o, o+L) for offsets o stepping by L/2 over the
-   whole sequence (its in-graph ``arange`` shifted to o: Note [Mask probes at
-   other offsets] in mask_probes.py): plain positions o..o+L-1 (the mask must be
+   shard were the block of tokens [o, o+L) for offsets o stepping by L-1 over the
+   whole sequence, its in-graph ``arange`` shifted to o (Note [Mask probes at
+   other offsets] in mask_probes.py; the packed and padded probes at o = 0 only,
+   unless chunks were learnt): plain positions o..o+L-1 (the mask must be
    causal, possibly within a window, the most keys a row reads, and within chunks,
    which start where a token cannot read its predecessor: the first such index is
    the chunk size), positions one ahead of the index (are chunks counted by index
@@ -174,11 +175,10 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
 def expected_block(documents: torch.Tensor, start: int, length: int, window: int | None) -> torch.Tensor:
     """The rule of Note [Document masks] on tokens [start, start + length) of rows with ``documents``: [B, L, L]."""
     docs = documents[:, start:start + length]
-    idx = torch.arange(length)
-    allowed = (idx[None, :] <= idx[:, None]) & (docs.abs()[:, :, None] == docs[:, None, :])
+    band = torch.ones(length, length, dtype=torch.bool).tril_()
     if window is not None:
-        allowed &= (idx[:, None] - idx[None, :]) < window
-    return allowed
+        band.triu_(1 - window)
+    return (docs.abs()[:, :, None] == docs[:, None, :]).logical_and_(band)
 
 
 def _probe_inputs(batch: int, length: int, offset: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -203,10 +203,13 @@ def _borders(plain: dict[int, torch.Tensor], length: int) -> tuple[int | None, i
     """(window, chunk) read off the plain-position probes at every offset: a chunk starts at every token that
     cannot read its predecessor (the first such index is the chunk size), a window is the most keys any row
     reads, when fewer than a shard's and a chunk's."""
-    widest = max(int(got.sum(-1).max()) for got in plain.values())
+    borders = {offset: (~got[0].diagonal(-1)).nonzero().flatten() + 1 for offset, got in plain.items()}
+    # In a causal mask within chunks and a window the widest rows are the last and those before a chunk border.
+    widest = max(int(got[0, rows].sum(-1).max()) for offset, got in plain.items()
+                 for rows in [torch.cat([borders[offset] - 1, torch.tensor([length - 1])])])
     if widest <= 1:
         return 1, None
-    starts = [offset + i for offset, got in plain.items() for i in range(1, length) if not bool(got[0, i, i - 1])]
+    starts = [offset + int(i) for offset, found in borders.items() for i in found]
     chunk = min(starts) if starts else None
     window = widest if widest < min(length, chunk or length) else None
     return window, chunk
@@ -261,7 +264,8 @@ class _MaskLearner:
         results: dict[tuple[str, int], torch.Tensor] = {}
 
         def check(name: str, rule: MaskRule) -> None:
-            for offset in offsets:
+            # Packed and padded probes at offset 0 alone unless the rule has chunks (which depend on the offset).
+            for offset in offsets if name in ("plain", "ahead") or rule.chunk is not None else offsets[:1]:
                 if (name, offset) not in results:
                     results[name, offset] = evaluate(probes[offset][name], offset)
                 self._check(where, f"{name} probe at token {offset}", results[name, offset], rule,
