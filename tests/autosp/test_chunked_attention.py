@@ -165,5 +165,5 @@ def test_chunked_attention_hugging_face_with_a_padding_mask_is_refused():
 
     padding = torch.ones(2, SEQ_LEN, dtype=torch.long)
     padding[1, -5:] = 0
-    with pytest.raises(autosp.AutoSPError, match=r"module <model> attends with a mask that, on the padded probe"):
+    with pytest.raises(autosp.AutoSPError, match=r"module <model> attends with a mask that, on a padding mask"):
         _learn(2, 16, "hf", padding)

@@ -199,6 +199,10 @@ def _probe_inputs(batch: int, length: int, offset: int) -> dict[str, dict[str, t
             "packed+padded": {"position_ids": packed, "attention_mask": padded}}
 
 
+_PROBE_NAMES = {"plain": "plain positions", "ahead": "positions one ahead of the index", "packed": "packed positions",
+                "padded": "a padding mask (padded)", "packed+padded": "a padding mask (packed+padded)"}
+
+
 def _borders(plain: dict[int, torch.Tensor], length: int) -> tuple[int | None, int | None]:
     """(window, chunk) read off the plain-position probes at every offset: a chunk starts at every token that
     cannot read its predecessor (the first such index is the chunk size), a window is the most keys any row
@@ -268,8 +272,7 @@ class _MaskLearner:
             for offset in offsets if name in ("plain", "ahead") or rule.chunk is not None else offsets[:1]:
                 if (name, offset) not in results:
                     results[name, offset] = evaluate(probes[offset][name], offset)
-                self._check(where, f"{name} probe at token {offset}", results[name, offset], rule,
-                            probes[offset][name], offset)
+                self._check(where, _PROBE_NAMES[name], results[name, offset], rule, probes[offset][name], offset)
 
         plain = {offset: evaluate(probes[offset]["plain"], offset) for offset in offsets}
         results.update({("plain", offset): got for offset, got in plain.items()})
@@ -311,9 +314,9 @@ class _MaskLearner:
         expected = expected_block(documents, 0, got.shape[-1], rule.window)
         if not torch.equal(got.expand_as(expected), expected):
             raise AutoSPError(
-                f"module {where} attends with a mask that, on the {probe}, is not causal attention within "
-                f"documents (a new document where a position is not its predecessor's plus one), chunks, padding "
-                f"and a sliding window; {_FIX}")
+                f"module {where} attends with a mask that, on {probe}, is not causal attention within documents "
+                f"(a new document where a position is not its predecessor's plus one), chunks, padding and a "
+                f"sliding window (probed as tokens {offset}..{offset + got.shape[-1] - 1}); {_FIX}")
 
     def _configured_window(self, rule: MaskRule, where: str, length: int) -> MaskRule:
         configured, layout = self.ctx.sliding_window, self.ctx.layout
