@@ -32,7 +32,8 @@ class ChunkedLM(_Core):
     indices from separate aranges broadcast to [1, 1, S, S], an additive float mask, as Hugging Face builds it),
     ``positions`` (causal by index, chunks by position id), ``cumsum`` (indices from ``ones(S).cumsum(0) - 1``),
     ``hf`` (Hugging Face's own ``sdpa_mask`` with its ``chunked_causal_mask_function``, Llama-4's mask), and two it
-    cannot shift to a shard's offset: ``linspace`` and ``arange_from_one`` (``arange(1, S + 1)``)."""
+    cannot shift to a shard's offset: ``linspace`` and ``arange_from_one`` (``arange(1, S + 1)``); ``window``: a
+    sliding window of ``chunk`` tokens built from an arange."""
 
     def __init__(self, chunk: int, spelling: str = "arange"):
         super().__init__()
@@ -74,6 +75,8 @@ class ChunkedLM(_Core):
         else:
             idx = torch.arange(s)
         allowed = idx[None, :] <= idx[:, None]
+        if self.spelling == "window":  # a sliding window of ``chunk`` tokens, no chunks
+            return allowed & (idx[:, None] - idx[None, :] < c)
         if self.spelling == "positions":
             p = position_ids // c
             return (allowed[None] & (p[:, :, None] == p[:, None, :]))[:, None]
@@ -167,3 +170,12 @@ def test_chunked_attention_hugging_face_with_a_padding_mask_is_refused():
     padding[1, -5:] = 0
     with pytest.raises(autosp.AutoSPError, match=r"module <model> attends with a mask that, on a padding mask"):
         _learn(2, 16, "hf", padding)
+
+
+def test_window_longer_than_a_shard_built_in_the_graph_is_refused():
+    """On a shard of 16 tokens a window of 24 looks causal; the gap probes see it (exact would need its length)."""
+    import autosp
+
+    with pytest.raises(autosp.AutoSPError, match=r"module <model> attends with a mask that, between tokens 0..7 "
+                       r"and tokens .*a window or chunk longer than a shard"):
+        _learn(2, 24, "window")

@@ -25,7 +25,11 @@ subgraph with every such arange *shifted* to an offset ``o``: its values become
 
 The offsets step by L-1 over the whole (padded) sequence, so every token index
 but the first is inside some probed block, after its predecessor: every chunk
-border is seen.
+border is seen.  A block shows pairs of tokens less than L apart; a mask that
+reads no probe input through an index and separates no documents by position is
+also probed with *gaps*: its token indices set to the sequence's first L/2 tokens
+followed by L/2 tokens further on, at every distance up to the sequence's length
+(a window or chunk longer than a shard, learnt nowhere else, shows there).
 """
 
 from __future__ import annotations
@@ -155,9 +159,10 @@ class IndexFlow:
 
 
 class ShiftedProgram(fx.Interpreter):
-    """A mask subgraph run with its token aranges shifted by ``shift`` (see the Note)."""
+    """A mask subgraph run with its token aranges shifted by ``shift`` (see the Note): an offset, or one per token
+    (a gap probe: no index into the inputs may then read them)."""
 
-    def __init__(self, module: fx.GraphModule, flow: IndexFlow, shift: int):
+    def __init__(self, module: fx.GraphModule, flow: IndexFlow, shift: int | torch.Tensor):
         super().__init__(module)
         self.flow, self.shift = flow, shift
 
@@ -165,11 +170,20 @@ class ShiftedProgram(fx.Interpreter):
         if n in self.flow.token:
             return super().run_node(n) + self.flow.token[n] * self.shift
         indices = self.flow.indices.get(n)
-        if not indices or not self.shift:
+        if not indices or isinstance(self.shift, int) and not self.shift:
             return super().run_node(n)
         load = lambda x: self.env[x] - self.shift if x in indices else self.env[x]  # noqa: E731
         args, kwargs = fx.node.map_arg(n.args, load), fx.node.map_arg(n.kwargs, load)
         return getattr(self, n.op)(n.target, args, kwargs)
+
+
+def gap_indices(length: int, seq_len: int) -> list[torch.Tensor]:
+    """Token indices of gap probes: the first L/2 tokens of the sequence and L/2 further on, at every distance up to
+    the sequence's (see the Note)."""
+    head = max(1, length // 2)
+    first = torch.arange(head)
+    return [torch.cat([first, start + torch.arange(length - head)])
+            for start in range(head, seq_len - (length - head) + 1, max(1, length - 1))]
 
 
 def probe_offsets(length: int, seq_len: int) -> list[int]:

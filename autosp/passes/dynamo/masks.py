@@ -59,7 +59,7 @@ from autosp.document_attention import document_attention, document_ids, kept_fra
 from autosp.errors import AutoSPError
 from autosp.inputs import pad_end, positions_are_plain
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
-from autosp.passes.dynamo.mask_probes import IndexFlow, ShiftedProgram, probe_offsets
+from autosp.passes.dynamo.mask_probes import IndexFlow, ShiftedProgram, gap_indices, probe_offsets
 from autosp.passes.dynamo.rules import higher_order_body
 from autosp.passes.dynamo.tag_inputs import ROLE
 from autosp.passes.graph_utils import bind, fake_value, infer_fake_value, module_name
@@ -289,9 +289,31 @@ class _MaskLearner:
             rule = MaskRule(rule.by_position, True, window, rule.chunk, rule.chunk_by_position)
             check("padded", rule)
             check("packed+padded", rule)
+        if flow.token and not flow.indices and not rule.by_position:
+            self._check_gaps(where, rule, evaluate, batch, length, seq_len)
         rule = self._configured_window(rule, where, length)
         self._check_real(where, rule, evaluate)
         return rule
+
+    @staticmethod
+    def _check_gaps(where: str, rule: MaskRule, evaluate, batch: int, length: int, seq_len: int) -> None:
+        """Pairs of tokens a shard or more apart (Note [Mask probes at other offsets]), on a plain row."""
+        for index in gap_indices(length, seq_len):
+            got = evaluate({"position_ids": index.expand(batch, length),
+                            "attention_mask": torch.ones(batch, length, dtype=torch.long)}, index - torch.arange(length))
+            q, k = index[:, None], index[None, :]
+            expected = k <= q
+            if rule.chunk is not None:
+                expected &= q // rule.chunk == k // rule.chunk
+            if rule.window is not None:
+                expected &= q - k < rule.window
+            if not torch.equal(got.expand(batch, length, length), expected.expand(batch, length, length)):
+                head = max(1, length // 2)
+                raise AutoSPError(
+                    f"module {where} attends with a mask that, between tokens 0..{head - 1} and tokens "
+                    f"{int(index[head])}..{int(index[-1])}, is not the rule its shard shows ({rule}): a window or "
+                    f"chunk longer than a shard, built in the graph; give the model a config with its "
+                    f"sliding_window, or use shards longer than the window (a smaller sp_size); {_FIX}")
 
     @staticmethod
     def _matches(check, name: str, rule: MaskRule) -> bool:
