@@ -234,11 +234,15 @@ def test_errors_sp_size_one_warns_and_compiles_plainly():
 
 
 def test_errors_recompile_limit_says_what_to_do_not_graph_break():
+    # The model's calls raise torch.compile's per-function limit to max_programs (Note [One program per length])
+    # unless it is higher already; the limit is shared by every instance of the class, so with both at 1 a second
+    # instance's first compile is over it.
     ids, labels = make_sample(16, 256, seed=0)
+    torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1):
-        _call(build_model("plain-llama"), ids, labels)
-        with pytest.raises(AutoSPError, match=r"recompile limit .*torch._dynamo.reset\(\)"):
-            _call(build_model("plain-llama"), ids, labels)  # a second instance compiles the same forward again
+        _call(build_model("plain-llama"), ids, labels, max_programs=1)
+        with pytest.raises(AutoSPError, match=r"recompile limit .*max_programs=1.*torch._dynamo.reset\(\)"):
+            _call(build_model("plain-llama"), ids, labels, max_programs=1)  # a second instance compiles again
 
 
 def test_errors_data_parallel_wrapper_refused_with_the_fix():
