@@ -11,6 +11,7 @@ autosp.gradients), and `sync_gradients` is kept as a checked no-op.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import warnings
@@ -23,11 +24,11 @@ from autosp.backend import make_backend
 from autosp.config import AutoSPConfig
 from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.diagnostics import graph_break_error, install_output_capture_hooks
-from autosp.errors import AutoSPError
+from autosp.errors import AutoSPError, DocumentAttentionUnavailable
 from autosp.gradients import GradientReduction
 from autosp.groups import SequenceParallelGroups, build_groups
 from autosp.guards import check_same_sample, sliding_window_layers
-from autosp.inputs import PREPARED_KEY, shard_batch, shard_layout
+from autosp.inputs import PREPARED_KEY, positions_are_plain, shard_batch, shard_layout
 from autosp.pipeline import passes_for
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,37 @@ def _accepts(forward, name: str) -> bool:
 # The cost is one compile per distinct length; the step time of every program is that of static shapes.
 
 
+# Note [Code generator per batch]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inductor, the default code generator, does not compile `autosp.document_attention` yet (the flex_attention
+# call that applies a mask over the whole sequence: packed documents, padding, a sliding window or chunks
+# shorter than the sequence).  Those batches are not refused: the mask pass raises
+# `DocumentAttentionUnavailable` while tracing them, and so does a program Inductor compiled for plain
+# positions when a packed batch of the same shapes reaches it (autosp.guards.ProgramGuard, before any
+# collective runs); the compiled model catches it and runs that batch through a second wrapper of the same
+# module compiled by aot_eager, logging a warning that names the reason.  A batch of plain sequences keeps
+# Inductor's program (causal SDPA).  torch.compile keeps the two wrappers' programs apart (its guards match
+# the backend), and both count towards ``max_programs``; `SequenceParallelModel.programs` lists which code
+# generator compiled each program and why.  Once a kind of batch (its shard shapes, whether its positions are
+# plain, whether it carries a padding mask) went to aot_eager, later batches of that kind go there directly,
+# so Inductor does not trace them again; aot_eager's program is exact for every batch, so this routing can
+# cost speed, never exactness.  aot_eager's flex_attention runs the reference implementation, which scores
+# every pair densely: fine on CPU and at test lengths, slow at long context on a GPU, which is where
+# Inductor's flex_attention lowering would be the next step.
+
+
+def _batch_kind(local: dict, full_inputs: dict) -> tuple:
+    """What decides whether Inductor's program can run a batch: the shard's shapes, whether the positions are
+    0..S-1 in every row, and whether a padding mask is passed."""
+    shapes = tuple((k, tuple(v.shape)) for k, v in sorted(local.items()) if isinstance(v, torch.Tensor))
+    return shapes, positions_are_plain(full_inputs.get("position_ids")), full_inputs.get("attention_mask") is not None
+
+
+def _describe(kind: tuple) -> str:
+    _, plain, masked = kind
+    return ("" if plain else ", packed documents") + (", a padding mask" if masked else "")
+
+
 class SequenceParallelModel(nn.Module):
     """A model compiled for sequence parallelism; call it with ``**autosp.prepare_inputs(...)``."""
 
@@ -74,10 +106,13 @@ class SequenceParallelModel(nn.Module):
         # parameters as ``module``, and state_dict/parameters must list them once.
         install_output_capture_hooks(module)  # HF's lazy hook installation would break the graph
         self.__dict__["_compiled"] = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
+        # Inductor only: the same module compiled by aot_eager, for batches whose masks Inductor cannot compile
+        # (Note [Code generator per batch]); built on the first such batch.
+        self.__dict__["_compiled_aot_eager"] = None
+        self._aot_eager_batches: set[tuple] = set()
         self._accepts_positions = _accepts(module.forward, "position_ids")
         self._accepts_attention_mask = _accepts(module.forward, "attention_mask")
         self._ctx.sliding_window = sliding_window_layers(module)
-        self._ctx.document_attention_compiles = config.compiler != "inductor"
         self.__dict__["_gradients"] = GradientReduction(module, groups)  # Note [Gradient reduction in backward]
 
     @property
@@ -133,12 +168,39 @@ class SequenceParallelModel(nn.Module):
         ctx.full_inputs = {k: kwargs.get(k) for k in ("position_ids", "attention_mask")}
         ctx.input_roles = {id(local[k]): k for k in ("input_ids", "labels", "position_ids", "attention_mask")
                            if local.get(k) is not None}
+        kind = _batch_kind(local, ctx.full_inputs)
+        try:
+            if kind in self._aot_eager_batches:
+                out = self._run(self._aot_eager_program(), local)
+            else:
+                try:
+                    out = self._run(self._compiled, local)
+                except DocumentAttentionUnavailable as why:  # Note [Code generator per batch]
+                    self._aot_eager_batches.add(kind)
+                    log.warning("AutoSP compiles this batch (%d rows of %d tokens%s) with aot_eager instead of "
+                                "Inductor: %s", ctx.batch_size, layout.seq_len, _describe(kind), why)
+                    ctx.why_compiler = str(why)
+                    out = self._run(self._aot_eager_program(), local)
+            self._gradients.attach(ctx.program_outputs)
+            return out
+        finally:
+            ctx.input_roles, ctx.full_inputs, ctx.program_outputs, ctx.why_compiler = {}, {}, (), ""
+
+    def _aot_eager_program(self):
+        if self._compiled_aot_eager is None:
+            config = dataclasses.replace(self.config, compiler="aot_eager")
+            backend = make_backend(self._ctx, config, passes=passes_for(config))
+            self.__dict__["_compiled_aot_eager"] = torch.compile(self.module, backend=backend, fullgraph=True,
+                                                                 dynamic=False)
+        return self._compiled_aot_eager
+
+    def _run(self, compiled, local: dict):
+        """Call one compiled wrapper of the module, translating torch.compile's errors into AutoSP's."""
+        cfg = self.config
         try:
             # Padding, packed positions and outputs are checked per compiled program (autosp.guards.ProgramGuard).
             with torch._dynamo.config.patch(recompile_limit=max(cfg.max_programs, torch._dynamo.config.recompile_limit)):
-                out = self._compiled(**local)  # Note [One program per length]
-            self._gradients.attach(ctx.program_outputs)
-            return out
+                return compiled(**local)  # Note [One program per length]
         except torch._dynamo.exc.BackendCompilerFailed as err:
             if isinstance(err.inner_exception, AutoSPError):
                 raise err.inner_exception from None
@@ -152,8 +214,6 @@ class SequenceParallelModel(nn.Module):
             ) from err
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
             raise graph_break_error(err, type(self.module).__name__) from err
-        finally:
-            ctx.input_roles, ctx.full_inputs, ctx.program_outputs = {}, {}, ()
 
     def sync_gradients(self) -> None:
         """See `sync_gradients`."""

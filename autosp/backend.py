@@ -151,6 +151,7 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
             "rank)); pass length_bucket=N to autosp.compile so that lengths share programs (pads each sequence to "
             "a multiple of N), or raise max_programs")
     start = time.perf_counter()
+    ctx.document_attention_compiles = config.compiler != "inductor"  # read by the mask pass
     ctx.report = CompileReport()  # the report describes the latest compile (a recompile starts it afresh)
     gm = run_passes(gm, example_inputs, ctx=ctx, passes=passes)
     ctx.report.forward_graphs.append(gm)
@@ -171,18 +172,18 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
     generate = functools.partial(_aot_eager, variants=ctx.checkpointing_variants) if ctx.checkpointing_variants \
         else CODE_GENERATORS[config.compiler]
     program = generate(gm, example_inputs, config=config, report=ctx.report, tag_joint=tag_joint)
-    _record_program(ctx, time.perf_counter() - start)
+    _record_program(ctx, config.compiler, time.perf_counter() - start)
     return ProgramGuard(program, ctx)  # its assumptions checked on every call (autosp.guards)
 
 
-def _record_program(ctx: TraceContext, seconds: float) -> None:
+def _record_program(ctx: TraceContext, compiler: str, seconds: float) -> None:
     layout = ctx.layout
     program = CompiledProgram(seq_len=layout.seq_len if layout else 0,
                               local_seq_len=layout.local_seq_len if layout else 0, batch_size=ctx.batch_size,
-                              seconds=seconds)
+                              seconds=seconds, compiler=compiler, why_compiler=ctx.why_compiler)
     ctx.programs.append(program)
-    log.info("AutoSP compiled program %d of this model: %d tokens (%d per rank), batch %d, in %.1f s",
-             len(ctx.programs), program.seq_len, program.local_seq_len, program.batch_size, seconds)
+    log.info("AutoSP compiled program %d of this model: %d tokens (%d per rank), batch %d, with %s in %.1f s",
+             len(ctx.programs), program.seq_len, program.local_seq_len, program.batch_size, compiler, seconds)
 
 
 def make_backend(ctx: TraceContext, config: AutoSPConfig, *, passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES):

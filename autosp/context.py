@@ -91,6 +91,11 @@ class CompiledProgram:
     batch_size: int
     seconds: float
     """Wall time of the compile (the AutoSP passes and code generation of forward and, for Inductor, backward)."""
+    compiler: str = "inductor"
+    """The code generator that compiled it: the configured one, or aot_eager where the batch needs a mask
+    the configured one cannot compile (Note [Code generator per batch] in autosp.api)."""
+    why_compiler: str = ""
+    """Why the program uses another code generator than the configured one ("" when it does not)."""
 
 
 @dataclass
@@ -112,7 +117,11 @@ class TraceContext:
     """The call's full-length position_ids and attention_mask (the same on every rank; None when not passed),
     while it is traced: what the mask pass checks the model's mask against."""
     document_attention_compiles: bool = True
-    """Whether the backend compiles `autosp.document_attention` (not Inductor yet; see the mask pass)."""
+    """Whether the backend compiles `autosp.document_attention` (not Inductor yet; see the mask pass); set by
+    the backend from its code generator."""
+    why_compiler: str = ""
+    """Why the call runs under aot_eager although the model was compiled with Inductor ("" when it does not):
+    Note [Code generator per batch] in autosp.api."""
     sliding_window: object = None
     """autosp.guards.SlidingWindow of the model's config, or None."""
     input_roles: dict[int, str] = field(default_factory=dict)

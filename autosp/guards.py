@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autosp.context import TraceContext, refuse_padding
-from autosp.errors import AutoSPError
+from autosp.errors import AutoSPError, DocumentAttentionUnavailable
 from autosp.inputs import positions_are_plain, zigzag_chunks
 from autosp.passes.dynamo.placements import Shard
 
@@ -100,10 +100,16 @@ class ProgramGuard:
         ctx, assumed = self.ctx, self.assumptions
         refuse_padding(list(assumed.padding_refusals), ctx.layout, ctx.sp_size)
         if assumed.plain_positions and not positions_are_plain(ctx.full_inputs.get("position_ids")):
-            raise AutoSPError(
-                "this model was compiled for one unpacked sequence per row (with Inductor, or strategy='ring'), and "
-                "this batch packs documents (position ids restart): compile with compiler='aot_eager' and "
-                "strategy='ulysses' to train on packed batches")
+            if ctx.strategy == "ring":
+                raise AutoSPError(
+                    "this model was compiled with strategy='ring' for one unpacked sequence per row, and this batch "
+                    "packs documents (position ids restart): compile with strategy='ulysses' to train on packed "
+                    "batches")
+            # Compiled by Inductor for plain positions: the model compiles this batch with aot_eager instead
+            # (Note [Code generator per batch] in autosp/api.py).
+            raise DocumentAttentionUnavailable(
+                "this program was compiled by Inductor for one unpacked sequence per row, and this batch packs "
+                "documents (position ids restart)")
         outputs = self.program(*args)
         ctx.program_outputs = outputs  # the gradient reduction finds the program's backward from these
         if assumed.labels_passed or not any(isinstance(p, Shard) for p in assumed.output_placements):

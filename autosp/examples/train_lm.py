@@ -331,8 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
                        help="train through DeepSpeed with this ZeRO stage (default: plain PyTorch, no DeepSpeed)")
     model.add_argument("--compiler", choices=("aot_eager", "inductor"), default="aot_eager",
-                       help="backend AutoSP hands its graphs to; packed documents compile with aot_eager only "
-                            "today (default: %(default)s)")
+                       help="backend AutoSP hands its graphs to; a packed sample runs under aot_eager either "
+                            "way (AutoSP chooses it per batch: Inductor does not compile document masks yet), "
+                            "so inductor only adds its compile time here (default: %(default)s)")
     model.add_argument("--dtype", choices=("bf16", "fp32"),
                        help="parameter and compute dtype (default: bf16 on GPUs, fp32 on CPU)")
     train = p.add_argument_group("training")

@@ -56,7 +56,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from autosp.context import TraceContext
 from autosp.document_attention import document_attention, document_ids, kept_fraction
-from autosp.errors import AutoSPError
+from autosp.errors import AutoSPError, DocumentAttentionUnavailable
 from autosp.inputs import pad_end, positions_are_plain
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
 from autosp.passes.dynamo.mask_probes import IndexFlow, ShiftedProgram, gap_indices, probe_offsets
@@ -436,8 +436,10 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
             rule = _without_document_attention(rule, ctx, where, "strategy='ring' does not apply it yet: use "
                                                "strategy='ulysses'")
         elif not ctx.document_attention_compiles and not (seq_len is None or rule.plain_causal(seq_len)):
-            rule = _without_document_attention(rule, ctx, where, "AutoSP applies it with flex_attention, which it "
-                                               "cannot compile with Inductor yet: compile with compiler='aot_eager'")
+            # The compiled model catches this and compiles the batch with aot_eager (Note [Code generator per
+            # batch] in autosp/api.py).
+            rule = _without_document_attention(rule, ctx, where, "AutoSP applies it with flex_attention, which "
+                                               "Inductor does not compile yet", error=DocumentAttentionUnavailable)
         if seq_len is None or rule.plain_causal(seq_len):
             call["attn_mask"], call["is_causal"] = None, True
             q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
@@ -476,17 +478,18 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
     return gm
 
 
-def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str, why: str) -> MaskRule:
+def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str, why: str,
+                                error: type[AutoSPError] = AutoSPError) -> MaskRule:
     """Where `document_attention` is not available (under Inductor, whose flex_attention lowering does not compile
     it yet, and under strategy="ring"): a rule that only separates documents by position is the causal mask while
-    the positions are 0..S-1 in every row, which the compiled model then checks on every call; anything else is
-    refused, saying ``why``."""
+    the positions are 0..S-1 in every row, which the compiled model then checks on every call; anything else
+    raises ``error``, saying ``why``."""
     plain = positions_are_plain(ctx.full_inputs.get("position_ids"))
     if rule.by_position and not rule.padding and rule.window is None and rule.chunk is None and plain:
         ctx.report.requires_plain_positions = True
         return MaskRule(by_position=False, padding=False, window=None)
-    raise AutoSPError(f"module {where} attends with a mask over packed documents, chunks, padding or a sliding "
-                      f"window ({rule}); {why}")
+    raise error(f"module {where} attends with a mask over packed documents, chunks, padding or a sliding "
+                f"window ({rule}); {why}")
 
 
 def _drop_unused_operands(gm: fx.GraphModule) -> None:
