@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from autosp.errors import AutoSPError
 
@@ -264,5 +264,6 @@ def positions_are_plain(position_ids) -> bool:
     FakeTensor (a shape-only trace)."""
     if not isinstance(position_ids, torch.Tensor) or isinstance(position_ids, FakeTensor):
         return False
-    plain = torch.arange(position_ids.shape[-1], device=position_ids.device)
-    return torch.equal(position_ids, plain.expand_as(position_ids))
+    with unset_fake_temporarily():  # real values, compared as such inside a shape-only trace's fake mode
+        plain = torch.arange(position_ids.shape[-1], device=position_ids.device)
+        return torch.equal(position_ids, plain.expand_as(position_ids))

@@ -69,13 +69,15 @@ MEASURED = STRATEGIES.table("measured-cpu")
 
 
 def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: dict[str, int], max_probes: int,
-                            ceiling: int, layers: str = "full", cache=None) -> tuple[dict, tuple[int, int]]:
+                            ceiling: int, layers: str = "full", step_lengths: tuple[int, ...] = (),
+                            cache=None) -> tuple[tuple[dict, dict], dict]:
     """Longest simulated sequence of ``systems`` for one model up to ``ceiling`` tokens ({system:
     experiments.paper_scale.simulate.MaxLength}: the nominal length, the ledger's band and the alternative
-    configuration's length, each with its stop reason), and (traced, reused) trace counts.  One task of the
-    max-seq-len table; runs in a worker process or inline."""
+    configuration's length, each with its stop reason), the simulated steps at ``step_lengths`` ({(system,
+    length): SimulatedStep}, the throughput table's, Note [Throughput steps from the search's traces]) and
+    (traced, reused) trace counts.  One task of the max-seq-len table; runs in a worker process or inline."""
     from experiments.paper_scale.config import ALTERNATIVE_CONFIG
-    from experiments.paper_scale.simulate import TraceCache, max_length
+    from experiments.paper_scale.simulate import TraceCache, max_length, simulate_step
 
     cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
     before = _trace_counts(cache)
@@ -89,7 +91,21 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
         found[system] = max_length(system, model, granularity=granularity[system], high=ceiling,
                                    start=start or 8192, max_probes=max_probes, cache=cache,
                                    alternative=ALTERNATIVE_CONFIG, layers=layers)
-    return found, _trace_counts(cache, before)
+    steps = {(system, length): simulate_step(system, model, length, cache=cache, layers=layers)
+             for length in step_lengths for system in systems}
+    return (found, steps), _trace_counts(cache, before)
+
+
+# Note [Throughput steps from the search's traces]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The throughput table simulates whole steps of the iteration model at the published lengths, one task per
+# length and trace group, each in a fresh trace cache: every step a full-depth trace.  The max-seq-len search
+# of the same model and group has by then traced that group at several lengths, and a system whose plan does
+# not depend on the length is built at any other length from those traces (Note [One trace per length class]
+# in experiments/paper_scale/simulate.py, checked against a real trace).  So when both tables run, the
+# search's task also simulates the throughput table's steps, from its own cache, and the throughput table
+# only reads them: the same steps (an interpolated step equals the traced one, or it is traced), nine
+# full-depth traces fewer for Llama-3.1-8B.  `--only throughput` still simulates its steps itself.
 
 
 def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], layers: str = "full", cache=None):
@@ -248,13 +264,16 @@ def table_max_seq_len(args) -> list[dict]:
     # Longest tasks first (AutoSP traces every length, deeper models trace longer), so that the last task to
     # finish on a worker is a short one.
     by_depth = sorted(models, key=lambda m: -PAPER_MODELS[m].num_layers)
+    # Note [Throughput steps from the search's traces]
+    step_lengths = throughput_lengths() if "throughput" in selected_tables(args) else ()
     tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes, args.max_seq_len_ceiling,
-                                        args.layers))
+                                        args.layers, step_lengths if model == args.iteration_model else ()))
              for systems in TRACE_GROUPS for model in by_depth]
     simulated: dict = {}
-    for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
-                                       strict=True):
+    for (_, (model, *_)), (found, steps) in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
+                                                strict=True):
         simulated.update({(model, system): result for system, result in found.items()})
+        args.simulated_steps.update(steps)
     published += [{"model": model, "system": system, "value": ""} for model in models for system in UNPUBLISHED]
     for row in published:
         found = simulated.get((row["model"], row["system"]))
@@ -385,15 +404,21 @@ def table_external_fidelity(args) -> list[dict]:
     return rows
 
 
+def throughput_lengths() -> tuple[int, ...]:
+    """The lengths of the published iteration times (the throughput table's rows)."""
+    return tuple(sorted({int(r["seq_len"]) for r in published_figures() if r["figure"] == "iteration_s"}))
+
+
 def table_throughput(args) -> list[dict]:
     rows = []
     published = [r for r in published_figures() if r["figure"] == "iteration_s"]
-    lengths = sorted({int(r["seq_len"]) for r in published})
+    lengths = throughput_lengths()
     published += [{"seq_len": str(length), "system": system, "value": ""} for length in lengths
                   for system in UNPUBLISHED]
+    sims = dict(args.simulated_steps)  # simulated by the max-seq-len table's tasks when it ran
     tasks = [(simulate_steps_task, (args.iteration_model, seq_len, systems, args.layers))
-             for seq_len in lengths for systems in TRACE_GROUPS]
-    sims = {}
+             for seq_len in lengths for systems in TRACE_GROUPS
+             if any((system, seq_len) not in sims for system in systems)]
     for (_, (_, seq_len, *_)), steps in zip(tasks, _run_tasks(args, tasks, f"throughput (simulated "
                                                                           f"{args.iteration_model})"), strict=True):
         sims.update({(system, seq_len): step for system, step in steps.items()})
@@ -520,6 +545,11 @@ TABLES: dict[str, Callable] = {
     "external-fidelity": table_external_fidelity, "throughput": table_throughput,
     "measured-cpu": table_measured_cpu, "memory-cap": table_memory_cap,
 }
+
+
+def selected_tables(args) -> tuple[str, ...]:
+    """The tables this run builds, in order: ``--only``'s, or every table but those run on request."""
+    return tuple(name for name in TABLES if name == args.only or (not args.only and name not in ON_REQUEST))
 
 
 def plot_max_seq_len(rows: list[dict], path: pathlib.Path) -> None:
@@ -786,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     args.cache = TraceCache(interpolate_lengths=True)
     args.trace_counts = {"traced": 0, "reused": 0, "interpolated": 0}
     args.summaries = {}
+    args.simulated_steps = {}  # (system, length) -> SimulatedStep of the iteration model
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -806,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
             args.pool = stack.enter_context(ProcessPoolExecutor(max_workers=args.jobs,
                                                                 mp_context=multiprocessing.get_context("spawn")))
         for name, build in TABLES.items():
-            if (args.only and name != args.only) or (not args.only and name in ON_REQUEST):
+            if name not in selected_tables(args):
                 continue
             if name not in SIMULATED_TABLES and args.pool is not None:
                 args.pool.shutdown()  # idle workers must not share the CPU with measured gloo ranks
