@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from autosp.costs import attention_flops
-from autosp.export import export_workload, trace_fake_step
+from autosp.export import export_workload, module_parameters, trace_fake_step
 from autosp.passes.dynamo.attention import kv_replication_factor
 from experiments.models import build_model
 from simulator import Cluster, simulate
+from simulator.strategies import STRATEGIES
+from simulator.training_config import TrainingConfig
 from simulator.workload import RING_GROUPS
 from simulator.workload_rewrites import ring_workload
 
@@ -36,19 +38,20 @@ CASES = {  # name: (preset, heads, kv heads, ranks, options of the ring trace)
 
 @functools.cache
 def _traced(case: str, strategy: str):
-    """The exported workload of ``case`` traced with ``strategy`` (each traced once per test session)."""
+    """(exported workload, module map) of ``case`` traced with ``strategy`` (each traced once per session)."""
     preset, _, _, sp_size, options = CASES[case]
     torch._dynamo.reset()
     compiled, parameter_bytes = trace_fake_step(lambda: build_model(preset, layers=1, vocab=VOCAB), seq_len=SEQ,
                                                 sp_size=sp_size, vocab_size=VOCAB, strategy=strategy,
                                                 **(options if strategy == "ring" else COMPARED))
-    return export_workload(compiled.report.aot_graphs, name=f"{case}/{strategy}", sp_size=sp_size,
-                           parameter_bytes=parameter_bytes)
+    graphs = compiled.report.aot_graphs
+    return (export_workload(graphs, name=f"{case}/{strategy}", sp_size=sp_size, parameter_bytes=parameter_bytes),
+            module_parameters(graphs, compiled.report.forward_graphs[-1]))
 
 
 @pytest.fixture(params=list(CASES))
 def ring(request):
-    return request.param, _traced(request.param, "ring")
+    return request.param, _traced(request.param, "ring")[0]
 
 
 def _transfers(program, phase: str, kind: str, tag: str) -> dict[str, list]:
@@ -119,7 +122,7 @@ def test_ring_export_attention_work_is_the_whole_sequences_balanced_over_ranks_a
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][4] == COMPARED])
 def test_ring_export_against_the_ulysses_rewrite_differs_only_by_replicated_kv_heads(case):
     _, heads, kv_heads, p, _ = CASES[case]
-    exported, rewrite = _traced(case, "ring"), ring_workload(_traced(case, "ulysses"))
+    exported, rewrite = _traced(case, "ring")[0], ring_workload(_traced(case, "ulysses")[0])
     replicate = kv_replication_factor(heads, kv_heads, p) if kv_heads % p else 1
 
     def per_attention(workload, phase: str) -> list[int]:
@@ -136,3 +139,17 @@ def test_ring_export_against_the_ulysses_rewrite_differs_only_by_replicated_kv_h
         assert flops[0] == flops[1]
     cluster = Cluster.from_preset("h100-sxm")
     assert simulate(exported, cluster).step_time_s > 0 and simulate(rewrite, cluster).step_time_s > 0
+
+
+def test_ring_export_is_what_the_registrys_autosp_ring_builds_its_whole_step_from(ring):
+    """``autosp-ring`` (no rewrite): the exported ring plus DeepSpeed's gradient reduction and optimizer step."""
+    name, workload = ring
+    p = CASES[name][3]
+    modules = _traced(name, "ring")[1]
+    numels = tuple(m.parameter_bytes // 2 for m in modules)
+    step = STRATEGIES["autosp-ring"].workload.build(workload, modules, TrainingConfig(parameter_numels=numels,
+                                                                                       dp_world_size=p))
+    assert sorted(step.ranks) == list(range(p)) and not step.symmetric
+    assert all(any(op.phase == "optimizer" for op in program.ops) for program in step.ranks.values())
+    cluster = Cluster.from_preset("h100-sxm")
+    assert simulate(step, cluster).step_time_s > simulate(workload, cluster).step_time_s
