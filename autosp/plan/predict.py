@@ -528,6 +528,14 @@ class StrategyDecision:
     seconds: float = 0.0
 
     @property
+    def options(self) -> dict:
+        """The `autosp.compile` options of the chosen strategy (``autosp.compile(model, sp_size=P,
+        **decision.options)``); an error when none fits."""
+        if self.chosen is None:
+            raise AutoSPError(f"no strategy fits {self.capacity_bytes / 2**30:.3f} GiB per rank: {self.reason}")
+        return {"strategy": self.chosen}
+
+    @property
     def prediction(self) -> Prediction | None:
         """The chosen candidate's prediction."""
         return next((c.prediction for c in self.candidates if c.strategy == self.chosen), None)

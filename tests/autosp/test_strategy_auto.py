@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from autosp.errors import AutoSPError
 from autosp.plan import TrainingSetup, load_cluster
 from autosp.plan.__main__ import build_parser, main
 from autosp.plan.predict import STRATEGY_CHOICES, TraceReuse, choose_strategy
@@ -56,6 +57,7 @@ def test_strategy_auto_simulates_each_strategy_on_its_own_trace_and_picks_the_ar
     times = {c.strategy: c.prediction.step.step_time_s for c in decision.candidates if c.fits}
     assert times and decision.chosen == min(times, key=times.get)
     assert decision.prediction is by_name[decision.chosen].prediction
+    assert decision.options == {"strategy": decision.chosen}
     text = decision.format()
     assert all(f"{c.prediction.step.step_time_s * 1e3:10.3f}" in text for c in decision.candidates)
     assert decision.to_dict()["chosen"] == decision.chosen
@@ -71,7 +73,9 @@ def test_strategy_auto_chooses_only_among_strategies_that_fit(decided, llama_con
         fitting = [s for s in times if peaks[s] <= capacity]
         assert again.chosen == (min(fitting, key=times.get) if fitting else None)
         assert [c.fits for c in again.candidates] == [peaks[c.strategy] <= capacity for c in again.candidates]
-        assert fitting or "no strategy fits" in again.reason
+        if not fitting:
+            with pytest.raises(AutoSPError, match="no strategy fits"):
+                _ = again.options
 
 
 def test_strategy_auto_chooses_ring_when_heads_do_not_divide_over_the_ranks(llama_config, tmp_path):
