@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from autosp.errors import AutoSPError
+from simulator.workload import COMPILED_STRATEGIES, PLANNED_STRATEGIES
 
-STRATEGIES = ("ulysses", "ring")
-"""The sequence-parallel strategies the pass implements, spelt as in simulator.strategies.SEQUENCE_PARALLEL, the one
-registry of strategy names (autosp may import only simulator.workload, so tests/autosp/test_ring.py checks the
-spelling); the registry's "hybrid" and "auto" are not implemented by the pass yet."""
-_NOT_YET = ("hybrid", "auto")
+STRATEGIES = COMPILED_STRATEGIES
+"""The sequence-parallel strategies the pass implements: simulator.workload.COMPILED_STRATEGIES, the one declaration of
+the names that simulator.strategies.SEQUENCE_PARALLEL reads too; the registry's "hybrid" and "auto"
+(PLANNED_STRATEGIES) are not implemented by the pass yet."""
+_NOT_YET = PLANNED_STRATEGIES
 
 COMPILERS = ("inductor", "aot_eager")
 CHECKPOINTING = ("sac", "none", "default", "full")

@@ -14,6 +14,23 @@ forward node) live until their last use in backward, or to the end of the
 backward where the runtime holds the backward's arguments that long (``aot_eager``).
 Parameters, gradients and optimizer state are static memory, not tensors.
 
+Note [Ring attention in the export]
+A ring attention node (strategy="ring", Note [Ring attention] in autosp/ring_attention.py) is one op to
+AOTAutograd; the export writes out what the op runs, step by step as ``ring_attention.schedule`` orders it and
+with the fused calls ``ring_attention.blocks`` cuts each step into, for each rank of the group (its chunks and
+neighbours differ, so a ring program has one program per rank).  Forward: a ``stack`` of k and v into the
+block that travels (and the zero-filled fp32 accumulators); per step s < P-1 a ``send`` of the block in hand to
+rank r+1 and a ``recv`` of rank r-1's into a new buffer (groups ``simulator.workload.RING_GROUPS``, both issued
+after the compute before them, as NCCL's stream joins the issuing one), the step's attention calls (FLOPs and
+scores of their real shapes) each followed by its online-softmax ``merge``, then the waits (the block sent is
+freed); a ``finalize`` casts the output.  Backward: the K/V block travels the same way (P-1 transfers); per step
+a zero-filled fp32 dK/dV buffer, the calls' backward kernels each followed by an ``accumulate``, then (from the
+second step) the wait for the accumulator arriving from rank r-1 and its addition, and the ``send``/``recv`` of
+the sum onward (P transfers: after the last one each rank holds its own tokens' dK/dV).  Message bytes are the
+tensors the op passes: 2·B·Hkv·L·D elements in the activation dtype for K/V, in the accumulator dtype (fp32)
+for dK/dV.  The copies a call's concatenated chunks and GQA-expanded heads make are counted as its bytes and a
+temporary, freed by the merge or accumulation after it.
+
 FLOPs: matmuls 2·M·N·K; attention counted here (torch's counter misses the CPU
 kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to two),
 halved under causal masking; elementwise ops one FLOP per output element.  An op with scratch memory
@@ -31,14 +48,18 @@ from torch import fx
 from autosp.costs import (
     RING_ATTENTION,
     VIEWS,
+    attention_flops,
+    attention_scores,
     attention_scores_of,
     classify,
     nbytes_of,
     packet_name,
+    schema_arg,
     workspace_bytes,
 )
 from autosp.errors import AutoSPError
-from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
+from autosp.ring_attention import accumulator_dtype, blocks, rank_chunks, schedule
+from simulator.workload import RING_GROUPS, Collective, Op, RankProgram, StaticMemory, Workload
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +77,8 @@ class _Emitter:
     group: str
     masked_fraction: float | None = None
     """Fraction of the scores document-masked attention keeps (see `export_workload`)."""
+    rank: int = 0
+    """The rank (in its SP group) whose program this is: a ring's steps and neighbours depend on it."""
 
     def __post_init__(self):
         self.ops: list[Op] = []
@@ -124,10 +147,15 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 em.frees_at.setdefault(op_id, []).append(tid)
             read = sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes)
             ours = getattr(node.target, "namespace", None) == "autosp_testbed"
-            if ours and packet in RING_ATTENTION:
-                raise AutoSPError("this program runs ring attention (strategy='ring'), whose point-to-point "
-                                  "transfers the export does not describe yet: export a strategy='ulysses' "
-                                  "program")
+            if ours and packet in RING_ATTENTION:  # its steps and transfers (Note [Ring attention in the export])
+                op_id = _emit_ring(node, phase, em, deps, allocates)
+                node_op[node] = op_id
+                for t in inputs:
+                    if t is not None:
+                        last_use[t] = op_id
+                if root.get(node) is not None:
+                    last_use.setdefault(root[node], op_id)
+                continue
             if ours and packet in _COLLECTIVES:
                 kind, op_class, flops = "collective", "other", 0
             elif ours and packet in _ASYNC_PHASES:
@@ -161,6 +189,143 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
         em.frees_at.setdefault(op_id, []).append(tid)
 
 
+def _ring_nodes(graphs) -> list[fx.Node]:
+    return [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"
+            and getattr(n.target, "namespace", None) == "autosp_testbed" and packet_name(n.target) in RING_ATTENTION]
+
+
+def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], output: tuple[int, ...]) -> int:
+    """Append the steps of one ring attention node (forward or backward) as rank ``em.rank`` runs them; returns
+    the id of its last op, which stands for the node (Note [Ring attention in the export])."""
+    backward = packet_name(node.target) == RING_ATTENTION[1]
+    q, k = (node.args[1], node.args[2]) if backward else (node.args[0], node.args[1])
+    qv, kv_meta = q.meta["val"], k.meta["val"]
+    b, h, length, d = (int(x) for x in qv.shape)
+    hkv = int(kv_meta.shape[1])
+    e = qv.element_size()
+    acc = torch.empty((), dtype=accumulator_dtype(qv.dtype)).element_size()
+    size, layout = int(schema_arg(node, "group_size")), str(schema_arg(node, "layout"))
+    causal = bool(schema_arg(node, "causal"))
+    rank = em.rank
+    mine = rank_chunks(layout, size, rank)
+    chunk = length // len(mine)
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    kv_bytes = 2 * b * hkv * length * d * e  # k and v stacked: what travels forward (and backward again)
+    dkv_elements = 2 * b * hkv * length * d  # the dK/dV accumulators travelling backward, in the accumulator dtype
+    out_elements = b * h * length * d
+    prefix = f"{phase}.{node.name}.ring"
+
+    def add(name: str, kind: str = "compute", op_class: str = "other", *, flops=0, read=0, written=0, scores=0,
+            after=(), allocates=(), frees=(), collective=None) -> int:
+        op_id = len(em.ops)
+        em.ops.append(Op(id=op_id, name=f"{prefix}.{name}", kind=kind, op_class=op_class, phase=phase,
+                         flops=int(flops), bytes_read=int(read), bytes_written=int(written),
+                         attention_scores=int(scores), deps=tuple(sorted(set(after))), allocates=tuple(allocates),
+                         frees=tuple(frees), collective=collective))
+        return op_id
+
+    def tensor(nbytes: int) -> int:
+        tid = len(em.tensors)
+        em.tensors[tid] = int(nbytes)
+        return tid
+
+    def shift(tag: str, step: int, nbytes: int, after: int) -> tuple[int, int, int]:
+        """``batch_isend_irecv``: send the block in hand to the next rank, receive the previous rank's into a new
+        buffer; both wait for the compute stream up to ``after`` (NCCL's stream joins the issuing stream)."""
+        received = tensor(nbytes)
+        em.collectives += 2
+        key = f"{prefix}.{tag}{step}"
+        send = add(f"{tag}{step}.send", "collective_start", after=(after,), collective=Collective(
+            kind="send", group=RING_GROUPS[0], message_bytes=nbytes, key=f"{key}.{rank}>{nxt}", peer=nxt))
+        recv = add(f"{tag}{step}.recv", "collective_start", after=(after,), allocates=(received,),
+                   collective=Collective(kind="recv", group=RING_GROUPS[1], message_bytes=nbytes,
+                                         key=f"{key}.{prv}>{rank}", peer=prv))
+        return send, recv, received
+
+    def wait(start: int, frees=()) -> int:
+        op = em.ops[start]
+        return add(f"{op.name[len(prefix) + 1:]}.wait", "collective_wait", after=(start,), frees=frees,
+                   collective=op.collective)
+
+    def block_bytes(rows, cols) -> tuple[int, int, tuple, tuple, int]:
+        """(query rows, key rows, q shape, k shape) of one fused call, and the bytes ``_take``'s concatenations
+        and the GQA expansion of k, v copy for it."""
+        lq, lk = len(rows) * chunk, len(cols) * chunk
+        row_tensors = b * h * lq * ((3 * d * e + acc) if backward else d * e)  # q (backward: dout, q, out, lse)
+        copies = (row_tensors if len(rows) > 1 else 0) + (2 * b * hkv * lk * d * e if len(cols) > 1 else 0)
+        copies += 2 * b * h * lk * d * e if h != hkv else 0
+        return lq, lk, (b, h, lq, d), (b, hkv, lk, d), copies
+
+    held = tensor(kv_bytes)
+    accumulator = tensor(out_elements * acc)  # the merged output (forward) or dq (backward), zero-filled
+    lse = 0 if backward else b * h * length * acc  # forward: the log-sum-exp accumulator is the node's output
+    cursor = add("stack", op_class="memory", read=kv_bytes, written=kv_bytes + out_elements * acc + lse, after=deps,
+                 allocates=(held, accumulator) + (() if backward else output))
+    pending = None  # the K/V transfer in flight: (send, recv, received buffer)
+    in_flight = None  # backward: the dK/dV transfer in flight: (send, recv, received buffer, sent buffer)
+    finished = None  # backward: the buffer holding this rank's finished dK/dV
+    for event in schedule(size):
+        s = event.step
+        if event.kind == "send_recv":
+            pending = shift("kv", s, kv_bytes, cursor)
+            continue
+        if event.kind == "wait":
+            send, recv, received = pending
+            wait(send, frees=(held,))
+            cursor = wait(recv)
+            held = received
+            continue
+        theirs = rank_chunks(layout, size, (rank - s) % size)
+        if backward:
+            dkv = tensor(dkv_elements * acc)
+            cursor = add(f"step{s}.zeros", op_class="memory", written=dkv_elements * acc, after=(cursor,),
+                         allocates=(dkv,))
+        for j, (rows, cols, block_causal) in enumerate(blocks(mine, theirs, causal)):
+            lq, lk, q_shape, k_shape, copies = block_bytes(rows, cols)
+            q_el, kv_el = b * h * lq * d, 2 * b * hkv * lk * d
+            kernel = dict(flops=attention_flops(q_shape, k_shape, causal=block_causal, backward=backward),
+                          scores=attention_scores(q_shape, k_shape, causal=block_causal, backward=backward))
+            if not backward:  # the kernel's output and log-sum-exp, merged online into the fp32 accumulators
+                temp = tensor(q_el * e + b * h * lq * acc + copies)
+                kernel_op = add(f"step{s}.attention{j}", op_class="attention", **kernel, after=(cursor,),
+                                read=q_el * e + kv_el * e + copies, written=q_el * e + b * h * lq * acc + copies,
+                                allocates=(temp,))
+                rows_lse = b * h * lq
+                cursor = add(f"step{s}.merge{j}", op_class="elementwise", flops=4 * q_el + 6 * rows_lse,
+                             read=q_el * (acc + e) + 2 * rows_lse * acc, written=(q_el + rows_lse) * acc,
+                             after=(kernel_op,), frees=(temp,))
+            else:  # dq, dk, dv of the block (k, v heads expanded under GQA), added into the fp32 sums
+                grads = q_el * e + 2 * b * h * lk * d * e
+                temp = tensor(grads + copies)
+                kernel_op = add(f"step{s}.attention{j}", op_class="attention", **kernel, after=(cursor,),
+                                read=3 * q_el * e + b * h * lq * acc + kv_el * e + copies, written=grads + copies,
+                                allocates=(temp,))
+                summed = q_el + kv_el
+                cursor = add(f"step{s}.accumulate{j}", op_class="elementwise",
+                             flops=summed + (2 * b * h * lk * d if h != hkv else 0),
+                             read=grads + summed * acc, written=summed * acc, after=(kernel_op,), frees=(temp,))
+        if backward:
+            if in_flight is not None:  # the accumulator of this block from the previous rank: ours added to it
+                send, recv, arrived, sent = in_flight
+                wait(send, frees=(sent,))
+                cursor = add(f"step{s}.add_arrived", op_class="elementwise", flops=dkv_elements,
+                             read=2 * dkv_elements * acc, written=dkv_elements * acc,
+                             after=(cursor, wait(recv)), frees=(arrived,))
+            if size > 1:  # on to the next rank, overlapping the next step's compute
+                in_flight = (*shift("dkv", s, dkv_elements * acc, cursor), dkv)
+            else:
+                finished = dkv
+    if in_flight is not None:
+        send, recv, finished, sent = in_flight
+        wait(send, frees=(sent,))
+        cursor = wait(recv)
+    # Cast the fp32 accumulators to the outputs: out (forward); dq and the finished dk, dv (backward).
+    elements = out_elements + (dkv_elements if backward else 0)
+    return add("finalize", op_class="elementwise", flops=elements, read=elements * acc, written=elements * e,
+               after=(cursor,), allocates=output if backward else (),
+               frees=(accumulator, held) + ((finished,) if backward else ()))
+
+
 def export_workload(
     aot_graphs: list[tuple[str, fx.GraphModule]],
     *,
@@ -173,7 +338,9 @@ def export_workload(
     saved_freed_at_last_use: bool = True,
     attention_kept_fraction: float | None = None,
 ) -> Workload:
-    """One symmetric Workload of world ``sp_size`` from the latest forward and backward graphs.
+    """One Workload of world ``sp_size`` from the latest forward and backward graphs: symmetric (rank 0's
+    program) for a Ulysses program, one program per rank for a ring program (Note [Ring attention in the
+    export]); ``metadata["strategy"]`` says which (with ``sp_size`` > 1).
 
     Static memory: parameters and gradients (same dtype as parameters) and optimizer
     state (default 6 bytes per parameter byte: fp32 Adam moments and master weights
@@ -188,20 +355,30 @@ def export_workload(
     graphs = dict(aot_graphs)
     if "forward" not in graphs or "backward" not in graphs:
         raise ValueError("export needs a forward and a backward graph: run one training step (with backward) first")
-    em = _Emitter(group="sp", masked_fraction=attention_kept_fraction)
-    live: dict[str, int] = {}
-    _emit_graph(graphs["forward"], "forward", em, live)
-    _emit_graph(graphs["backward"], "backward", em, live, inputs_freed_at_last_use=saved_freed_at_last_use)
     static = StaticMemory(
         parameter_bytes=int(parameter_bytes),
         gradient_bytes=int(parameter_bytes // zero_shards),
         optimizer_bytes=int(parameter_bytes * optimizer_bytes_per_parameter_byte // zero_shards),
     )
-    log.info("exported %d ops (%d collectives), %d tensors", len(em.ops), em.collectives, len(em.tensors))
-    return Workload(
-        name=name, world_size=sp_size, groups={"sp": [list(range(sp_size))]}, ranks={0: em.program(static)},
-        symmetric=True, metadata={"sp_size": sp_size, **(metadata or {})},
-    )
+    ring = _ring_nodes([graphs["forward"], graphs["backward"]])
+    sizes = sorted({int(schema_arg(n, "group_size")) for n in ring})
+    if ring and sizes != [sp_size]:
+        raise AutoSPError(f"the program's ring attention runs over {sizes} ranks but the export was asked for "
+                          f"sp_size={sp_size}; pass the sp_size the program was compiled with")
+    everyone = [list(range(sp_size))]
+    programs = {}
+    for rank in range(sp_size) if ring else (0,):  # a ring's neighbours are absolute ranks: a program per rank
+        em = _Emitter(group="sp", masked_fraction=attention_kept_fraction, rank=rank)
+        live: dict[str, int] = {}
+        _emit_graph(graphs["forward"], "forward", em, live)
+        _emit_graph(graphs["backward"], "backward", em, live, inputs_freed_at_last_use=saved_freed_at_last_use)
+        programs[rank] = em.program(static)
+    log.info("exported %d ops (%d collectives), %d tensors%s", len(em.ops), em.collectives, len(em.tensors),
+             f" per rank, {sp_size} ranks" if ring else "")
+    groups = {"sp": everyone, **(dict.fromkeys(RING_GROUPS, everyone) if ring else {})}
+    strategy = {"strategy": "ring" if ring else "ulysses"} if sp_size > 1 else {}
+    return Workload(name=name, world_size=sp_size, groups=groups, ranks=programs, symmetric=not ring,
+                    metadata={"sp_size": sp_size, **strategy, **(metadata or {})})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -168,7 +168,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
 
 
 def _math_forward(q, k, v, causal: bool, scale: float):
-    acc = _accumulator(q.dtype)
+    acc = accumulator_dtype(q.dtype)
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         lq, lk = scores.shape[-2:]
@@ -178,7 +178,7 @@ def _math_forward(q, k, v, causal: bool, scale: float):
 
 
 def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    acc = _accumulator(q.dtype)
+    acc = accumulator_dtype(q.dtype)
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         lq, lk = scores.shape[-2:]
@@ -191,7 +191,7 @@ def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return torch.matmul(dscores, k.to(acc)) * scale, torch.matmul(dscores.transpose(-1, -2), q.to(acc)) * scale, dv
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the ring accumulates in (and returns the log-sum-exp in): fp32, or fp64 for fp64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -201,7 +201,7 @@ def _block_forward(q, k, v, causal: bool, scale: float):
     the same in plain matmuls (a [Lq, Lk] score block: exact, but neither fused nor lean; untried on GPUs)."""
     if q.device.type == "cpu":
         out, lse = _cpu_flash(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.to(_accumulator(q.dtype))
+        return out, lse.to(accumulator_dtype(q.dtype))
     return _math_forward(q, k, v, causal, scale)
 
 
@@ -220,7 +220,7 @@ def _ring_forward(q, k, v, ring: _Ring, scale: float, causal: bool):
     groups = h // k.shape[1]
     n = len(ring.mine)
     q_chunks = q.chunk(n, dim=2)
-    acc = _accumulator(q.dtype)
+    acc = accumulator_dtype(q.dtype)
     out = torch.zeros(b, h, length, d, dtype=acc, device=q.device)
     lse = torch.full((b, h, length), float("-inf"), dtype=acc, device=q.device)
     out_chunks, lse_chunks = out.chunk(n, dim=2), lse.chunk(n, dim=2)
@@ -253,7 +253,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, scale: float, causal: b
     n = len(ring.mine)
     dout = dout.to(q.dtype)
     q_chunks, dout_chunks, out_chunks, lse_chunks = (t.chunk(n, dim=2) for t in (q, dout, out, lse))
-    acc = _accumulator(q.dtype)
+    acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dq_chunks = dq.chunk(n, dim=2)
     kv = torch.stack([k, v]).contiguous()
@@ -326,7 +326,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 @ring_attention.register_fake
 def _(q, k, v, scale, causal, layout, group_name, group_size):
     _check(q, k, v, layout, group_size)  # the real op's outputs are contiguous, whatever the inputs' strides
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_accumulator(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype))
 
 
 @torch.library.custom_op("autosp_testbed::ring_attention_backward", mutates_args=())

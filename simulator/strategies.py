@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
+from simulator.workload import COMPILED_STRATEGIES, PLANNED_STRATEGIES
 from simulator.workload_rewrites import ModuleParameters, ring_workload, zero3_workload
 
 if TYPE_CHECKING:
@@ -47,9 +48,11 @@ if TYPE_CHECKING:
 IMPLEMENTATIONS = ("autosp", "hand-written", "deepspeed")
 """Who runs a strategy: this project's pass (``autosp``), a hand-written baseline in ``experiments/baselines``,
 or DeepSpeed itself (its ZeRO-3 engine, its own AutoSP pass)."""
-SEQUENCE_PARALLEL = ("ulysses", "ring", "hybrid", "auto", "none")
+SEQUENCE_PARALLEL = (*COMPILED_STRATEGIES, *PLANNED_STRATEGIES, "none")
 """How the sequence is split: Ulysses all-to-alls, a ring of K/V passes, both (Note [Hybrid rank layout]), the
-pass's choice by simulation (``auto``), or not at all (each rank trains on the whole sequence)."""
+pass's choice by simulation (``auto``), or not at all (each rank trains on the whole sequence). The names the pass
+compiles and plans are declared once, in :mod:`simulator.workload` (:data:`~simulator.workload.COMPILED_STRATEGIES`,
+:data:`~simulator.workload.PLANNED_STRATEGIES`)."""
 REWRITES = ("ring", "zero3")
 """Rewrites of a traced workload (:mod:`simulator.workload_rewrites`): ``ring``: the Ulysses
 trace with each attention split into peer-to-peer ring steps and online-softmax merges (the hand-written ring

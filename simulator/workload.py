@@ -35,6 +35,22 @@ PHASES = ("forward", "backward", "optimizer")
 
 COLLECTIVE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
 
+RING_GROUPS = ("ring_send", "ring_recv")
+"""The process groups a ring's point-to-point transfers run on, sends on the first and receives on the second:
+two comm streams, so that a rank sends to its next neighbour while it receives from its previous one, as
+``batch_isend_irecv`` does (on one stream every rank's send would wait for its own receive, and the ring deadlock).
+Their instances are the ring's ranks; a ``send``'s ``peer`` is the next rank, a ``recv``'s the previous one."""
+
+COMPILED_STRATEGIES = ("ulysses", "ring")
+"""The sequence-parallel strategies ``autosp.compile(strategy=...)`` compiles a program with, and so the ones a
+workload is exported from (``metadata["strategy"]``): Ulysses all-to-alls around every attention, or the zig-zag
+ring of K/V passes. The one declaration of these names: ``autosp.config.STRATEGIES`` and
+``simulator.strategies.SEQUENCE_PARALLEL`` read them from here (autosp may import only this module of the
+simulator, docs/design.md, "The packages and who may import whom")."""
+PLANNED_STRATEGIES = ("hybrid", "auto")
+"""Strategies of ``simulator.strategies.SEQUENCE_PARALLEL`` that the pass does not compile (yet): a Ulysses x ring
+hybrid, and the pass's choice by simulation; ``autosp.compile`` names them when it refuses them."""
+
 
 class WorkloadError(ValueError):
     """A workload document or object is malformed; the message says which field and what to change."""

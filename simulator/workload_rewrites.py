@@ -66,9 +66,9 @@ one each chunk's gradients are home).  So its workload is the Ulysses workload
   (the chunk being received and the one in use, beside the local K,V) and, in
   backward, two fp32 dK,dV buffers as well.
 
-Sends run on a ``ring_send`` stream and receives on ``ring_recv`` (as
-``batch_isend_irecv`` does), so a rank sends and receives at once.  Peers name
-absolute ranks, so the workload has one program per rank (the simulator then
+Sends run on a ``ring_send`` stream and receives on ``ring_recv``
+(``simulator.workload.RING_GROUPS``, as ``batch_isend_irecv`` does), so a rank sends
+and receives at once.  Peers name absolute ranks, so the workload has one program per rank (the simulator then
 simulates every rank).
 
 The online-softmax merge is modelled, as real ring implementations (ring_flash_attn,
@@ -104,7 +104,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from simulator.workload import Collective, Op, RankProgram, StaticMemory, Workload
+from simulator.workload import RING_GROUPS, Collective, Op, RankProgram, StaticMemory, Workload
 
 
 class ModuleParameters(Protocol):
@@ -311,9 +311,9 @@ def _ring_program(source: RankProgram, rank: int, p: int, sites: list[tuple[int,
     seen = {"forward": 0, "backward": 0}
 
     def send_recv(tag: str, phase: str, nbytes: int, send_deps, recv_deps) -> tuple[int, int]:
-        send = out.start(f"{tag}.send", phase, Collective(kind="send", group="ring_send", message_bytes=nbytes,
+        send = out.start(f"{tag}.send", phase, Collective(kind="send", group=RING_GROUPS[0], message_bytes=nbytes,
                                                           key=f"{tag}.{rank}>{nxt}", peer=nxt), send_deps)
-        recv = out.start(f"{tag}.recv", phase, Collective(kind="recv", group="ring_recv", message_bytes=nbytes,
+        recv = out.start(f"{tag}.recv", phase, Collective(kind="recv", group=RING_GROUPS[1], message_bytes=nbytes,
                                                           key=f"{tag}.{prv}>{rank}", peer=prv), recv_deps)
         return send, recv
 
@@ -407,6 +407,36 @@ def ring_workload(workload: Workload, *, name: str | None = None, element_bytes:
     everyone = [list(range(p))]
     return Workload(name=name or f"{workload.name}/ring", world_size=p,
                     groups={**{g: [list(m) for m in inst] for g, inst in workload.groups.items()},
-                            "ring_send": everyone, "ring_recv": everyone},
+                            **dict.fromkeys(RING_GROUPS, everyone)},
                     ranks={r: _ring_program(source, r, p, sites, element_bytes) for r in range(p)}, symmetric=False,
                     metadata={**workload.metadata, "system": "ring"})
+
+
+# --- data-parallel replicas ----------------------------------------------------------------------------------
+
+
+def data_parallel_replicas(workload: Workload, dp_size: int) -> Workload:
+    """``workload`` (one SP group: ranks ``0..P-1``) on ``dp_size x P`` ranks: replica ``d`` is ranks
+    ``d*P .. d*P+P-1``, every group instance repeated in each replica, a non-symmetric program copied to its rank
+    in every replica with its point-to-point peers moved there (keys stay: a p2p op is matched by its pair of
+    ranks and its key)."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be positive, got {dp_size}")
+    p = workload.world_size
+    groups = {name: [[d * p + r for r in members] for d in range(dp_size) for members in instances]
+              for name, instances in workload.groups.items()}
+    if workload.symmetric:
+        ranks = dict(workload.ranks)
+    else:
+        def moved(program: RankProgram, offset: int) -> RankProgram:
+            if not offset:
+                return program
+            ops = tuple(dataclasses.replace(op, collective=dataclasses.replace(op.collective, peer=op.collective.peer
+                                                                               + offset))
+                        if op.collective is not None and op.collective.kind in ("send", "recv") else op
+                        for op in program.ops)
+            return dataclasses.replace(program, ops=ops)
+
+        ranks = {d * p + r: moved(program, d * p) for d in range(dp_size) for r, program in workload.ranks.items()}
+    return dataclasses.replace(workload, world_size=p * dp_size, groups=groups, ranks=ranks,
+                               metadata={**workload.metadata, "dp_size": dp_size})

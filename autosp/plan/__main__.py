@@ -16,7 +16,15 @@ from pathlib import Path
 from autosp.errors import AutoSPError
 from autosp.plan.cluster_file import cluster_names
 from autosp.plan.planner import OBJECTIVES
-from autosp.plan.predict import COMPILERS, DEPTHS, DTYPES, OFFLOADS, OPTIMIZERS, TrainingSetup
+from autosp.plan.predict import (
+    COMPILERS,
+    DEPTHS,
+    DTYPES,
+    OFFLOADS,
+    OPTIMIZERS,
+    STRATEGY_CHOICES,
+    TrainingSetup,
+)
 
 log = logging.getLogger("autosp.plan")
 
@@ -32,6 +40,7 @@ examples:
   python -m autosp.plan --model path/to/config.json --cluster docs/examples/two_node_cluster.json \\
       --seq-len 131072 --sp-size 4 --dp-size 2 --zero-stage 2 --micro-batch 2 --json plan.json
   python -m autosp.plan --model tiny-llama --cluster a100-80gb-sxm --seq-len 4096 --sp-size 2 --max-length
+  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 131072 --sp-size 8 --strategy auto
 """
 
 
@@ -102,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--max-probes", type=_positive, default=8,
                    help="lengths the --max-length search may simulate (default: %(default)s)")
+    p.add_argument("--strategy", default="ulysses", choices=STRATEGY_CHOICES,
+                   help="how the sequence is split: the strategy autosp.compile traces with, or auto: trace and "
+                        "simulate each, print each one's step time and peak, choose the fastest that fits "
+                        "(default: %(default)s)")
     p.add_argument("--memory-plan", default="none", choices=("none", "auto"),
                    help="auto: choose checkpointing, SAC budget and tiled loss by predicting every candidate plan, "
                         "print the candidate table and the chosen autosp.compile options (default: %(default)s)")
@@ -146,7 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.target_memory is not None and args.target_memory <= 0:
             raise AutoSPError(f"--target-memory {args.target_memory}: give a positive number of GiB")
         target = None if args.target_memory is None else int(args.target_memory * 2**30)
-        if args.memory_plan == "auto":
+        if args.strategy != "ulysses" and (args.memory_plan == "auto" or args.max_length):
+            raise AutoSPError(f"--strategy {args.strategy} is not combined with --memory-plan auto or --max-length "
+                              "yet; predict the strategy alone, or use --strategy ulysses")
+        if args.strategy == "auto":
+            from autosp.plan.predict import choose_strategy
+
+            answer = choose_strategy(args.model, setup, cluster, capacity_bytes=target,
+                                     progress=lambda s: log.info("step at %s", s))
+        elif args.memory_plan == "auto":
             from autosp.plan.planner import plan_memory
 
             answer = plan_memory(args.model, setup, cluster, objective=args.objective, target_memory=target,
@@ -155,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             answer = predict(args.model, setup, cluster, capacity_bytes=target, max_length=args.max_length,
                              max_length_high=args.max_length_high, granularity=args.granularity,
-                             max_probes=args.max_probes, progress=lambda s: log.info("step at %s", s))
+                             max_probes=args.max_probes, progress=lambda s: log.info("step at %s", s),
+                             options=None if args.strategy == "ulysses" else {"strategy": args.strategy})
     except AutoSPError as err:
         log.error("%s", err)
         return 2

@@ -27,8 +27,10 @@ from simulator.ledger import OPTIMIZER_STATES, LedgerLine, TrainingConfig, memor
 from simulator.max_length import BANDS, ModelStep, extrapolate_depth, ledger_peak
 from simulator.max_length import max_length as search_max_length
 from simulator.result import Result
+from simulator.strategies import SEQUENCE_PARALLEL, Strategy, sp_candidates
 from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
-from simulator.workload import Workload
+from simulator.workload import COMPILED_STRATEGIES, Workload
+from simulator.workload_rewrites import data_parallel_replicas
 
 log = logging.getLogger(__name__)
 
@@ -190,13 +192,13 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, parame
                                saved_freed_at_last_use=setup.compiler == "inductor",
                                attention_kept_fraction=report.attention_kept_fraction)
     modules = module_parameters(graphs, report.forward_graphs[-1])
-    sp, world = setup.sp_size, setup.world_size
-    program = release_gradients(exported.ranks[0], (n for m in modules for n in m.gradients))
-    backward = dataclasses.replace(exported, world_size=world, ranks={0: program},
-                                   groups={"sp": [list(range(d * sp, (d + 1) * sp)) for d in range(setup.dp_size)]},
-                                   metadata={**exported.metadata, "dp_size": setup.dp_size})
+    world = setup.world_size
+    names = [n for m in modules for n in m.gradients]
+    released = dataclasses.replace(exported, ranks={r: release_gradients(p, names) for r, p in exported.ranks.items()})
+    backward = data_parallel_replicas(released, setup.dp_size)  # a ring program: one program per rank
     element = dtype.itemsize
-    gradients = gradients_from_modules(program, [(m.gradients, m.parameter_bytes // element) for m in modules])
+    sizes = [(m.gradients, m.parameter_bytes // element) for m in modules]
+    gradients = {r: gradients_from_modules(p, sizes) for r, p in backward.ranks.items()}
     # A shallower trace (depth extrapolation) reduces and updates only its own layers' parameters.
     step_config = config if layers is None else dataclasses.replace(config, parameter_numels=source.parameter_numels(hf))
     step = add_training_step(backward, gradients, step_config, group="dp", group_instances=[list(range(world))])
@@ -261,9 +263,9 @@ class TraceReuse:
 
 
 def _without_optimizer(workload: Workload) -> Workload:
-    program = workload.ranks[0]
-    ops = tuple(op for op in program.ops if op.phase != "optimizer")
-    return dataclasses.replace(workload, ranks={0: dataclasses.replace(program, ops=ops)})
+    return dataclasses.replace(workload, ranks={
+        r: dataclasses.replace(p, ops=tuple(op for op in p.ops if op.phase != "optimizer"))
+        for r, p in workload.ranks.items()})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -484,3 +486,148 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
                       max_length_step=longest,
                       seconds=time.perf_counter() - start,
                       notes=tuple(notes))
+
+
+# --- strategy="auto": the strategy chosen by simulating each candidate on its own trace -----------------------
+
+STRATEGY_CHOICES = tuple(kind for kind in SEQUENCE_PARALLEL if kind in COMPILED_STRATEGIES or kind == "auto")
+"""``--strategy``: a strategy the pass compiles, or ``auto`` (`choose_strategy`); read from the registry."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyCandidate:
+    """One strategy's prediction (traced with ``strategy=`` it, exported, simulated), or why it cannot run."""
+
+    strategy: str
+    """The pass's strategy (a name of ``simulator.workload.COMPILED_STRATEGIES``)."""
+    system: str
+    """Its name in the registry (``simulator.strategies.STRATEGIES``)."""
+    prediction: Prediction | None
+    refused: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.prediction is not None and self.prediction.fits
+
+    def to_dict(self) -> dict:
+        p = self.prediction
+        return {"strategy": self.strategy, "system": self.system, "refused": self.refused,
+                "fits": self.fits, "step_time_s": None if p is None else p.step.step_time_s,
+                "peak_bytes": None if p is None else p.peak_bytes}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyDecision:
+    """What ``strategy="auto"`` predicted for each candidate, what it chose and why."""
+
+    candidates: tuple[StrategyCandidate, ...]
+    chosen: str | None
+    """The fastest candidate that fits; None when none fits (``reason`` says so)."""
+    reason: str
+    capacity_bytes: int
+    seconds: float = 0.0
+
+    @property
+    def options(self) -> dict:
+        """The `autosp.compile` options of the chosen strategy (``autosp.compile(model, sp_size=P,
+        **decision.options)``); an error when none fits."""
+        if self.chosen is None:
+            raise AutoSPError(f"no strategy fits {self.capacity_bytes / 2**30:.3f} GiB per rank: {self.reason}")
+        return {"strategy": self.chosen}
+
+    @property
+    def prediction(self) -> Prediction | None:
+        """The chosen candidate's prediction."""
+        return next((c.prediction for c in self.candidates if c.strategy == self.chosen), None)
+
+    def to_dict(self) -> dict:
+        chosen = self.prediction
+        return {"strategy": "auto", "chosen": self.chosen, "reason": self.reason,
+                "capacity_bytes": self.capacity_bytes, "seconds": self.seconds,
+                "candidates": [c.to_dict() for c in self.candidates],
+                "prediction": None if chosen is None else chosen.to_dict()}
+
+    def format(self) -> str:
+        gib = 2**30
+        out = [f"strategy auto: {len(self.candidates)} candidates, each traced and simulated on its own "
+               f"({self.seconds:.1f} s); capacity {self.capacity_bytes / gib:.3f} GiB per rank",
+               f"  {'strategy':10s} {'system':12s} {'fits':4s} {'peak GiB':>9s} {'step ms':>10s}"]
+        for c in self.candidates:
+            mark = "*" if c.strategy == self.chosen else " "
+            if c.prediction is None:
+                out.append(f"{mark} {c.strategy:10s} {c.system:12s} refused: {c.refused}")
+                continue
+            p = c.prediction
+            out.append(f"{mark} {c.strategy:10s} {c.system:12s} {'yes' if c.fits else 'NO':4s} "
+                       f"{p.peak_bytes / gib:9.3f} {p.step.step_time_s * 1e3:10.3f}")
+        out.append(f"  chosen      {self.chosen or 'none'}: {self.reason}")
+        if self.prediction is not None:
+            out += ["", self.prediction.format()]
+        return "\n".join(out)
+
+
+def strategy_candidates(model: str, setup: TrainingSetup) -> list[tuple[str, Strategy | None, str | None]]:
+    """(pass strategy, its registry entry or None, why it cannot run) for every strategy the pass compiles: the
+    registry's `simulator.strategies.sp_candidates` for the model's heads and ``setup.sp_size``."""
+    hf = ModelSource(model).config(seq_len=setup.seq_len)
+    heads = int(hf.num_attention_heads)
+    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+    runnable = {s.sequence_parallel: s for s in sp_candidates(setup.sp_size, heads=heads, kv_heads=kv_heads)}
+    found = []
+    for kind in COMPILED_STRATEGIES:
+        strategy = runnable.get(kind)
+        why = None if strategy is not None else (
+            f"{heads} attention heads are not divisible by sp_size {setup.sp_size}" if kind == "ulysses"
+            else f"not a candidate for sp_size {setup.sp_size}")
+        found.append((kind, strategy, why))
+    return found
+
+
+def choose_strategy(model: str, setup: TrainingSetup, cluster: Cluster, *, options: Mapping | None = None,
+                    capacity_bytes: int | None = None, reuse: TraceReuse | None = None,
+                    progress: Callable[[str], None] | None = None) -> StrategyDecision:
+    """``strategy="auto"``: predict ``setup`` under every strategy the pass compiles (each traced with that
+    strategy, exported from what its pass emits and simulated on ``cluster``: `predict`), and choose the fastest
+    whose peak fits ``capacity_bytes`` (default: the device's memory); ties go to the earlier strategy of
+    ``simulator.workload.COMPILED_STRATEGIES``.  ``options``: further `autosp.compile` options (not the strategy);
+    ``reuse``: traces shared with other calls (`TraceReuse`)."""
+    start = time.perf_counter()
+    setup.check()
+    if setup.sp_size < 2:
+        raise AutoSPError("strategy 'auto' chooses how a sequence is split over ranks: give sp_size >= 2")
+    options = dict(options or {})
+    if "strategy" in options:
+        raise AutoSPError(f"strategy 'auto' chooses the strategy; do not pass strategy={options['strategy']!r} too")
+    capacity = int(cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes)
+    candidates = []
+    for kind, strategy, why in strategy_candidates(model, setup):
+        prediction = None
+        if strategy is not None:
+            try:
+                prediction = predict(model, setup, cluster, options={**options, **strategy.compile_options},
+                                     capacity_bytes=capacity, reuse=reuse, progress=progress)
+            except AutoSPError as err:
+                why = str(err)
+        candidates.append(StrategyCandidate(strategy=kind, system="-" if strategy is None else strategy.name,
+                                            prediction=prediction, refused=why))
+        if prediction is None:
+            log.info("strategy %s: refused (%s)", kind, why)
+        else:
+            log.info("strategy %s: step %.6f s, peak %.3f GiB per rank (%s)", kind, prediction.step.step_time_s,
+                     prediction.peak_bytes / 2**30, "fits" if prediction.fits else "does not fit")
+    fitting = [c for c in candidates if c.fits]
+    if fitting:
+        best = min(fitting, key=lambda c: c.prediction.step.step_time_s)  # min keeps the first of equal times
+        others = [c for c in candidates if c.prediction is not None and c is not best]
+        reason = f"the fastest that fits ({best.prediction.step.step_time_s * 1e3:.3f} ms per step" + "".join(
+            f"; {c.strategy} {c.prediction.step.step_time_s * 1e3:.3f} ms"
+            + ("" if c.fits else f", peak {c.prediction.peak_bytes / 2**30:.3f} GiB does not fit") for c in others) + ")"
+        chosen = best.strategy
+    else:
+        chosen = None
+        reason = f"no strategy fits {capacity / 2**30:.3f} GiB per rank" + "".join(
+            f"; {c.strategy} peaks at {c.prediction.peak_bytes / 2**30:.3f} GiB" for c in candidates
+            if c.prediction is not None)
+    log.info("strategy auto chose %s: %s", chosen, reason)
+    return StrategyDecision(candidates=tuple(candidates), chosen=chosen, reason=reason, capacity_bytes=capacity,
+                            seconds=time.perf_counter() - start)
