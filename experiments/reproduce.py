@@ -81,6 +81,10 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
 
     cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
     before = _trace_counts(cache)
+    # First, so that the throughput lengths are the traces a length-invariant system interpolates the search's
+    # probes between (Note [Throughput steps from the search's traces]).
+    steps = {(system, length): simulate_step(system, model, length, cache=cache, layers=layers)
+             for length in step_lengths for system in systems}
     found = {}
     for system in systems:
         # ``systems`` share one trace (`STRATEGIES.trace_groups`): the later ones rewrite the first's (ring:
@@ -91,8 +95,6 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
         found[system] = max_length(system, model, granularity=granularity[system], high=ceiling,
                                    start=start or 8192, max_probes=max_probes, cache=cache,
                                    alternative=ALTERNATIVE_CONFIG, layers=layers)
-    steps = {(system, length): simulate_step(system, model, length, cache=cache, layers=layers)
-             for length in step_lengths for system in systems}
     return (found, steps), _trace_counts(cache, before)
 
 
@@ -100,12 +102,14 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The throughput table simulates whole steps of the iteration model at the published lengths, one task per
 # length and trace group, each in a fresh trace cache: every step a full-depth trace.  The max-seq-len search
-# of the same model and group has by then traced that group at several lengths, and a system whose plan does
-# not depend on the length is built at any other length from those traces (Note [One trace per length class]
-# in experiments/paper_scale/simulate.py, checked against a real trace).  So when both tables run, the
-# search's task also simulates the throughput table's steps, from its own cache, and the throughput table
-# only reads them: the same steps (an interpolated step equals the traced one, or it is traced), nine
-# full-depth traces fewer for Llama-3.1-8B.  `--only throughput` still simulates its steps itself.
+# of the same model and group traces that group at several lengths of its own, and a system whose plan does
+# not depend on the length is built between three traced lengths by interpolation (Note [One trace per length
+# class] in experiments/paper_scale/simulate.py, checked against a real trace at a fourth).  So when both
+# tables run, the search's task simulates the throughput table's steps first, from its own cache: their three
+# lengths (8,000 to 90,000 tokens) become the anchors that the search's probes in between are interpolated
+# from, and the throughput table only reads the steps.  The same steps and the same search results (an
+# interpolated workload equals the traced one, or the length is traced), fewer full-depth traces of
+# Llama-3.1-8B.  `--only throughput` still simulates its steps itself.
 
 
 def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], layers: str = "full", cache=None):
