@@ -11,14 +11,13 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+import autosp
 from autosp.costs import tensors_of
-from tests.autosp.cases import loss_of, make_sample, named_grads
+from tests.autosp.cases import compiled_step_against_single_device, measured_step_peak
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import run_on_ranks
 
@@ -94,30 +93,19 @@ def test_bf16_op_within_bf16_tolerance(rows):
 
 
 def _tiled_case(rank, world, *, model, sp_size, seq_len, options, overrides=None):
-    import autosp
-    from experiments.models import build_model, vocab_size
+    from experiments.models import build_model
 
     torch.manual_seed(0)
     reference = build_model(model, layers=1, **(overrides or {}))
-    candidate = copy.deepcopy(reference)
-    dp_size, dp_rank = world // sp_size, rank // sp_size
-    samples = [make_sample(seq_len, vocab_size(reference), seed=200 + i) for i in range(dp_size)]
-    ref_losses = []
-    for ids, labels in samples:
-        loss = loss_of(reference(input_ids=ids, labels=labels))
-        (loss / dp_size).backward()
-        ref_losses.append(loss.detach())
-    compiled = autosp.compile(candidate, sp_size=sp_size, compiler="aot_eager", **options)
-    ids, labels = samples[dp_rank]
-    out = compiled(**autosp.prepare_inputs(ids, labels=labels))
-    loss_of(out).backward()
+    result, compiled = compiled_step_against_single_device(rank, world, reference, sp_size=sp_size, seq_len=seq_len,
+                                                           options=options, seed=200)
     autosp.sync_gradients(compiled)
     tiled = torch.ops.autosp_testbed.linear_cross_entropy.default
     tiled_backward = torch.ops.autosp_testbed.linear_cross_entropy_backward.default
     graphs = dict(compiled.report.aot_graphs)
+    out = result.pop("output")
     return {
-        "loss": loss_of(out).detach(), "ref_loss": ref_losses[dp_rank],
-        "grads": named_grads(candidate), "ref_grads": named_grads(reference),
+        **result,
         "tiled": (any(n.target is tiled for n in graphs["forward"].graph.nodes)
                   and any(n.target is tiled_backward for n in graphs["backward"].graph.nodes)),
         "logits": None if isinstance(out, torch.Tensor) else out.logits,
@@ -139,21 +127,12 @@ _CASES = [
 
 def _peak(*, tiled: bool) -> int:
     """Per-rank peak tensor memory of one step (after a compiling step) of a vocabulary-heavy model."""
-    import autosp
-    from experiments.cpu.peak_memory import PeakMemory
     from experiments.models import build_model
 
     torch.manual_seed(0)
     model = build_model("hf-llama", layers=1, hidden=64, vocab=32000)
     options = {"tiled_loss": "on", "loss_chunk_tokens": 128, "return_logits": False} if tiled else {}
-    compiled = autosp.compile(model, sp_size=2, compiler="aot_eager", checkpointing="none", **options)
-    ids = torch.randint(0, 32000, (1, 1024), generator=torch.Generator().manual_seed(1))
-    inputs = autosp.prepare_inputs(ids, labels=ids)
-    loss_of(compiled(**inputs)).backward()  # compile outside the measurement
-    model.zero_grad(set_to_none=True)
-    with PeakMemory(static=list(model.parameters())) as pm:
-        loss_of(compiled(**inputs)).backward()
-    return pm.peak_bytes
+    return measured_step_peak(model, seq_len=1024, vocab=32000, checkpointing="none", **options)
 
 
 def _on_ranks(rank, world):

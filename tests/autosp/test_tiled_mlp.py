@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 
@@ -23,7 +22,7 @@ from torch import nn
 
 from autosp.costs import tensors_of
 from autosp.tiled_ops import Ref, encode_expression
-from tests.autosp.cases import loss_of, make_sample, named_grads
+from tests.autosp.cases import compiled_step_against_single_device, measured_step_peak
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import run_on_ranks
 
@@ -123,28 +122,17 @@ def test_each_expression_step_has_autograds_gradient(step):
 
 
 def _tiled_case(rank, world, *, model, sp_size, seq_len, options, layers=1):
-    import autosp
-    from experiments.models import build_model, vocab_size
+    from experiments.models import build_model
 
     torch._dynamo.reset()  # one process compiles many models: stay under torch.compile's recompile limit
     torch.manual_seed(0)
     reference = build_model(model, layers=layers)
-    candidate = copy.deepcopy(reference)
-    dp_size, dp_rank = world // sp_size, rank // sp_size
-    samples = [make_sample(seq_len, vocab_size(reference), seed=300 + i) for i in range(dp_size)]
-    ref_losses = []
-    for ids, labels in samples:
-        loss = loss_of(reference(input_ids=ids, labels=labels))
-        (loss / dp_size).backward()
-        ref_losses.append(loss.detach())
-    compiled = autosp.compile(candidate, sp_size=sp_size, compiler="aot_eager", **options)
-    ids, labels = samples[dp_rank]
-    out = compiled(**autosp.prepare_inputs(ids, labels=labels))
-    loss_of(out).backward()
+    result, compiled = compiled_step_against_single_device(rank, world, reference, sp_size=sp_size, seq_len=seq_len,
+                                                           options=options, seed=300)
+    result.pop("output")
     graphs = dict(compiled.report.aot_graphs)
     return {
-        "loss": loss_of(out).detach(), "ref_loss": ref_losses[dp_rank],
-        "grads": named_grads(candidate), "ref_grads": named_grads(reference),
+        **result,
         "ops": (sum(n.target is _TILED for n in graphs["forward"].graph.nodes),
                 sum(n.target is _TILED_BACKWARD for n in graphs["backward"].graph.nodes)),
         "op_class": compiled.report.op_classes.get(str(_TILED)),
@@ -170,9 +158,6 @@ def _peak(*, tiled: bool, checkpointing: str = "sac", seq_len: int = 1024) -> in
     8 x hidden, 2 layers), ``seq_len`` tokens on 2 ranks."""
     import transformers
 
-    import autosp
-    from experiments.cpu.peak_memory import PeakMemory
-
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=256, num_hidden_layers=2,
@@ -180,14 +165,7 @@ def _peak(*, tiled: bool, checkpointing: str = "sac", seq_len: int = 1024) -> in
                                       attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config)
     options = {"tiled_mlp": "on", "mlp_chunk_tokens": 64} if tiled else {}
-    compiled = autosp.compile(model, sp_size=2, compiler="aot_eager", checkpointing=checkpointing, **options)
-    ids = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(1))
-    inputs = autosp.prepare_inputs(ids, labels=ids)
-    loss_of(compiled(**inputs)).backward()  # compile outside the measurement
-    model.zero_grad(set_to_none=True)
-    with PeakMemory(static=list(model.parameters())) as pm:
-        loss_of(compiled(**inputs)).backward()
-    return pm.peak_bytes
+    return measured_step_peak(model, seq_len=seq_len, vocab=256, checkpointing=checkpointing, **options)
 
 
 def _on_ranks(rank, world):
