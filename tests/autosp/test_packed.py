@@ -159,14 +159,3 @@ def test_default_compiler_trains_packed_and_padded_batches_through_aot_eager():
         # the second round compiles nothing
         assert programs == [[inductor], [inductor, fallback], [inductor, fallback, fallback]] + \
             [[inductor, fallback, fallback]] * 3
-
-
-@pytest.mark.inductor
-@pytest.mark.slow
-def test_default_compiler_trains_a_sliding_window_shorter_than_the_sequence():
-    per_rank = run_on_ranks(_default_compiler_on_mixed_batches, 2,
-                            {"model": "hf-mistral-window", "window": 6, "kinds": ["plain", "plain"]},
-                            timeout_s=900, collective_timeout_s=600)
-    _check([results for results, _ in per_rank], FP32_TOL)
-    for _, programs in per_rank:
-        assert programs == [[("aot_eager", True)]] * 2  # the window mask: every batch of this model
