@@ -11,6 +11,7 @@ job's compiled code.  The decision is broadcast to every rank, so all compile th
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -198,13 +199,26 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
     return decision
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m autosp.plan.auto",
+        description="The memory planner of autosp.compile(..., memory_plan='auto'), which runs this in a fresh "
+                    "process on rank 0\n(no process group, no compiled code of the job): plan the request's "
+                    "candidates and write the decision.\nFor planning by hand use python -m autosp.plan "
+                    "--memory-plan auto.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("request", type=Path, help="the request (JSON: model config, setup, cluster, target, candidates)")
+    p.add_argument("out", type=Path, help="where to write the decision (JSON: the plan report and its table)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m autosp.plan.auto REQUEST.json OUT.json`` (run by `run_planner`)."""
     from autosp.plan.cluster_file import load_cluster
     from autosp.plan.planner import MemoryPlan, plan_memory
     from autosp.plan.predict import TrainingSetup
 
-    request_path, out_path = argv if argv is not None else sys.argv[1:]
+    args = build_parser().parse_args(argv)
+    request_path, out_path = args.request, args.out
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     request = json.loads(Path(request_path).read_text())
     try:
