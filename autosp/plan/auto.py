@@ -113,7 +113,8 @@ def default_cluster(device: torch.device) -> str:
 def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int, micro_batch: int, world_size: int,
                  explicit: Mapping) -> dict:
     """What the planner process needs: the model's config, the training setup, the cluster, the target and the
-    candidates (`autosp.plan.candidate_plans`, with the explicitly passed options fixed)."""
+    candidates (`autosp.plan.candidate_plans`, with the explicitly passed options and the model's strategy
+    fixed)."""
     from autosp.passes.dynamo.tiled_loss import LOSS_CHUNK_BYTES
     from autosp.passes.dynamo.tiled_mlp import MLP_CHUNK_BYTES
     from autosp.plan.planner import candidate_plans
@@ -130,7 +131,8 @@ def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int,
     intermediate = hf.get("intermediate_size") or hf.get("n_inner") or 4 * hf.get("n_embd", hf.get("hidden_size", 0))
     plans = candidate_plans(  # two input projections (gated MLPs), fp32 logits
         loss_chunk_tokens=chunk_tokens(target, 4 * hf["vocab_size"], LOSS_CHUNK_BYTES),
-        mlp_chunk_tokens=(chunk_tokens(target, 2 * intermediate * itemsize, MLP_CHUNK_BYTES),), fixed=explicit)
+        mlp_chunk_tokens=(chunk_tokens(target, 2 * intermediate * itemsize, MLP_CHUNK_BYTES),),
+        fixed={**explicit, **({"strategy": config.strategy} if config.strategy != "ulysses" else {})})
     return {"model": f"{type(module).__name__}", "model_config": hf, "setup": setup,
             "cluster": config.plan_cluster or default_cluster(device), "target_memory": int(target),
             "plans": [[p.name, dict(p.options)] for p in plans]}
