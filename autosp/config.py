@@ -101,7 +101,7 @@ class AutoSPConfig:
     loss)."""
     memory_plan: str = "off"
     """"auto": before its first program compiles, the model runs the memory planner (autosp.plan.plan_memory) for
-    itself at ``plan_seq_len`` tokens and compiles with the fastest candidate's checkpointing, SAC budget, tiled
+    itself at its first batch's length (or ``plan_seq_len``) and compiles with the fastest candidate's checkpointing, SAC budget, tiled
     loss and tiled MLP that fits ``target_memory`` (options passed explicitly win; docs/design.md, "Memory
     planner"); the decision and every candidate are in ``report.memory_plan``.  "off": the options as given."""
     target_memory: int | None = None
