@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autosp.backend import make_backend
-from autosp.config import AutoSPConfig
+from autosp.config import MEMORY_PLAN_OPTIONS, AutoSPConfig
 from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.diagnostics import graph_break_error, install_output_capture_hooks
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
@@ -90,7 +90,8 @@ def _describe(kind: tuple) -> str:
 class SequenceParallelModel(nn.Module):
     """A model compiled for sequence parallelism; call it with ``**autosp.prepare_inputs(...)``."""
 
-    def __init__(self, module: nn.Module, config: AutoSPConfig, groups: SequenceParallelGroups):
+    def __init__(self, module: nn.Module, config: AutoSPConfig, groups: SequenceParallelGroups,
+                 explicit_options: dict | None = None):
         super().__init__()
         self.module = module
         self.config = config
@@ -99,13 +100,12 @@ class SequenceParallelModel(nn.Module):
             sp_size=config.sp_size, sp_rank=groups.sp_rank, group_name=groups.sp_group_name,
             ignore_index=config.ignore_index, strategy=config.strategy,
         )
-        # sp_size=1: no sequence-parallel passes (only the tiled loss, when enabled), but the same AOTAutograd
-        # path (checkpointing option, graphs recorded in the report for autosp.export).
-        backend = make_backend(self._ctx, config, passes=passes_for(config))
-        # Kept out of the module tree (not a registered submodule): the compiled wrapper holds the same
-        # parameters as ``module``, and state_dict/parameters must list them once.
         install_output_capture_hooks(module)  # HF's lazy hook installation would break the graph
-        self.__dict__["_compiled"] = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
+        # memory_plan="auto": compiled on the first call, once the plan is known (autosp.plan.auto); the options
+        # passed explicitly (of MEMORY_PLAN_OPTIONS) win over the plan.
+        self._explicit_options = dict(explicit_options or {})
+        self._warned_past_plan = False
+        self.__dict__["_compiled"] = None if config.memory_plan == "auto" else self._compile(config)
         # Inductor only: the same module compiled by aot_eager, for batches whose masks Inductor cannot compile
         # (Note [Code generator per batch]); built on the first such batch.
         self.__dict__["_compiled_aot_eager"] = None
@@ -122,8 +122,12 @@ class SequenceParallelModel(nn.Module):
 
     @property
     def report(self) -> CompileReport:
-        """What the AutoSP passes found and did (attention sites, per-pass op changes, graphs)."""
-        return self._ctx.report
+        """What the AutoSP passes found and did (attention sites, per-pass op changes, graphs), and the memory
+        plan (``memory_plan="auto"``)."""
+        report = self._ctx.report
+        if report.memory_plan is None:  # each compile starts a new report; the plan is the model's
+            report.memory_plan = self._ctx.memory_plan
+        return report
 
     def state_dict(self, *args, **kwargs):
         """The wrapped model's own state dict (its keys, loadable into the uncompiled model)."""
@@ -146,9 +150,21 @@ class SequenceParallelModel(nn.Module):
         cfg = self.config
         if cfg.check_same_sample and cfg.sp_size > 1:
             check_same_sample(kwargs, self.groups.sp_group, cfg.sp_size, kwargs["input_ids"].device)
+        if self._compiled is None:  # memory_plan="auto", first call
+            padded = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
+                                  pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket,
+                                  zigzag=cfg.strategy == "ring").padded_seq_len
+            self._plan_memory(padded, int(kwargs["input_ids"].shape[0]), kwargs["input_ids"].device)
+            cfg = self.config
         layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                               pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket,
                               zigzag=cfg.strategy == "ring")
+        planned = (self._ctx.memory_plan or {}).get("setup", {}).get("seq_len")
+        if planned is not None and layout.padded_seq_len > planned and not self._warned_past_plan:
+            self._warned_past_plan = True
+            log.warning("a batch of %d tokens is longer than the %d the memory plan was made for: it may not fit "
+                        "target_memory; pass plan_seq_len= the longest length trained", layout.padded_seq_len,
+                        planned)
         if "attention_mask" in kwargs and not self._accepts_attention_mask:
             raise AutoSPError(
                 f"the batch has a padding mask but {type(self.module).__name__}.forward takes no attention_mask; "
@@ -185,6 +201,24 @@ class SequenceParallelModel(nn.Module):
             return out
         finally:
             ctx.input_roles, ctx.full_inputs, ctx.program_outputs, ctx.why_compiler = {}, {}, (), ""
+
+    def _compile(self, config: AutoSPConfig):
+        # sp_size=1: no sequence-parallel passes (only the tiled loss and MLP, when enabled), but the same
+        # AOTAutograd path (checkpointing option, graphs recorded in the report for autosp.export).
+        backend = make_backend(self._ctx, config, passes=passes_for(config))
+        # Kept out of the module tree (not a registered submodule): the compiled wrapper holds the same
+        # parameters as ``module``, and state_dict/parameters must list them once.
+        return torch.compile(self.module, backend=backend, fullgraph=True, dynamic=False)
+
+    def _plan_memory(self, seq_len: int, rows: int, device: torch.device) -> None:
+        """memory_plan="auto": choose the memory options with the planner (a collective), then compile."""
+        from autosp.plan.auto import decide
+
+        decision = decide(self.module, self.config, self.groups.group, seq_len=seq_len, micro_batch=rows,
+                          explicit=self._explicit_options, device=device)
+        self.config = dataclasses.replace(self.config, **decision["options"])
+        self._ctx.memory_plan = decision
+        self.__dict__["_compiled"] = self._compile(self.config)
 
     def _aot_eager_program(self):
         if self._compiled_aot_eager is None:
@@ -241,11 +275,16 @@ def compile(  # noqa: A001 - mirrors torch.compile
     other fields of `AutoSPConfig`.  Every rank of the group must call this.
     """
     config = AutoSPConfig.from_options(sp_size=sp_size, compiler=compiler, options=options)
+    explicit = {k: v for k, v in options.items() if k in MEMORY_PLAN_OPTIONS}
+    if config.memory_plan == "auto":
+        from autosp.plan.auto import check_plannable
+
+        check_plannable(model, config)
     groups = build_groups(sp_size, process_group)
     if sp_size == 1:
         warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
                       "(the checkpointing, tiled_loss and tiled_mlp options still apply)", stacklevel=2)
-    return SequenceParallelModel(model, config, groups)
+    return SequenceParallelModel(model, config, groups, explicit_options=explicit)
 
 
 def sync_gradients(model: SequenceParallelModel) -> None:

@@ -17,6 +17,12 @@ COMPILERS = ("inductor", "aot_eager")
 CHECKPOINTING = ("sac", "none", "default", "full")
 TILED_LOSS = ("off", "on", "auto")
 TILED_MLP = ("off", "on", "auto")
+MEMORY_PLAN = ("off", "auto")
+MEMORY_PLAN_OPTIONS = ("checkpointing", "sac_memory_budget", "tiled_loss", "loss_chunk_tokens", "tiled_mlp",
+                       "mlp_chunk_tokens", "return_logits")
+"""The options ``memory_plan="auto"`` chooses (autosp.plan.planner.candidate_plans); one passed explicitly wins."""
+PLAN_SETUP = ("zero_stage", "optimizer", "grad_accum", "offload", "depth")
+"""The `autosp.plan.TrainingSetup` fields ``plan_setup`` may set (the rest come from the job itself)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +99,22 @@ class AutoSPConfig:
     loss (Hugging Face) returns None in their place, so that the tiled loss need not materialise them.  True
     keeps them (and tiled_loss then cannot apply to such a model: "on" is refused, "auto" keeps the plain
     loss)."""
+    memory_plan: str = "off"
+    """"auto": before its first program compiles, the model runs the memory planner (autosp.plan.plan_memory) for
+    itself at its first batch's length (or ``plan_seq_len``) and compiles with the fastest candidate's checkpointing, SAC budget, tiled
+    loss and tiled MLP that fits ``target_memory`` (options passed explicitly win; docs/design.md, "Memory
+    planner"); the decision and every candidate are in ``report.memory_plan``.  "off": the options as given."""
+    target_memory: int | None = None
+    """Bytes per rank the plan must fit (the planner's peak: the memory ledger plus the simulated activations);
+    None: the GPU's memory (required on CPU)."""
+    plan_seq_len: int | None = None
+    """Tokens per sample the plan is made for; None: the longest first batch of the process group."""
+    plan_cluster: str | None = None
+    """Hardware the plan is predicted on: a preset or cluster file of ``python -m autosp.plan --cluster``; None:
+    cpu-gloo on CPU, the preset of the GPU's name."""
+    plan_setup: dict | None = None
+    """Training settings the model cannot see, for the planner's memory ledger: any of ``PLAN_SETUP`` (e.g.
+    {"zero_stage": 2, "optimizer": "adamw"}); None: `autosp.plan.TrainingSetup`'s defaults."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or self.sp_size < 1:
@@ -133,8 +155,34 @@ class AutoSPConfig:
                 or self.mlp_chunk_tokens < 1):
             raise AutoSPError(f"mlp_chunk_tokens must be None or a positive number of tokens, got "
                               f"{self.mlp_chunk_tokens!r}")
+        self._check_memory_plan()
         if self.sac_memory_budget is not None and not 0 <= self.sac_memory_budget <= 1:
             raise AutoSPError(f"sac_memory_budget must be None or a fraction in [0, 1], got {self.sac_memory_budget!r}")
+
+    def _check_memory_plan(self) -> None:
+        if self.memory_plan not in MEMORY_PLAN:
+            raise AutoSPError(f"memory_plan must be one of {MEMORY_PLAN}, got {self.memory_plan!r}")
+        planning = {"target_memory": self.target_memory, "plan_seq_len": self.plan_seq_len,
+                    "plan_cluster": self.plan_cluster, "plan_setup": self.plan_setup}
+        given = [name for name, value in planning.items() if value is not None]
+        if self.memory_plan == "off" and given:
+            raise AutoSPError(f"{', '.join(given)} take(s) effect only with the memory planner: pass "
+                              "memory_plan='auto' too (or leave them out)")
+        for name in ("target_memory", "plan_seq_len"):
+            value = planning[name]
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                unit = "bytes per rank" if name == "target_memory" else "tokens"
+                raise AutoSPError(f"{name} must be None or a positive integer ({unit}), got {value!r}")
+        if self.plan_seq_len is not None and self.plan_seq_len % self.sp_size:
+            raise AutoSPError(f"plan_seq_len={self.plan_seq_len} is not a multiple of sp_size={self.sp_size}; "
+                              "give the padded length the job trains at")
+        if self.plan_cluster is not None and not isinstance(self.plan_cluster, str):
+            raise AutoSPError(f"plan_cluster must be a preset name or the path of a cluster file, got "
+                              f"{self.plan_cluster!r}")
+        if self.plan_setup is not None:
+            unknown = sorted(set(self.plan_setup) - set(PLAN_SETUP)) if isinstance(self.plan_setup, dict) else None
+            if unknown is None or unknown:
+                raise AutoSPError(f"plan_setup must be a dict of {PLAN_SETUP}, got {self.plan_setup!r}")
 
     @classmethod
     def from_options(cls, *, sp_size: int, compiler: str, options: dict) -> AutoSPConfig:

@@ -74,6 +74,13 @@ class CompileReport:
     """Fraction of the causal attention scores the traced batch's masks keep (1.0: plain causal; None: not
     known, a shape-only trace), what the export prices masked attention at."""
 
+    memory_plan: dict | None = None
+    """With ``memory_plan="auto"``: the planner's decision (autosp.plan.auto.decide): ``options`` (what the model
+    compiled with), ``explicit`` (options passed to autosp.compile, which won over the plan), ``setup`` (seq_len,
+    micro_batch, ... planned for), ``cluster``, ``target_memory_bytes``, ``chosen`` (an index into
+    ``candidates``), ``reason``, ``candidates`` (each: plan, options, fits, peak_bytes, peak_by_category_bytes,
+    step_time_s, refused), ``traces`` and ``seconds``.  None when not planned."""
+
     @property
     def all_attention_causal(self) -> bool:
         return all(site.is_causal for site in self.attention_sites)
@@ -130,6 +137,8 @@ class TraceContext:
     """(checkpointing, sac_memory_budget) pairs to partition the same joint graph with besides the compile's own
     setting, into ``report.variant_graphs`` (the planner's trace reuse; aot_eager only)."""
     report: CompileReport = field(default_factory=CompileReport)
+    memory_plan: dict | None = None
+    """The memory plan the model compiled with (``memory_plan="auto"``), what ``report.memory_plan`` shows."""
     programs: list[CompiledProgram] = field(default_factory=list)
     """Every program compiled for this model, in order."""
     program_outputs: tuple = ()

@@ -78,6 +78,7 @@ CLIS = (
         typos=(("--model", "tiny-lama"), ("--cluster", "h100"), ("--dtype", "fp16"), ("--optimizer", "adamm"), ("--offload", "cpu"), ("--zero-stage", "4"),
                ("--compiler", "inductr"), ("--depth", "ful"), ("--memory-plan", "automatic"),
                ("--objective", "fastes"), ("--strategy", "ulyses"))),
+    Cli("autosp.plan.auto"),
     Cli("autosp.examples.train_lm", required=("--data", "corpus.txt", "--output-dir", "out"),
         typos=(("--model", "tiny-lama"), ("--compiler", "inductr"), ("--dtype", "fp16"), ("--zero-stage", "3"),
                ("--text-split", "paragraf"))),

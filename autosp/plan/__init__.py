@@ -5,8 +5,9 @@ simulates it on a cluster (a preset or a cluster file, `load_cluster`) and price
 not, peak per rank by ledger category, step time, and the longest sequence that fits (with the peak by category
 there); the answer keeps the simulated step (``Prediction.step.simulated``) for `simulator.plots`.  `ModelSource`
 is the model a name or a config.json stands for (the model ``python -m autosp.train --model`` builds).
-`plan_memory` predicts every candidate memory plan (checkpointing, SAC budget, tiled loss) and chooses one;
-`choose_options` returns the chosen plan's `autosp.compile` options.  It is the one package of autosp that uses
+`plan_memory` predicts every candidate memory plan (checkpointing, SAC budget, tiled loss, tiled MLP) and chooses
+one; `choose_options` returns the chosen plan's `autosp.compile` options; `autosp.plan.auto` runs it for a compiled
+model (``autosp.compile(..., memory_plan="auto")``).  It is the one package of autosp that uses
 the simulator beyond its workload schema (docs/design.md, "Import direction").
 """
 

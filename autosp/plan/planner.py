@@ -1,5 +1,6 @@
-"""The memory planner: choose `autosp.compile`'s memory options (checkpointing, SAC budget, tiled loss) for a model,
-a cluster and a training configuration by predicting every candidate plan (docs/design.md, "Memory planner").
+"""The memory planner: choose `autosp.compile`'s memory options (checkpointing, SAC budget, tiled loss, tiled MLP)
+for a model, a cluster and a training configuration by predicting every candidate plan (docs/design.md, "Memory
+planner").
 
 Each candidate is predicted by `autosp.plan.predict.predict` (one memory definition: the ledger inside backward plus
 the simulated activations); candidates differing only in checkpointing share one trace, and those with the same
@@ -45,21 +46,61 @@ def _checkpointing_plans() -> list[tuple[str, dict]]:
     return plans
 
 
+def plan_name(options: Mapping) -> str:
+    """A plan's name from its options: checkpointing (and SAC budget), tiled loss, tiled MLP (and chunks)."""
+    checkpointing, budget = options.get("checkpointing", "sac"), options.get("sac_memory_budget")
+    name = checkpointing if budget is None else f"{checkpointing}@{budget:g}"
+    for label, setting, chunk in (("loss", "tiled_loss", "loss_chunk_tokens"), ("mlp", "tiled_mlp", "mlp_chunk_tokens")):
+        if setting in options:
+            name += f", tiled {label} {options[setting]}"
+            if options[setting] != "off" and options.get(chunk) is not None:
+                name += f"/{options[chunk]}"
+    return name
+
+
+def _with_fixed(options: dict, fixed: Mapping) -> dict:
+    """``options`` overridden by ``fixed``, less the candidate's settings that no longer apply (a SAC budget
+    without SAC, a tiled op's chunk and return_logits without the tiling), unless fixed too."""
+    options = {**options, **fixed}
+    unused = []
+    if options.get("checkpointing", "sac") != "sac":
+        unused.append("sac_memory_budget")
+    if options.get("tiled_loss", "off") == "off":
+        unused += ["loss_chunk_tokens", "return_logits"]
+    if options.get("tiled_mlp", "off") == "off":
+        unused.append("mlp_chunk_tokens")
+    return {k: v for k, v in options.items() if k in fixed or k not in unused}
+
+
 def candidate_plans(*, loss_chunk_tokens: int | None = None, checkpointing: Sequence[str] | None = None,
-                    tiled_loss: Sequence[str] = ("off", "on")) -> tuple[MemoryPlan, ...]:
+                    tiled_loss: Sequence[str] = ("off", "on"), tiled_mlp: Sequence[str] = ("off", "on"),
+                    mlp_chunk_tokens: Sequence[int | None] = (None,),
+                    fixed: Mapping | None = None) -> tuple[MemoryPlan, ...]:
     """The candidates: checkpointing in {none, sac x `SAC_BUDGETS`, full} (or the names of ``checkpointing``) x tiled
-    loss in ``tiled_loss``.  The tiled loss runs with ``return_logits=False`` (else a Hugging Face model's returned
-    logits are materialised anyway) and ``loss_chunk_tokens`` (default None: one chunk's fp32 logits within 64 MiB,
-    autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES)."""
-    plans = []
+    loss in ``tiled_loss`` x tiled MLP in ``tiled_mlp`` ("on" once per chunk size of ``mlp_chunk_tokens``; None: one
+    chunk's input-projection outputs within 64 MiB, autosp.passes.dynamo.tiled_mlp.MLP_CHUNK_BYTES).  The tiled loss
+    runs with ``return_logits=False`` (else a Hugging Face model's returned logits are materialised anyway) and
+    ``loss_chunk_tokens`` (default None: one chunk's fp32 logits within 64 MiB,
+    autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES).  ``fixed``: options the user set, which every candidate
+    takes over its own (candidates that become equal are listed once)."""
+    mlps = []
+    for mlp in tiled_mlp:
+        for chunk in (mlp_chunk_tokens if mlp != "off" else (None,)):
+            mlps.append({"tiled_mlp": mlp, **({"mlp_chunk_tokens": chunk} if chunk is not None else {})})
+    plans, seen = [], set()
     for loss in tiled_loss:
         tiled = {"tiled_loss": "on", "return_logits": False} if loss == "on" else {"tiled_loss": "off"}
         if loss == "on" and loss_chunk_tokens is not None:
             tiled["loss_chunk_tokens"] = loss_chunk_tokens
-        for name, options in _checkpointing_plans():
-            if checkpointing is not None and name not in checkpointing:
-                continue
-            plans.append(MemoryPlan(f"{name}, tiled loss {loss}", {**options, **tiled}))
+        for mlp in mlps:
+            for name, options in _checkpointing_plans():
+                if checkpointing is not None and name not in checkpointing:
+                    continue
+                options = _with_fixed({**options, **tiled, **mlp}, fixed or {})
+                key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+                if key not in seen:
+                    seen.add(key)
+                    plans.append(MemoryPlan(plan_name(options), options))
     return tuple(plans)
 
 
@@ -128,7 +169,7 @@ class PlanReport:
                 if cat not in categories:
                     categories.append(cat)
         longest = self.objective == "longest"
-        head = f"  {'plan':30s} {'fits':4s} {'peak GiB':>9s} " + " ".join(f"{c[:12]:>12s}" for c in categories) \
+        head = f"  {'plan':44s} {'fits':4s} {'peak GiB':>9s} " + " ".join(f"{c[:12]:>12s}" for c in categories) \
             + f" {'step s':>9s}" + (f" {'max len':>9s} {'step s@max':>10s}" if longest else "")
         out = [f"memory plan for {self.model}: objective {self.objective}, {self.seq_len:,} tokens, target "
                f"{self.target_memory_bytes / gib:.3f} GiB per rank; {len(self.candidates)} candidates, "
@@ -137,10 +178,10 @@ class PlanReport:
         for i, c in enumerate(self.candidates):
             mark = "*" if i == self.chosen else " "
             if c.prediction is None:
-                out.append(f"{mark} {c.plan.name:30s} refused: {c.refused}")
+                out.append(f"{mark} {c.plan.name:44s} refused: {c.refused}")
                 continue
             p = c.prediction
-            row = f"{mark} {c.plan.name:30s} {'yes' if p.fits else 'no':4s} {p.peak_bytes / gib:9.4f} " + " ".join(
+            row = f"{mark} {c.plan.name:44s} {'yes' if p.fits else 'no':4s} {p.peak_bytes / gib:9.4f} " + " ".join(
                 f"{p.by_category.get(cat, 0) / gib:12.4f}" for cat in categories) + f" {p.step.step_time_s:9.4g}"
             if longest:
                 t = c.max_length_step_time_s

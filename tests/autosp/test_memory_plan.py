@@ -1,0 +1,145 @@
+"""``autosp.compile(..., memory_plan="auto", target_memory=BYTES)``: the compiled model plans its own memory options
+(autosp/plan/auto.py) and trains exactly with them.
+
+One gloo launch (2 ranks, SP 2) trains Hugging Face Llama and Qwen2 (1 layer, hidden 32, a 2,048-token vocabulary,
+64 tokens x 2 rows) under a target one byte below the predicted peak of the candidate using no technique (no
+checkpointing, no tiling; predicted here independently), so the plan must use one; the loss and every gradient
+equal a single-device full-sequence run, and the choice is the fastest candidate that fits by the candidates' own
+predictions (no option set is hard-coded).  Qwen2 passes ``tiled_mlp="on"`` explicitly: it wins over the plan,
+which chooses the rest (and its candidates are the 10 with the tiled MLP on; Llama's are all 20).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from autosp.config import MEMORY_PLAN_OPTIONS
+from autosp.errors import AutoSPError
+from tests.autosp.cases import loss_of, make_sample, named_grads
+from tests.autosp.test_equivalence import FP32_TOL, _check
+from tests.harness import run_on_ranks
+
+SEQ_LEN, SP, ROWS = 64, 2, 2
+SIZES = {"layers": 1, "hidden": 32, "vocab": 2048}
+PLAIN = {"checkpointing": "none", "tiled_loss": "off", "tiled_mlp": "off"}
+CASES = [  # Qwen2's tiled MLP passed explicitly: it wins over the plan, which chooses the rest
+    {"model": "hf-llama", "explicit": {}, "baseline": PLAIN, "candidates": 5 * 2 * 2},
+    {"model": "hf-qwen2", "explicit": {"tiled_mlp": "on"}, "baseline": {**PLAIN, "tiled_mlp": "on"}, "candidates": 5 * 2},
+]
+"""``baseline``: the candidate with no technique the plan may choose, whose peak the target is one byte under."""
+TILED_OPS = {"tiled_loss": "linear_cross_entropy", "tiled_mlp": "tiled_mlp"}
+
+
+def _baseline_peak(model: str, options: dict, folder) -> int:
+    """The predicted peak of ``options``, predicted in this process (no process group) without the planner."""
+    from autosp.plan import TrainingSetup, load_cluster, predict
+    from experiments.models import build_model
+
+    path = folder / f"{model}.json"
+    path.write_text(build_model(model, **SIZES).config.to_json_string(use_diff=False))
+    setup = TrainingSetup(seq_len=SEQ_LEN, sp_size=SP, micro_batch=ROWS, dtype="fp32", compiler="aot_eager")
+    return predict(str(path), setup, load_cluster("cpu-gloo", world_size=SP), options=options).peak_bytes
+
+
+def _auto_cases(rank, world, cases):
+    import autosp
+    from experiments.models import build_model, vocab_size
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("autosp.plan.auto").addHandler(handler)
+    logging.getLogger("autosp.plan.auto").setLevel(logging.INFO)
+    results = []
+    for case in cases:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        reference = build_model(case["model"], **SIZES)
+        candidate = copy.deepcopy(reference)
+        ids, labels = make_sample(SEQ_LEN, vocab_size(reference), seed=400, batch=ROWS)
+        ref_loss = loss_of(reference(input_ids=ids, labels=labels))
+        ref_loss.backward()
+        compiled = autosp.compile(candidate, sp_size=SP, compiler="aot_eager", memory_plan="auto",
+                                  target_memory=case["target"], **case["explicit"])
+        del messages[:]
+        out = compiled(**autosp.prepare_inputs(ids, labels=labels))
+        loss_of(out).backward()
+        graphs = dict(compiled.report.aot_graphs)
+        ops = {str(n.target) for g in graphs.values() for n in g.graph.nodes if n.op == "call_function"}
+        results.append({"loss": loss_of(out).detach(), "ref_loss": ref_loss.detach(), "grads": named_grads(candidate),
+                        "ref_grads": named_grads(reference), "plan": compiled.report.memory_plan,
+                        "config": {k: getattr(compiled.config, k) for k in MEMORY_PLAN_OPTIONS},
+                        "ops": ops, "log": list(messages)})
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("memory_plan")
+    cases = []
+    for case in CASES:
+        peak = _baseline_peak(case["model"], case["baseline"], folder)
+        cases.append({**case, "target": peak - 1, "baseline_peak": peak})
+    return cases, run_on_ranks(_auto_cases, 2, cases, timeout_s=600)
+
+
+def test_auto_plan_trains_exactly(trained):
+    _check(trained[1], FP32_TOL)
+
+
+def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
+    cases, results = trained
+    for case, r, other in zip(cases, results[0], results[1], strict=True):
+        plan, where = r["plan"], case["model"]
+        assert plan["options"] == other["plan"]["options"], f"{where}: the ranks compiled different plans"
+        candidates = [c for c in plan["candidates"] if c["refused"] is None]
+        assert len(candidates) == len(plan["candidates"]) == case["candidates"], where
+        for c in candidates:  # fits means: the predicted peak within the target
+            assert c["fits"] == (c["peak_bytes"] <= case["target"]), (where, c["plan"])
+        best = min((c for c in candidates if c["fits"]), key=lambda c: (c["step_time_s"], c["peak_bytes"]))
+        chosen = plan["candidates"][plan["chosen"]]
+        assert chosen["plan"] == best["plan"], f"{where}: chose {chosen['plan']}, the fastest that fits is {best['plan']}"
+        assert plan["options"] == chosen["options"]
+        # The model compiled with the chosen options (those it does not set keep their defaults).
+        for name, value in chosen["options"].items():
+            assert r["config"][name] == value, (where, name)
+        for option, op in TILED_OPS.items():
+            assert (f"autosp_testbed.{op}.default" in r["ops"]) == (chosen["options"].get(option) == "on"), \
+                (where, option)
+        # Every checkpointing setting x tiled loss x tiled MLP (unless passed) is a candidate.
+        settings = {(c["options"]["checkpointing"], c["options"].get("sac_memory_budget"), c["options"]["tiled_loss"],
+                     c["options"]["tiled_mlp"]) for c in candidates}
+        assert len(settings) == len(candidates), settings
+        assert all(c["options"].items() >= case["explicit"].items() for c in candidates), where
+        baseline = next(c for c in candidates if c["options"] == case["baseline"])
+        assert baseline["peak_bytes"] == case["baseline_peak"] and not baseline["fits"], where
+        assert chosen["options"] != case["baseline"]  # so the plan chose a memory technique
+        assert plan["setup"]["seq_len"] == SEQ_LEN and plan["setup"]["micro_batch"] == ROWS
+        assert plan["explicit"] == case["explicit"]
+        assert any(m.startswith("memory plan at 64 tokens x 2 rows") for m in r["log"]), r["log"]
+        assert any("explicit options win over the plan" in m for m in r["log"]) == bool(case["explicit"]), r["log"]
+
+
+def test_memory_plan_refusals_name_what_to_change():
+    import autosp
+    from experiments.models import build_model
+
+    model = build_model("hf-llama", **SIZES)
+    with pytest.raises(AutoSPError, match=r"target_memory=BYTES"):
+        autosp.compile(model, sp_size=2, memory_plan="auto")
+    with pytest.raises(AutoSPError, match="memory_plan='auto' too"):
+        autosp.compile(model, sp_size=2, target_memory=2**20)
+    with pytest.raises(AutoSPError, match="memory_plan must be one of"):
+        autosp.compile(model, sp_size=2, memory_plan="on")
+    with pytest.raises(AutoSPError, match="plan_seq_len=63 is not a multiple of sp_size=2"):
+        autosp.compile(model, sp_size=2, memory_plan="auto", target_memory=2**20, plan_seq_len=63)
+    with pytest.raises(AutoSPError, match="plan_setup must be a dict of"):
+        autosp.compile(model, sp_size=2, memory_plan="auto", target_memory=2**20, plan_setup={"zero": 2})
+    with pytest.raises(AutoSPError, match="ZeRO 3"):
+        autosp.compile(model, sp_size=2, memory_plan="auto", target_memory=2**20, plan_setup={"zero_stage": 3})
+    with pytest.raises(AutoSPError, match="no Hugging Face config"):
+        autosp.compile(build_model("plain-llama", layers=1), sp_size=2, memory_plan="auto", target_memory=2**20)
