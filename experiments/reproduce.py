@@ -335,6 +335,7 @@ def table_max_seq_len_configs(args) -> list[dict]:
         PUBLIC_CONFIGS,
         configuration_band,
         consistent_configs,
+        explain_outside,
     )
 
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
@@ -347,11 +348,13 @@ def table_max_seq_len_configs(args) -> list[dict]:
                                     args.max_seq_len_ceiling, args.layers))
              for model in sorted({r["model"] for r in published}) for systems in groups]
     lengths: dict = {name: {} for name in configs}
+    results: dict = {}
     for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len-configs"), strict=True):
         for (name, system), result in found.items():
             lengths[name][model, system] = result.nominal.max_seq_len
+            results.setdefault((model, system), {})[name] = result
     band = tuple(name for name in BAND_CONFIGS if name in configs)
-    rows = configuration_band(published, lengths, band=band, granularity=granularity)
+    rows = explain_outside(configuration_band(published, lengths, band=band, granularity=granularity), results)
     args.summaries["max-seq-len-configs"] = {
         "configs": {name: {"label": PUBLIC_CONFIGS[name].label, "provenance": PUBLIC_CONFIGS[name].provenance}
                     for name in configs},
@@ -368,8 +371,10 @@ def _max_seq_len_configs_footer(args) -> list[str]:
         f"{', '.join(summary['band'])} (its upper end extended by the search granularity: a search answers the "
         "longest fitting multiple of it). Configuration within {DISAGREEMENT:.0%} of every published length: "
         f"{consistent}. closest_config is a choice among stated configurations, not a prediction; nothing is "
-        "fitted. Traces model AutoSP with this project's SAC, transformers' K/V without repetition and fused "
-        "attention for every baseline (Note [The public configurations of the published runs]).",
+        "fitted. The fork configurations trace what the authors' fork ran (AutoSP's checkpointing rule, K/V repeated "
+        "before SDPA, the Ulysses baseline's attention kernel: Note [The traced workloads of the AutoSP research "
+        "fork]); outside_evidence names, for a figure outside the band, the ledger items at the closest "
+        "configuration's probe nearest the figure.",
         "", *[f"{name}: {c['label']} -- {c['provenance']}" for name, c in summary["configs"].items()],
     ]
 
