@@ -98,3 +98,23 @@ def test_configuration_band_columns_and_closest():
     assert [r["inside_band"] for r in coarse] == ["true", "false"]
     assert consistent_configs(rows, ("a", "b", "c", "x"), 0.2) == ["x"]
     assert consistent_configs(rows, ("a", "b"), 0.2) == []
+
+
+def test_outside_evidence_names_the_ledger_items_at_the_probe_nearest_the_figure():
+    from types import SimpleNamespace
+
+    from experiments.paper_scale.config import configuration_band, outside_evidence
+
+    model, capacity = PAPER_MODELS["llama-3.2-3b"], 80 * 2**30
+    published = [{"model": model.name, "system": "ulysses", "value": "35000"}]
+    rows = configuration_band(published, {"fork-z0-sp8": {(model.name, "ulysses"): 12288}}, band=("fork-z0-sp8",),
+                              script_default="fork-z0-sp8")
+    assert rows[0]["inside_band"] == "false"
+    probes = {n: SimpleNamespace(dynamic_memory_bytes=n * 2**20, peak_memory_bytes=(n // 256) * 2**30)
+              for n in (12288, 32768, 65536)}
+    text = outside_evidence(rows[0], {"fork-z0-sp8": SimpleNamespace(steps=probes)}, model, capacity_bytes=capacity)
+    assert "shorter maximum" in text and "at 32768 tokens" in text and "peak 128.0 GiB, 48.0 GiB over" in text
+    assert "activations (simulated workload) 32.0 GiB" in text  # the largest ledger item at that probe
+    inside = {**rows[0], "inside_band": "true"}
+    assert outside_evidence(inside, {"fork-z0-sp8": SimpleNamespace(steps=probes)}, model, capacity_bytes=capacity) \
+        == ""
