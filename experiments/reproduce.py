@@ -308,14 +308,15 @@ def _checkpoints(system: str) -> bool:
 
 
 def search_configs_task(model: str, systems: tuple[str, ...], configs: tuple[str, ...], granularity: dict[str, int],
-                        max_probes: int, ceiling: int, layers: str = "full", cache=None) -> tuple[dict, tuple[int, int]]:
+                        max_probes: int, ceiling: int, layers: str = "full", cache=None) -> tuple[dict, dict]:
     """Longest simulated sequence of ``systems`` for one model under each public configuration ``configs``
-    ({(config, system): MaxLength}); traces of equal SP degree are shared through ``cache``."""
+    ({(config, system): MaxLength}) and the trace counts; traces of equal SP degree are shared through
+    ``cache``."""
     from experiments.paper_scale.config import PUBLIC_CONFIGS
     from experiments.paper_scale.simulate import TraceCache, max_length
 
-    cache = cache if cache is not None else TraceCache()
-    before = (cache.misses, cache.hits)
+    cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
+    before = _trace_counts(cache)
     found = {}
     for name in configs:
         for system in systems:  # the later systems of a trace group start at the first's length (as above)
@@ -324,7 +325,7 @@ def search_configs_task(model: str, systems: tuple[str, ...], configs: tuple[str
             found[name, system] = max_length(system, model, granularity=granularity[system], high=ceiling,
                                              start=start or 8192, max_probes=max_probes, cache=cache,
                                              config=PUBLIC_CONFIGS[name], layers=layers)
-    return found, (cache.misses - before[0], cache.hits - before[1])
+    return found, _trace_counts(cache, before)
 
 
 def table_max_seq_len_configs(args) -> list[dict]:
