@@ -247,9 +247,11 @@ def outside_evidence(row: dict, results: dict, model, *, capacity_bytes: int) ->
     """For a `configuration_band` row whose published figure lies outside the band: the ledger item and the
     simulated evidence that leave it there, read off the band configuration closest to the figure (``results``:
     {config name: `experiments.paper_scale.simulate.MaxLength` of this row's model (``model``, a ``PaperModel``)
-    and system}): at the simulated step nearest the published length (a search probe), the nominal peak against
-    the capacity and its two largest ledger items (the simulated activations are one).  Empty inside the band."""
+    and system}): at the published length (activations linear between the search's probes around it, else its
+    nearest probe), the nominal peak against the capacity and its two largest ledger items (the simulated
+    activations are one).  Empty inside the band."""
     from simulator.ledger import memory_ledger
+    from simulator.max_length import ledger_peak
 
     name = row.get("closest_config")
     if row.get("inside_band") != "false" or not name or name not in results:
@@ -257,16 +259,25 @@ def outside_evidence(row: dict, results: dict, model, *, capacity_bytes: int) ->
     result, published = results[name], row["published"]
     if not result.steps:
         return f"{name}: no simulated step"
-    length = min(result.steps, key=lambda n: (abs(n - published), n))
-    step = result.steps[length]
-    lines = memory_ledger(training_config(model, row["system"], PUBLIC_CONFIGS[name]), at="backward",
-                          activation_bytes=int(step.dynamic_memory_bytes))
+    below = [n for n in result.steps if n <= published]
+    above = [n for n in result.steps if n >= published]
+    if below and above:  # activations between the two probes around the figure, linearly
+        lo, hi = max(below), min(above)
+        a, b = result.steps[lo].dynamic_memory_bytes, result.steps[hi].dynamic_memory_bytes
+        activations = a if hi == lo else a + (b - a) * (published - lo) / (hi - lo)
+        where = f"{published} tokens ({'simulated' if hi == lo else f'between its probes at {lo} and {hi}'})"
+    else:
+        nearest = min(result.steps, key=lambda n: (abs(n - published), n))
+        activations, where = result.steps[nearest].dynamic_memory_bytes, f"{nearest} tokens (its probe nearest " \
+            f"{published})"
+    cfg = training_config(model, row["system"], PUBLIC_CONFIGS[name])
+    peak = ledger_peak(cfg, int(activations))
+    lines = memory_ledger(cfg, at="backward", activation_bytes=int(activations))
     top = sorted(lines, key=lambda ln: -ln.bytes)[:2]
-    verb = "over" if step.peak_memory_bytes > capacity_bytes else "under"
+    verb = "over" if peak > capacity_bytes else "under"
     side = "shorter" if published >= (row["band_high"] or 0) else "longer"
-    return (f"every band configuration simulates a {side} maximum; closest {name} at {length} tokens (the probe "
-            f"nearest {published}): peak {step.peak_memory_bytes / 2**30:.1f} GiB, "
-            f"{abs(step.peak_memory_bytes - capacity_bytes) / 2**30:.1f} GiB {verb} the "
+    return (f"every band configuration simulates a {side} maximum; closest {name} at {where}: peak "
+            f"{peak / 2**30:.1f} GiB, {abs(peak - capacity_bytes) / 2**30:.1f} GiB {verb} the "
             f"{capacity_bytes / 2**30:.0f} GiB capacity; largest ledger items: "
             + "; ".join(f"{ln.name} {ln.bytes / 2**30:.1f} GiB" for ln in top))
 

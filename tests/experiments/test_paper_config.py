@@ -110,11 +110,14 @@ def test_outside_evidence_names_the_ledger_items_at_the_probe_nearest_the_figure
     rows = configuration_band(published, {"fork-z0-sp8": {(model.name, "ulysses"): 12288}}, band=("fork-z0-sp8",),
                               script_default="fork-z0-sp8")
     assert rows[0]["inside_band"] == "false"
-    probes = {n: SimpleNamespace(dynamic_memory_bytes=n * 2**20, peak_memory_bytes=(n // 256) * 2**30)
-              for n in (12288, 32768, 65536)}
+    probes = {n: SimpleNamespace(dynamic_memory_bytes=n * 2**21) for n in (12288, 32768, 65536)}
     text = outside_evidence(rows[0], {"fork-z0-sp8": SimpleNamespace(steps=probes)}, model, capacity_bytes=capacity)
-    assert "shorter maximum" in text and "at 32768 tokens" in text and "peak 128.0 GiB, 48.0 GiB over" in text
-    assert "activations (simulated workload) 32.0 GiB" in text  # the largest ledger item at that probe
+    # activations linear between the probes at 32768 and 65536 tokens: 70000 MiB at 35000 tokens
+    assert "shorter maximum" in text and "35000 tokens (between its probes at 32768 and 65536)" in text
+    assert "activations (simulated workload) 68.4 GiB" in text and "over the 80 GiB capacity" in text
+    beyond = outside_evidence({**rows[0], "published": 70000}, {"fork-z0-sp8": SimpleNamespace(steps=probes)}, model,
+                              capacity_bytes=capacity)
+    assert "at 65536 tokens (its probe nearest 70000)" in beyond
     inside = {**rows[0], "inside_band": "true"}
     assert outside_evidence(inside, {"fork-z0-sp8": SimpleNamespace(steps=probes)}, model, capacity_bytes=capacity) \
         == ""
