@@ -374,8 +374,8 @@ def _max_seq_len_configs_footer(args) -> list[str]:
         f"{consistent}. closest_config is a choice among stated configurations, not a prediction; nothing is "
         "fitted. The fork configurations trace what the authors' fork ran (AutoSP's checkpointing rule, K/V repeated "
         "before SDPA, the Ulysses baseline's attention kernel: Note [The traced workloads of the AutoSP research "
-        "fork]); outside_evidence names, for a figure outside the band, the ledger items at the closest "
-        "configuration's probe nearest the figure.",
+        "fork]); outside_evidence names, for a figure outside the band, the closest configuration's peak at the "
+        "published length and its largest ledger items.",
         "", *[f"{name}: {c['label']} -- {c['provenance']}" for name, c in summary["configs"].items()],
     ]
 
