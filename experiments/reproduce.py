@@ -370,7 +370,7 @@ def _max_seq_len_configs_footer(args) -> list[str]:
     return [
         f"{summary['inside_band']} of {summary['compared']} published lengths inside the band of "
         f"{', '.join(summary['band'])} (its upper end extended by the search granularity: a search answers the "
-        "longest fitting multiple of it). Configuration within {DISAGREEMENT:.0%} of every published length: "
+        f"longest fitting multiple of it). Configuration within {DISAGREEMENT:.0%} of every published length: "
         f"{consistent}. closest_config is a choice among stated configurations, not a prediction; nothing is "
         "fitted. The fork configurations trace what the authors' fork ran (AutoSP's checkpointing rule, K/V repeated "
         "before SDPA, the Ulysses baseline's attention kernel: Note [The traced workloads of the AutoSP research "
