@@ -14,7 +14,7 @@ the names that simulator.strategies.SEQUENCE_PARALLEL reads too; the registry's 
 _NOT_YET = PLANNED_STRATEGIES
 
 COMPILERS = ("inductor", "aot_eager")
-CHECKPOINTING = ("sac", "none", "default", "full")
+CHECKPOINTING = ("sac", "none", "default", "full", "long-context")
 TILED_LOSS = ("off", "on", "auto")
 TILED_MLP = ("off", "on", "auto")
 MEMORY_PLAN = ("off", "auto")
@@ -62,7 +62,10 @@ class AutoSPConfig:
     "sac" (sequence-aware: keep attention outputs and collective results, recompute
     cheap ops, and matmuls within ``sac_recompute_limit``/``sac_memory_budget``),
     "none" (keep everything the backward reads), "default" (PyTorch's min-cut
-    partitioner heuristics), "full" (recompute every op except collectives)."""
+    partitioner heuristics), "full" (recompute every op except collectives), "long-context" (the
+    rule the authors' research fork of DeepSpeed ran: a tensor the backward reads is recomputed only when its
+    dim 1 is at least 4096; Note [The long-context rule of the AutoSP research fork] in
+    autosp/passes/joint/checkpointing.py)."""
     sac_recompute_limit: float = 0.25
     """SAC recomputes matmuls, cheapest per byte freed first, while the extra FLOPs stay
     within this fraction of the forward pass's FLOPs (attention included; at long

@@ -331,14 +331,15 @@ def _checkpoints(system: str) -> bool:
 
 
 def search_configs_task(model: str, systems: tuple[str, ...], configs: tuple[str, ...], granularity: dict[str, int],
-                        max_probes: int, ceiling: int, layers: str = "full", cache=None) -> tuple[dict, tuple[int, int]]:
+                        max_probes: int, ceiling: int, layers: str = "full", cache=None) -> tuple[dict, dict]:
     """Longest simulated sequence of ``systems`` for one model under each public configuration ``configs``
-    ({(config, system): MaxLength}); traces of equal SP degree are shared through ``cache``."""
+    ({(config, system): MaxLength}) and the trace counts; traces of equal SP degree are shared through
+    ``cache``."""
     from experiments.paper_scale.config import PUBLIC_CONFIGS
     from experiments.paper_scale.simulate import TraceCache, max_length
 
-    cache = cache if cache is not None else TraceCache()
-    before = (cache.misses, cache.hits)
+    cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
+    before = _trace_counts(cache)
     found = {}
     for name in configs:
         for system in systems:  # the later systems of a trace group start at the first's length (as above)
@@ -347,7 +348,7 @@ def search_configs_task(model: str, systems: tuple[str, ...], configs: tuple[str
             found[name, system] = max_length(system, model, granularity=granularity[system], high=ceiling,
                                              start=start or 8192, max_probes=max_probes, cache=cache,
                                              config=PUBLIC_CONFIGS[name], layers=layers)
-    return found, (cache.misses - before[0], cache.hits - before[1])
+    return found, _trace_counts(cache, before)
 
 
 def table_max_seq_len_configs(args) -> list[dict]:
@@ -358,6 +359,7 @@ def table_max_seq_len_configs(args) -> list[dict]:
         PUBLIC_CONFIGS,
         configuration_band,
         consistent_configs,
+        explain_outside,
     )
 
     published = [r for r in published_figures() if r["figure"] == "max_seq_len"]
@@ -370,11 +372,13 @@ def table_max_seq_len_configs(args) -> list[dict]:
                                     args.max_seq_len_ceiling, args.layers))
              for model in sorted({r["model"] for r in published}) for systems in groups]
     lengths: dict = {name: {} for name in configs}
+    results: dict = {}
     for (_, (model, *_)), found in zip(tasks, _run_tasks(args, tasks, "max-seq-len-configs"), strict=True):
         for (name, system), result in found.items():
             lengths[name][model, system] = result.nominal.max_seq_len
+            results.setdefault((model, system), {})[name] = result
     band = tuple(name for name in BAND_CONFIGS if name in configs)
-    rows = configuration_band(published, lengths, band=band, granularity=granularity)
+    rows = explain_outside(configuration_band(published, lengths, band=band, granularity=granularity), results)
     args.summaries["max-seq-len-configs"] = {
         "configs": {name: {"label": PUBLIC_CONFIGS[name].label, "provenance": PUBLIC_CONFIGS[name].provenance}
                     for name in configs},
@@ -389,10 +393,12 @@ def _max_seq_len_configs_footer(args) -> list[str]:
     return [
         f"{summary['inside_band']} of {summary['compared']} published lengths inside the band of "
         f"{', '.join(summary['band'])} (its upper end extended by the search granularity: a search answers the "
-        "longest fitting multiple of it). Configuration within {DISAGREEMENT:.0%} of every published length: "
+        f"longest fitting multiple of it). Configuration within {DISAGREEMENT:.0%} of every published length: "
         f"{consistent}. closest_config is a choice among stated configurations, not a prediction; nothing is "
-        "fitted. Traces model AutoSP with this project's SAC, transformers' K/V without repetition and fused "
-        "attention for every baseline (Note [The public configurations of the published runs]).",
+        "fitted. The fork configurations trace what the authors' fork ran (AutoSP's checkpointing rule, K/V repeated "
+        "before SDPA, the Ulysses baseline's attention kernel: Note [The traced workloads of the AutoSP research "
+        "fork]); outside_evidence names, for a figure outside the band, the closest configuration's peak at the "
+        "published length and its largest ledger items.",
         "", *[f"{name}: {c['label']} -- {c['provenance']}" for name, c in summary["configs"].items()],
     ]
 

@@ -50,22 +50,22 @@ accumulates in bf16 and runs ``DeepSpeedZeroOptimizer``, as 0.19.8 does.  :data:
 :data:`BAND_CONFIGS` are those a source states for the published runs; current DeepSpeed's stage 0 is listed
 for comparison only (it did not make the figures: the merged AutoSP needs torch >= 2.9).
 
-Not modelled yet (each changes the traced workload, not the ledger): the fork's checkpointing rule
-(``need_to_copy_paste/partitioners.py`` line 1081: a tensor needed in backward may be recomputed only when its
-dim 1 >= 4096), transformers 4.50.3's K/V repetition before SDPA (``integrations/sdpa_attention.py`` lines
-29-31: AutoSP's saved K/V then hold every query head), and the Ulysses baseline's kernel (``bench_dc_ulysses/
-distributed_attention.py``: SDPA with ``is_causal=True`` and ``enable_gqa=False`` since commit f97a5a6,
-2026-01-28; ``True`` from 181c2c5, 2026-01-25: with ``False`` a GQA model's SDPA cannot use a fused kernel).
-The baseline's attention function receives K/V before any repetition (transformers 4.50.3 repeats them only inside
-its own ``sdpa_attention_forward``), so after f97a5a6 a GQA model's per-rank query and K/V head counts must
-broadcast (K/V heads / SP = 1: SP 8 for the Llama-3 models) -- read off the code, not run here.  The patched
-partitioner replaces torch's (README step 6), so the baselines run with ``torch.compile`` use the same rule.
+What the fork ran that changes the traced workload, not the ledger, is each fork configuration's ``fork``
+(`experiments.paper_scale.fork.FORK_TRACE`, Note [The traced workloads of the AutoSP research fork] in
+experiments/paper_scale/fork.py): AutoSP under the fork's checkpointing rule (``need_to_copy_paste/
+partitioners.py`` line 1081: a tensor needed in backward may be recomputed only when its dim 1 >= 4096) with K/V
+repeated to every head before SDPA (transformers 4.50.3), and the Ulysses baseline with the kernel its SDPA call
+got (``enable_gqa=False`` since commit f97a5a6: the math kernel where a GQA model's per-rank heads broadcast, SP 8
+for the Llama-3 models; the fused kernel of commit 181c2c5 elsewhere).  Not modelled: the patched partitioner
+replaces torch's (README step 6), so baselines run with ``torch.compile`` are partitioned by the same rule; they
+are traced without checkpointing, as the issue's source (``--activation_checkpointing`` off) states.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from experiments.paper_scale.fork import FORK, FORK_TRACE, ForkTrace
 from simulator.strategies import STRATEGIES
 
 
@@ -85,6 +85,9 @@ class PaperConfig:
     """DeepSpeed version whose code the ledger follows (`simulator.ledger.TrainingConfig.deepspeed`)."""
     provenance: str = ""
     """Where the configuration is stated."""
+    fork: ForkTrace = field(default_factory=ForkTrace)
+    """What of the authors' fork the traces model (Note [The traced workloads of the AutoSP research fork] in
+    experiments/paper_scale/fork.py); the default: nothing (this project's AutoSP and fused attention)."""
 
     def __post_init__(self) -> None:
         if self.sp_size is not None and (self.sp_size < 1 or self.world_size % self.sp_size):
@@ -118,28 +121,33 @@ class PaperConfig:
     def label(self) -> str:
         sp = self.sp_size or self.world_size
         split = f"SP {sp}" if sp == self.world_size else f"SP {sp} x DP {self.dp_size}"
-        return f"DeepSpeed {self.deepspeed} ZeRO {self.sp_zero_stage}, {split}"
+        traced = f"; traced: {self.fork.label}" if self.fork.label else ""
+        return f"DeepSpeed {self.deepspeed} ZeRO {self.sp_zero_stage}, {split}{traced}"
 
 
 PAPER_CONFIG = PaperConfig(provenance="this project's earlier stated configuration (ZeRO 1, SP 8, DeepSpeed 0.19.8)")
 
-_FORK = "spikerheado1234/AutoSP fd542b4 "
+_FORK = FORK + " "
 _STAGE0 = _FORK + "bench_dc_ulysses/configs/*.json: zero_optimization.stage 0, bf16"
+_TRACED = ("; traced as the fork ran it: need_to_copy_paste/partitioners.py line 1081 (checkpointing), "
+           "transformers 4.50.3 integrations/sdpa_attention.py lines 29-31 (K/V repetition), bench_dc_ulysses/"
+           "distributed_attention.py enable_gqa=False since f97a5a6 (Ulysses kernel)")
 PUBLIC_CONFIGS: dict[str, PaperConfig] = {
-    "fork-z0-sp8": PaperConfig(deepspeed="0.16.3", sp_zero_stage=0, sp_size=8,
-                               provenance=_STAGE0 + "; SP 8 = the whole node (run_ulysses.sh SP_SIZE argument)"),
-    "fork-z0-sp4xdp2": PaperConfig(deepspeed="0.16.3", sp_zero_stage=0, sp_size=4,
-                                   provenance=_STAGE0 + "; run_ulysses.sh SP_SIZE=4 DP_SIZE=2"),
-    "fork-z0-sp2xdp4": PaperConfig(deepspeed="0.16.3", sp_zero_stage=0, sp_size=2,
+    "fork-z0-sp8": PaperConfig(deepspeed="0.16.3", sp_zero_stage=0, sp_size=8, fork=FORK_TRACE,
+                               provenance=_STAGE0 + "; SP 8 = the whole node (run_ulysses.sh SP_SIZE argument)"
+                               + _TRACED),
+    "fork-z0-sp4xdp2": PaperConfig(deepspeed="0.16.3", sp_zero_stage=0, sp_size=4, fork=FORK_TRACE,
+                                   provenance=_STAGE0 + "; run_ulysses.sh SP_SIZE=4 DP_SIZE=2" + _TRACED),
+    "fork-z0-sp2xdp4": PaperConfig(deepspeed="0.16.3", sp_zero_stage=0, sp_size=2, fork=FORK_TRACE,
                                    provenance=_STAGE0 + "; run_ulysses.sh default SP_SIZE=${3:-2} (run_acc_lm.py "
-                                   "--sp_size default 2), DP 4 to fill 8 GPUs"),
-    "fork-z1-sp4xdp2": PaperConfig(deepspeed="0.16.3", sp_zero_stage=1, sp_size=4,
+                                   "--sp_size default 2), DP 4 to fill 8 GPUs" + _TRACED),
+    "fork-z1-sp4xdp2": PaperConfig(deepspeed="0.16.3", sp_zero_stage=1, sp_size=4, fork=FORK_TRACE,
                                    provenance="PyTorch blog 'Introducing AutoSP' (2026-04-29) usage example: "
                                    "sequence_parallel_size 4, zero_optimization.stage 1 (quoted by 24-ai.news, "
-                                   "2026-04-30); written for the merged DeepSpeed AutoSP, 8 GPUs give DP 2"),
-    "fork-z1-sp8": PaperConfig(deepspeed="0.16.3", sp_zero_stage=1, sp_size=8,
+                                   "2026-04-30); written for the merged DeepSpeed AutoSP, 8 GPUs give DP 2" + _TRACED),
+    "fork-z1-sp8": PaperConfig(deepspeed="0.16.3", sp_zero_stage=1, sp_size=8, fork=FORK_TRACE,
                                provenance=_FORK + "commit 3ef4233 (baselines at ZeRO 1, reverted the same day) and "
-                               "this project's earlier stated configuration"),
+                               "this project's earlier stated configuration" + _TRACED),
     "current-z0-sp8": PaperConfig(deepspeed="0.19.8", sp_zero_stage=0, sp_size=8,
                                   provenance="current DeepSpeed stage 0 (FP16_UnfusedOptimizer; did not make the "
                                   "figures)"),
@@ -232,3 +240,56 @@ def consistent_configs(rows: list[dict], names: tuple[str, ...], tolerance: floa
         return got not in ("", None) and abs(float(got) / row["published"] - 1) <= tolerance
 
     return [name for name in names if rows and all(ok(name, row) for row in rows)]
+
+
+
+def outside_evidence(row: dict, results: dict, model, *, capacity_bytes: int) -> str:
+    """For a `configuration_band` row whose published figure lies outside the band: the ledger item and the
+    simulated evidence that leave it there, read off the band configuration closest to the figure (``results``:
+    {config name: `experiments.paper_scale.simulate.MaxLength` of this row's model (``model``, a ``PaperModel``)
+    and system}): at the published length (activations linear between the search's probes around it, else its
+    nearest probe), the nominal peak against the capacity and its two largest ledger items (the simulated
+    activations are one).  Empty inside the band."""
+    from simulator.ledger import memory_ledger
+    from simulator.max_length import ledger_peak
+
+    name = row.get("closest_config")
+    if row.get("inside_band") != "false" or not name or name not in results:
+        return ""
+    result, published = results[name], row["published"]
+    if not result.steps:
+        return f"{name}: no simulated step"
+    below = [n for n in result.steps if n <= published]
+    above = [n for n in result.steps if n >= published]
+    if below and above:  # activations between the two probes around the figure, linearly
+        lo, hi = max(below), min(above)
+        a, b = result.steps[lo].dynamic_memory_bytes, result.steps[hi].dynamic_memory_bytes
+        activations = a if hi == lo else a + (b - a) * (published - lo) / (hi - lo)
+        where = f"{published} tokens ({'simulated' if hi == lo else f'between its probes at {lo} and {hi}'})"
+    else:
+        nearest = min(result.steps, key=lambda n: (abs(n - published), n))
+        activations, where = result.steps[nearest].dynamic_memory_bytes, f"{nearest} tokens (its probe nearest " \
+            f"{published})"
+    cfg = training_config(model, row["system"], PUBLIC_CONFIGS[name])
+    peak = ledger_peak(cfg, int(activations))
+    lines = memory_ledger(cfg, at="backward", activation_bytes=int(activations))
+    top = sorted(lines, key=lambda ln: -ln.bytes)[:2]
+    verb = "over" if peak > capacity_bytes else "under"
+    side = "shorter" if published >= (row["band_high"] or 0) else "longer"
+    return (f"every band configuration simulates a {side} maximum; closest {name} at {where}: peak "
+            f"{peak / 2**30:.1f} GiB, {abs(peak - capacity_bytes) / 2**30:.1f} GiB {verb} the "
+            f"{capacity_bytes / 2**30:.0f} GiB capacity; largest ledger items: "
+            + "; ".join(f"{ln.name} {ln.bytes / 2**30:.1f} GiB" for ln in top))
+
+
+def explain_outside(rows: list[dict], results: dict) -> list[dict]:
+    """``rows`` of `configuration_band` with an ``outside_evidence`` column (`outside_evidence`); ``results``:
+    {(model, system): {config name: MaxLength}} of the searches behind them, on the paper's cluster."""
+    from experiments.models import PAPER_MODELS
+    from experiments.paper_scale.simulate import PAPER_CLUSTER
+    from simulator import Cluster
+
+    capacity = int(Cluster.from_preset(PAPER_CLUSTER).device.memory_bytes)
+    return [{**row, "outside_evidence": outside_evidence(row, results.get((row["model"], row["system"]), {}),
+                                                         PAPER_MODELS[row["model"]], capacity_bytes=capacity)}
+            for row in rows]

@@ -28,7 +28,12 @@ range is interpolated, one outside it is traced (and widens the range).  If the 
 not come out an integer, that class is traced at every length (and the log says so).  Selective checkpointing
 (AutoSP's SAC) is never interpolated: its recompute budget is a share of the whole graph's FLOPs, whose
 attention part grows quadratically, so which matmuls it recomputes changes with the length (Note
-[Sequence-aware checkpointing] in autosp/passes/joint/checkpointing.py), and each probed length is traced.
+[Sequence-aware checkpointing] in autosp/passes/joint/checkpointing.py), and each probed length is traced.  The
+AutoSP fork's ``"long-context"`` rule depends on the length only through which side of 4096 a shard's tokens lie
+(Note [The long-context rule of the AutoSP research fork]): its length classes are split there
+(`_length_side`), so a class's program is one program again.  The math attention kernel (Note [The traced
+workloads of the AutoSP research fork] in experiments/paper_scale/fork.py) holds [S, S] scores, a degree-two term
+like attention's FLOPs.
 tests/experiments/test_length_interpolation.py checks the interpolated workloads equal real traces.
 """
 
@@ -46,6 +51,7 @@ from autosp.export import ModuleParameters, export_workload, module_parameters, 
 from experiments.baselines.autosp_system import autosp_options as strategy_options
 from experiments.models import PAPER_MODELS, PaperModel
 from experiments.paper_scale.config import PAPER_CONFIG, PaperConfig, peak_memory_bytes, training_config
+from experiments.paper_scale.fork import build_llama, sdpa_backends, ulysses_kernel
 from simulator import Cluster, simulate
 from simulator.max_length import BANDS, ModelStep, extrapolate_depth
 from simulator.max_length import MaxLength as BandedMaxLength
@@ -91,8 +97,16 @@ class SimulatedStep(ModelStep):
         return self.seq_len / self.sp_size / self.step_time_s
 
 
-LENGTH_INVARIANT_CHECKPOINTING = ("none", "full")
-"""Checkpointing settings whose plan does not depend on the length (Note [One trace per length class])."""
+LENGTH_INVARIANT_CHECKPOINTING = ("none", "full", "long-context")
+"""Checkpointing settings whose plan does not depend on the length within a length class (Note [One trace per
+length class]; "long-context": on one side of its threshold, `_length_side`)."""
+
+
+def _length_side(options: dict, seq_len: int, sp_size: int) -> bool | None:
+    """Which side of the fork's recompute threshold this length's shard lies on (None: no such threshold)."""
+    from autosp.passes.joint.checkpointing import LONG_CONTEXT_MIN_DIM
+
+    return seq_len // sp_size >= LONG_CONTEXT_MIN_DIM if options.get("checkpointing") == "long-context" else None
 
 
 @dataclass
@@ -144,8 +158,21 @@ class TracedStep:
     """Which ops read which module's parameters and produce its gradients (`autosp.export.module_parameters`)."""
 
 
-def _trace_key(model: PaperModel, seq_len: int, layers: int, sp_size: int, options: dict) -> tuple:
-    return model.name, seq_len, layers, sp_size, tuple(sorted(options.items()))
+@dataclass(frozen=True)
+class ModelVariant:
+    """How the traced model computes attention (Note [The traced workloads of the AutoSP research fork] in
+    experiments/paper_scale/fork.py): its transformers attention implementation and the SDPA kernel."""
+
+    attention: str = "sdpa"
+    kernel: str = "fused"
+
+
+PLAIN = ModelVariant()
+
+
+def _trace_key(model: PaperModel, seq_len: int, layers: int, sp_size: int, options: dict,
+               variant: ModelVariant = PLAIN) -> tuple:
+    return model.name, seq_len, layers, sp_size, tuple(sorted(options.items())), variant
 
 
 def _trace_name(model: PaperModel, sp_size: int, layers: int, seq_len: int) -> str:
@@ -153,21 +180,24 @@ def _trace_name(model: PaperModel, sp_size: int, layers: int, seq_len: int) -> s
 
 
 def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int,
-                   autosp_options: dict | None = None, cache: TraceCache | None = None) -> TracedStep:
+                   autosp_options: dict | None = None, cache: TraceCache | None = None,
+                   variant: ModelVariant = PLAIN) -> TracedStep:
     """``layers`` decoder layers of ``model`` compiled by AutoSP for ``sp_size`` ranks (1: without sequence
-    parallelism) on fake tensors, exported as a workload (its static memory is not used: the ledger's is).
+    parallelism) on fake tensors, exported as a workload (its static memory is not used: the ledger's is);
+    ``variant``: how the model computes attention.
     With a cache that ``interpolate_lengths``, a length-invariant system is traced at the first four lengths asked
     for and interpolated between them after that (Note [One trace per length class])."""
     options = dict(autosp_options or {})
     if cache is None or not cache.interpolate_lengths or options.get("checkpointing") not in \
             LENGTH_INVARIANT_CHECKPOINTING:
-        return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache)
-    lengths = cache.length_classes.setdefault((model.name, layers, sp_size, tuple(sorted(options.items()))),
-                                              LengthClass())
-    anchors = {n: cache.workloads[_trace_key(model, n, layers, sp_size, options)] for n in lengths.lengths[:3]}
+        return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant)
+    lengths = cache.length_classes.setdefault((model.name, layers, sp_size, tuple(sorted(options.items())), variant,
+                                               _length_side(options, seq_len, sp_size)), LengthClass())
+    anchors = {n: cache.workloads[_trace_key(model, n, layers, sp_size, options, variant)]
+               for n in lengths.lengths[:3]}
     name = _trace_name(model, sp_size, layers, seq_len)
     if seq_len in lengths.lengths or not (lengths.checked and min(lengths.lengths) < seq_len < max(lengths.lengths)):
-        traced = _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache)
+        traced = _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant)
         if seq_len not in lengths.lengths:
             lengths.lengths.append(seq_len)
         if len(lengths.lengths) == 4 and lengths.checked is None:
@@ -176,7 +206,7 @@ def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int
                 log.warning("%s at %d layers (%s): the workload interpolated at %d tokens differs from its trace; "
                             "tracing every length instead", model.name, layers, options, seq_len)
         return traced
-    key = ("interpolated", model.name, seq_len, layers, sp_size, tuple(sorted(options.items())))
+    key = ("interpolated", *_trace_key(model, seq_len, layers, sp_size, options, variant))
     if key in cache.workloads:
         cache.hits += 1
         return cache.workloads[key]
@@ -184,30 +214,29 @@ def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int
     if found is None:  # a number that is not an integer: not this class's program
         log.warning("%s at %d layers (%s): no exact interpolation at %d tokens; traced", model.name, layers,
                     options, seq_len)
-        return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache)
+        return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant)
     cache.interpolated += 1
     cache.workloads[key] = found
     return found
 
 
 def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, options: dict,
-            cache: TraceCache | None) -> TracedStep:
+            cache: TraceCache | None, variant: ModelVariant = PLAIN) -> TracedStep:
     """`trace_workload` by a real trace (once per key with a cache)."""
-    key = _trace_key(model, seq_len, layers, sp_size, options)
+    key = _trace_key(model, seq_len, layers, sp_size, options, variant)
 
     def make() -> TracedStep:
         import torch
-        import transformers
 
         # Each trace compiles the same model code again with a new backend; drop the previous
         # traces' compiled code (it is for fake tensors and never runs again) so Dynamo's
         # per-function recompile limit is not reached.  This clears every compiled function
         # in the process: the paper-scale experiments own theirs.
         torch._dynamo.reset()
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), sdpa_backends(variant.kernel):
             warnings.filterwarnings("ignore", message="autosp.compile with sp_size=1")
             compiled, parameter_bytes = trace_fake_step(
-                lambda: transformers.LlamaForCausalLM(model.hf_config(num_layers=layers)),
+                lambda: build_llama(model.hf_config(num_layers=layers), variant.attention),
                 seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size, **options,
             )
         graphs = compiled.report.aot_graphs
@@ -276,14 +305,34 @@ def step_workload(system: str, model: PaperModel, seq_len: int, layers: int, *, 
     strategy = simulated_strategy(system)
     options = autosp_options if autosp_options is not None else strategy_options(system)
     sp = config.sp_size_of(system, ranks)
+    options, variant = fork_trace_options(system, model, options, sp, config)
     traced = trace_workload(model, seq_len, layers, sp_size=sp if strategy.workload.trace_sequence_parallel else 1,
-                            autosp_options=options, cache=cache)
+                            autosp_options=options, cache=cache, variant=variant)
     cfg = training_config(replace(model, num_layers=layers), system, replace(config, world_size=ranks))
     if strategy.workload.trace_sequence_parallel and sp < ranks:
         # One data-parallel replica (sp ranks) is simulated; its step reduces over those ranks.  Memory is the
         # ledger's over every rank (DeepSpeed's data-parallel group, see experiments.paper_scale.config).
         cfg = replace(cfg, dp_world_size=sp)
     return strategy.workload.build(traced.workload, traced.modules, cfg)
+
+
+def fork_trace_options(system: str, model: PaperModel, options: dict, sp_size: int,
+                       config: PaperConfig) -> tuple[dict, ModelVariant]:
+    """``system``'s trace options and model variant under ``config``'s `~experiments.paper_scale.fork.ForkTrace`
+    (Note [The traced workloads of the AutoSP research fork] in experiments/paper_scale/fork.py): AutoSP with the
+    fork's checkpointing and K/V repetition, the hand-written Ulysses (not the ring rewrite of its trace) with the
+    kernel the fork's SDPA call got."""
+    from experiments.paper_scale.fork import REPEAT_KV_ATTENTION
+
+    strategy, fork = STRATEGIES[system], config.fork
+    if strategy.implementation == "autosp":
+        if fork.checkpointing is not None:
+            options = {**options, "checkpointing": fork.checkpointing}
+        return options, ModelVariant(attention=REPEAT_KV_ATTENTION) if fork.repeat_kv else PLAIN
+    if strategy.implementation == "hand-written" and strategy.sequence_parallel == "ulysses":
+        kernel = ulysses_kernel(fork, heads=model.num_heads, kv_heads=model.num_kv_heads, sp_size=sp_size)
+        return options, ModelVariant(kernel=kernel)
+    return options, PLAIN
 
 
 def simulated_strategy(system: str) -> Strategy:

@@ -98,3 +98,26 @@ def test_configuration_band_columns_and_closest():
     assert [r["inside_band"] for r in coarse] == ["true", "false"]
     assert consistent_configs(rows, ("a", "b", "c", "x"), 0.2) == ["x"]
     assert consistent_configs(rows, ("a", "b"), 0.2) == []
+
+
+def test_outside_evidence_names_the_ledger_items_at_the_probe_nearest_the_figure():
+    from types import SimpleNamespace
+
+    from experiments.paper_scale.config import configuration_band, outside_evidence
+
+    model, capacity = PAPER_MODELS["llama-3.2-3b"], 80 * 2**30
+    published = [{"model": model.name, "system": "ulysses", "value": "35000"}]
+    rows = configuration_band(published, {"fork-z0-sp8": {(model.name, "ulysses"): 12288}}, band=("fork-z0-sp8",),
+                              script_default="fork-z0-sp8")
+    assert rows[0]["inside_band"] == "false"
+    probes = {n: SimpleNamespace(dynamic_memory_bytes=n * 2**21) for n in (12288, 32768, 65536)}
+    text = outside_evidence(rows[0], {"fork-z0-sp8": SimpleNamespace(steps=probes)}, model, capacity_bytes=capacity)
+    # activations linear between the probes at 32768 and 65536 tokens: 70000 MiB at 35000 tokens
+    assert "shorter maximum" in text and "35000 tokens (between its probes at 32768 and 65536)" in text
+    assert "activations (simulated workload) 68.4 GiB" in text and "over the 80 GiB capacity" in text
+    beyond = outside_evidence({**rows[0], "published": 70000}, {"fork-z0-sp8": SimpleNamespace(steps=probes)}, model,
+                              capacity_bytes=capacity)
+    assert "at 65536 tokens (its probe nearest 70000)" in beyond
+    inside = {**rows[0], "inside_band": "true"}
+    assert outside_evidence(inside, {"fork-z0-sp8": SimpleNamespace(steps=probes)}, model, capacity_bytes=capacity) \
+        == ""

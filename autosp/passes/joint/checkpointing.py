@@ -33,6 +33,28 @@ partitioner still chooses the cut (what is actually saved) and orders the
 recomputation just before its use.  The other settings use the same tags:
 "none" bans every recomputation, "full" recomputes every op except collectives
 and the attention-boundary tensors (per-layer checkpointing), "default" leaves the partitioner's heuristics alone (collectives banned).
+"long-context" is the rule of Note [The long-context rule of the AutoSP research fork].
+
+Note [The long-context rule of the AutoSP research fork]
+The published AutoSP figures were made with the authors' research fork of DeepSpeed 0.16.3
+(GitHub spikerheado1234/AutoSP, commit fd542b43619e03c7454abfcff3b5aaeef05c5318), whose README (step 6) has
+torch's min-cut partitioner replaced by ``need_to_copy_paste/partitioners.py``.  Its
+``should_ban_recomputation`` (lines 1049-1103) differs from torch's in what it lets the min-cut recompute:
+
+- attention kernels, convolutions, dropout and random ops are always kept (``must_save_set``, lines 1062-1076);
+- an op outside torch's recomputable allowlist (a matmul) is never banned (lines 1084-1086);
+- a tensor the backward reads ("materialized in backward", line 1088) may be recomputed only when its
+  dim 1 is at least 4096 (``heuristic``, lines 1078-1081), and is kept otherwise;
+- a reduction whose output is under a quarter of its inputs' bytes is kept (lines 1096-1101).
+
+"long-context" applies these decisions as tags, so that torch's own partitioner (not the fork's) cuts the graph:
+a node the fork bans is MUST_SAVE, a node it allows is PREFER_RECOMPUTE (the min-cut weighs bytes only, so it
+recomputes what it may).  Where this differs from the fork, it keeps more: collectives are kept (the fork's
+partitioner sees its all-to-all custom op as one more op outside the allowlist), and so are tensors read across
+an attention boundary (the residual stream; recomputing it would chain through every earlier layer and hold the
+chain from the start of the backward, which costs as much memory as keeping it).  A tensor counts as read by
+the backward when any backward node reads it (through views); the fork also lets Inductor fuse a recomputation
+into a pointwise backward reader without counting it, which is not modelled.
 """
 
 from __future__ import annotations
@@ -51,6 +73,10 @@ from autosp.costs import VIEWS, classify, nbytes_of, packet_name
 log = logging.getLogger(__name__)
 
 _COLLECTIVE_NAMESPACES = ("autosp_testbed", "_c10d_functional", "c10d_functional")
+
+LONG_CONTEXT_MIN_DIM = 4096
+"""The AutoSP research fork's threshold: a tensor the backward reads may be recomputed only when its dim 1 is at
+least this (Note [The long-context rule of the AutoSP research fork])."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +104,10 @@ class CheckpointPlan:
     candidate_bytes: int
     """Bytes of the outputs of all recomputable candidates."""
     kept_candidate_bytes: int
+    read_by_backward: tuple[str, ...] = ()
+    """Forward nodes a backward node reads (through views)."""
+    kept_across_attention: tuple[str, ...] = ()
+    """Forward nodes kept because a reader comes after a later attention (the residual stream)."""
 
 
 def choose_recomputation(
@@ -138,11 +168,35 @@ def _crosses_attention(node: fx.Node, segments: dict[fx.Node, int], segment: int
     return False
 
 
+def _read_by_backward(node: fx.Node) -> bool:
+    """Whether a node outside the forward reads ``node`` (looking through views)."""
+    for user in node.users:
+        if user.op == "call_function" and user.meta.get("partitioner_tag") != "is_forward":
+            return True
+        if user.op == "call_function" and packet_name(user.target) in VIEWS and _read_by_backward(user):
+            return True
+    return False
+
+
+def long_context_recomputable(node: fx.Node, op_class: str) -> bool:
+    """The fork's decision for one forward node that is not an attention, collective or random op: may it be
+    recomputed (Note [The long-context rule of the AutoSP research fork])."""
+    if op_class == "matmul":
+        return True
+    val = node.meta.get("val")
+    if _read_by_backward(node):
+        return isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[1] >= LONG_CONTEXT_MIN_DIM
+    if op_class == "reduction":
+        inputs = sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes)
+        return 4 * nbytes_of(val) >= inputs
+    return True
+
+
 def tag_recomputation(
     graph: fx.Graph, *, setting: str, recompute_limit: float, memory_budget: float | None
 ) -> CheckpointPlan:
     """Set ``node.meta["recompute"]`` on the forward nodes of AOTAutograd's joint graph."""
-    saved, recompute = [], []
+    saved, recompute, across = [], [], []
     candidates, costs, classes = [], {}, {}
     forward_flops = 0
     forward = _forward_ops(graph)
@@ -159,10 +213,14 @@ def tag_recomputation(
             continue  # never tagged: the partitioner never recomputes random ops by itself
         elif setting == "none":
             saved.append(node)
-        elif setting in ("full", "sac") and op_class != "attention" and _crosses_attention(node, segments):
-            saved.append(node)  # See Note [Sequence-aware checkpointing]: the residual stream between layers
+        elif setting in ("full", "sac", "long-context") and op_class != "attention" and \
+                _crosses_attention(node, segments):
+            saved.append(node)
+            across.append(node)  # See Note [Sequence-aware checkpointing]: the residual stream between layers
         elif setting == "full":
             recompute.append(node)
+        elif setting == "long-context":
+            (recompute if op_class != "attention" and long_context_recomputable(node, op_class) else saved).append(node)
         elif setting == "sac":
             if op_class == "attention":
                 saved.append(node)
@@ -190,6 +248,8 @@ def tag_recomputation(
         recompute_flops=sum(costs[n] for n in recompute),
         candidate_bytes=sum(c.nbytes for c in plain.values()),
         kept_candidate_bytes=sum(plain[n].nbytes for n in saved if n in plain),
+        read_by_backward=tuple(n.name for n in forward if packet_name(n.target) not in VIEWS and _read_by_backward(n)),
+        kept_across_attention=tuple(n.name for n in across),
     )
     log.debug("checkpointing %s: %d saved, %d recomputed (%.1f%% of forward FLOPs)", setting, len(plan.saved),
               len(plan.recomputed), 100 * plan.recompute_flops / max(forward_flops, 1))
