@@ -26,11 +26,11 @@ from simulator.engine import simulate
 from simulator.ledger import OPTIMIZER_STATES, LedgerLine, TrainingConfig, memory_ledger, summarize
 from simulator.max_length import BANDS, ModelStep, extrapolate_depth, ledger_peak
 from simulator.max_length import max_length as search_max_length
+from simulator.replicas import data_parallel_replicas
 from simulator.result import Result
 from simulator.strategies import SEQUENCE_PARALLEL, Strategy, sp_candidates
 from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
 from simulator.workload import COMPILED_STRATEGIES, Workload
-from simulator.workload_rewrites import data_parallel_replicas
 
 log = logging.getLogger(__name__)
 
