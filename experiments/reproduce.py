@@ -109,7 +109,10 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
 # lengths (8,000 to 90,000 tokens) become the anchors that the search's probes in between are interpolated
 # from, and the throughput table only reads the steps.  The same steps and the same search results (an
 # interpolated workload equals the traced one, or the length is traced), fewer full-depth traces of
-# Llama-3.1-8B.  `--only throughput` still simulates its steps itself.
+# Llama-3.1-8B.  Only groups whose systems are interpolated do this (`_interpolated`): AutoSP's selective
+# checkpointing is traced at every length, so its steps would only add three traces to its search, already
+# the longest task; the throughput table simulates them in tasks of their own, in parallel.  `--only
+# throughput` still simulates its steps itself.
 
 
 def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], layers: str = "full", cache=None):
@@ -134,6 +137,15 @@ TRACE_GROUPS = STRATEGIES.trace_groups(SIMULATED)
 """Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache).
 AutoSP first (first in the registry): its selective checkpointing is traced at every length, the others are
 interpolated between a few traces (Note [One trace per length class] in experiments/paper_scale/simulate.py)."""
+
+
+def _interpolated(systems: tuple[str, ...]) -> bool:
+    """Whether every system of a trace group is built between a few traced lengths (its checkpointing does not
+    depend on the length): only such a group's search gains from tracing the throughput lengths first (Note
+    [Throughput steps from the search's traces]); a group traced at every length would only lengthen its task."""
+    from experiments.paper_scale.simulate import LENGTH_INVARIANT_CHECKPOINTING
+
+    return all(STRATEGIES[s].compile_options.get("checkpointing") in LENGTH_INVARIANT_CHECKPOINTING for s in systems)
 
 
 def _run_tasks(args, tasks: list[tuple[Callable, tuple]], desc: str) -> list:
@@ -271,7 +283,9 @@ def table_max_seq_len(args) -> list[dict]:
     # Note [Throughput steps from the search's traces]
     step_lengths = throughput_lengths() if "throughput" in selected_tables(args) else ()
     tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes, args.max_seq_len_ceiling,
-                                        args.layers, step_lengths if model == args.iteration_model else ()))
+                                        args.layers,
+                                        step_lengths if model == args.iteration_model and _interpolated(systems)
+                                        else ()))
              for systems in TRACE_GROUPS for model in by_depth]
     simulated: dict = {}
     for (_, (model, *_)), (found, steps) in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
