@@ -184,9 +184,10 @@ class SequenceParallelModel(nn.Module):
         ctx.full_inputs = {k: kwargs.get(k) for k in ("position_ids", "attention_mask")}
         ctx.input_roles = {id(local[k]): k for k in ("input_ids", "labels", "position_ids", "attention_mask")
                            if local.get(k) is not None}
-        kind = _batch_kind(local, ctx.full_inputs)
+        # Only Inductor refuses some batches (Note [Code generator per batch]): no per-step check otherwise.
+        kind = _batch_kind(local, ctx.full_inputs) if self.config.compiler == "inductor" else None
         try:
-            if kind in self._aot_eager_batches:
+            if kind is not None and kind in self._aot_eager_batches:
                 out = self._run(self._aot_eager_program(), local)
             else:
                 try:

@@ -108,6 +108,14 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
     root: dict[fx.Node, int | None] = {}  # node -> tensor id it aliases (None: static or untracked)
     last_use: dict[int, int] = {}
     node_op: dict[fx.Node, int] = {}
+
+    def used_by(node: fx.Node, op_id: int, inputs: list[int | None]) -> None:
+        """``node`` ran as op ``op_id``: its inputs are last used there so far, its output from there on."""
+        node_op[node] = op_id
+        last_use.update({t: op_id for t in inputs if t is not None})
+        if root.get(node) is not None:
+            last_use.setdefault(root[node], op_id)
+
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             root[node] = live.get(node.name)
@@ -148,13 +156,7 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
             read = sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes)
             ours = getattr(node.target, "namespace", None) == "autosp_testbed"
             if ours and packet in RING_ATTENTION:  # its steps and transfers (Note [Ring attention in the export])
-                op_id = _emit_ring(node, phase, em, deps, allocates)
-                node_op[node] = op_id
-                for t in inputs:
-                    if t is not None:
-                        last_use[t] = op_id
-                if root.get(node) is not None:
-                    last_use.setdefault(root[node], op_id)
+                used_by(node, _emit_ring(node, phase, em, deps, allocates), inputs)
                 continue
             if ours and packet in _COLLECTIVES:
                 kind, op_class, flops = "collective", "other", 0
@@ -176,12 +178,7 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                          flops=int(flops), bytes_read=int(read), bytes_written=int(written),
                          attention_scores=scores, deps=deps,
                          allocates=allocates, collective=collective))
-        node_op[node] = op_id
-        for t in inputs:
-            if t is not None:
-                last_use[t] = op_id
-        if root.get(node) is not None:
-            last_use.setdefault(root[node], op_id)
+        used_by(node, op_id, inputs)
     if not inputs_freed_at_last_use and em.ops:
         inputs = {root[n] for n in gm.graph.nodes if n.op == "placeholder" and root.get(n) is not None}
         last_use.update({tid: em.ops[-1].id for tid in inputs if tid in last_use})
