@@ -66,8 +66,8 @@ def build_groups(sp_size: int, process_group: dist.ProcessGroup | None = None, *
             f"divides {size} (the rest of the ranks become data-parallel replicas)"
         )
     sp_rank, dp_rank = rank % sp_size, rank // sp_size
-    needs_blocks = sp_size != size or ulysses_size not in (None, 1, sp_size)
-    block = dist.get_process_group_ranks(group)[dp_rank * sp_size : (dp_rank + 1) * sp_size] if needs_blocks else []
+    needs_block = sp_size != size or ulysses_size is not None
+    block = dist.get_process_group_ranks(group)[dp_rank * sp_size : (dp_rank + 1) * sp_size] if needs_block else []
     sp_group = group if sp_size == size else _subgroup(block)
     ulysses_group = ring_group = None
     if ulysses_size is not None:

@@ -2,10 +2,11 @@
 attention across the groups (Note [Hybrid attention] in autosp/passes/dynamo/attention.py) equals single-device
 training, or is refused.
 
-Exactness (fp32 rtol 1e-4 / atol 1e-6, loss and every gradient) against a single-device full-sequence run on one
-launch of 4 real gloo ranks (hybrid 2 x 2, SAC and overlap on: Llama with GQA; Qwen2 with 2 heads, 1 kv head
-replicated, over 4 ranks); the layout and the option's validation without ranks; the export of a hybrid program
-traced on a fake group (Note [Hybrid attention in the export] in autosp/export.py), simulated.
+Exactness (fp32 rtol 1e-4 / atol 1e-6, loss and every gradient) against a single-device full-sequence run on 4
+real gloo ranks (hybrid 2 x 2, SAC and overlap on: Llama with GQA; Qwen2 with 2 heads, 1 kv head replicated, over 4
+ranks): `hybrid_four_rank_cases`, run in the ring's 4-rank launch (tests/autosp/test_ring.py), which pays the
+processes' start and first compile once for both; the layout and the option's validation without ranks; the export
+of a hybrid program traced on a fake group (Note [Hybrid attention in the export] in autosp/export.py), simulated.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import pytest
 import torch
 
 from tests.autosp.test_equivalence import FP32_TOL, _check, _run_case
-from tests.harness import run_on_ranks
 
 # --- without ranks ------------------------------------------------------------------------------------------------
 
@@ -82,8 +82,8 @@ def test_hybrid_export_puts_all_to_alls_on_ulysses_groups_and_the_ring_on_ranks_
                                                 **STRATEGIES["autosp-hybrid-2x2"].compile_options)
     workload = export_workload(compiled.report.aot_graphs, name="hybrid", sp_size=sp, parameter_bytes=parameter_bytes)
     assert workload.metadata["strategy"] == "hybrid" and workload.metadata["ulysses_size"] == u
-    assert workload.groups["ulysses"] == [[0, 1], [2, 3]] and not workload.symmetric
-    assert all(workload.groups[g] == [[0, 2], [1, 3]] for g in RING_GROUPS)
+    assert workload.groups["ulysses"] == ((0, 1), (2, 3)) and not workload.symmetric
+    assert all(workload.groups[g] == ((0, 2), (1, 3)) for g in RING_GROUPS)
     # After the all-to-all a rank holds heads / u query heads (and the kv head copied for it) over 2 chunks.
     local_heads, group_tokens = heads // u, seq // (sp // u)
     kv_bytes = 2 * (kv_heads * 2 // u) * group_tokens * d * 2  # bf16 K/V; the kv head replicated x2, split over u
@@ -95,7 +95,7 @@ def test_hybrid_export_puts_all_to_alls_on_ulysses_groups_and_the_ring_on_ranks_
                  if op.kind == "collective_start" and (c := op.collective).kind == "send" and ".ring.kv" in op.name]
         assert sends == [("forward", kv_bytes, (rank + u) % sp, RING_GROUPS[0]),
                          ("backward", kv_bytes, (rank + u) % sp, RING_GROUPS[0])]  # R - 1 = 1 per pass
-        assert sum(".ring.dkv" in op.name and op.collective is not None and op.collective.kind == "recv"
+        assert sum(".ring.dkv" in op.name and op.kind == "collective_start" and op.collective.kind == "recv"
                    for op in program.ops) == sp // u  # R dK/dV transfers
         flops = sum(op.flops for op in program.ops if op.op_class == "attention" and op.phase == "forward")
         assert flops == whole  # the group's queries over the whole sequence, balanced by the zig-zag
@@ -129,14 +129,16 @@ def _gather_case(rank, world):
     return {"full": full.detach(), "grad": mine.grad, "mine": mine.detach()}
 
 
-def _four_rank_cases(rank, world):
+def hybrid_four_rank_cases(rank, world):
+    """On each of 4 gloo ranks: the hybrid's exactness cases, a refusal and the gather (`check_hybrid_four_ranks`)."""
     import autosp
     from autosp.errors import AutoSPError
     from experiments.models import build_model
 
     cases = [
-        {"model": "hf-llama", "sp_size": 4, "seq_len": 32, "options": HYBRID},  # 8 heads, 2 kv heads: 4 and 1 a rank
-        {"model": "hf-qwen2", "sp_size": 4, "seq_len": 30, "overrides": {"heads": 2, "kv_heads": 1},
+        {"model": "hf-llama", "sp_size": 4, "seq_len": 32, "overrides": {"layers": 1},
+         "options": HYBRID},  # 8 heads, 2 kv heads: 4 and 1 a rank
+        {"model": "hf-qwen2", "sp_size": 4, "seq_len": 30, "overrides": {"layers": 1, "heads": 2, "kv_heads": 1},
          "options": HYBRID},  # more ranks than heads; the kv head replicated for the 2 Ulysses ranks; padded
     ]
     results = [_run_case(rank, world, **case) for case in cases]
@@ -151,11 +153,11 @@ def _four_rank_cases(rank, world):
     return {"cases": results, "refused": refused, "gather": _gather_case(rank, world)}
 
 
-def test_hybrid_two_by_two_matches_single_device_with_gqa_and_more_ranks_than_heads():
-    out = run_on_ranks(_four_rank_cases, 4, timeout_s=600)
+def check_hybrid_four_ranks(out: list[dict]) -> None:
+    """The assertions on every rank's `hybrid_four_rank_cases`."""
     _check([r["cases"] for r in out], FP32_TOL)
-    assert out[0]["cases"][0]["sites"] == [(8, 2, 1)] * 2  # 2 kv heads over 2 Ulysses ranks: none replicated
-    assert out[0]["cases"][1]["sites"] == [(2, 1, 2)] * 2  # 1 kv head copied for the 2 Ulysses ranks
+    assert out[0]["cases"][0]["sites"] == [(8, 2, 1)]  # 2 kv heads over 2 Ulysses ranks: none replicated
+    assert out[0]["cases"][1]["sites"] == [(2, 1, 2)]  # 1 kv head copied for the 2 Ulysses ranks
     for r in out:
         assert "not divisible by ulysses_size=4" in r["refused"] and "one of [1, 2]" in r["refused"], r["refused"]
         gather = r["gather"]
