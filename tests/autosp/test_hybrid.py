@@ -91,6 +91,7 @@ def test_hybrid_export_puts_all_to_alls_on_ulysses_groups_and_the_ring_on_ranks_
     for rank, program in workload.ranks.items():
         starts = [op.collective for op in program.ops if op.kind in ("collective", "collective_start")]
         assert {c.group for c in starts if c.kind == "all_to_all"} == {"ulysses"}
+        assert {c.group for c in starts if c.kind == "all_reduce"} == {"sp"}  # the loss: over the whole SP group
         sends = [(op.phase, c.message_bytes, c.peer, c.group) for op in program.ops
                  if op.kind == "collective_start" and (c := op.collective).kind == "send" and ".ring.kv" in op.name]
         assert sends == [("forward", kv_bytes, (rank + u) % sp, RING_GROUPS[0]),
