@@ -100,6 +100,10 @@ class SequenceParallelModel(nn.Module):
             sp_size=config.sp_size, sp_rank=groups.sp_rank, group_name=groups.sp_group_name,
             ignore_index=config.ignore_index, strategy=config.strategy,
         )
+        if config.strategy == "hybrid":  # Note [Hybrid attention] in autosp/passes/dynamo/attention.py
+            self._ctx.ulysses_size = config.ulysses_size
+            self._ctx.ulysses_group_name = groups.ulysses_group.group_name
+            self._ctx.ring_group_name = groups.ring_group.group_name
         install_output_capture_hooks(module)  # HF's lazy hook installation would break the graph
         # memory_plan="auto": compiled on the first call, once the plan is known (autosp.plan.auto); the options
         # passed explicitly (of MEMORY_PLAN_OPTIONS) win over the plan.
@@ -153,12 +157,12 @@ class SequenceParallelModel(nn.Module):
         if self._compiled is None:  # memory_plan="auto", first call
             padded = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                                   pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket,
-                                  zigzag=cfg.strategy == "ring").padded_seq_len
+                                  zigzag=cfg.zigzag, ulysses_size=cfg.layout_ulysses_size).padded_seq_len
             self._plan_memory(padded, int(kwargs["input_ids"].shape[0]), kwargs["input_ids"].device)
             cfg = self.config
         layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                               pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket,
-                              zigzag=cfg.strategy == "ring")
+                              zigzag=cfg.zigzag, ulysses_size=cfg.layout_ulysses_size)
         planned = (self._ctx.memory_plan or {}).get("setup", {}).get("seq_len")
         if planned is not None and layout.padded_seq_len > planned and not self._warned_past_plan:
             self._warned_past_plan = True
@@ -269,7 +273,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     compiler: str = "inductor",
     **options,
 ) -> SequenceParallelModel:
-    """Compile ``model`` for sequence parallelism over ``sp_size`` ranks (Ulysses, or ``strategy="ring"``).
+    """Compile ``model`` for sequence parallelism over ``sp_size`` ranks (Ulysses, ``strategy="ring"``, or
+    ``strategy="hybrid"`` with ``ulysses_size``).
 
     ``process_group`` (default: the world) is split into SP groups of ``sp_size``
     contiguous ranks; the groups are data-parallel replicas.  ``options`` are the
@@ -281,7 +286,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
         from autosp.plan.auto import check_plannable
 
         check_plannable(model, config)
-    groups = build_groups(sp_size, process_group)
+    groups = build_groups(sp_size, process_group,
+                          ulysses_size=config.ulysses_size if config.strategy == "hybrid" else None)
     if sp_size == 1:
         warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
                       "(the checkpointing, tiled_loss and tiled_mlp options still apply)", stacklevel=2)

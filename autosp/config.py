@@ -9,9 +9,12 @@ from simulator.workload import COMPILED_STRATEGIES, PLANNED_STRATEGIES
 
 STRATEGIES = COMPILED_STRATEGIES
 """The sequence-parallel strategies the pass implements: simulator.workload.COMPILED_STRATEGIES, the one declaration of
-the names that simulator.strategies.SEQUENCE_PARALLEL reads too; the registry's "hybrid" and "auto"
-(PLANNED_STRATEGIES) are not implemented by the pass yet."""
+the names that simulator.strategies.SEQUENCE_PARALLEL reads too; the registry's "auto" (PLANNED_STRATEGIES) is not
+implemented by the pass yet."""
 _NOT_YET = PLANNED_STRATEGIES
+ZIGZAG_STRATEGIES = ("ring", "hybrid")
+"""The strategies whose tokens follow the zig-zag layout (Note [Zig-zag layout] in autosp/inputs.py) and that refuse
+what the ring refuses (packed documents, padding masks, sliding windows)."""
 
 COMPILERS = ("inductor", "aot_eager")
 CHECKPOINTING = ("sac", "none", "default", "full", "long-context")
@@ -33,8 +36,15 @@ class AutoSPConfig:
     """Ranks that share one sequence (the Ulysses or ring degree); must divide the process group's size."""
     strategy: str = "ulysses"
     """How attention runs over the sequence: "ulysses" (all-to-alls around every attention; heads divisible by
-    sp_size) or "ring" (zig-zag ring attention, any number of heads: Note [Ring attention] in
-    autosp/ring_attention.py; packed documents, padding masks and sliding windows are refused)."""
+    sp_size), "ring" (zig-zag ring attention, any number of heads: Note [Ring attention] in
+    autosp/ring_attention.py; packed documents, padding masks and sliding windows are refused) or "hybrid"
+    (all-to-alls inside groups of ``ulysses_size`` consecutive ranks, the ring across the groups: Note [Hybrid
+    attention] in autosp/passes/dynamo/attention.py; heads divisible by ulysses_size, refusals as for "ring")."""
+    ulysses_size: int | None = None
+    """strategy="hybrid": ranks of one Ulysses group (a divisor of sp_size); the ring runs over
+    ``ring_size = sp_size // ulysses_size`` groups.  Give ulysses_size or ring_size (or both, consistent)."""
+    ring_size: int | None = None
+    """strategy="hybrid": the ring degree, ``sp_size // ulysses_size``; None: derived from ulysses_size."""
     compiler: str = "inductor"
     """Code generator after the AutoSP passes: "inductor" (fast kernels) or "aot_eager" (quick to compile)."""
     ignore_index: int = -100
@@ -136,10 +146,11 @@ class AutoSPConfig:
                 not isinstance(self.length_bucket, int) or self.length_bucket < 1 or self.length_bucket % self.sp_size):
             raise AutoSPError(f"length_bucket must be a positive multiple of sp_size={self.sp_size}, got "
                               f"{self.length_bucket!r}")
-        if self.strategy == "ring" and self.length_bucket is not None and self.length_bucket % (2 * self.sp_size):
+        self._check_hybrid()
+        if self.zigzag and self.length_bucket is not None and self.length_bucket % (2 * self.sp_size):
             raise AutoSPError(f"length_bucket must be a multiple of 2 * sp_size = {2 * self.sp_size} under "
-                              f"strategy='ring' (its zig-zag layout cuts the sequence into that many equal "
-                              f"chunks), got {self.length_bucket!r}")
+                              f"strategy={self.strategy!r} (its zig-zag layout cuts the sequence into that many "
+                              f"equal pieces), got {self.length_bucket!r}")
         if not isinstance(self.max_programs, int) or self.max_programs < 1:
             raise AutoSPError(f"max_programs must be a positive number of compiled programs, got {self.max_programs!r}")
         if self.tiled_loss not in TILED_LOSS:
@@ -161,6 +172,39 @@ class AutoSPConfig:
         self._check_memory_plan()
         if self.sac_memory_budget is not None and not 0 <= self.sac_memory_budget <= 1:
             raise AutoSPError(f"sac_memory_budget must be None or a fraction in [0, 1], got {self.sac_memory_budget!r}")
+
+    @property
+    def zigzag(self) -> bool:
+        """Whether the tokens are laid out in zig-zag chunks (Note [Zig-zag layout] in autosp/inputs.py): under the
+        ring and the hybrid."""
+        return self.strategy in ZIGZAG_STRATEGIES
+
+    @property
+    def layout_ulysses_size(self) -> int:
+        """Ranks that split one zig-zag pair of chunks (Note [Zig-zag layout]): ulysses_size under the hybrid, else 1."""
+        return self.ulysses_size if self.strategy == "hybrid" else 1
+
+    def _check_hybrid(self) -> None:
+        given = {k: v for k, v in (("ulysses_size", self.ulysses_size), ("ring_size", self.ring_size)) if v is not None}
+        if self.strategy != "hybrid":
+            if given:
+                raise AutoSPError(f"{', '.join(given)} take(s) effect only with strategy='hybrid': pass "
+                                  f"strategy='hybrid' too (or leave them out); got strategy={self.strategy!r}")
+            return
+        if not given:
+            raise AutoSPError(f"strategy='hybrid' needs its Ulysses degree: pass ulysses_size= a divisor of "
+                              f"sp_size={self.sp_size} (the ring then runs over sp_size // ulysses_size groups)")
+        for name, value in given.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or self.sp_size % value:
+                raise AutoSPError(f"{name}={value!r} does not divide sp_size={self.sp_size}; pass a divisor of "
+                                  f"{self.sp_size} (ulysses_size x ring_size = sp_size)")
+        ulysses = given.get("ulysses_size", self.sp_size // given.get("ring_size", 1))
+        ring = self.sp_size // ulysses
+        if given.get("ring_size", ring) != ring:
+            raise AutoSPError(f"ulysses_size={ulysses} x ring_size={self.ring_size} is not sp_size={self.sp_size}; "
+                              f"pass ring_size={ring} (or leave it out)")
+        object.__setattr__(self, "ulysses_size", ulysses)
+        object.__setattr__(self, "ring_size", ring)
 
     def _check_memory_plan(self) -> None:
         if self.memory_plan not in MEMORY_PLAN:

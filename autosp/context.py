@@ -114,7 +114,15 @@ class TraceContext:
     group_name: str
     ignore_index: int
     strategy: str = "ulysses"
-    """AutoSPConfig.strategy: "ulysses" or "ring" (zig-zag layout, Note [Ring attention] in autosp/ring_attention.py)."""
+    """AutoSPConfig.strategy: "ulysses", "ring" (zig-zag layout, Note [Ring attention] in autosp/ring_attention.py)
+    or "hybrid" (Note [Hybrid attention] in autosp/passes/dynamo/attention.py)."""
+    ulysses_size: int = 1
+    """strategy="hybrid": ranks of a Ulysses group (the all-to-alls' group); the ring runs over
+    sp_size // ulysses_size groups."""
+    ulysses_group_name: str = ""
+    """strategy="hybrid": the c10d name of this rank's Ulysses group (autosp.groups)."""
+    ring_group_name: str = ""
+    """strategy="hybrid": the c10d name of this rank's ring group."""
     layout: ShardLayout | None = None
     batch_size: int = 0
     """Rows of the call's batch."""

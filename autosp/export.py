@@ -31,6 +31,14 @@ tensors the op passes: 2·B·Hkv·L·D elements in the activation dtype for K/V,
 for dK/dV.  The copies a call's concatenated chunks and GQA-expanded heads make are counted as its bytes and a
 temporary, freed by the merge or accumulation after it.
 
+Note [Hybrid attention in the export]
+A strategy="hybrid" program (Note [Hybrid attention] in autosp/passes/dynamo/attention.py) has both: all-to-alls
+on the Ulysses groups and ring attention nodes over the ring groups (size R = P / U).  It is exported as the ring
+is, one program per rank, with the ring's steps at ring rank ``rank // U`` and its neighbours the ranks U apart
+(``rank ± U`` modulo P, absolute ranks as the send/recv peers want); its all-to-alls go to the workload group
+"ulysses", whose instances are the Ulysses groups of U consecutive ranks, and the ring's transfers to
+``RING_GROUPS``, whose instances are the ring groups; every other collective (the loss all-reduce) stays on "sp".
+
 FLOPs: matmuls 2·M·N·K; attention counted here (torch's counter misses the CPU
 kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to two),
 halved under causal masking; elementwise ops one FLOP per output element.  An op with scratch memory
@@ -79,6 +87,10 @@ class _Emitter:
     """Fraction of the scores document-masked attention keeps (see `export_workload`)."""
     rank: int = 0
     """The rank (in its SP group) whose program this is: a ring's steps and neighbours depend on it."""
+    ulysses_size: int = 1
+    """A hybrid program's Ulysses degree: the ring runs over the ranks this far apart (1: the ring alone)."""
+    named_groups: dict[str, str] | None = None
+    """c10d group name -> workload group, for collectives not on ``group`` (a hybrid's all-to-alls)."""
 
     def __post_init__(self):
         self.ops: list[Op] = []
@@ -169,7 +181,8 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
         collective = None
         if kind in ("collective", "collective_start"):
             em.collectives += 1
-            collective = Collective(kind=_COLLECTIVES.get(packet, "all_to_all"), group=em.group, message_bytes=read,
+            group = (em.named_groups or {}).get(str(schema_arg(node, "group_name", "")), em.group)
+            collective = Collective(kind=_COLLECTIVES.get(packet, "all_to_all"), group=group, message_bytes=read,
                                     key=f"{phase}.{node.name}.{em.collectives}")
             em.started[node] = collective
         elif kind == "collective_wait":
@@ -203,10 +216,11 @@ def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], o
     acc = torch.empty((), dtype=accumulator_dtype(qv.dtype)).element_size()
     size, layout = int(schema_arg(node, "group_size")), str(schema_arg(node, "layout"))
     causal = bool(schema_arg(node, "causal"))
-    rank = em.rank
-    mine = rank_chunks(layout, size, rank)
+    rank, u = em.rank, em.ulysses_size
+    ring_rank, lane = divmod(rank, u)  # Note [Hybrid attention in the export]; u = 1: the ring alone
+    mine = rank_chunks(layout, size, ring_rank)
     chunk = length // len(mine)
-    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    nxt, prv = ((ring_rank + 1) % size) * u + lane, ((ring_rank - 1) % size) * u + lane
     kv_bytes = 2 * b * hkv * length * d * e  # k and v stacked: what travels forward (and backward again)
     dkv_elements = 2 * b * hkv * length * d  # the dK/dV accumulators travelling backward, in the accumulator dtype
     out_elements = b * h * length * d
@@ -272,7 +286,7 @@ def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], o
             cursor = wait(recv)
             held = received
             continue
-        theirs = rank_chunks(layout, size, (rank - s) % size)
+        theirs = rank_chunks(layout, size, (ring_rank - s) % size)
         if backward:
             dkv = tensor(dkv_elements * acc)
             cursor = add(f"step{s}.zeros", op_class="memory", written=dkv_elements * acc, after=(cursor,),
@@ -336,8 +350,9 @@ def export_workload(
     attention_kept_fraction: float | None = None,
 ) -> Workload:
     """One Workload of world ``sp_size`` from the latest forward and backward graphs: symmetric (rank 0's
-    program) for a Ulysses program, one program per rank for a ring program (Note [Ring attention in the
-    export]); ``metadata["strategy"]`` says which (with ``sp_size`` > 1).
+    program) for a Ulysses program, one program per rank for a ring or hybrid program
+    (Note [Ring attention in the export], Note [Hybrid attention in the export]); ``metadata["strategy"]`` says
+    which (with ``sp_size`` > 1).
 
     Static memory: parameters and gradients (same dtype as parameters) and optimizer
     state (default 6 bytes per parameter byte: fp32 Adam moments and master weights
@@ -359,21 +374,31 @@ def export_workload(
     )
     ring = _ring_nodes([graphs["forward"], graphs["backward"]])
     sizes = sorted({int(schema_arg(n, "group_size")) for n in ring})
-    if ring and sizes != [sp_size]:
+    ulysses_names = {str(schema_arg(n, "group_name")) for gm in graphs.values() for n in gm.graph.nodes
+                     if n.op == "call_function" and getattr(n.target, "namespace", None) == "autosp_testbed"
+                     and packet_name(n.target) in ("all_to_all", "all_to_all_start")}
+    hybrid = bool(ring and ulysses_names)
+    if ring and (len(sizes) != 1 or sp_size % sizes[0] or (not hybrid and sizes != [sp_size])):
         raise AutoSPError(f"the program's ring attention runs over {sizes} ranks but the export was asked for "
                           f"sp_size={sp_size}; pass the sp_size the program was compiled with")
+    u = sp_size // sizes[0] if hybrid else 1
     everyone = [list(range(sp_size))]
     programs = {}
     for rank in range(sp_size) if ring else (0,):  # a ring's neighbours are absolute ranks: a program per rank
-        em = _Emitter(group="sp", masked_fraction=attention_kept_fraction, rank=rank)
+        em = _Emitter(group="sp", masked_fraction=attention_kept_fraction, rank=rank, ulysses_size=u,
+                      named_groups=dict.fromkeys(ulysses_names, "ulysses") if hybrid else None)
         live: dict[str, int] = {}
         _emit_graph(graphs["forward"], "forward", em, live)
         _emit_graph(graphs["backward"], "backward", em, live, inputs_freed_at_last_use=saved_freed_at_last_use)
         programs[rank] = em.program(static)
     log.info("exported %d ops (%d collectives), %d tensors%s", len(em.ops), em.collectives, len(em.tensors),
              f" per rank, {sp_size} ranks" if ring else "")
-    groups = {"sp": everyone, **(dict.fromkeys(RING_GROUPS, everyone) if ring else {})}
-    strategy = {"strategy": "ring" if ring else "ulysses"} if sp_size > 1 else {}
+    rings = [list(range(lane, sp_size, u)) for lane in range(u)]  # Note [Hybrid attention in the export]
+    groups = {"sp": everyone, **(dict.fromkeys(RING_GROUPS, rings) if ring else {})}
+    if hybrid:
+        groups["ulysses"] = [list(range(j * u, (j + 1) * u)) for j in range(sp_size // u)]
+    kind = "hybrid" if hybrid else "ring" if ring else "ulysses"
+    strategy = {"strategy": kind, **({"ulysses_size": u} if hybrid else {})} if sp_size > 1 else {}
     return Workload(name=name, world_size=sp_size, groups=groups, ranks=programs, symmetric=not ring,
                     metadata={"sp_size": sp_size, **strategy, **(metadata or {})})
 

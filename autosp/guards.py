@@ -35,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autosp.config import ZIGZAG_STRATEGIES
 from autosp.context import TraceContext, refuse_padding
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
-from autosp.inputs import positions_are_plain, zigzag_chunks
+from autosp.inputs import positions_are_plain
 from autosp.passes.dynamo.placements import Shard
 
 log = logging.getLogger(__name__)
@@ -100,11 +101,11 @@ class ProgramGuard:
         ctx, assumed = self.ctx, self.assumptions
         refuse_padding(list(assumed.padding_refusals), ctx.layout, ctx.sp_size)
         if assumed.plain_positions and not positions_are_plain(ctx.full_inputs.get("position_ids")):
-            if ctx.strategy == "ring":
+            if ctx.strategy in ZIGZAG_STRATEGIES:
                 raise AutoSPError(
-                    "this model was compiled with strategy='ring' for one unpacked sequence per row, and this batch "
-                    "packs documents (position ids restart): compile with strategy='ulysses' to train on packed "
-                    "batches")
+                    f"this model was compiled with strategy={ctx.strategy!r} for one unpacked sequence per row, and "
+                    "this batch packs documents (position ids restart): compile with strategy='ulysses' to train on "
+                    "packed batches")
             # Compiled by Inductor for plain positions: the model compiles this batch with aot_eager instead
             # (Note [Code generator per batch] in autosp/api.py).
             raise DocumentAttentionUnavailable(
@@ -133,29 +134,25 @@ class ProgramGuard:
 
 
 class _GatherTokens(torch.autograd.Function):
-    """Every rank's tokens in sequence order: rank order, or under the zig-zag layout (Note [Zig-zag layout] in
-    autosp/inputs.py) the ranks' chunks put back in place.  The backward is this rank's tokens of the gradient."""
+    """Every rank's tokens in sequence order: each rank's pieces put back where the layout took them from (rank
+    order for contiguous shards; Note [Zig-zag layout] in autosp/inputs.py).  The backward is this rank's tokens of
+    the gradient."""
 
     @staticmethod
-    def forward(ctx, x, dim: int, group_name: str, size: int, rank: int, zigzag: bool):
-        parts = [torch.empty_like(x) for _ in range(size)]
+    def forward(ctx, x, dim: int, group_name: str, every_rank: tuple, rank: int):
+        parts = [torch.empty_like(x) for _ in every_rank]
         dist.all_gather(parts, x.contiguous(), group=_resolve_process_group(group_name))
-        ctx.dim, ctx.rank, ctx.size, ctx.zigzag, ctx.length = dim, rank, size, zigzag, x.shape[dim]
-        if not zigzag:
-            return torch.cat(parts, dim)
-        chunks = [None] * (2 * size)
-        for r, part in enumerate(parts):
-            for c, piece in zip(zigzag_chunks(size, r), part.chunk(2, dim), strict=True):
-                chunks[c] = piece
-        return torch.cat(chunks, dim)
+        ctx.dim, ctx.ranges = dim, every_rank[rank]
+        pieces = []
+        for part, ranges in zip(parts, every_rank, strict=True):
+            pieces += zip((begin for begin, _ in ranges),
+                          part.split([end - begin for begin, end in ranges], dim), strict=True)
+        return torch.cat([piece for _, piece in sorted(pieces, key=lambda p: p[0])], dim)
 
     @staticmethod
     def backward(ctx, grad):
-        if not ctx.zigzag:
-            return grad.narrow(ctx.dim, ctx.rank * ctx.length, ctx.length), None, None, None, None, None
-        chunks = grad.chunk(2 * ctx.size, ctx.dim)
-        mine = torch.cat([chunks[c] for c in zigzag_chunks(ctx.size, ctx.rank)], ctx.dim)
-        return mine, None, None, None, None, None
+        mine = torch.cat([grad.narrow(ctx.dim, begin, end - begin) for begin, end in ctx.ranges], ctx.dim)
+        return mine, None, None, None, None
 
 
 def _gather_output(value, placement, ctx: TraceContext):
@@ -166,8 +163,10 @@ def _gather_output(value, placement, ctx: TraceContext):
             f"the model, called without labels, returns a per-token output ({placement}) that AutoSP cannot "
             "gather to the whole sequence (its token axis is merged with another); pass labels so that the model "
             "returns the loss of the whole sequence, or return the per-token output as [batch, sequence, ...]")
-    zigzag = ctx.layout is not None and ctx.layout.zigzag
-    full = _GatherTokens.apply(value, placement.dim, ctx.group_name, ctx.sp_size, ctx.sp_rank, zigzag)
+    length = value.shape[placement.dim]
+    every_rank = (ctx.layout.every_rank if ctx.layout is not None
+                  else tuple(((r * length, (r + 1) * length),) for r in range(ctx.sp_size)))
+    full = _GatherTokens.apply(value, placement.dim, ctx.group_name, every_rank, ctx.sp_rank)
     return full.narrow(placement.dim, 0, ctx.layout.seq_len) if ctx.layout is not None else full
 
 

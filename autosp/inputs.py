@@ -6,7 +6,7 @@ sample.  `shard_batch` (called by the compiled model, not by users) pads the
 sequence to a multiple of the SP size, shifts the labels by one over the *whole*
 sequence (so the target at every shard border survives) and cuts out this rank's
 tokens, global position ids, padding mask and shifted labels: one contiguous slice
-(Ulysses), or the two zig-zag chunks of ring attention (Note [Zig-zag layout]).
+(Ulysses), or the zig-zag pieces of ring or hybrid attention (Note [Zig-zag layout]).
 """
 
 from __future__ import annotations
@@ -123,18 +123,44 @@ def prepare_inputs(
 # Under strategy="ring" the (padded) sequence is cut into 2P equal chunks and group rank i holds chunks i and
 # 2P-1-i, concatenated in that order (`zigzag_chunks`).  Under causal attention every rank then computes the
 # same number of (query, key) blocks in the ring (autosp/ring_attention.py), where a contiguous layout would
-# leave rank 0 one block and rank P-1 P blocks.  Everything token-indexed follows this one layout: the tokens,
-# their global position ids, the padding mask, the labels (shifted over the whole sequence *before* the cut,
-# so a chunk's last target is the next chunk's first token wherever that chunk lives), positions the model
+# leave rank 0 one block and rank P-1 P blocks.  Under strategy="hybrid" (Ulysses groups of U consecutive ranks,
+# a ring of R = P / U groups) the zig-zag is the ring's: the sequence is cut into 2R chunks, Ulysses group j holds
+# chunks j and 2R-1-j, and its U ranks hold consecutive equal pieces of that pair's concatenation, in Ulysses-rank
+# order (`zigzag_ranges`), so that the all-to-all that gathers the group's sequence (in rank order) hands every
+# rank the pair exactly as the ring expects it (Note [Hybrid attention] in autosp/passes/dynamo/attention.py).
+# U = 1 is the ring's layout.  Everything token-indexed follows this one layout: the
+# tokens, their global position ids, the padding mask, the labels (shifted over the whole sequence *before* the
+# cut, so a chunk's last target is the next chunk's first token wherever that chunk lives), positions the model
 # builds in the graph (autosp/passes/dynamo/positions.py) and outputs gathered back to the whole sequence
-# (autosp/guards.py).  Sums over the tokens (the loss) do not depend on the order.  A consumer that needs a
-# contiguous shard reads `ShardLayout.start` only after checking `ShardLayout.contiguous`, or refuses.
+# (autosp/guards.py, from `ShardLayout.every_rank`).  Sums over the tokens (the loss) do not depend on the order.
+# A consumer that needs a contiguous shard reads `ShardLayout.start` only after checking
+# `ShardLayout.contiguous`, or refuses.
 
 
 def zigzag_chunks(sp_size: int, sp_rank: int) -> tuple[int, int]:
     """The chunks of 2 * sp_size equal chunks that group rank ``sp_rank`` holds, in local order (Note [Zig-zag
     layout])."""
     return sp_rank, 2 * sp_size - 1 - sp_rank
+
+
+def zigzag_ranges(padded_seq_len: int, sp_size: int, sp_rank: int, ulysses_size: int = 1) -> tuple[tuple[int, int], ...]:
+    """Group rank ``sp_rank``'s tokens under the zig-zag layout of a ring over ``sp_size // ulysses_size`` Ulysses
+    groups of ``ulysses_size`` ranks, as [begin, end) ranges of the padded sequence in local order, one per chunk
+    the rank has tokens of (Note [Zig-zag layout]).  ``padded_seq_len`` is a multiple of 2 * sp_size."""
+    ring = sp_size // ulysses_size
+    chunk, local = padded_seq_len // (2 * ring), padded_seq_len // sp_size
+    pair = [(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(ring, sp_rank // ulysses_size)]
+    skip, want, out = (sp_rank % ulysses_size) * local, local, []
+    for begin, end in pair:  # this rank's piece of the pair's concatenation
+        if skip >= end - begin:
+            skip -= end - begin
+            continue
+        first = begin + skip
+        take = min(end - first, want)
+        if take:
+            out.append((first, first + take))
+        skip, want = 0, want - take
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -152,10 +178,17 @@ class ShardLayout:
     ranges: tuple[tuple[int, int], ...] = ()
     """This rank's tokens as [begin, end) index ranges of the padded sequence, in local order; () means the one
     contiguous range from ``start`` (filled in on creation)."""
+    every_rank: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Every group rank's ``ranges``, in group-rank order (what gathers outputs back to the whole sequence); ()
+    means contiguous slices in rank order (filled in on creation)."""
 
     def __post_init__(self) -> None:
         if not self.ranges:
             object.__setattr__(self, "ranges", ((self.start, self.start + self.local_seq_len),))
+        if not self.every_rank:
+            local = self.local_seq_len
+            object.__setattr__(self, "every_rank", tuple(((r * local, (r + 1) * local),)
+                                                         for r in range(self.padded_seq_len // local)))
 
     @property
     def pad_tokens(self) -> int:
@@ -177,19 +210,19 @@ class ShardLayout:
 
 
 def shard_layout(seq_len: int, *, sp_size: int, sp_rank: int, pad_to_multiple: bool,
-                 length_bucket: int | None = None, zigzag: bool = False) -> ShardLayout:
+                 length_bucket: int | None = None, zigzag: bool = False, ulysses_size: int = 1) -> ShardLayout:
     """The shard of a sequence of ``seq_len`` tokens for group rank ``sp_rank``: contiguous, or with ``zigzag`` the
-    chunks of Note [Zig-zag layout].
+    pieces of Note [Zig-zag layout] (a ring over Ulysses groups of ``ulysses_size`` ranks: 1 for the ring).
 
     The sequence is padded to a multiple of ``length_bucket`` when given (see AutoSPConfig), else of sp_size
-    (2 * sp_size for the zig-zag layout, whose chunks are equal)."""
+    (2 * sp_size for the zig-zag layout, whose pieces are equal)."""
     if seq_len < sp_size:
         raise AutoSPError(f"sequence of {seq_len} tokens is shorter than sp_size={sp_size}; pass at least sp_size tokens")
     multiple = length_bucket or (2 * sp_size if zigzag else sp_size)
     if zigzag and multiple % (2 * sp_size):
         raise AutoSPError(f"length_bucket={length_bucket} is not a multiple of 2 * sp_size = {2 * sp_size}, which "
-                          "strategy='ring' needs (its zig-zag layout cuts the sequence into 2 * sp_size equal "
-                          "chunks); pass a multiple of it")
+                          "strategy='ring' and 'hybrid' need (their zig-zag layout cuts the sequence into 2 * "
+                          "sp_size equal pieces); pass a multiple of it")
     padded = -(-seq_len // multiple) * multiple
     if padded != seq_len and not pad_to_multiple:
         what = f"2 * sp_size = {multiple}" if zigzag else f"sp_size={sp_size}"
@@ -206,10 +239,10 @@ def shard_layout(seq_len: int, *, sp_size: int, sp_rank: int, pad_to_multiple: b
         )
     if not zigzag or sp_size == 1:
         return ShardLayout(seq_len=seq_len, padded_seq_len=padded, local_seq_len=local, start=sp_rank * local)
-    chunk = local // 2
-    ranges = tuple((c * chunk, (c + 1) * chunk) for c in zigzag_chunks(sp_size, sp_rank))
+    every_rank = tuple(zigzag_ranges(padded, sp_size, r, ulysses_size) for r in range(sp_size))
+    ranges = every_rank[sp_rank]
     return ShardLayout(seq_len=seq_len, padded_seq_len=padded, local_seq_len=local, start=ranges[0][0],
-                       ranges=ranges)
+                       ranges=ranges, every_rank=every_rank)
 
 
 def pad_end(t: torch.Tensor, tokens: int, value: int | None) -> torch.Tensor:

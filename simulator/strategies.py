@@ -27,7 +27,8 @@ Ulysses groups are ``u`` consecutive ranks (``[0..u-1], [u..2u-1], ...``), so wi
 node their all-to-alls stay on NVLink; the ring groups are the ranks ``u`` apart (``[0, u, 2u, ...]``), whose
 neighbours sit on other nodes on the same rail when ``u`` is the node size (:mod:`simulator.topology`). This is
 the layout of USP (Fang & Zhao, "USP: A Unified Sequence Parallelism Approach for Long Context Generative AI",
-arXiv 2405.07719). Pure Ulysses is ``u = sp, r = 1``, pure ring ``u = 1, r = sp``.
+arXiv 2405.07719), and the one ``autosp.compile(strategy="hybrid", ulysses_size=u)`` builds (autosp/groups.py).
+Pure Ulysses is ``u = sp, r = 1``, pure ring ``u = 1, r = sp``.
 """
 
 from __future__ import annotations
@@ -242,8 +243,9 @@ _FIXED: tuple[Strategy, ...] = (
     Strategy(name="deepspeed-autosp", description="DeepSpeed's own AutoSP pass, run as it is",
              implementation="deepspeed", sequence_parallel="ulysses", zero_stage=_ZERO1, workload=None,
              tables=_MEASURED),
-    # The pass's ring and auto strategies (issue 21): listed in no table until autosp.compile has `strategy`;
-    # options_for refuses them on a pass without it.
+    # The pass's ring and auto strategies and (below) its hybrid family (issue 21): listed in no table yet (the pass
+    # compiles the ring and the hybrid, and exports the ring; "auto" is planned); options_for refuses them on a pass
+    # without `strategy`.
     Strategy(name="autosp-ring", description="AutoSP (this pass): zig-zag ring attention", implementation="autosp",
              sequence_parallel="ring", zero_stage=_ZERO1, workload=_SP, options=_options(strategy="ring")),
     Strategy(name="autosp-auto", description="AutoSP (this pass): the strategy and degrees it simulates fastest",

@@ -41,15 +41,16 @@ two comm streams, so that a rank sends to its next neighbour while it receives f
 ``batch_isend_irecv`` does (on one stream every rank's send would wait for its own receive, and the ring deadlock).
 Their instances are the ring's ranks; a ``send``'s ``peer`` is the next rank, a ``recv``'s the previous one."""
 
-COMPILED_STRATEGIES = ("ulysses", "ring")
+COMPILED_STRATEGIES = ("ulysses", "ring", "hybrid")
 """The sequence-parallel strategies ``autosp.compile(strategy=...)`` compiles a program with, and so the ones a
-workload is exported from (``metadata["strategy"]``): Ulysses all-to-alls around every attention, or the zig-zag
-ring of K/V passes. The one declaration of these names: ``autosp.config.STRATEGIES`` and
+workload is exported from (``metadata["strategy"]``): Ulysses all-to-alls around every attention, the zig-zag
+ring of K/V passes, or both (all-to-alls inside groups of ``ulysses_size`` consecutive ranks, the ring across the
+groups). The one declaration of these names: ``autosp.config.STRATEGIES`` and
 ``simulator.strategies.SEQUENCE_PARALLEL`` read them from here (autosp may import only this module of the
 simulator, docs/design.md, "The packages and who may import whom")."""
-PLANNED_STRATEGIES = ("hybrid", "auto")
-"""Strategies of ``simulator.strategies.SEQUENCE_PARALLEL`` that the pass does not compile (yet): a Ulysses x ring
-hybrid, and the pass's choice by simulation; ``autosp.compile`` names them when it refuses them."""
+PLANNED_STRATEGIES = ("auto",)
+"""Strategies of ``simulator.strategies.SEQUENCE_PARALLEL`` that the pass does not compile (yet): the pass's choice
+by simulation; ``autosp.compile`` names them when it refuses them."""
 
 
 class WorkloadError(ValueError):

@@ -110,7 +110,7 @@ def test_strategy_names_the_compiled_strategies_are_declared_once():
     import simulator.strategies
     import simulator.workload
 
-    assert autosp.config.STRATEGIES is simulator.workload.COMPILED_STRATEGIES == ("ulysses", "ring")
+    assert autosp.config.STRATEGIES is simulator.workload.COMPILED_STRATEGIES == ("ulysses", "ring", "hybrid")
     kinds = simulator.strategies.SEQUENCE_PARALLEL
     assert kinds == (*simulator.workload.COMPILED_STRATEGIES, *simulator.workload.PLANNED_STRATEGIES, "none")
     declared = []

@@ -82,6 +82,9 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 def check_plannable(module: torch.nn.Module, config: AutoSPConfig) -> None:
     """What `autosp.compile` refuses before any work when ``memory_plan="auto"``."""
     hf_config_of(module)
+    if config.strategy == "hybrid":
+        raise AutoSPError("memory_plan='auto' does not plan a strategy='hybrid' program yet; pass the memory options "
+                          "yourself with memory_plan='off', or plan under strategy='ulysses' or 'ring'")
     device = _device_of(module)
     if config.target_memory is None and device.type != "cuda":
         raise AutoSPError(

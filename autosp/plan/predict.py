@@ -490,8 +490,11 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
 
 # --- strategy="auto": the strategy chosen by simulating each candidate on its own trace -----------------------
 
-STRATEGY_CHOICES = tuple(kind for kind in SEQUENCE_PARALLEL if kind in COMPILED_STRATEGIES or kind == "auto")
-"""``--strategy``: a strategy the pass compiles, or ``auto`` (`choose_strategy`); read from the registry."""
+AUTO_STRATEGIES = tuple(kind for kind in COMPILED_STRATEGIES if kind != "hybrid")
+"""The compiled strategies ``strategy="auto"`` simulates and ``--strategy`` names (``simulator.workload``'s
+``COMPILED_STRATEGIES`` but the hybrid, whose Ulysses degree neither chooses yet)."""
+STRATEGY_CHOICES = tuple(kind for kind in SEQUENCE_PARALLEL if kind in AUTO_STRATEGIES or kind == "auto")
+"""``--strategy``: a strategy of `AUTO_STRATEGIES`, or ``auto`` (`choose_strategy`); read from the registry."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -499,7 +502,7 @@ class StrategyCandidate:
     """One strategy's prediction (traced with ``strategy=`` it, exported, simulated), or why it cannot run."""
 
     strategy: str
-    """The pass's strategy (a name of ``simulator.workload.COMPILED_STRATEGIES``)."""
+    """The pass's strategy (a name of `AUTO_STRATEGIES`)."""
     system: str
     """Its name in the registry (``simulator.strategies.STRATEGIES``)."""
     prediction: Prediction | None
@@ -567,14 +570,14 @@ class StrategyDecision:
 
 
 def strategy_candidates(model: str, setup: TrainingSetup) -> list[tuple[str, Strategy | None, str | None]]:
-    """(pass strategy, its registry entry or None, why it cannot run) for every strategy the pass compiles: the
+    """(pass strategy, its registry entry or None, why it cannot run) for every strategy of `AUTO_STRATEGIES`: the
     registry's `simulator.strategies.sp_candidates` for the model's heads and ``setup.sp_size``."""
     hf = ModelSource(model).config(seq_len=setup.seq_len)
     heads = int(hf.num_attention_heads)
     kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
     runnable = {s.sequence_parallel: s for s in sp_candidates(setup.sp_size, heads=heads, kv_heads=kv_heads)}
     found = []
-    for kind in COMPILED_STRATEGIES:
+    for kind in AUTO_STRATEGIES:
         strategy = runnable.get(kind)
         why = None if strategy is not None else (
             f"{heads} attention heads are not divisible by sp_size {setup.sp_size}" if kind == "ulysses"
@@ -589,7 +592,7 @@ def choose_strategy(model: str, setup: TrainingSetup, cluster: Cluster, *, optio
     """``strategy="auto"``: predict ``setup`` under every strategy the pass compiles (each traced with that
     strategy, exported from what its pass emits and simulated on ``cluster``: `predict`), and choose the fastest
     whose peak fits ``capacity_bytes`` (default: the device's memory); ties go to the earlier strategy of
-    ``simulator.workload.COMPILED_STRATEGIES``.  ``options``: further `autosp.compile` options (not the strategy);
+    `AUTO_STRATEGIES`.  ``options``: further `autosp.compile` options (not the strategy);
     ``reuse``: traces shared with other calls (`TraceReuse`)."""
     start = time.perf_counter()
     setup.check()

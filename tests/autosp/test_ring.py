@@ -14,6 +14,7 @@ import torch
 
 from tests.autosp.cases import loss_of, make_sample, named_grads
 from tests.autosp.test_equivalence import FP32_TOL, _check, _run_case
+from tests.autosp.test_hybrid import check_hybrid_four_ranks, hybrid_four_rank_cases
 from tests.harness import run_on_ranks
 
 RING = {"strategy": "ring"}
@@ -67,7 +68,7 @@ def test_ring_strategy_option_is_validated_with_the_registry_names():
     assert REGISTRY["autosp-ring"].options_for({"strategy"}) == {"strategy": "ring"}
     AutoSPConfig(sp_size=2, strategy="ring", length_bucket=8)
     with pytest.raises(AutoSPError, match="not implemented yet"):
-        AutoSPConfig(sp_size=2, strategy="hybrid")
+        AutoSPConfig(sp_size=2, strategy="auto")
     with pytest.raises(AutoSPError, match="strategy must be one of"):
         AutoSPConfig(sp_size=2, strategy="ring_attention")
     with pytest.raises(AutoSPError, match="multiple of 2 \\* sp_size = 4"):
@@ -256,11 +257,13 @@ def _four_rank_cases(rank, world):
         ulysses = None
     except AutoSPError as err:
         ulysses = str(err)
-    return {"cases": results, "ulysses": ulysses}
+    # The hybrid's 4-rank cases (tests/autosp/test_hybrid.py) share this launch: one start, one first compile.
+    return {"cases": results, "ulysses": ulysses, "hybrid": hybrid_four_rank_cases(rank, world)}
 
 
 @pytest.mark.slow
-def test_ring_four_ranks_gqa_more_ranks_than_heads_and_data_parallel_match_single_device():
+def test_ring_four_ranks_gqa_more_ranks_than_heads_and_data_parallel_and_the_hybrid_match_single_device():
     out = run_on_ranks(_four_rank_cases, 4, timeout_s=900)
     _check([r["cases"] for r in out], FP32_TOL)
     assert all("strategy='ring'" in r["ulysses"] for r in out)
+    check_hybrid_four_ranks([r["hybrid"] for r in out])

@@ -14,7 +14,7 @@ import pytest
 from autosp.errors import AutoSPError
 from autosp.plan import TrainingSetup, load_cluster
 from autosp.plan.__main__ import build_parser, main
-from autosp.plan.predict import STRATEGY_CHOICES, TraceReuse, choose_strategy
+from autosp.plan.predict import AUTO_STRATEGIES, STRATEGY_CHOICES, TraceReuse, choose_strategy
 from simulator.strategies import SEQUENCE_PARALLEL
 from simulator.workload import COMPILED_STRATEGIES
 
@@ -41,7 +41,7 @@ def decided(llama_config):
 
 
 def test_strategy_auto_choices_are_the_registrys():
-    assert STRATEGY_CHOICES == (*COMPILED_STRATEGIES, "auto") and set(STRATEGY_CHOICES) <= set(SEQUENCE_PARALLEL)
+    assert STRATEGY_CHOICES == (*AUTO_STRATEGIES, "auto") and set(AUTO_STRATEGIES) <= set(COMPILED_STRATEGIES) and set(STRATEGY_CHOICES) <= set(SEQUENCE_PARALLEL)
     assert build_parser().parse_args(["--model", "tiny-llama", "--cluster", CLUSTER, "--seq-len", "64",
                                       "--strategy", "ring"]).strategy == "ring"
 
@@ -49,7 +49,7 @@ def test_strategy_auto_choices_are_the_registrys():
 def test_strategy_auto_simulates_each_strategy_on_its_own_trace_and_picks_the_argmin(decided):
     setup, _, _, decision = decided
     by_name = {c.strategy: c for c in decision.candidates}
-    assert list(by_name) == list(COMPILED_STRATEGIES) and all(c.prediction is not None for c in by_name.values())
+    assert list(by_name) == list(AUTO_STRATEGIES) and all(c.prediction is not None for c in by_name.values())
     ulysses, ring = (by_name[s].prediction.step.simulated for s in ("ulysses", "ring"))
     # Ulysses' symmetric program collapses to one simulated rank; the ring's names its neighbours: every rank.
     assert ulysses.collapsed and not ring.collapsed and len(ring.simulated_ranks) == setup.world_size

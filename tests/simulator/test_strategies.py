@@ -18,7 +18,7 @@ from simulator.strategies import (
     sp_candidates,
 )
 
-# Some fields of autosp.AutoSPConfig, and with those the hybrid strategy (not in the pass yet) would add.
+# Some fields of autosp.AutoSPConfig, and with those the strategy options (strategy, ulysses_size, ring_size).
 PASS_TODAY = {"sp_size", "compiler", "checkpointing", "overlap_communication", "sac_recompute_limit"}
 PASS_WITH_STRATEGIES = PASS_TODAY | {"strategy", "ulysses_size", "ring_size"}
 

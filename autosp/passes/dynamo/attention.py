@@ -1,4 +1,5 @@
-"""Wrap every attention in Ulysses all-to-alls, or make it ring attention (strategy="ring", `_ring_attention`).
+"""Wrap every attention in Ulysses all-to-alls, make it ring attention (strategy="ring", `_ring_attention`), or
+both (strategy="hybrid", Note [Hybrid attention]).
 
 Before the pass, each rank's ``scaled_dot_product_attention`` sees its own slice
 of the sequence and all heads: q [B, H, S/P, D], k and v [B, Hkv, S/P, D].  The
@@ -20,6 +21,19 @@ does not divide G) before the all-to-all; expanded head j stands for original
 head j // f and the local GQA group size becomes G / f, which maps every local
 query head to the copy of its own kv head: (i // (G/f)) // f = i // G.
 
+Note [Hybrid attention]
+Under strategy="hybrid" the SP group of P ranks is cut into Ulysses groups of U consecutive ranks and ring groups
+of the ranks U apart (autosp/groups.py; R = P / U groups in a ring).  The tokens follow the ring's zig-zag over
+the R Ulysses groups (Note [Zig-zag layout] in autosp/inputs.py): group j holds chunks j and 2R-1-j of 2R, split
+into U consecutive pieces over its ranks.  The attention is the Ulysses rewrite above with P replaced by U (heads
+divisible by U; kv heads replicated only where U does not divide them, by the same rule) and the all-to-alls on
+the Ulysses group, so that after the first all-to-all each rank holds its group's two chunks whole, for H/U
+heads (and their kv heads); in place of the attention call runs ``autosp_testbed::ring_attention`` over the ring
+group with the zig-zag layout of R ranks (Note [Ring attention] in autosp/ring_attention.py: fused per-chunk
+attention, log-sum-exp merged online in fp32, kv heads expanded only inside the kernel calls); the second
+all-to-all brings the output back to the rank's own tokens, all heads.  U = P is Ulysses over a ring of one, U = 1
+the ring.  What the ring refuses (packed documents, padding masks, sliding windows) the hybrid refuses too.
+
 This is the sequence-sharding analysis's rule for attention (see Note
 [Sequence-sharding analysis] in autosp.passes.dynamo.sharding).  A model that
 computes attention with matmul + softmax instead of SDPA contracts the token
@@ -36,9 +50,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from autosp.config import ZIGZAG_STRATEGIES
 from autosp.context import AttentionSite, TraceContext
 from autosp.document_attention import document_attention
 from autosp.errors import AutoSPError
+from autosp.inputs import zigzag_ranges
 from autosp.passes.dynamo.placements import REPLICATE, Partial, Shard
 from autosp.passes.dynamo.registry import rule
 from autosp.passes.graph_utils import bind, infer_fake_value, module_name, shape_of
@@ -67,13 +83,14 @@ def kv_replication_factor(num_heads: int, num_kv_heads: int, sp_size: int) -> in
     return factor if group % factor == 0 else group
 
 
-@rule("attention (Ulysses or ring)", targets=ATTENTION_TARGETS)
+@rule("attention (Ulysses, ring or hybrid)", targets=ATTENTION_TARGETS)
 def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
     """The analysis's rule for scaled_dot_product_attention (in the top graph or a nested body).
 
-    Token-sharded q, k, v ([B, H, S/P, D], tokens on dim 2) are wrapped in all-to-alls, or under
-    strategy="ring" replaced by ring attention (`_ring_attention`); replicated ones (attention over
-    something other than the tokens) stay as they are.
+    Token-sharded q, k, v ([B, H, S/P, D], tokens on dim 2) are wrapped in all-to-alls, under
+    strategy="ring" replaced by ring attention (`_ring_attention`), under strategy="hybrid" wrapped in
+    all-to-alls over the Ulysses group around ring attention over the ring group (Note [Hybrid attention]);
+    replicated ones (attention over something other than the tokens) stay as they are.
     """
     ctx: TraceContext = an.ctx
     graph, p = gm.graph, ctx.sp_size
@@ -102,17 +119,27 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
             "the padding mask alone (packed documents, padding, sliding windows: Note [Attention masks built from "
             "the inputs]); a mask computed from anything else (the tokens, a buffer) is not supported"
         )
+    if ctx.strategy in ZIGZAG_STRATEGIES:
+        _check_zigzag(ctx, where, args, documents)
     if ctx.strategy == "ring":
-        return _ring_attention(an, gm, node, args, documents)
+        return _ring_attention(an, gm, node, args)
     if documents and an.of(args["documents"]) != REPLICATE:
         raise AutoSPError(f"module {where}: the document ids of its attention are {an.of(args['documents'])}, "
                           "not the whole sequence's; this is a bug in AutoSP's mask pass")
     q_shape, k_shape = shape_of(args["query"]), shape_of(args["key"])
     heads, kv_heads = q_shape[HEAD_DIM], k_shape[HEAD_DIM]
+    hybrid = ctx.strategy == "hybrid"
+    group_name, p = (ctx.ulysses_group_name, ctx.ulysses_size) if hybrid else (ctx.group_name, p)
+    if heads % p and hybrid:
+        divisors = [u for u in range(1, ctx.sp_size + 1) if ctx.sp_size % u == 0 and heads % u == 0]
+        raise AutoSPError(
+            f"module {where} has {heads} attention heads, not divisible by ulysses_size={p}; pass a ulysses_size "
+            f"that divides both the heads and sp_size={ctx.sp_size} (one of {divisors}; 1 is the ring alone)")
     if heads % p:
         raise AutoSPError(
             f"module {where} has {heads} attention heads, not divisible by sp_size={p}; "
-            "choose an sp_size that divides the number of heads, or strategy='ring' (any number of heads)"
+            "choose an sp_size that divides the number of heads, or strategy='ring' or 'hybrid' (any number of "
+            "heads)"
         )
     causal = documents or bool(args["is_causal"])
     if not causal:  # checked again on every call of the program: autosp.context.TraceContext.require_unpadded
@@ -132,64 +159,89 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
         gathered = {}
         for name, tensor in (("query", args["query"]), ("key", key), ("value", value)):
             if tensor not in gathered:
-                gathered[tensor] = graph.call_function(a2a, (tensor, HEAD_DIM, SEQ_DIM, ctx.group_name, p))
+                gathered[tensor] = graph.call_function(a2a, (tensor, HEAD_DIM, SEQ_DIM, group_name, p))
                 infer_fake_value(gathered[tensor])
-                an.set(gathered[tensor], Shard(HEAD_DIM))  # head-sharded, whole sequence
+                an.set(gathered[tensor], Shard(HEAD_DIM))  # head-sharded, whole sequence (the hybrid: the group's)
             args[name] = gathered[tensor]
         args["enable_gqa"] = kv_heads * replicate != heads
         qkv = (args.pop("query"), args.pop("key"), args.pop("value"))
-        if documents:  # whole sequences now: queries and keys both start at token 0
-            args["q_start"] = args["kv_start"] = 0
-            qkv = (*qkv, args.pop("documents"))
-        attention = graph.call_function(node.target, qkv, dict(args))
-        attention.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
-        infer_fake_value(attention)
-        an.set(attention, Shard(HEAD_DIM))
-        out = graph.call_function(a2a, (attention, SEQ_DIM, HEAD_DIM, ctx.group_name, p))
+        if hybrid:  # the ring across the Ulysses groups, on the heads this rank now holds
+            attention = _insert_ring(an, node, qkv, args, causal, ctx.ring_group_name, ctx.sp_size // p,
+                                     Shard(HEAD_DIM))
+        else:
+            if documents:  # whole sequences now: queries and keys both start at token 0
+                args["q_start"] = args["kv_start"] = 0
+                qkv = (*qkv, args.pop("documents"))
+            attention = graph.call_function(node.target, qkv, dict(args))
+            _keep_meta(attention, node)
+            infer_fake_value(attention)
+            an.set(attention, Shard(HEAD_DIM))
+        out = graph.call_function(a2a, (attention, SEQ_DIM, HEAD_DIM, group_name, p))
         infer_fake_value(out)
-        out.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        _keep_meta(out, node)
     an.set(out, token_sharded)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     an.result.attention.append(out)
     ctx.report.attention_sites.append(AttentionSite(where, heads, kv_heads, replicate, causal))
-    log.debug("all-to-all around %s (heads %d, kv heads %d x%d)", where, heads, kv_heads, replicate)
+    log.debug("all-to-all%s around %s (heads %d, kv heads %d x%d)", " and ring" if hybrid else "", where, heads,
+              kv_heads, replicate)
     return token_sharded
 
 
-def _ring_attention(an, gm: fx.GraphModule, node: fx.Node, args: dict, documents: bool):
+def _keep_meta(new: fx.Node, node: fx.Node) -> None:
+    new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+
+
+def _check_zigzag(ctx: TraceContext, where: str, args: dict, documents: bool) -> None:
+    """What the ring and the hybrid refuse, and the layout they assume (Note [Zig-zag layout])."""
+    if documents:
+        raise AutoSPError(f"module {where} attends with a mask over packed documents, padding or a sliding window, "
+                          f"which strategy={ctx.strategy!r} does not apply yet: use strategy='ulysses'")
+    layout = ctx.layout
+    if layout is not None and ctx.sp_size > 1 and layout.ranges != zigzag_ranges(
+            layout.padded_seq_len, ctx.sp_size, ctx.sp_rank, ctx.ulysses_size):
+        raise AutoSPError(f"module {where}: strategy={ctx.strategy!r} needs the zig-zag layout; this is a bug in AutoSP")
+    heads, kv_heads = shape_of(args["query"])[HEAD_DIM], shape_of(args["key"])[HEAD_DIM]
+    if kv_heads != heads and (not args["enable_gqa"] or heads % kv_heads):
+        raise AutoSPError(f"module {where} calls scaled_dot_product_attention with {heads} query heads and {kv_heads} "
+                          "key/value heads without enable_gqa; expand the key/value heads or pass enable_gqa=True")
+
+
+def _insert_ring(an, node: fx.Node, qkv: tuple, args: dict, causal: bool, group_name: str, size: int,
+                 placement) -> fx.Node:
+    """``autosp_testbed::ring_attention`` of ``qkv`` over the ``size`` ranks of ``group_name`` (zig-zag layout),
+    inserted where the graph's insertion point is; returns its output node, placed ``placement``."""
+    graph = node.graph
+    scale = args["scale"] if args["scale"] is not None else default_scale(shape_of(qkv[0])[-1])
+    ring = graph.call_function(torch.ops.autosp_testbed.ring_attention.default,
+                               (*qkv, float(scale), causal, "zigzag", group_name, size))
+    infer_fake_value(ring)
+    out = graph.call_function(operator.getitem, (ring, 0))
+    infer_fake_value(out)
+    for new in (ring, out):
+        _keep_meta(new, node)
+    an.set(ring, (placement, placement))
+    an.set(out, placement)
+    return out
+
+
+def _ring_attention(an, gm: fx.GraphModule, node: fx.Node, args: dict):
     """strategy="ring": the attention becomes ``autosp_testbed::ring_attention`` over the zig-zag shards
     (Note [Ring attention] in autosp/ring_attention.py); q, k and v keep every head and stay token-sharded, the
     output is this rank's tokens like the input.  Key/value heads are not replicated under GQA."""
     ctx: TraceContext = an.ctx
     graph, p, where = gm.graph, ctx.sp_size, module_name(node)
-    if documents:
-        raise AutoSPError(f"module {where} attends with a mask over packed documents, padding or a sliding window, "
-                          "which strategy='ring' does not apply yet: use strategy='ulysses'")
-    if ctx.layout is not None and not ctx.layout.zigzag:
-        raise AutoSPError(f"module {where}: strategy='ring' needs the zig-zag layout; this is a bug in AutoSP")
     q_shape, k_shape = shape_of(args["query"]), shape_of(args["key"])
     heads, kv_heads = q_shape[HEAD_DIM], k_shape[HEAD_DIM]
-    if kv_heads != heads and (not args["enable_gqa"] or heads % kv_heads):
-        raise AutoSPError(f"module {where} calls scaled_dot_product_attention with {heads} query heads and {kv_heads} "
-                          "key/value heads without enable_gqa; expand the key/value heads or pass enable_gqa=True")
     causal = bool(args["is_causal"])
     if not causal:  # checked again on every call of the program: autosp.context.TraceContext.require_unpadded
         ctx.require_unpadded(f"module {where} uses non-causal attention (padding is exact only under causal "
                              "attention)")
-    scale = args["scale"] if args["scale"] is not None else default_scale(q_shape[-1])
     token_sharded = Shard(SEQ_DIM)
     with graph.inserting_before(node):
-        ring = graph.call_function(torch.ops.autosp_testbed.ring_attention.default,
-                                   (args["query"], args["key"], args["value"], float(scale), causal, "zigzag",
-                                    ctx.group_name, p))
-        infer_fake_value(ring)
-        out = graph.call_function(operator.getitem, (ring, 0))
-        infer_fake_value(out)
-        for new in (ring, out):
-            new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
-    an.set(ring, (token_sharded, token_sharded))
-    an.set(out, token_sharded)
+        out = _insert_ring(an, node, (args["query"], args["key"], args["value"]), args, causal, ctx.group_name, p,
+                           token_sharded)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     an.result.attention.append(out)

@@ -54,6 +54,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
+from autosp.config import ZIGZAG_STRATEGIES
 from autosp.context import TraceContext
 from autosp.document_attention import document_attention, document_ids, kept_fraction
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
@@ -356,7 +357,7 @@ class _MaskLearner:
     def _check_real(self, where: str, rule: MaskRule, evaluate) -> None:
         """The learnt rule against the traced batch, on every rank's block (the same outcome on every rank)."""
         full = self.ctx.full_inputs
-        # A contiguous block of the real batch: under the zig-zag layout (strategy="ring") this rank's own tokens
+        # A contiguous block of the real batch: under the zig-zag layout (ring, hybrid) this rank's own tokens
         # are two chunks, on which the model's mask would see a document boundary that is not in the batch.
         layout = self.ctx.layout.window() if self.ctx.layout is not None else None
         if layout is None or any(isinstance(full.get(r), FakeTensor) for r in MASK_INPUTS):
@@ -432,9 +433,9 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
         if rule is None:
             continue
         changed = True
-        if ctx.strategy == "ring" and not (seq_len is None or rule.plain_causal(seq_len)):
-            rule = _without_document_attention(rule, ctx, where, "strategy='ring' does not apply it yet: use "
-                                               "strategy='ulysses'")
+        if ctx.strategy in ZIGZAG_STRATEGIES and not (seq_len is None or rule.plain_causal(seq_len)):
+            rule = _without_document_attention(rule, ctx, where, f"strategy={ctx.strategy!r} does not apply it yet: "
+                                               "use strategy='ulysses'")
         elif not ctx.document_attention_compiles and not (seq_len is None or rule.plain_causal(seq_len)):
             # The compiled model catches this and compiles the batch with aot_eager (Note [Code generator per
             # batch] in autosp/api.py).
@@ -481,9 +482,9 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
 def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str, why: str,
                                 error: type[AutoSPError] = AutoSPError) -> MaskRule:
     """Where `document_attention` is not available (under Inductor, whose flex_attention lowering does not compile
-    it yet, and under strategy="ring"): a rule that only separates documents by position is the causal mask while
-    the positions are 0..S-1 in every row, which the compiled model then checks on every call; anything else
-    raises ``error``, saying ``why``."""
+    it yet, and under strategy="ring" or "hybrid"): a rule that only separates documents by position is the causal
+    mask while the positions are 0..S-1 in every row, which the compiled model then checks on every call; anything
+    else raises ``error``, saying ``why``."""
     plain = positions_are_plain(ctx.full_inputs.get("position_ids"))
     if rule.by_position and not rule.padding and rule.window is None and rule.chunk is None and plain:
         ctx.report.requires_plain_positions = True

@@ -37,6 +37,7 @@ import operator
 import torch
 from torch import fx
 
+from autosp.config import ZIGZAG_STRATEGIES
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.placements import REPLICATE, Shard, describe
 from autosp.passes.dynamo.registry import arguments, op_name, rule
@@ -115,8 +116,8 @@ def globalize_positions(an) -> None:
         if op_name(node) == "cumsum":  # a running count (see the Note): add the tokens before this shard
             if layout.zigzag:
                 raise AutoSPError(f"{describe(node)} in module {module_name(node)} builds positions as a running "
-                                  "count, which strategy='ring' (two chunks per rank) does not shift yet: pass "
-                                  "position_ids to the model (autosp.prepare_inputs does), or use "
+                                  f"count, which strategy={an.ctx.strategy!r} (two chunks per rank) does not shift "
+                                  "yet: pass position_ids to the model (autosp.prepare_inputs does), or use "
                                   "strategy='ulysses'")
             fill = constant_fill(arguments(node)["input"], an.seq_len)
             with node.graph.inserting_after(node):
@@ -127,11 +128,11 @@ def globalize_positions(an) -> None:
             continue
         kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
         length = arange_bounds(node)[1]
+        if isinstance(length, fx.Node) and an.ctx.strategy in ZIGZAG_STRATEGIES:  # not rank r's r-th slice
+            raise AutoSPError(f"{describe(node)} in module {module_name(node)} builds positions from a dynamic "
+                              f"length, which strategy={an.ctx.strategy!r} does not support: pass position_ids to "
+                              "the model (autosp.prepare_inputs does), or use strategy='ulysses'")
         if layout.zigzag:  # this rank's chunks (Note [Zig-zag layout] in autosp/inputs.py), concatenated
-            if isinstance(length, fx.Node):
-                raise AutoSPError(f"{describe(node)} in module {module_name(node)} builds positions from a dynamic "
-                                  "length, which strategy='ring' does not support: pass position_ids to the model "
-                                  "(autosp.prepare_inputs does), or use strategy='ulysses'")
             with node.graph.inserting_before(node):
                 pieces = [node.graph.call_function(torch.arange, (begin, end), kwargs) for begin, end in layout.ranges]
             for piece in pieces:
