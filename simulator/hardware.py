@@ -248,7 +248,7 @@ DATASHEETS: dict[str, _Datasheet] = {
                         host_bidir=900 * GB, host_kind="nvlink-c2c",
                         sources=("NVIDIA GH200 Grace Hopper Superchip datasheet",),
                         host_source="NVIDIA GH200 Grace Hopper Superchip datasheet: NVLink-C2C 900 GB/s between "
-                                    "Hopper and Grace, up to 480 GB LPDDR5X per superchip; assumption: every "
+                                    "Hopper and Grace, up to 480 GB of LPDDR5X memory per superchip; assumption: every "
                                     "superchip of the node has the largest (480 GB) configuration (systems also "
                                     "ship with less)",
                         notes="4 superchips per node; the all-to-all NVLink mesh is modelled as a non-blocking switch"),

@@ -41,7 +41,8 @@ CPU (no device op); its time is :func:`host_optimizer_time_s`, an assumption (``
 the step; ``metadata["training_step"]["host_optimizer_s"]``). Then the updated low-precision partition comes
 back (``from_host``, blocking: ZeRO 1/2 copy ``param_buffer_of_bit16_for_cpu_offload_groups`` into the device
 partition; ZeRO 3 ``_reassign_or_swap_out_partitioned_parameters``, a blocking copy that converts on the CPU),
-before ZeRO 1/2's all-gather.
+before ZeRO 1/2's all-gather. A workload that reduces its own gradients (no :class:`GradientReady` given: the
+ZeRO-3 rewrite) sends its whole partition down after its last op.
 """
 
 from __future__ import annotations
@@ -223,6 +224,11 @@ def _program_with_step(program: RankProgram, gradients: Sequence[GradientReady],
     states = OPTIMIZER_STATES[cfg.optimizer]
     lp = _BYTES[cfg.precision] if cfg.wrapper != "torch" else 0
     n = plan.shard_elements
+    if offload and not copies and ops:  # gradients reduced by the workload itself (the ZeRO-3 rewrite): all at once
+        copies.append(new_op(name="grad_to_host_0", kind="collective_start", phase="optimizer", deps=(ops[-1].id,),
+                             collective=Collective(kind="to_host", group=HOST_GROUP, key="grad_to_host_0",
+                                                   message_bytes=down * n)))
+        tail.insert(0, copies[-1])
     for copy in copies:
         tail.append(new_op(name=f"wait_{copy.name}", kind="collective_wait", phase="optimizer",
                            collective=copy.collective))
@@ -272,7 +278,7 @@ def add_training_step(workload: Workload, gradients: Sequence[GradientReady] | M
                             f"{cfg.dp_world_size}; they must agree")
     plan = reduction_plan(cfg)
     if cfg.offload_optimizer:
-        groups[HOST_GROUP] = [[r] for r in sorted(workload.ranks)]
+        groups[HOST_GROUP] = [[r] for r in range(workload.world_size)]
         groups = dataclasses.replace(workload, groups=groups).groups
     per_rank = gradients if isinstance(gradients, Mapping) else {r: gradients for r in workload.ranks}
     ranks = {r: _program_with_step(p, per_rank[r], cfg, plan, group) for r, p in workload.ranks.items()}

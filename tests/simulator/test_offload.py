@@ -45,27 +45,30 @@ def test_presets_have_host_memory_and_its_link_with_a_source(name, per_direction
     assert get_preset("cpu-gloo").host_memory_link is None  # one memory: nothing to offload to
 
 
-def _host_copies(cluster, *messages):
+def _host_copies(cluster, *messages, streams: int = 1):
+    """Copies of 1 MB started together, the k-th on stream (group) ``k % streams``, then all waited."""
     b = ProgramBuilder()
-    starts = [b.start(f"c{k}", kind=kind, group="host", message_bytes=m, key=f"c{k}")
-              for k, (kind, m) in enumerate(messages)]
+    starts = [b.start(f"c{k}", kind=kind, group=f"host{k % streams}", message_bytes=10**6, key=f"c{k}")
+              for k, kind in enumerate(messages)]
     for s in starts:
         b.wait(s)
-    workload = Workload(name="copies", world_size=2, groups={"host": [[0], [1]]}, ranks={0: b.build()},
-                        symmetric=True)
+    workload = Workload(name="copies", world_size=2, groups={f"host{k}": [[0], [1]] for k in range(streams)},
+                        ranks={0: b.build()}, symmetric=True)
     return simulate(workload, cluster)
 
 
 def test_host_copies_run_on_their_own_link_and_share_it_by_direction():
-    assert _host_copies(CLUSTER, ("to_host", 10**6)).step_time_s == pytest.approx(1 * MS)
-    # two copies down at once share the device's link: 2 ms; one down and one up use its two directions: 1 ms
-    assert _host_copies(CLUSTER, ("to_host", 10**6), ("to_host", 10**6)).step_time_s == pytest.approx(2 * MS)
-    assert _host_copies(CLUSTER, ("to_host", 10**6), ("from_host", 10**6)).step_time_s == pytest.approx(1 * MS)
+    assert _host_copies(CLUSTER, "to_host").step_time_s == pytest.approx(1 * MS)
+    # one stream runs its copies one after the other, as a CUDA stream does
+    assert _host_copies(CLUSTER, "to_host", "from_host").step_time_s == pytest.approx(2 * MS)
+    # on two streams, two copies down share the device's link; one down and one up use its two directions
+    assert _host_copies(CLUSTER, "to_host", "to_host", streams=2).step_time_s == pytest.approx(2 * MS)
+    assert _host_copies(CLUSTER, "to_host", "from_host", streams=2).step_time_s == pytest.approx(1 * MS)
     latency = Cluster.from_preset(dataclasses.replace(CLUSTER.preset, host_memory_link=dataclasses.replace(
         HOST, latency_s=0.5 * MS, efficiency=0.5)))
-    assert _host_copies(latency, ("from_host", 10**6)).step_time_s == pytest.approx(2.5 * MS)
+    assert _host_copies(latency, "from_host").step_time_s == pytest.approx(2.5 * MS)
     with pytest.raises(ValueError, match="host_memory_link"):
-        _host_copies(Cluster.from_preset(toy_preset()), ("to_host", 10**6))
+        _host_copies(Cluster.from_preset(toy_preset()), "to_host")
 
 
 def _cfg(**kw):
@@ -122,6 +125,14 @@ def test_offload_zero3_sends_the_gradient_partition_in_bf16_and_fp32_and_gathers
     assert [op.collective.message_bytes for op in up] == [2 * 375_000]
     assert not [op for op in ops if op.name.startswith("param_all_gather")]
     assert simulate(stepped, CLUSTER).step_time_s > 3 * MS
+    # a workload that reduces its own gradients (the ZeRO-3 rewrite: no GradientReady) sends the partition at the end
+    b = ProgramBuilder()
+    b.compute("B", flops=GFLOP, phase="backward")
+    own = add_training_step(Workload(name="z3", world_size=2, groups={"dp": [0, 1]}, ranks={0: b.build()},
+                                     symmetric=True), [], _cfg(zero_stage=3))
+    result = simulate(own, CLUSTER)
+    assert _times(result, "grad_to_host_0") == (1.0, 1.0 + 6 * 375_000 / 1e6)
+    assert result.step_time_s == pytest.approx((1.0 + 6 * 0.375 + 2 * 0.375) * MS)
 
 
 LLAMA = {"hidden": 64, "ffn_hidden": 160, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 320}
