@@ -11,7 +11,10 @@ path fails (``test_ledger_measured_cases_really_differ``).
 bf16 works with DeepSpeed's CPU accelerator, so bf16 is tested as it is.
 
 Optimizer offload (``offload_optimizer.device = "cpu"``, ZeRO 1-3, Note [Optimizer offload] in simulator/ledger.py)
-runs with torch's Adam (``zero_force_ds_cpu_optimizer: false``; DeepSpeed's CPU Adam keeps the same fp32 state).
+runs with torch's Adam (``zero_force_ds_cpu_optimizer: false``): DeepSpeed's CPU Adam is a C++ op built on first
+use (``DeepSpeedCPUAdam``, JIT through ninja and g++), and its build had not finished after 7 minutes on the
+2-core test machine; it keeps the same fp32 ``exp_avg``/``exp_avg_sq`` (ops/adam/cpu_adam.py ``step``) and its
+step count as a Python int instead of torch's 4-byte tensor.
 On a CPU both pools are one process, so the test splits the measurement by which buffers DeepSpeed places on
 its offload device (``self.device = 'cpu'``): those bytes must equal the ledger's ``pool="host"`` lines, and the
 rest its device lines.
