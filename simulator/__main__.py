@@ -276,7 +276,8 @@ def _timing_sensitivity(args: argparse.Namespace, workload: Workload, cluster: C
 
     fabric = "nvlink" if preset.intra_node_kind == "nvswitch" else preset.intra_node_kind
     rails = nodes > 1 and cluster.network is not None and cluster.network.rail_optimized
-    return timing_sensitivity(cfg, constants=constants_for(preset.architecture, fabric, rail_optimized=rails),
+    return timing_sensitivity(cfg, constants=constants_for(preset.architecture, fabric, rail_optimized=rails,
+                                                               host=preset.host_memory_kind or "pcie"),
                               simulate_with=simulate_with,
                               seq_len=seq_len, capacity_bytes=int(memory_bytes), granularity=args.granularity)
 

@@ -74,6 +74,12 @@ class Cluster:
         """Number of devices."""
         return self.nodes * self.devices_per_node
 
+    @property
+    def host_memory_per_rank_bytes(self) -> int | None:
+        """Host memory a rank may use: the node's, shared equally by its devices (``None``: unknown)."""
+        total = self.preset.host_memory_bytes
+        return None if total is None else total // self.devices_per_node
+
     def node_of(self, rank: int) -> int:
         """The node hosting ``rank``."""
         return rank // self.devices_per_node
@@ -94,6 +100,10 @@ class Cluster:
             "intra_node": {"kind": self.preset.intra_node_kind,
                            "bandwidth_bytes_per_s": self.preset.intra_node.effective_bandwidth_bytes_per_s,
                            "latency_s": self.preset.intra_node.latency_s},
+            "host_memory_per_rank_bytes": self.host_memory_per_rank_bytes,
+            "host_memory_link": None if self.preset.host_memory_link is None else {
+                "kind": self.preset.host_memory_kind,
+                "bandwidth_bytes_per_s": self.preset.host_memory_link.effective_bandwidth_bytes_per_s},
             "network": None if self.network is None or self.nodes == 1 else self.network.name,
             "all_to_all": self.all_to_all,
         }

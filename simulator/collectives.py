@@ -132,7 +132,22 @@ class CollectivePlanner:
         inter = [(a, b, 1.0 / len(nodes)) for rail in rails for a in rail for b in rail if a != b]
         return [(flows, steps) for flows, steps in ((intra, g - 1), (inter, len(nodes) - 1)) if flows]
 
+    def _host_copy(self, kind: str, instances: tuple[tuple[int, ...], ...]) -> CollectivePlan:
+        """A device<->host copy on each instance (one rank each): its host-memory link, one alpha."""
+        topo, loads, latency_s, seconds_per_byte = self.topology, [], 0.0, 0.0
+        for members in instances:
+            if len(members) != 1:
+                raise ValueError(f"a {kind} copy runs on a group of one rank per instance, got {members}")
+            links = topo.host_path(members[0], to_host=kind == "to_host")
+            loads.append(dict.fromkeys(links, 1.0))
+            latency_s = max(latency_s, sum(topo.links[i].latency_s for i in links))
+            seconds_per_byte = max(seconds_per_byte, max(1.0 / topo.links[i].bandwidth_bytes_per_s for i in links))
+        return CollectivePlan(phases=(PlanPhase(latency_s=latency_s, loads=tuple(loads),
+                                                seconds_per_byte=seconds_per_byte),))
+
     def _build(self, kind: str, instances: tuple[tuple[int, ...], ...], root: int | None) -> CollectivePlan:
+        if kind in ("to_host", "from_host"):
+            return self._host_copy(kind, instances)
         topo = self.topology
         bandwidth = topo.link_bandwidth_bytes_per_s
         per_instance = [self._flows(kind, members, root) for members in instances]

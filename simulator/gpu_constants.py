@@ -117,6 +117,29 @@ GPU_CONSTANTS: dict[str, Uncertain] = {u.name: u for u in (
     _u("ib.switch_latency_s", 0.3e-6, 0.6e-6, 1.5e-6, "seconds through the fabric",
        "NVIDIA Quantum (HDR) and Quantum-2 (NDR) switch datasheets: ~100-130 ns port to port; a three-level fat "
        "tree crosses up to five switches plus cables. Assumption", assumption=True),
+    # --- device <-> host memory (optimizer offload) -------------------------------------------------------
+    _u("pcie_host.efficiency", 0.70, 0.80, 0.90, "fraction of the PCIe peak per direction",
+       "device<->host copies from and to pinned host memory: NVIDIA's CUDA samples bandwidthTest commonly reports "
+       "~25 GB/s of the 32 GB/s per direction of PCIe Gen4 x16 and ~50 of 64 on Gen5 (packet and DMA overhead); "
+       "pageable memory is slower. Assumption within that range", assumption=True),
+    _u("pcie_host.latency_s", 2e-6, 5e-6, 10e-6, "seconds per copy",
+       "cudaMemcpyAsync to or from pinned host memory: a few microseconds of launch and DMA set-up per copy "
+       "(CUDA C++ Best Practices Guide, 'Data Transfer Between Host and Device', gives no figure). Assumption",
+       assumption=True),
+    _u("c2c.efficiency", 0.60, 0.80, 0.90, "fraction of the NVLink-C2C peak per direction",
+       "GH200: NVLink-C2C is 450 GB/s per direction (datasheet); copy kernels and DMA between HBM and LPDDR5X "
+       "reach part of it, and the Grace memory (LPDDR5X, up to 512 GB/s per the datasheet) bounds it too. "
+       "Assumption", assumption=True),
+    _u("c2c.latency_s", 1e-6, 3e-6, 10e-6, "seconds per copy",
+       "one copy between HBM and Grace memory: launch and set-up, as for PCIe without its DMA engine hop. "
+       "Assumption", assumption=True),
+    _u("host_cpu.adam_elements_per_s", 0.3e9, 1.0e9, 2.0e9, "fp32 elements per second per rank",
+       "DeepSpeed's CPU Adam (ops/adam/cpu_adam.py; Ren et al., 'ZeRO-Offload', USENIX ATC 2021, sec. 5: a "
+       "vectorised Adam on the CPU) streams ~30 bytes per element (reads parameter, gradient and two moments, "
+       "writes them back and the low-precision copy), so it is bound by DRAM bandwidth: a two-socket DGX-class "
+       "host (8 DDR4-3200 or DDR5-4800 channels per socket, 0.4-0.6 TB/s peak, ~70 % attained) shared by 8 ranks "
+       "gives 1-2e9 elements/s per rank. Not measured here: assumption (read by "
+       "simulator.training_step.host_optimizer_time_s, outside the simulated step)", assumption=True),
     # --- rail-optimised inter-node fabrics (multi-node cluster presets) --------------------------------------
     _u("rail.leaf_latency_s", 0.15e-6, 0.3e-6, 0.6e-6, "seconds through one rail (leaf) switch",
        "rail-optimised compute fabric as in the NVIDIA DGX SuperPOD reference architectures (DGX A100 and DGX "
@@ -128,14 +151,19 @@ GPU_CONSTANTS: dict[str, Uncertain] = {u.name: u for u in (
 """Every efficiency and latency constant of the GPU presets, by name."""
 
 ARCHITECTURES = ("ampere", "hopper", "cdna2")
+HOST_SCOPES = {"pcie": "pcie_host", "nvlink-c2c": "c2c"}
+"""Host-memory link kind (``HardwarePreset.host_memory_kind``) -> scope of its constants."""
 
 
-def constants_for(arch: str, fabric: str, *, rail_optimized: bool = False) -> tuple[str, ...]:
-    """Names of the constants a preset of architecture ``arch`` with intra-node fabric ``fabric`` reads (with
-    ``rail_optimized``: also those of a rail-optimised inter-node network, see ``simulator.hardware.NETWORKS``)."""
+def constants_for(arch: str, fabric: str, *, rail_optimized: bool = False, host: str = "pcie") -> tuple[str, ...]:
+    """Names of the constants a preset of architecture ``arch`` with intra-node fabric ``fabric`` and host-memory
+    link ``host`` (a key of :data:`HOST_SCOPES`) reads (with ``rail_optimized``: also those of a rail-optimised
+    inter-node network, see ``simulator.hardware.NETWORKS``)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
-    scopes = (arch, "gpu", fabric, "pcie", "ib", *(("rail",) if rail_optimized else ()))
+    if host not in HOST_SCOPES:
+        raise ValueError(f"unknown host-memory link {host!r}; choose one of {tuple(HOST_SCOPES)}")
+    scopes = (arch, "gpu", fabric, "pcie", HOST_SCOPES[host], "ib", *(("rail",) if rail_optimized else ()))
     return tuple(n for n in GPU_CONSTANTS if n.split(".")[0] in scopes)
 
 

@@ -34,6 +34,28 @@ three against real engines on CPU (``backward`` at the end of a backward pass, w
 lines).
 Device-side lines (CUDA context, NCCL, workspaces, allocator) follow :mod:`simulator.device_reserve`.
 
+Note [Optimizer offload]
+~~~~~~~~~~~~~~~~~~~~~~~
+``zero_optimization.offload_optimizer.device = "cpu"`` (``TrainingConfig(offload_optimizer=True)``; ZeRO-Offload,
+and with ZeRO 3 as ALST ran it) in deepspeed 0.19.8. Lines in host memory have ``pool="host"``; the rest stay on
+the device. ZeRO 1/2 (``DeepSpeedZeroOptimizer`` with ``cpu_offload``, ``self.device = 'cpu'``): on the device
+the flat low-precision parameters, the ipg buckets (``contiguous_gradients`` is forced on) and one staging buffer of
+the largest parameter (``temp_grad_buffer_for_gpu_offload``); each reduced gradient is copied into the host's fp32
+gradient partition and its device copy freed (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), so no
+gradient partition stays on the device. On the host the fp32 master partition, its fp32 gradient (allocated at
+initialisation and kept), a low-precision copy of the partition (``param_buffer_of_bit16_for_cpu_offload_groups``:
+the step writes the updated fp32 partition into it, then copies it to the device), a staging buffer of the
+largest parameter (``temp_grad_buffer_for_cpu_offload``), the optimizer state, and with gradient accumulation one
+low-precision accumulator per parameter overlapping the partition (``accumulated_grads_in_cpu``). ZeRO 3
+(``DeepSpeedZeroOptimizer_Stage3`` with ``offload_optimizer``): on the device the parameter partitions, the
+persistent parameters, the ipg bucket and the prefetched parameters; on the host the fp32 master partitions
+(``_create_fp32_partitions``), the gradient partitions (``grad_partitions_flat_buffer`` on ``self.device =
+'cpu'``), one fp32 gradient buffer per sub-group (``initialize_optimizer_states``) and the optimizer state.
+The optimizer is DeepSpeed's CPU Adam (``ops/adam/cpu_adam.py DeepSpeedCPUAdam``: fp32 ``exp_avg`` and
+``exp_avg_sq`` like torch's Adam); the test measures it with torch's Adam (``zero_force_ds_cpu_optimizer:
+false``), whose state has the same bytes plus a 4-byte step tensor. Pinned host memory (``pin_memory``) is not
+modelled (torch's host caching allocator rounds pinned blocks up to a power of two).
+
 Note [DeepSpeed 0.16.3 as the AutoSP fork ran it]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``TrainingConfig(deepspeed="0.16.3")`` follows the DeepSpeed the paper's runs used: the authors' research fork
@@ -70,6 +92,7 @@ from simulator.workload import StaticMemory
 
 DS = "deepspeed 0.19.8 "
 DS016 = "deepspeed 0.16.3 (spikerheado1234/AutoSP fd542b4) "
+POOLS = ("device", "host")
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "logits/loss", "communication buffers",
               "runtime", "allocator")
 _AT = ("initialize", "step", "backward", "optimizer_step")
@@ -94,6 +117,8 @@ class LedgerLine:
     ``in_step`` (alive only inside the optimizer step)."""
     tensor_bytes: tuple[int, ...] = ()
     """Sizes of the individual allocations (for allocator rounding); empty for non-tensor memory."""
+    pool: str = "device"
+    """``device`` (accelerator memory) or ``host`` (CPU memory: Note [Optimizer offload])."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,10 +140,11 @@ class LedgerSummary:
                             optimizer_bytes=get["optimizer"], other_bytes=other)
 
 
-def _line(category: str, name: str, tensors: Sequence[int], provenance: str, when: str = "initialize") -> LedgerLine:
+def _line(category: str, name: str, tensors: Sequence[int], provenance: str, when: str = "initialize",
+          pool: str = "device") -> LedgerLine:
     total = int(sum(tensors))
     return LedgerLine(category=category, name=name, bytes=total, low=total, high=total, provenance=provenance,
-                      when=when, tensor_bytes=tuple(int(t) for t in tensors))
+                      when=when, tensor_bytes=tuple(int(t) for t in tensors), pool=pool)
 
 
 def _ceil_to(value: int, multiple: int) -> int:
@@ -142,13 +168,13 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
     wrapper = cfg.wrapper
     lines: list[LedgerLine] = []
 
-    def optimizer_state(partition: Sequence[int], where: str, when: str = "step") -> None:
+    def optimizer_state(partition: Sequence[int], where: str, when: str = "step", pool: str = "device") -> None:
         for k in range(states):
             lines.append(_line("optimizer", f"optimizer state {k + 1}/{states} (fp32)", [4 * e for e in partition],
-                               f"torch.optim.{cfg.optimizer}: lazily created state on {where}", when))
+                               f"torch.optim.{cfg.optimizer}: lazily created state on {where}", when, pool))
         if counter:
             lines.append(_line("optimizer", "Adam step counters", [4] * len(partition),
-                               "torch.optim.Adam: one fp32 scalar 'step' tensor per optimized tensor", when))
+                               "torch.optim.Adam: one fp32 scalar 'step' tensor per optimized tensor", when, pool))
 
     if wrapper == "torch":
         lines.append(_line("parameters", "fp32 parameters", [4 * e for e in numels], "the module's parameters"))
@@ -192,6 +218,10 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
             lines.append(_line("gradients", "bf16 param.grad", [2 * e for e in numels],
                                source + "runtime/bf16_optimizer.py BF16_Optimizer.update_hp_grads accumulates them "
                                "into the fp32 buffer; DeepSpeedEngine.zero_grad frees them after the step", "backward"))
+    elif wrapper == "DeepSpeedZeroOptimizer" and cfg.offload_optimizer:
+        lines += _zero12_offload_lines(cfg)
+        optimizer_state([_ceil_to(n, 2 * d) // d], "the fp32 master partition in host memory (DeepSpeedCPUAdam: "
+                        "ops/adam/cpu_adam.py step)", pool="host")
     elif wrapper == "DeepSpeedZeroOptimizer":
         flat = _ceil_to(n, 2 * d)
         where = DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__: "
@@ -228,19 +258,60 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
         lines.append(_line("parameters", "persistent parameters, gathered", persistent,
                            DS + "runtime/zero/parameter_offload.py mark_persistent_parameters: ds_numel <= "
                            "param_persistence_threshold stay gathered after the first forward", "step"))
+        host = "host" if cfg.offload_optimizer else "device"
+        on = " on self.device = 'cpu' (offload_optimizer)" if cfg.offload_optimizer else ""
         lines.append(_line("optimizer", "fp32 master partition", [4 * flat],
-                           where + "_create_fp32_partitions: fp32_partitioned_groups_flat"))
+                           where + "_create_fp32_partitions: fp32_partitioned_groups_flat" + on, pool=host))
         lines.append(_line("gradients", f"{cfg.accum_dtype} gradient partitions", [acc * flat],
                            where + "_setup_for_real_optimizer: grad_partitions_flat_buffer "
-                           "(gradient_accumulation_dtype)"))
+                           "(gradient_accumulation_dtype)" + on, pool=host))
+        if cfg.offload_optimizer:
+            lines.append(_line("gradients", "fp32 gradient of the master partition", [4 * flat],
+                               where + "initialize_optimizer_states: subgroup_gradient_buffer per sub-group, kept "
+                               "as fp32_partitioned_groups_flat[i].grad under offload_optimizer", pool=host))
         lines.append(_line("communication buffers", "ipg gradient bucket", [lp * cfg.reduce_bucket_size],
                            where + "_setup_for_real_optimizer: ipg bucket buffer of reduce_bucket_size elements"))
-        optimizer_state([flat], "the fp32 master partition")
+        optimizer_state([flat], "the fp32 master partition", pool=host)
         lines.append(_line("communication buffers", "gathered parameters in flight",
                            [lp * min(cfg.prefetch_bucket_size, n)],
                            DS + "runtime/zero/partitioned_param_coordinator.py: prefetch up to "
                            "stage3_prefetch_bucket_size elements (not checked by the test)", "in_backward"))
     return [ln for ln in lines if ln.bytes or ln.tensor_bytes]
+
+
+def _zero12_offload_lines(cfg: TrainingConfig) -> list[LedgerLine]:
+    """ZeRO 1/2 with ``offload_optimizer`` (Note [Optimizer offload])."""
+    lp, d, numels = DTYPE_BYTES[cfg.precision], cfg.dp_world_size, cfg.parameter_numels
+    flat = _ceil_to(cfg.parameter_count, 2 * d)
+    part, largest = flat // d, max(numels)
+    where = DS + "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer."
+    lines = [
+        _line("parameters", f"flat {cfg.precision} parameters (unpartitioned)", [lp * flat],
+              where + "__init__: bit16_groups_flat, aligned to nccl_start_alignment_factor(2) x dp"),
+        _line("communication buffers", "ipg gradient bucket(s)",
+              [lp * min(cfg.reduce_bucket_size, flat)] * (2 if cfg.overlap_comm else 1),
+              where + "setup_buckets: reduce_bucket_size elements (contiguous_gradients forced on by cpu_offload); "
+              "released by the end of backward", "in_backward"),
+        _line("gradients", "gradient staging buffer (largest parameter)", [lp * largest],
+              where + "__init__: temp_grad_buffer_for_gpu_offload, largest parameter's numel, on the accelerator"),
+        _line("optimizer", "fp32 master partition", [4 * part],
+              where + "__init__: single_partition_of_fp32_groups on self.device = 'cpu' (cpu_offload)", pool="host"),
+        _line("gradients", "fp32 gradient partition", [4 * part],
+              where + "initialize_optimizer_states: single_partition_of_fp32_groups[i].grad, kept under cpu_offload; "
+              "async_inplace_copy_grad_to_fp32_buffer_from_gpu copies each reduced gradient into it", pool="host"),
+        _line("parameters", f"{cfg.precision} partition staging buffer", [lp * part],
+              where + "__init__: param_buffer_of_bit16_for_cpu_offload_groups (step: fp32 partition -> it -> the "
+              "device's bit16 partition)", pool="host"),
+        _line("gradients", "host gradient staging buffer (largest parameter)", [lp * largest],
+              where + "__init__: temp_grad_buffer_for_cpu_offload, largest parameter's numel", pool="host"),
+    ]
+    if cfg.gradient_accumulation_steps > 1:
+        lines.append(_line("gradients", "gradient accumulators of the partition's parameters",
+                           [lp * _overlapping_numel(numels, part)],
+                           where + "async_accumulate_grad_in_cpu_via_gpu: accumulated_grads_in_cpu, one buffer per "
+                           "parameter overlapping the partition (whole parameter), kept across steps", "step",
+                           pool="host"))
+    return lines
 
 
 def _band_line(category: str, name: str, u: Uncertain, count: float, when: str = "initialize") -> LedgerLine:
@@ -256,7 +327,9 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
 
     ``device=False`` leaves out what only a GPU process holds (CUDA context, NCCL, workspaces, allocator);
     ``activation_bytes`` / ``logits_bytes`` (e.g. a simulated workload's peak above static memory) add lines of
-    their own and are what the fragmentation band applies to. ``uncertain`` replaces
+    their own and are what the fragmentation band applies to. Under optimizer offload some lines are in host memory
+    (``pool="host"``, Note [Optimizer offload]); :func:`summarize` sums one pool (the device by default), and the
+    allocator lines count device tensors only. ``uncertain`` replaces
     :data:`simulator.device_reserve.UNCERTAIN` (sensitivity studies).
     """
     if at not in _AT:
@@ -278,24 +351,34 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
     lines.append(_band_line("communication buffers", "NCCL communicator buffers",
                             table["nccl_bytes_per_communicator"], cfg.nccl_communicators))
     lines.append(_band_line("runtime", "cuBLAS workspaces", table["workspace_bytes_per_stream"], cfg.compute_streams))
-    tensors = [t for ln in lines for t in ln.tensor_bytes]
+    tensors = [t for ln in lines if ln.pool == "device" for t in ln.tensor_bytes]
     rounding = sum(reserved_bytes(t) - t for t in tensors)
     lines.append(LedgerLine(category="allocator", name="caching-allocator rounding", bytes=rounding, low=rounding,
                             high=rounding, provenance=ALLOCATOR_PROVENANCE, when="initialize"))
-    churn = sum(ln.bytes for ln in lines if ln.when in ("backward", "in_backward"))
+    churn = sum(ln.bytes for ln in lines if ln.when in ("backward", "in_backward") and ln.pool == "device")
     frag = table["fragmentation_fraction"]
     lines.append(LedgerLine(category="allocator", name="fragmentation", bytes=int(frag.nominal * churn),
                             low=int(frag.low * churn), high=int(frag.high * churn), provenance=frag.provenance,
                             when="backward"))
+    if cfg.offload_optimizer:
+        u = table["host_process_bytes"]
+        lines.append(LedgerLine(category="runtime", name="host process (Python, PyTorch, CUDA libraries)",
+                                bytes=int(u.nominal), low=int(u.low), high=int(u.high), provenance=u.provenance,
+                                pool="host"))
     return lines
 
 
-def summarize(lines: Sequence[LedgerLine]) -> LedgerSummary:
-    """Per-category (low, nominal, high) bytes and the totals."""
+def summarize(lines: Sequence[LedgerLine], pool: str = "device") -> LedgerSummary:
+    """Per-category (low, nominal, high) bytes and the totals of the lines in ``pool`` (``device``, ``host`` or
+    ``all``: both, as one process on a CPU holds them)."""
+    if pool not in (*POOLS, "all"):
+        raise ValueError(f"pool must be one of {(*POOLS, 'all')}, got {pool!r}")
     by = {c: [0, 0, 0] for c in CATEGORIES}
     for ln in lines:
         if ln.category not in by:
             raise ValueError(f"unknown ledger category {ln.category!r}; use one of {CATEGORIES}")
+        if pool not in ("all", ln.pool):
+            continue
         for i, v in enumerate((ln.low, ln.bytes, ln.high)):
             by[ln.category][i] += v
     totals = [sum(v[i] for v in by.values()) for i in range(3)]
@@ -304,14 +387,18 @@ def summarize(lines: Sequence[LedgerLine]) -> LedgerSummary:
 
 
 def format_ledger(lines: Sequence[LedgerLine]) -> str:
-    """A plain-text table: one row per line, then the per-category summary (GiB)."""
-    rows = [f"{ln.category:22s} {ln.name:48s} {ln.bytes / 2**30:9.3f} [{ln.low / 2**30:.3f}, {ln.high / 2**30:.3f}]"
-            for ln in lines]
-    summary = summarize(lines)
-    rows.append("-" * 96)
-    for cat, (lo, nom, hi) in summary.by_category.items():
-        if hi:
-            rows.append(f"{cat:71s} {nom / 2**30:9.3f} [{lo / 2**30:.3f}, {hi / 2**30:.3f}]")
-    rows.append(f"{'total':71s} {summary.nominal / 2**30:9.3f} [{summary.low / 2**30:.3f}, "
-                f"{summary.high / 2**30:.3f}]")
+    """A plain-text table: one row per line (host-memory lines marked), then the per-category summary of each
+    pool (GiB)."""
+    rows = [f"{ln.category:22s} {ln.name + (' [host]' if ln.pool == 'host' else ''):48s} {ln.bytes / 2**30:9.3f} "
+            f"[{ln.low / 2**30:.3f}, {ln.high / 2**30:.3f}]" for ln in lines]
+    for pool in POOLS:
+        if pool == "host" and not any(ln.pool == "host" for ln in lines):
+            continue
+        summary = summarize(lines, pool)
+        rows.append("-" * 96)
+        for cat, (lo, nom, hi) in summary.by_category.items():
+            if hi:
+                rows.append(f"{cat:71s} {nom / 2**30:9.3f} [{lo / 2**30:.3f}, {hi / 2**30:.3f}]")
+        rows.append(f"{'total' if pool == 'device' else 'host total':71s} {summary.nominal / 2**30:9.3f} "
+                    f"[{summary.low / 2**30:.3f}, {summary.high / 2**30:.3f}]")
     return "\n".join(rows)

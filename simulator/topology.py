@@ -5,6 +5,8 @@
 
     gpu{r} <-> fabric{n}          node-local NVSwitch / Infinity Fabric / loopback, one per node
     gpu{r} <-> pcie{r} <-> nic{r} the device's PCIe switch and NIC (GPUDirect RDMA path), multi-node only
+    gpu{r} <-> host{n}            the device's link to its node's host memory (PCIe or NVLink-C2C), when the
+                                  preset has one: what ``to_host``/``from_host`` copies cross
     nic{r} <-> ib                 a non-blocking fat tree abstracted as one switch, or, on a rail-optimised
     nic{r} <-> rail{k} <-> spine  network, NIC r into the leaf switch of its rail k = r % devices_per_node, the
                                   leaves into a non-blocking spine
@@ -16,7 +18,7 @@ SuperPOD reference architecture), so rails change latencies, not bandwidth; NCCL
 over NVLink to the GPU on the right rail first) is not modelled.
 
 Routes between devices are latency-weighted shortest paths that never pass through a third device (intra-node
-traffic stays on the node fabric), cached per source. :class:`Topology` exposes them as tuples of integer link indices so that the cost model and the
+traffic stays on the node fabric) nor through host memory, cached per source. :class:`Topology` exposes them as tuples of integer link indices so that the cost model and the
 bandwidth-sharing network can work on flat arrays.
 """
 
@@ -94,13 +96,25 @@ class Topology:
         return links
 
     def _weight_from(self, source: str):
-        """Edge latency as a Dijkstra weight, hiding the edges out of any device but ``source`` (no transit)."""
+        """Edge latency as a Dijkstra weight, hiding the edges out of any device but ``source`` and out of host
+        memory (no transit)."""
         nodes = self.graph.nodes
 
         def weight(u: str, _v: str, data: dict) -> float | None:
-            return None if u != source and nodes[u].get("kind") == "device" else data["latency_s"]
+            kind = nodes[u].get("kind")
+            return None if (u != source and kind == "device") or kind == "host_memory" else data["latency_s"]
 
         return weight
+
+    def host_path(self, rank: int, *, to_host: bool) -> tuple[int, ...]:
+        """Link indices between device ``rank`` and its node's host memory (``to_host``: device to host)."""
+        gpu = self.device_node(rank)
+        host = f"host{self.node_of(rank)}"
+        ends = (gpu, host) if to_host else (host, gpu)
+        if not self.graph.has_edge(*ends):
+            raise ValueError(f"device {rank} has no link to host memory in this cluster; give the preset a "
+                             "host_memory_link (e.g. host_memory_link in a cluster file)")
+        return (self.graph.edges[ends]["index"],)
 
     def node_of(self, rank: int) -> int:
         """The node hosting device ``rank``."""
@@ -141,6 +155,9 @@ def build_topology(preset: HardwarePreset, *, nodes: int, devices_per_node: int,
             gpu = Topology.device_node(rank)
             graph.add_node(gpu, kind="device", node=n, rank=rank)
             _add_duplex(graph, gpu, fabric, preset.intra_node, preset.intra_node_kind)
+            if preset.host_memory_link is not None:
+                graph.add_node(f"host{n}", kind="host_memory", node=n)
+                _add_duplex(graph, gpu, f"host{n}", preset.host_memory_link, "host")
             if nodes > 1:
                 pcie, nic = f"pcie{rank}", f"nic{rank}"
                 graph.add_node(pcie, kind="pcie_switch", node=n)

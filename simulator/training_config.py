@@ -47,6 +47,10 @@ class TrainingConfig:
     compute_streams: int = 1
     deepspeed: str = "0.19.8"
     """DeepSpeed version whose code paths the ledger follows (:data:`DEEPSPEED_VERSIONS`)."""
+    offload_optimizer: bool = False
+    """``zero_optimization.offload_optimizer.device = "cpu"``: fp32 master weights, gradient partitions and
+    optimizer state in host memory, the optimizer step on the CPU (Note [Optimizer offload] in
+    simulator/ledger.py). ZeRO 1-3 only."""
 
     def __post_init__(self) -> None:
         if self.deepspeed not in DEEPSPEED_VERSIONS:
@@ -73,6 +77,20 @@ class TrainingConfig:
             raise ValueError("DeepSpeed rejects ZeRO 0 with low-precision parameters and a different gradient "
                              "accumulation dtype (engine.py _do_optimizer_sanity_check: unsupported mix); use "
                              "ZeRO 1 for BF16_Optimizer")
+
+        if self.offload_optimizer:
+            self._check_offload()
+
+    def _check_offload(self) -> None:
+        if self.zero_stage == 0:
+            raise ValueError("optimizer offload is a ZeRO feature (zero_optimization.offload_optimizer); use "
+                             "zero_stage 1, 2 or 3")
+        if self.deepspeed != "0.19.8":
+            raise ValueError("the ledger follows optimizer offload in DeepSpeed 0.19.8 only; use deepspeed='0.19.8'")
+        if self.zero_stage in (1, 2) and self.accum_dtype != self.precision:
+            raise ValueError("optimizer offload with ZeRO 1/2 and a gradient accumulation dtype other than the model "
+                             "dtype (DeepSpeedZeroOptimizer's compact fp32 partition buffer) is not in the ledger; "
+                             "leave grad_accum_dtype unset")
 
     @classmethod
     def from_parameter_count(cls, parameter_count: int, **kwargs) -> TrainingConfig:

@@ -27,6 +27,22 @@ Followed in deepspeed 0.19.8 (see Note [Which DeepSpeed path holds what] in :mod
   moments, writes parameter and moments, and writes the low-precision copy), and for ZeRO 1/2 and
   ``BF16_Optimizer`` the all-gather of the updated low-precision partitions (``all_gather_dp_groups``: the flat
   partition in ``max(1, flat_numel // allgather_bucket_size)`` shards).
+
+Note [Optimizer offload traffic]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``offload_optimizer`` (Note [Optimizer offload] in :mod:`simulator.ledger`) each reduced bucket's share of
+the rank's partition goes to host memory as soon as its reduction completes, as a ``to_host`` copy on the rank's
+own ``host`` stream (group :data:`HOST_GROUP`, one rank per instance) over the preset's host-memory link: in
+fp32 under ZeRO 1/2 (``stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer_from_gpu`` casts on the device,
+then copies), in the accumulation dtype and again in fp32 under ZeRO 3 (``stage3.py partition_grads`` into
+``grad_partitions_flat_buffer``, then ``_offload_grad_partition_at_boundary``). The optimizer step runs on the
+CPU (no device op); its time is :func:`host_optimizer_time_s`, an assumption (``host_cpu.adam_elements_per_s`` in
+:mod:`simulator.gpu_constants`) that is *not* in the simulated step: add it (nothing overlaps it, so the sum is
+the step; ``metadata["training_step"]["host_optimizer_s"]``). Then the updated low-precision partition comes
+back (``from_host``, blocking: ZeRO 1/2 copy ``param_buffer_of_bit16_for_cpu_offload_groups`` into the device
+partition; ZeRO 3 ``_reassign_or_swap_out_partitioned_parameters``, a blocking copy that converts on the CPU),
+before ZeRO 1/2's all-gather. A workload that reduces its own gradients (no :class:`GradientReady` given: the
+ZeRO-3 rewrite) sends its whole partition down after its last op.
 """
 
 from __future__ import annotations
@@ -35,8 +51,12 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from simulator.gpu_constants import GPU_CONSTANTS
 from simulator.ledger import OPTIMIZER_STATES, TrainingConfig
 from simulator.workload import Collective, Op, RankProgram, Workload, WorkloadError
+
+HOST_GROUP = "host"
+"""Process group of the device<->host copies: one instance per rank (Note [Optimizer offload traffic])."""
 
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 """deepspeed runtime/engine.py: elements per all-reduce bucket of ``allreduce_gradients``."""
@@ -67,6 +87,15 @@ class ReductionPlan:
     """All-gather the updated low-precision partitions after the step."""
     shard_elements: int
     """Elements of fp32 optimizer state this rank updates."""
+
+
+def host_optimizer_time_s(cfg: TrainingConfig, elements_per_s: float | None = None) -> float:
+    """Time of the optimizer step on the CPU under ``offload_optimizer`` (0 otherwise): the rank's shard at
+    ``elements_per_s`` (default the nominal ``host_cpu.adam_elements_per_s``, an assumption)."""
+    if not cfg.offload_optimizer:
+        return 0.0
+    rate = GPU_CONSTANTS["host_cpu.adam_elements_per_s"].nominal if elements_per_s is None else elements_per_s
+    return reduction_plan(cfg).shard_elements / rate
 
 
 def reduction_plan(cfg: TrainingConfig) -> ReductionPlan:
@@ -153,14 +182,30 @@ def _program_with_step(program: RankProgram, gradients: Sequence[GradientReady],
     backward_end = max((i for i, op in enumerate(ops) if op.phase == "backward"), default=len(ops) - 1)
     starts: list[Op] = []
     waited: set[int] = set()
+    offload = cfg.offload_optimizer
+    # bytes per partition element sent down (Note [Optimizer offload traffic])
+    down = 4 + (_BYTES[cfg.accum_dtype] if cfg.zero_stage == 3 else 0)
+    copies: list[Op] = []
+
+    def to_host(k: int, after: int, reduce_op: Op, numel: int) -> None:
+        coll = Collective(kind="to_host", group=HOST_GROUP, key=f"grad_to_host_{k}",
+                          message_bytes=down * -(-numel // cfg.dp_world_size))
+        copies.append(new_op(name=f"grad_to_host_{k}", kind="collective_start", phase="backward",
+                             deps=(reduce_op.id,), collective=coll))
+        inserts.setdefault(after, []).append(copies[-1])
+
     for k, bucket in enumerate(bucket_gradients(ready, plan.bucket_elements)):
         first, last = (f(position[g.op_id] for g in bucket) for f in (min, max))
         coll = Collective(kind=plan.kind, group=group, key=f"grad_{plan.kind}_{k}",
                           message_bytes=plan.bytes_per_element * sum(g.numel for g in bucket))
         deps = tuple(dict.fromkeys(g.op_id for g in bucket))
+        numel = sum(g.numel for g in bucket)
         if not plan.overlapped:
             op = new_op(name=f"grad_reduce_{k}", kind="collective", phase="backward", deps=deps, collective=coll)
-            inserts.setdefault(last if plan.during_backward else max(backward_end, last), []).append(op)
+            at = last if plan.during_backward else max(backward_end, last)
+            inserts.setdefault(at, []).append(op)
+            if offload:
+                to_host(k, at, op, numel)
             continue
         if k >= 2:  # two ipg buffers: filling bucket k reuses bucket k-2's buffer
             old = starts[k - 2]
@@ -170,6 +215,8 @@ def _program_with_step(program: RankProgram, gradients: Sequence[GradientReady],
         starts.append(new_op(name=f"grad_reduce_{k}", kind="collective_start", phase="backward", deps=deps,
                              collective=coll))
         inserts.setdefault(last, []).append(starts[-1])
+        if offload:
+            to_host(k, last, starts[-1], numel)
     for k, start in enumerate(starts):
         if k not in waited:
             tail.append(new_op(name=f"wait_{start.name}", kind="collective_wait", phase="backward",
@@ -177,9 +224,22 @@ def _program_with_step(program: RankProgram, gradients: Sequence[GradientReady],
     states = OPTIMIZER_STATES[cfg.optimizer]
     lp = _BYTES[cfg.precision] if cfg.wrapper != "torch" else 0
     n = plan.shard_elements
-    tail.append(new_op(name="optimizer_step", kind="compute", op_class="elementwise", phase="optimizer",
-                       flops=(4 + 3 * states) * n, bytes_read=(8 + 4 * states) * n,
-                       bytes_written=(4 + 4 * states + lp) * n))
+    if offload and not copies and ops:  # gradients reduced by the workload itself (the ZeRO-3 rewrite): all at once
+        copies.append(new_op(name="grad_to_host_0", kind="collective_start", phase="optimizer", deps=(ops[-1].id,),
+                             collective=Collective(kind="to_host", group=HOST_GROUP, key="grad_to_host_0",
+                                                   message_bytes=down * n)))
+        tail.insert(0, copies[-1])
+    for copy in copies:
+        tail.append(new_op(name=f"wait_{copy.name}", kind="collective_wait", phase="optimizer",
+                           collective=copy.collective))
+    if offload:  # the step runs on the CPU (host_optimizer_time_s); the updated partition comes back
+        tail.append(new_op(name="params_from_host", kind="collective", phase="optimizer",
+                           collective=Collective(kind="from_host", group=HOST_GROUP, key="params_from_host",
+                                                 message_bytes=_BYTES[cfg.precision] * n)))
+    else:
+        tail.append(new_op(name="optimizer_step", kind="compute", op_class="elementwise", phase="optimizer",
+                           flops=(4 + 3 * states) * n, bytes_read=(8 + 4 * states) * n,
+                           bytes_written=(4 + 4 * states + lp) * n))
     if plan.gather_after_step:
         flat = plan.shard_elements * cfg.dp_world_size
         shards = max(1, flat // cfg.allgather_bucket_size)
@@ -217,9 +277,14 @@ def add_training_step(workload: Workload, gradients: Sequence[GradientReady] | M
         raise WorkloadError(f"group {group!r} has {sorted(sizes)} ranks per instance but dp_world_size is "
                             f"{cfg.dp_world_size}; they must agree")
     plan = reduction_plan(cfg)
+    if cfg.offload_optimizer:
+        groups[HOST_GROUP] = [[r] for r in range(workload.world_size)]
+        groups = dataclasses.replace(workload, groups=groups).groups
     per_rank = gradients if isinstance(gradients, Mapping) else {r: gradients for r in workload.ranks}
     ranks = {r: _program_with_step(p, per_rank[r], cfg, plan, group) for r, p in workload.ranks.items()}
     return dataclasses.replace(workload, name=name or f"{workload.name}+step", groups=groups, ranks=ranks,
                                metadata={**workload.metadata, "training_step": {
                                    "wrapper": cfg.wrapper, "zero_stage": cfg.zero_stage,
-                                   "reduction": plan.kind, "overlapped": plan.overlapped}})
+                                   "reduction": plan.kind, "overlapped": plan.overlapped,
+                                   "offload_optimizer": cfg.offload_optimizer,
+                                   "host_optimizer_s": host_optimizer_time_s(cfg)}})

@@ -33,7 +33,10 @@ OP_CLASSES = ("matmul", "attention", "elementwise", "reduction", "memory", "othe
 
 PHASES = ("forward", "backward", "optimizer")
 
-COLLECTIVE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
+COLLECTIVE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast",
+                    "to_host", "from_host")
+"""``to_host``/``from_host``: a copy of ``message_bytes`` between the rank's device and its node's host memory
+(optimizer offload), over the preset's host-memory link; its group has one member per instance, the rank."""
 
 RING_GROUPS = ("ring_send", "ring_recv")
 """The process groups a ring's point-to-point transfers run on, sends on the first and receives on the second:

@@ -41,6 +41,8 @@ examples:
       --seq-len 131072 --sp-size 4 --dp-size 2 --zero-stage 2 --micro-batch 2 --json plan.json
   python -m autosp.plan --model tiny-llama --cluster a100-80gb-sxm --seq-len 4096 --sp-size 2 --max-length
   python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 131072 --sp-size 8 --strategy auto
+  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 65536 --sp-size 8 --zero-stage 2 \\
+      --offload optimizer
 """
 
 
@@ -94,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
                    help="optimizer whose state the ledger counts (default: %(default)s)")
     p.add_argument("--offload", default="none", choices=OFFLOADS,
-                   help="optimizer offload to host memory; 'optimizer' is refused until the ledger has it "
-                        "(default: %(default)s)")
+                   help="optimizer: DeepSpeed's offload_optimizer (device cpu; ZeRO 1 or 2): fp32 master weights, "
+                        "gradient partitions and optimizer state in host memory, CPU Adam; reports the host peak "
+                        "beside the device peak (default: %(default)s)")
     p.add_argument("--compiler", default="inductor", choices=COMPILERS,
                    help="backend the graphs run under (frees saved activations after last use; aot_eager holds "
                         "them to the end of backward) (default: %(default)s)")

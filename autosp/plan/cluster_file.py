@@ -3,7 +3,7 @@
 The file's fields and their units are documented in docs/design.md ("Cluster files"); an example is
 docs/examples/two_node_cluster.json.  The node is a GPU preset name or a hardware document in the layout of
 `simulator.hardware.preset_from_dict` (the one ``simulator/presets/cpu_gloo.json`` uses) plus an optional host
-link; the network is a network name or its figures.  Everything becomes the simulator's own dataclasses
+link and host memory (size and the device's link to it); the network is a network name or its figures.  Everything becomes the simulator's own dataclasses
 (`simulator.hardware.HardwarePreset`, `simulator.hardware.NetworkSpec`, `simulator.cluster.Cluster`).
 """
 
@@ -20,7 +20,7 @@ from simulator.cluster import Cluster
 from simulator.cluster_presets import CLUSTER_PRESETS
 from simulator.hardware import LinkSpec, NetworkSpec, get_network, get_preset, preset_from_dict, preset_names
 
-FILE_FIELDS = ("name", "nodes", "devices_per_node", "node", "memory_gib", "network", "all_to_all")
+FILE_FIELDS = ("name", "nodes", "devices_per_node", "node", "memory_gib", "host_memory_gib", "network", "all_to_all")
 """The top-level fields of a cluster file (only ``node`` and ``nodes`` are required)."""
 
 
@@ -67,8 +67,29 @@ def _node(value: Any, where: str):
     except ValueError as exc:
         raise AutoSPError(f"{where}: {exc}; see docs/design.md, Cluster files, for the fields") from None
     host = value.get("host_link")
+    memory_link = value.get("host_memory_link")
+    kind = str(value.get("host_memory_kind", "pcie"))
+    if kind not in ("pcie", "nvlink-c2c"):
+        raise AutoSPError(f"{where}.host_memory_kind: {kind!r}; choose pcie or nvlink-c2c")
     return dataclasses.replace(preset, host_link=None if host is None else _link(host, f"{where}.host_link"),
-                               architecture=str(value.get("architecture", "")))
+                               architecture=str(value.get("architecture", "")),
+                               host_memory_link=None if memory_link is None else _link(memory_link,
+                                                                                       f"{where}.host_memory_link"),
+                               host_memory_kind=kind if memory_link is not None else "",
+                               host_memory_bytes=_gib(value, "host_memory_gib", where))
+
+
+def _gib(data: Mapping[str, Any], key: str, where: str) -> int | None:
+    """``data[key]`` GiB as bytes (None when absent); refused unless a positive number."""
+    if data.get(key) is None:
+        return None
+    try:
+        gib = float(data[key])
+    except (TypeError, ValueError):
+        gib = -1.0
+    if gib <= 0:
+        raise AutoSPError(f"{where}: {key} must be a positive number of GiB, got {data[key]!r}")
+    return int(gib * 2**30)
 
 
 def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster file") -> Cluster:
@@ -82,10 +103,10 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster file") 
         raise AutoSPError(f"{source}: missing field 'node' (a hardware preset name or a hardware object)")
     preset = _node(data["node"], f"{source}: node")
     if "memory_gib" in data:
-        gib = float(data["memory_gib"])
-        if gib <= 0:
-            raise AutoSPError(f"{source}: memory_gib must be positive")
-        preset = dataclasses.replace(preset, device=dataclasses.replace(preset.device, memory_bytes=int(gib * 2**30)))
+        memory = _gib(data, "memory_gib", source)
+        preset = dataclasses.replace(preset, device=dataclasses.replace(preset.device, memory_bytes=memory))
+    if data.get("host_memory_gib") is not None:
+        preset = dataclasses.replace(preset, host_memory_bytes=_gib(data, "host_memory_gib", source))
     nodes = data.get("nodes", 1)
     network = _network(data["network"], f"{source}: network") if data.get("network") is not None else None
     if isinstance(nodes, int) and nodes > 1 and network is None and preset.network is None:

@@ -29,7 +29,12 @@ from simulator.max_length import max_length as search_max_length
 from simulator.replicas import data_parallel_replicas
 from simulator.result import Result
 from simulator.strategies import SEQUENCE_PARALLEL, Strategy, sp_candidates
-from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
+from simulator.training_step import (
+    add_training_step,
+    gradients_from_modules,
+    host_optimizer_time_s,
+    release_gradients,
+)
 from simulator.workload import COMPILED_STRATEGIES, Workload
 
 log = logging.getLogger(__name__)
@@ -88,10 +93,14 @@ class TrainingSetup:
                               "refuses it), and the planner does not price the ZeRO-3 baseline's step (its per-layer "
                               "parameter gathers: simulator/workload_rewrites.py, used by the paper-scale tables). "
                               "Use ZeRO 0, 1 or 2")
-        if self.offload != "none":
-            raise AutoSPError(f"--offload {self.offload}: the memory ledger (simulator/ledger.py) has no optimizer "
-                              "offload yet (DeepSpeed's offload_optimizer: optimizer state and fp32 master weights "
-                              "in host memory, CPU Adam) and the simulator no host-memory pool; use --offload none")
+        if self.offload != "none" and self.zero_stage == 0:
+            raise AutoSPError(f"--offload {self.offload} with --zero-stage 0: DeepSpeed's offload_optimizer is a "
+                              "ZeRO feature; use --zero-stage 1 or 2")
+        if self.offload != "none" and self.grad_accum > 1:
+            raise AutoSPError(f"--offload {self.offload} with --grad-accum > 1: DeepSpeed then accumulates each "
+                              "gradient through host memory every micro-step (stage_1_and_2.py "
+                              "async_accumulate_grad_in_cpu_via_gpu), traffic the simulator does not build; use "
+                              "--grad-accum 1")
         if self.zero_stage == 1 and self.grad_accum > 1:
             raise AutoSPError("--zero-stage 1 with --grad-accum > 1: DeepSpeed's ZeRO 1 keeps every parameter's "
                               "unreduced gradient between micro-steps (it reduces at the accumulation boundary "
@@ -104,7 +113,8 @@ class TrainingSetup:
         return TrainingConfig(parameter_numels=parameter_numels, optimizer=self.optimizer, precision=self.dtype,
                               zero_stage=self.zero_stage, dp_world_size=self.world_size,
                               gradient_accumulation_steps=self.grad_accum, micro_batch_size=self.micro_batch,
-                              nccl_communicators=2 if self.sp_size > 1 else 1)
+                              nccl_communicators=2 if self.sp_size > 1 else 1,
+                              offload_optimizer=self.offload == "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,6 +307,8 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
         result = simulate(traced.step, cluster) if reuse is None else reuse.simulate(traced, traced.step, cluster)
         dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
         step_s = micro_s = result.step_time_s
+        # the CPU optimizer step under offload, outside the simulated step (Note [Optimizer offload traffic])
+        step_s += traced.step.metadata["training_step"]["host_optimizer_s"]
         if setup.grad_accum > 1:
             # ZeRO 2 reduces its gradients every micro-step; ZeRO 0 (and 1) at the accumulation boundary only.
             if setup.zero_stage == 2:
@@ -304,7 +316,7 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
             else:
                 micro_s = (simulate(traced.backward, cluster) if reuse is None
                            else reuse.simulate(traced, traced.backward, cluster)).step_time_s
-            step_s = result.step_time_s + (setup.grad_accum - 1) * micro_s
+            step_s += (setup.grad_accum - 1) * micro_s
         log.info("simulated on %s in %.1f s: step %.3f s, activations %.2f GiB", cluster.preset.name,
                  time.perf_counter() - start, step_s, dynamic / 2**30)
         return step_s, micro_s, dynamic, result
@@ -355,6 +367,8 @@ class Prediction:
     search (``probes``: seq_len, fits, peak_bytes, step_time_s)."""
     max_length_step: StepPrediction | None = None
     """With ``--max-length``: the simulated step at the longest length that fits (None when none fits)."""
+    host_capacity_bytes: int | None = None
+    """Host memory a rank may use (the node's shared by its devices); None: the cluster does not say."""
     seconds: float = 0.0
     """Wall time the prediction took."""
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -364,8 +378,18 @@ class Prediction:
         return self.peak_band[1]
 
     @property
+    def host_peak_bytes(self) -> int:
+        """Host memory a rank holds (the ledger's ``pool="host"`` lines: optimizer offload); 0 without offload."""
+        return summarize(self.lines, "host").nominal
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_capacity_bytes is None or self.host_peak_bytes <= self.host_capacity_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.capacity_bytes
+        """Device peak within the device's memory and host peak within the rank's host memory."""
+        return self.peak_bytes <= self.capacity_bytes and self.host_fits
 
     @property
     def by_category(self) -> dict[str, int]:
@@ -383,6 +407,10 @@ class Prediction:
             "deepspeed_path": self.wrapper, "capacity_bytes": self.capacity_bytes, "fits": self.fits,
             "peak_bytes": self.peak_bytes, "peak_band_bytes": {b: v for b, v in zip(BANDS, self.peak_band, strict=True)},
             "peak_by_category_bytes": self.by_category,
+            "host_peak_bytes": self.host_peak_bytes, "host_capacity_bytes": self.host_capacity_bytes,
+            "host_fits": self.host_fits,
+            "host_peak_by_category_bytes": {c: v[1] for c, v in summarize(self.lines, "host").by_category.items()
+                                            if v[2]},
             "activation_bytes": self.step.dynamic_memory_bytes,
             "ledger": [dataclasses.asdict(ln) for ln in self.lines],
             "step_time_s": self.step.step_time_s, "micro_step_time_s": self.step.micro_step_time_s,
@@ -412,6 +440,13 @@ class Prediction:
                f"{self.capacity_bytes / gib:.2f}",
                "  peak by category, per rank (the ledger's lines summed; activations simulated):"]
         out += [f"    {cat:24s} {size(b)}" for cat, b in self.by_category.items()]
+        if s.offload != "none":
+            cap = self.host_capacity_bytes
+            out.append(f"  host memory {self.host_peak_bytes / gib:.2f} GiB per rank of "
+                       f"{'unknown' if cap is None else f'{cap / gib:.2f}'}"
+                       + ("" if self.host_fits else ": host-memory OOM") + " (optimizer offload):")
+            out += [f"    {cat:24s} {size(v[1])}" for cat, v in summarize(self.lines, "host").by_category.items()
+                    if v[2]]
         extrapolated = self.step.extrapolated_from
         t = self.step.step_time_s
         out.append(f"  step time   {f'{t:.3f} s' if t >= 1 else f'{t * 1e3:.3f} ms'} ({self.tokens_per_s:,.0f} tokens/s)"
@@ -445,6 +480,10 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     numels = source.parameter_numels(hf)
     config = setup.training_config(numels)
     capacity = int(cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes)
+    if config.offload_optimizer and cluster.preset.host_memory_link is None:
+        raise AutoSPError(f"--offload {setup.offload}: the cluster's node ({cluster.preset.name}) has no link to host "
+                          "memory; use a GPU preset or give host_memory_link (and host_memory_gib) in a cluster file "
+                          "(docs/design.md, Cluster files)")
     steps: dict[int, StepPrediction] = {}
 
     def step(seq_len: int) -> StepPrediction:
@@ -480,12 +519,15 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
                      "(Note [Depth extrapolation] in simulator/max_length.py)")
     if not cluster.preset.architecture:
         notes.append("the device reserve (CUDA context, NCCL, workspaces) is a GPU's; this device is not a GPU")
+    if config.offload_optimizer:
+        notes.append(f"optimizer step on the CPU: {host_optimizer_time_s(config) * 1e3:.1f} ms per step (assumption "
+                     "host_cpu.adam_elements_per_s in simulator/gpu_constants.py), included in the step time")
     return Prediction(model=model, parameters=sum(numels), layers=hf.num_hidden_layers, setup=setup,
                       cluster=cluster.describe(), wrapper=config.wrapper, capacity_bytes=capacity, step=at,
                       lines=lines, peak_band=band, max_length=found,
                       max_length_step=longest,
                       seconds=time.perf_counter() - start,
-                      notes=tuple(notes))
+                      notes=tuple(notes), host_capacity_bytes=cluster.host_memory_per_rank_bytes)
 
 
 # --- strategy="auto": the strategy chosen by simulating each candidate on its own trace -----------------------

@@ -8,6 +8,7 @@ case runs the tiny-llama preset on 2 gloo ranks.  The paper-scale acceptance cas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -171,7 +172,8 @@ def _numels(model: str, seq_len: int) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("argv, message", [
     (["--zero-stage", "3"], "ZeRO 3"),
-    (["--offload", "optimizer"], "no optimizer offload"),
+    (["--offload", "optimizer", "--zero-stage", "0"], "ZeRO feature"),
+    (["--offload", "optimizer", "--zero-stage", "2", "--grad-accum", "2"], "through host memory"),
     (["--zero-stage", "1", "--grad-accum", "4"], "unreduced gradient"),
     (["--seq-len", "1001", "--sp-size", "4"], "not divisible"),
     (["--world-size", "6", "--sp-size", "4"], "not a multiple"),
@@ -210,6 +212,36 @@ def test_plan_max_length_answers_the_peak_by_category_at_the_longest_length_and_
     assert f"at max      peak {peak_there:.2f} GiB per rank" in found.format()
 
 
+def test_plan_offload_optimizer_answers_the_device_peak_the_host_peak_and_the_step_with_cpu_adam():
+    """--offload optimizer: the device peak is still ledger_peak (device lines plus simulated activations), the host
+    peak is the ledger's host lines, a host-memory OOM is reported as such, and the step has the host copies and the
+    CPU Adam time (an assumption) in it."""
+    from simulator.training_step import host_optimizer_time_s
+
+    setup = TrainingSetup(seq_len=256, sp_size=2, zero_stage=2, offload="optimizer", compiler="aot_eager")
+    cluster = load_cluster("h100-sxm", world_size=2)
+    found = predict("tiny-llama", setup, cluster)
+    config = setup.training_config(_numels("tiny-llama", 256))
+    assert config.offload_optimizer and found.wrapper == "DeepSpeedZeroOptimizer"
+    activations = found.step.dynamic_memory_bytes
+    assert found.peak_bytes == ledger_peak(config, activations) == sum(found.by_category.values())
+    assert "optimizer" not in found.by_category  # fp32 master and Adam moved to the host
+    host = summarize(memory_ledger(config, at="backward", activation_bytes=activations), "host")
+    assert found.host_peak_bytes == host.nominal > 0 and host.by_category["optimizer"][1] > 0
+    assert found.host_capacity_bytes == 2 * 2**40 // 8 and found.fits and found.host_fits
+    ops = found.step.simulated.timelines[0].compiled.program.ops
+    assert {op.collective.kind for op in ops if op.collective is not None} >= {"to_host", "from_host"}
+    assert found.step.step_time_s == pytest.approx(found.step.simulated.step_time_s + host_optimizer_time_s(config))
+    doc = found.to_dict()
+    assert doc["host_peak_bytes"] == found.host_peak_bytes and doc["host_fits"] is True
+    assert "host memory" in found.format() and "optimizer step on the CPU" in found.format()
+    tight = dataclasses.replace(found, host_capacity_bytes=found.host_peak_bytes - 1)
+    assert not tight.fits and not tight.host_fits and tight.peak_bytes <= tight.capacity_bytes
+    assert "host-memory OOM" in tight.format()
+    with pytest.raises(AutoSPError, match="no link to host memory"):
+        predict("tiny-llama", setup, load_cluster("cpu-gloo", world_size=2))
+
+
 def test_plan_world_is_sp_times_dp():
     args = build_parser().parse_args(["--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "1024",
                                       "--sp-size", "4", "--world-size", "16"])
@@ -228,6 +260,15 @@ def test_plan_cluster_file_builds_the_simulator_cluster(cluster_file):
     # a preset node, a named network and a memory override
     small = cluster_from_dict({"node": "a100-80gb-sxm", "nodes": 2, "network": "ib-hdr-200", "memory_gib": 40})
     assert small.device.memory_bytes == 40 * 2**30 and small.network.name == "ib-hdr-200"
+    # host memory: the preset's, or a node's own figures, or a top-level override (GiB per node)
+    assert small.host_memory_per_rank_bytes == 2 * 2**40 // 8
+    assert cluster_from_dict({"node": "a100-80gb-sxm", "host_memory_gib": 512}).host_memory_per_rank_bytes == 64 * 2**30
+    own = cluster_from_dict({**TWO_NODES, "node": {**TWO_NODES["node"], "host_memory_gib": 256,
+                                                   "host_memory_link": {"bandwidth_bytes_per_s": 3.2e10,
+                                                                        "latency_s": 5e-6, "efficiency": 0.8}}})
+    assert own.host_memory_per_rank_bytes == 64 * 2**30 and own.preset.host_memory_kind == "pcie"
+    assert own.preset.host_memory_link.effective_bandwidth_bytes_per_s == pytest.approx(2.56e10)
+    assert own.topology.host_path(5, to_host=True)
 
 
 @pytest.mark.parametrize("document, message", [
@@ -238,6 +279,9 @@ def test_plan_cluster_file_builds_the_simulator_cluster(cluster_file):
     ({**TWO_NODES, "node": {k: v for k, v in TWO_NODES["node"].items() if k != "host_link"}}, "host_link"),
     ({**TWO_NODES, "node": {**TWO_NODES["node"], "device": {"name": "x"}}}, "malformed"),
     ({**TWO_NODES, "network": {"nic": {"latency_s": 1e-6}, "switch_latency_s": 1e-6}}, "bandwidth_bytes_per_s"),
+    ({**TWO_NODES, "host_memory_gib": -1}, "host_memory_gib must be a positive"),
+    ({**TWO_NODES, "node": {**TWO_NODES["node"], "host_memory_link": {"latency_s": 1e-6}}}, "host_memory_link"),
+    ({**TWO_NODES, "node": {**TWO_NODES["node"], "host_memory_kind": "cxl"}}, "host_memory_kind"),
 ])
 def test_plan_cluster_file_errors_name_the_field(document, message):
     with pytest.raises(AutoSPError, match=message):

@@ -129,7 +129,8 @@ def test_gpu_presets_fuse_and_read_every_constant_from_the_table():
     for name in DATASHEETS:
         preset = get_preset(name)
         assert preset.device.fuses_pointwise and preset.architecture
-        used = constants_for(preset.architecture, "nvlink" if preset.intra_node_kind == "nvswitch" else "xgmi")
+        used = constants_for(preset.architecture, "nvlink" if preset.intra_node_kind == "nvswitch" else "xgmi",
+                             host=preset.host_memory_kind)
         for constant in used:
             for end in ("low", "high"):
                 moved_preset = build_preset(name, moved(constant, end))

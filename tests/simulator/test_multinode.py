@@ -72,7 +72,7 @@ def test_multinode_every_link_figure_has_a_band_and_a_source_and_is_the_one_the_
     links = Cluster.from_cluster_preset(name).topology.links
     by_kind = {kind: {(link.bandwidth_bytes_per_s, link.latency_s) for link in links if link.kind == kind}
                for kind in {link.kind for link in links}}
-    assert set(by_kind) == {"nvswitch", "pcie", "network", "spine"}
+    assert set(by_kind) == {"nvswitch", "pcie", "network", "spine", "host"}  # host: device <-> host memory
     (nvswitch,), (pcie,), (network,), (spine,) = (by_kind[k] for k in ("nvswitch", "pcie", "network", "spine"))
     assert nvswitch == pytest.approx((p["nvlink.bandwidth_bytes_per_s"] * p["nvlink.efficiency"],
                                       p["nvlink.latency_s"]))
