@@ -88,9 +88,14 @@ _WINDOW = [{"model": "hf-mistral-window", "window": 6}, {"model": "hf-mistral-wi
                                                         "documents": "three documents"}]
 
 
+_PACKED_4 = [case for case in _PACKED if case["model"] == "hf-llama" or case["documents"] == "three documents"]
+"""On 4 ranks (16-token shards): every packing on Llama, the one whose documents straddle shards on Qwen2 (the
+family's rules are the same at 2 and 4 ranks; the suite's time is spent where the shards change)."""
+
+
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_packed_documents_exact(ranks):
-    results = run_on_ranks(_cases, ranks, _PACKED, timeout_s=900)
+    results = run_on_ranks(_cases, ranks, _PACKED if ranks == 2 else _PACKED_4, timeout_s=900)
     _check(results, FP32_TOL)
     # HF's packed-sequence mask, learnt as documents by position and applied in every layer
     assert all(r["rules"] == [(True, False, None)] * 2 for r in results[0])
@@ -98,11 +103,15 @@ def test_packed_documents_exact(ranks):
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_right_padding_and_sliding_window_exact(ranks):
-    results = run_on_ranks(_cases, ranks, _PADDED + _WINDOW, timeout_s=900)
+    # on 4 ranks: right padding longer than a shard (21 > 16 tokens), left padding beyond the first shard, and
+    # the window over packed documents
+    padded = _PADDED if ranks == 2 else _PADDED[1:]
+    windows = _WINDOW if ranks == 2 else _WINDOW[1:]
+    results = run_on_ranks(_cases, ranks, padded + windows, timeout_s=900)
     _check(results, FP32_TOL)
     rules = [r["rules"] for r in results[0]]
-    assert rules[0] == rules[1] == rules[2] == [(False, True, None)] * 2  # padding: keys masked, no documents
-    assert rules[3] == [(True, False, 6)] * 2 and rules[4] == [(True, False, 6)] * 2  # a window of 6 < a shard
+    assert all(rule == [(False, True, None)] * 2 for rule in rules[:len(padded)])  # padding: keys masked
+    assert all(rule == [(True, False, 6)] * 2 for rule in rules[len(padded):])  # a window of 6 < a shard
 
 
 def _batch(kind: str, ids: torch.Tensor, labels: torch.Tensor) -> dict:
