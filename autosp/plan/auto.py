@@ -63,7 +63,7 @@ def hf_config_of(module: torch.nn.Module, planning: str = "memory_plan='auto'") 
     asked, named in the refusal."""
     instead = ("choose the options with autosp.plan.choose_options(config_json, sp_size, seq_len, target_memory) "
                "and pass them to autosp.compile with memory_plan='off'" if planning.startswith("memory") else
-               "choose the strategy with python -m autosp.plan --strategy auto (or autosp.plan.predict."
+               "choose the strategy with python -m autosp.plan --strategy auto (or autosp.plan."
                "choose_strategy) and pass it to autosp.compile")
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "to_json_string") or not getattr(config, "model_type", None):
