@@ -226,6 +226,8 @@ class AutoSPConfig:
             raise AutoSPError("strategy='auto' and memory_plan='auto' are not planned together yet: choose the "
                               "strategy with strategy='auto' and pass the memory options yourself, or plan the memory "
                               "under a fixed strategy")
+        if self.strategy == "auto" and self.sp_size < 2:
+            raise AutoSPError("strategy='auto' chooses how a sequence is split over ranks: give sp_size >= 2")
         if self.strategy == "auto" and self.plan_seq_len is None:
             raise AutoSPError("strategy='auto' chooses the strategy before compiling, for one sequence length: pass "
                               "plan_seq_len= the (padded) tokens per sample the job trains at")

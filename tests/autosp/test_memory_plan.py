@@ -172,6 +172,8 @@ def test_memory_plan_refusals_name_what_to_change():
     # strategy="auto": what it needs, and what it is not combined with (refused before any planning).
     with pytest.raises(AutoSPError, match="pass plan_seq_len="):
         autosp.compile(model, sp_size=2, strategy="auto")
+    with pytest.raises(AutoSPError, match="give sp_size >= 2"):
+        autosp.compile(model, sp_size=1, strategy="auto", plan_seq_len=64)
     with pytest.raises(AutoSPError, match="not planned together yet"):
         autosp.compile(model, sp_size=2, strategy="auto", plan_seq_len=64, memory_plan="auto", target_memory=2**20)
     with pytest.raises(AutoSPError, match=r"take\(s\) effect only with strategy='hybrid'"):
