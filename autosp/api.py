@@ -91,14 +91,14 @@ class SequenceParallelModel(nn.Module):
     """A model compiled for sequence parallelism; call it with ``**autosp.prepare_inputs(...)``."""
 
     def __init__(self, module: nn.Module, config: AutoSPConfig, groups: SequenceParallelGroups,
-                 explicit_options: dict | None = None):
+                 explicit_options: dict | None = None, strategy_plan: dict | None = None):
         super().__init__()
         self.module = module
         self.config = config
         self.groups = groups
         self._ctx = TraceContext(
             sp_size=config.sp_size, sp_rank=groups.sp_rank, group_name=groups.sp_group_name,
-            ignore_index=config.ignore_index, strategy=config.strategy,
+            ignore_index=config.ignore_index, strategy=config.strategy, strategy_plan=strategy_plan,
         )
         if config.strategy == "hybrid":  # Note [Hybrid attention] in autosp/passes/dynamo/attention.py
             self._ctx.ulysses_size = config.ulysses_size
@@ -126,11 +126,13 @@ class SequenceParallelModel(nn.Module):
 
     @property
     def report(self) -> CompileReport:
-        """What the AutoSP passes found and did (attention sites, per-pass op changes, graphs), and the memory
-        plan (``memory_plan="auto"``)."""
+        """What the AutoSP passes found and did (attention sites, per-pass op changes, graphs), the memory
+        plan (``memory_plan="auto"``) and the strategy decision (``strategy="auto"``)."""
         report = self._ctx.report
-        if report.memory_plan is None:  # each compile starts a new report; the plan is the model's
+        if report.memory_plan is None:  # each compile starts a new report; the plans are the model's
             report.memory_plan = self._ctx.memory_plan
+        if report.strategy_plan is None:
+            report.strategy_plan = self._ctx.strategy_plan
         return report
 
     def state_dict(self, *args, **kwargs):
@@ -273,8 +275,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
     compiler: str = "inductor",
     **options,
 ) -> SequenceParallelModel:
-    """Compile ``model`` for sequence parallelism over ``sp_size`` ranks (Ulysses, ``strategy="ring"``, or
-    ``strategy="hybrid"`` with ``ulysses_size``).
+    """Compile ``model`` for sequence parallelism over ``sp_size`` ranks (Ulysses, ``strategy="ring"``,
+    ``strategy="hybrid"`` with ``ulysses_size``, or ``strategy="auto"`` with ``plan_seq_len``: the planner's
+    choice among them, `autosp.plan.auto.decide_strategy`).
 
     ``process_group`` (default: the world) is split into SP groups of ``sp_size``
     contiguous ranks; the groups are data-parallel replicas.  ``options`` are the
@@ -282,16 +285,23 @@ def compile(  # noqa: A001 - mirrors torch.compile
     """
     config = AutoSPConfig.from_options(sp_size=sp_size, compiler=compiler, options=options)
     explicit = {k: v for k, v in options.items() if k in MEMORY_PLAN_OPTIONS}
-    if config.memory_plan == "auto":
+    if config.memory_plan == "auto" or config.strategy == "auto":
         from autosp.plan.auto import check_plannable
 
         check_plannable(model, config)
+    strategy_plan = None
+    if config.strategy == "auto":  # the planner chooses; every rank compiles its choice (autosp.plan.auto)
+        from autosp.plan.auto import decide_strategy
+
+        strategy_plan = decide_strategy(model, config, process_group, explicit=explicit)
+        planned = {"plan_seq_len": None, "plan_cluster": None, "target_memory": None, "plan_setup": None}
+        config = dataclasses.replace(config, **strategy_plan["options"], **planned)
     groups = build_groups(sp_size, process_group,
                           ulysses_size=config.ulysses_size if config.strategy == "hybrid" else None)
     if sp_size == 1:
         warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
                       "(the checkpointing, tiled_loss and tiled_mlp options still apply)", stacklevel=2)
-    return SequenceParallelModel(model, config, groups, explicit_options=explicit)
+    return SequenceParallelModel(model, config, groups, explicit_options=explicit, strategy_plan=strategy_plan)
 
 
 def sync_gradients(model: SequenceParallelModel) -> None:

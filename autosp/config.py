@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from autosp.errors import AutoSPError
-from simulator.workload import COMPILED_STRATEGIES, PLANNED_STRATEGIES
+from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES
 
 STRATEGIES = COMPILED_STRATEGIES
 """The sequence-parallel strategies the pass implements: simulator.workload.COMPILED_STRATEGIES, the one declaration of
-the names that simulator.strategies.SEQUENCE_PARALLEL reads too; the registry's "auto" (PLANNED_STRATEGIES) is not
-implemented by the pass yet."""
-_NOT_YET = PLANNED_STRATEGIES
+the names that simulator.strategies.SEQUENCE_PARALLEL reads too."""
+ACCEPTED_STRATEGIES = (*COMPILED_STRATEGIES, *CHOSEN_STRATEGIES)
+"""What ``strategy=`` accepts: a strategy of STRATEGIES, or "auto", which `autosp.compile` resolves to one of them
+(and its degrees) before compiling (autosp.plan.auto.decide_strategy)."""
 ZIGZAG_STRATEGIES = ("ring", "hybrid")
 """The strategies whose tokens follow the zig-zag layout (Note [Zig-zag layout] in autosp/inputs.py) and that refuse
 what the ring refuses (packed documents, padding masks, sliding windows)."""
@@ -24,8 +25,10 @@ MEMORY_PLAN = ("off", "auto")
 MEMORY_PLAN_OPTIONS = ("checkpointing", "sac_memory_budget", "tiled_loss", "loss_chunk_tokens", "tiled_mlp",
                        "mlp_chunk_tokens", "return_logits")
 """The options ``memory_plan="auto"`` chooses (autosp.plan.planner.candidate_plans); one passed explicitly wins."""
-PLAN_SETUP = ("zero_stage", "optimizer", "grad_accum", "offload", "depth")
-"""The `autosp.plan.TrainingSetup` fields ``plan_setup`` may set (the rest come from the job itself)."""
+PLAN_SETUP = ("zero_stage", "optimizer", "grad_accum", "offload", "depth", "micro_batch")
+"""The `autosp.plan.TrainingSetup` fields ``plan_setup`` may set (the rest come from the job itself; ``micro_batch``,
+the rows per batch, from the first batch under memory_plan="auto", else 1 under strategy="auto", which decides
+before any batch)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,9 +40,12 @@ class AutoSPConfig:
     strategy: str = "ulysses"
     """How attention runs over the sequence: "ulysses" (all-to-alls around every attention; heads divisible by
     sp_size), "ring" (zig-zag ring attention, any number of heads: Note [Ring attention] in
-    autosp/ring_attention.py; packed documents, padding masks and sliding windows are refused) or "hybrid"
+    autosp/ring_attention.py; packed documents, padding masks and sliding windows are refused), "hybrid"
     (all-to-alls inside groups of ``ulysses_size`` consecutive ranks, the ring across the groups: Note [Hybrid
-    attention] in autosp/passes/dynamo/attention.py; heads divisible by ulysses_size, refusals as for "ring")."""
+    attention] in autosp/passes/dynamo/attention.py; heads divisible by ulysses_size, refusals as for "ring") or
+    "auto" (`autosp.compile` asks the planner which of these, and which ulysses_size, is fastest and fits for
+    ``plan_seq_len`` tokens on ``plan_cluster`` within ``target_memory``, and compiles that: docs/design.md,
+    "Choosing a strategy"; the decision is in ``report.strategy_plan``)."""
     ulysses_size: int | None = None
     """strategy="hybrid": ranks of one Ulysses group (a divisor of sp_size); the ring runs over
     ``ring_size = sp_size // ulysses_size`` groups.  Give ulysses_size or ring_size (or both, consistent)."""
@@ -119,9 +125,11 @@ class AutoSPConfig:
     planner"); the decision and every candidate are in ``report.memory_plan``.  "off": the options as given."""
     target_memory: int | None = None
     """Bytes per rank the plan must fit (the planner's peak: the memory ledger plus the simulated activations);
-    None: the GPU's memory (required on CPU)."""
+    None: the GPU's memory (memory_plan="auto" requires it on CPU; strategy="auto" then takes the cluster preset's
+    device memory)."""
     plan_seq_len: int | None = None
-    """Tokens per sample the plan is made for; None: the longest first batch of the process group."""
+    """Tokens per sample the plan is made for; None: the longest first batch of the process group (required with
+    strategy="auto", which decides before the first batch)."""
     plan_cluster: str | None = None
     """Hardware the plan is predicted on: a preset or cluster file of ``python -m autosp.plan --cluster``; None:
     cpu-gloo on CPU, the preset of the GPU's name."""
@@ -132,9 +140,8 @@ class AutoSPConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or self.sp_size < 1:
             raise AutoSPError(f"sp_size must be a positive integer, got {self.sp_size!r}")
-        if self.strategy not in STRATEGIES:
-            known = f"; {self.strategy!r} is not implemented yet" if self.strategy in _NOT_YET else ""
-            raise AutoSPError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}{known}")
+        if self.strategy not in ACCEPTED_STRATEGIES:
+            raise AutoSPError(f"strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}")
         if self.compiler not in COMPILERS:
             raise AutoSPError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
         if self.checkpointing not in CHECKPOINTING:
@@ -212,9 +219,18 @@ class AutoSPConfig:
         planning = {"target_memory": self.target_memory, "plan_seq_len": self.plan_seq_len,
                     "plan_cluster": self.plan_cluster, "plan_setup": self.plan_setup}
         given = [name for name, value in planning.items() if value is not None]
-        if self.memory_plan == "off" and given:
-            raise AutoSPError(f"{', '.join(given)} take(s) effect only with the memory planner: pass "
-                              "memory_plan='auto' too (or leave them out)")
+        if self.memory_plan == "off" and self.strategy != "auto" and given:
+            raise AutoSPError(f"{', '.join(given)} take(s) effect only with the planner: pass memory_plan='auto' or "
+                              "strategy='auto' too (or leave them out)")
+        if self.strategy == "auto" and self.memory_plan == "auto":
+            raise AutoSPError("strategy='auto' and memory_plan='auto' are not planned together yet: choose the "
+                              "strategy with strategy='auto' and pass the memory options yourself, or plan the memory "
+                              "under a fixed strategy")
+        if self.strategy == "auto" and self.sp_size < 2:
+            raise AutoSPError("strategy='auto' chooses how a sequence is split over ranks: give sp_size >= 2")
+        if self.strategy == "auto" and self.plan_seq_len is None:
+            raise AutoSPError("strategy='auto' chooses the strategy before compiling, for one sequence length: pass "
+                              "plan_seq_len= the (padded) tokens per sample the job trains at")
         for name in ("target_memory", "plan_seq_len"):
             value = planning[name]
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -81,6 +81,12 @@ class CompileReport:
     ``candidates``), ``reason``, ``candidates`` (each: plan, options, fits, peak_bytes, peak_by_category_bytes,
     step_time_s, refused), ``traces`` and ``seconds``.  None when not planned."""
 
+    strategy_plan: dict | None = None
+    """With ``strategy="auto"``: the planner's decision (autosp.plan.auto.decide_strategy): ``chosen`` (the
+    registry name, e.g. ``autosp-hybrid-2x4``), ``options`` (the strategy and degrees the model compiled with),
+    ``reason``, ``candidates`` (each: strategy, system, options, fits, peak_bytes, step_time_s, refused),
+    ``setup``, ``cluster``, ``capacity_bytes`` and ``seconds``.  None when not chosen."""
+
     @property
     def all_attention_causal(self) -> bool:
         return all(site.is_causal for site in self.attention_sites)
@@ -147,6 +153,8 @@ class TraceContext:
     report: CompileReport = field(default_factory=CompileReport)
     memory_plan: dict | None = None
     """The memory plan the model compiled with (``memory_plan="auto"``), what ``report.memory_plan`` shows."""
+    strategy_plan: dict | None = None
+    """The strategy decision the model compiled with (``strategy="auto"``), what ``report.strategy_plan`` shows."""
     programs: list[CompiledProgram] = field(default_factory=list)
     """Every program compiled for this model, in order."""
     program_outputs: tuple = ()

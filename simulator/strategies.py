@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
-from simulator.workload import COMPILED_STRATEGIES, PLANNED_STRATEGIES
+from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES
 from simulator.workload_rewrites import ModuleParameters, ring_workload, zero3_workload
 
 if TYPE_CHECKING:
@@ -49,11 +49,11 @@ if TYPE_CHECKING:
 IMPLEMENTATIONS = ("autosp", "hand-written", "deepspeed")
 """Who runs a strategy: this project's pass (``autosp``), a hand-written baseline in ``experiments/baselines``,
 or DeepSpeed itself (its ZeRO-3 engine, its own AutoSP pass)."""
-SEQUENCE_PARALLEL = (*COMPILED_STRATEGIES, *PLANNED_STRATEGIES, "none")
+SEQUENCE_PARALLEL = (*COMPILED_STRATEGIES, *CHOSEN_STRATEGIES, "none")
 """How the sequence is split: Ulysses all-to-alls, a ring of K/V passes, both (Note [Hybrid rank layout]), the
 pass's choice by simulation (``auto``), or not at all (each rank trains on the whole sequence). The names the pass
 compiles and plans are declared once, in :mod:`simulator.workload` (:data:`~simulator.workload.COMPILED_STRATEGIES`,
-:data:`~simulator.workload.PLANNED_STRATEGIES`)."""
+:data:`~simulator.workload.CHOSEN_STRATEGIES`)."""
 REWRITES = ("ring", "zero3")
 """Rewrites of a traced workload (:mod:`simulator.workload_rewrites`): ``ring``: the Ulysses
 trace with each attention split into peer-to-peer ring steps and online-softmax merges (the hand-written ring
@@ -244,8 +244,8 @@ _FIXED: tuple[Strategy, ...] = (
              implementation="deepspeed", sequence_parallel="ulysses", zero_stage=_ZERO1, workload=None,
              tables=_MEASURED),
     # The pass's ring and auto strategies and (below) its hybrid family (issue 21): listed in no table yet (the pass
-    # compiles the ring and the hybrid, and exports the ring; "auto" is planned); options_for refuses them on a pass
-    # without `strategy`.
+    # compiles and exports the ring and the hybrid; "auto" resolves to one of them before compiling:
+    # autosp.plan.auto); options_for refuses them on a pass without `strategy`.
     Strategy(name="autosp-ring", description="AutoSP (this pass): zig-zag ring attention", implementation="autosp",
              sequence_parallel="ring", zero_stage=_ZERO1, workload=_SP, options=_options(strategy="ring")),
     Strategy(name="autosp-auto", description="AutoSP (this pass): the strategy and degrees it simulates fastest",

@@ -51,9 +51,10 @@ ring of K/V passes, or both (all-to-alls inside groups of ``ulysses_size`` conse
 groups). The one declaration of these names: ``autosp.config.STRATEGIES`` and
 ``simulator.strategies.SEQUENCE_PARALLEL`` read them from here (autosp may import only this module of the
 simulator, docs/design.md, "The packages and who may import whom")."""
-PLANNED_STRATEGIES = ("auto",)
-"""Strategies of ``simulator.strategies.SEQUENCE_PARALLEL`` that the pass does not compile (yet): the pass's choice
-by simulation; ``autosp.compile`` names them when it refuses them."""
+CHOSEN_STRATEGIES = ("auto",)
+"""Strategies of ``simulator.strategies.SEQUENCE_PARALLEL`` that ``autosp.compile(strategy=...)`` accepts but
+resolves, before compiling, to one of ``COMPILED_STRATEGIES`` (and its degrees): ``auto``, the fastest that fits
+by simulation (``autosp.plan.predict.choose_strategy``)."""
 
 
 class WorkloadError(ValueError):

@@ -112,7 +112,7 @@ def test_strategy_names_the_compiled_strategies_are_declared_once():
 
     assert autosp.config.STRATEGIES is simulator.workload.COMPILED_STRATEGIES == ("ulysses", "ring", "hybrid")
     kinds = simulator.strategies.SEQUENCE_PARALLEL
-    assert kinds == (*simulator.workload.COMPILED_STRATEGIES, *simulator.workload.PLANNED_STRATEGIES, "none")
+    assert kinds == (*simulator.workload.COMPILED_STRATEGIES, *simulator.workload.CHOSEN_STRATEGIES, "none")
     declared = []
     for path in _files("autosp/**/*.py", "simulator/**/*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

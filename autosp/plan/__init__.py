@@ -6,16 +6,25 @@ not, peak per rank by ledger category, step time, and the longest sequence that 
 there); the answer keeps the simulated step (``Prediction.step.simulated``) for `simulator.plots`.  `ModelSource`
 is the model a name or a config.json stands for (the model ``python -m autosp.train --model`` builds).
 `plan_memory` predicts every candidate memory plan (checkpointing, SAC budget, tiled loss, tiled MLP) and chooses
-one; `choose_options` returns the chosen plan's `autosp.compile` options; `autosp.plan.auto` runs it for a compiled
-model (``autosp.compile(..., memory_plan="auto")``).  It is the one package of autosp that uses
+one; `choose_options` returns the chosen plan's `autosp.compile` options; `choose_strategy` predicts every strategy
+and hybrid degree and chooses one; `autosp.plan.auto` runs them for a compiled model (``autosp.compile(...,
+memory_plan="auto")``, ``autosp.compile(..., strategy="auto")``).  It is the one package of autosp that uses
 the simulator beyond its workload schema (docs/design.md, "Import direction").
 """
 
 from autosp.plan.cluster_file import cluster_from_dict, cluster_names, load_cluster
 from autosp.plan.model_source import ModelSource
 from autosp.plan.planner import MemoryPlan, PlanReport, candidate_plans, choose_options, plan_memory
-from autosp.plan.predict import Prediction, StepPrediction, TrainingSetup, peak_by_category, predict
+from autosp.plan.predict import (
+    Prediction,
+    StepPrediction,
+    StrategyDecision,
+    TrainingSetup,
+    choose_strategy,
+    peak_by_category,
+    predict,
+)
 
-__all__ = ["MemoryPlan", "ModelSource", "PlanReport", "Prediction", "StepPrediction", "TrainingSetup",
-           "candidate_plans", "choose_options", "cluster_from_dict", "cluster_names", "load_cluster",
-           "peak_by_category", "plan_memory", "predict"]
+__all__ = ["MemoryPlan", "ModelSource", "PlanReport", "Prediction", "StepPrediction", "StrategyDecision",
+           "TrainingSetup", "candidate_plans", "choose_options", "choose_strategy", "cluster_from_dict",
+           "cluster_names", "load_cluster", "peak_by_category", "plan_memory", "predict"]

@@ -28,14 +28,14 @@ from simulator.max_length import BANDS, ModelStep, extrapolate_depth, ledger_pea
 from simulator.max_length import max_length as search_max_length
 from simulator.replicas import data_parallel_replicas
 from simulator.result import Result
-from simulator.strategies import SEQUENCE_PARALLEL, Strategy, sp_candidates
+from simulator.strategies import SEQUENCE_PARALLEL, STRATEGIES, Strategy, sp_candidates
 from simulator.training_step import (
     add_training_step,
     gradients_from_modules,
     host_optimizer_time_s,
     release_gradients,
 )
-from simulator.workload import COMPILED_STRATEGIES, Workload
+from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES, Workload
 
 log = logging.getLogger(__name__)
 
@@ -532,21 +532,28 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
 
 # --- strategy="auto": the strategy chosen by simulating each candidate on its own trace -----------------------
 
-AUTO_STRATEGIES = tuple(kind for kind in COMPILED_STRATEGIES if kind != "hybrid")
-"""The compiled strategies ``strategy="auto"`` simulates and ``--strategy`` names (``simulator.workload``'s
-``COMPILED_STRATEGIES`` but the hybrid, whose Ulysses degree neither chooses yet)."""
-STRATEGY_CHOICES = tuple(kind for kind in SEQUENCE_PARALLEL if kind in AUTO_STRATEGIES or kind == "auto")
-"""``--strategy``: a strategy of `AUTO_STRATEGIES`, or ``auto`` (`choose_strategy`); read from the registry."""
+AUTO_STRATEGIES = COMPILED_STRATEGIES
+"""The compiled strategies ``strategy="auto"`` simulates (``simulator.workload``'s ``COMPILED_STRATEGIES``): Ulysses,
+the ring and every hybrid Ulysses degree that runs (`strategy_candidates`)."""
+STRATEGY_CHOICES = tuple(kind for kind in SEQUENCE_PARALLEL
+                         if kind in AUTO_STRATEGIES and kind != "hybrid" or kind in CHOSEN_STRATEGIES)
+"""``--strategy``: a strategy of `AUTO_STRATEGIES` that needs no degree (the hybrid needs its Ulysses degree, which
+the CLI has no flag for), or ``auto`` (`choose_strategy`); read from the registry."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class StrategyCandidate:
-    """One strategy's prediction (traced with ``strategy=`` it, exported, simulated), or why it cannot run."""
+    """One strategy's prediction (traced with its ``autosp.compile`` options, exported, simulated), or why it
+    cannot run."""
 
     strategy: str
     """The pass's strategy (a name of `AUTO_STRATEGIES`)."""
     system: str
-    """Its name in the registry (``simulator.strategies.STRATEGIES``)."""
+    """Its name in the registry (``simulator.strategies.STRATEGIES``): ``autosp``, ``autosp-ring`` or
+    ``autosp-hybrid-UxR``; what the decision names."""
+    options: dict = field(default_factory=dict)
+    """The ``autosp.compile`` options that select it (``strategy``, and a hybrid's ``ulysses_size`` and
+    ``ring_size``): the registry's ``compile_options``."""
     prediction: Prediction | None
     refused: str | None = None
 
@@ -556,8 +563,8 @@ class StrategyCandidate:
 
     def to_dict(self) -> dict:
         p = self.prediction
-        return {"strategy": self.strategy, "system": self.system, "refused": self.refused,
-                "fits": self.fits, "step_time_s": None if p is None else p.step.step_time_s,
+        return {"strategy": self.strategy, "system": self.system, "options": dict(self.options),
+                "refused": self.refused, "fits": self.fits, "step_time_s": None if p is None else p.step.step_time_s,
                 "peak_bytes": None if p is None else p.peak_bytes}
 
 
@@ -567,10 +574,15 @@ class StrategyDecision:
 
     candidates: tuple[StrategyCandidate, ...]
     chosen: str | None
-    """The fastest candidate that fits; None when none fits (``reason`` says so)."""
+    """The registry name (`StrategyCandidate.system`) of the fastest candidate that fits; None when none fits
+    (``reason`` says so)."""
     reason: str
     capacity_bytes: int
     seconds: float = 0.0
+
+    @property
+    def chosen_candidate(self) -> StrategyCandidate | None:
+        return next((c for c in self.candidates if c.system == self.chosen), None)
 
     @property
     def options(self) -> dict:
@@ -578,16 +590,18 @@ class StrategyDecision:
         **decision.options)``); an error when none fits."""
         if self.chosen is None:
             raise AutoSPError(f"no strategy fits {self.capacity_bytes / 2**30:.3f} GiB per rank: {self.reason}")
-        return {"strategy": self.chosen}
+        return dict(self.chosen_candidate.options)
 
     @property
     def prediction(self) -> Prediction | None:
         """The chosen candidate's prediction."""
-        return next((c.prediction for c in self.candidates if c.strategy == self.chosen), None)
+        chosen = self.chosen_candidate
+        return None if chosen is None else chosen.prediction
 
     def to_dict(self) -> dict:
         chosen = self.prediction
         return {"strategy": "auto", "chosen": self.chosen, "reason": self.reason,
+                "options": None if self.chosen is None else self.options,
                 "capacity_bytes": self.capacity_bytes, "seconds": self.seconds,
                 "candidates": [c.to_dict() for c in self.candidates],
                 "prediction": None if chosen is None else chosen.to_dict()}
@@ -596,14 +610,14 @@ class StrategyDecision:
         gib = 2**30
         out = [f"strategy auto: {len(self.candidates)} candidates, each traced and simulated on its own "
                f"({self.seconds:.1f} s); capacity {self.capacity_bytes / gib:.3f} GiB per rank",
-               f"  {'strategy':10s} {'system':12s} {'fits':4s} {'peak GiB':>9s} {'step ms':>10s}"]
+               f"  {'strategy':10s} {'system':18s} {'fits':4s} {'peak GiB':>9s} {'step ms':>10s}"]
         for c in self.candidates:
-            mark = "*" if c.strategy == self.chosen else " "
+            mark = "*" if c.system == self.chosen else " "
             if c.prediction is None:
-                out.append(f"{mark} {c.strategy:10s} {c.system:12s} refused: {c.refused}")
+                out.append(f"{mark} {c.strategy:10s} {c.system:18s} refused: {c.refused}")
                 continue
             p = c.prediction
-            out.append(f"{mark} {c.strategy:10s} {c.system:12s} {'yes' if c.fits else 'NO':4s} "
+            out.append(f"{mark} {c.strategy:10s} {c.system:18s} {'yes' if c.fits else 'NO':4s} "
                        f"{p.peak_bytes / gib:9.3f} {p.step.step_time_s * 1e3:10.3f}")
         out.append(f"  chosen      {self.chosen or 'none'}: {self.reason}")
         if self.prediction is not None:
@@ -611,67 +625,67 @@ class StrategyDecision:
         return "\n".join(out)
 
 
-def strategy_candidates(model: str, setup: TrainingSetup) -> list[tuple[str, Strategy | None, str | None]]:
-    """(pass strategy, its registry entry or None, why it cannot run) for every strategy of `AUTO_STRATEGIES`: the
-    registry's `simulator.strategies.sp_candidates` for the model's heads and ``setup.sp_size``."""
+def strategy_candidates(model: str, setup: TrainingSetup) -> list[tuple[Strategy, str | None]]:
+    """(registry entry, why it cannot run) for every candidate of ``strategy="auto"``: Ulysses (refused when the
+    heads do not divide over ``setup.sp_size``), then the registry's `simulator.strategies.sp_candidates` for the
+    model's heads and ``setup.sp_size`` (every hybrid ``U x R`` whose Ulysses degree divides the heads, then the
+    ring)."""
     hf = ModelSource(model).config(seq_len=setup.seq_len)
     heads = int(hf.num_attention_heads)
     kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
-    runnable = {s.sequence_parallel: s for s in sp_candidates(setup.sp_size, heads=heads, kv_heads=kv_heads)}
-    found = []
-    for kind in AUTO_STRATEGIES:
-        strategy = runnable.get(kind)
-        why = None if strategy is not None else (
-            f"{heads} attention heads are not divisible by sp_size {setup.sp_size}" if kind == "ulysses"
-            else f"not a candidate for sp_size {setup.sp_size}")
-        found.append((kind, strategy, why))
-    return found
+    runnable = sp_candidates(setup.sp_size, heads=heads, kv_heads=kv_heads)
+    ulysses = STRATEGIES["autosp"]
+    found = [] if ulysses in runnable else [
+        (ulysses, f"{heads} attention heads are not divisible by sp_size {setup.sp_size}")]
+    return found + [(s, None) for s in runnable if s.sequence_parallel in AUTO_STRATEGIES]
 
 
 def choose_strategy(model: str, setup: TrainingSetup, cluster: Cluster, *, options: Mapping | None = None,
                     capacity_bytes: int | None = None, reuse: TraceReuse | None = None,
                     progress: Callable[[str], None] | None = None) -> StrategyDecision:
-    """``strategy="auto"``: predict ``setup`` under every strategy the pass compiles (each traced with that
-    strategy, exported from what its pass emits and simulated on ``cluster``: `predict`), and choose the fastest
-    whose peak fits ``capacity_bytes`` (default: the device's memory); ties go to the earlier strategy of
-    `AUTO_STRATEGIES`.  ``options``: further `autosp.compile` options (not the strategy);
-    ``reuse``: traces shared with other calls (`TraceReuse`)."""
+    """``strategy="auto"``: predict ``setup`` under every candidate strategy and degree the pass compiles
+    (`strategy_candidates`; each traced with that strategy, exported from what its pass emits and simulated on
+    ``cluster``: `predict`), and choose the fastest whose peak fits ``capacity_bytes`` (default: the device's
+    memory); ties go to the earlier candidate.  ``options``: further `autosp.compile` options (not the strategy
+    or its degrees); ``reuse``: traces shared with other calls (`TraceReuse`)."""
     start = time.perf_counter()
     setup.check()
     if setup.sp_size < 2:
         raise AutoSPError("strategy 'auto' chooses how a sequence is split over ranks: give sp_size >= 2")
     options = dict(options or {})
-    if "strategy" in options:
-        raise AutoSPError(f"strategy 'auto' chooses the strategy; do not pass strategy={options['strategy']!r} too")
+    fixed = sorted(set(options) & {"strategy", "ulysses_size", "ring_size"})
+    if fixed:
+        raise AutoSPError(f"strategy 'auto' chooses the strategy and its degrees; do not pass {', '.join(fixed)} too")
     capacity = int(cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes)
     candidates = []
-    for kind, strategy, why in strategy_candidates(model, setup):
+    for strategy, why in strategy_candidates(model, setup):
         prediction = None
-        if strategy is not None:
+        if why is None:
             try:
                 prediction = predict(model, setup, cluster, options={**options, **strategy.compile_options},
                                      capacity_bytes=capacity, reuse=reuse, progress=progress)
             except AutoSPError as err:
                 why = str(err)
-        candidates.append(StrategyCandidate(strategy=kind, system="-" if strategy is None else strategy.name,
-                                            prediction=prediction, refused=why))
+        candidates.append(StrategyCandidate(strategy=strategy.sequence_parallel, system=strategy.name,
+                                            options=strategy.compile_options, prediction=prediction, refused=why))
         if prediction is None:
-            log.info("strategy %s: refused (%s)", kind, why)
+            log.info("strategy %s: refused (%s)", strategy.name, why)
         else:
-            log.info("strategy %s: step %.6f s, peak %.3f GiB per rank (%s)", kind, prediction.step.step_time_s,
-                     prediction.peak_bytes / 2**30, "fits" if prediction.fits else "does not fit")
+            log.info("strategy %s: step %.6f s, peak %.3f GiB per rank (%s)", strategy.name,
+                     prediction.step.step_time_s, prediction.peak_bytes / 2**30,
+                     "fits" if prediction.fits else "does not fit")
     fitting = [c for c in candidates if c.fits]
     if fitting:
         best = min(fitting, key=lambda c: c.prediction.step.step_time_s)  # min keeps the first of equal times
         others = [c for c in candidates if c.prediction is not None and c is not best]
         reason = f"the fastest that fits ({best.prediction.step.step_time_s * 1e3:.3f} ms per step" + "".join(
-            f"; {c.strategy} {c.prediction.step.step_time_s * 1e3:.3f} ms"
+            f"; {c.system} {c.prediction.step.step_time_s * 1e3:.3f} ms"
             + ("" if c.fits else f", peak {c.prediction.peak_bytes / 2**30:.3f} GiB does not fit") for c in others) + ")"
-        chosen = best.strategy
+        chosen = best.system
     else:
         chosen = None
         reason = f"no strategy fits {capacity / 2**30:.3f} GiB per rank" + "".join(
-            f"; {c.strategy} peaks at {c.prediction.peak_bytes / 2**30:.3f} GiB" for c in candidates
+            f"; {c.system} peaks at {c.prediction.peak_bytes / 2**30:.3f} GiB" for c in candidates
             if c.prediction is not None)
     log.info("strategy auto chose %s: %s", chosen, reason)
     return StrategyDecision(candidates=tuple(candidates), chosen=chosen, reason=reason, capacity_bytes=capacity,

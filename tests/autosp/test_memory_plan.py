@@ -1,12 +1,16 @@
 """``autosp.compile(..., memory_plan="auto", target_memory=BYTES)``: the compiled model plans its own memory options
-(autosp/plan/auto.py) and trains exactly with them.
+(autosp/plan/auto.py) and trains exactly with them; ``autosp.compile(..., strategy="auto", plan_seq_len=N)``: it
+asks the same planner process which strategy to compile, and trains exactly with it.
 
 One gloo launch (2 ranks, SP 2) trains Hugging Face Llama and Qwen2 (1 layer, hidden 32, a 2,048-token vocabulary,
 64 tokens x 2 rows) under a target one byte below the predicted peak of the candidate using no technique (no
 checkpointing, no tiling; predicted here independently), so the plan must use one; the loss and every gradient
 equal a single-device full-sequence run, and the choice is the fastest candidate that fits by the candidates' own
 predictions (no option set is hard-coded).  Qwen2 passes ``tiled_mlp="on"`` explicitly: it wins over the plan,
-which chooses the rest (and its candidates are the 10 with the tiled MLP on; Llama's are all 20).
+which chooses the rest (and its candidates are the 10 with the tiled MLP on; Llama's are all 20).  In the same
+launch Llama compiles with ``strategy="auto"`` (candidates: Ulysses and the ring over 2 ranks, on the cpu-gloo
+preset): both ranks compile the candidate the planner names, the fastest that fits by the candidates' own
+predictions, and train exactly.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ CASES = [  # Qwen2's tiled MLP passed explicitly: it wins over the plan, which c
     {"model": "hf-qwen2", "explicit": {"tiled_mlp": "on"}, "baseline": {**PLAIN, "tiled_mlp": "on"}, "candidates": 5 * 2},
 ]
 """``baseline``: the candidate with no technique the plan may choose, whose peak the target is one byte under."""
+STRATEGY_CASE = {"model": "hf-llama", "compile": {"strategy": "auto", "plan_seq_len": SEQ_LEN}}
 TILED_OPS = {"tiled_loss": "linear_cross_entropy", "tiled_mlp": "tiled_mlp"}
 
 
@@ -63,16 +68,17 @@ def _auto_cases(rank, world, cases):
         ids, labels = make_sample(SEQ_LEN, vocab_size(reference), seed=400, batch=ROWS)
         ref_loss = loss_of(reference(input_ids=ids, labels=labels))
         ref_loss.backward()
-        compiled = autosp.compile(candidate, sp_size=SP, compiler="aot_eager", memory_plan="auto",
-                                  target_memory=case["target"], **case["explicit"])
         del messages[:]
+        compiled = autosp.compile(candidate, sp_size=SP, compiler="aot_eager", **case["compile"])
         out = compiled(**autosp.prepare_inputs(ids, labels=labels))
         loss_of(out).backward()
         graphs = dict(compiled.report.aot_graphs)
         ops = {str(n.target) for g in graphs.values() for n in g.graph.nodes if n.op == "call_function"}
         results.append({"loss": loss_of(out).detach(), "ref_loss": ref_loss.detach(), "grads": named_grads(candidate),
                         "ref_grads": named_grads(reference), "plan": compiled.report.memory_plan,
-                        "config": {k: getattr(compiled.config, k) for k in MEMORY_PLAN_OPTIONS},
+                        "strategy_plan": compiled.report.strategy_plan,
+                        "config": {k: getattr(compiled.config, k)
+                                   for k in (*MEMORY_PLAN_OPTIONS, "strategy", "ulysses_size", "ring_size")},
                         "ops": ops, "log": list(messages)})
     return results
 
@@ -83,8 +89,28 @@ def trained(tmp_path_factory):
     cases = []
     for case in CASES:
         peak = _baseline_peak(case["model"], case["baseline"], folder)
-        cases.append({**case, "target": peak - 1, "baseline_peak": peak})
-    return cases, run_on_ranks(_auto_cases, 2, cases, timeout_s=600)
+        cases.append({**case, "target": peak - 1, "baseline_peak": peak,
+                      "compile": {"memory_plan": "auto", "target_memory": peak - 1, **case["explicit"]}})
+    results = run_on_ranks(_auto_cases, 2, [*cases, STRATEGY_CASE], timeout_s=600)
+    return cases, [per_rank[:-1] for per_rank in results], [per_rank[-1] for per_rank in results]
+
+
+def test_auto_strategy_trains_exactly_with_the_planners_choice(trained):
+    _check([[r] for r in trained[2]], FP32_TOL)
+    first, other = trained[2]
+    plan = first["strategy_plan"]
+    same = ("chosen", "options", "candidates", "setup", "cluster")  # not "seconds": each rank's own wait
+    assert {k: plan[k] for k in same} == {k: other["strategy_plan"][k] for k in same}, "the ranks differ"
+    assert other["config"]["strategy"] == first["config"]["strategy"]
+    candidates = {c["system"]: c for c in plan["candidates"]}
+    assert list(candidates) == ["autosp", "autosp-ring"] and all(c["refused"] is None for c in candidates.values())
+    fastest = min((c for c in candidates.values() if c["fits"]), key=lambda c: c["step_time_s"])
+    assert plan["chosen"] == fastest["system"] and plan["options"] == fastest["options"]
+    assert first["config"]["strategy"] == plan["options"]["strategy"] == fastest["strategy"]
+    assert plan["setup"]["seq_len"] == SEQ_LEN and plan["setup"]["sp_size"] == SP and plan["cluster"] == "cpu-gloo"
+    assert any(m.startswith(f"strategy auto at {SEQ_LEN} tokens on cpu-gloo: {plan['chosen']}")
+               for m in first["log"]), first["log"]
+    assert first["plan"] is None  # no memory plan: the memory options as given
 
 
 def test_auto_plan_trains_exactly(trained):
@@ -92,7 +118,7 @@ def test_auto_plan_trains_exactly(trained):
 
 
 def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
-    cases, results = trained
+    cases, results, _ = trained
     for case, r, other in zip(cases, results[0], results[1], strict=True):
         plan, where = r["plan"], case["model"]
         assert plan["options"] == other["plan"]["options"], f"{where}: the ranks compiled different plans"
@@ -131,7 +157,7 @@ def test_memory_plan_refusals_name_what_to_change():
     model = build_model("hf-llama", **SIZES)
     with pytest.raises(AutoSPError, match=r"target_memory=BYTES"):
         autosp.compile(model, sp_size=2, memory_plan="auto")
-    with pytest.raises(AutoSPError, match="memory_plan='auto' too"):
+    with pytest.raises(AutoSPError, match="memory_plan='auto' or strategy='auto' too"):
         autosp.compile(model, sp_size=2, target_memory=2**20)
     with pytest.raises(AutoSPError, match="memory_plan must be one of"):
         autosp.compile(model, sp_size=2, memory_plan="on")
@@ -143,3 +169,14 @@ def test_memory_plan_refusals_name_what_to_change():
         autosp.compile(model, sp_size=2, memory_plan="auto", target_memory=2**20, plan_setup={"zero_stage": 3})
     with pytest.raises(AutoSPError, match="no Hugging Face config"):
         autosp.compile(build_model("plain-llama", layers=1), sp_size=2, memory_plan="auto", target_memory=2**20)
+    # strategy="auto": what it needs, and what it is not combined with (refused before any planning).
+    with pytest.raises(AutoSPError, match="pass plan_seq_len="):
+        autosp.compile(model, sp_size=2, strategy="auto")
+    with pytest.raises(AutoSPError, match="give sp_size >= 2"):
+        autosp.compile(model, sp_size=1, strategy="auto", plan_seq_len=64)
+    with pytest.raises(AutoSPError, match="not planned together yet"):
+        autosp.compile(model, sp_size=2, strategy="auto", plan_seq_len=64, memory_plan="auto", target_memory=2**20)
+    with pytest.raises(AutoSPError, match=r"take\(s\) effect only with strategy='hybrid'"):
+        autosp.compile(model, sp_size=2, strategy="auto", plan_seq_len=64, ulysses_size=2)
+    with pytest.raises(AutoSPError, match="strategy='auto' plans for a Hugging Face model"):
+        autosp.compile(build_model("plain-llama", layers=1), sp_size=2, strategy="auto", plan_seq_len=64)

@@ -67,7 +67,7 @@ def test_ring_strategy_option_is_validated_with_the_registry_names():
     assert AutoSPConfig(sp_size=2).strategy == "ulysses"
     assert REGISTRY["autosp-ring"].options_for({"strategy"}) == {"strategy": "ring"}
     AutoSPConfig(sp_size=2, strategy="ring", length_bucket=8)
-    with pytest.raises(AutoSPError, match="not implemented yet"):
+    with pytest.raises(AutoSPError, match="pass plan_seq_len="):
         AutoSPConfig(sp_size=2, strategy="auto")
     with pytest.raises(AutoSPError, match="strategy must be one of"):
         AutoSPConfig(sp_size=2, strategy="ring_attention")

@@ -1,8 +1,10 @@
-"""strategy="auto" in the planner: each strategy the pass compiles traced, exported and simulated on its own, the
-fastest that fits chosen (`autosp.plan.predict.choose_strategy`, ``python -m autosp.plan --strategy auto``).
+"""strategy="auto" in the planner: each strategy and hybrid degree the pass compiles traced, exported and simulated
+on its own, the fastest that fits chosen (`autosp.plan.predict.choose_strategy`, ``python -m autosp.plan --strategy
+auto``).
 
-A one-layer Llama config (4 heads, 2 key/value heads) on one simulated H100 node: SP 2 x DP 2, where both
-strategies run, and SP 3, where Ulysses cannot (4 heads over 3 ranks) and ring is chosen.
+A one-layer Llama config (4 heads, 2 key/value heads) on one simulated H100 node: SP 4, where Ulysses, the hybrid
+2 x 2 and the ring run, and SP 3, where Ulysses cannot (4 heads over 3 ranks), no hybrid exists and the ring is
+chosen.  The candidates of other head counts and SP degrees are checked without tracing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import pytest
 from autosp.errors import AutoSPError
 from autosp.plan import TrainingSetup, load_cluster
 from autosp.plan.__main__ import build_parser, main
-from autosp.plan.predict import AUTO_STRATEGIES, STRATEGY_CHOICES, TraceReuse, choose_strategy
+from autosp.plan.predict import (
+    AUTO_STRATEGIES,
+    STRATEGY_CHOICES,
+    TraceReuse,
+    choose_strategy,
+    strategy_candidates,
+)
 from simulator.strategies import SEQUENCE_PARALLEL
 from simulator.workload import COMPILED_STRATEGIES
 
@@ -35,47 +43,79 @@ def llama_config(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def decided(llama_config):
-    setup = TrainingSetup(seq_len=SEQ, sp_size=2, dp_size=2, zero_stage=2)
+    setup = TrainingSetup(seq_len=SEQ, sp_size=4, zero_stage=2)
     cluster, reuse = load_cluster(CLUSTER, world_size=setup.world_size), TraceReuse([])
     return setup, cluster, reuse, choose_strategy(llama_config, setup, cluster, reuse=reuse)
 
 
 def test_strategy_auto_choices_are_the_registrys():
-    assert STRATEGY_CHOICES == (*AUTO_STRATEGIES, "auto") and set(AUTO_STRATEGIES) <= set(COMPILED_STRATEGIES) and set(STRATEGY_CHOICES) <= set(SEQUENCE_PARALLEL)
+    assert AUTO_STRATEGIES is COMPILED_STRATEGIES and STRATEGY_CHOICES == ("ulysses", "ring", "auto")
+    assert set(STRATEGY_CHOICES) <= set(SEQUENCE_PARALLEL)
     assert build_parser().parse_args(["--model", "tiny-llama", "--cluster", CLUSTER, "--seq-len", "64",
                                       "--strategy", "ring"]).strategy == "ring"
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "sp", "expected"), [
+    (4, 2, 4, ["autosp", "autosp-hybrid-2x2", "autosp-ring"]),
+    (4, 2, 8, ["-autosp", "autosp-hybrid-2x4", "autosp-hybrid-4x2", "autosp-ring"]),  # kv heads replicated in 4x2
+    (32, 8, 8, ["autosp", "autosp-hybrid-2x4", "autosp-hybrid-4x2", "autosp-ring"]),
+    (6, 6, 4, ["-autosp", "autosp-hybrid-2x2", "autosp-ring"]),
+    (4, 1, 3, ["-autosp", "autosp-ring"]),
+    (4, 4, 2, ["autosp", "autosp-ring"]),
+])
+def test_strategy_auto_candidates_are_every_degree_the_pass_compiles(tmp_path, heads, kv_heads, sp, expected):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA, "hidden_size": 16 * heads, "num_attention_heads": heads,
+                                "num_key_value_heads": kv_heads}))
+    found = strategy_candidates(str(path), TrainingSetup(seq_len=SEQ * sp, sp_size=sp))
+    assert [("-" if why else "") + s.name for s, why in found] == expected
+    for strategy, why in found:
+        u, r = strategy.degrees(sp)
+        assert u * r == sp and (why is None) == (heads % u == 0), strategy.name
+        options = strategy.compile_options
+        assert options["strategy"] == strategy.sequence_parallel
+        if strategy.sequence_parallel == "hybrid":
+            assert (options["ulysses_size"], options["ring_size"]) == (u, r)
+
+
 def test_strategy_auto_simulates_each_strategy_on_its_own_trace_and_picks_the_argmin(decided):
     setup, _, _, decision = decided
-    by_name = {c.strategy: c for c in decision.candidates}
-    assert list(by_name) == list(AUTO_STRATEGIES) and all(c.prediction is not None for c in by_name.values())
-    ulysses, ring = (by_name[s].prediction.step.simulated for s in ("ulysses", "ring"))
-    # Ulysses' symmetric program collapses to one simulated rank; the ring's names its neighbours: every rank.
+    by_name = {c.system: c for c in decision.candidates}
+    assert list(by_name) == ["autosp", "autosp-hybrid-2x2", "autosp-ring"]
+    assert all(c.prediction is not None for c in by_name.values())
+    assert [c.strategy for c in decision.candidates] == ["ulysses", "hybrid", "ring"]
+    ulysses, hybrid, ring = (by_name[s].prediction.step.simulated for s in by_name)
+    # Ulysses' symmetric program collapses to one simulated rank; the ring's and the hybrid's name their
+    # neighbours: every rank.
     assert ulysses.collapsed and not ring.collapsed and len(ring.simulated_ranks) == setup.world_size
-    assert ulysses.step_time_s != ring.step_time_s
-    times = {c.strategy: c.prediction.step.step_time_s for c in decision.candidates if c.fits}
+    assert not hybrid.collapsed and len(hybrid.simulated_ranks) == setup.world_size
+    assert len({ulysses.step_time_s, hybrid.step_time_s, ring.step_time_s}) == 3
+    times = {c.system: c.prediction.step.step_time_s for c in decision.candidates if c.fits}
     assert times and decision.chosen == min(times, key=times.get)
     assert decision.prediction is by_name[decision.chosen].prediction
-    assert decision.options == {"strategy": decision.chosen}
+    assert decision.options == by_name[decision.chosen].options
+    assert by_name["autosp-hybrid-2x2"].options == {"strategy": "hybrid", "ulysses_size": 2, "ring_size": 2}
     text = decision.format()
     assert all(f"{c.prediction.step.step_time_s * 1e3:10.3f}" in text for c in decision.candidates)
     assert decision.to_dict()["chosen"] == decision.chosen
+    assert decision.to_dict()["options"] == decision.options
 
 
 def test_strategy_auto_chooses_only_among_strategies_that_fit(decided, llama_config):
     setup, cluster, reuse, decision = decided
-    peaks = {c.strategy: c.prediction.peak_bytes for c in decision.candidates}
-    times = {c.strategy: c.prediction.step.step_time_s for c in decision.candidates}
-    assert len(set(peaks.values())) == len(peaks)  # the capacities below separate the candidates
+    peaks = {c.system: c.prediction.peak_bytes for c in decision.candidates}
+    times = {c.system: c.prediction.step.step_time_s for c in decision.candidates}
+    assert len(set(peaks.values())) >= 2  # the capacities below separate some candidates
     for capacity in sorted({p + delta for p in peaks.values() for delta in (-1, 0)}):
         again = choose_strategy(llama_config, setup, cluster, reuse=reuse, capacity_bytes=capacity)
         fitting = [s for s in times if peaks[s] <= capacity]
         assert again.chosen == (min(fitting, key=times.get) if fitting else None)
-        assert [c.fits for c in again.candidates] == [peaks[c.strategy] <= capacity for c in again.candidates]
+        assert [c.fits for c in again.candidates] == [peaks[c.system] <= capacity for c in again.candidates]
         if not fitting:
             with pytest.raises(AutoSPError, match="no strategy fits"):
                 _ = again.options
+    with pytest.raises(AutoSPError, match="do not pass ring_size, ulysses_size too"):
+        choose_strategy(llama_config, setup, cluster, reuse=reuse, options={"ulysses_size": 2, "ring_size": 2})
 
 
 def test_strategy_auto_chooses_ring_when_heads_do_not_divide_over_the_ranks(llama_config, tmp_path):
@@ -84,7 +124,9 @@ def test_strategy_auto_chooses_ring_when_heads_do_not_divide_over_the_ranks(llam
             "--strategy", "auto", "--json", str(out), "-q"]
     assert main(argv) == 0
     answer = json.loads(out.read_text())
-    by_name = {c["strategy"]: c for c in answer["candidates"]}
-    assert "4 attention heads are not divisible by sp_size 3" in by_name["ulysses"]["refused"]
-    assert by_name["ring"]["step_time_s"] > 0 and by_name["ring"]["fits"]
-    assert answer["chosen"] == "ring" and answer["prediction"]["setup"]["sp_size"] == 3
+    by_name = {c["system"]: c for c in answer["candidates"]}
+    assert list(by_name) == ["autosp", "autosp-ring"]
+    assert "4 attention heads are not divisible by sp_size 3" in by_name["autosp"]["refused"]
+    assert by_name["autosp-ring"]["step_time_s"] > 0 and by_name["autosp-ring"]["fits"]
+    assert answer["chosen"] == "autosp-ring" and answer["options"] == {"strategy": "ring"}
+    assert answer["prediction"]["setup"]["sp_size"] == 3
