@@ -118,7 +118,7 @@ HANDLED = [
 def test_sharding_token_local_or_ruled_op_is_classified(op, name, rule_class):
     report = _compile(OneOp(op))
     assert report.op_classes[name] == rule_class
-    assert report.op_classes["torch.nn.functional.scaled_dot_product_attention"] == "attention (Ulysses or ring)"
+    assert report.op_classes["torch.nn.functional.scaled_dot_product_attention"] == "attention (Ulysses, ring or hybrid)"
 
 
 def _all_reduces(report) -> list[str]:
