@@ -196,10 +196,10 @@ def _program_with_step(program: RankProgram, gradients: Sequence[GradientReady],
 
     for k, bucket in enumerate(bucket_gradients(ready, plan.bucket_elements)):
         first, last = (f(position[g.op_id] for g in bucket) for f in (min, max))
-        coll = Collective(kind=plan.kind, group=group, key=f"grad_{plan.kind}_{k}",
-                          message_bytes=plan.bytes_per_element * sum(g.numel for g in bucket))
-        deps = tuple(dict.fromkeys(g.op_id for g in bucket))
         numel = sum(g.numel for g in bucket)
+        coll = Collective(kind=plan.kind, group=group, key=f"grad_{plan.kind}_{k}",
+                          message_bytes=plan.bytes_per_element * numel)
+        deps = tuple(dict.fromkeys(g.op_id for g in bucket))
         if not plan.overlapped:
             op = new_op(name=f"grad_reduce_{k}", kind="collective", phase="backward", deps=deps, collective=coll)
             at = last if plan.during_backward else max(backward_end, last)
