@@ -32,6 +32,7 @@ from autosp.config import CHECKPOINTING, AutoSPConfig
 from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.errors import AutoSPError
 from autosp.guards import ProgramGuard
+from autosp.joint_template import capture_joint
 from autosp.passes.joint.checkpointing import make_recompute_tagger, tag_recomputation
 from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
 from autosp.pipeline import SEQUENCE_PARALLEL_PASSES, Pass, run_passes
@@ -41,14 +42,14 @@ log = logging.getLogger(__name__)
 JointGraphPass = Callable[[fx.Graph], None]
 
 
-def _rewrite_partitioned(graph: fx.GraphModule, config: AutoSPConfig) -> fx.GraphModule:
+def rewrite_partitioned(graph: fx.GraphModule, config: AutoSPConfig) -> fx.GraphModule:
     """Last rewrites of one partitioned graph."""
     return overlap_all_to_alls_pass(graph) if config.overlap_communication else graph
 
 
 def _finish(kind: str, graph: fx.GraphModule, config: AutoSPConfig, report: CompileReport) -> fx.GraphModule:
     """Last rewrites of one partitioned graph, then record it."""
-    graph = _rewrite_partitioned(graph, config)
+    graph = rewrite_partitioned(graph, config)
     report.aot_graphs.append((kind, graph))
     return graph
 
@@ -79,14 +80,15 @@ def _partition_variants(joint: fx.GraphModule, joint_inputs, partition_kwargs: d
             continue
         fw, bw = min_cut_rematerialization_partition(graph, joint_inputs, **partition_kwargs)
         report.partitions += 1
-        report.variant_graphs[variant] = [("forward", _rewrite_partitioned(fw, config)),
-                                          ("backward", _rewrite_partitioned(bw, config))]
+        report.variant_graphs[variant] = [("forward", rewrite_partitioned(fw, config)),
+                                          ("backward", rewrite_partitioned(bw, config))]
     if own in variants:
         report.variant_plans[own] = own_plan
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, report: CompileReport,
-               tag_joint: JointGraphPass, variants: Sequence[tuple[str, float | None]] = ()):
+               tag_joint: JointGraphPass, variants: Sequence[tuple[str, float | None]] = (),
+               capture_seq_len: int | None = None):
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -98,6 +100,8 @@ def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repo
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         report.joint_graphs += 1
+        if capture_seq_len is not None:  # Note [The joint graph at another length] in autosp/joint_template.py
+            report.joint_capture = capture_joint(joint, joint_inputs, kwargs, seq_len=capture_seq_len)
         if variants:
             _partition_variants(joint, joint_inputs, kwargs, config=config, report=report, variants=variants)
         tag_joint(joint.graph)
@@ -169,8 +173,14 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
     if ctx.checkpointing_variants and config.compiler != "aot_eager":
         raise AutoSPError("checkpointing variants (the planner's trace reuse) partition the joint graph through "
                           "AOTAutograd's partition_fn: trace with compiler='aot_eager'")
-    generate = functools.partial(_aot_eager, variants=ctx.checkpointing_variants) if ctx.checkpointing_variants \
-        else CODE_GENERATORS[config.compiler]
+    if ctx.capture_joint and config.compiler != "aot_eager":
+        raise AutoSPError("capturing the joint graph (trace reuse across lengths) goes through AOTAutograd's "
+                          "partition_fn: trace with compiler='aot_eager'")
+    if ctx.checkpointing_variants or ctx.capture_joint:
+        generate = functools.partial(_aot_eager, variants=ctx.checkpointing_variants,
+                                     capture_seq_len=ctx.layout.seq_len if ctx.capture_joint else None)
+    else:
+        generate = CODE_GENERATORS[config.compiler]
     program = generate(gm, example_inputs, config=config, report=ctx.report, tag_joint=tag_joint)
     _record_program(ctx, config.compiler, time.perf_counter() - start)
     return ProgramGuard(program, ctx)  # its assumptions checked on every call (autosp.guards)

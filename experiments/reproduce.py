@@ -127,16 +127,17 @@ def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], laye
 
 
 def _trace_counts(cache, since: dict | None = None) -> dict:
-    """Traces a cache made (traced), reused and built by interpolation (Note [One trace per length class] in
-    experiments/paper_scale/simulate.py), minus the counts ``since``."""
-    counts = {"traced": cache.misses, "reused": cache.hits, "interpolated": cache.interpolated}
+    """Traces a cache made (traced), reused, built by interpolation and re-sized from joint graphs (Note [One
+    trace per length class] in experiments/paper_scale/simulate.py), minus the counts ``since``."""
+    counts = {"traced": cache.misses, "reused": cache.hits, "interpolated": cache.interpolated,
+              "resized": cache.resized}
     return {k: v - (since or {}).get(k, 0) for k, v in counts.items()}
 
 
 TRACE_GROUPS = STRATEGIES.trace_groups(SIMULATED)
 """Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache).
-AutoSP first (first in the registry): its selective checkpointing is traced at every length, the others are
-interpolated between a few traces (Note [One trace per length class] in experiments/paper_scale/simulate.py)."""
+AutoSP first (first in the registry): its selective checkpointing is re-sized from the joint graphs of two traces,
+the others are interpolated between a few traces (Note [One trace per length class] in experiments/paper_scale/simulate.py)."""
 
 
 def _interpolated(systems: tuple[str, ...]) -> bool:
@@ -838,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # traces shared within this process (see experiments.paper_scale.simulate.TraceCache)
     args.cache = TraceCache(interpolate_lengths=True)
-    args.trace_counts = {"traced": 0, "reused": 0, "interpolated": 0}
+    args.trace_counts = {"traced": 0, "reused": 0, "interpolated": 0, "resized": 0}
     args.summaries = {}
     args.simulated_steps = {}  # (system, length) -> SimulatedStep of the iteration model
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

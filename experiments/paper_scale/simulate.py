@@ -28,7 +28,12 @@ range is interpolated, one outside it is traced (and widens the range).  If the 
 not come out an integer, that class is traced at every length (and the log says so).  Selective checkpointing
 (AutoSP's SAC) is never interpolated: its recompute budget is a share of the whole graph's FLOPs, whose
 attention part grows quadratically, so which matmuls it recomputes changes with the length (Note
-[Sequence-aware checkpointing] in autosp/passes/joint/checkpointing.py), and each probed length is traced.  The
+[Sequence-aware checkpointing] in autosp/passes/joint/checkpointing.py).  Its joint graph, before the
+checkpointing tags, is one program at every length, though: such a class keeps the joint graphs of its first two
+traces and builds a length from them (Note [The joint graph at another length] in autosp/joint_template.py:
+the joint graph re-sized, then tagged, partitioned and exported as a trace would be, skipping Dynamo and the joint
+trace); the third traced length checks that the re-sized program equals the trace (``==``), and after that a
+length inside the traced range is re-sized, one outside it traced.  The
 AutoSP fork's ``"long-context"`` rule depends on the length only through which side of 4096 a shard's tokens lie
 (Note [The long-context rule of the AutoSP research fork]): its length classes are split there
 (`_length_side`), so a class's program is one program again.  The math attention kernel (Note [The traced
@@ -120,6 +125,24 @@ class LengthClass:
 
 
 @dataclass
+class JointClass:
+    """The joint graphs one model, depth, rank count and option set is re-sized from (Note [One trace per length
+    class])."""
+
+    captures: list = field(default_factory=list)
+    """`autosp.joint_template.JointCapture` of the first two traces."""
+    lengths: list[int] = field(default_factory=list)
+    """Lengths traced."""
+    checked: bool | None = None
+    """Whether the re-sized program equalled the trace at the third length (None: not yet)."""
+    config: object = None
+    """The `autosp.config.AutoSPConfig` the traces compiled with."""
+    forward_graph: object = None
+    """The Dynamo graph of the first trace (`autosp.export.module_parameters` reads its parameter names)."""
+    parameter_bytes: int = 0
+
+
+@dataclass
 class TraceCache:
     """Exported workloads of one run, keyed by everything that determines the trace.
 
@@ -136,8 +159,12 @@ class TraceCache:
     [One trace per length class]) instead of tracing every length."""
     interpolated: int = 0
     """Workloads built by interpolation."""
+    resized: int = 0
+    """Workloads built from a re-sized joint graph (Note [One trace per length class])."""
     length_classes: dict = field(default_factory=dict)
     """`LengthClass` per (model, depth, ranks, options)."""
+    joint_classes: dict = field(default_factory=dict)
+    """`JointClass` per (model, depth, ranks, options) of a length-dependent checkpointing."""
 
     def get(self, key, make: Callable[[], TracedStep]) -> TracedStep:
         found = self.workloads.get(key)
@@ -188,9 +215,11 @@ def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int
     With a cache that ``interpolate_lengths``, a length-invariant system is traced at the first four lengths asked
     for and interpolated between them after that (Note [One trace per length class])."""
     options = dict(autosp_options or {})
-    if cache is None or not cache.interpolate_lengths or options.get("checkpointing") not in \
-            LENGTH_INVARIANT_CHECKPOINTING:
+    if cache is None or not cache.interpolate_lengths:
         return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant)
+    if options.get("checkpointing") not in LENGTH_INVARIANT_CHECKPOINTING:
+        return _resized_or_traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache,
+                                  variant=variant)
     lengths = cache.length_classes.setdefault((model.name, layers, sp_size, tuple(sorted(options.items())), variant,
                                                _length_side(options, seq_len, sp_size)), LengthClass())
     anchors = {n: cache.workloads[_trace_key(model, n, layers, sp_size, options, variant)]
@@ -220,9 +249,56 @@ def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int
     return found
 
 
+def _resized_or_traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, options: dict,
+                       cache: TraceCache, variant: ModelVariant) -> TracedStep:
+    """`trace_workload` of a length-dependent checkpointing: traced, or built from the joint graphs of two
+    traces (Note [One trace per length class])."""
+    from autosp.export import export_workload, module_parameters
+    from autosp.joint_template import joint_at, partition_at
+
+    joint = cache.joint_classes.setdefault((model.name, layers, sp_size, tuple(sorted(options.items())), variant),
+                                           JointClass())
+    name = _trace_name(model, sp_size, layers, seq_len)
+
+    def resized() -> TracedStep | None:
+        first, second = joint.captures
+        capture = joint_at(first, second, seq_len)
+        if capture is None:
+            return None
+        graphs = partition_at(capture, joint.config)
+        return TracedStep(workload=export_workload(graphs, name=name, sp_size=sp_size,
+                                                   parameter_bytes=joint.parameter_bytes),
+                          modules=module_parameters(graphs, joint.forward_graph))
+
+    inside = joint.checked and min(joint.lengths) < seq_len < max(joint.lengths)
+    if seq_len in joint.lengths or not inside:
+        capture = len(joint.captures) < 2 and seq_len not in joint.lengths
+        traced = _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant,
+                         joint=joint if capture else None)
+        if seq_len not in joint.lengths:
+            joint.lengths.append(seq_len)
+        if len(joint.lengths) == 3 and joint.checked is None and len(joint.captures) == 2:
+            joint.checked = resized() == traced
+            if not joint.checked:
+                log.warning("%s at %d layers (%s): the program re-sized to %d tokens differs from its trace; "
+                            "tracing every length instead", model.name, layers, options, seq_len)
+        return traced
+    key = ("resized", *_trace_key(model, seq_len, layers, sp_size, options, variant))
+    if key in cache.workloads:
+        cache.hits += 1
+        return cache.workloads[key]
+    found = resized()
+    if found is None:
+        return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant)
+    cache.resized += 1
+    cache.workloads[key] = found
+    return found
+
+
 def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, options: dict,
-            cache: TraceCache | None, variant: ModelVariant = PLAIN) -> TracedStep:
-    """`trace_workload` by a real trace (once per key with a cache)."""
+            cache: TraceCache | None, variant: ModelVariant = PLAIN, joint: JointClass | None = None) -> TracedStep:
+    """`trace_workload` by a real trace (once per key with a cache); with ``joint``, its joint graph is kept there
+    (Note [One trace per length class])."""
     key = _trace_key(model, seq_len, layers, sp_size, options, variant)
 
     def make() -> TracedStep:
@@ -237,9 +313,14 @@ def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, optio
             warnings.filterwarnings("ignore", message="autosp.compile with sp_size=1")
             compiled, parameter_bytes = trace_fake_step(
                 lambda: build_llama(model.hf_config(num_layers=layers), variant.attention),
-                seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size, **options,
+                seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size, capture_joint=joint is not None,
+                **options,
             )
         graphs = compiled.report.aot_graphs
+        if joint is not None:
+            joint.captures.append(compiled.report.joint_capture)
+            joint.config, joint.parameter_bytes = compiled.config, parameter_bytes
+            joint.forward_graph = joint.forward_graph or compiled.report.forward_graphs[-1]
         workload = export_workload(graphs, name=_trace_name(model, sp_size, layers, seq_len), sp_size=sp_size,
                                    parameter_bytes=parameter_bytes)
         return TracedStep(workload=workload, modules=module_parameters(graphs, compiled.report.forward_graphs[-1]))
