@@ -11,10 +11,8 @@ import pytest
 
 from experiments.baselines.autosp_system import autosp_options
 from experiments.models import PaperModel
-from experiments.paper_scale.config import PAPER_CONFIG
 from experiments.paper_scale.simulate import (
     TraceCache,
-    interpolate_trace,
     simulate_dynamic,
     step_workload,
     trace_workload,
