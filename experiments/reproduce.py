@@ -102,17 +102,15 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The throughput table simulates whole steps of the iteration model at the published lengths, one task per
 # length and trace group, each in a fresh trace cache: every step a full-depth trace.  The max-seq-len search
-# of the same model and group traces that group at several lengths of its own, and a system whose plan does
-# not depend on the length is built between three traced lengths by interpolation (Note [One trace per length
-# class] in experiments/paper_scale/simulate.py, checked against a real trace at a fourth).  So when both
-# tables run, the search's task simulates the throughput table's steps first, from its own cache: their three
-# lengths (8,000 to 90,000 tokens) become the anchors that the search's probes in between are interpolated
-# from, and the throughput table only reads the steps.  The same steps and the same search results (an
-# interpolated workload equals the traced one, or the length is traced), fewer full-depth traces of
-# Llama-3.1-8B.  Only groups whose systems are interpolated do this (`_interpolated`): AutoSP's selective
-# checkpointing is traced at every length, so its steps would only add three traces to its search, already
-# the longest task; the throughput table simulates them in tasks of their own, in parallel.  `--only
-# throughput` still simulates its steps itself.
+# of the same model and group traces that group at several lengths of its own, and builds most of them from a
+# few traces: by interpolation between three traced lengths where the checkpointing plan does not depend on the
+# length, from the joint graphs of two traces where it does (AutoSP's SAC; Note [One trace per length class] in
+# experiments/paper_scale/simulate.py, each checked once against a real trace).  So when both tables run, the
+# search's task simulates the throughput table's steps first, from its own cache: their three lengths (8,000 to
+# 90,000 tokens) become the traces that the search's probes in between are built from, and the throughput
+# table only reads the steps.  The same steps and the same search results (a built workload equals the traced
+# one, or the length is traced), fewer full-depth traces of Llama-3.1-8B.  `--only throughput` still
+# simulates its steps itself.
 
 
 def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], layers: str = "full", cache=None):
@@ -138,15 +136,6 @@ TRACE_GROUPS = STRATEGIES.trace_groups(SIMULATED)
 """Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache).
 AutoSP first (first in the registry): its selective checkpointing is re-sized from the joint graphs of two traces,
 the others are interpolated between a few traces (Note [One trace per length class] in experiments/paper_scale/simulate.py)."""
-
-
-def _interpolated(systems: tuple[str, ...]) -> bool:
-    """Whether every system of a trace group is built between a few traced lengths (its checkpointing does not
-    depend on the length): only such a group's search gains from tracing the throughput lengths first (Note
-    [Throughput steps from the search's traces]); a group traced at every length would only lengthen its task."""
-    from experiments.paper_scale.simulate import LENGTH_INVARIANT_CHECKPOINTING
-
-    return all(STRATEGIES[s].compile_options.get("checkpointing") in LENGTH_INVARIANT_CHECKPOINTING for s in systems)
 
 
 def _run_tasks(args, tasks: list[tuple[Callable, tuple]], desc: str) -> list:
@@ -278,15 +267,14 @@ def table_max_seq_len(args) -> list[dict]:
     published = [r for r in published if not args.models or r["model"] in args.models]
     models = sorted({r["model"] for r in published})
     granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity for s in SIMULATED}
-    # Longest tasks first (AutoSP traces every length, deeper models trace longer), so that the last task to
-    # finish on a worker is a short one.
+    # Longest tasks first (deeper models trace longer), so that the last task to finish on a worker is a short
+    # one.
     by_depth = sorted(models, key=lambda m: -PAPER_MODELS[m].num_layers)
     # Note [Throughput steps from the search's traces]
     step_lengths = throughput_lengths() if "throughput" in selected_tables(args) else ()
     tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes, args.max_seq_len_ceiling,
                                         args.layers,
-                                        step_lengths if model == args.iteration_model and _interpolated(systems)
-                                        else ()))
+                                        step_lengths if model == args.iteration_model else ()))
              for systems in TRACE_GROUPS for model in by_depth]
     simulated: dict = {}
     for (_, (model, *_)), (found, steps) in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
