@@ -36,6 +36,7 @@ from fractions import Fraction
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from autosp.config import AutoSPConfig
@@ -144,8 +145,9 @@ def joint_at(first: JointCapture, second: JointCapture, seq_len: int) -> JointCa
         log.info("no joint-graph template between %d and %d tokens: %s", s1, s2, why)
         return None
     graph.lint()
-    return JointCapture(seq_len=seq_len, graph=fx.GraphModule(first.graph, graph), inputs=inputs,
-                        partition_kwargs=first.partition_kwargs)
+    with _use_lazy_graph_module(True):  # no Python code generated: the graph is interpreted, never called
+        module = _make_graph_module(first.graph, graph)
+    return JointCapture(seq_len=seq_len, graph=module, inputs=inputs, partition_kwargs=first.partition_kwargs)
 
 
 def partition_at(capture: JointCapture, config: AutoSPConfig) -> list[tuple[str, fx.GraphModule]]:
@@ -169,6 +171,8 @@ def partition_at(capture: JointCapture, config: AutoSPConfig) -> list[tuple[str,
             node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
     tag_recomputation(capture.graph.graph, setting=config.checkpointing, recompute_limit=config.sac_recompute_limit,
                       memory_budget=config.sac_memory_budget)
-    with mode:
+    # Lazy graph modules (torch's own switch, scoped to this block): the partitioned graphs are exported, never
+    # called, so their Python code is not generated.
+    with mode, _use_lazy_graph_module(True):
         fw, bw = min_cut_rematerialization_partition(capture.graph, inputs, **capture.partition_kwargs)
-    return [("forward", rewrite_partitioned(fw, config)), ("backward", rewrite_partitioned(bw, config))]
+        return [("forward", rewrite_partitioned(fw, config)), ("backward", rewrite_partitioned(bw, config))]
