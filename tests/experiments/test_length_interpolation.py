@@ -52,7 +52,8 @@ def test_sac_is_resized_from_two_joint_graphs_and_equals_its_trace_where_its_pla
     cache, options, sp = TraceCache(interpolate_lengths=True), autosp_options("autosp"), 8
     traced = {n: trace_workload(MODEL, n, MODEL.num_layers, sp_size=sp, autosp_options=options, cache=cache)
               for n in ANCHORS}
-    (joint,) = cache.joint_classes.values()
+    (joint,) = cache.length_classes.values()
+    assert joint.how == "resized"
     assert cache.misses == 3 and joint.checked  # two captures, then the check: re-sized == traced at 2048
     resized = trace_workload(MODEL, 1024, MODEL.num_layers, sp_size=sp, autosp_options=options, cache=cache)
     real = trace_workload(MODEL, 1024, MODEL.num_layers, sp_size=sp, autosp_options=options, cache=TraceCache())
