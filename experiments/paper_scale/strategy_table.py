@@ -36,7 +36,7 @@ Note [What the strategy table checks]
 The exhaustive sweep of a row group is the registry's candidates for its GPU count and the model's heads, read
 from `simulator.strategies.sp_candidates` here, each with the step time and peak its own trace gave.  Per group:
 ``sweep_best`` is the fastest candidate that fits, ``auto_within_5pct`` whether the auto choice's step time is
-within 5 % of it (and the choice fits), and a candidate of the sweep that the decision did not consider is named
+within 5 % of it (and the choice fits; empty where nothing fits and auto chose nothing), and a candidate of the sweep that the decision did not consider is named
 in ``note``.  The sweep's numbers are the decision's own predictions (tracing every candidate twice would double
 the table's time), so the 5 % check confirms the choice rule and the coverage of the candidates, not the cost
 model.  ``auto_vs_ulysses`` is Ulysses' step time over the auto choice's (> 1: auto is faster), where Ulysses runs
@@ -142,7 +142,7 @@ def group_rows(model: str, seq_len: int, gpus: int, cluster: str, decision: Mapp
             "peak_gib": f"{c['peak_bytes'] / 2**30:.2f}" if timed else "",
             "fits": str(c is not None and c["fits"]).lower(), "chosen": str(name == chosen).lower(),
             "auto_choice": chosen or "none", "sweep_best": best["system"] if best else "none",
-            "auto_within_5pct": str(within).lower(),
+            "auto_within_5pct": "" if best is None and chosen is None else str(within).lower(),
             "auto_vs_ulysses": "" if speedup is None else f"{speedup:.3f}",
             "note": note,
         })
@@ -179,7 +179,7 @@ def summary(rows: list[dict], devices_per_node: int = 8) -> dict:
     """Per row group: the auto choice, the sweep's best, within 5 %, the speedup over Ulysses (multi-node groups:
     more than ``devices_per_node`` GPUs)."""
     groups = {}
-    for r in rows:
+    for r in sort_rows(rows):
         groups.setdefault((r["seq_len"], r["gpus"]), r)
     multi = {k: r for k, r in groups.items() if k[1] > devices_per_node}
     ulysses_rows = {(r["seq_len"], r["gpus"]): r for r in rows if r["strategy"] == "autosp"}
@@ -197,7 +197,7 @@ def summary(rows: list[dict], devices_per_node: int = 8) -> dict:
             "none_fit": [f"{n}/{g}" for (n, g), r in groups.items() if r["auto_choice"] == "none"],
             "auto_within_5pct": sum(r["auto_within_5pct"] == "true" for r in decided),
             "multi_node_vs_ulysses": speedups,
-            "multi_node_strictly_faster": sorted(k for k, v in speedups.items() if isinstance(v, float) and v > 1),
+            "multi_node_strictly_faster": [k for k, v in speedups.items() if isinstance(v, float) and v > 1],
             "options": dict(OPTIONS), "node": NODE, "depth": DEPTH_LABEL}
 
 
@@ -258,6 +258,9 @@ def plot_strategies(rows: list[dict], path: pathlib.Path) -> None:
                            edgecolor="black" if r["chosen"] == "true" else color,
                            linewidth=2 if r["chosen"] == "true" else 1,
                            hatch="" if r["fits"] == "true" else "//")
+                elif r["note"].startswith("refused"):
+                    ax.text(x, 0.02, "refused", rotation=90, fontsize=6, ha="center", va="bottom",
+                            transform=ax.get_xaxis_transform())
                 ticks.append(x)
                 labels.append(f"{r['ulysses_size']}x{r['ring_size']}\n{g}")
                 x += 1
