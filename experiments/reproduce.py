@@ -38,6 +38,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from tqdm import tqdm
 
 from experiments import cli
+from experiments.paper_scale import strategy_table
 from experiments.tables import bar_plot, write_table
 from simulator.strategies import STRATEGIES
 
@@ -550,12 +551,13 @@ def table_memory_cap(args) -> list[dict]:
     return rows
 
 
-SIMULATED_TABLES = ("max-seq-len", "max-seq-len-configs", "external-fidelity", "throughput")
-ON_REQUEST = ("max-seq-len-configs", "external-fidelity")
+SIMULATED_TABLES = ("max-seq-len", "max-seq-len-configs", "external-fidelity", "strategies", "throughput")
+ON_REQUEST = ("max-seq-len-configs", "external-fidelity", "strategies")
 """Tables run only when ``--only`` names them (each is several times the max-seq-len table's simulation)."""
 TABLES: dict[str, Callable] = {
     "max-seq-len": table_max_seq_len, "max-seq-len-configs": table_max_seq_len_configs,
-    "external-fidelity": table_external_fidelity, "throughput": table_throughput,
+    "external-fidelity": table_external_fidelity, "strategies": strategy_table.table_strategies,
+    "throughput": table_throughput,
     "measured-cpu": table_measured_cpu, "memory-cap": table_memory_cap,
 }
 
@@ -641,6 +643,7 @@ TABLE_FOOTERS: dict[str, Callable] = {
         f"{', '.join(args.summaries['external-fidelity']['sources'])}; nothing fitted. Memory is torch's "
         "max_memory_reserved (no CUDA context, no NCCL buffers); how each configuration is modelled is in "
         "modelled_as (Note [What the external figures measure and how they are modelled])."],
+    "strategies": lambda args: strategy_table.footer(args.summaries["strategies"]),
     "throughput": lambda args: [THROUGHPUT_UNKNOWN + " Simulated: one whole step (forward, backward, gradient "
                                 "reduction, optimizer) of one sequence split over the ranks (ZeRO-3: one "
                                 "sequence per rank), micro-batch 1."],
@@ -653,6 +656,7 @@ PLOTS = {
     "memory-cap": lambda rows, path: bar_plot(rows, "max_seq_len", "longest sequence (tokens)",
                                                f"CPU gloo: longest sequence under {rows[0]['cap_mib']} MiB per rank",
                                                path),
+    "strategies": strategy_table.plot_strategies,
 }
 
 
@@ -724,6 +728,10 @@ Tables (--only NAME runs one):
   external-fidelity
                   published per-GPU memory of runs whose whole configuration is published (torchtitan's
                   Llama-3.1-8B benchmarks), beside the simulated one, with each configuration's provenance
+  strategies      every sequence-parallel strategy the pass compiles (Ulysses, each hybrid Ulysses x ring,
+                  the ring) for Llama-3.1-8B at 128K, 512K and 1M tokens on 8 to 64 H100s (1 to 8 nodes),
+                  simulated with depth extrapolated: step time, peak, fits, what strategy='auto' chose,
+                  the sweep's best and auto's speedup over Ulysses
   throughput      simulated tokens/s per GPU of every system at the published lengths, beside the
                   published iteration seconds (whose batch and timer are not published: no ratio)
   measured-cpu    the systems side by side on real gloo ranks with a small Hugging Face Llama: compile time,
@@ -731,7 +739,7 @@ Tables (--only NAME runs one):
                   single-device training, per-rank peak tensor memory
   memory-cap      the longest sequence each system trains on CPU gloo ranks under a per-rank memory cap
 
-max-seq-len-configs and external-fidelity run only with --only NAME.
+max-seq-len-configs, external-fidelity and strategies run only with --only NAME.
 
 Outputs in --out: NAME.csv and NAME.md per table, PNG plots, run.json (the command line, settings and
 timings; written by every run, --only included), and, on a full run, one simulated step of the
@@ -758,7 +766,7 @@ def _command_line(argv: list[str]) -> str:
 
 
 TABLE_RECORDS = ("max_seq_len_summary", "max_seq_len_configs_summary", "external_fidelity_summary",
-                 "simulated_step")
+                 "strategies_summary", "simulated_step")
 """run.json entries a table run writes besides its table; kept from an earlier run.json when this run did not
 redo them."""
 
@@ -877,6 +885,8 @@ def main(argv: list[str] | None = None) -> int:
         run_info["max_seq_len_summary"] = args.summaries["max-seq-len"]
     if "external-fidelity" in args.summaries:
         run_info["external_fidelity_summary"] = args.summaries["external-fidelity"]
+    if "strategies" in args.summaries:
+        run_info["strategies_summary"] = args.summaries["strategies"]
     if "max-seq-len-configs" in args.summaries:
         run_info["max_seq_len_configs_summary"] = args.summaries["max-seq-len-configs"]
     run_info["traces"] = args.trace_counts
