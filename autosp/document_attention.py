@@ -27,8 +27,9 @@ document ids, O((S/BLOCK)²) work, so no [S, S] tensor exists at any point of th
 graph.  Classifying a pair as partial when it is empty or full is always exact
 (the rule is evaluated), only slower; classifying it empty or full wrongly would
 not be, which is what `tests/autosp/test_document_attention.py` checks against the
-dense rule on random layouts.  The same block classes tell a later ring strategy
-which key chunks a rank can skip.
+dense rule on random layouts.  The same block classes tell ring attention which
+(query chunk, key chunk) pairs it skips (`reads_any`, Note [Ring attention] in
+autosp/ring_attention.py).
 
 On CPU without Inductor the flex_attention higher-order op runs its reference
 implementation, which forms each call's scores densely (the compiled graph does
@@ -131,6 +132,16 @@ def block_classes(documents: torch.Tensor, *, q_start: int, q_len: int, kv_start
     return some & ~every, every
 
 
+def reads_any(documents: torch.Tensor, *, q_start: int, q_len: int, kv_start: int, kv_len: int,
+              window: int | None = None) -> bool:
+    """Whether any query of [q_start, q_start + q_len) reads any key of [kv_start, kv_start + kv_len) in some row
+    of ``documents`` (from `block_classes`: False only when the pair is empty, so skipping it is exact).  Ring
+    attention asks this of each (query chunk, key chunk) pair on every call (Note [Ring attention])."""
+    partial, full = block_classes(documents, q_start=q_start, q_len=q_len, kv_start=kv_start, kv_len=kv_len,
+                                  window=window)
+    return bool((partial | full).any())
+
+
 def document_block_mask(documents: torch.Tensor, *, q_start: int, q_len: int, kv_start: int, kv_len: int,
                         window: int | None) -> BlockMask:
     """The BlockMask of Note [Document masks] for queries [q_start, q_start + q_len) and keys
@@ -140,11 +151,12 @@ def document_block_mask(documents: torch.Tensor, *, q_start: int, q_len: int, kv
     kv_num, kv_idx = _as_indices(partial)
     full_num, full_idx = _as_indices(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
-                                    mask_mod=_mask_rule(q_start, kv_start, window), seq_lengths=(q_len, kv_len))
+                                    mask_mod=mask_rule(q_start, kv_start, window), seq_lengths=(q_len, kv_len))
 
 
-def _mask_rule(q_start: int, kv_start: int, window: int | None):
-    """The per-element rule of Note [Document masks] as a flex_attention mask_mod (documents as its buffer)."""
+def mask_rule(q_start: int, kv_start: int, window: int | None):
+    """The per-element rule of Note [Document masks] as a flex_attention mask_mod (documents as its buffer); also
+    evaluated on broadcast index tensors, as the ring does for its per-chunk masks (autosp/ring_attention.py)."""
 
     def rule(b, h, q_idx, kv_idx, documents):
         q, k = q_idx + q_start, kv_idx + kv_start

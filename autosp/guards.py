@@ -35,10 +35,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autosp.config import ZIGZAG_STRATEGIES
 from autosp.context import TraceContext, refuse_padding
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
-from autosp.inputs import positions_are_plain
+from autosp.inputs import in_sequence_order, positions_are_plain
 from autosp.passes.dynamo.placements import Shard
 
 log = logging.getLogger(__name__)
@@ -101,11 +100,6 @@ class ProgramGuard:
         ctx, assumed = self.ctx, self.assumptions
         refuse_padding(list(assumed.padding_refusals), ctx.layout, ctx.sp_size)
         if assumed.plain_positions and not positions_are_plain(ctx.full_inputs.get("position_ids")):
-            if ctx.strategy in ZIGZAG_STRATEGIES:
-                raise AutoSPError(
-                    f"this model was compiled with strategy={ctx.strategy!r} for one unpacked sequence per row, and "
-                    "this batch packs documents (position ids restart): compile with strategy='ulysses' to train on "
-                    "packed batches")
             # Compiled by Inductor for plain positions: the model compiles this batch with aot_eager instead
             # (Note [Code generator per batch] in autosp/api.py).
             raise DocumentAttentionUnavailable(
@@ -143,11 +137,7 @@ class _GatherTokens(torch.autograd.Function):
         parts = [torch.empty_like(x) for _ in every_rank]
         dist.all_gather(parts, x.contiguous(), group=_resolve_process_group(group_name))
         ctx.dim, ctx.ranges = dim, every_rank[rank]
-        pieces = []
-        for part, ranges in zip(parts, every_rank, strict=True):
-            pieces += zip((begin for begin, _ in ranges),
-                          part.split([end - begin for begin, end in ranges], dim), strict=True)
-        return torch.cat([piece for _, piece in sorted(pieces, key=lambda p: p[0])], dim)
+        return in_sequence_order(parts, every_rank, dim)
 
     @staticmethod
     def backward(ctx, grad):

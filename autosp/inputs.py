@@ -245,6 +245,23 @@ def shard_layout(seq_len: int, *, sp_size: int, sp_rank: int, pad_to_multiple: b
                        ranges=ranges, every_rank=every_rank)
 
 
+def in_sequence_order(parts, every_rank: tuple[tuple[tuple[int, int], ...], ...], dim: int) -> torch.Tensor:
+    """Every rank's tokens put back in sequence order: ``parts[r]`` holds group rank r's tokens along ``dim`` in its
+    local order, ``every_rank[r]`` says where they came from (`ShardLayout.every_rank`)."""
+    pieces = []
+    for part, ranges in zip(parts, every_rank, strict=True):
+        pieces += zip((begin for begin, _ in ranges), part.split([end - begin for begin, end in ranges], dim),
+                      strict=True)
+    return torch.cat([piece for _, piece in sorted(pieces, key=lambda p: p[0])], dim)
+
+
+def gathered_in_sequence_order(gathered: torch.Tensor, dim: int,
+                               every_rank: tuple[tuple[tuple[int, int], ...], ...]) -> torch.Tensor:
+    """`in_sequence_order` of every rank's tokens concatenated in rank order along ``dim`` (an all-gather's result):
+    under the zig-zag layout, the whole sequence in its own order (the mask pass's document ids read it)."""
+    return in_sequence_order(gathered.chunk(len(every_rank), dim), every_rank, dim)
+
+
 def pad_end(t: torch.Tensor, tokens: int, value: int | None) -> torch.Tensor:
     """``t`` ([batch, sequence]) with ``tokens`` more tokens of ``value`` at the end; None repeats the last token.
 

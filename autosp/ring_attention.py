@@ -48,15 +48,17 @@ check the order of transfers and compute (tests/autosp/test_ring.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autosp.document_attention import mask_rule, reads_any
 from autosp.inputs import zigzag_chunks
 
-__all__ = ["LAYOUTS", "ring_attention", "ring_attention_backward", "schedule"]
+__all__ = ["LAYOUTS", "Documents", "ring_attention", "ring_attention_backward", "schedule"]
 
 LAYOUTS = ("zigzag", "contiguous")
 """How the tokens are spread over the group: zig-zag chunks (autosp's ring) or one contiguous slice per rank."""
@@ -130,16 +132,20 @@ def _relation(query_chunk: int, key_chunk: int, causal: bool) -> str | None:
     return "diagonal" if key_chunk == query_chunk else None
 
 
-def blocks(mine: tuple[int, ...], theirs: tuple[int, ...], causal: bool) -> list[tuple[list[int], list[int], bool]]:
+def blocks(mine: tuple[int, ...], theirs: tuple[int, ...], causal: bool,
+           reads: Callable[[int, int], bool] | None = None) -> list[tuple[list[int], list[int], bool]]:
     """The fused attention calls of one ring step: (local query chunk positions, key chunk positions, causal).
 
     As few as the causal structure allows (Note [Ring attention]): the pairs a call covers are exactly the
-    pairs that attend, in ascending chunk order."""
-    live = {(i, j): rel for i, a in enumerate(mine) for j, b in enumerate(theirs)
-            if (rel := _relation(a, b, causal)) is not None}
+    pairs that attend, in ascending chunk order.  ``reads(query chunk, key chunk)`` (packed documents: asked of
+    the batch's document ids at run time, `Documents.reads`) is False for a pair no query of which reads a
+    key of the other; such a pair is skipped."""
+    causal_pairs = {(i, j): rel for i, a in enumerate(mine) for j, b in enumerate(theirs)
+                    if (rel := _relation(a, b, causal)) is not None}
+    live = {(i, j): rel for (i, j), rel in causal_pairs.items() if reads is None or reads(mine[i], theirs[j])}
     if not live:
         return []
-    if mine == theirs and list(mine) == sorted(mine):  # own chunks: one call over their concatenation
+    if mine == theirs and list(mine) == sorted(mine) and live == causal_pairs:  # own chunks: one call over both
         return [(list(range(len(mine))), list(range(len(theirs))), causal)]
     rows = sorted({i for i, _ in live})
     cols = sorted({j for _, j in live})
@@ -158,32 +164,76 @@ def _expand_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Online-softmax merge of a block into the accumulators ``out`` [B, H, l, D], ``lse`` [B, H, l], in place."""
+    """Online-softmax merge of a block into the accumulators ``out`` [B, H, l, D], ``lse`` [B, H, l], in place.
+    A row that has read no key yet (log-sum-exp -inf, as a document-masked block leaves some) weighs 0."""
     new_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None])
+    safe = torch.where(new_lse == float("-inf"), torch.zeros_like(new_lse), new_lse)
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(block_out.to(out.dtype) * torch.exp(block_lse - safe)[..., None])
     lse.copy_(new_lse)
+
+
+class Documents:
+    """The document ids of a ring's whole (padded) sequence, [B, S] in sequence order (Note [Document masks] in
+    autosp/document_attention.py), cut into the ring's ``chunks`` equal chunks: which (query chunk, key chunk)
+    pairs any query reads in (`reads`, the skip decision), and the mask of a fused call (`mask`)."""
+
+    def __init__(self, ids: torch.Tensor, chunks: int):
+        self.ids, self.chunk = ids, ids.shape[1] // chunks
+        self._reads: dict[tuple[int, int], bool] = {}
+
+    def reads(self, query_chunk: int, key_chunk: int) -> bool:
+        """False when no query of ``query_chunk`` reads a key of ``key_chunk`` in any row: the pair is skipped."""
+        if (query_chunk, key_chunk) not in self._reads:
+            c = self.chunk
+            self._reads[query_chunk, key_chunk] = reads_any(self.ids, q_start=query_chunk * c, q_len=c,
+                                                            kv_start=key_chunk * c, kv_len=c)
+        return self._reads[query_chunk, key_chunk]
+
+    def _index(self, chunks: list[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(a * self.chunk, (a + 1) * self.chunk, device=self.ids.device) for a in chunks])
+
+    def mask(self, query_chunks: list[int], key_chunks: list[int], dtype: torch.dtype):
+        """(additive mask [B, 1, Lq, Lk] of ``dtype``, [B, 1, Lq] whether each query reads a key) of a fused call
+        over the concatenated chunks; None when every token of both lies in one document (the call's causal
+        flag is then exact on its own)."""
+        q_index, k_index = self._index(query_chunks), self._index(key_chunks)
+        ids = torch.cat([self.ids[:, q_index], self.ids[:, k_index]], dim=1)
+        if bool((ids == ids[:, :1]).all()):
+            return None
+        batch = torch.arange(self.ids.shape[0], device=self.ids.device)[:, None, None]
+        allowed = mask_rule(0, 0, None)(batch, None, q_index[None, :, None], k_index[None, None, :], self.ids)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        return bias[:, None], allowed.any(-1)[:, None]
 
 
 # --- one block: a fused kernel that returns the log-sum-exp, and its backward from the final O and L -------------
 
 
-def _math_forward(q, k, v, causal: bool, scale: float):
+def _math_scores(q, k, causal: bool, scale: float, mask):
     acc = accumulator_dtype(q.dtype)
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         lq, lk = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return scores if mask is None else scores + mask[0].to(acc)
+
+
+def _probabilities(scores, lse):
+    """exp(scores - lse), 0 in a row that reads no key (lse -inf)."""
+    return torch.exp(scores - torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)[..., None])
+
+
+def _math_forward(q, k, v, causal: bool, scale: float, mask=None):
+    acc = accumulator_dtype(q.dtype)
+    scores = _math_scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse[..., None]), v.to(acc)).to(q.dtype), lse
+    return torch.matmul(_probabilities(scores, lse), v.to(acc)).to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     acc = accumulator_dtype(q.dtype)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    if causal:
-        lq, lk = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    probs = torch.exp(scores - lse[..., None])
+    scores = _math_scores(q, k, causal, scale, mask)
+    probs = _probabilities(scores, lse)
     grad = dout.to(acc)
     dv = torch.matmul(probs.transpose(-1, -2), grad)
     delta = (grad * out.to(acc)).sum(-1, keepdim=True)
@@ -196,26 +246,33 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _block_forward(q, k, v, causal: bool, scale: float):
+def _block_forward(q, k, v, causal: bool, scale: float, mask=None):
     """(output, log-sum-exp [B, H, Lq] in the accumulator dtype) of attention of q over k/v: the CPU flash kernel; on other devices
-    the same in plain matmuls (a [Lq, Lk] score block: exact, but neither fused nor lean; untried on GPUs)."""
+    the same in plain matmuls (a [Lq, Lk] score block: exact, but neither fused nor lean; untried on GPUs).
+    ``mask``: (additive mask, rows that read a key) of `Documents.mask`, in place of the causal flag."""
     if q.device.type == "cpu":
-        out, lse = _cpu_flash(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.to(accumulator_dtype(q.dtype))
-    return _math_forward(q, k, v, causal, scale)
+        if mask is None:
+            out, lse = _cpu_flash(q, k, v, 0.0, causal, scale=scale)
+            return out, lse.to(accumulator_dtype(q.dtype))
+        out, lse = _cpu_flash(q, k, v, 0.0, False, attn_mask=mask[0], scale=scale)
+        # The kernel returns log-sum-exp 0 for a row whose keys are all masked; it read nothing: -inf.
+        return out, lse.to(accumulator_dtype(q.dtype)).masked_fill(~mask[1], float("-inf"))
+    return _math_forward(q, k, v, causal and mask is None, scale, mask)
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """(dq, dk, dv) of a block, given the final output and log-sum-exp of its query rows."""
     if q.device.type == "cpu":
-        return _cpu_flash_backward(dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
-    return tuple(g.to(q.dtype) for g in _math_backward(dout, q, k, v, out, lse, causal, scale))
+        if mask is None:
+            return _cpu_flash_backward(dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+        return _cpu_flash_backward(dout, q, k, v, out, lse.contiguous(), 0.0, False, attn_mask=mask[0], scale=scale)
+    return tuple(g.to(q.dtype) for g in _math_backward(dout, q, k, v, out, lse, causal and mask is None, scale, mask))
 
 
 # --- the ring -------------------------------------------------------------------------------------------------
 
 
-def _ring_forward(q, k, v, ring: _Ring, scale: float, causal: bool):
+def _ring_forward(q, k, v, ring: _Ring, scale: float, causal: bool, documents: Documents | None):
     b, h, length, d = q.shape
     groups = h // k.shape[1]
     n = len(ring.mine)
@@ -236,10 +293,12 @@ def _ring_forward(q, k, v, ring: _Ring, scale: float, causal: bool):
                     request.wait()
             else:
                 k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
-                for rows, cols, block_causal in blocks(ring.mine, ring.chunks_at(event.step), causal):
+                theirs = ring.chunks_at(event.step)
+                for rows, cols, block_causal in blocks(ring.mine, theirs, causal, documents and documents.reads):
                     block_out, block_lse = _block_forward(
                         _take(q_chunks, rows), _expand_heads(_take(k_chunks, cols), groups),
-                        _expand_heads(_take(v_chunks, cols), groups), block_causal, scale)
+                        _expand_heads(_take(v_chunks, cols), groups), block_causal, scale,
+                        _mask(documents, ring.mine, theirs, rows, cols, q.dtype))
                     c = block_out.shape[2] // len(rows)
                     for t, i in enumerate(rows):
                         merge(out_chunks[i], lse_chunks[i], block_out[:, :, t * c:(t + 1) * c],
@@ -247,7 +306,13 @@ def _ring_forward(q, k, v, ring: _Ring, scale: float, causal: bool):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, scale: float, causal: bool):
+def _mask(documents: Documents | None, mine, theirs, rows: list[int], cols: list[int], dtype: torch.dtype):
+    if documents is None:
+        return None
+    return documents.mask([mine[i] for i in rows], [theirs[j] for j in cols], dtype)
+
+
+def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, scale: float, causal: bool, documents: Documents | None):
     h, hkv = q.shape[1], k.shape[1]
     groups = h // hkv
     n = len(ring.mine)
@@ -272,11 +337,13 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, scale: float, causal: b
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
             dk_chunks, dv_chunks = dkv[0].chunk(n, dim=2), dkv[1].chunk(n, dim=2)
-            for rows, cols, block_causal in blocks(ring.mine, ring.chunks_at(event.step), causal):
+            theirs = ring.chunks_at(event.step)
+            for rows, cols, block_causal in blocks(ring.mine, theirs, causal, documents and documents.reads):
                 dq_blk, dk_blk, dv_blk = _block_backward(
                     _take(dout_chunks, rows), _take(q_chunks, rows),
                     _expand_heads(_take(k_chunks, cols), groups), _expand_heads(_take(v_chunks, cols), groups),
-                    _take(out_chunks, rows), _take(lse_chunks, rows), block_causal, scale)
+                    _take(out_chunks, rows), _take(lse_chunks, rows), block_causal, scale,
+                    _mask(documents, ring.mine, theirs, rows, cols, q.dtype))
                 c = dq_blk.shape[2] // len(rows)
                 for t, i in enumerate(rows):
                     dq_chunks[i].add_(dq_blk[:, :, t * c:(t + 1) * c])
@@ -303,7 +370,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, scale: float, causal: b
     return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, size: int) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, size: int, causal: bool,
+           documents: torch.Tensor | None) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
         raise ValueError(f"ring attention takes q [B, H, L, D] and k, v [B, Hkv, L, D], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -312,47 +380,60 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, size:
     chunks = len(rank_chunks(layout, size, 0))
     if q.shape[2] % chunks:
         raise ValueError(f"ring attention ({layout}) needs a multiple of {chunks} local tokens, got {q.shape[2]}")
+    if documents is not None and (not causal or tuple(documents.shape) != (q.shape[0], q.shape[2] * size)):
+        raise ValueError(f"ring attention over documents is causal and takes the ids of the whole sequence, "
+                         f"[{q.shape[0]}, {q.shape[2] * size}]; got causal={causal}, {tuple(documents.shape)}")
+
+
+def _documents(documents: torch.Tensor | None, layout: str, size: int) -> Documents | None:
+    return None if documents is None else Documents(documents, size * len(rank_chunks(layout, size, 0)))
 
 
 @torch.library.custom_op("autosp_testbed::ring_attention", mutates_args=())
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, layout: str,
-                   group_name: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   group_name: str, group_size: int, documents: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output [B, H, L, D], log-sum-exp [B, H, L] in fp32, fp64 for fp64 inputs) of attention of this rank's queries over the whole
-    sequence's keys and values, held by the ranks of the group as ``layout`` says (Note [Ring attention])."""
-    _check(q, k, v, layout, group_size)
-    return _ring_forward(q, k, v, _Ring(group_name, group_size, layout), scale, causal)
+    sequence's keys and values, held by the ranks of the group as ``layout`` says (Note [Ring attention]).
+    ``documents``: the whole sequence's document ids [B, S] in sequence order (Note [Document masks] in
+    autosp/document_attention.py), for causal attention within documents, pairs of chunks it leaves empty skipped."""
+    _check(q, k, v, layout, group_size, causal, documents)
+    return _ring_forward(q, k, v, _Ring(group_name, group_size, layout), scale, causal,
+                         _documents(documents, layout, group_size))
 
 
 @ring_attention.register_fake
-def _(q, k, v, scale, causal, layout, group_name, group_size):
-    _check(q, k, v, layout, group_size)  # the real op's outputs are contiguous, whatever the inputs' strides
+def _(q, k, v, scale, causal, layout, group_name, group_size, documents=None):
+    _check(q, k, v, layout, group_size, causal, documents)  # the real op's outputs are contiguous, whatever the inputs' strides
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype))
 
 
 @torch.library.custom_op("autosp_testbed::ring_attention_backward", mutates_args=())
 def ring_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, layout: str,
-                            group_name: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            group_name: str, group_size: int, documents: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of `ring_attention`, dK/dV passed around the ring (Note [Ring attention])."""
-    return _ring_backward(grad_out, q, k, v, out, lse, _Ring(group_name, group_size, layout), scale, causal)
+    return _ring_backward(grad_out, q, k, v, out, lse, _Ring(group_name, group_size, layout), scale, causal,
+                          _documents(documents, layout, group_size))
 
 
 @ring_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, scale, causal, layout, group_name, group_size):
+def _(grad_out, q, k, v, out, lse, scale, causal, layout, group_name, group_size, documents=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.scale, ctx.causal, ctx.layout, ctx.group_name, ctx.group_size = inputs
+    q, k, v, ctx.scale, ctx.causal, ctx.layout, ctx.group_name, ctx.group_size, documents = inputs
     ctx.mark_non_differentiable(output[1])  # the log-sum-exp is returned for the backward only
-    ctx.save_for_backward(q, k, v, output[0], output[1])
+    ctx.save_for_backward(q, k, v, output[0], output[1], documents)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, documents = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward(grad_out, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.layout,
-                                         ctx.group_name, ctx.group_size)
-    return dq, dk, dv, None, None, None, None, None
+                                         ctx.group_name, ctx.group_size, documents)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup_context)

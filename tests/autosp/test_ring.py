@@ -15,9 +15,25 @@ import torch
 from tests.autosp.cases import loss_of, make_sample, named_grads
 from tests.autosp.test_equivalence import FP32_TOL, _check, _run_case
 from tests.autosp.test_hybrid import check_hybrid_four_ranks, hybrid_four_rank_cases
+from tests.autosp.test_packed import _cases as packed_cases
 from tests.harness import run_on_ranks
 
 RING = {"strategy": "ring"}
+
+FOUR_RANK_DOCUMENTS = [
+    # Packed documents of 5, 40 and 19 tokens (tests/autosp/test_packed.py) on 64 tokens: the hybrid 2 x 2 (a ring
+    # of 2 groups, chunks of 16) on Llama (GQA) and Qwen2, and 2 data-parallel replicas of a ring of 2.
+    {"model": "hf-llama", "documents": "three documents", "options": {"strategy": "hybrid", "ulysses_size": 2}},
+    {"model": "hf-qwen2", "documents": "seventeen documents", "options": {"strategy": "hybrid", "ulysses_size": 2}},
+    {"model": "hf-llama", "documents": "three documents", "sp_size": 2, "options": {"strategy": "ring"}},
+]
+
+DOCUMENT_ROWS = {
+    # 48 tokens: chunks of 12 (2 ranks) or 6 (4 ranks).  One document crossing chunk borders and chunks holding
+    # several documents; the second batch's rows differ, so a pair of chunks is skipped only when both rows allow.
+    "uneven": [[5, 3, 27, 13]],
+    "two rows": [[30, 18], [2, 2, 2, 42]],
+}
 
 
 # --- without ranks ------------------------------------------------------------------------------------------------
@@ -87,6 +103,39 @@ def test_ring_schedule_issues_each_transfer_before_its_step_compute(size):
         assert events.index(("wait", step)) < events.index(("compute", step + 1))
 
 
+def test_ring_skips_the_pairs_of_chunks_whose_documents_do_not_meet_and_only_those():
+    from autosp.document_attention import document_ids
+    from autosp.ring_attention import Documents, blocks, rank_chunks
+
+    def calls(rows, size):
+        positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+        documents = Documents(document_ids(positions, None, by_position=True, padding=False), 2 * size)
+        per_step = [blocks(rank_chunks("zigzag", size, rank), rank_chunks("zigzag", size, (rank - step) % size),
+                           True, documents.reads) for rank in range(size) for step in range(size)]
+        pairs = {(rank_chunks("zigzag", size, rank)[i], rank_chunks("zigzag", size, (rank - step) % size)[j])
+                 for (rank, step), calls in zip([(r, s) for r in range(size) for s in range(size)], per_step,
+                                                strict=True)
+                 for rows, cols, _ in calls for i in rows for j in cols}
+        pairs = {(a, b) for a, b in pairs if b <= a}  # a causal call over a rank's own chunks covers (a, b > a) too
+        return sum(len(c) for c in per_step), pairs, documents
+
+    # One document: every causal pair of the 4 chunks is computed, in the ring's usual calls (2 per rank-step).
+    count, pairs, _ = calls([[48]], 2)
+    assert pairs == {(a, b) for a in range(4) for b in range(4) if b <= a} and count == 4
+    # Documents 0-4, 5-7, 8-34, 35-47 over chunks of 12: chunk 3 (tokens 36-47) reads only chunk 2's last token
+    # of earlier chunks, chunk 2 reads chunks 1 and 0 (document 8-34 starts in chunk 0), chunk 1 reads chunk 0.
+    count, pairs, documents = calls([[5, 3, 27, 13]], 2)
+    assert pairs == {(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 2), (3, 3)}
+    assert not documents.reads(3, 0) and not documents.reads(3, 1) and documents.reads(3, 2)
+    assert count == 5  # rank 0: its two diagonals apart (3 reads nothing of 0), then (3, 2) alone; rank 1 as before
+    # A pair is skipped only when no row of the batch reads it.
+    _, pairs, _ = calls([[5, 3, 27, 13], [48]], 2)
+    assert pairs == {(a, b) for a in range(4) for b in range(4) if b <= a}
+    # Four ranks (chunks of 6), documents no longer than a chunk: only the diagonal and each previous chunk.
+    _, pairs, _ = calls([[3, 6, 6, 6, 6, 6, 6, 6, 3]], 4)
+    assert pairs == {(a, b) for a in range(8) for b in (a - 1, a) if b >= 0}
+
+
 # --- on gloo ranks ------------------------------------------------------------------------------------------------
 
 
@@ -133,9 +182,11 @@ def _no_labels_case(rank, world):
 
 
 def _masks_case(rank, world):
-    """A Hugging Face Llama (GQA) with use_cache=False builds its mask from the position ids: one unpacked sequence
-    per row is exact (is_causal, checked on every call); packed documents and padding masks are refused.  (With
-    the default use_cache=True it builds no mask from them, attending across documents on one device too.)"""
+    """A Hugging Face Llama (GQA) with use_cache=False builds its mask from the position ids: the ring applies it as
+    document ids, one program for a row of one sequence and for packed documents of uneven lengths (10 and 22
+    tokens: chunks of 8, one holding two documents, one document crossing three chunks, pairs of chunks skipped);
+    a padding mask is refused.  (With the default use_cache=True it builds no mask from them, attending across
+    documents on one device too.)"""
     import autosp
     from autosp.errors import AutoSPError
     from experiments.models import build_model, vocab_size
@@ -145,25 +196,27 @@ def _masks_case(rank, world):
     reference.config.use_cache = False
     ids, labels = make_sample(32, vocab_size(reference), seed=5)
     candidate = copy.deepcopy(reference)
-    ref_loss = loss_of(reference(input_ids=ids, labels=labels))
-    ref_loss.backward()
     compiled = autosp.compile(candidate, sp_size=world, compiler="aot_eager", strategy="ring")
-    loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
-    loss.backward()
-    out = {"exact": {"loss": (loss.detach(), ref_loss.detach()), "grads": named_grads(candidate),
-                     "ref_grads": named_grads(reference)},
-           "plain_positions": compiled.report.requires_plain_positions}
+    out = {}
+    for name, extra in (("plain", {}), ("packed", {"document_lengths": [10, 22]})):
+        reference.zero_grad(set_to_none=True)
+        candidate.zero_grad(set_to_none=True)
+        batch = autosp.prepare_inputs(ids, labels=labels, **extra)
+        ref_loss = loss_of(reference(input_ids=ids, labels=labels, position_ids=batch["position_ids"]))
+        ref_loss.backward()
+        loss = loss_of(compiled(**batch))
+        loss.backward()
+        out[name] = {"loss": (loss.detach(), ref_loss.detach()), "grads": named_grads(candidate),
+                     "ref_grads": named_grads(reference)}
+    out["programs"] = len(compiled.programs)
+    out["plain_positions"] = compiled.report.requires_plain_positions
     mask = torch.ones_like(ids)
     mask[:, -3:] = 0
-    batches = {"packed": autosp.prepare_inputs(ids, labels=labels, document_lengths=[10, 22]),
-               "padding mask": autosp.prepare_inputs(ids, labels=labels, attention_mask=mask)}
-    out["refusals"] = {}
-    for name, batch in batches.items():
-        try:
-            compiled(**batch)  # a new program (a new mask input), or the guard of the one compiled above
-            out["refusals"][name] = None
-        except AutoSPError as err:
-            out["refusals"][name] = str(err)
+    try:
+        compiled(**autosp.prepare_inputs(ids, labels=labels, attention_mask=mask))  # a new program (a mask input)
+        out["refusal"] = None
+    except AutoSPError as err:
+        out["refusal"] = str(err)
     return out
 
 
@@ -192,6 +245,37 @@ def _op_case(rank, world):
             out.backward(grad[:, :, index])
             errors[(layout, causal)] = [float((a - b[:, :, index]).abs().max()) for a, b in
                                         [(out, ref)] + [(x.grad, y.grad) for x, y in zip(local, full, strict=True)]]
+    errors.update(_documents_op_errors(rank, world))
+    return errors
+
+
+def _documents_op_errors(rank, world):
+    """The op over packed documents, eager, against dense causal attention within documents (fp64), on rows that
+    skip pairs of chunks and rows that do not; the zig-zag layout."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from autosp.document_attention import document_ids
+    from autosp.ring_attention import rank_chunks, ring_attention
+
+    length, chunk = 48, 48 // (2 * world)
+    errors = {}
+    for name, lengths in DOCUMENT_ROWS.items():
+        g = torch.Generator().manual_seed(13)
+        positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+        ids = document_ids(positions, None, by_position=True, padding=False)
+        q, k, v = (torch.randn(len(lengths), heads, length, 8, generator=g, dtype=torch.float64) for heads in (4, 2, 2))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        allowed = (ids[:, :, None] == ids[:, None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
+        ref = F.scaled_dot_product_attention(*full, attn_mask=allowed[:, None], enable_gqa=True)
+        grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+        ref.backward(grad)
+        index = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in rank_chunks("zigzag", world, rank)])
+        local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+        out, _ = ring_attention(*local, 8 ** -0.5, True, "zigzag", dist.group.WORLD.group_name, world, ids)
+        out.backward(grad[:, :, index])
+        errors[("documents", name)] = [float((a.detach() - b[:, :, index]).abs().max()) for a, b in
+                                       [(out, ref)] + [(x.grad, y.grad) for x, y in zip(local, full, strict=True)]]
     return errors
 
 
@@ -229,12 +313,14 @@ def test_ring_two_ranks_matches_single_device_and_overlaps_each_transfer_with_co
         for case, errors in r["op"].items():  # fp64: exact up to rounding
             assert max(errors) < 1e-12, (case, errors)
         masks = r["masks"]  # Hugging Face Llama, GQA: 8 heads, 2 kv heads
-        assert masks["plain_positions"]  # the mask read the positions: is_causal only while they are plain
-        torch.testing.assert_close(*masks["exact"]["loss"], **FP32_TOL)
-        for name, grad in masks["exact"]["grads"].items():
-            torch.testing.assert_close(grad, masks["exact"]["ref_grads"][name], **FP32_TOL)
-        for name, message in masks["refusals"].items():
-            assert message is not None and "strategy='ulysses'" in message, (name, message)
+        assert masks["programs"] == 1 and not masks["plain_positions"]  # one program for plain and packed rows
+        for kind in ("plain", "packed"):
+            torch.testing.assert_close(*masks[kind]["loss"], **FP32_TOL)
+            assert masks[kind]["grads"].keys() == masks[kind]["ref_grads"].keys()
+            for name, grad in masks[kind]["grads"].items():
+                torch.testing.assert_close(grad, masks[kind]["ref_grads"][name], **FP32_TOL)
+        assert masks["refusal"] is not None and "a padding mask" in masks["refusal"], masks["refusal"]
+        assert "strategy='ulysses'" in masks["refusal"]
 
 
 def _four_rank_cases(rank, world):
@@ -258,7 +344,8 @@ def _four_rank_cases(rank, world):
     except AutoSPError as err:
         ulysses = str(err)
     # The hybrid's 4-rank cases (tests/autosp/test_hybrid.py) share this launch: one start, one first compile.
-    return {"cases": results, "ulysses": ulysses, "hybrid": hybrid_four_rank_cases(rank, world)}
+    return {"cases": results, "ulysses": ulysses, "hybrid": hybrid_four_rank_cases(rank, world),
+            "documents": packed_cases(rank, world, FOUR_RANK_DOCUMENTS)}
 
 
 @pytest.mark.slow
@@ -267,3 +354,5 @@ def test_ring_four_ranks_gqa_more_ranks_than_heads_and_data_parallel_and_the_hyb
     _check([r["cases"] for r in out], FP32_TOL)
     assert all("strategy='ring'" in r["ulysses"] for r in out)
     check_hybrid_four_ranks([r["hybrid"] for r in out])
+    _check([r["documents"] for r in out], FP32_TOL)
+    assert all(r["rules"] == [(True, False, None)] * 2 for r in out[0]["documents"])  # documents by position

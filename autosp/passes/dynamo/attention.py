@@ -119,13 +119,13 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
             "the padding mask alone (packed documents, padding, sliding windows: Note [Attention masks built from "
             "the inputs]); a mask computed from anything else (the tokens, a buffer) is not supported"
         )
-    if ctx.strategy in ZIGZAG_STRATEGIES:
-        _check_zigzag(ctx, where, args, documents)
-    if ctx.strategy == "ring":
-        return _ring_attention(an, gm, node, args)
     if documents and an.of(args["documents"]) != REPLICATE:
         raise AutoSPError(f"module {where}: the document ids of its attention are {an.of(args['documents'])}, "
                           "not the whole sequence's; this is a bug in AutoSP's mask pass")
+    if ctx.strategy in ZIGZAG_STRATEGIES:
+        _check_zigzag(ctx, where, args, documents)
+    if ctx.strategy == "ring":
+        return _ring_attention(an, gm, node, args, documents)
     q_shape, k_shape = shape_of(args["query"]), shape_of(args["key"])
     heads, kv_heads = q_shape[HEAD_DIM], k_shape[HEAD_DIM]
     hybrid = ctx.strategy == "hybrid"
@@ -167,7 +167,7 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
         qkv = (args.pop("query"), args.pop("key"), args.pop("value"))
         if hybrid:  # the ring across the Ulysses groups, on the heads this rank now holds
             attention = _insert_ring(an, node, qkv, args, causal, ctx.ring_group_name, ctx.sp_size // p,
-                                     Shard(HEAD_DIM))
+                                     Shard(HEAD_DIM), args.pop("documents") if documents else None)
         else:
             if documents:  # whole sequences now: queries and keys both start at token 0
                 args["q_start"] = args["kv_start"] = 0
@@ -194,10 +194,11 @@ def _keep_meta(new: fx.Node, node: fx.Node) -> None:
 
 
 def _check_zigzag(ctx: TraceContext, where: str, args: dict, documents: bool) -> None:
-    """What the ring and the hybrid refuse, and the layout they assume (Note [Zig-zag layout])."""
-    if documents:
-        raise AutoSPError(f"module {where} attends with a mask over packed documents, padding or a sliding window, "
-                          f"which strategy={ctx.strategy!r} does not apply yet: use strategy='ulysses'")
+    """What the ring and the hybrid refuse, and the layout they assume (Note [Zig-zag layout]).  Of the masks
+    `document_attention` applies they take packed documents only (the mask pass refuses the others)."""
+    if documents and args["window"] is not None:
+        raise AutoSPError(f"module {where} attends within a sliding window of {args['window']} tokens, which "
+                          f"strategy={ctx.strategy!r} does not apply: use strategy='ulysses'")
     layout = ctx.layout
     if layout is not None and ctx.sp_size > 1 and layout.ranges != zigzag_ranges(
             layout.padded_seq_len, ctx.sp_size, ctx.sp_rank, ctx.ulysses_size):
@@ -209,13 +210,16 @@ def _check_zigzag(ctx: TraceContext, where: str, args: dict, documents: bool) ->
 
 
 def _insert_ring(an, node: fx.Node, qkv: tuple, args: dict, causal: bool, group_name: str, size: int,
-                 placement) -> fx.Node:
+                 placement, documents: fx.Node | None = None) -> fx.Node:
     """``autosp_testbed::ring_attention`` of ``qkv`` over the ``size`` ranks of ``group_name`` (zig-zag layout),
-    inserted where the graph's insertion point is; returns its output node, placed ``placement``."""
+    inserted where the graph's insertion point is; returns its output node, placed ``placement``.  ``documents``:
+    the whole sequence's document ids in sequence order (replicated: the mask pass gathers them), for causal
+    attention within documents."""
     graph = node.graph
     scale = args["scale"] if args["scale"] is not None else default_scale(shape_of(qkv[0])[-1])
     ring = graph.call_function(torch.ops.autosp_testbed.ring_attention.default,
-                               (*qkv, float(scale), causal, "zigzag", group_name, size))
+                               (*qkv, float(scale), causal or documents is not None, "zigzag", group_name, size),
+                               {} if documents is None else {"documents": documents})
     infer_fake_value(ring)
     out = graph.call_function(operator.getitem, (ring, 0))
     infer_fake_value(out)
@@ -226,22 +230,23 @@ def _insert_ring(an, node: fx.Node, qkv: tuple, args: dict, causal: bool, group_
     return out
 
 
-def _ring_attention(an, gm: fx.GraphModule, node: fx.Node, args: dict):
+def _ring_attention(an, gm: fx.GraphModule, node: fx.Node, args: dict, documents: bool):
     """strategy="ring": the attention becomes ``autosp_testbed::ring_attention`` over the zig-zag shards
     (Note [Ring attention] in autosp/ring_attention.py); q, k and v keep every head and stay token-sharded, the
-    output is this rank's tokens like the input.  Key/value heads are not replicated under GQA."""
+    output is this rank's tokens like the input.  Key/value heads are not replicated under GQA.  Document-masked
+    attention (``documents``) passes the whole sequence's document ids to the ring."""
     ctx: TraceContext = an.ctx
     graph, p, where = gm.graph, ctx.sp_size, module_name(node)
     q_shape, k_shape = shape_of(args["query"]), shape_of(args["key"])
     heads, kv_heads = q_shape[HEAD_DIM], k_shape[HEAD_DIM]
-    causal = bool(args["is_causal"])
+    causal = documents or bool(args["is_causal"])
     if not causal:  # checked again on every call of the program: autosp.context.TraceContext.require_unpadded
         ctx.require_unpadded(f"module {where} uses non-causal attention (padding is exact only under causal "
                              "attention)")
     token_sharded = Shard(SEQ_DIM)
     with graph.inserting_before(node):
         out = _insert_ring(an, node, (args["query"], args["key"], args["value"]), args, causal, ctx.group_name, p,
-                           token_sharded)
+                           token_sharded, args["documents"] if documents else None)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     an.result.attention.append(out)

@@ -58,7 +58,7 @@ from autosp.config import ZIGZAG_STRATEGIES
 from autosp.context import TraceContext
 from autosp.document_attention import document_attention, document_ids, kept_fraction
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
-from autosp.inputs import pad_end, positions_are_plain
+from autosp.inputs import gathered_in_sequence_order, pad_end, positions_are_plain
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
 from autosp.passes.dynamo.mask_probes import IndexFlow, ShiftedProgram, gap_indices, probe_offsets
 from autosp.passes.dynamo.rules import higher_order_body
@@ -406,12 +406,19 @@ class _DocumentIds:
         # Without a document rule the positions (or the tokens) only give the ids' shape.
         sources = [by_role.get("position_ids", by_role.get("input_ids"))] + ([by_role["attention_mask"]] if padding else [])
         first = next(n for n in graph.nodes if n.op != "placeholder")
+        layout = ctx.layout
         with graph.inserting_before(first):  # inserted in order, after every placeholder
             gathered = [graph.call_function(gather, (source, 1, ctx.group_name, ctx.sp_size)) for source in sources]
+            inserted = list(gathered)
+            if layout is not None and ctx.strategy in ZIGZAG_STRATEGIES:  # rank order is not sequence order
+                # (Note [Zig-zag layout]; a hybrid rank's piece can be one contiguous range all the same)
+                gathered = [graph.call_function(gathered_in_sequence_order, (g, 1, layout.every_rank))
+                            for g in gathered]
+                inserted += gathered
             documents = graph.call_function(document_ids, (gathered[0], gathered[1] if padding else None),
                                             {"by_position": by_position, "padding": padding, "chunk": chunk,
                                              "chunk_by_position": chunk_by_position})
-        for node in (*gathered, documents):
+        for node in (*inserted, documents):
             infer_fake_value(node)
         return documents
 
@@ -434,8 +441,7 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
             continue
         changed = True
         if ctx.strategy in ZIGZAG_STRATEGIES and not (seq_len is None or rule.plain_causal(seq_len)):
-            rule = _without_document_attention(rule, ctx, where, f"strategy={ctx.strategy!r} does not apply it yet: "
-                                               "use strategy='ulysses'")
+            _check_ring_rule(rule, ctx, where)  # the ring applies the ids itself, under any code generator
         elif not ctx.document_attention_compiles and not (seq_len is None or rule.plain_causal(seq_len)):
             # The compiled model catches this and compiles the batch with aot_eager (Note [Code generator per
             # batch] in autosp/api.py).
@@ -479,10 +485,24 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
     return gm
 
 
+def _check_ring_rule(rule: MaskRule, ctx: TraceContext, where: str) -> None:
+    """strategy="ring" and "hybrid" apply packed documents (Note [Ring attention] in autosp/ring_attention.py);
+    padding masks, chunks and sliding windows are refused.  (The padding AutoSP adds at the end of the sequence
+    needs no mask: no earlier query reads it, under causal attention.)"""
+    if rule.by_position and not rule.padding and rule.window is None and rule.chunk is None:
+        return
+    what = [name for name, present in (("a padding mask", rule.padding), ("a sliding window", rule.window),
+                                       ("chunks", rule.chunk)) if present] or ["a mask other than packed documents"]
+    raise AutoSPError(f"module {where} attends with {' and '.join(what)} ({rule}), which strategy={ctx.strategy!r} "
+                      "does not apply (it applies causal attention within packed documents only): use "
+                      "strategy='ulysses'" + (", or pass no attention_mask (padding added by AutoSP at the end "
+                                              "of the sequence needs none)" if rule.padding else ""))
+
+
 def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str, why: str,
                                 error: type[AutoSPError] = AutoSPError) -> MaskRule:
     """Where `document_attention` is not available (under Inductor, whose flex_attention lowering does not compile
-    it yet, and under strategy="ring" or "hybrid"): a rule that only separates documents by position is the causal
+    it yet): a rule that only separates documents by position is the causal
     mask while the positions are 0..S-1 in every row, which the compiled model then checks on every call; anything
     else raises ``error``, saying ``why``."""
     plain = positions_are_plain(ctx.full_inputs.get("position_ids"))
