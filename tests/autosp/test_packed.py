@@ -28,7 +28,7 @@ DOCUMENTS = {
 }
 
 
-def _model(name: str, window: int | None = None):
+def _model(name: str, window: int | None = None, layers: int | None = None):
     from experiments.models import build_model
 
     torch.manual_seed(0)
@@ -40,7 +40,7 @@ def _model(name: str, window: int | None = None):
             num_key_value_heads=2, max_position_embeddings=4096, attn_implementation="sdpa", sliding_window=window)
         model = transformers.MistralForCausalLM(config)
     else:
-        model = build_model(name)
+        model = build_model(name, **({} if layers is None else {"layers": layers}))
     model.config.use_cache = False
     return model
 
@@ -75,7 +75,7 @@ def _cases(rank, world, cases):
         torch._dynamo.reset()
         sp_size = case.get("sp_size", world)
         replicas = world // sp_size
-        reference = _model(case["model"], case.get("window"))
+        reference = _model(case["model"], case.get("window"), case.get("layers"))
         candidate = copy.deepcopy(reference)
         samples = [_sample(case, seed=11 + replica) for replica in range(replicas)]
         losses = []
