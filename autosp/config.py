@@ -14,8 +14,8 @@ ACCEPTED_STRATEGIES = (*COMPILED_STRATEGIES, *CHOSEN_STRATEGIES)
 """What ``strategy=`` accepts: a strategy of STRATEGIES, or "auto", which `autosp.compile` resolves to one of them
 (and its degrees) before compiling (autosp.plan.auto.decide_strategy)."""
 ZIGZAG_STRATEGIES = ("ring", "hybrid")
-"""The strategies whose tokens follow the zig-zag layout (Note [Zig-zag layout] in autosp/inputs.py) and that refuse
-what the ring refuses (packed documents, padding masks, sliding windows)."""
+"""The strategies whose tokens follow the zig-zag layout (Note [Zig-zag layout] in autosp/inputs.py), apply packed
+documents in the ring and refuse what the ring refuses (padding masks, sliding windows, chunked attention)."""
 
 COMPILERS = ("inductor", "aot_eager")
 CHECKPOINTING = ("sac", "none", "default", "full", "long-context")
@@ -40,7 +40,7 @@ class AutoSPConfig:
     strategy: str = "ulysses"
     """How attention runs over the sequence: "ulysses" (all-to-alls around every attention; heads divisible by
     sp_size), "ring" (zig-zag ring attention, any number of heads: Note [Ring attention] in
-    autosp/ring_attention.py; packed documents, padding masks and sliding windows are refused), "hybrid"
+    autosp/ring_attention.py; packed documents exact, padding masks and sliding windows refused), "hybrid"
     (all-to-alls inside groups of ``ulysses_size`` consecutive ranks, the ring across the groups: Note [Hybrid
     attention] in autosp/passes/dynamo/attention.py; heads divisible by ulysses_size, refusals as for "ring") or
     "auto" (`autosp.compile` asks the planner which of these, and which ulysses_size, is fastest and fits for

@@ -34,6 +34,21 @@ the sum on to rank r + 1, the transfer overlapping step s + 1's compute, so afte
 transfer each rank holds the finished dK/dV of its own tokens.  All accumulation is fp32 (fp64 for fp64
 inputs).
 
+Packed documents: with ``documents`` (the whole sequence's document ids, [B, S] in sequence order, Note [Document
+masks] in autosp/document_attention.py; the mask pass computes them from the all-gathered positions put back in
+sequence order, autosp/passes/dynamo/masks.py) the attention is causal within documents.  The op cuts the ids by
+the chunk indices it already knows (`rank_chunks`), so a visiting block's ids need no transfer.  Before a step's
+calls are formed, each (query chunk, key chunk) pair is asked of the batch's ids whether any query reads any key
+in any row (`Documents.reads`, from the block classes of `reads_any`: exact to skip when it says no); pairs that
+read nothing are left out of `blocks`, forward and backward alike (the ids are the same, so are the calls), and
+cost no kernel call.  This is decided at run time, per batch, inside the op: one compiled program serves every
+packing.  A call whose tokens lie in one document keeps the plain causal or non-causal kernel; any other gets the
+rule as an additive [B, 1, Lq, Lk] mask (`Documents.mask`, the rule's `mask_rule`), the op's only dense mask.  A
+query row that reads no key of a call gets log-sum-exp -inf there (the CPU kernel reports 0 for such a row), and
+`merge` weighs it 0, so the result is the same online softmax.  The K/V blocks still travel the whole ring
+(another rank may read them).  Padding, windows and chunked attention are not applied here (the mask pass refuses
+them under the ring); the padding AutoSP adds at the end of the sequence needs no mask under causal attention.
+
 Grouped-query attention: key/value heads travel unreplicated (each rank holds every head of its tokens); a
 kernel call sees them expanded to the query heads, and their gradients are summed back over each group.
 

@@ -32,7 +32,8 @@ heads (and their kv heads); in place of the attention call runs ``autosp_testbed
 group with the zig-zag layout of R ranks (Note [Ring attention] in autosp/ring_attention.py: fused per-chunk
 attention, log-sum-exp merged online in fp32, kv heads expanded only inside the kernel calls); the second
 all-to-all brings the output back to the rank's own tokens, all heads.  U = P is Ulysses over a ring of one, U = 1
-the ring.  What the ring refuses (packed documents, padding masks, sliding windows) the hybrid refuses too.
+the ring.  Packed documents (`document_attention`) reach the ring op as the whole sequence's document ids, as
+under the ring; what the ring refuses (padding masks, sliding windows) the hybrid refuses too.
 
 This is the sequence-sharding analysis's rule for attention (see Note
 [Sequence-sharding analysis] in autosp.passes.dynamo.sharding).  A model that

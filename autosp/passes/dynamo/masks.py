@@ -42,7 +42,12 @@ A mask is a function of the inputs it reads, so the pass learns which function:
    mask operand of the higher-order op is replaced by the document ids.
 
 The sequence-sharding analysis then runs `document_attention` through the
-Ulysses rule like SDPA (autosp.passes.dynamo.attention).
+Ulysses rule like SDPA (autosp.passes.dynamo.attention).  Under strategy="ring"
+and "hybrid" the all-gathered positions come in rank order, which the zig-zag
+layout permutes: they are put back in sequence order before the ids are computed,
+and the rule passes the ids to ring attention (Note [Ring attention] in
+autosp/ring_attention.py), which takes documents by position only (padding,
+chunks and windows are refused here).
 """
 
 from __future__ import annotations
