@@ -43,11 +43,12 @@ in any row (`Documents.reads`, from the block classes of `reads_any`: exact to s
 read nothing are left out of `blocks`, forward and backward alike (the ids are the same, so are the calls), and
 cost no kernel call.  This is decided at run time, per batch, inside the op: one compiled program serves every
 packing.  A call whose tokens lie in one document keeps the plain causal or non-causal kernel; any other gets the
-rule as an additive [B, 1, Lq, Lk] mask (`Documents.mask`, the rule's `mask_rule`), the op's only dense mask.  A
-query row that reads no key of a call gets log-sum-exp -inf there (the CPU kernel reports 0 for such a row), and
-`merge` weighs it 0, so the result is the same online softmax.  The K/V blocks still travel the whole ring
-(another rank may read them).  Padding, windows and chunked attention are not applied here (the mask pass refuses
-them under the ring); the padding AutoSP adds at the end of the sequence needs no mask under causal attention.
+rule as an additive [B, 1, Lq, Lk] mask beside its causal flag (`Documents.mask`, the rule's `mask_rule`), the
+op's only dense mask.  A query row that reads no key of a call gets log-sum-exp -inf there (the CPU kernel reports
+0 for such a row), and `merge` weighs it 0, so the result is the same online softmax.  The K/V blocks still travel
+the whole ring (another rank may read them).  Padding, windows and chunked attention are not applied here (the
+mask pass refuses them under the ring); the padding AutoSP adds at the end of the sequence needs no mask under
+causal attention.
 
 Grouped-query attention: key/value heads travel unreplicated (each rank holds every head of its tokens); a
 kernel call sees them expanded to the query heads, and their gradients are summed back over each group.
@@ -264,24 +265,22 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 def _block_forward(q, k, v, causal: bool, scale: float, mask=None):
     """(output, log-sum-exp [B, H, Lq] in the accumulator dtype) of attention of q over k/v: the CPU flash kernel; on other devices
     the same in plain matmuls (a [Lq, Lk] score block: exact, but neither fused nor lean; untried on GPUs).
-    ``mask``: (additive mask, rows that read a key) of `Documents.mask`, in place of the causal flag."""
+    ``mask``: (additive mask, rows that read a key) of `Documents.mask`; the causal flag is kept beside it (the
+    mask holds it already: the kernel then skips the tiles above the diagonal)."""
     if q.device.type == "cpu":
-        if mask is None:
-            out, lse = _cpu_flash(q, k, v, 0.0, causal, scale=scale)
-            return out, lse.to(accumulator_dtype(q.dtype))
-        out, lse = _cpu_flash(q, k, v, 0.0, False, attn_mask=mask[0], scale=scale)
+        out, lse = _cpu_flash(q, k, v, 0.0, causal, attn_mask=None if mask is None else mask[0], scale=scale)
+        lse = lse.to(accumulator_dtype(q.dtype))
         # The kernel returns log-sum-exp 0 for a row whose keys are all masked; it read nothing: -inf.
-        return out, lse.to(accumulator_dtype(q.dtype)).masked_fill(~mask[1], float("-inf"))
-    return _math_forward(q, k, v, causal and mask is None, scale, mask)
+        return out, lse if mask is None else lse.masked_fill(~mask[1], float("-inf"))
+    return _math_forward(q, k, v, causal, scale, mask)
 
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """(dq, dk, dv) of a block, given the final output and log-sum-exp of its query rows."""
     if q.device.type == "cpu":
-        if mask is None:
-            return _cpu_flash_backward(dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
-        return _cpu_flash_backward(dout, q, k, v, out, lse.contiguous(), 0.0, False, attn_mask=mask[0], scale=scale)
-    return tuple(g.to(q.dtype) for g in _math_backward(dout, q, k, v, out, lse, causal and mask is None, scale, mask))
+        return _cpu_flash_backward(dout, q, k, v, out, lse.contiguous(), 0.0, causal,
+                                   attn_mask=None if mask is None else mask[0], scale=scale)
+    return tuple(g.to(q.dtype) for g in _math_backward(dout, q, k, v, out, lse, causal, scale, mask))
 
 
 # --- the ring -------------------------------------------------------------------------------------------------
