@@ -49,46 +49,34 @@ def _positions(lengths: list[int], batch: int) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths]).expand(batch, -1).clone()
 
 
-def _sample(case: dict, seed: int):
-    ids, labels = make_sample(SEQ_LEN, 256, seed=seed)
-    extra = {}
-    if "documents" in case:
-        extra["position_ids"] = _positions(DOCUMENTS[case["documents"]], ids.shape[0])
-    for side in ("right_padding", "left_padding"):
-        if side in case:
-            mask = torch.ones_like(ids)
-            for row, pad in enumerate(case[side]):
-                span = slice(SEQ_LEN - pad, SEQ_LEN) if side == "right_padding" else slice(0, pad)
-                mask[row, span] = 0
-                labels[row, span] = -100
-            extra["attention_mask"] = mask
-    return ids, labels, extra
-
-
 def _cases(rank, world, cases):
-    """Each case compiled with its ``options`` over SP groups of ``sp_size`` ranks (default: all), data parallel
-    over the rest (each replica its own sample; the reference averages the replicas' gradients)."""
+    """Each case compiled with its ``options`` (default: Ulysses) over all ``world`` ranks."""
     import autosp
 
     results = []
     for case in cases:
         torch._dynamo.reset()
-        sp_size = case.get("sp_size", world)
-        replicas = world // sp_size
         reference = _model(case["model"], case.get("window"), case.get("layers"))
         candidate = copy.deepcopy(reference)
-        samples = [_sample(case, seed=11 + replica) for replica in range(replicas)]
-        losses = []
-        for ids, labels, extra in samples:
-            loss = loss_of(reference(input_ids=ids, labels=labels, **extra))
-            (loss / replicas).backward()
-            losses.append(loss.detach())
-        compiled = autosp.compile(candidate, sp_size=sp_size, compiler="aot_eager", **case.get("options", {}))
-        ids, labels, extra = samples[rank // sp_size]
+        ids, labels = make_sample(SEQ_LEN, 256, seed=11)
+        extra = {}
+        if "documents" in case:
+            extra["position_ids"] = _positions(DOCUMENTS[case["documents"]], ids.shape[0])
+        for side in ("right_padding", "left_padding"):
+            if side in case:
+                mask = torch.ones_like(ids)
+                for row, pad in enumerate(case[side]):
+                    span = slice(SEQ_LEN - pad, SEQ_LEN) if side == "right_padding" else slice(0, pad)
+                    mask[row, span] = 0
+                    labels[row, span] = -100
+                extra["attention_mask"] = mask
+        loss = loss_of(reference(input_ids=ids, labels=labels, **extra))
+        loss.backward()
+        compiled = autosp.compile(candidate, sp_size=world, compiler="aot_eager", **case.get("options", {}))
         out = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels, **extra)))
         out.backward()
         autosp.sync_gradients(compiled)
-        results.append({"loss": out.detach(), "ref_loss": losses[rank // sp_size], "grads": named_grads(candidate),
+        results.append({"loss": out.detach(), "ref_loss": loss.detach(), "grads": named_grads(candidate),
                         "ref_grads": named_grads(reference),
                         "rules": [(m.by_position, m.padding, m.window) for m in compiled.report.document_masks]})
     return results
@@ -98,7 +86,7 @@ _PACKED = [{"model": model, "documents": docs} for model in ("hf-llama", "hf-qwe
 _RING = [{"model": "hf-qwen2", "documents": "three documents", "options": {"strategy": "ring"}}]
 """strategy="ring" on 2 ranks (chunks of 16: the first holds two documents, the 40-token one crosses two chunk
 borders, the last chunk's document reads nothing of the first chunk, a pair the ring skips).  Llama's packed
-documents under the ring: tests/autosp/test_ring.py; the hybrid and DP x ring on 4 ranks there too."""
+documents under the ring, and the hybrid's on 4 ranks: tests/autosp/test_ring.py."""
 _PADDED = [{"model": "hf-llama", "right_padding": [0, 9]}, {"model": "hf-qwen2", "right_padding": [21, 3]},
            {"model": "hf-llama", "left_padding": [5, 37]}]  # 37: padding beyond the first shard
 _WINDOW = [{"model": "hf-mistral-window", "window": 6}, {"model": "hf-mistral-window", "window": 6,

@@ -21,13 +21,13 @@ from tests.harness import run_on_ranks
 RING = {"strategy": "ring"}
 
 FOUR_RANK_DOCUMENTS = [
-    # Packed documents of 5, 40 and 19 tokens (tests/autosp/test_packed.py) on 64 tokens: the hybrid 2 x 2 (a ring
-    # of 2 groups, chunks of 16) on Llama (GQA) and Qwen2, and 2 data-parallel replicas of a ring of 2.
+    # Packed documents (tests/autosp/test_packed.py) on 64 tokens, the hybrid 2 x 2 (a ring of 2 groups, chunks of
+    # 16): Llama (GQA) on documents of 5, 40 and 19 tokens, Qwen2 on 17 documents of 1 to 13 tokens.  (Data
+    # parallelism beside the ring is the third case of `_four_rank_cases`; the document ids are per SP group.)
     {"model": "hf-llama", "documents": "three documents", "layers": 1,
      "options": {"strategy": "hybrid", "ulysses_size": 2}},
     {"model": "hf-qwen2", "documents": "seventeen documents", "layers": 1,
      "options": {"strategy": "hybrid", "ulysses_size": 2}},
-    {"model": "hf-llama", "documents": "three documents", "layers": 1, "sp_size": 2, "options": {"strategy": "ring"}},
 ]
 
 DOCUMENT_ROWS = {
