@@ -121,7 +121,8 @@ def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
     assert step.step_time_s > 0 and step.peak_memory_bytes > step.static_memory_bytes
 
 
-MEASURED = {"autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp"}
+MEASURED = {"autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp",
+            "autosp-ring"}
 
 
 @pytest.mark.slow

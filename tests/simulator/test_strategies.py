@@ -46,7 +46,7 @@ def test_strategies_other_spellings_are_refused_with_the_valid_names(spelling):
 
 def test_strategies_tables_list_the_systems_in_registry_order():
     assert STRATEGIES.table("measured-cpu") == (
-        "autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp")
+        "autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp", "autosp-ring")
     assert STRATEGIES.table("paper-scale") == ("autosp", "ulysses", "ulysses+ckpt", "ring", "zero3")
     with pytest.raises(ValueError, match="paper-scale"):
         STRATEGIES.table("simulated")
