@@ -139,7 +139,7 @@ def test_reproduce_measured_cpu_table_has_every_system_with_finite_numbers(quick
             assert float(r["grad_max_rel_error"]) < 1e-3 and "inexact" not in r["note"], r
         assert int(r["graph_breaks"]) >= 0 and int(r["recompiles"]) >= 0
         assert ("graph breaks" in r["note"]) == (int(r["graph_breaks"]) > 0), r
-    for fullgraph in ("autosp", "ulysses", "ulysses+ckpt"):  # compiled whole: no graph break
+    for fullgraph in ("autosp", "ulysses", "ulysses+ckpt", "autosp-ring"):  # compiled whole: no graph break
         assert next(r for r in rows if r["system"] == fullgraph)["graph_breaks"] == "0"
     ulysses = next(r for r in rows if r["system"] == "ulysses")
     assert float(ulysses["ratio_to_ulysses"]) == pytest.approx(1.0)
