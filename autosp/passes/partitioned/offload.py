@@ -21,8 +21,7 @@ layer's MLP and attention backward), segment k the ops after the k-th attention 
 (one layer's backward, give or take the projections on either side).  A saved tensor first read in segment k >= 1
 is reloaded (``reload_from_host``) right before the attention op that ends segment k - 1, the last attention
 backward before its first reader, so that its copy runs while that attention computes (at long context the
-largest op of a layer's backward, O(S^2) against the copy's O(S)) and the all-to-alls of its gradients travel; it
-is waited for (``reload_wait``) right before its first reader.  A saved tensor first read in segment 0 has no
+largest op of a layer's backward, O(S^2) against the copy's O(S)); it is waited for (``reload_wait``) right before its first reader.  A saved tensor first read in segment 0 has no
 attention before it to hide its copy behind, so it stays on the device (it belongs to the last layer, whose
 backward runs first); so does everything of a model without attention.  Issued earlier (at the start of segment
 k - 1) the copies would overlap more compute but hold the next layer's activations through the whole of the
