@@ -239,7 +239,8 @@ class TraceReuse:
     def trace(self, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
               config: TrainingConfig, options: Mapping | None) -> Traced:
         group = self._group(options)
-        key = (seq_len, layers, group)
+        # Everything the traced step depends on: one TraceReuse may serve several setups (ranks, batch, ZeRO).
+        key = (source.spec, repr(setup), repr(config), seq_len, layers, group)
         own = checkpointing_variant(options)
         if (*key, own) not in self._traced:
             variants = tuple(dict.fromkeys(checkpointing_variant(p) for p in self._plans
@@ -259,8 +260,8 @@ class TraceReuse:
         (one shared `Traced`: their recomputation tags are equal)."""
         mine, theirs = (self._group(options), checkpointing_variant(options)), \
             (self._group(other), checkpointing_variant(other))
-        found = [(traced, self._traced.get((*key[:2], *theirs))) for key, traced in self._traced.items()
-                 if (key[2], key[3]) == mine]
+        found = [(traced, self._traced.get((*key[:-2], *theirs))) for key, traced in self._traced.items()
+                 if tuple(key[-2:]) == mine]
         return bool(found) and all(a is b for a, b in found)
 
     def simulate(self, traced: Traced, workload: Workload, cluster: Cluster):
