@@ -154,12 +154,11 @@ def partition_at(capture: JointCapture, config: AutoSPConfig) -> list[tuple[str,
     """The forward and backward graphs (as ``report.aot_graphs`` holds them) that the backend makes from the joint
     graph of ``capture``: fake tensors of its shapes propagated, the checkpointing tags of ``config``, the min-cut
     partitioner, the rewrites of partitioned graphs (Note [The joint graph at another length])."""
-    from functorch.compile import min_cut_rematerialization_partition
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-    from autosp.backend import rewrite_partitioned
+    from autosp.backend import partition_pair, rewrite_partitioned
     from autosp.passes.joint.checkpointing import tag_recomputation
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -174,5 +173,5 @@ def partition_at(capture: JointCapture, config: AutoSPConfig) -> list[tuple[str,
     # Lazy graph modules (torch's own switch, scoped to this block): the partitioned graphs are exported, never
     # called, so their Python code is not generated.
     with mode, _use_lazy_graph_module(True):
-        fw, bw = min_cut_rematerialization_partition(capture.graph, inputs, **capture.partition_kwargs)
+        fw, bw = partition_pair(capture.graph, inputs, capture.partition_kwargs, config=config)
         return [("forward", rewrite_partitioned(fw, config)), ("backward", rewrite_partitioned(bw, config))]
