@@ -252,7 +252,7 @@ def _program_with_step(program: RankProgram, gradients: Sequence[GradientReady],
     for i, op in enumerate(ops):
         out.append(op)
         out.extend(inserts.get(i, ()))
-    return RankProgram(ops=tuple(out + tail), tensors=program.tensors, static_memory=program.static_memory)
+    return dataclasses.replace(program, ops=tuple(out + tail))
 
 
 def add_training_step(workload: Workload, gradients: Sequence[GradientReady] | Mapping[int, Sequence[GradientReady]],
