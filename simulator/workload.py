@@ -49,7 +49,10 @@ PHASES = ("forward", "backward", "optimizer")
 COLLECTIVE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast",
                     "to_host", "from_host")
 """``to_host``/``from_host``: a copy of ``message_bytes`` between the rank's device and its node's host memory
-(optimizer offload), over the preset's host-memory link; its group has one member per instance, the rank."""
+(optimizer and activation offload), over the preset's host-memory link; its group has one member per instance, the rank."""
+
+HOST_GROUP = "host"
+"""Process group of a rank's device<->host copies: one instance per rank, so one host-link stream per rank."""
 
 RING_GROUPS = ("ring_send", "ring_recv")
 """The process groups a ring's point-to-point transfers run on, sends on the first and receives on the second:
