@@ -21,9 +21,10 @@ COMPILERS = ("inductor", "aot_eager")
 CHECKPOINTING = ("sac", "none", "default", "full", "long-context")
 TILED_LOSS = ("off", "on", "auto")
 TILED_MLP = ("off", "on", "auto")
+ACTIVATION_OFFLOAD = ("off", "on", "auto")
 MEMORY_PLAN = ("off", "auto")
 MEMORY_PLAN_OPTIONS = ("checkpointing", "sac_memory_budget", "tiled_loss", "loss_chunk_tokens", "tiled_mlp",
-                       "mlp_chunk_tokens", "return_logits")
+                       "mlp_chunk_tokens", "return_logits", "activation_offload")
 """The options ``memory_plan="auto"`` chooses (autosp.plan.planner.candidate_plans); one passed explicitly wins."""
 PLAN_SETUP = ("zero_stage", "optimizer", "grad_accum", "offload", "depth", "micro_batch")
 """The `autosp.plan.TrainingSetup` fields ``plan_setup`` may set (the rest come from the job itself; ``micro_batch``,
@@ -118,6 +119,11 @@ class AutoSPConfig:
     loss (Hugging Face) returns None in their place, so that the tiled loss need not materialise them.  True
     keeps them (and tiled_loss then cannot apply to such a model: "on" is refused, "auto" keeps the plain
     loss)."""
+    activation_offload: str = "off"
+    """Move the tensors saved for backward to host memory after their last forward use and copy them back ahead of
+    their backward use, asynchronously (Note [Activation offload] in autosp/passes/partitioned/offload.py; exact: the
+    values are copied, never changed): "on", "off", or "auto" (the memory planner decides; only with
+    memory_plan="auto")."""
     memory_plan: str = "off"
     """"auto": before its first program compiles, the model runs the memory planner (autosp.plan.plan_memory) for
     itself at its first batch's length (or ``plan_seq_len``) and compiles with the fastest candidate's checkpointing, SAC budget, tiled
@@ -176,6 +182,11 @@ class AutoSPConfig:
                 or self.mlp_chunk_tokens < 1):
             raise AutoSPError(f"mlp_chunk_tokens must be None or a positive number of tokens, got "
                               f"{self.mlp_chunk_tokens!r}")
+        if self.activation_offload not in ACTIVATION_OFFLOAD:
+            raise AutoSPError(f"activation_offload must be one of {ACTIVATION_OFFLOAD}, got {self.activation_offload!r}")
+        if self.activation_offload == "auto" and self.memory_plan != "auto":
+            raise AutoSPError("activation_offload='auto' lets the memory planner decide: pass memory_plan='auto' (and "
+                              "target_memory) too, or choose activation_offload='on' or 'off' yourself")
         self._check_memory_plan()
         if self.sac_memory_budget is not None and not 0 <= self.sac_memory_budget <= 1:
             raise AutoSPError(f"sac_memory_budget must be None or a fraction in [0, 1], got {self.sac_memory_budget!r}")

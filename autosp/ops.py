@@ -1,4 +1,4 @@
-"""Collective custom ops used by the sequence-parallel graph.
+"""Custom ops used by the sequence-parallel graph: collectives, and the copies of the activation offload.
 
 Each op is a ``torch.library.custom_op`` with a fake (shape) implementation and an
 autograd formula, so Dynamo, AOTAutograd and Inductor treat it as one opaque node
@@ -22,15 +22,20 @@ The namespace is ``autosp_testbed``: DeepSpeed's own AutoSP registers
   ``autosp_testbed::all_to_all_wait(in_flight, gather_dim)``: the same all-to-all
   split in two, so that computation can run between them.  See Note [All-to-all as
   start and wait].
+- ``autosp_testbed::offload_to_host(x)``, ``reload_from_host(h, device)`` and ``reload_wait(x)``: the copies of the
+  activation offload pass, to host memory and back.  See Note [Activation offload ops].
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["all_gather", "all_reduce_max", "all_reduce_sum", "all_reduce_sum_sum_grad", "all_to_all", "all_to_all_start", "all_to_all_wait"]
+__all__ = ["all_gather", "all_reduce_max", "all_reduce_sum", "all_reduce_sum_sum_grad", "all_to_all", "all_to_all_start",
+           "all_to_all_wait", "offload_to_host", "reload_from_host", "reload_wait"]
 
 
 def _send_layout(x: torch.Tensor, scatter_dim: int, group_size: int) -> torch.Tensor:
@@ -203,3 +208,83 @@ def _(in_flight, gather_dim):
     shape = list(in_flight.shape[1:])
     shape[gather_dim] *= in_flight.shape[0]
     return in_flight.new_empty(shape)
+
+
+# Note [Activation offload ops]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Three ops that the activation offload pass (Note [Activation offload] in
+# autosp/passes/partitioned/offload.py) inserts into the partitioned forward and backward graphs, which are not
+# differentiated again, so they have fake impls and no autograd formula (like all_to_all_start/wait).
+#
+# - ``offload_to_host(x)``: a copy of x in host memory, placed after x's last forward use; the forward returns it
+#   as the saved tensor instead of x, so x dies in forward.  CUDA: a pinned CPU tensor written by a non_blocking
+#   copy on the device's side stream (`_side_stream`), which first waits for the current stream;
+#   ``x.record_stream(side)`` keeps x's memory from the allocator until the copy is done.  CPU: ``x.clone()``;
+#   host and device are the same memory there, so the memory tracker (experiments/cpu/peak_memory.py) counts this
+#   op's outputs in its host pool.
+# - ``reload_from_host(h, device)``: starts the copy of h to ``device`` and returns the device tensor, whose contents
+#   are valid only after ``reload_wait``.  CUDA: the tensor is allocated on the current stream, then copied
+#   non_blocking on the same side stream (after the offload copy of h, and after the current stream's work so far:
+#   the allocation may reuse memory the current stream just freed).  CPU: a copy.  Placed ahead of the first
+#   backward use (the prefetch point is the pass's choice).
+# - ``reload_wait(x)``: returns nothing and declares that it mutates x, so every later reader of x is ordered after
+#   it, by fx and by Inductor's scheduler alike.  CUDA: the current stream waits for the side stream (all its copies
+#   issued so far, this one among them).  CPU: nothing.  Placed right before x's first backward reader.
+#
+# The side stream is one per device, made on first use and kept (`_side_stream` is a cache of a device resource,
+# not state that changes results).  The CUDA halves are written but untried on a GPU (docs/design.md, "Activation
+# offload").
+
+
+@functools.cache
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    """The stream the offload copies of one CUDA device run on (one per device, so reloads order after offloads)."""
+    return torch.cuda.Stream(device=device_index)
+
+
+@torch.library.custom_op("autosp_testbed::offload_to_host", mutates_args=())
+def offload_to_host(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cuda":
+        return x.clone()
+    side = _side_stream(x.device.index)
+    host = torch.empty_like(x, device="cpu", pin_memory=True)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        host.copy_(x, non_blocking=True)
+    x.record_stream(side)
+    return host
+
+
+@offload_to_host.register_fake
+def _(x):
+    return torch.empty_like(x, device="cpu")  # the strides of x, like clone
+
+
+@torch.library.custom_op("autosp_testbed::reload_from_host", mutates_args=())
+def reload_from_host(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return h.to(device, copy=True)
+    side = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+    current = torch.cuda.current_stream(device)
+    out = torch.empty_like(h, device=device)  # allocated on the current stream, read there
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        out.copy_(h, non_blocking=True)
+    return out
+
+
+@reload_from_host.register_fake
+def _(h, device):
+    return torch.empty_like(h, device=device)
+
+
+@torch.library.custom_op("autosp_testbed::reload_wait", mutates_args=("x",))
+def reload_wait(x: torch.Tensor) -> None:
+    if x.device.type == "cuda":
+        torch.cuda.current_stream(x.device).wait_stream(_side_stream(x.device.index))
+
+
+@reload_wait.register_fake
+def _(x):
+    return None
