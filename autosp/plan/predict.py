@@ -24,7 +24,7 @@ from autosp.plan.model_source import ModelSource
 from simulator.cluster import Cluster
 from simulator.engine import simulate
 from simulator.ledger import OPTIMIZER_STATES, LedgerLine, TrainingConfig, memory_ledger, summarize
-from simulator.max_length import BANDS, ModelStep, extrapolate_depth, ledger_peak
+from simulator.max_length import BANDS, ModelStep, extrapolate_depth, ledger_host_peak, ledger_peak
 from simulator.max_length import max_length as search_max_length
 from simulator.replicas import data_parallel_replicas
 from simulator.result import Result
@@ -126,6 +126,37 @@ class Traced:
     """Forward and backward of every rank, gradients released into the ledger's buffers."""
     step: Workload
     """``backward`` followed by the gradient reduction and the optimizer step."""
+    graphs: tuple = field(default=(), compare=False, repr=False)
+    """The traced forward and backward graphs the step was exported from."""
+    rebuild: Callable[[Sequence], Traced] | None = field(default=None, compare=False, repr=False)
+    """Export and build the step of other graphs of the same trace (`offloaded`)."""
+
+
+OFFLOAD_OPTION = "activation_offload"
+"""The `autosp.compile` option of activation offload: a rewrite of the partitioned graphs, so a plan with it on
+reuses the trace (and the partition) of the same plan without it (`offloaded`, docs/design.md "Trace reuse")."""
+
+
+def offloaded(traced: Traced) -> Traced:
+    """``traced``'s program with activation offload on: the offload pass
+    (`autosp.passes.partitioned.offload.offload_saved_activations`) on copies of its forward and backward graphs,
+    exported and built into a step like any trace."""
+    import copy
+
+    from torch import fx
+
+    from autosp.passes.partitioned.offload import offload_saved_activations
+
+    graphs = dict(traced.graphs)
+    with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        fw, bw = (fx.GraphModule(graphs[k], copy.deepcopy(graphs[k].graph)) for k in ("forward", "backward"))
+    # The forward returns its user outputs, then the tensors saved for backward: the backward's placeholders
+    # named after forward nodes (the rest are its tangents).
+    saved = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+    outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+    offload_saved_activations(fw, bw, num_fwd_outputs=len(outputs) - saved)
+    return traced.rebuild([("forward", fw), ("backward", bw)])
 
 
 def _torch_dtype(dtype: str):
@@ -177,8 +208,9 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
              report.joint_graphs, report.partitions)
 
     def build(graphs) -> Traced:
-        return _build_step(source, setup, hf, graphs, parameter_bytes=parameter_bytes, report=report,
-                           config=config, layers=layers, seq_len=seq_len, dtype=dtype)
+        built = _build_step(source, setup, hf, graphs, parameter_bytes=parameter_bytes, report=report,
+                            config=config, layers=layers, seq_len=seq_len, dtype=dtype)
+        return dataclasses.replace(built, graphs=tuple(graphs), rebuild=build)
 
     own = build(report.aot_graphs)
     if not variants:
@@ -218,13 +250,15 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, parame
 class TraceReuse:
     """Traces shared between the memory plans of one decision (docs/design.md, "Trace reuse").
 
-    Plans that differ only in `CHECKPOINTING_OPTIONS` form a group: the first trace of any of them (at one length
-    and depth) partitions the joint graph for the whole group, and a group member whose recomputation tags equal
-    another's reuses that one's program and its simulation."""
+    Plans that differ only in `CHECKPOINTING_OPTIONS` and `OFFLOAD_OPTION` form a group: the first trace of any of
+    them (at one length and depth) partitions the joint graph for the whole group, a group member whose
+    recomputation tags equal another's reuses that one's program and its simulation, and a plan with activation
+    offload on gets its program by the offload pass on the program of the same plan without it (`offloaded`)."""
 
     def __init__(self, plans: Sequence[Mapping]):
         self._plans = [dict(p) for p in plans]
         self._traced: dict[tuple, Traced] = {}
+        self._offloaded: dict[int, Traced] = {}
         self._simulated: dict[tuple[int, int], tuple] = {}
         self.traces = 0
         """Fake-tensor traces (Dynamo captures) taken."""
@@ -234,33 +268,44 @@ class TraceReuse:
 
     @staticmethod
     def _group(options: Mapping | None) -> tuple:
-        return tuple(sorted((k, repr(v)) for k, v in (options or {}).items() if k not in CHECKPOINTING_OPTIONS))
+        return tuple(sorted((k, repr(v)) for k, v in (options or {}).items()
+                            if k not in CHECKPOINTING_OPTIONS and k != OFFLOAD_OPTION))
+
+    @staticmethod
+    def _variant(options: Mapping | None) -> tuple:
+        return checkpointing_variant(options), (options or {}).get(OFFLOAD_OPTION) == "on"
 
     def trace(self, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
               config: TrainingConfig, options: Mapping | None) -> Traced:
         group = self._group(options)
         key = (seq_len, layers, group)
         own = checkpointing_variant(options)
-        if (*key, own) not in self._traced:
+        if (*key, own, False) not in self._traced:
+            plain = {k: v for k, v in (options or {}).items() if k != OFFLOAD_OPTION}
             variants = tuple(dict.fromkeys(checkpointing_variant(p) for p in self._plans
                                            if self._group(p) == group and checkpointing_variant(p) != own))
-            found = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options,
+            found = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=plain,
                                variants=variants)
             found = found if variants else {own: found}
             self.traces += 1
             self.joint_graphs += 1  # one Dynamo graph (fullgraph), one joint graph
             self.partitions += len({id(t) for t in found.values()})
             for variant, traced in found.items():
-                self._traced[(*key, variant)] = traced
-        return self._traced[(*key, own)]
+                self._traced[(*key, variant, False)] = traced
+        traced = self._traced[(*key, own, False)]
+        if self._variant(options)[1]:
+            if id(traced) not in self._offloaded:  # one offloaded program per program
+                self._offloaded[id(traced)] = offloaded(traced)
+            traced = self._traced[(*key, own, True)] = self._offloaded[id(traced)]
+        return traced
 
     def same_program(self, options: Mapping, other: Mapping) -> bool:
         """Whether ``options`` and ``other`` traced to the same program at every length and depth traced for both
-        (one shared `Traced`: their recomputation tags are equal)."""
-        mine, theirs = (self._group(options), checkpointing_variant(options)), \
-            (self._group(other), checkpointing_variant(other))
+        (one shared `Traced`: their recomputation tags are equal, and activation offload is on in both or in
+        neither)."""
+        mine, theirs = (self._group(options), *self._variant(options)), (self._group(other), *self._variant(other))
         found = [(traced, self._traced.get((*key[:2], *theirs))) for key, traced in self._traced.items()
-                 if (key[2], key[3]) == mine]
+                 if key[2:] == mine]
         return bool(found) and all(a is b for a, b in found)
 
     def simulate(self, traced: Traced, workload: Workload, cluster: Cluster):
@@ -298,7 +343,7 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
         raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
 
-    def at_depth(layers: int) -> tuple[float, float, int, Result]:
+    def at_depth(layers: int) -> tuple[float, float, int, Result, int]:
         if reuse is None:
             traced = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
         else:
@@ -306,6 +351,7 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
         start = time.perf_counter()
         result = simulate(traced.step, cluster) if reuse is None else reuse.simulate(traced, traced.step, cluster)
         dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+        host = result.host_peak_memory_bytes  # offloaded activations (Note [Host tensors] in simulator/workload.py)
         step_s = micro_s = result.step_time_s
         # the CPU optimizer step under offload, outside the simulated step (Note [Optimizer offload traffic])
         step_s += traced.step.metadata["training_step"]["host_optimizer_s"]
@@ -317,21 +363,22 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
                 micro_s = (simulate(traced.backward, cluster) if reuse is None
                            else reuse.simulate(traced, traced.backward, cluster)).step_time_s
             step_s += (setup.grad_accum - 1) * micro_s
-        log.info("simulated on %s in %.1f s: step %.3f s, activations %.2f GiB", cluster.preset.name,
-                 time.perf_counter() - start, step_s, dynamic / 2**30)
-        return step_s, micro_s, dynamic, result
+        log.info("simulated on %s in %.1f s: step %.3f s, activations %.2f GiB (host %.2f GiB)",
+                 cluster.preset.name, time.perf_counter() - start, step_s, dynamic / 2**30, host / 2**30)
+        return step_s, micro_s, dynamic, result, host
 
     depths = (model_layers, model_layers) if setup.depth == "full" else (1, 2)
-    memo: dict[int, tuple[float, float, int, Result]] = {}
+    memo: dict[int, tuple[float, float, int, Result, int]] = {}
 
-    def cached(layers: int) -> tuple[float, float, int, Result]:
+    def cached(layers: int) -> tuple[float, float, int, Result, int]:
         if layers not in memo:
             memo[layers] = at_depth(None if layers == model_layers else layers)
         return memo[layers]
 
     step_s, dynamic = extrapolate_depth(lambda d: (cached(d)[0], cached(d)[2]), model_layers, depths)
-    micro_s, _ = extrapolate_depth(lambda d: (cached(d)[1], cached(d)[2]), model_layers, depths)
+    micro_s, host = extrapolate_depth(lambda d: (cached(d)[1], cached(d)[4]), model_layers, depths)
     return StepPrediction(seq_len=seq_len, step_time_s=step_s, dynamic_memory_bytes=dynamic,
+                          host_dynamic_memory_bytes=host,
                           micro_step_time_s=micro_s, simulated=memo[depths[1]][3],
                           extrapolated_from=None if depths[0] == depths[1] else depths)
 
@@ -379,7 +426,8 @@ class Prediction:
 
     @property
     def host_peak_bytes(self) -> int:
-        """Host memory a rank holds (the ledger's ``pool="host"`` lines: optimizer offload); 0 without offload."""
+        """Host memory a rank holds (the ledger's ``pool="host"`` lines: optimizer offload, and the simulated
+        offloaded activations); 0 without offload."""
         return summarize(self.lines, "host").nominal
 
     @property
@@ -440,11 +488,13 @@ class Prediction:
                f"{self.capacity_bytes / gib:.2f}",
                "  peak by category, per rank (the ledger's lines summed; activations simulated):"]
         out += [f"    {cat:24s} {size(b)}" for cat, b in self.by_category.items()]
-        if s.offload != "none":
+        if self.host_peak_bytes:
             cap = self.host_capacity_bytes
+            what = " and ".join(w for w, on in (("optimizer", s.offload != "none"),
+                                                 ("activations", self.step.host_dynamic_memory_bytes)) if on)
             out.append(f"  host memory {self.host_peak_bytes / gib:.2f} GiB per rank of "
                        f"{'unknown' if cap is None else f'{cap / gib:.2f}'}"
-                       + ("" if self.host_fits else ": host-memory OOM") + " (optimizer offload):")
+                       + ("" if self.host_fits else ": host-memory OOM") + f" (offloaded: {what}):")
             out += [f"    {cat:24s} {size(v[1])}" for cat, v in summarize(self.lines, "host").by_category.items()
                     if v[2]]
         extrapolated = self.step.extrapolated_from
@@ -480,8 +530,11 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     numels = source.parameter_numels(hf)
     config = setup.training_config(numels)
     capacity = int(cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes)
-    if config.offload_optimizer and cluster.preset.host_memory_link is None:
-        raise AutoSPError(f"--offload {setup.offload}: the cluster's node ({cluster.preset.name}) has no link to host "
+    offloading = [what for what, on in (
+        (f"--offload {setup.offload}", config.offload_optimizer),
+        ("activation_offload='on'", (options or {}).get("activation_offload") == "on")) if on]
+    if offloading and cluster.preset.host_memory_link is None:
+        raise AutoSPError(f"{' and '.join(offloading)}: the cluster's node ({cluster.preset.name}) has no link to host "
                           "memory; use a GPU preset or give host_memory_link (and host_memory_gib) in a cluster file "
                           "(docs/design.md, Cluster files)")
     steps: dict[int, StepPrediction] = {}
@@ -495,14 +548,16 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
         return steps[seq_len]
 
     at = step(setup.seq_len)
-    lines = tuple(memory_ledger(config, at="backward", activation_bytes=at.dynamic_memory_bytes))
+    lines = tuple(memory_ledger(config, at="backward", activation_bytes=at.dynamic_memory_bytes,
+                                host_activation_bytes=at.host_dynamic_memory_bytes))
     band = tuple(ledger_peak(config, at.dynamic_memory_bytes, which) for which in BANDS)
     found = longest = None
     if max_length:
         grain = -(-granularity // setup.sp_size) * setup.sp_size
         found_ml = search_max_length(step, config, capacity_bytes=capacity, low=grain,
                                      high=max_length_high or 8 * setup.seq_len, granularity=grain,
-                                     start=setup.seq_len - setup.seq_len % grain or grain, max_probes=max_probes)
+                                     start=setup.seq_len - setup.seq_len % grain or grain, max_probes=max_probes,
+                                     host_capacity_bytes=cluster.host_memory_per_rank_bytes)
         longest = found_ml.nominal.result
         found = {"max_seq_len": found_ml.nominal.max_seq_len, "display": found_ml.nominal.display(),
                  "stopped": found_ml.nominal.stopped,
@@ -510,6 +565,8 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
                  "step_time_s": found_ml.nominal.step_time_s, "granularity": grain,
                  "peak_by_category_bytes": None if longest is None else peak_by_category(
                      memory_ledger(config, at="backward", activation_bytes=longest.dynamic_memory_bytes)),
+                 "host_peak_bytes": None if longest is None else ledger_host_peak(
+                     config, longest.host_dynamic_memory_bytes),
                  "probes": [{"seq_len": t.seq_len, "fits": t.fits, "peak_bytes": t.peak_memory_bytes,
                              "step_time_s": t.step_time_s} for t in found_ml.nominal.trials],
                  "lengths_simulated": sorted(steps)}

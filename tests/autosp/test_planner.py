@@ -24,8 +24,9 @@ CONFIG = {  # logits dominate: 64 local tokens x 4,096 fp32 logits = 1 MiB again
     "hidden_act": "silu", "attention_dropout": 0.0,
 }
 SETUP = TrainingSetup(seq_len=128, sp_size=2, dtype="fp32", compiler="aot_eager")
-PLANS = candidate_plans(loss_chunk_tokens=16, checkpointing=("none",), tiled_mlp=("off",)) \
-    + candidate_plans(loss_chunk_tokens=16, checkpointing=("full",), tiled_loss=("on",), tiled_mlp=("off",))
+PLANS = candidate_plans(loss_chunk_tokens=16, checkpointing=("none",), tiled_mlp=("off",), activation_offload=("off",)) \
+    + candidate_plans(loss_chunk_tokens=16, checkpointing=("full",), tiled_loss=("on",), tiled_mlp=("off",),
+                      activation_offload=("off",))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,8 @@ def test_trace_reuse_gives_every_checkpointing_plan_its_own_program(tmp_path, cl
                                 "vocab_size": 256}))
     source = ModelSource(str(path))
     config = SETUP.training_config(source.parameter_numels(source.config(seq_len=SETUP.seq_len)))
-    plans = [p.options for p in candidate_plans(loss_chunk_tokens=16, tiled_loss=("on",), tiled_mlp=("off",))]
+    plans = [p.options for p in candidate_plans(loss_chunk_tokens=16, tiled_loss=("on",), tiled_mlp=("off",),
+                                                activation_offload=("off",))]
     variants = tuple(checkpointing_variant(p) for p in plans[1:])
     shared = trace_step(source, SETUP, seq_len=SETUP.seq_len, layers=None, config=config, options=plans[0],
                         variants=variants)
@@ -134,16 +136,25 @@ def test_chosen_options_train_exactly_on_two_ranks(fastest):
 def test_candidates_cover_every_setting_and_fixed_options_win():
     plans = candidate_plans(mlp_chunk_tokens=(None, 64))
     settings = [(p.options["checkpointing"], p.options.get("sac_memory_budget"), p.options["tiled_loss"],
-                 p.options["tiled_mlp"], p.options.get("mlp_chunk_tokens")) for p in plans]
-    assert len(set(settings)) == len(plans) == 5 * 2 * 3  # tiled MLP off, on (default chunk), on (64 tokens)
-    assert {s[3:] for s in settings} == {("off", None), ("on", None), ("on", 64)}
+                 p.options["tiled_mlp"], p.options.get("mlp_chunk_tokens"), p.options.get("activation_offload", "off"))
+                for p in plans]
+    # tiled MLP off, on (default chunk), on (64 tokens); activation offload off (the default, unnamed) and on
+    assert len(set(settings)) == len(plans) == 5 * 2 * 3 * 2
+    assert {s[3:5] for s in settings} == {("off", None), ("on", None), ("on", 64)}
+    assert {s[5] for s in settings} == {"off", "on"}
+    assert all(p.name.endswith(", offload") == (p.options.get("activation_offload") == "on") for p in plans)
     assert all(p.options["return_logits"] is False for p in plans if p.options["tiled_loss"] == "on")
     assert len({p.name for p in plans}) == len(plans) and "sac@0.5, tiled loss on, tiled mlp on/64" in \
         {p.name for p in plans}
-    fixed = candidate_plans(fixed={"checkpointing": "full", "tiled_mlp": "on"})
-    assert [p.options for p in fixed] == [  # 20 candidates collapse to the two tiled-loss settings
-        {"checkpointing": "full", "tiled_loss": "off", "tiled_mlp": "on"},
-        {"checkpointing": "full", "tiled_loss": "on", "return_logits": False, "tiled_mlp": "on"}]
+    fixed = candidate_plans(fixed={"checkpointing": "full", "tiled_mlp": "on", "activation_offload": "off"})
+    assert [p.options for p in fixed] == [  # 40 candidates collapse to the two tiled-loss settings
+        {"checkpointing": "full", "tiled_loss": "off", "tiled_mlp": "on", "activation_offload": "off"},
+        {"checkpointing": "full", "tiled_loss": "on", "return_logits": False, "tiled_mlp": "on",
+         "activation_offload": "off"}]
+    # "auto" leaves activation offload to the planner: with it and without
+    assert [p.name for p in candidate_plans(checkpointing=("full",), tiled_loss=("off",), tiled_mlp=("off",),
+                                            fixed={"activation_offload": "auto"})] == [
+        "full, tiled loss off, tiled mlp off", "full, tiled loss off, tiled mlp off, offload"]
 
 
 def test_cli_memory_plan_flags_and_refusals(model, caplog):
