@@ -127,36 +127,41 @@ class Traced:
     step: Workload
     """``backward`` followed by the gradient reduction and the optimizer step."""
     graphs: tuple = field(default=(), compare=False, repr=False)
-    """The traced forward and backward graphs the step was exported from."""
-    rebuild: Callable[[Sequence], Traced] | None = field(default=None, compare=False, repr=False)
-    """Export and build the step of other graphs of the same trace (`offloaded`)."""
+    """The traced forward and backward graphs, as partitioned (before `partitioned_rewrites` when the trace left
+    them out: `trace_step`'s ``rewrites_here``)."""
+    rebuild: Callable[..., Traced] | None = field(default=None, compare=False, repr=False)
+    """``rebuild(graphs, offload=True)``: the step of ``graphs`` with activation offload on (`TraceReuse`)."""
 
 
 OFFLOAD_OPTION = "activation_offload"
 """The `autosp.compile` option of activation offload: a rewrite of the partitioned graphs, so a plan with it on
-reuses the trace (and the partition) of the same plan without it (`offloaded`, docs/design.md "Trace reuse")."""
+reuses the trace (and the partition) of the same plan without it (`TraceReuse`, docs/design.md "Trace reuse")."""
 
 
-def offloaded(traced: Traced) -> Traced:
-    """``traced``'s program with activation offload on: the offload pass
-    (`autosp.passes.partitioned.offload.offload_saved_activations`) on copies of its forward and backward graphs,
-    exported and built into a step like any trace."""
+def partitioned_rewrites(graphs: Sequence, *, offload: bool, overlap: bool) -> list:
+    """Copies of a partitioned forward and backward (``graphs``: (kind, graph) pairs, as partitioned) rewritten as
+    `autosp.backend` rewrites them: the activation offload pass on the pair (``offload``), then the overlap pass on
+    each graph (``overlap``).  For traces taken without those rewrites (`trace_step`'s ``rewrites_here``)."""
     import copy
 
     from torch import fx
 
     from autosp.passes.partitioned.offload import offload_saved_activations
+    from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
 
-    graphs = dict(traced.graphs)
+    graphs = dict(graphs)
     with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
         fw, bw = (fx.GraphModule(graphs[k], copy.deepcopy(graphs[k].graph)) for k in ("forward", "backward"))
-    # The forward returns its user outputs, then the tensors saved for backward: the backward's placeholders
-    # named after forward nodes (the rest are its tangents).
-    saved = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
-    outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
-    offload_saved_activations(fw, bw, num_fwd_outputs=len(outputs) - saved)
-    return traced.rebuild([("forward", fw), ("backward", bw)])
+    if offload:
+        # The forward returns its user outputs, then the tensors saved for backward: the backward's placeholders
+        # named after forward nodes (the rest are its tangents).
+        saved = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+        outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+        offload_saved_activations(fw, bw, num_fwd_outputs=len(outputs) - saved)
+    if overlap:
+        fw, bw = overlap_all_to_alls_pass(fw), overlap_all_to_alls_pass(bw)
+    return [("forward", fw), ("backward", bw)]
 
 
 def _torch_dtype(dtype: str):
@@ -178,18 +183,25 @@ def checkpointing_variant(options: Mapping | None) -> tuple[str, float | None]:
 
 def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
                config: TrainingConfig, options: Mapping | None = None,
-               variants: tuple[tuple[str, float | None], ...] = ()) -> Traced | dict[tuple, Traced]:
+               variants: tuple[tuple[str, float | None], ...] = (),
+               rewrites_here: bool = False) -> Traced | dict[tuple, Traced]:
     """Trace ``layers`` decoder layers (None: all) at ``seq_len`` tokens and build the whole step of ``setup``
     (``config``: the ledger's configuration of the whole model; ``options``: `autosp.compile` options, e.g. the
     memory plan's checkpointing and tiled loss).  With ``variants`` ((checkpointing, sac_memory_budget) pairs) the
     one trace also partitions the joint graph under each (docs/design.md, "Trace reuse") and the answer maps each
-    variant, and ``options``' own, to its step; variants with the same program share one `Traced`."""
+    variant, and ``options``' own, to its step; variants with the same program share one `Traced`.
+    ``rewrites_here``: the trace leaves out the partitioned-graph rewrites (activation offload, overlap), which
+    `partitioned_rewrites` then applies to copies, so that one trace also builds the step with activation offload
+    (`Traced.rebuild` on `Traced.graphs`, as partitioned)."""
     import torch
 
     from autosp.export import trace_fake_step
 
     hf = source.config(seq_len=seq_len, num_layers=layers)
     depth = hf.num_hidden_layers
+    overlap = (options or {}).get("overlap_communication", True)  # AutoSPConfig's default
+    if rewrites_here:
+        options = {**(options or {}), "overlap_communication": False, OFFLOAD_OPTION: "off"}
     dtype = _torch_dtype(setup.dtype)
     start = time.perf_counter()
     log.info("tracing %s: %d layers, %s x %d tokens over %d SP ranks", source.spec, depth, setup.micro_batch,
@@ -207,10 +219,13 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
     log.info("traced in %.1f s: %d joint graph(s), %d partition(s)", time.perf_counter() - start,
              report.joint_graphs, report.partitions)
 
-    def build(graphs) -> Traced:
+    def build(graphs, offload: bool = False) -> Traced:
+        partitioned = graphs
+        if rewrites_here:
+            graphs = partitioned_rewrites(partitioned, offload=offload, overlap=overlap)
         built = _build_step(source, setup, hf, graphs, parameter_bytes=parameter_bytes, report=report,
                             config=config, layers=layers, seq_len=seq_len, dtype=dtype)
-        return dataclasses.replace(built, graphs=tuple(graphs), rebuild=build)
+        return dataclasses.replace(built, graphs=tuple(partitioned), rebuild=build)
 
     own = build(report.aot_graphs)
     if not variants:
@@ -253,7 +268,8 @@ class TraceReuse:
     Plans that differ only in `CHECKPOINTING_OPTIONS` and `OFFLOAD_OPTION` form a group: the first trace of any of
     them (at one length and depth) partitions the joint graph for the whole group, a group member whose
     recomputation tags equal another's reuses that one's program and its simulation, and a plan with activation
-    offload on gets its program by the offload pass on the program of the same plan without it (`offloaded`)."""
+    offload on gets its program by the offload pass on the partition of the same plan without it (the group's trace
+    leaves the partitioned-graph rewrites to `partitioned_rewrites`)."""
 
     def __init__(self, plans: Sequence[Mapping]):
         self._plans = [dict(p) for p in plans]
@@ -284,8 +300,9 @@ class TraceReuse:
             plain = {k: v for k, v in (options or {}).items() if k != OFFLOAD_OPTION}
             variants = tuple(dict.fromkeys(checkpointing_variant(p) for p in self._plans
                                            if self._group(p) == group and checkpointing_variant(p) != own))
+            offloads = any(self._group(p) == group and self._variant(p)[1] for p in self._plans)
             found = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=plain,
-                               variants=variants)
+                               variants=variants, rewrites_here=offloads)
             found = found if variants else {own: found}
             self.traces += 1
             self.joint_graphs += 1  # one Dynamo graph (fullgraph), one joint graph
@@ -295,7 +312,7 @@ class TraceReuse:
         traced = self._traced[(*key, own, False)]
         if self._variant(options)[1]:
             if id(traced) not in self._offloaded:  # one offloaded program per program
-                self._offloaded[id(traced)] = offloaded(traced)
+                self._offloaded[id(traced)] = traced.rebuild(traced.graphs, offload=True)
             traced = self._traced[(*key, own, True)] = self._offloaded[id(traced)]
         return traced
 

@@ -157,6 +157,33 @@ def test_candidates_cover_every_setting_and_fixed_options_win():
         "full, tiled loss off, tiled mlp off", "full, tiled loss off, tiled mlp off, offload"]
 
 
+def test_tight_target_makes_the_planner_offload_activations_on_the_trace_of_the_plan_without(tmp_path, cluster):
+    """With activation offload among the candidates and the offload plan's peak as the target, the planner picks
+    offload: its device peak is lower (three layers: the backward fetches one layer ahead, so the device holds two
+    layers' saved tensors, not three) and its host peak holds what moved (docs/design.md, "Memory planner").  Both
+    plans come from one trace (the offload pass rewrites the partition of the plan without it), and the offload
+    plan's prediction equals that of its own trace, where the backend ran the pass."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "num_hidden_layers": 3, "vocab_size": 256}))
+    setup = TrainingSetup(seq_len=64, sp_size=2, dtype="fp32", compiler="aot_eager")
+    plans = candidate_plans(checkpointing=("none",), tiled_loss=("off",), tiled_mlp=("off",))
+    assert [p.options.get("activation_offload") for p in plans] == [None, "on"]
+    alone = predict(str(path), setup, cluster, options=plans[1].options)
+    report = plan_memory(str(path), setup, cluster, plans=plans, target_memory=alone.peak_bytes)
+    plain, offload = (c.prediction for c in report.candidates)
+    assert report.traces == 1 and report.partitions == 1
+    assert (alone.peak_bytes, alone.host_peak_bytes, alone.step.step_time_s) == (
+        offload.peak_bytes, offload.host_peak_bytes, offload.step.step_time_s)
+    assert offload.step.dynamic_memory_bytes < plain.step.dynamic_memory_bytes and offload.peak_bytes < plain.peak_bytes
+    moved = offload.step.host_dynamic_memory_bytes
+    assert moved > 0 and plain.host_peak_bytes == 0 and offload.host_fits
+    assert offload.host_peak_bytes == sum(ln.bytes for ln in offload.lines if ln.pool == "host") > moved
+    assert report.options == {"checkpointing": "none", "tiled_loss": "off", "tiled_mlp": "off",
+                              "activation_offload": "on"}
+    assert "host GiB" in report.format() and report.to_dict()["candidates"][1]["host_peak_bytes"] == \
+        offload.host_peak_bytes
+
+
 def test_cli_memory_plan_flags_and_refusals(model, caplog):
     from autosp.errors import AutoSPError
     from autosp.plan.__main__ import build_parser, main
