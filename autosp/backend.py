@@ -5,14 +5,15 @@
 pass pipeline the graph goes through AOTAutograd, which derives the backward
 (including the all-to-alls' own backward) as one joint graph.  Activation
 checkpointing tags that joint graph (autosp.passes.joint.checkpointing) before the
-min-cut partitioner splits it into forward and backward; the overlap pass
-(autosp.passes.partitioned.overlap) then splits each all-to-all into start and wait.  The
-graphs go to Inductor or to eager kernels (`AutoSPConfig.compiler`) and are
-recorded in the model's `CompileReport` for tests and for the schedule export.
+min-cut partitioner splits it into forward and backward; with ``activation_offload="on"`` the offload pass
+(autosp.passes.partitioned.offload) then rewrites the pair, where the forward's saved outputs and the backward's
+inputs are both visible; the overlap pass (autosp.passes.partitioned.overlap) splits each all-to-all into start and
+wait.  The graphs go to Inductor or to eager kernels (`AutoSPConfig.compiler`) and are recorded in the model's
+`CompileReport` for tests and for the schedule export.
 
 Extension points used: AOTAutograd's ``partition_fn`` and compiler callbacks
-(aot_eager), Inductor's ``inner_compile`` and its ``joint_custom_pre_pass`` set
-through ``config_patches`` for this one compile (inductor).  Nothing global is
+(aot_eager), Inductor's ``inner_compile``, its ``joint_custom_pre_pass`` and (activation offload only) its
+``custom_partitioner_fn`` set through ``config_patches`` for this one compile (inductor).  Nothing global is
 changed, so two compiles in one process do not interact.
 """
 
@@ -33,6 +34,7 @@ from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.errors import AutoSPError
 from autosp.guards import ProgramGuard
 from autosp.passes.joint.checkpointing import make_recompute_tagger, tag_recomputation
+from autosp.passes.partitioned.offload import offload_saved_activations
 from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
 from autosp.pipeline import SEQUENCE_PARALLEL_PASSES, Pass, run_passes
 
@@ -44,6 +46,20 @@ JointGraphPass = Callable[[fx.Graph], None]
 def _rewrite_partitioned(graph: fx.GraphModule, config: AutoSPConfig) -> fx.GraphModule:
     """Last rewrites of one partitioned graph."""
     return overlap_all_to_alls_pass(graph) if config.overlap_communication else graph
+
+
+def _partition(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, config: AutoSPConfig,
+               record: Callable[[object], None] | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """AOTAutograd's min-cut partition, then (activation_offload="on") the offload pass on the pair, whose plan goes
+    to ``record``."""
+    from functorch.compile import min_cut_rematerialization_partition
+
+    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **partition_kwargs)
+    if config.activation_offload == "on":  # "auto" unresolved by a plan: off
+        plan = offload_saved_activations(fw, bw, num_fwd_outputs=partition_kwargs["num_fwd_outputs"])
+        if record is not None:
+            record(plan)
+    return fw, bw
 
 
 def _finish(kind: str, graph: fx.GraphModule, config: AutoSPConfig, report: CompileReport) -> fx.GraphModule:
@@ -59,8 +75,6 @@ def _partition_variants(joint: fx.GraphModule, joint_inputs, partition_kwargs: d
     ``report.variant_graphs`` (docs/design.md, "Trace reuse").  A variant whose tags equal an earlier one's (or the
     compile's own setting's) has the same partition: it gets that one's graphs and is named in
     ``report.variant_same_as``.  The copies are taken before ``joint`` is tagged."""
-    from functorch.compile import min_cut_rematerialization_partition
-
     own = (config.checkpointing, config.sac_memory_budget)
     with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
@@ -77,7 +91,7 @@ def _partition_variants(joint: fx.GraphModule, joint_inputs, partition_kwargs: d
             report.variant_same_as[variant] = same
             log.info("checkpointing %s tags the joint graph as %s does: same partition", variant, same)
             continue
-        fw, bw = min_cut_rematerialization_partition(graph, joint_inputs, **partition_kwargs)
+        fw, bw = _partition(graph, joint_inputs, partition_kwargs, config=config)
         report.partitions += 1
         report.variant_graphs[variant] = [("forward", _rewrite_partitioned(fw, config)),
                                           ("backward", _rewrite_partitioned(bw, config))]
@@ -87,7 +101,7 @@ def _partition_variants(joint: fx.GraphModule, joint_inputs, partition_kwargs: d
 
 def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, report: CompileReport,
                tag_joint: JointGraphPass, variants: Sequence[tuple[str, float | None]] = ()):
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(kind: str):
@@ -102,7 +116,7 @@ def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repo
             _partition_variants(joint, joint_inputs, kwargs, config=config, report=report, variants=variants)
         tag_joint(joint.graph)
         report.partitions += 1
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        return _partition(joint, joint_inputs, kwargs, config=config, record=report.offload_plans.append)
 
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                         partition_fn=partition)(gm, example_inputs)
@@ -123,6 +137,21 @@ def _joint_pass_for_inductor(tag_joint: JointGraphPass, config: AutoSPConfig):
     return RecomputeTags()
 
 
+def _partitioner_for_inductor(config: AutoSPConfig, report: CompileReport):
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class OffloadPartitioner(CustomPartitionerFn):
+        """Inductor's hook for the partitioner: its min-cut (after its joint passes), then the offload pass."""
+
+        def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+            return _partition(gm, joint_inputs, kwargs, config=config, record=report.offload_plans.append)
+
+        def uuid(self):
+            return ("autosp-offload-partitioner", repr(config))
+
+    return OffloadPartitioner()
+
+
 def _inductor(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, report: CompileReport,
               tag_joint: JointGraphPass):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -133,10 +162,11 @@ def _inductor(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repor
 
     # No AOTAutograd cache for this compile: a hit would skip inner_compile, leaving the report (and the
     # export) without graphs.  The patch is scoped to this call.
+    patches = {"joint_custom_pre_pass": _joint_pass_for_inductor(tag_joint, config), "fx_graph_cache": False}
+    if config.activation_offload == "on":
+        patches["custom_partitioner_fn"] = _partitioner_for_inductor(config, report)
     with functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                          config_patches={"joint_custom_pre_pass": _joint_pass_for_inductor(tag_joint, config),
-                                          "fx_graph_cache": False})
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 
 CODE_GENERATORS = {"aot_eager": _aot_eager, "inductor": _inductor}

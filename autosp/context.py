@@ -44,6 +44,9 @@ class CompileReport:
     (after the overlap pass, i.e. as they run)."""
     checkpoint_plans: list[object] = field(default_factory=list)
     """autosp.passes.joint.checkpointing.CheckpointPlan of each joint graph, latest last."""
+    offload_plans: list[object] = field(default_factory=list)
+    """autosp.passes.partitioned.offload.OffloadPlan of each partition with activation_offload="on" (what moved to
+    host memory: names, count, bytes), latest last."""
     joint_graphs: int = 0
     """Joint graphs AOTAutograd built (one per compiled graph with a backward)."""
     partitions: int = 0

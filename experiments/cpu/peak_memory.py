@@ -5,7 +5,8 @@ Usage (one training step, on any rank)::
     with PeakMemory(static=[p for p in model.parameters()] + [p.grad for p in model.parameters()]) as pm:
         loss = model(**inputs).loss
         loss.backward()
-    pm.peak_bytes            # static + the peak of tensors created inside the block
+    pm.peak_bytes            # static + the peak of tensors created inside the block (the device pool)
+    pm.host_peak_bytes       # the peak of the host pool (activation offload's copies)
     pm.breakdown()           # {"static": ..., "by_op": {aten op: bytes live at the peak}, ...}
 
 Note [What PeakMemory counts]
@@ -28,6 +29,12 @@ returning it as a tensor (e.g. scratch buffers of the CPU flash-attention kernel
 buffers), Python objects, and the fused kernels of inductor (only their extern calls are visible: use
 ``aot_eager`` when measuring). Cost: a dictionary update per op output and a weakref per new storage;
 a few percent on a tiny model, so measure memory on an untimed step.
+
+Two pools: the outputs of ``autosp_testbed::offload_to_host`` (Note [Activation offload] in
+autosp/passes/partitioned/offload.py) are host memory on a GPU, so they count in a separate host pool
+(``host_live_bytes``, ``host_peak_bytes``), never in ``peak_bytes``: the device peak, which is what "fits" means
+for the memory-cap search (experiments/cpu/memory_cap.py) and the measured tables.  On CPU both are the same
+RAM; the split is what a GPU run would see.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autosp.costs import TILED_LOSS, TILED_MLP
+from autosp.passes.partitioned.offload import OFFLOAD
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,8 @@ __all__ = ["PeakMemory", "storage_bytes"]
 
 _SCRATCH_OPS = frozenset((*TILED_LOSS, *TILED_MLP))
 """AutoSP's ops that allocate and free scratch inside their kernels (autosp.costs.workspace_bytes)."""
+_HOST_OPS = frozenset((OFFLOAD,))
+"""AutoSP's ops whose outputs live in host memory (Note [Activation offload ops] in autosp/ops.py)."""
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
@@ -90,7 +100,8 @@ class PeakMemory(TorchDispatchMode):
         self.static_bytes = storage_bytes(static)
         self._static_keys = {k for k in map(_storage_key, static) if k is not None}
         self._keep_breakdown = keep_breakdown
-        self._live: dict[int, tuple[int, str]] = {}  # id(storage) -> (bytes, allocating op)
+        self._live: dict[int, tuple[int, str]] = {}  # id(storage) -> (bytes, allocating op), device pool
+        self._host: dict[int, int] = {}  # id(storage) -> bytes, host pool
         self._refs: dict[int, weakref.ref] = {}
         self.live_bytes = 0
         """Bytes of the storages created inside the block that are still alive."""
@@ -99,6 +110,10 @@ class PeakMemory(TorchDispatchMode):
         self.allocated_bytes = 0
         """Total bytes of all storages created inside the block (a measure of allocator traffic)."""
         self._peak_by_op: Counter[str] = Counter()
+        self.host_live_bytes = 0
+        """Bytes of the host pool (outputs of activation offload's copies to host) still alive."""
+        self.host_peak_bytes = 0
+        """Peak of ``host_live_bytes`` over the block."""
 
     @property
     def peak_bytes(self) -> int:
@@ -106,10 +121,11 @@ class PeakMemory(TorchDispatchMode):
         return self.static_bytes + self.peak_live_bytes
 
     def breakdown(self) -> dict:
-        """``static_bytes``, ``peak_live_bytes``, ``peak_bytes`` and ``by_op``: bytes live at the peak per op."""
+        """``static_bytes``, ``peak_live_bytes``, ``peak_bytes`` (the device pool), ``host_peak_bytes`` (the host
+        pool) and ``by_op``: device bytes live at the device peak per op."""
         return {"static_bytes": self.static_bytes, "peak_live_bytes": self.peak_live_bytes,
-                "peak_bytes": self.peak_bytes, "allocated_bytes": self.allocated_bytes,
-                "by_op": dict(self._peak_by_op.most_common())}
+                "peak_bytes": self.peak_bytes, "host_peak_bytes": self.host_peak_bytes,
+                "allocated_bytes": self.allocated_bytes, "by_op": dict(self._peak_by_op.most_common())}
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -119,16 +135,19 @@ class PeakMemory(TorchDispatchMode):
         return True
 
     def _freed(self, key: int, _ref: weakref.ref) -> None:
-        nbytes, _ = self._live.pop(key, (0, ""))
         self._refs.pop(key, None)
+        if key in self._host:
+            self.host_live_bytes -= self._host.pop(key)
+            return
+        nbytes, _ = self._live.pop(key, (0, ""))
         self.live_bytes -= nbytes
 
-    def _track(self, t: torch.Tensor, op_name: str) -> None:
+    def _track(self, t: torch.Tensor, op_name: str, *, host: bool = False) -> None:
         if t.device.type == "meta":
             return
         st = t.untyped_storage()
         key = id(st)
-        if key in self._live:
+        if key in self._live or key in self._host:
             return
         nbytes = st.nbytes()
         if nbytes == 0 or (st.data_ptr(), nbytes) in self._static_keys:
@@ -137,11 +156,15 @@ class PeakMemory(TorchDispatchMode):
             ref = weakref.ref(st, lambda r, key=key: self._freed(key, r))
         except TypeError:  # pragma: no cover - storages without weakref support: count, never free
             ref = None
-        self._live[key] = (nbytes, op_name)
         if ref is not None:
             self._refs[key] = ref
-        self.live_bytes += nbytes
         self.allocated_bytes += nbytes
+        if host:
+            self._host[key] = nbytes
+            self.host_live_bytes += nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+            return
+        self._live[key] = (nbytes, op_name)
         if self.live_bytes > self.peak_live_bytes:
             self.peak_live_bytes = self.live_bytes
             if self._keep_breakdown:
@@ -165,11 +188,11 @@ class PeakMemory(TorchDispatchMode):
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if _has_storage(t)}
         for leaf in tree_leaves(out):
             if _has_storage(leaf) and id(leaf.untyped_storage()) not in inputs:
-                self._track(leaf, name)
+                self._track(leaf, name, host=func in _HOST_OPS)
         return out
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
-        log.debug("PeakMemory: static %d B, peak live %d B, allocated %d B", self.static_bytes,
-                  self.peak_live_bytes, self.allocated_bytes)
+        log.debug("PeakMemory: static %d B, peak live %d B, host peak %d B, allocated %d B", self.static_bytes,
+                  self.peak_live_bytes, self.host_peak_bytes, self.allocated_bytes)
         return result

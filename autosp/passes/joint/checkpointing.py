@@ -146,8 +146,9 @@ def _forward_ops(graph: fx.Graph) -> list[fx.Node]:
     ]
 
 
-def _attention_segments(nodes: list[fx.Node]) -> dict[fx.Node, int]:
-    """Forward node -> how many attention ops precede it in program order."""
+def attention_segments(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Node -> how many attention ops precede it in program order (forward, or backward: the activation offload
+    pass cuts the backward there too, Note [Activation offload])."""
     segments, seen = {}, 0
     for node in nodes:
         segments[node] = seen
@@ -200,7 +201,7 @@ def tag_recomputation(
     candidates, costs, classes = [], {}, {}
     forward_flops = 0
     forward = _forward_ops(graph)
-    segments = _attention_segments(forward)
+    segments = attention_segments(forward)
     for node in forward:
         if packet_name(node.target) in VIEWS:
             continue  # aliases: the partitioner recomputes views for free

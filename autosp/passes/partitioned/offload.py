@@ -1,0 +1,170 @@
+"""Activation offload: the tensors saved for backward go to host memory in forward and come back ahead of their use.
+
+Runs where AOTAutograd's partitioner has just split the joint graph, so that the forward and the backward are both
+visible: the saved tensors are the forward's outputs past its user outputs, and the backward's placeholders of the
+same names receive them (autosp.backend calls `offload_saved_activations` from its partition function, before the
+overlap pass).
+
+Note [Activation offload]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+What is offloaded: every tensor the partitioned forward saves for the backward that is an activation, i.e. made
+by the forward (not a graph input, a parameter or a view of one: those live on anyway), floating point (integer
+and bool tensors are indices and masks, small and often read by guards), at least ``OFFLOAD_MIN_BYTES`` (below
+that a copy costs more to issue than it frees), not also a user output of the forward (that one lives on in the
+caller), and read by the backward after its first attention (see the prefetch rule).  For each, the forward gets
+``offload_to_host(x)`` right after x's last forward reader and returns that host copy as the saved tensor in
+x's place, so x dies in forward (Note [Activation offload ops] in autosp/ops.py).
+
+Where the reloads go: the backward is cut into segments at its attention ops (`attention_segments`, the cut SAC
+uses in forward): segment 0 runs up to and with the first attention backward (the loss, the head, the last
+layer's MLP and attention backward), segment k the ops after the k-th attention op up to and with the next one
+(one layer's backward, give or take the projections on either side).  A saved tensor first read in segment k >= 1
+is reloaded (``reload_from_host``) at the start of segment k - 1, one layer's backward ahead of its use, and waited
+for (``reload_wait``) right before its first reader.  A saved tensor first read in segment 0 has no earlier
+segment to hide its copy behind, so it stays on the device (it is among the last forward activations anyway, the
+ones that die first in backward); so does everything of a model without attention.  The device then holds the
+activations of about two segments during backward, the one running and the one being fetched, instead of all of
+them at the start of backward.
+
+Why it is exact: the ops copy values and change nothing; the backward reads the reloaded copy, equal element for
+element to what the forward saved, and the wait orders every reader after the copy.  On CPU the copies are clones
+and the run is the same program with the same arithmetic.
+
+How it composes: SAC (autosp.passes.joint.checkpointing) decides first what is saved at all; a tensor it
+recomputes is not saved, so it is not offloaded (the recomputation reads saved tensors, which are reloaded like
+any other).  The overlap pass runs after this one on each graph and moves only all-to-all starts and waits.  The
+tiled loss and tiled MLP are custom ops whose saved inputs are saved tensors like any other; their chunks never
+are.  Sequence sharding: the pass runs on the already-sharded partitioned graphs and moves tensors between
+memories; it changes no value, shape or placement that the sequence-sharding analysis decided.
+
+GPU: the copies run on a side stream of the device (pinned host memory, non_blocking copies, the compute stream
+waiting only at ``reload_wait``), so they overlap with compute in both directions.  That code path is written but
+untried on a GPU; the device peak and step time it would give are the simulator's prediction, not a measurement.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from autosp import ops  # noqa: F401 - registers the offload ops
+from autosp.costs import nbytes_of
+from autosp.passes.joint.checkpointing import attention_segments
+
+log = logging.getLogger(__name__)
+
+OFFLOAD = torch.ops.autosp_testbed.offload_to_host.default
+RELOAD = torch.ops.autosp_testbed.reload_from_host.default
+RELOAD_WAIT = torch.ops.autosp_testbed.reload_wait.default
+
+OFFLOAD_MIN_BYTES = 4096
+"""Saved tensors smaller than this stay on the device (Note [Activation offload]): per-row statistics such as a
+norm's reciprocal or an attention's log-sum-exp, which free little and cost a copy each."""
+
+_NO_VC_CHECK = "saved_tensor_with_no_vc_check"
+"""AOTAutograd's node.meta flag on saved tensors, read back from the forward's outputs after partitioning."""
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What the pass did to one forward/backward pair."""
+
+    offloaded: tuple[str, ...]
+    """Forward nodes whose saved value now lives in host memory between forward and backward."""
+    offloaded_bytes: int
+    kept: tuple[str, ...]
+    """Saved activations kept on the device: first read by the backward before any prefetch point."""
+    kept_bytes: int
+    segments: int
+    """Attention segments of the backward (attention ops + 1)."""
+
+    @property
+    def count(self) -> int:
+        return len(self.offloaded)
+
+
+def _is_alias(node: fx.Node) -> bool:
+    """Whether ``node``'s output is a view of its first argument (from its schema: the return aliases an input)."""
+    schema = getattr(node.target, "_schema", None)
+    return (schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+            and not schema.returns[0].alias_info.is_write)
+
+
+def _views_an_input(node: fx.Node) -> bool:
+    while node.op == "call_function" and _is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node.op in ("placeholder", "get_attr")
+
+
+def _offloadable(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return (node.op == "call_function" and isinstance(value, torch.Tensor)
+            and (value.is_floating_point() or value.is_complex()) and nbytes_of(value) >= OFFLOAD_MIN_BYTES
+            and not _views_an_input(node))
+
+
+def offload_saved_activations(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int) -> OffloadPlan:
+    """Rewrite a partitioned forward/backward pair in place (Note [Activation offload]); ``num_fwd_outputs``: the
+    forward's outputs before its saved tensors (AOTAutograd's partitioner argument)."""
+    fw_output = next(iter(fw.graph.find_nodes(op="output")))
+    outputs = list(fw_output.args[0])
+    user_outputs = {n for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    bw_nodes = list(bw.graph.nodes)
+    bw_order = {n: i for i, n in enumerate(bw_nodes)}
+    received = {n.name: n for n in bw_nodes if n.op == "placeholder"}
+    calls = [n for n in bw_nodes if n.op == "call_function"]
+    segments = attention_segments(calls)
+    boundaries = [a for a, b in zip(calls, calls[1:], strict=False) if segments[b] > segments[a]]  # attention ops
+    last_placeholder = [n for n in bw_nodes if n.op == "placeholder"][-1]
+    fw_order = {n: i for i, n in enumerate(fw.graph.nodes)}
+
+    offloaded, kept, offloaded_bytes, kept_bytes = [], [], 0, 0
+    for index in range(num_fwd_outputs, len(outputs)):
+        saved = outputs[index]
+        if not isinstance(saved, fx.Node) or saved in user_outputs or not _offloadable(saved):
+            continue
+        placeholder = received.get(saved.name)
+        if placeholder is None or not placeholder.users:
+            continue
+        first_reader = min(placeholder.users, key=bw_order.__getitem__)
+        segment = segments.get(first_reader, len(boundaries))  # the output node reads after every attention
+        nbytes = nbytes_of(saved.meta["val"])
+        if segment == 0:
+            kept.append(saved.name)
+            kept_bytes += nbytes
+            continue
+        # forward: copy to host after the last reader, return the copy instead
+        readers = [u for u in saved.users if u is not fw_output]
+        after = max(readers, key=fw_order.__getitem__) if readers else saved
+        with fw.graph.inserting_after(after):
+            host = fw.graph.call_function(OFFLOAD, (saved,))
+        host.meta["val"] = OFFLOAD(saved.meta["val"])
+        if _NO_VC_CHECK in saved.meta:
+            host.meta[_NO_VC_CHECK] = saved.meta[_NO_VC_CHECK]
+        outputs[index] = host
+        # backward: fetch one segment ahead, wait right before the first reader
+        device = placeholder.meta["val"].device
+        placeholder.meta["val"] = host.meta["val"]
+        issue_after = last_placeholder if segment == 1 else boundaries[segment - 2]
+        with bw.graph.inserting_after(issue_after):
+            reloaded = bw.graph.call_function(RELOAD, (placeholder, device))
+        reloaded.meta["val"] = RELOAD(host.meta["val"], device)
+        placeholder.replace_all_uses_with(reloaded, delete_user_cb=lambda user, r=reloaded: user is not r)
+        with bw.graph.inserting_before(first_reader):
+            wait = bw.graph.call_function(RELOAD_WAIT, (reloaded,))
+        wait.meta["val"] = None
+        offloaded.append(saved.name)
+        offloaded_bytes += nbytes
+    fw_output.args = (tuple(outputs),)
+    for gm in (fw, bw):
+        gm.graph.lint()
+        gm.recompile()
+    plan = OffloadPlan(offloaded=tuple(offloaded), offloaded_bytes=offloaded_bytes, kept=tuple(kept),
+                       kept_bytes=kept_bytes, segments=len(boundaries) + 1)
+    log.info("activation offload: %d saved tensor(s), %.2f MiB, moved to host memory; %d (%.2f MiB) kept on the "
+             "device (read before the backward's first attention)", plan.count, offloaded_bytes / 2**20, len(kept),
+             kept_bytes / 2**20)
+    return plan

@@ -1,0 +1,148 @@
+"""Activation offload (Note [Activation offload] in autosp/passes/partitioned/offload.py): exact against a
+single-device run of the full sequence (loss and every gradient, fp32 rtol 1e-4 / atol 1e-6) on two gloo ranks, for
+Llama, Qwen2 and GPT-2 with SAC and overlap on, with the tiled loss and MLP, packed documents and Inductor; the graphs
+it rewrites; and the device peak it lowers (experiments/cpu/peak_memory.py's two pools).  The 4-rank DP x SP case
+shares the launch of tests/autosp/test_ring.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autosp
+from autosp import AutoSPError
+from autosp.passes.joint.checkpointing import attention_segments
+from tests.autosp.cases import loss_of, make_sample, named_grads
+from tests.autosp.test_equivalence import FP32_TOL, _check
+from tests.harness import fake_process_group, run_on_ranks
+
+OFFLOAD = torch.ops.autosp_testbed.offload_to_host.default
+RELOAD = torch.ops.autosp_testbed.reload_from_host.default
+RELOAD_WAIT = torch.ops.autosp_testbed.reload_wait.default
+A2A_WAIT = torch.ops.autosp_testbed.all_to_all_wait.default
+ON = {"activation_offload": "on"}  # SAC and overlap are on by default
+TILED = {**ON, "tiled_loss": "on", "tiled_mlp": "on", "return_logits": False, "loss_chunk_tokens": 8,
+         "mlp_chunk_tokens": 8}
+CASES = [
+    {"model": "hf-llama", "options": ON},
+    {"model": "hf-qwen2", "options": TILED},
+    {"model": "hf-gpt2", "options": ON},
+    {"model": "hf-llama", "options": ON, "documents": [5, 40, 19]},  # packed: document attention (flex, aot_eager)
+]
+INDUCTOR = {"model": "hf-llama", "options": ON, "compiler": "inductor"}
+SEQ_LEN = 64  # 32 tokens per rank: every offloaded activation of these models is at least OFFLOAD_MIN_BYTES
+PEAK_SEQ_LEN = 128
+
+
+def _case(rank, world, *, model, options, compiler="aot_eager", documents=None):
+    from experiments.models import build_model, vocab_size
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = build_model(model)  # 2 layers: the first layer's activations are offloaded
+    reference.config.use_cache = False
+    candidate = copy.deepcopy(reference)
+    ids, labels = make_sample(SEQ_LEN, vocab_size(reference), seed=21)
+    extra = {}
+    if documents:
+        extra["position_ids"] = torch.cat([torch.arange(n) for n in documents]).expand(ids.shape[0], -1).clone()
+    ref_loss = loss_of(reference(input_ids=ids, labels=labels, **extra))
+    ref_loss.backward()
+    compiled = autosp.compile(candidate, sp_size=world, compiler=compiler, **options)
+    loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels, **extra)))
+    loss.backward()
+    plans = compiled.report.offload_plans
+    return {"loss": loss.detach(), "ref_loss": ref_loss.detach(), "grads": named_grads(candidate),
+            "ref_grads": named_grads(reference), "offloaded": plans[-1].count if plans else 0,
+            "compiler": compiled.programs[-1].compiler}
+
+
+def _peaks(rank, world):
+    """Device and host peaks of one (second, compiled) step of a 2-layer model with the offload off and on."""
+    from experiments.cpu.peak_memory import PeakMemory
+    from experiments.models import build_model
+
+    peaks = {}
+    for offload in ("off", "on"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build_model("hf-llama", layers=2)
+        compiled = autosp.compile(model, sp_size=world, compiler="aot_eager", activation_offload=offload)
+        ids = torch.randint(0, 256, (1, PEAK_SEQ_LEN), generator=torch.Generator().manual_seed(1))
+        inputs = autosp.prepare_inputs(ids, labels=ids)
+        loss_of(compiled(**inputs)).backward()
+        model.zero_grad(set_to_none=True)
+        with PeakMemory(static=list(model.parameters())) as pm:
+            loss_of(compiled(**inputs)).backward()
+        peaks[offload] = (pm.peak_bytes, pm.host_peak_bytes, pm.breakdown()["host_peak_bytes"])
+    return peaks
+
+
+def _on_rank(rank, world):
+    return {"cases": [_case(rank, world, **case) for case in CASES], "peaks": _peaks(rank, world)}
+
+
+def test_activation_offload_exact_on_two_ranks_and_lowers_the_device_peak():
+    out = run_on_ranks(_on_rank, 2, timeout_s=600)
+    _check([r["cases"] for r in out], FP32_TOL)
+    for r in out:
+        assert all(case["offloaded"] > 0 for case in r["cases"]), [c["offloaded"] for c in r["cases"]]
+        (off, off_host, _), (on, on_host, on_host_breakdown) = r["peaks"]["off"], r["peaks"]["on"]
+        assert off_host == 0 and on_host == on_host_breakdown > 0
+        assert on < off, (on, off)
+
+
+def _inductor_case(rank, world):
+    return [_case(rank, world, **INDUCTOR)]
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_activation_offload_exact_under_inductor():
+    out = run_on_ranks(_inductor_case, 2, timeout_s=600)
+    _check(out, FP32_TOL)
+    assert all(r[0]["offloaded"] > 0 and r[0]["compiler"] == "inductor" for r in out)
+
+
+def _graphs():
+    from experiments.models import build_model, vocab_size
+
+    model = build_model("hf-llama", layers=2)
+    with fake_process_group(2, rank=1):
+        compiled = autosp.compile(model, sp_size=2, compiler="aot_eager", **ON)
+        ids, labels = make_sample(SEQ_LEN, vocab_size(model), seed=0)
+        loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels))).backward()
+    return dict(compiled.report.aot_graphs), compiled.report.offload_plans[-1]
+
+
+def test_activation_offload_forward_saves_host_copies_and_backward_waits_before_each_first_use():
+    graphs, plan = _graphs()
+    forward, backward = list(graphs["forward"].graph.nodes), list(graphs["backward"].graph.nodes)
+    offloads = [n for n in forward if n.target is OFFLOAD]
+    assert plan.count == len(offloads) > 0 and plan.offloaded_bytes > 0 and plan.segments == 3
+    saved = forward[-1].args[0]
+    for host in offloads:
+        (x,) = host.args
+        assert host in saved and x not in saved  # the copy is saved in place of x, which dies in forward
+        assert all(forward.index(u) < forward.index(host) for u in x.users if u is not host)  # after the last use
+    reloads = [n for n in backward if n.target is RELOAD]
+    assert len(reloads) == len(offloads)
+    segments = attention_segments([n for n in backward if n.op == "call_function"])
+    for reload in reloads:
+        (wait,) = [u for u in reload.users if u.target is RELOAD_WAIT]
+        readers = [u for u in reload.users if u is not wait]
+        first = min(readers, key=backward.index)
+        assert backward.index(wait) < backward.index(first)  # waited before the first reader
+        # right before it: only other waits (of reloads, of the overlap pass's all-to-alls) in between
+        assert all(n.target in (RELOAD_WAIT, A2A_WAIT) for n in backward[backward.index(wait) + 1:backward.index(first)])
+        assert segments[reload] == segments[first] - 1  # issued one attention segment ahead
+        assert reload.args[0].op == "placeholder"
+
+
+def test_activation_offload_auto_needs_the_planner():
+    with pytest.raises(AutoSPError, match="memory_plan='auto'"):
+        autosp.AutoSPConfig(sp_size=2, activation_offload="auto")
+    with pytest.raises(AutoSPError, match="activation_offload must be one of"):
+        autosp.AutoSPConfig(sp_size=2, activation_offload="yes")
