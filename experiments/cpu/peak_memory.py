@@ -165,6 +165,7 @@ class PeakMemory(TorchDispatchMode):
             self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
             return
         self._live[key] = (nbytes, op_name)
+        self.live_bytes += nbytes
         if self.live_bytes > self.peak_live_bytes:
             self.peak_live_bytes = self.live_bytes
             if self._keep_breakdown:

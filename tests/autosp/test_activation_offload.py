@@ -146,3 +146,19 @@ def test_activation_offload_auto_needs_the_planner():
         autosp.AutoSPConfig(sp_size=2, activation_offload="auto")
     with pytest.raises(AutoSPError, match="activation_offload must be one of"):
         autosp.AutoSPConfig(sp_size=2, activation_offload="yes")
+
+
+def test_peak_memory_counts_offload_copies_in_the_host_pool():
+    from experiments.cpu.peak_memory import PeakMemory
+
+    x = torch.randn(1000)
+    with PeakMemory() as pm:
+        a = x * 2  # device: 4000
+        host = OFFLOAD(a)  # host: 4000
+        del a  # dies in forward
+        back = RELOAD(host, torch.device("cpu"))  # device: 4000 again
+        del host
+        RELOAD_WAIT(back)
+        del back
+    assert (pm.peak_live_bytes, pm.host_peak_bytes, pm.live_bytes, pm.host_live_bytes) == (4000, 4000, 0, 0)
+    assert pm.breakdown()["host_peak_bytes"] == 4000 and pm.breakdown()["by_op"] == {"mul": 4000}

@@ -248,6 +248,8 @@ def _four_rank_cases(rank, world):
          "options": RING},  # more ranks than heads
         {"model": "plain-llama", "sp_size": 2, "seq_len": 32, "overrides": {"kv_heads": 2},
          "options": RING},  # SP 2 x DP 2
+        # activation offload (tests/autosp/test_activation_offload.py) under SP 2 x DP 2 on the ring
+        {"model": "hf-llama", "sp_size": 2, "seq_len": 64, "options": {**RING, "activation_offload": "on"}},
     ]
     results = [_run_case(rank, world, **case) for case in cases]
     try:  # Ulysses cannot run the 2-head model on 4 ranks
