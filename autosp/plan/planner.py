@@ -91,6 +91,7 @@ def candidate_plans(*, loss_chunk_tokens: int | None = None, checkpointing: Sequ
     host memory, `autosp.plan.predict.Prediction.host_fits`).  ``fixed``: options the user set, which every
     candidate takes over its own (candidates that become equal are listed once); ``activation_offload="auto"``
     among them leaves the choice to the planner."""
+    deciding = (fixed or {}).get("activation_offload") == "auto"  # then "off" is named, to replace the "auto"
     fixed = {k: v for k, v in (fixed or {}).items() if (k, v) != ("activation_offload", "auto")}
     mlps = []
     for mlp in tiled_mlp:
@@ -106,7 +107,7 @@ def candidate_plans(*, loss_chunk_tokens: int | None = None, checkpointing: Sequ
                 for name, options in _checkpointing_plans():
                     if checkpointing is not None and name not in checkpointing:
                         continue
-                    offloading = {"activation_offload": "on"} if offload == "on" else {}  # off: the default
+                    offloading = {"activation_offload": offload} if offload == "on" or deciding else {}
                     options = _with_fixed({**options, **tiled, **mlp, **offloading}, fixed)
                     key = tuple(sorted((k, repr(v)) for k, v in options.items()))
                     if key not in seen:
