@@ -192,13 +192,13 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
             elif ours and packet in _ASYNC_PHASES:
                 kind, op_class, flops = _ASYNC_PHASES[packet], "other", 0
             elif ours and packet in ACTIVATION_OFFLOAD:  # Note [Activation offload in the export]
-                kind, op_class, flops = "collective_wait" if packet == ACTIVATION_OFFLOAD[2] else "collective_start", \
-                    "other", 0
-                if packet in _HOST_COPIES:
+                kind, op_class, flops = "collective_wait", "other", 0
+                if packet in _HOST_COPIES:  # issued when the compute stream reaches it
+                    kind = "collective_start"
                     issuer = next((op.id for op in reversed(em.ops) if op.kind != "collective_start"), None)
                     deps = tuple(sorted({*deps, *(() if issuer is None else (issuer,))}))
-                    if packet == ACTIVATION_OFFLOAD[0]:
-                        em.host_tensors.update(allocates)
+                if packet == ACTIVATION_OFFLOAD[0]:
+                    em.host_tensors.update(allocates)
             else:
                 kind = "compute"
                 op_class, flops = classify(node, masked_fraction=em.masked_fraction)
