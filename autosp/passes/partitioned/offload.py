@@ -19,12 +19,16 @@ Where the reloads go: the backward is cut into segments at its attention ops (`a
 uses in forward): segment 0 runs up to and with the first attention backward (the loss, the head, the last
 layer's MLP and attention backward), segment k the ops after the k-th attention op up to and with the next one
 (one layer's backward, give or take the projections on either side).  A saved tensor first read in segment k >= 1
-is reloaded (``reload_from_host``) at the start of segment k - 1, one layer's backward ahead of its use, and waited
-for (``reload_wait``) right before its first reader.  A saved tensor first read in segment 0 has no earlier
-segment to hide its copy behind, so it stays on the device (it is among the last forward activations anyway, the
-ones that die first in backward); so does everything of a model without attention.  The device then holds the
-activations of about two segments during backward, the one running and the one being fetched, instead of all of
-them at the start of backward.
+is reloaded (``reload_from_host``) right before the attention op that ends segment k - 1, the last attention
+backward before its first reader, so that its copy runs while that attention computes (at long context the
+largest op of a layer's backward, O(S^2) against the copy's O(S)) and the all-to-alls of its gradients travel; it
+is waited for (``reload_wait``) right before its first reader.  A saved tensor first read in segment 0 has no
+attention before it to hide its copy behind, so it stays on the device (it belongs to the last layer, whose
+backward runs first); so does everything of a model without attention.  Issued earlier (at the start of segment
+k - 1) the copies would overlap more compute but hold the next layer's activations through the whole of the
+current layer's backward: on a 2-layer model that brought every offloaded tensor back at the start of backward,
+where the peak is.  Measured on CPU (PeakMemory, hf-llama hidden 64, 2048 tokens on 2 ranks, tiled loss and MLP):
+the device peak drops 2.6 % with 2 layers (only the first layer's activations can leave) and 21 % with 4 layers.
 
 Why it is exact: the ops copy values and change nothing; the backward reads the reloaded copy, equal element for
 element to what the forward saved, and the wait orders every reader after the copy.  On CPU the copies are clones
@@ -118,7 +122,6 @@ def offload_saved_activations(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd
     calls = [n for n in bw_nodes if n.op == "call_function"]
     segments = attention_segments(calls)
     boundaries = [a for a, b in zip(calls, calls[1:], strict=False) if segments[b] > segments[a]]  # attention ops
-    last_placeholder = [n for n in bw_nodes if n.op == "placeholder"][-1]
     fw_order = {n: i for i, n in enumerate(fw.graph.nodes)}
 
     offloaded, kept, offloaded_bytes, kept_bytes = [], [], 0, 0
@@ -148,8 +151,7 @@ def offload_saved_activations(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd
         # backward: fetch one segment ahead, wait right before the first reader
         device = placeholder.meta["val"].device
         placeholder.meta["val"] = host.meta["val"]
-        issue_after = last_placeholder if segment == 1 else boundaries[segment - 2]
-        with bw.graph.inserting_after(issue_after):
+        with bw.graph.inserting_before(boundaries[segment - 1]):  # the attention op ending the segment before
             reloaded = bw.graph.call_function(RELOAD, (placeholder, device))
         reloaded.meta["val"] = RELOAD(host.meta["val"], device)
         placeholder.replace_all_uses_with(reloaded, delete_user_cb=lambda user, r=reloaded: user is not r)
