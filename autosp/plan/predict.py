@@ -591,11 +591,6 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     if at.extrapolated_from:
         notes.append("depth extrapolated from 1 and 2 layers: too low under activation checkpointing "
                      "(Note [Depth extrapolation] in simulator/max_length.py)")
-        if (options or {}).get(OFFLOAD_OPTION) == "on":
-            notes.append("depth extrapolated under activation offload: the device peak is too high (a 1- or "
-                         "2-layer backward fetches everything offloaded at its start, so the traces show no device "
-                         "saving; Note [Activation offload] in autosp/passes/partitioned/offload.py); use --depth "
-                         "full")
     if not cluster.preset.architecture:
         notes.append("the device reserve (CUDA context, NCCL, workspaces) is a GPU's; this device is not a GPU")
     if config.offload_optimizer:
