@@ -159,8 +159,8 @@ def test_candidates_cover_every_setting_and_fixed_options_win():
 
 def test_tight_target_makes_the_planner_offload_activations_on_the_trace_of_the_plan_without(tmp_path, cluster):
     """With activation offload among the candidates and the offload plan's peak as the target, the planner picks
-    offload: its device peak is lower (three layers: the backward fetches one layer ahead, so the device holds two
-    layers' saved tensors, not three) and its host peak holds what moved (docs/design.md, "Memory planner").  Both
+    offload: its device peak is lower (three layers: the first layers' saved tensors are in host memory while the
+    backward of the last one runs) and its host peak holds what moved (docs/design.md, "Memory planner").  Both
     plans come from one trace (the offload pass rewrites the partition of the plan without it), and the offload
     plan's prediction equals that of its own trace, where the backend ran the pass."""
     path = tmp_path / "config.json"
