@@ -33,6 +33,7 @@ from autosp.config import CHECKPOINTING, AutoSPConfig
 from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.errors import AutoSPError
 from autosp.guards import ProgramGuard
+from autosp.joint_template import capture_joint
 from autosp.passes.joint.checkpointing import make_recompute_tagger, tag_recomputation
 from autosp.passes.partitioned.offload import offload_saved_activations
 from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
@@ -43,15 +44,16 @@ log = logging.getLogger(__name__)
 JointGraphPass = Callable[[fx.Graph], None]
 
 
-def _rewrite_partitioned(graph: fx.GraphModule, config: AutoSPConfig) -> fx.GraphModule:
+def rewrite_partitioned(graph: fx.GraphModule, config: AutoSPConfig) -> fx.GraphModule:
     """Last rewrites of one partitioned graph."""
     return overlap_all_to_alls_pass(graph) if config.overlap_communication else graph
 
 
-def _partition(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, config: AutoSPConfig,
-               record: Callable[[object], None] | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
+def partition_pair(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, config: AutoSPConfig,
+                   record: Callable[[object], None] | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
     """AOTAutograd's min-cut partition, then (activation_offload="on") the offload pass on the pair, whose plan goes
-    to ``record``."""
+    to ``record``: every partition of the backend (its own, the checkpointing variants', the joint graph at another
+    length's: autosp.joint_template.partition_at) goes through here."""
     from functorch.compile import min_cut_rematerialization_partition
 
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **partition_kwargs)
@@ -64,7 +66,7 @@ def _partition(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, c
 
 def _finish(kind: str, graph: fx.GraphModule, config: AutoSPConfig, report: CompileReport) -> fx.GraphModule:
     """Last rewrites of one partitioned graph, then record it."""
-    graph = _rewrite_partitioned(graph, config)
+    graph = rewrite_partitioned(graph, config)
     report.aot_graphs.append((kind, graph))
     return graph
 
@@ -91,16 +93,17 @@ def _partition_variants(joint: fx.GraphModule, joint_inputs, partition_kwargs: d
             report.variant_same_as[variant] = same
             log.info("checkpointing %s tags the joint graph as %s does: same partition", variant, same)
             continue
-        fw, bw = _partition(graph, joint_inputs, partition_kwargs, config=config)
+        fw, bw = partition_pair(graph, joint_inputs, partition_kwargs, config=config)
         report.partitions += 1
-        report.variant_graphs[variant] = [("forward", _rewrite_partitioned(fw, config)),
-                                          ("backward", _rewrite_partitioned(bw, config))]
+        report.variant_graphs[variant] = [("forward", rewrite_partitioned(fw, config)),
+                                          ("backward", rewrite_partitioned(bw, config))]
     if own in variants:
         report.variant_plans[own] = own_plan
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, report: CompileReport,
-               tag_joint: JointGraphPass, variants: Sequence[tuple[str, float | None]] = ()):
+               tag_joint: JointGraphPass, variants: Sequence[tuple[str, float | None]] = (),
+               capture_seq_len: int | None = None):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -112,11 +115,13 @@ def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repo
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         report.joint_graphs += 1
+        if capture_seq_len is not None:  # Note [The joint graph at another length] in autosp/joint_template.py
+            report.joint_capture = capture_joint(joint, joint_inputs, kwargs, seq_len=capture_seq_len)
         if variants:
             _partition_variants(joint, joint_inputs, kwargs, config=config, report=report, variants=variants)
         tag_joint(joint.graph)
         report.partitions += 1
-        return _partition(joint, joint_inputs, kwargs, config=config, record=report.offload_plans.append)
+        return partition_pair(joint, joint_inputs, kwargs, config=config, record=report.offload_plans.append)
 
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                         partition_fn=partition)(gm, example_inputs)
@@ -144,7 +149,7 @@ def _partitioner_for_inductor(config: AutoSPConfig, report: CompileReport):
         """Inductor's hook for the partitioner: its min-cut (after its joint passes), then the offload pass."""
 
         def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
-            return _partition(gm, joint_inputs, kwargs, config=config, record=report.offload_plans.append)
+            return partition_pair(gm, joint_inputs, kwargs, config=config, record=report.offload_plans.append)
 
         def uuid(self):
             return ("autosp-offload-partitioner", repr(config))
@@ -199,8 +204,14 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
     if ctx.checkpointing_variants and config.compiler != "aot_eager":
         raise AutoSPError("checkpointing variants (the planner's trace reuse) partition the joint graph through "
                           "AOTAutograd's partition_fn: trace with compiler='aot_eager'")
-    generate = functools.partial(_aot_eager, variants=ctx.checkpointing_variants) if ctx.checkpointing_variants \
-        else CODE_GENERATORS[config.compiler]
+    if ctx.capture_joint and config.compiler != "aot_eager":
+        raise AutoSPError("capturing the joint graph (trace reuse across lengths) goes through AOTAutograd's "
+                          "partition_fn: trace with compiler='aot_eager'")
+    if ctx.checkpointing_variants or ctx.capture_joint:
+        generate = functools.partial(_aot_eager, variants=ctx.checkpointing_variants,
+                                     capture_seq_len=ctx.layout.seq_len if ctx.capture_joint else None)
+    else:
+        generate = CODE_GENERATORS[config.compiler]
     program = generate(gm, example_inputs, config=config, report=ctx.report, tag_joint=tag_joint)
     _record_program(ctx, config.compiler, time.perf_counter() - start)
     return ProgramGuard(program, ctx)  # its assumptions checked on every call (autosp.guards)

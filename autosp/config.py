@@ -123,7 +123,7 @@ class AutoSPConfig:
     """Move the tensors saved for backward to host memory after their last forward use and copy them back ahead of
     their backward use, asynchronously (Note [Activation offload] in autosp/passes/partitioned/offload.py; exact: the
     values are copied, never changed): "on", "off", or "auto" (the memory planner decides; only with
-    memory_plan="auto")."""
+    memory_plan="auto"; a plan that does not set it leaves it off)."""
     memory_plan: str = "off"
     """"auto": before its first program compiles, the model runs the memory planner (autosp.plan.plan_memory) for
     itself at its first batch's length (or ``plan_seq_len``) and compiles with the fastest candidate's checkpointing, SAC budget, tiled

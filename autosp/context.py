@@ -57,6 +57,9 @@ class CompileReport:
     ``variant_same_as`` and for the compile's own setting (its graphs are ``aot_graphs``)."""
     variant_plans: dict[tuple, object] = field(default_factory=dict)
     """Each variant -> its CheckpointPlan."""
+    joint_capture: object = None
+    """With ``TraceContext.capture_joint``: the joint graph before the checkpointing tags
+    (autosp.joint_template.JointCapture; Note [The joint graph at another length] there)."""
     variant_same_as: dict[tuple, tuple] = field(default_factory=dict)
     """A variant whose recomputation tags equal an earlier variant's (or the compile's own setting's) -> that
     one: the same partition, so the same program."""
@@ -153,6 +156,8 @@ class TraceContext:
     checkpointing_variants: tuple[tuple[str, float | None], ...] = ()
     """(checkpointing, sac_memory_budget) pairs to partition the same joint graph with besides the compile's own
     setting, into ``report.variant_graphs`` (the planner's trace reuse; aot_eager only)."""
+    capture_joint: bool = False
+    """Keep a copy of the joint graph in ``report.joint_capture`` (trace reuse across lengths; aot_eager only)."""
     report: CompileReport = field(default_factory=CompileReport)
     memory_plan: dict | None = None
     """The memory plan the model compiled with (``memory_plan="auto"``), what ``report.memory_plan`` shows."""

@@ -532,7 +532,7 @@ def module_parameters(aot_graphs: list[tuple[str, fx.GraphModule]], dynamo_graph
 
 def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
                     dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", document_lengths=None,
-                    micro_batch: int = 1, checkpointing_variants=(), **options):
+                    micro_batch: int = 1, checkpointing_variants=(), capture_joint: bool = False, **options):
     """Compile and run one training step of ``build_model()`` on fake tensors and a fake group.
 
     Paper-scale graphs without paper-scale memory: the model is built inside a
@@ -546,6 +546,8 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     ``micro_batch``: samples per step (the rows of ``input_ids``; each row is a full ``seq_len`` sequence).
     ``checkpointing_variants``: (checkpointing, sac_memory_budget) pairs whose programs the same trace also
     partitions, into ``report.variant_graphs`` (docs/design.md, "Trace reuse"; aot_eager only).
+    ``capture_joint``: keep the joint graph in ``report.joint_capture`` (Note [The joint graph at another length]
+    in autosp/joint_template.py).
     The process must not have a process group of its own.
     """
     import torch.distributed as dist
@@ -580,6 +582,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
         # would compare fake tensors by value; the trace has one sample by construction.
         compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **{"check_same_sample": False, **options})
         compiled._ctx.checkpointing_variants = tuple(checkpointing_variants)
+        compiled._ctx.capture_joint = capture_joint
         # The step runs in the fake mode too: a graph's factory ops (the zeros a loss backward fills, a
         # [S, vocab] buffer) would otherwise allocate real memory, gigabytes at paper scale.
         with fake_mode:

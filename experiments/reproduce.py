@@ -38,6 +38,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from tqdm import tqdm
 
 from experiments import cli
+from experiments.paper_scale import strategy_table
 from experiments.tables import bar_plot, write_table
 from simulator.strategies import STRATEGIES
 
@@ -102,17 +103,15 @@ def search_max_seq_len_task(model: str, systems: tuple[str, ...], granularity: d
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The throughput table simulates whole steps of the iteration model at the published lengths, one task per
 # length and trace group, each in a fresh trace cache: every step a full-depth trace.  The max-seq-len search
-# of the same model and group traces that group at several lengths of its own, and a system whose plan does
-# not depend on the length is built between three traced lengths by interpolation (Note [One trace per length
-# class] in experiments/paper_scale/simulate.py, checked against a real trace at a fourth).  So when both
-# tables run, the search's task simulates the throughput table's steps first, from its own cache: their three
-# lengths (8,000 to 90,000 tokens) become the anchors that the search's probes in between are interpolated
-# from, and the throughput table only reads the steps.  The same steps and the same search results (an
-# interpolated workload equals the traced one, or the length is traced), fewer full-depth traces of
-# Llama-3.1-8B.  Only groups whose systems are interpolated do this (`_interpolated`): AutoSP's selective
-# checkpointing is traced at every length, so its steps would only add three traces to its search, already
-# the longest task; the throughput table simulates them in tasks of their own, in parallel.  `--only
-# throughput` still simulates its steps itself.
+# of the same model and group traces that group at several lengths of its own, and builds most of them from a
+# few traces: by interpolation between three traced lengths where the checkpointing plan does not depend on the
+# length, from the joint graphs of two traces where it does (AutoSP's SAC; Note [One trace per length class] in
+# experiments/paper_scale/simulate.py, each checked once against a real trace).  So when both tables run, the
+# search's task simulates the throughput table's steps first, from its own cache: their three lengths (8,000 to
+# 90,000 tokens) become the traces that the search's probes in between are built from, and the throughput
+# table only reads the steps.  The same steps and the same search results (a built workload equals the traced
+# one, or the length is traced), fewer full-depth traces of Llama-3.1-8B.  `--only throughput` still
+# simulates its steps itself.
 
 
 def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], layers: str = "full", cache=None):
@@ -127,25 +126,17 @@ def simulate_steps_task(model: str, seq_len: int, systems: tuple[str, ...], laye
 
 
 def _trace_counts(cache, since: dict | None = None) -> dict:
-    """Traces a cache made (traced), reused and built by interpolation (Note [One trace per length class] in
-    experiments/paper_scale/simulate.py), minus the counts ``since``."""
-    counts = {"traced": cache.misses, "reused": cache.hits, "interpolated": cache.interpolated}
+    """Traces a cache made (traced), reused, built by interpolation and re-sized from joint graphs (Note [One
+    trace per length class] in experiments/paper_scale/simulate.py), minus the counts ``since``."""
+    counts = {"traced": cache.misses, "reused": cache.hits, "interpolated": cache.interpolated,
+              "resized": cache.resized}
     return {k: v - (since or {}).get(k, 0) for k, v in counts.items()}
 
 
 TRACE_GROUPS = STRATEGIES.trace_groups(SIMULATED)
 """Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache).
-AutoSP first (first in the registry): its selective checkpointing is traced at every length, the others are
-interpolated between a few traces (Note [One trace per length class] in experiments/paper_scale/simulate.py)."""
-
-
-def _interpolated(systems: tuple[str, ...]) -> bool:
-    """Whether every system of a trace group is built between a few traced lengths (its checkpointing does not
-    depend on the length): only such a group's search gains from tracing the throughput lengths first (Note
-    [Throughput steps from the search's traces]); a group traced at every length would only lengthen its task."""
-    from experiments.paper_scale.simulate import LENGTH_INVARIANT_CHECKPOINTING
-
-    return all(STRATEGIES[s].compile_options.get("checkpointing") in LENGTH_INVARIANT_CHECKPOINTING for s in systems)
+AutoSP first (first in the registry): its selective checkpointing is re-sized from the joint graphs of two traces,
+the others are interpolated between a few traces (Note [One trace per length class] in experiments/paper_scale/simulate.py)."""
 
 
 def _run_tasks(args, tasks: list[tuple[Callable, tuple]], desc: str) -> list:
@@ -277,15 +268,14 @@ def table_max_seq_len(args) -> list[dict]:
     published = [r for r in published if not args.models or r["model"] in args.models]
     models = sorted({r["model"] for r in published})
     granularity = {s: args.zero3_granularity if s == "zero3" else args.granularity for s in SIMULATED}
-    # Longest tasks first (AutoSP traces every length, deeper models trace longer), so that the last task to
-    # finish on a worker is a short one.
+    # Longest tasks first (deeper models trace longer), so that the last task to finish on a worker is a short
+    # one.
     by_depth = sorted(models, key=lambda m: -PAPER_MODELS[m].num_layers)
     # Note [Throughput steps from the search's traces]
     step_lengths = throughput_lengths() if "throughput" in selected_tables(args) else ()
     tasks = [(search_max_seq_len_task, (model, systems, granularity, args.search_probes, args.max_seq_len_ceiling,
                                         args.layers,
-                                        step_lengths if model == args.iteration_model and _interpolated(systems)
-                                        else ()))
+                                        step_lengths if model == args.iteration_model else ()))
              for systems in TRACE_GROUPS for model in by_depth]
     simulated: dict = {}
     for (_, (model, *_)), (found, steps) in zip(tasks, _run_tasks(args, tasks, "max-seq-len (simulated searches)"),
@@ -561,12 +551,13 @@ def table_memory_cap(args) -> list[dict]:
     return rows
 
 
-SIMULATED_TABLES = ("max-seq-len", "max-seq-len-configs", "external-fidelity", "throughput")
-ON_REQUEST = ("max-seq-len-configs", "external-fidelity")
+SIMULATED_TABLES = ("max-seq-len", "max-seq-len-configs", "external-fidelity", "strategies", "throughput")
+ON_REQUEST = ("max-seq-len-configs", "external-fidelity", "strategies")
 """Tables run only when ``--only`` names them (each is several times the max-seq-len table's simulation)."""
 TABLES: dict[str, Callable] = {
     "max-seq-len": table_max_seq_len, "max-seq-len-configs": table_max_seq_len_configs,
-    "external-fidelity": table_external_fidelity, "throughput": table_throughput,
+    "external-fidelity": table_external_fidelity, "strategies": strategy_table.table_strategies,
+    "throughput": table_throughput,
     "measured-cpu": table_measured_cpu, "memory-cap": table_memory_cap,
 }
 
@@ -652,6 +643,7 @@ TABLE_FOOTERS: dict[str, Callable] = {
         f"{', '.join(args.summaries['external-fidelity']['sources'])}; nothing fitted. Memory is torch's "
         "max_memory_reserved (no CUDA context, no NCCL buffers); how each configuration is modelled is in "
         "modelled_as (Note [What the external figures measure and how they are modelled])."],
+    "strategies": lambda args: strategy_table.footer(args.summaries["strategies"]),
     "throughput": lambda args: [THROUGHPUT_UNKNOWN + " Simulated: one whole step (forward, backward, gradient "
                                 "reduction, optimizer) of one sequence split over the ranks (ZeRO-3: one "
                                 "sequence per rank), micro-batch 1."],
@@ -664,6 +656,7 @@ PLOTS = {
     "memory-cap": lambda rows, path: bar_plot(rows, "max_seq_len", "longest sequence (tokens)",
                                                f"CPU gloo: longest sequence under {rows[0]['cap_mib']} MiB per rank",
                                                path),
+    "strategies": strategy_table.plot_strategies,
 }
 
 
@@ -735,6 +728,10 @@ Tables (--only NAME runs one):
   external-fidelity
                   published per-GPU memory of runs whose whole configuration is published (torchtitan's
                   Llama-3.1-8B benchmarks), beside the simulated one, with each configuration's provenance
+  strategies      every sequence-parallel strategy the pass compiles (Ulysses, each hybrid Ulysses x ring,
+                  the ring) for Llama-3.1-8B at 128K, 512K and 1M tokens on 8 to 64 H100s (1 to 8 nodes),
+                  simulated with depth extrapolated: step time, peak, fits, what strategy='auto' chose,
+                  the sweep's best and auto's speedup over Ulysses
   throughput      simulated tokens/s per GPU of every system at the published lengths, beside the
                   published iteration seconds (whose batch and timer are not published: no ratio)
   measured-cpu    the systems side by side on real gloo ranks with a small Hugging Face Llama: compile time,
@@ -742,7 +739,7 @@ Tables (--only NAME runs one):
                   single-device training, per-rank peak tensor memory
   memory-cap      the longest sequence each system trains on CPU gloo ranks under a per-rank memory cap
 
-max-seq-len-configs and external-fidelity run only with --only NAME.
+max-seq-len-configs, external-fidelity and strategies run only with --only NAME.
 
 Outputs in --out: NAME.csv and NAME.md per table, PNG plots, run.json (the command line, settings and
 timings; written by every run, --only included), and, on a full run, one simulated step of the
@@ -769,7 +766,7 @@ def _command_line(argv: list[str]) -> str:
 
 
 TABLE_RECORDS = ("max_seq_len_summary", "max_seq_len_configs_summary", "external_fidelity_summary",
-                 "simulated_step")
+                 "strategies_summary", "simulated_step")
 """run.json entries a table run writes besides its table; kept from an earlier run.json when this run did not
 redo them."""
 
@@ -838,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # traces shared within this process (see experiments.paper_scale.simulate.TraceCache)
     args.cache = TraceCache(interpolate_lengths=True)
-    args.trace_counts = {"traced": 0, "reused": 0, "interpolated": 0}
+    args.trace_counts = {"traced": 0, "reused": 0, "interpolated": 0, "resized": 0}
     args.summaries = {}
     args.simulated_steps = {}  # (system, length) -> SimulatedStep of the iteration model
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -888,6 +885,8 @@ def main(argv: list[str] | None = None) -> int:
         run_info["max_seq_len_summary"] = args.summaries["max-seq-len"]
     if "external-fidelity" in args.summaries:
         run_info["external_fidelity_summary"] = args.summaries["external-fidelity"]
+    if "strategies" in args.summaries:
+        run_info["strategies_summary"] = args.summaries["strategies"]
     if "max-seq-len-configs" in args.summaries:
         run_info["max_seq_len_configs_summary"] = args.summaries["max-seq-len-configs"]
     run_info["traces"] = args.trace_counts

@@ -294,7 +294,8 @@ class TraceReuse:
     def trace(self, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
               config: TrainingConfig, options: Mapping | None) -> Traced:
         group = self._group(options)
-        key = (seq_len, layers, group)
+        # Everything the traced step depends on: one TraceReuse may serve several setups (ranks, batch, ZeRO).
+        key = (source.spec, repr(setup), repr(config), seq_len, layers, group)
         own = checkpointing_variant(options)
         if (*key, own, False) not in self._traced:
             plain = {k: v for k, v in (options or {}).items() if k != OFFLOAD_OPTION}
@@ -321,8 +322,8 @@ class TraceReuse:
         (one shared `Traced`: their recomputation tags are equal, and activation offload is on in both or in
         neither)."""
         mine, theirs = (self._group(options), *self._variant(options)), (self._group(other), *self._variant(other))
-        found = [(traced, self._traced.get((*key[:2], *theirs))) for key, traced in self._traced.items()
-                 if key[2:] == mine]
+        found = [(traced, self._traced.get((*key[:-3], *theirs))) for key, traced in self._traced.items()
+                 if tuple(key[-3:]) == mine]
         return bool(found) and all(a is b for a, b in found)
 
     def simulate(self, traced: Traced, workload: Workload, cluster: Cluster):

@@ -28,7 +28,12 @@ range is interpolated, one outside it is traced (and widens the range).  If the 
 not come out an integer, that class is traced at every length (and the log says so).  Selective checkpointing
 (AutoSP's SAC) is never interpolated: its recompute budget is a share of the whole graph's FLOPs, whose
 attention part grows quadratically, so which matmuls it recomputes changes with the length (Note
-[Sequence-aware checkpointing] in autosp/passes/joint/checkpointing.py), and each probed length is traced.  The
+[Sequence-aware checkpointing] in autosp/passes/joint/checkpointing.py).  Its joint graph, before the
+checkpointing tags, is one program at every length, though: such a class keeps the joint graphs of its first two
+traces and builds a length from them (Note [The joint graph at another length] in autosp/joint_template.py:
+the joint graph re-sized, then tagged, partitioned and exported as a trace would be, skipping Dynamo and the joint
+trace); the third traced length checks that the re-sized program equals the trace (``==``), and after that a
+length inside the traced range is re-sized, one outside it traced.  The
 AutoSP fork's ``"long-context"`` rule depends on the length only through which side of 4096 a shard's tokens lie
 (Note [The long-context rule of the AutoSP research fork]): its length classes are split there
 (`_length_side`), so a class's program is one program again.  The math attention kernel (Note [The traced
@@ -111,12 +116,28 @@ def _length_side(options: dict, seq_len: int, sp_size: int) -> bool | None:
 
 @dataclass
 class LengthClass:
-    """The real traces of one model, depth, rank count and option set, as a `TraceCache` interpolates them."""
+    """The real traces of one model, depth, rank count and option set, and how a `TraceCache` builds other lengths
+    from them (Note [One trace per length class])."""
 
+    how: str
+    """"interpolated" (between the workloads of three traces) or "resized" (from the joint graphs of two)."""
     lengths: list[int] = field(default_factory=list)
-    """Lengths traced, in the order asked for: the first three are the anchors, the fourth the check."""
+    """Lengths traced, in the order asked for: the first three (interpolated) or two (resized) are the anchors,
+    the next one the check."""
     checked: bool | None = None
-    """Whether the interpolation from the anchors equalled the trace at the fourth length (None: not yet)."""
+    """Whether the workload built at the check length equalled its trace (None: not yet)."""
+    captures: list = field(default_factory=list)
+    """"resized": `autosp.joint_template.JointCapture` of the two anchors."""
+    config: object = None
+    """"resized": the `autosp.config.AutoSPConfig` the traces compiled with."""
+    forward_graph: object = None
+    """"resized": the Dynamo graph of the first trace (`autosp.export.module_parameters` reads its parameter
+    names)."""
+    parameter_bytes: int = 0
+
+    @property
+    def anchors(self) -> int:
+        return 3 if self.how == "interpolated" else 2
 
 
 @dataclass
@@ -136,8 +157,10 @@ class TraceCache:
     [One trace per length class]) instead of tracing every length."""
     interpolated: int = 0
     """Workloads built by interpolation."""
+    resized: int = 0
+    """Workloads built from a re-sized joint graph (Note [One trace per length class])."""
     length_classes: dict = field(default_factory=dict)
-    """`LengthClass` per (model, depth, ranks, options)."""
+    """`LengthClass` per (model, depth, ranks, options, variant, side)."""
 
     def get(self, key, make: Callable[[], TracedStep]) -> TracedStep:
         found = self.workloads.get(key)
@@ -188,41 +211,68 @@ def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int
     With a cache that ``interpolate_lengths``, a length-invariant system is traced at the first four lengths asked
     for and interpolated between them after that (Note [One trace per length class])."""
     options = dict(autosp_options or {})
-    if cache is None or not cache.interpolate_lengths or options.get("checkpointing") not in \
-            LENGTH_INVARIANT_CHECKPOINTING:
+    if cache is None or not cache.interpolate_lengths:
         return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant)
-    lengths = cache.length_classes.setdefault((model.name, layers, sp_size, tuple(sorted(options.items())), variant,
-                                               _length_side(options, seq_len, sp_size)), LengthClass())
-    anchors = {n: cache.workloads[_trace_key(model, n, layers, sp_size, options, variant)]
-               for n in lengths.lengths[:3]}
+    resize = options.get("checkpointing") not in LENGTH_INVARIANT_CHECKPOINTING
+    lengths = cache.length_classes.setdefault(
+        (model.name, layers, sp_size, tuple(sorted(options.items())), variant,
+         _length_side(options, seq_len, sp_size)), LengthClass(how="resized" if resize else "interpolated"))
     name = _trace_name(model, sp_size, layers, seq_len)
+
+    def build() -> TracedStep | None:
+        if lengths.how == "interpolated":
+            return interpolate_trace({n: cache.workloads[_trace_key(model, n, layers, sp_size, options, variant)]
+                                      for n in lengths.lengths[:3]}, seq_len, name=name)
+        return _resized(lengths, seq_len, name=name, sp_size=sp_size)
+
     if seq_len in lengths.lengths or not (lengths.checked and min(lengths.lengths) < seq_len < max(lengths.lengths)):
-        traced = _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant)
+        capture = resize and len(lengths.captures) < 2 and seq_len not in lengths.lengths
+        traced = _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant,
+                         capture_into=lengths if capture else None)
         if seq_len not in lengths.lengths:
             lengths.lengths.append(seq_len)
-        if len(lengths.lengths) == 4 and lengths.checked is None:
-            lengths.checked = interpolate_trace(anchors, seq_len, name=name) == traced
+        if len(lengths.lengths) == lengths.anchors + 1 and lengths.checked is None:
+            lengths.checked = build() == traced
             if not lengths.checked:
-                log.warning("%s at %d layers (%s): the workload interpolated at %d tokens differs from its trace; "
-                            "tracing every length instead", model.name, layers, options, seq_len)
+                log.warning("%s at %d layers (%s): the workload %s at %d tokens differs from its trace; tracing "
+                            "every length instead", model.name, layers, options, lengths.how, seq_len)
         return traced
-    key = ("interpolated", *_trace_key(model, seq_len, layers, sp_size, options, variant))
+    key = (lengths.how, *_trace_key(model, seq_len, layers, sp_size, options, variant))
     if key in cache.workloads:
         cache.hits += 1
         return cache.workloads[key]
-    found = interpolate_trace(anchors, seq_len, name=name)
-    if found is None:  # a number that is not an integer: not this class's program
-        log.warning("%s at %d layers (%s): no exact interpolation at %d tokens; traced", model.name, layers,
-                    options, seq_len)
+    found = build()
+    if found is None:  # not this class's program at this length (a number that is not an integer)
+        log.warning("%s at %d layers (%s): not %s at %d tokens; traced", model.name, layers, options, lengths.how,
+                    seq_len)
         return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant)
-    cache.interpolated += 1
+    if lengths.how == "interpolated":
+        cache.interpolated += 1
+    else:
+        cache.resized += 1
     cache.workloads[key] = found
     return found
 
 
+def _resized(lengths: LengthClass, seq_len: int, *, name: str, sp_size: int) -> TracedStep | None:
+    """The traced step at ``seq_len`` from the joint graphs of the class's two anchors (Note [The joint graph at
+    another length] in autosp/joint_template.py); None when they are not one re-sizable program."""
+    from autosp.joint_template import joint_at, partition_at
+
+    capture = joint_at(*lengths.captures, seq_len)
+    if capture is None:
+        return None
+    graphs = partition_at(capture, lengths.config)
+    return TracedStep(workload=export_workload(graphs, name=name, sp_size=sp_size,
+                                               parameter_bytes=lengths.parameter_bytes),
+                      modules=module_parameters(graphs, lengths.forward_graph))
+
+
 def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, options: dict,
-            cache: TraceCache | None, variant: ModelVariant = PLAIN) -> TracedStep:
-    """`trace_workload` by a real trace (once per key with a cache)."""
+            cache: TraceCache | None, variant: ModelVariant = PLAIN,
+            capture_into: LengthClass | None = None) -> TracedStep:
+    """`trace_workload` by a real trace (once per key with a cache); with ``capture_into``, its joint graph is kept
+    there (Note [One trace per length class])."""
     key = _trace_key(model, seq_len, layers, sp_size, options, variant)
 
     def make() -> TracedStep:
@@ -237,9 +287,14 @@ def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, optio
             warnings.filterwarnings("ignore", message="autosp.compile with sp_size=1")
             compiled, parameter_bytes = trace_fake_step(
                 lambda: build_llama(model.hf_config(num_layers=layers), variant.attention),
-                seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size, **options,
+                seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size, capture_joint=capture_into is not None,
+                **options,
             )
         graphs = compiled.report.aot_graphs
+        if capture_into is not None:
+            capture_into.captures.append(compiled.report.joint_capture)
+            capture_into.config, capture_into.parameter_bytes = compiled.config, parameter_bytes
+            capture_into.forward_graph = capture_into.forward_graph or compiled.report.forward_graphs[-1]
         workload = export_workload(graphs, name=_trace_name(model, sp_size, layers, seq_len), sp_size=sp_size,
                                    parameter_bytes=parameter_bytes)
         return TracedStep(workload=workload, modules=module_parameters(graphs, compiled.report.forward_graphs[-1]))

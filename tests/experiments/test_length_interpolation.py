@@ -1,20 +1,18 @@
 """Note [One trace per length class] (experiments/paper_scale/simulate.py): a workload interpolated between traces
 at three lengths is the workload a real trace gives, for every system whose checkpointing plan does not depend on
-the length; SAC is traced at every length.  A small Llama (2 layers, 8 heads over 8 ranks) keeps it lean: each
-class is traced at four lengths (three anchors, one check) and interpolated at a fifth."""
+the length; SAC's program at a length is re-sized from the joint graphs of two traces (Note [The joint graph at
+another length] in autosp/joint_template.py) and equals a real trace there too.  A small Llama (2 layers, 8 heads
+over 8 ranks) keeps it lean: each class is traced at four lengths (three anchors, one check) and interpolated at a
+fifth; SAC is traced at three (two captures, one check) and re-sized at a fourth."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import pytest
 
 from experiments.baselines.autosp_system import autosp_options
 from experiments.models import PaperModel
-from experiments.paper_scale.config import PAPER_CONFIG
 from experiments.paper_scale.simulate import (
     TraceCache,
-    interpolate_trace,
     simulate_dynamic,
     step_workload,
     trace_workload,
@@ -48,19 +46,23 @@ def test_interpolated_whole_steps_equal_traced_ones_for_every_length_invariant_s
     assert fast.misses == 3 * (len(ANCHORS) + 1) and fast.interpolated == 3
 
 
-def test_sac_is_traced_at_every_length_and_a_different_program_is_not_interpolated(fast):
-    before = fast.misses
-    trace_workload(MODEL, LENGTH, MODEL.num_layers, sp_size=PAPER_CONFIG.sp_size_of("autosp", 8),
-                   autosp_options=autosp_options("autosp"), cache=fast)
-    assert fast.misses == before + 1  # SAC's plan depends on the length: traced, not interpolated
-    options = autosp_options("ulysses")
-    anchors = {n: trace_workload(MODEL, n, MODEL.num_layers, sp_size=8, autosp_options=options, cache=fast)
-               for n in ANCHORS}
-    assert fast.misses == before + 1  # the anchors are cached
-    assert interpolate_trace(anchors, LENGTH, name="x") is not None
-    assert trace_workload(MODEL, 8192, MODEL.num_layers, sp_size=8, autosp_options=options, cache=fast) \
-        is not None and fast.misses == before + 2  # outside the traced lengths: traced
-    rank, program = next(iter(anchors[ANCHORS[1]].workload.ranks.items()))
-    changed = replace(program, ops=(replace(program.ops[0], kind="collective_wait"), *program.ops[1:]))
-    other = replace(anchors[ANCHORS[1]], workload=replace(anchors[ANCHORS[1]].workload, ranks={rank: changed}))
-    assert interpolate_trace({**anchors, ANCHORS[1]: other}, LENGTH, name="x") is None
+def test_sac_is_resized_from_two_joint_graphs_and_equals_its_trace_where_its_plan_differs():
+    from autosp.joint_template import joint_at
+
+    cache, options, sp = TraceCache(interpolate_lengths=True), autosp_options("autosp"), 8
+    traced = {n: trace_workload(MODEL, n, MODEL.num_layers, sp_size=sp, autosp_options=options, cache=cache)
+              for n in ANCHORS}
+    (joint,) = cache.length_classes.values()
+    assert joint.how == "resized"
+    assert cache.misses == 3 and joint.checked  # two captures, then the check: re-sized == traced at 2048
+    resized = trace_workload(MODEL, 1024, MODEL.num_layers, sp_size=sp, autosp_options=options, cache=cache)
+    real = trace_workload(MODEL, 1024, MODEL.num_layers, sp_size=sp, autosp_options=options, cache=TraceCache())
+    assert cache.misses == 3 and cache.resized == 1 and resized == real
+    # SAC decided afresh at 1024 tokens: it recomputes other matmuls than at 4096 (a different program).
+    ops = {n: len(next(iter(t.workload.ranks.values())).ops) for n, t in {**traced, 1024: resized}.items()}
+    assert ops[1024] != ops[4096], ops
+    # Outside the traced range: traced (and the range widens).
+    trace_workload(MODEL, 8192, MODEL.num_layers, sp_size=sp, autosp_options=options, cache=cache)
+    assert cache.misses == 4 and cache.resized == 1
+    # A length whose shard sizes are not integers on the line through the captures has no template.
+    assert joint_at(*joint.captures, 1028) is None  # 1028 / 8 ranks

@@ -7,13 +7,18 @@ overlap pass).
 
 Note [Activation offload]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-What is offloaded: every tensor the partitioned forward saves for the backward that is an activation, i.e. made
-by the forward (not a graph input, a parameter or a view of one: those live on anyway), floating point (integer
-and bool tensors are indices and masks, small and often read by guards), at least ``OFFLOAD_MIN_BYTES`` (below
-that a copy costs more to issue than it frees), not also a user output of the forward (that one lives on in the
-caller), and read by the backward after its first attention (see the prefetch rule).  For each, the forward gets
-``offload_to_host(x)`` right after x's last forward reader and returns that host copy as the saved tensor in
-x's place, so x dies in forward (Note [Activation offload ops] in autosp/ops.py).
+What is offloaded: storages, not tensors.  Each tensor the partitioned forward saves for the backward is traced
+through its views (``_unsafe_view``, ``detach`` and every op whose schema returns an alias) to the node that owns
+its storage; a storage is offloaded when it is an activation, i.e. made by the forward (not a graph input, a
+parameter or a view of one: those live on anyway), floating point (integer and bool tensors are indices and
+masks, small and often read by guards), at least ``OFFLOAD_MIN_BYTES`` (below that a copy costs more to issue
+than it frees), not aliased by a user output of the forward (that one lives on in the caller), and read by the
+backward after its first attention (see the prefetch rule).  For each, the forward gets ``offload_to_host(x)`` of
+the storage's owner x right after the last forward reader of any of its aliases, and every saved alias's output
+slot returns that one host copy, so the storage dies in forward (Note [Activation offload ops] in
+autosp/ops.py); the backward reloads it once and replays each saved alias's view ops on the reloaded tensor.
+Offloading a view while another alias kept its storage alive would free nothing and add a device copy in
+backward.
 
 Where the reloads go: the backward is cut into segments at its attention ops (`attention_segments`, the cut SAC
 uses in forward): segment 0 runs up to and with the first attention backward (the loss, the head, the last
@@ -21,8 +26,7 @@ layer's MLP and attention backward), segment k the ops after the k-th attention 
 (one layer's backward, give or take the projections on either side).  A saved tensor first read in segment k >= 1
 is reloaded (``reload_from_host``) right before the attention op that ends segment k - 1, the last attention
 backward before its first reader, so that its copy runs while that attention computes (at long context the
-largest op of a layer's backward, O(S^2) against the copy's O(S)) and the all-to-alls of its gradients travel; it
-is waited for (``reload_wait``) right before its first reader.  A saved tensor first read in segment 0 has no
+largest op of a layer's backward, O(S^2) against the copy's O(S)); it is waited for (``reload_wait``) right before its first reader.  A saved tensor first read in segment 0 has no
 attention before it to hide its copy behind, so it stays on the device (it belongs to the last layer, whose
 backward runs first); so does everything of a model without attention.  Issued earlier (at the start of segment
 k - 1) the copies would overlap more compute but hold the next layer's activations through the whole of the
@@ -91,23 +95,40 @@ class OffloadPlan:
 
 
 def _is_alias(node: fx.Node) -> bool:
-    """Whether ``node``'s output is a view of its first argument (from its schema: the return aliases an input)."""
+    """Whether ``node``'s output shares its first argument's storage: its schema says the return aliases an input,
+    or it is ``_unsafe_view`` (a view whose schema does not say so)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target is torch.ops.aten._unsafe_view.default:
+        return True
     schema = getattr(node.target, "_schema", None)
     return (schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
             and not schema.returns[0].alias_info.is_write)
 
 
-def _views_an_input(node: fx.Node) -> bool:
-    while node.op == "call_function" and _is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
+def _root(node: fx.Node) -> fx.Node:
+    """The node whose output owns ``node``'s storage (``node`` itself unless it is a view)."""
+    while _is_alias(node):
         node = node.args[0]
-    return node.op in ("placeholder", "get_attr")
+    return node
 
 
-def _offloadable(node: fx.Node) -> bool:
-    value = node.meta.get("val")
-    return (node.op == "call_function" and isinstance(value, torch.Tensor)
-            and (value.is_floating_point() or value.is_complex()) and nbytes_of(value) >= OFFLOAD_MIN_BYTES
-            and not _views_an_input(node))
+def _chain(node: fx.Node, root: fx.Node) -> list[fx.Node] | None:
+    """The view ops from ``root`` to ``node``, first to last; None if one reads another node besides its base (it
+    cannot be replayed in backward from the base alone)."""
+    chain = []
+    while node is not root:
+        if any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+            return None
+        chain.append(node)
+        node = node.args[0]
+    return chain[::-1]
+
+
+def _offloadable(root: fx.Node) -> bool:
+    value = root.meta.get("val")
+    return (root.op == "call_function" and isinstance(value, torch.Tensor)
+            and (value.is_floating_point() or value.is_complex()) and nbytes_of(value) >= OFFLOAD_MIN_BYTES)
 
 
 def offload_saved_activations(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int) -> OffloadPlan:
@@ -115,50 +136,69 @@ def offload_saved_activations(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd
     forward's outputs before its saved tensors (AOTAutograd's partitioner argument)."""
     fw_output = next(iter(fw.graph.find_nodes(op="output")))
     outputs = list(fw_output.args[0])
-    user_outputs = {n for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    fw_nodes = list(fw.graph.nodes)
+    fw_order = {n: i for i, n in enumerate(fw_nodes)}
+    aliases: dict[fx.Node, list[fx.Node]] = {}  # storage root -> every forward node sharing its storage
+    for node in fw_nodes:
+        aliases.setdefault(_root(node), []).append(node)
+    user_roots = {_root(n) for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    saved_by_root: dict[fx.Node, list[int]] = {}  # storage root -> the output slots of its saved tensors
+    for index in range(num_fwd_outputs, len(outputs)):
+        if isinstance(outputs[index], fx.Node):
+            saved_by_root.setdefault(_root(outputs[index]), []).append(index)
     bw_nodes = list(bw.graph.nodes)
     bw_order = {n: i for i, n in enumerate(bw_nodes)}
     received = {n.name: n for n in bw_nodes if n.op == "placeholder"}
     calls = [n for n in bw_nodes if n.op == "call_function"]
     segments = attention_segments(calls)
     boundaries = [a for a, b in zip(calls, calls[1:], strict=False) if segments[b] > segments[a]]  # attention ops
-    fw_order = {n: i for i, n in enumerate(fw.graph.nodes)}
 
     offloaded, kept, offloaded_bytes, kept_bytes = [], [], 0, 0
-    for index in range(num_fwd_outputs, len(outputs)):
-        saved = outputs[index]
-        if not isinstance(saved, fx.Node) or saved in user_outputs or not _offloadable(saved):
+    for root, slots in saved_by_root.items():
+        if root in user_roots or not _offloadable(root):
             continue
-        placeholder = received.get(saved.name)
-        if placeholder is None or not placeholder.users:
+        members = [outputs[i] for i in slots]
+        placeholders = [received.get(m.name) for m in members]
+        chains = [_chain(m, root) for m in members]
+        if any(p is None or not p.users for p in placeholders) or any(c is None for c in chains):
             continue
-        first_reader = min(placeholder.users, key=bw_order.__getitem__)
+        first_reader = min((u for p in placeholders for u in p.users), key=bw_order.__getitem__)
         segment = segments.get(first_reader, len(boundaries))  # the output node reads after every attention
-        nbytes = nbytes_of(saved.meta["val"])
+        nbytes = nbytes_of(root.meta["val"])
         if segment == 0:
-            kept.append(saved.name)
+            kept.append(root.name)
             kept_bytes += nbytes
             continue
-        # forward: copy to host after the last reader, return the copy instead
-        readers = [u for u in saved.users if u is not fw_output]
-        after = max(readers, key=fw_order.__getitem__) if readers else saved
+        # forward: copy the storage to host after the last reader of any of its aliases; every saved alias's slot
+        # returns that copy, so the storage dies in forward
+        readers = [u for a in aliases[root] for u in a.users if u is not fw_output]
+        after = max(readers, key=fw_order.__getitem__) if readers else root
         with fw.graph.inserting_after(after):
-            host = fw.graph.call_function(OFFLOAD, (saved,))
-        host.meta["val"] = OFFLOAD(saved.meta["val"])
-        if _NO_VC_CHECK in saved.meta:
-            host.meta[_NO_VC_CHECK] = saved.meta[_NO_VC_CHECK]
-        outputs[index] = host
-        # backward: fetch one segment ahead, wait right before the first reader
-        device = placeholder.meta["val"].device
-        placeholder.meta["val"] = host.meta["val"]
+            host = fw.graph.call_function(OFFLOAD, (root,))
+        host.meta["val"] = OFFLOAD(root.meta["val"])
+        if any(m.meta.get(_NO_VC_CHECK) for m in members):
+            host.meta[_NO_VC_CHECK] = True
+        for i in slots:
+            outputs[i] = host
+        # backward: fetch ahead of the attention before the first reader, wait right before that reader, then
+        # replay each saved alias's views on the reloaded storage
+        received_host = placeholders[0]
+        device = received_host.meta["val"].device
         with bw.graph.inserting_before(boundaries[segment - 1]):  # the attention op ending the segment before
-            reloaded = bw.graph.call_function(RELOAD, (placeholder, device))
+            reloaded = bw.graph.call_function(RELOAD, (received_host, device))
         reloaded.meta["val"] = RELOAD(host.meta["val"], device)
-        placeholder.replace_all_uses_with(reloaded, delete_user_cb=lambda user, r=reloaded: user is not r)
         with bw.graph.inserting_before(first_reader):
             wait = bw.graph.call_function(RELOAD_WAIT, (reloaded,))
-        wait.meta["val"] = None
-        offloaded.append(saved.name)
+            wait.meta["val"] = None
+            for placeholder, chain in zip(placeholders, chains, strict=True):
+                value = reloaded
+                for view in chain:
+                    value_meta = view.target(value.meta["val"], *view.args[1:], **view.kwargs)
+                    value = bw.graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
+                    value.meta["val"] = value_meta
+                placeholder.replace_all_uses_with(value, delete_user_cb=lambda user, r=reloaded: user is not r)
+                placeholder.meta["val"] = host.meta["val"]
+        offloaded.append(root.name)
         offloaded_bytes += nbytes
     fw_output.args = (tuple(outputs),)
     for gm in (fw, bw):
@@ -166,7 +206,7 @@ def offload_saved_activations(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd
         gm.recompile()
     plan = OffloadPlan(offloaded=tuple(offloaded), offloaded_bytes=offloaded_bytes, kept=tuple(kept),
                        kept_bytes=kept_bytes, segments=len(boundaries) + 1)
-    log.info("activation offload: %d saved tensor(s), %.2f MiB, moved to host memory; %d (%.2f MiB) kept on the "
+    log.info("activation offload: %d saved storage(s), %.2f MiB, moved to host memory; %d (%.2f MiB) kept on the "
              "device (read before the backward's first attention)", plan.count, offloaded_bytes / 2**20, len(kept),
              kept_bytes / 2**20)
     return plan

@@ -1,0 +1,177 @@
+"""One traced program at other sequence lengths: the joint graph re-sized, not traced again.
+
+Note [The joint graph at another length]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A paper-scale trace of a 32-layer model spends most of its time in Dynamo and in AOTAutograd's joint trace
+(together about three quarters; partitioning and export the rest), yet the joint graph it produces is the same
+program at every sequence length: the same nodes, targets, names and edges, with the length entering only
+through integer arguments (view and expand sizes, split sizes, ``arange`` ends) and the shapes of the inputs.
+Activation checkpointing is what does depend on the length (SAC's recompute budget is a share of the whole graph's
+FLOPs, whose attention part grows quadratically: Note [Sequence-aware checkpointing] in
+autosp/passes/joint/checkpointing.py), and it runs *after* the joint graph exists.
+
+So a trace can capture its joint graph before the checkpointing tags (`capture_joint`, the backend does it when
+``TraceContext.capture_joint`` is set, aot_eager only), and two captures at lengths S1 < S2 give the joint graph
+at any length S (`joint_at`): every integer argument that differs between them is affine in the length, and is
+set to its value on the line through the two (refused unless that value is an integer); every other argument,
+every target and name, and every constant must be equal, or there is no template.  `partition_at` then does
+what the backend does after the joint trace, on that graph: fake tensors of the new shapes propagated through
+it (the shapes, FLOPs and bytes every later step reads), the compile's own checkpointing tags, torch's min-cut
+partitioner and the rewrites of partitioned graphs.  The length-dependent decisions are therefore made afresh,
+on the new shapes, exactly as a trace would make them.
+
+This is an assumption about the program (no length-dependent branch between S1 and the length asked for), so
+the caller checks it: experiments/paper_scale/simulate.py exports the re-sized program at a third traced length
+and requires it to equal the trace (Note [One trace per length class] there); a class that fails is traced at
+every length.  Only lengths inside the traced range are re-sized.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+from torch import fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+from torch.utils import _pytree as pytree
+
+from autosp.config import AutoSPConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Shape, strides, dtype and device of one joint-graph input."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class JointCapture:
+    """AOTAutograd's joint graph of one trace before the checkpointing tags, with what partitioning it needs."""
+
+    seq_len: int
+    graph: fx.GraphModule
+    inputs: tuple[InputSpec, ...]
+    partition_kwargs: dict
+
+
+def capture_joint(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, seq_len: int) -> JointCapture:
+    """A copy of ``joint`` (before it is tagged) and the specs of its inputs."""
+    with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        graph = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+    specs = tuple(InputSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+                  for t in pytree.tree_leaves(joint_inputs) if isinstance(t, torch.Tensor))
+    return JointCapture(seq_len=seq_len, graph=graph, inputs=specs, partition_kwargs=dict(partition_kwargs))
+
+
+class _NoTemplate(Exception):
+    """The two captures are not one program with length-affine integers."""
+
+
+def _affine(a, b, s1: int, s2: int, seq_len: int):
+    """The value at ``seq_len`` of an argument that is ``a`` at ``s1`` and ``b`` at ``s2``."""
+    if a == b and type(a) is type(b):
+        return a
+    if type(a) is int and type(b) is int:
+        value = a + Fraction(b - a, s2 - s1) * (seq_len - s1)
+        if value.denominator != 1:
+            raise _NoTemplate(f"{a} at {s1} and {b} at {s2} give {value} at {seq_len}")
+        return int(value)
+    raise _NoTemplate(f"arguments {a!r} and {b!r} differ")
+
+
+def _leaves(values, s1: int, s2: int, seq_len: int, first, second):
+    a, spec = pytree.tree_flatten(first)
+    b, spec_b = pytree.tree_flatten(second)
+    if spec != spec_b:
+        raise _NoTemplate("argument structures differ")
+    out = []
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, fx.Node):
+            if not isinstance(y, fx.Node) or x.name != y.name:
+                raise _NoTemplate(f"edges differ at {x}")
+            out.append(values[x])
+        else:
+            out.append(_affine(x, y, s1, s2, seq_len))
+    return pytree.tree_unflatten(out, spec)
+
+
+def _attribute(module: torch.nn.Module, target: str):
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def _shape(value) -> tuple | None:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def joint_at(first: JointCapture, second: JointCapture, seq_len: int) -> JointCapture | None:
+    """The joint graph at ``seq_len`` from captures at two other lengths (Note [The joint graph at another
+    length]); None when they are not one program whose integers are affine in the length."""
+    s1, s2 = first.seq_len, second.seq_len
+    try:
+        if s1 == s2 or len(first.graph.graph.nodes) != len(second.graph.graph.nodes):
+            raise _NoTemplate("different node counts")
+        graph = fx.Graph()
+        values: dict[fx.Node, fx.Node] = {}
+        for x, y in zip(first.graph.graph.nodes, second.graph.graph.nodes, strict=True):
+            if (x.op, x.target, x.name) != (y.op, y.target, y.name):
+                raise _NoTemplate(f"node {x.name} differs from {y.name}")
+            if x.op == "get_attr" and _shape(_attribute(first.graph, x.target)) != \
+                    _shape(_attribute(second.graph, y.target)):
+                raise _NoTemplate(f"constant {x.target} changes shape")
+            node = graph.node_copy(x, lambda n: values[n])
+            node.args = _leaves(values, s1, s2, seq_len, x.args, y.args)
+            node.kwargs = _leaves(values, s1, s2, seq_len, x.kwargs, y.kwargs)
+            node.meta.pop("val", None)
+            node.meta.pop("tensor_meta", None)
+            values[x] = node
+        inputs = tuple(InputSpec(tuple(_affine(a, b, s1, s2, seq_len) for a, b in zip(p.shape, q.shape, strict=True)),
+                                 tuple(_affine(a, b, s1, s2, seq_len) for a, b in zip(p.stride, q.stride, strict=True)),
+                                 p.dtype, p.device)
+                       for p, q in zip(first.inputs, second.inputs, strict=True))
+    except (_NoTemplate, ValueError) as why:
+        log.info("no joint-graph template between %d and %d tokens: %s", s1, s2, why)
+        return None
+    graph.lint()
+    with _use_lazy_graph_module(True):  # no Python code generated: the graph is interpreted, never called
+        module = _make_graph_module(first.graph, graph)
+    return JointCapture(seq_len=seq_len, graph=module, inputs=inputs, partition_kwargs=first.partition_kwargs)
+
+
+def partition_at(capture: JointCapture, config: AutoSPConfig) -> list[tuple[str, fx.GraphModule]]:
+    """The forward and backward graphs (as ``report.aot_graphs`` holds them) that the backend makes from the joint
+    graph of ``capture``: fake tensors of its shapes propagated, the checkpointing tags of ``config``, the min-cut
+    partitioner, the rewrites of partitioned graphs (Note [The joint graph at another length])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    from autosp.backend import partition_pair, rewrite_partitioned
+    from autosp.passes.joint.checkpointing import tag_recomputation
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        inputs = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=s.device) for s in capture.inputs]
+    FakeTensorProp(capture.graph, mode).propagate_dont_convert_inputs(*inputs)
+    for node in capture.graph.graph.nodes:
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+    tag_recomputation(capture.graph.graph, setting=config.checkpointing, recompute_limit=config.sac_recompute_limit,
+                      memory_budget=config.sac_memory_budget)
+    # Lazy graph modules (torch's own switch, scoped to this block): the partitioned graphs are exported, never
+    # called, so their Python code is not generated.
+    with mode, _use_lazy_graph_module(True):
+        fw, bw = partition_pair(capture.graph, inputs, capture.partition_kwargs, config=config)
+        return [("forward", rewrite_partitioned(fw, config)), ("backward", rewrite_partitioned(bw, config))]
