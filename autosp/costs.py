@@ -120,6 +120,12 @@ def attention_scores_of(node: fx.Node, *, masked_fraction: float | None = None) 
     return attention_scores(q, k, causal=causal, backward=backward, kept=masked_fraction if flex else None)
 
 
+ACTIVATION_OFFLOAD = ("offload_to_host", "reload_from_host", "reload_wait")
+"""Packets of activation offload's ops (autosp/ops.py): a copy to host memory, the copy back and the wait for it.
+The export writes them as device<->host copies, not kernels (Note [Activation offload in the export] in
+autosp/export.py); they cost no FLOPs."""
+
+
 TILED_LOSS = (torch.ops.autosp_testbed.linear_cross_entropy.default,
               torch.ops.autosp_testbed.linear_cross_entropy_backward.default)
 """The tiled logits and loss, forward and backward (Note [Tiled logits and loss] in autosp/tiled_ops.py)."""

@@ -39,6 +39,18 @@ is, one program per rank, with the ring's steps at ring rank ``rank // U`` and i
 "ulysses", whose instances are the Ulysses groups of U consecutive ranks, and the ring's transfers to
 ``RING_GROUPS``, whose instances are the ring groups; every other collective (the loss all-reduce) stays on "sp".
 
+Note [Activation offload in the export]
+Activation offload's ops (`autosp.costs.ACTIVATION_OFFLOAD`, inserted by the offload pass) are device<->host
+copies on the rank's host-link stream (group ``simulator.workload.HOST_GROUP``), not kernels:
+``offload_to_host(x)`` is a ``collective_start`` of kind ``to_host`` whose output, the host copy, is a host
+tensor (``RankProgram.host_tensors``, Note [Host tensors] in simulator/workload.py) allocated when the copy is
+issued; x, last used by the copy, is freed when the copy completes.  ``reload_from_host(h, device)`` is a
+``collective_start`` of kind ``from_host``: its device output is allocated when the copy is issued and h, last
+used by it, is freed when it completes.  ``reload_wait`` is the ``collective_wait`` on that copy: the compute
+stream stalls there until it completes.  Both copies are issued when the compute stream reaches them (they
+depend on the compute op before them: the side stream waits for the current one), so a copy issued early
+enough is hidden behind the kernels between it and its wait.
+
 FLOPs: matmuls 2·M·N·K; attention counted here (torch's counter misses the CPU
 kernels): forward 4·B·H·Sq·Sk·D, backward 2.5× forward (five matmuls to two),
 halved under causal masking; elementwise ops one FLOP per output element.  An op with scratch memory
@@ -54,6 +66,7 @@ import torch
 from torch import fx
 
 from autosp.costs import (
+    ACTIVATION_OFFLOAD,
     RING_ATTENTION,
     VIEWS,
     attention_flops,
@@ -67,7 +80,7 @@ from autosp.costs import (
 )
 from autosp.errors import AutoSPError
 from autosp.ring_attention import accumulator_dtype, blocks, rank_chunks, schedule
-from simulator.workload import RING_GROUPS, Collective, Op, RankProgram, StaticMemory, Workload
+from simulator.workload import HOST_GROUP, RING_GROUPS, Collective, Op, RankProgram, StaticMemory, Workload
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +89,8 @@ _COLLECTIVES = {"all_to_all": "all_to_all", "all_reduce_sum": "all_reduce", "all
 """Blocking collectives of the autosp_testbed namespace -> simulator collective kind."""
 _ASYNC_PHASES = {"all_to_all_start": "collective_start", "all_to_all_wait": "collective_wait"}
 """The overlap pass's split all-to-all (see autosp.passes.partitioned.overlap)."""
+_HOST_COPIES = dict(zip(ACTIVATION_OFFLOAD[:2], ("to_host", "from_host"), strict=True))
+"""Activation offload's copies -> simulator collective kind (Note [Activation offload in the export])."""
 
 
 @dataclass
@@ -95,6 +110,7 @@ class _Emitter:
     def __post_init__(self):
         self.ops: list[Op] = []
         self.tensors: dict[int, int] = {}
+        self.host_tensors: set[int] = set()
         self.frees_at: dict[int, list[int]] = {}
         self.collectives = 0
         self.started: dict[fx.Node, Collective] = {}
@@ -104,7 +120,8 @@ class _Emitter:
             Op(**{**_op_fields(op), "frees": tuple(sorted(set(op.frees) | set(self.frees_at.get(op.id, []))))})
             for op in self.ops
         ]
-        return RankProgram(ops=tuple(ops), tensors=dict(self.tensors), static_memory=static)
+        return RankProgram(ops=tuple(ops), tensors=dict(self.tensors), static_memory=static,
+                           host_tensors=frozenset(self.host_tensors))
 
 
 def _op_fields(op: Op) -> dict:
@@ -174,6 +191,14 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 kind, op_class, flops = "collective", "other", 0
             elif ours and packet in _ASYNC_PHASES:
                 kind, op_class, flops = _ASYNC_PHASES[packet], "other", 0
+            elif ours and packet in ACTIVATION_OFFLOAD:  # Note [Activation offload in the export]
+                kind, op_class, flops = "collective_wait", "other", 0
+                if packet in _HOST_COPIES:  # issued when the compute stream reaches it
+                    kind = "collective_start"
+                    issuer = next((op.id for op in reversed(em.ops) if op.kind != "collective_start"), None)
+                    deps = tuple(sorted({*deps, *(() if issuer is None else (issuer,))}))
+                if packet == ACTIVATION_OFFLOAD[0]:
+                    em.host_tensors.update(allocates)
             else:
                 kind = "compute"
                 op_class, flops = classify(node, masked_fraction=em.masked_fraction)
@@ -182,8 +207,10 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
         if kind in ("collective", "collective_start"):
             em.collectives += 1
             group = (em.named_groups or {}).get(str(schema_arg(node, "group_name", "")), em.group)
-            collective = Collective(kind=_COLLECTIVES.get(packet, "all_to_all"), group=group, message_bytes=read,
-                                    key=f"{phase}.{node.name}.{em.collectives}")
+            if packet in _HOST_COPIES:
+                group = HOST_GROUP
+            collective = Collective(kind=_HOST_COPIES.get(packet) or _COLLECTIVES.get(packet, "all_to_all"),
+                                    group=group, message_bytes=read, key=f"{phase}.{node.name}.{em.collectives}")
             em.started[node] = collective
         elif kind == "collective_wait":
             collective = em.started[node.args[0]]
@@ -395,6 +422,8 @@ def export_workload(
              f" per rank, {sp_size} ranks" if ring else "")
     rings = [list(range(lane, sp_size, u)) for lane in range(u)]  # Note [Hybrid attention in the export]
     groups = {"sp": everyone, **(dict.fromkeys(RING_GROUPS, rings) if ring else {})}
+    if any(p.host_tensors for p in programs.values()):  # Note [Activation offload in the export]
+        groups[HOST_GROUP] = [[r] for r in range(sp_size)]
     if hybrid:
         groups["ulysses"] = [list(range(j * u, (j + 1) * u)) for j in range(sp_size // u)]
     kind = "hybrid" if hybrid else "ring" if ring else "ulysses"

@@ -203,6 +203,10 @@ def _print_memory(workload: Workload, result, cluster: Cluster) -> None:
     from simulator.max_length import _config_from, ledger_peak
 
     capacity = cluster.device.memory_bytes
+    if result.host_peak_memory_bytes:  # offloaded tensors (Note [Host tensors] in simulator/workload.py)
+        host_cap = cluster.host_memory_per_rank_bytes
+        print(f"  host memory      {result.host_peak_memory_bytes / 2**30:.2f} GiB of offloaded tensors per rank, of "
+              f"{'unknown' if host_cap is None else f'{host_cap / 2**30:.2f} GiB'}")
     config = workload.metadata.get("training_config")
     if config is not None:
         activations = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)

@@ -18,6 +18,7 @@ class ProgramBuilder:
     def __init__(self) -> None:
         self._ops: list[Op] = []
         self._tensors: dict[int, int] = {}
+        self._host: set[int] = set()
         self._starts: dict[int, Collective] = {}
 
     @property
@@ -25,10 +26,13 @@ class ProgramBuilder:
         """Number of ops added so far."""
         return len(self._ops)
 
-    def tensor(self, nbytes: int) -> int:
-        """Declare a tensor of ``nbytes`` bytes and return its id."""
+    def tensor(self, nbytes: int, *, host: bool = False) -> int:
+        """Declare a tensor of ``nbytes`` bytes (in host memory with ``host``: Note [Host tensors] in
+        :mod:`simulator.workload`) and return its id."""
         tid = len(self._tensors)
         self._tensors[tid] = int(nbytes)
+        if host:
+            self._host.add(tid)
         return tid
 
     def _add(self, **fields) -> int:
@@ -121,4 +125,4 @@ class ProgramBuilder:
     def build(self, static_memory: StaticMemory | None = None) -> RankProgram:
         """The program built so far."""
         return RankProgram(ops=tuple(self._ops), tensors=dict(self._tensors),
-                           static_memory=static_memory or StaticMemory())
+                           static_memory=static_memory or StaticMemory(), host_tensors=frozenset(self._host))

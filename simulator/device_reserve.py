@@ -78,8 +78,8 @@ UNCERTAIN: dict[str, Uncertain] = {u.name: u for u in (
         name="host_process_bytes", low=2 * GiB, nominal=4 * GiB, high=8 * GiB, unit="bytes of host memory per rank",
         provenance="assumption: resident host memory of one GPU training process outside its tensors (the Python "
                    "interpreter, PyTorch's and the CUDA user-space libraries, DeepSpeed and its CPU Adam); no "
-                   "public figure, commonly a few GiB per process; only counted under optimizer offload, where host "
-                   "memory is a budget",
+                   "public figure, commonly a few GiB per process; only counted under optimizer or activation "
+                   "offload, where host memory is a budget",
         assumption=True),
 )}
 """Every uncertain constant, by name."""

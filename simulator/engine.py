@@ -177,18 +177,20 @@ def simulate(workload: Workload, cluster: Cluster, *, collapse_symmetric: bool =
     env.run()
     _check_finished(states, runtime)
     capacity = cluster.device.memory_bytes
+    host_capacity = cluster.host_memory_per_rank_bytes
     timelines: dict[int, RankTimeline] = {}
     summaries: dict[int, RankResult] = {}
     for st in states:
-        timeline, oom = _timeline(st, plan.represents[st.rank], capacity)
+        timeline, oom, host_oom = _timeline(st, plan.represents[st.rank], capacity, host_capacity)
         timelines[st.rank] = timeline
-        summaries[st.rank] = summarize_timeline(timeline, rank=st.rank, capacity_bytes=capacity, oom=oom)
+        summaries[st.rank] = summarize_timeline(timeline, rank=st.rank, capacity_bytes=capacity, oom=oom,
+                                                host_capacity_bytes=host_capacity, host_oom=host_oom)
     ranks = []
     for rep in plan.simulated:
         base = summaries[rep]
         for rank in plan.represents[rep]:
-            oom = None if base.oom is None else dataclasses.replace(base.oom, rank=rank)
-            ranks.append(base if rank == rep else dataclasses.replace(base, rank=rank, oom=oom))
+            oom, host_oom = (None if e is None else dataclasses.replace(e, rank=rank) for e in (base.oom, base.host_oom))
+            ranks.append(base if rank == rep else dataclasses.replace(base, rank=rank, oom=oom, host_oom=host_oom))
     ranks.sort(key=lambda r: r.rank)
     wall = time.perf_counter() - wall_start
     logger.info("%s: simulated %d rank(s), %d collectives in %.3f s wall", workload.name, len(states),
@@ -215,22 +217,33 @@ def _check_finished(states: list[_RankState], runtime: CollectiveRuntime) -> Non
                              "same order:\n  " + "\n  ".join(lines))
 
 
-def _timeline(st: _RankState, represents: tuple[int, ...], capacity: int) -> tuple[RankTimeline, OomEvent | None]:
+def _timeline(st: _RankState, represents: tuple[int, ...], capacity: int, host_capacity: int | None
+              ) -> tuple[RankTimeline, OomEvent | None, OomEvent | None]:
+    """The rank's timeline with one memory report per pool (Note [Host tensors] in simulator/workload.py): the
+    device's (static memory and device tensors) and, when the program has host tensors, the host's."""
     cp = st.cp
     program = cp.program
     begin, end = np.asarray(st.begin), np.asarray(st.end)
-    tensor_ids = list(cp.tensor_alloc_pos)
-    sizes = [program.tensors[t] for t in tensor_ids]
-    alloc_s = [begin[cp.tensor_alloc_pos[t]] for t in tensor_ids]
-    free_s = [end[cp.tensor_free_pos[t]] if t in cp.tensor_free_pos else math.inf for t in tensor_ids]
-    report = memory_timeline(static_bytes=program.static_memory.total_bytes, sizes=sizes, alloc_s=alloc_s,
-                             free_s=free_s, capacity_bytes=capacity)
-    oom = None
-    if report.oom_index is not None:
+
+    def pool(host: bool, static: int, cap: float, name: str):
+        tensor_ids = [t for t in cp.tensor_alloc_pos if (t in program.host_tensors) == host]
+        report = memory_timeline(
+            static_bytes=static, sizes=[program.tensors[t] for t in tensor_ids],
+            alloc_s=[begin[cp.tensor_alloc_pos[t]] for t in tensor_ids],
+            free_s=[end[cp.tensor_free_pos[t]] if t in cp.tensor_free_pos else math.inf for t in tensor_ids],
+            capacity_bytes=cap)
+        if report.oom_index is None:
+            return report, None
         op = None if report.oom_index < 0 else program.ops[cp.tensor_alloc_pos[tensor_ids[report.oom_index]]]
-        oom = OomEvent(rank=st.rank, op_id=None if op is None else op.id, op_name=None if op is None else op.name,
-                       time_s=report.oom_time_s, bytes_needed=report.oom_bytes, capacity_bytes=int(capacity))
+        return report, OomEvent(rank=st.rank, op_id=None if op is None else op.id,
+                                op_name=None if op is None else op.name, time_s=report.oom_time_s,
+                                bytes_needed=report.oom_bytes, capacity_bytes=int(cap), pool=name)
+
+    report, oom = pool(False, program.static_memory.total_bytes, capacity, "device")
+    host_report = host_oom = None
+    if program.host_tensors:
+        host_report, host_oom = pool(True, 0, math.inf if host_capacity is None else host_capacity, "host")
     timeline = RankTimeline(rank=st.rank, represents=represents, compiled=cp, begin_s=begin, end_s=end,
                             transfer_start_s=np.asarray(st.transfer), stall_begin_s=np.asarray(st.stall),
-                            memory=report)
-    return timeline, oom
+                            memory=report, host_memory=host_report)
+    return timeline, oom, host_oom

@@ -320,14 +320,16 @@ def _band_line(category: str, name: str, u: Uncertain, count: float, when: str =
 
 
 def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True, activation_bytes: int = 0,
-                  logits_bytes: int = 0, uncertain: Mapping[str, Uncertain] | None = None) -> list[LedgerLine]:
+                  logits_bytes: int = 0, uncertain: Mapping[str, Uncertain] | None = None,
+                  host_activation_bytes: int = 0) -> list[LedgerLine]:
     """Every buffer one rank holds at instant ``at`` (``initialize``, ``step``, ``backward`` or ``optimizer_step``
     (inside the optimizer step, with the gradients), see Note [Which
     DeepSpeed path holds what]).
 
     ``device=False`` leaves out what only a GPU process holds (CUDA context, NCCL, workspaces, allocator);
     ``activation_bytes`` / ``logits_bytes`` (e.g. a simulated workload's peak above static memory) add lines of
-    their own and are what the fragmentation band applies to. Under optimizer offload some lines are in host memory
+    their own and are what the fragmentation band applies to; ``host_activation_bytes`` (a simulated workload's
+    host peak: offloaded activations, Note [Host tensors] in simulator/workload.py) a host line. Under optimizer offload some lines are in host memory
     (``pool="host"``, Note [Optimizer offload]); :func:`summarize` sums one pool (the device by default), and the
     allocator lines count device tensors only. ``uncertain`` replaces
     :data:`simulator.device_reserve.UNCERTAIN` (sensitivity studies).
@@ -344,6 +346,9 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
     if logits_bytes:
         lines.append(_line("logits/loss", "logits and loss (simulated workload)", [logits_bytes],
                            "simulated workload", "backward"))
+    if host_activation_bytes:
+        lines.append(_line("activations", "offloaded activations (simulated workload)", [host_activation_bytes],
+                           "simulated workload: peak live host tensors", "backward", pool="host"))
     if not device:
         return lines
     table = UNCERTAIN if uncertain is None else uncertain
@@ -360,7 +365,7 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
     lines.append(LedgerLine(category="allocator", name="fragmentation", bytes=int(frag.nominal * churn),
                             low=int(frag.low * churn), high=int(frag.high * churn), provenance=frag.provenance,
                             when="backward"))
-    if cfg.offload_optimizer:
+    if cfg.offload_optimizer or host_activation_bytes:
         u = table["host_process_bytes"]
         lines.append(LedgerLine(category="runtime", name="host process (Python, PyTorch, CUDA libraries)",
                                 bytes=int(u.nominal), low=int(u.low), high=int(u.high), provenance=u.provenance,

@@ -61,6 +61,8 @@ class ModelStep:
     step_time_s: float
     dynamic_memory_bytes: int
     """Peak above static memory of the busiest rank (activations and transients)."""
+    host_dynamic_memory_bytes: int = 0
+    """Peak of host tensors (offloaded activations, Note [Host tensors] in :mod:`simulator.workload`)."""
     extrapolated_from: tuple[int, int] | None = None
     """The two traced depths, when the step was extrapolated (Note [Depth extrapolation]); None: traced whole."""
 
@@ -90,6 +92,14 @@ def ledger_peak(config: TrainingConfig, dynamic_memory_bytes: int, which: str = 
     return int(getattr(summarize(lines), which))
 
 
+def ledger_host_peak(config: TrainingConfig, host_dynamic_memory_bytes: int) -> int:
+    """Per-rank host-memory peak: the ledger's host lines for ``config`` (optimizer offload) plus
+    ``host_dynamic_memory_bytes`` of simulated host tensors (offloaded activations), nominal; 0 when nothing is in
+    host memory."""
+    lines = memory_ledger(config, at="backward", host_activation_bytes=int(host_dynamic_memory_bytes))
+    return summarize(lines, "host").nominal
+
+
 @dataclass(frozen=True, kw_only=True)
 class MaxLength:
     """Longest trainable sequence under a configuration, with the ledger's band (see :func:`max_length`)."""
@@ -113,10 +123,11 @@ class MaxLength:
 def max_length(step: Callable[[int], ModelStep], config: TrainingConfig, *, capacity_bytes: int,
                low: int, high: int, granularity: int = 1024, start: int | None = None,
                max_probes: int | None = None, lengths: Sequence[int] | None = None,
-               alternative: TrainingConfig | None = None) -> MaxLength:
+               alternative: TrainingConfig | None = None, host_capacity_bytes: int | None = None) -> MaxLength:
     """Longest length in ``[low, high]`` (a multiple of ``granularity``, or one of ``lengths``) whose
     :func:`ledger_peak` fits ``capacity_bytes``, at each end of the ledger's band and, given ``alternative``,
-    under that configuration (Note [Max-length band from one set of steps]).  ``step(seq_len)`` is called at
+    under that configuration (Note [Max-length band from one set of steps]); with ``host_capacity_bytes`` a length
+    fits only if its :func:`ledger_host_peak` fits that too.  ``step(seq_len)`` is called at
     most once per length."""
     steps: dict[int, ModelStep] = {}
 
@@ -131,7 +142,9 @@ def max_length(step: Callable[[int], ModelStep], config: TrainingConfig, *, capa
         def probe(seq_len: int) -> Probe:
             s = simulated(seq_len)
             peak = ledger_peak(cfg, s.dynamic_memory_bytes, which)
-            return Probe(fits=peak <= capacity_bytes, peak_memory_bytes=peak, step_time_s=s.step_time_s,
+            host_fits = host_capacity_bytes is None or ledger_host_peak(cfg, s.host_dynamic_memory_bytes) <= \
+                host_capacity_bytes
+            return Probe(fits=peak <= capacity_bytes and host_fits, peak_memory_bytes=peak, step_time_s=s.step_time_s,
                          static_memory_bytes=static, result=s)
 
         return search_max_length(probe, low=low, high=high, granularity=granularity, capacity_bytes=capacity_bytes,

@@ -36,13 +36,15 @@ class OomEvent:
     bytes_needed: int
     """Total bytes the rank would hold right after the allocation."""
     capacity_bytes: int
-    """Device memory capacity."""
+    """Capacity of the pool."""
+    pool: str = "device"
+    """``device`` or ``host`` memory (Note [Host tensors] in :mod:`simulator.workload`)."""
 
     def message(self) -> str:
         """A one-line human explanation."""
         what = "static memory" if self.op_id is None else f"op {self.op_id} ({self.op_name!r})"
-        return (f"rank {self.rank} runs out of memory at {what}: needs {self.bytes_needed / 2**30:.2f} GiB, "
-                f"capacity {self.capacity_bytes / 2**30:.2f} GiB")
+        return (f"rank {self.rank} runs out of {'host ' if self.pool == 'host' else ''}memory at {what}: needs "
+                f"{self.bytes_needed / 2**30:.2f} GiB, capacity {self.capacity_bytes / 2**30:.2f} GiB")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -64,7 +66,9 @@ class RankTimeline:
     stall_begin_s: np.ndarray
     """Blocking collectives: when the compute stream reached it (NaN for other ops)."""
     memory: MemoryReport
-    """Memory over time."""
+    """Device memory over time."""
+    host_memory: MemoryReport | None = None
+    """Host memory over time (the program's host tensors); None when it has none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +106,13 @@ class RankResult:
     memory_capacity_bytes: int
     """Device memory capacity."""
     oom: OomEvent | None
-    """First allocation that does not fit, if any."""
+    """First allocation that does not fit in device memory, if any."""
+    host_peak_memory_bytes: int = 0
+    """Peak of live host tensors (Note [Host tensors] in :mod:`simulator.workload`)."""
+    host_memory_capacity_bytes: int | None = None
+    """Host memory per rank (``Cluster.host_memory_per_rank_bytes``; None: unknown, never an OOM)."""
+    host_oom: OomEvent | None = None
+    """First allocation that does not fit in host memory, if any."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,8 +142,8 @@ class Result:
 
     @property
     def oom(self) -> OomEvent | None:
-        """The earliest OOM over all ranks (ties: lowest rank), or ``None``."""
-        events = [r.oom for r in self.ranks if r.oom is not None]
+        """The earliest OOM, device or host, over all ranks (ties: lowest rank), or ``None``."""
+        events = [e for r in self.ranks for e in (r.oom, r.host_oom) if e is not None]
         return min(events, key=lambda e: (e.time_s, e.rank)) if events else None
 
     @property
@@ -145,6 +155,11 @@ class Result:
     def peak_memory_bytes(self) -> int:
         """Largest peak over ranks."""
         return max(r.peak_memory_bytes for r in self.ranks)
+
+    @property
+    def host_peak_memory_bytes(self) -> int:
+        """Largest host-memory peak over ranks (0 without host tensors)."""
+        return max(r.host_peak_memory_bytes for r in self.ranks)
 
     @property
     def exposed_comm_s(self) -> float:
@@ -168,13 +183,15 @@ class Result:
             "fits": oom is None,
             "oom": None if oom is None else {**oom.__dict__, "message": oom.message()},
             "peak_memory_bytes": self.peak_memory_bytes,
+            "host_peak_memory_bytes": self.host_peak_memory_bytes,
             "exposed_comm_s": self.exposed_comm_s,
             "overlap_fraction": self.overlap_fraction,
             "collapsed": self.collapsed,
             "simulated_ranks": list(self.simulated_ranks),
             "note": self.note,
             "simulation_wall_s": self.simulation_wall_s,
-            "ranks": [{**r.__dict__, "oom": None if r.oom is None else r.oom.__dict__} for r in self.ranks],
+            "ranks": [{**r.__dict__, "oom": None if r.oom is None else r.oom.__dict__,
+                       "host_oom": None if r.host_oom is None else r.host_oom.__dict__} for r in self.ranks],
         }
         if include_ops:
             out["ops"] = {str(rank): _ops_dict(tl) for rank, tl in self.timelines.items()}
@@ -227,7 +244,8 @@ def _length(iv: tuple[np.ndarray, np.ndarray]) -> float:
     return float(np.sum(iv[1] - iv[0]))
 
 
-def summarize_timeline(tl: RankTimeline, *, rank: int, capacity_bytes: int, oom: OomEvent | None) -> RankResult:
+def summarize_timeline(tl: RankTimeline, *, rank: int, capacity_bytes: int, oom: OomEvent | None,
+                       host_capacity_bytes: int | None = None, host_oom: OomEvent | None = None) -> RankResult:
     """Figures of ``rank`` from the timeline of the rank that represents it."""
     cp = tl.compiled
     kinds = np.asarray(cp.kinds)
@@ -268,4 +286,7 @@ def summarize_timeline(tl: RankTimeline, *, rank: int, capacity_bytes: int, oom:
         peak_memory_time_s=tl.memory.peak_time_s,
         memory_capacity_bytes=int(capacity_bytes),
         oom=oom,
+        host_peak_memory_bytes=0 if tl.host_memory is None else tl.host_memory.peak_bytes,
+        host_memory_capacity_bytes=host_capacity_bytes,
+        host_oom=host_oom,
     )

@@ -53,10 +53,7 @@ from dataclasses import dataclass
 
 from simulator.gpu_constants import GPU_CONSTANTS
 from simulator.ledger import OPTIMIZER_STATES, TrainingConfig
-from simulator.workload import Collective, Op, RankProgram, Workload, WorkloadError
-
-HOST_GROUP = "host"
-"""Process group of the device<->host copies: one instance per rank (Note [Optimizer offload traffic])."""
+from simulator.workload import HOST_GROUP, Collective, Op, RankProgram, Workload, WorkloadError
 
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 """deepspeed runtime/engine.py: elements per all-reduce bucket of ``allreduce_gradients``."""
@@ -252,7 +249,7 @@ def _program_with_step(program: RankProgram, gradients: Sequence[GradientReady],
     for i, op in enumerate(ops):
         out.append(op)
         out.extend(inserts.get(i, ()))
-    return RankProgram(ops=tuple(out + tail), tensors=program.tensors, static_memory=program.static_memory)
+    return dataclasses.replace(program, ops=tuple(out + tail))
 
 
 def add_training_step(workload: Workload, gradients: Sequence[GradientReady] | Mapping[int, Sequence[GradientReady]],

@@ -85,6 +85,10 @@ def _validate_program(program: RankProgram, where: str, groups) -> None:
     for tid, size in program.tensors.items():
         if size < 0:
             raise WorkloadError(f"{where}: tensor {tid} has negative size {size}")
+    unknown = sorted(program.host_tensors - program.tensors.keys())
+    if unknown:
+        raise WorkloadError(f"{where}: host_tensors names {unknown}, missing from the program's tensors; list each "
+                            "host tensor's size in tensors")
     position: dict[int, int] = {}
     allocated_by: dict[int, int] = {}
     freed: set[int] = set()

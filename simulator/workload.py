@@ -9,6 +9,16 @@ The format is versioned by :data:`SCHEMA_VERSION`; loading a malformed or wrong-
 :class:`WorkloadError`, a ``ValueError`` whose message names the offending field and what to change.
 Semantic checks across ops (dependencies, tensor lifetimes, matching collectives) live in
 :mod:`simulator.validate`.
+
+Note [Host tensors]
+~~~~~~~~~~~~~~~~~~
+A program's tensors are in device memory unless :attr:`RankProgram.host_tensors` lists them (activation offload:
+the copies ``autosp_testbed::offload_to_host`` makes). The simulator keeps one memory timeline per pool: the
+device's (static memory plus device tensors, against the device's capacity) and the host's (host tensors only,
+against ``Cluster.host_memory_per_rank_bytes``); each reports its peak and its first OOM. Moving a tensor is an
+async copy (``collective_start`` of kind ``to_host``/``from_host`` on the rank's ``host`` group): the copy
+allocates its destination when it is issued and frees its source when it completes (``frees`` of a start take
+effect when its collective ends), and a ``collective_wait`` stalls the compute stream until it has.
 """
 
 from __future__ import annotations
@@ -20,12 +30,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: :attr:`RankProgram.host_tensors` (activation offload); a version-1 document is refused like any other."""
 
 OP_KINDS = ("compute", "collective", "collective_start", "collective_wait")
 """``compute``: a kernel on the rank's compute stream. ``collective``: a blocking collective (start and wait at
 once: the compute stream stalls until it completes). ``collective_start``: issues a collective on the comm stream
-of its group and returns immediately. ``collective_wait``: blocks the compute stream until the collective started
+of its group and returns immediately; it *ends* when the collective completes, so the tensors it ``frees`` (a
+``to_host`` copy's source) are freed then, while those it ``allocates`` (the destination) exist from the issue on
+(Note [Host tensors]). ``collective_wait``: blocks the compute stream until the collective started
 by the ``collective_start`` with the same key completes."""
 
 OP_CLASSES = ("matmul", "attention", "elementwise", "reduction", "memory", "other")
@@ -36,7 +49,10 @@ PHASES = ("forward", "backward", "optimizer")
 COLLECTIVE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast",
                     "to_host", "from_host")
 """``to_host``/``from_host``: a copy of ``message_bytes`` between the rank's device and its node's host memory
-(optimizer offload), over the preset's host-memory link; its group has one member per instance, the rank."""
+(optimizer and activation offload), over the preset's host-memory link; its group has one member per instance, the rank."""
+
+HOST_GROUP = "host"
+"""Process group of a rank's device<->host copies: one instance per rank, so one host-link stream per rank."""
 
 RING_GROUPS = ("ring_send", "ring_recv")
 """The process groups a ring's point-to-point transfers run on, sends on the first and receives on the second:
@@ -116,7 +132,8 @@ class Op:
     allocates: tuple[int, ...] = ()
     """Tensor ids allocated when this op starts (its outputs and workspaces)."""
     frees: tuple[int, ...] = ()
-    """Tensor ids freed when this op ends (after their last use; saved activations are freed in backward)."""
+    """Tensor ids freed when this op ends (after their last use; saved activations are freed in backward). A
+    ``collective_start`` ends when its collective completes."""
     collective: Collective | None = None
     """Required for the collective kinds, ``None`` for ``compute``. A ``collective_wait`` carries the same
     :class:`Collective` as its ``collective_start``."""
@@ -151,6 +168,11 @@ class RankProgram:
     """Tensor id -> size in bytes, for every tensor named in an op's ``allocates``/``frees``."""
     static_memory: StaticMemory = field(default_factory=StaticMemory)
     """Memory resident for the whole step."""
+    host_tensors: frozenset[int] = frozenset()
+    """Ids of :attr:`tensors` that live in the host's memory, not the device's (Note [Host tensors])."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "host_tensors", frozenset(self.host_tensors))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,6 +315,7 @@ def _program_to_dict(program: RankProgram) -> dict[str, Any]:
     return {
         "static_memory": dataclasses.asdict(program.static_memory),
         "tensors": {str(t): b for t, b in program.tensors.items()},
+        **({"host_tensors": sorted(program.host_tensors)} if program.host_tensors else {}),
         "ops": [_op_to_dict(op) for op in program.ops],
     }
 
@@ -345,7 +368,8 @@ def _program_from_dict(data: object, where: str) -> RankProgram:
     if not isinstance(ops_doc, list):
         raise WorkloadError(f"{where}.ops must be a list")
     ops = tuple(_op_from_dict(op, f"{where}.ops[{i}]") for i, op in enumerate(ops_doc))
-    return RankProgram(ops=ops, tensors=tensors, static_memory=static)
+    host = _int_tuple(data.get("host_tensors", ()), f"{where}.host_tensors")
+    return RankProgram(ops=ops, tensors=tensors, static_memory=static, host_tensors=frozenset(host))
 
 
 _OP_FIELDS = {f.name for f in dataclasses.fields(Op)}

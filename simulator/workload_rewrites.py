@@ -120,9 +120,9 @@ class ModuleParameters(Protocol):
 class _Program:
     """A rank program under construction: ops as mutable field dicts, fresh op and tensor ids."""
 
-    def __init__(self, tensors: dict[int, int]):
+    def __init__(self, tensors: dict[int, int], host_tensors: frozenset[int] = frozenset()):
         self.ops: list[dict] = []
-        self.tensors = dict(tensors)
+        self.tensors, self.host_tensors = dict(tensors), host_tensors  # same ids (simulator/workload.py)
         self.new_id: dict[int, int] = {}  # source op id -> id of the op standing for it here
 
     def tensor(self, nbytes: int) -> int:
@@ -160,7 +160,7 @@ class _Program:
     def build(self, static: StaticMemory) -> RankProgram:
         ops = tuple(Op(**{**f, "deps": tuple(sorted(set(f["deps"]))), "frees": tuple(sorted(set(f["frees"])))})
                     for f in self.ops)
-        return RankProgram(ops=ops, tensors=self.tensors, static_memory=static)
+        return RankProgram(ops=ops, tensors=self.tensors, static_memory=static, host_tensors=self.host_tensors)
 
 
 # --- ZeRO-3 --------------------------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def zero3_workload(workload: Workload, modules: Sequence[ModuleParameters], *, w
     after: dict[int, list] = {}
     frees_after: dict[int, list[int]] = {}
 
-    out = _Program(source.tensors)
+    out = _Program(source.tensors, source.host_tensors)
 
     def gather_chain(phase: str, reads: dict[str, tuple[str, ...]]) -> None:
         """Per module (ordered by first read): gather before its first read, prefetch the next one."""
@@ -306,7 +306,7 @@ ACCUMULATOR_BYTES = 4
 def _ring_program(source: RankProgram, rank: int, p: int, sites: list[tuple[int, int]],
                   element_bytes: int) -> RankProgram:
     nxt, prv = (rank + 1) % p, (rank - 1) % p
-    out = _Program(source.tensors)
+    out = _Program(source.tensors, source.host_tensors)
     forward_sites = sum(1 for op in source.ops if op.op_class == "attention" and op.phase == "forward")
     seen = {"forward": 0, "backward": 0}
 

@@ -78,7 +78,7 @@ CLIS = (
     Cli("autosp.plan", required=("--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "1024"),
         typos=(("--model", "tiny-lama"), ("--cluster", "h100"), ("--dtype", "fp16"), ("--optimizer", "adamm"), ("--offload", "cpu"), ("--zero-stage", "4"),
                ("--compiler", "inductr"), ("--depth", "ful"), ("--memory-plan", "automatic"),
-               ("--objective", "fastes"), ("--strategy", "ulyses"))),
+               ("--objective", "fastes"), ("--strategy", "ulyses"), ("--activation-offload", "yes"))),
     Cli("autosp.plan.auto"),
     Cli("autosp.examples.train_lm", required=("--data", "corpus.txt", "--output-dir", "out"),
         typos=(("--model", "tiny-lama"), ("--compiler", "inductr"), ("--dtype", "fp16"), ("--zero-stage", "3"),

@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from autosp.config import ACTIVATION_OFFLOAD
 from autosp.errors import AutoSPError
 from autosp.plan.cluster_file import cluster_names
 from autosp.plan.planner import OBJECTIVES
@@ -43,6 +44,8 @@ examples:
   python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 131072 --sp-size 8 --strategy auto
   python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 65536 --sp-size 8 --zero-stage 2 \\
       --offload optimizer
+  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 262144 --sp-size 8 \\
+      --activation-offload on
 """
 
 
@@ -99,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer: DeepSpeed's offload_optimizer (device cpu; ZeRO 1 or 2): fp32 master weights, "
                         "gradient partitions and optimizer state in host memory, CPU Adam; reports the host peak "
                         "beside the device peak (default: %(default)s)")
+    p.add_argument("--activation-offload", default=None, choices=ACTIVATION_OFFLOAD,
+                   help="AutoSP's activation offload (autosp.compile's activation_offload): on moves the tensors saved "
+                        "for backward to host memory and back, asynchronously, and reports the host peak beside the "
+                        "device peak; auto (with --memory-plan auto) lets the planner try each plan with and without "
+                        "it (default: off; with --memory-plan auto, auto)"),
     p.add_argument("--compiler", default="inductor", choices=COMPILERS,
                    help="backend the graphs run under (frees saved activations after last use; aot_eager holds "
                         "them to the end of backward) (default: %(default)s)")
@@ -162,25 +170,32 @@ def main(argv: list[str] | None = None) -> int:
         if args.target_memory is not None and args.target_memory <= 0:
             raise AutoSPError(f"--target-memory {args.target_memory}: give a positive number of GiB")
         target = None if args.target_memory is None else int(args.target_memory * 2**30)
+        offload = args.activation_offload
+        if offload == "auto" and args.memory_plan != "auto":
+            raise AutoSPError("--activation-offload auto lets the memory planner decide: add --memory-plan auto, or "
+                              "choose on or off")
+        options = {"activation_offload": "on"} if offload == "on" else {}
         if args.strategy != "ulysses" and (args.memory_plan == "auto" or args.max_length):
             raise AutoSPError(f"--strategy {args.strategy} is not combined with --memory-plan auto or --max-length "
                               "yet; predict the strategy alone, or use --strategy ulysses")
         if args.strategy == "auto":
             from autosp.plan.predict import choose_strategy
 
-            answer = choose_strategy(args.model, setup, cluster, capacity_bytes=target,
+            answer = choose_strategy(args.model, setup, cluster, capacity_bytes=target, options=options,
                                      progress=lambda s: log.info("step at %s", s))
         elif args.memory_plan == "auto":
-            from autosp.plan.planner import plan_memory
+            from autosp.plan.planner import candidate_plans, plan_memory
 
+            plans = candidate_plans(activation_offload=("off", "on") if offload in (None, "auto") else (offload,))
             answer = plan_memory(args.model, setup, cluster, objective=args.objective, target_memory=target,
-                                 max_length_high=args.max_length_high, granularity=args.granularity,
+                                 plans=plans, max_length_high=args.max_length_high, granularity=args.granularity,
                                  max_probes=args.max_probes)
         else:
             answer = predict(args.model, setup, cluster, capacity_bytes=target, max_length=args.max_length,
                              max_length_high=args.max_length_high, granularity=args.granularity,
                              max_probes=args.max_probes, progress=lambda s: log.info("step at %s", s),
-                             options=None if args.strategy == "ulysses" else {"strategy": args.strategy})
+                             options={**options, **({} if args.strategy == "ulysses" else {"strategy": args.strategy})}
+                             or None)
     except AutoSPError as err:
         log.error("%s", err)
         return 2

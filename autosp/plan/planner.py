@@ -1,4 +1,5 @@
-"""The memory planner: choose `autosp.compile`'s memory options (checkpointing, SAC budget, tiled loss, tiled MLP)
+"""The memory planner: choose `autosp.compile`'s memory options (checkpointing, SAC budget, tiled loss, tiled MLP,
+activation offload)
 for a model, a cluster and a training configuration by predicting every candidate plan (docs/design.md, "Memory
 planner").
 
@@ -47,7 +48,8 @@ def _checkpointing_plans() -> list[tuple[str, dict]]:
 
 
 def plan_name(options: Mapping) -> str:
-    """A plan's name from its options: checkpointing (and SAC budget), tiled loss, tiled MLP (and chunks)."""
+    """A plan's name from its options: checkpointing (and SAC budget), tiled loss, tiled MLP (and chunks), and
+    ", offload" when activation offload is on."""
     checkpointing, budget = options.get("checkpointing", "sac"), options.get("sac_memory_budget")
     name = checkpointing if budget is None else f"{checkpointing}@{budget:g}"
     for label, setting, chunk in (("loss", "tiled_loss", "loss_chunk_tokens"), ("mlp", "tiled_mlp", "mlp_chunk_tokens")):
@@ -55,6 +57,8 @@ def plan_name(options: Mapping) -> str:
             name += f", tiled {label} {options[setting]}"
             if options[setting] != "off" and options.get(chunk) is not None:
                 name += f"/{options[chunk]}"
+    if options.get("activation_offload") == "on":
+        name += ", offload"
     return name
 
 
@@ -75,14 +79,20 @@ def _with_fixed(options: dict, fixed: Mapping) -> dict:
 def candidate_plans(*, loss_chunk_tokens: int | None = None, checkpointing: Sequence[str] | None = None,
                     tiled_loss: Sequence[str] = ("off", "on"), tiled_mlp: Sequence[str] = ("off", "on"),
                     mlp_chunk_tokens: Sequence[int | None] = (None,),
+                    activation_offload: Sequence[str] = ("off", "on"),
                     fixed: Mapping | None = None) -> tuple[MemoryPlan, ...]:
     """The candidates: checkpointing in {none, sac x `SAC_BUDGETS`, full} (or the names of ``checkpointing``) x tiled
     loss in ``tiled_loss`` x tiled MLP in ``tiled_mlp`` ("on" once per chunk size of ``mlp_chunk_tokens``; None: one
     chunk's input-projection outputs within 64 MiB, autosp.passes.dynamo.tiled_mlp.MLP_CHUNK_BYTES).  The tiled loss
     runs with ``return_logits=False`` (else a Hugging Face model's returned logits are materialised anyway) and
     ``loss_chunk_tokens`` (default None: one chunk's fp32 logits within 64 MiB,
-    autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES).  ``fixed``: options the user set, which every candidate
-    takes over its own (candidates that become equal are listed once)."""
+    autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES); each of these with activation offload in
+    ``activation_offload`` (the pass moves the tensors saved for backward to host memory: the plan then also needs
+    host memory, `autosp.plan.predict.Prediction.host_fits`).  ``fixed``: options the user set, which every
+    candidate takes over its own (candidates that become equal are listed once); ``activation_offload="auto"``
+    among them leaves the choice to the planner."""
+    deciding = (fixed or {}).get("activation_offload") == "auto"  # then "off" is named, to replace the "auto"
+    fixed = {k: v for k, v in (fixed or {}).items() if (k, v) != ("activation_offload", "auto")}
     mlps = []
     for mlp in tiled_mlp:
         for chunk in (mlp_chunk_tokens if mlp != "off" else (None,)):
@@ -93,14 +103,16 @@ def candidate_plans(*, loss_chunk_tokens: int | None = None, checkpointing: Sequ
         if loss == "on" and loss_chunk_tokens is not None:
             tiled["loss_chunk_tokens"] = loss_chunk_tokens
         for mlp in mlps:
-            for name, options in _checkpointing_plans():
-                if checkpointing is not None and name not in checkpointing:
-                    continue
-                options = _with_fixed({**options, **tiled, **mlp}, fixed or {})
-                key = tuple(sorted((k, repr(v)) for k, v in options.items()))
-                if key not in seen:
-                    seen.add(key)
-                    plans.append(MemoryPlan(plan_name(options), options))
+            for offload in activation_offload:
+                for name, options in _checkpointing_plans():
+                    if checkpointing is not None and name not in checkpointing:
+                        continue
+                    offloading = {"activation_offload": offload} if offload == "on" or deciding else {}
+                    options = _with_fixed({**options, **tiled, **mlp, **offloading}, fixed)
+                    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+                    if key not in seen:
+                        seen.add(key)
+                        plans.append(MemoryPlan(plan_name(options), options))
     return tuple(plans)
 
 
@@ -169,8 +181,10 @@ class PlanReport:
                 if cat not in categories:
                     categories.append(cat)
         longest = self.objective == "longest"
+        host = any(c.prediction and c.prediction.host_peak_bytes for c in self.candidates)
         head = f"  {'plan':44s} {'fits':4s} {'peak GiB':>9s} " + " ".join(f"{c[:12]:>12s}" for c in categories) \
-            + f" {'step s':>9s}" + (f" {'max len':>9s} {'step s@max':>10s}" if longest else "")
+            + (f" {'host GiB':>9s}" if host else "") + f" {'step s':>9s}" \
+            + (f" {'max len':>9s} {'step s@max':>10s}" if longest else "")
         out = [f"memory plan for {self.model}: objective {self.objective}, {self.seq_len:,} tokens, target "
                f"{self.target_memory_bytes / gib:.3f} GiB per rank; {len(self.candidates)} candidates, "
                f"{self.traces} traces, {self.partitions} partitions, {self.seconds:.1f} s",
@@ -182,7 +196,8 @@ class PlanReport:
                 continue
             p = c.prediction
             row = f"{mark} {c.plan.name:44s} {'yes' if p.fits else 'no':4s} {p.peak_bytes / gib:9.4f} " + " ".join(
-                f"{p.by_category.get(cat, 0) / gib:12.4f}" for cat in categories) + f" {p.step.step_time_s:9.4g}"
+                f"{p.by_category.get(cat, 0) / gib:12.4f}" for cat in categories) \
+                + (f" {p.host_peak_bytes / gib:9.4f}" if host else "") + f" {p.step.step_time_s:9.4g}"
             if longest:
                 t = c.max_length_step_time_s
                 row += f" {c.max_seq_len or 0:9,d} {t if t is not None else float('nan'):10.4g}"
@@ -207,6 +222,8 @@ class PlanReport:
                             "fits": c.fits, "traces": c.traces, "same_program_as": c.same_program_as,
                             "peak_bytes": c.prediction.peak_bytes if c.prediction else None,
                             "peak_by_category_bytes": c.prediction.by_category if c.prediction else None,
+                            "host_peak_bytes": c.prediction.host_peak_bytes if c.prediction else None,
+                            "host_fits": c.prediction.host_fits if c.prediction else None,
                             "step_time_s": c.prediction.step.step_time_s if c.prediction else None,
                             "max_seq_len": c.max_seq_len, "max_length_step_time_s": c.max_length_step_time_s}
                            for c in self.candidates],

@@ -24,7 +24,7 @@ from autosp.plan.model_source import ModelSource
 from simulator.cluster import Cluster
 from simulator.engine import simulate
 from simulator.ledger import OPTIMIZER_STATES, LedgerLine, TrainingConfig, memory_ledger, summarize
-from simulator.max_length import BANDS, ModelStep, extrapolate_depth, ledger_peak
+from simulator.max_length import BANDS, ModelStep, extrapolate_depth, ledger_host_peak, ledger_peak
 from simulator.max_length import max_length as search_max_length
 from simulator.replicas import data_parallel_replicas
 from simulator.result import Result
@@ -126,6 +126,42 @@ class Traced:
     """Forward and backward of every rank, gradients released into the ledger's buffers."""
     step: Workload
     """``backward`` followed by the gradient reduction and the optimizer step."""
+    graphs: tuple = field(default=(), compare=False, repr=False)
+    """The traced forward and backward graphs, as partitioned (before `partitioned_rewrites` when the trace left
+    them out: `trace_step`'s ``rewrites_here``)."""
+    rebuild: Callable[..., Traced] | None = field(default=None, compare=False, repr=False)
+    """``rebuild(graphs, offload=True)``: the step of ``graphs`` with activation offload on (`TraceReuse`)."""
+
+
+OFFLOAD_OPTION = "activation_offload"
+"""The `autosp.compile` option of activation offload: a rewrite of the partitioned graphs, so a plan with it on
+reuses the trace (and the partition) of the same plan without it (`TraceReuse`, docs/design.md "Trace reuse")."""
+
+
+def partitioned_rewrites(graphs: Sequence, *, offload: bool, overlap: bool) -> list:
+    """Copies of a partitioned forward and backward (``graphs``: (kind, graph) pairs, as partitioned) rewritten as
+    `autosp.backend` rewrites them: the activation offload pass on the pair (``offload``), then the overlap pass on
+    each graph (``overlap``).  For traces taken without those rewrites (`trace_step`'s ``rewrites_here``)."""
+    import copy
+
+    from torch import fx
+
+    from autosp.passes.partitioned.offload import offload_saved_activations
+    from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
+
+    graphs = dict(graphs)
+    with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        fw, bw = (fx.GraphModule(graphs[k], copy.deepcopy(graphs[k].graph)) for k in ("forward", "backward"))
+    if offload:
+        # The forward returns its user outputs, then the tensors saved for backward: the backward's placeholders
+        # named after forward nodes (the rest are its tangents).
+        saved = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+        outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+        offload_saved_activations(fw, bw, num_fwd_outputs=len(outputs) - saved)
+    if overlap:
+        fw, bw = overlap_all_to_alls_pass(fw), overlap_all_to_alls_pass(bw)
+    return [("forward", fw), ("backward", bw)]
 
 
 def _torch_dtype(dtype: str):
@@ -147,18 +183,25 @@ def checkpointing_variant(options: Mapping | None) -> tuple[str, float | None]:
 
 def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
                config: TrainingConfig, options: Mapping | None = None,
-               variants: tuple[tuple[str, float | None], ...] = ()) -> Traced | dict[tuple, Traced]:
+               variants: tuple[tuple[str, float | None], ...] = (),
+               rewrites_here: bool = False) -> Traced | dict[tuple, Traced]:
     """Trace ``layers`` decoder layers (None: all) at ``seq_len`` tokens and build the whole step of ``setup``
     (``config``: the ledger's configuration of the whole model; ``options``: `autosp.compile` options, e.g. the
     memory plan's checkpointing and tiled loss).  With ``variants`` ((checkpointing, sac_memory_budget) pairs) the
     one trace also partitions the joint graph under each (docs/design.md, "Trace reuse") and the answer maps each
-    variant, and ``options``' own, to its step; variants with the same program share one `Traced`."""
+    variant, and ``options``' own, to its step; variants with the same program share one `Traced`.
+    ``rewrites_here``: the trace leaves out the partitioned-graph rewrites (activation offload, overlap), which
+    `partitioned_rewrites` then applies to copies, so that one trace also builds the step with activation offload
+    (`Traced.rebuild` on `Traced.graphs`, as partitioned)."""
     import torch
 
     from autosp.export import trace_fake_step
 
     hf = source.config(seq_len=seq_len, num_layers=layers)
     depth = hf.num_hidden_layers
+    overlap = (options or {}).get("overlap_communication", True)  # AutoSPConfig's default
+    if rewrites_here:
+        options = {**(options or {}), "overlap_communication": False, OFFLOAD_OPTION: "off"}
     dtype = _torch_dtype(setup.dtype)
     start = time.perf_counter()
     log.info("tracing %s: %d layers, %s x %d tokens over %d SP ranks", source.spec, depth, setup.micro_batch,
@@ -176,9 +219,13 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
     log.info("traced in %.1f s: %d joint graph(s), %d partition(s)", time.perf_counter() - start,
              report.joint_graphs, report.partitions)
 
-    def build(graphs) -> Traced:
-        return _build_step(source, setup, hf, graphs, parameter_bytes=parameter_bytes, report=report,
-                           config=config, layers=layers, seq_len=seq_len, dtype=dtype)
+    def build(graphs, offload: bool = False) -> Traced:
+        partitioned = graphs
+        if rewrites_here:
+            graphs = partitioned_rewrites(partitioned, offload=offload, overlap=overlap)
+        built = _build_step(source, setup, hf, graphs, parameter_bytes=parameter_bytes, report=report,
+                            config=config, layers=layers, seq_len=seq_len, dtype=dtype)
+        return dataclasses.replace(built, graphs=tuple(partitioned), rebuild=build)
 
     own = build(report.aot_graphs)
     if not variants:
@@ -218,13 +265,16 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, parame
 class TraceReuse:
     """Traces shared between the memory plans of one decision (docs/design.md, "Trace reuse").
 
-    Plans that differ only in `CHECKPOINTING_OPTIONS` form a group: the first trace of any of them (at one length
-    and depth) partitions the joint graph for the whole group, and a group member whose recomputation tags equal
-    another's reuses that one's program and its simulation."""
+    Plans that differ only in `CHECKPOINTING_OPTIONS` and `OFFLOAD_OPTION` form a group: the first trace of any of
+    them (at one length and depth) partitions the joint graph for the whole group, a group member whose
+    recomputation tags equal another's reuses that one's program and its simulation, and a plan with activation
+    offload on gets its program by the offload pass on the partition of the same plan without it (the group's trace
+    leaves the partitioned-graph rewrites to `partitioned_rewrites`)."""
 
     def __init__(self, plans: Sequence[Mapping]):
         self._plans = [dict(p) for p in plans]
         self._traced: dict[tuple, Traced] = {}
+        self._offloaded: dict[int, Traced] = {}
         self._simulated: dict[tuple[int, int], tuple] = {}
         self.traces = 0
         """Fake-tensor traces (Dynamo captures) taken."""
@@ -234,7 +284,12 @@ class TraceReuse:
 
     @staticmethod
     def _group(options: Mapping | None) -> tuple:
-        return tuple(sorted((k, repr(v)) for k, v in (options or {}).items() if k not in CHECKPOINTING_OPTIONS))
+        return tuple(sorted((k, repr(v)) for k, v in (options or {}).items()
+                            if k not in CHECKPOINTING_OPTIONS and k != OFFLOAD_OPTION))
+
+    @staticmethod
+    def _variant(options: Mapping | None) -> tuple:
+        return checkpointing_variant(options), (options or {}).get(OFFLOAD_OPTION) == "on"
 
     def trace(self, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
               config: TrainingConfig, options: Mapping | None) -> Traced:
@@ -242,26 +297,33 @@ class TraceReuse:
         # Everything the traced step depends on: one TraceReuse may serve several setups (ranks, batch, ZeRO).
         key = (source.spec, repr(setup), repr(config), seq_len, layers, group)
         own = checkpointing_variant(options)
-        if (*key, own) not in self._traced:
+        if (*key, own, False) not in self._traced:
+            plain = {k: v for k, v in (options or {}).items() if k != OFFLOAD_OPTION}
             variants = tuple(dict.fromkeys(checkpointing_variant(p) for p in self._plans
                                            if self._group(p) == group and checkpointing_variant(p) != own))
-            found = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options,
-                               variants=variants)
+            offloads = any(self._group(p) == group and self._variant(p)[1] for p in self._plans)
+            found = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=plain,
+                               variants=variants, rewrites_here=offloads)
             found = found if variants else {own: found}
             self.traces += 1
             self.joint_graphs += 1  # one Dynamo graph (fullgraph), one joint graph
             self.partitions += len({id(t) for t in found.values()})
             for variant, traced in found.items():
-                self._traced[(*key, variant)] = traced
-        return self._traced[(*key, own)]
+                self._traced[(*key, variant, False)] = traced
+        traced = self._traced[(*key, own, False)]
+        if self._variant(options)[1]:
+            if id(traced) not in self._offloaded:  # one offloaded program per program
+                self._offloaded[id(traced)] = traced.rebuild(traced.graphs, offload=True)
+            traced = self._traced[(*key, own, True)] = self._offloaded[id(traced)]
+        return traced
 
     def same_program(self, options: Mapping, other: Mapping) -> bool:
         """Whether ``options`` and ``other`` traced to the same program at every length and depth traced for both
-        (one shared `Traced`: their recomputation tags are equal)."""
-        mine, theirs = (self._group(options), checkpointing_variant(options)), \
-            (self._group(other), checkpointing_variant(other))
-        found = [(traced, self._traced.get((*key[:-2], *theirs))) for key, traced in self._traced.items()
-                 if tuple(key[-2:]) == mine]
+        (one shared `Traced`: their recomputation tags are equal, and activation offload is on in both or in
+        neither)."""
+        mine, theirs = (self._group(options), *self._variant(options)), (self._group(other), *self._variant(other))
+        found = [(traced, self._traced.get((*key[:-3], *theirs))) for key, traced in self._traced.items()
+                 if tuple(key[-3:]) == mine]
         return bool(found) and all(a is b for a, b in found)
 
     def simulate(self, traced: Traced, workload: Workload, cluster: Cluster):
@@ -299,7 +361,7 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
         raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
 
-    def at_depth(layers: int) -> tuple[float, float, int, Result]:
+    def at_depth(layers: int) -> tuple[float, float, int, Result, int]:
         if reuse is None:
             traced = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
         else:
@@ -307,6 +369,7 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
         start = time.perf_counter()
         result = simulate(traced.step, cluster) if reuse is None else reuse.simulate(traced, traced.step, cluster)
         dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+        host = result.host_peak_memory_bytes  # offloaded activations (Note [Host tensors] in simulator/workload.py)
         step_s = micro_s = result.step_time_s
         # the CPU optimizer step under offload, outside the simulated step (Note [Optimizer offload traffic])
         step_s += traced.step.metadata["training_step"]["host_optimizer_s"]
@@ -318,21 +381,22 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
                 micro_s = (simulate(traced.backward, cluster) if reuse is None
                            else reuse.simulate(traced, traced.backward, cluster)).step_time_s
             step_s += (setup.grad_accum - 1) * micro_s
-        log.info("simulated on %s in %.1f s: step %.3f s, activations %.2f GiB", cluster.preset.name,
-                 time.perf_counter() - start, step_s, dynamic / 2**30)
-        return step_s, micro_s, dynamic, result
+        log.info("simulated on %s in %.1f s: step %.3f s, activations %.2f GiB (host %.2f GiB)",
+                 cluster.preset.name, time.perf_counter() - start, step_s, dynamic / 2**30, host / 2**30)
+        return step_s, micro_s, dynamic, result, host
 
     depths = (model_layers, model_layers) if setup.depth == "full" else (1, 2)
-    memo: dict[int, tuple[float, float, int, Result]] = {}
+    memo: dict[int, tuple[float, float, int, Result, int]] = {}
 
-    def cached(layers: int) -> tuple[float, float, int, Result]:
+    def cached(layers: int) -> tuple[float, float, int, Result, int]:
         if layers not in memo:
             memo[layers] = at_depth(None if layers == model_layers else layers)
         return memo[layers]
 
     step_s, dynamic = extrapolate_depth(lambda d: (cached(d)[0], cached(d)[2]), model_layers, depths)
-    micro_s, _ = extrapolate_depth(lambda d: (cached(d)[1], cached(d)[2]), model_layers, depths)
+    micro_s, host = extrapolate_depth(lambda d: (cached(d)[1], cached(d)[4]), model_layers, depths)
     return StepPrediction(seq_len=seq_len, step_time_s=step_s, dynamic_memory_bytes=dynamic,
+                          host_dynamic_memory_bytes=host,
                           micro_step_time_s=micro_s, simulated=memo[depths[1]][3],
                           extrapolated_from=None if depths[0] == depths[1] else depths)
 
@@ -380,7 +444,8 @@ class Prediction:
 
     @property
     def host_peak_bytes(self) -> int:
-        """Host memory a rank holds (the ledger's ``pool="host"`` lines: optimizer offload); 0 without offload."""
+        """Host memory a rank holds (the ledger's ``pool="host"`` lines: optimizer offload, and the simulated
+        offloaded activations); 0 without offload."""
         return summarize(self.lines, "host").nominal
 
     @property
@@ -441,11 +506,13 @@ class Prediction:
                f"{self.capacity_bytes / gib:.2f}",
                "  peak by category, per rank (the ledger's lines summed; activations simulated):"]
         out += [f"    {cat:24s} {size(b)}" for cat, b in self.by_category.items()]
-        if s.offload != "none":
+        if self.host_peak_bytes:
             cap = self.host_capacity_bytes
+            what = " and ".join(w for w, on in (("optimizer", s.offload != "none"),
+                                                 ("activations", self.step.host_dynamic_memory_bytes)) if on)
             out.append(f"  host memory {self.host_peak_bytes / gib:.2f} GiB per rank of "
                        f"{'unknown' if cap is None else f'{cap / gib:.2f}'}"
-                       + ("" if self.host_fits else ": host-memory OOM") + " (optimizer offload):")
+                       + ("" if self.host_fits else ": host-memory OOM") + f" (offloaded: {what}):")
             out += [f"    {cat:24s} {size(v[1])}" for cat, v in summarize(self.lines, "host").by_category.items()
                     if v[2]]
         extrapolated = self.step.extrapolated_from
@@ -481,8 +548,11 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     numels = source.parameter_numels(hf)
     config = setup.training_config(numels)
     capacity = int(cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes)
-    if config.offload_optimizer and cluster.preset.host_memory_link is None:
-        raise AutoSPError(f"--offload {setup.offload}: the cluster's node ({cluster.preset.name}) has no link to host "
+    offloading = [what for what, on in (
+        (f"--offload {setup.offload}", config.offload_optimizer),
+        ("activation_offload='on'", (options or {}).get("activation_offload") == "on")) if on]
+    if offloading and cluster.preset.host_memory_link is None:
+        raise AutoSPError(f"{' and '.join(offloading)}: the cluster's node ({cluster.preset.name}) has no link to host "
                           "memory; use a GPU preset or give host_memory_link (and host_memory_gib) in a cluster file "
                           "(docs/design.md, Cluster files)")
     steps: dict[int, StepPrediction] = {}
@@ -496,14 +566,16 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
         return steps[seq_len]
 
     at = step(setup.seq_len)
-    lines = tuple(memory_ledger(config, at="backward", activation_bytes=at.dynamic_memory_bytes))
+    lines = tuple(memory_ledger(config, at="backward", activation_bytes=at.dynamic_memory_bytes,
+                                host_activation_bytes=at.host_dynamic_memory_bytes))
     band = tuple(ledger_peak(config, at.dynamic_memory_bytes, which) for which in BANDS)
     found = longest = None
     if max_length:
         grain = -(-granularity // setup.sp_size) * setup.sp_size
         found_ml = search_max_length(step, config, capacity_bytes=capacity, low=grain,
                                      high=max_length_high or 8 * setup.seq_len, granularity=grain,
-                                     start=setup.seq_len - setup.seq_len % grain or grain, max_probes=max_probes)
+                                     start=setup.seq_len - setup.seq_len % grain or grain, max_probes=max_probes,
+                                     host_capacity_bytes=cluster.host_memory_per_rank_bytes)
         longest = found_ml.nominal.result
         found = {"max_seq_len": found_ml.nominal.max_seq_len, "display": found_ml.nominal.display(),
                  "stopped": found_ml.nominal.stopped,
@@ -511,6 +583,8 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
                  "step_time_s": found_ml.nominal.step_time_s, "granularity": grain,
                  "peak_by_category_bytes": None if longest is None else peak_by_category(
                      memory_ledger(config, at="backward", activation_bytes=longest.dynamic_memory_bytes)),
+                 "host_peak_bytes": None if longest is None else ledger_host_peak(
+                     config, longest.host_dynamic_memory_bytes),
                  "probes": [{"seq_len": t.seq_len, "fits": t.fits, "peak_bytes": t.peak_memory_bytes,
                              "step_time_s": t.step_time_s} for t in found_ml.nominal.trials],
                  "lengths_simulated": sorted(steps)}

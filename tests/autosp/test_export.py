@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ from autosp.costs import attention_flops, attention_scores
 from autosp.export import export_workload
 from experiments.models import build_model, vocab_size
 from simulator import Cluster, Workload, simulate
+from simulator.hardware import LinkSpec, get_preset
 from tests.autosp.cases import make_sample
 from tests.harness import fake_process_group
 
@@ -76,3 +80,43 @@ def test_export_refuses_graphs_without_a_backward():
     with pytest.raises(ValueError, match="backward"):
         export_workload([("forward", torch.fx.symbolic_trace(torch.nn.Identity()))], name="x", sp_size=2,
                         parameter_bytes=0)
+
+
+def _forward_end_memory(workload: Workload, cluster: Cluster) -> tuple[int, int]:
+    """(device bytes while the forward's last kernel runs, host peak) of ``workload`` simulated on ``cluster``."""
+    result = simulate(workload, cluster)
+    timeline, ops = result.timelines[0], workload.ranks[0].ops
+    end = max(timeline.end_s[i] for i, op in enumerate(ops) if op.phase == "forward" and op.kind == "compute")
+    memory = timeline.memory
+    return int(memory.total_bytes[np.searchsorted(memory.times_s, end, side="left") - 1]), \
+        result.host_peak_memory_bytes
+
+
+def test_export_activation_offload_moves_saved_activations_to_the_host_pool(aot_graphs):
+    """activation_offload="on" (Note [Activation offload in the export]): each offloaded tensor is copied to a host
+    tensor on the rank's host stream and back; at the end of the forward the device holds less (the offloaded tensors'
+    storage, unless an alias the forward saves keeps it), and the host peak is the bytes the pass moved (every host
+    copy lives from its forward copy to its reload in backward).  Copies over an instant host link, so that memory
+    is read at program points; their overlap is tests/simulator/test_activation_offload.py's."""
+    model = build_model("plain-llama", layers=LAYERS, hidden=64)
+    with fake_process_group(WORLD, rank=0):
+        compiled = autosp.compile(model, sp_size=WORLD, compiler="aot_eager", activation_offload="on")
+        ids, labels = make_sample(SEQ, vocab_size(model), seed=0)
+        compiled(**autosp.prepare_inputs(ids, labels=labels)).backward()
+    moved = compiled.report.offload_plans[-1]
+    assert moved.count > 0
+    workload = _export(compiled.report.aot_graphs)
+    program = workload.ranks[0]
+    starts = [op for op in program.ops if op.kind == "collective_start" and op.collective.group == "host"]
+    assert sorted(op.collective.kind for op in starts) == sorted(["to_host", "from_host"] * moved.count)
+    assert len([op for op in program.ops if op.kind == "collective_wait" and op.collective.group == "host"]) == \
+        moved.count
+    assert sum(program.tensors[t] for t in program.host_tensors) == moved.offloaded_bytes
+    assert workload.groups["host"] == ((0,), (1,))
+    preset = get_preset("h100-sxm")
+    instant = Cluster.from_preset(dataclasses.replace(preset, host_memory_link=LinkSpec(
+        bandwidth_bytes_per_s=1e30, latency_s=0.0)))
+    (on, host), (off, no_host) = _forward_end_memory(workload, instant), _forward_end_memory(_export(aot_graphs), instant)
+    assert host == moved.offloaded_bytes and no_host == 0
+    assert 0 < off - on <= moved.offloaded_bytes
+    assert simulate(workload, Cluster.from_preset(preset)).host_peak_memory_bytes == moved.offloaded_bytes

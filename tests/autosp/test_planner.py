@@ -24,8 +24,9 @@ CONFIG = {  # logits dominate: 64 local tokens x 4,096 fp32 logits = 1 MiB again
     "hidden_act": "silu", "attention_dropout": 0.0,
 }
 SETUP = TrainingSetup(seq_len=128, sp_size=2, dtype="fp32", compiler="aot_eager")
-PLANS = candidate_plans(loss_chunk_tokens=16, checkpointing=("none",), tiled_mlp=("off",)) \
-    + candidate_plans(loss_chunk_tokens=16, checkpointing=("full",), tiled_loss=("on",), tiled_mlp=("off",))
+PLANS = candidate_plans(loss_chunk_tokens=16, checkpointing=("none",), tiled_mlp=("off",), activation_offload=("off",)) \
+    + candidate_plans(loss_chunk_tokens=16, checkpointing=("full",), tiled_loss=("on",), tiled_mlp=("off",),
+                      activation_offload=("off",))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,8 @@ def test_trace_reuse_gives_every_checkpointing_plan_its_own_program(tmp_path, cl
                                 "vocab_size": 256}))
     source = ModelSource(str(path))
     config = SETUP.training_config(source.parameter_numels(source.config(seq_len=SETUP.seq_len)))
-    plans = [p.options for p in candidate_plans(loss_chunk_tokens=16, tiled_loss=("on",), tiled_mlp=("off",))]
+    plans = [p.options for p in candidate_plans(loss_chunk_tokens=16, tiled_loss=("on",), tiled_mlp=("off",),
+                                                activation_offload=("off",))]
     variants = tuple(checkpointing_variant(p) for p in plans[1:])
     shared = trace_step(source, SETUP, seq_len=SETUP.seq_len, layers=None, config=config, options=plans[0],
                         variants=variants)
@@ -134,16 +136,52 @@ def test_chosen_options_train_exactly_on_two_ranks(fastest):
 def test_candidates_cover_every_setting_and_fixed_options_win():
     plans = candidate_plans(mlp_chunk_tokens=(None, 64))
     settings = [(p.options["checkpointing"], p.options.get("sac_memory_budget"), p.options["tiled_loss"],
-                 p.options["tiled_mlp"], p.options.get("mlp_chunk_tokens")) for p in plans]
-    assert len(set(settings)) == len(plans) == 5 * 2 * 3  # tiled MLP off, on (default chunk), on (64 tokens)
-    assert {s[3:] for s in settings} == {("off", None), ("on", None), ("on", 64)}
+                 p.options["tiled_mlp"], p.options.get("mlp_chunk_tokens"), p.options.get("activation_offload", "off"))
+                for p in plans]
+    # tiled MLP off, on (default chunk), on (64 tokens); activation offload off (the default, unnamed) and on
+    assert len(set(settings)) == len(plans) == 5 * 2 * 3 * 2
+    assert {s[3:5] for s in settings} == {("off", None), ("on", None), ("on", 64)}
+    assert {s[5] for s in settings} == {"off", "on"}
+    assert all(p.name.endswith(", offload") == (p.options.get("activation_offload") == "on") for p in plans)
     assert all(p.options["return_logits"] is False for p in plans if p.options["tiled_loss"] == "on")
     assert len({p.name for p in plans}) == len(plans) and "sac@0.5, tiled loss on, tiled mlp on/64" in \
         {p.name for p in plans}
-    fixed = candidate_plans(fixed={"checkpointing": "full", "tiled_mlp": "on"})
-    assert [p.options for p in fixed] == [  # 20 candidates collapse to the two tiled-loss settings
-        {"checkpointing": "full", "tiled_loss": "off", "tiled_mlp": "on"},
-        {"checkpointing": "full", "tiled_loss": "on", "return_logits": False, "tiled_mlp": "on"}]
+    fixed = candidate_plans(fixed={"checkpointing": "full", "tiled_mlp": "on", "activation_offload": "off"})
+    assert [p.options for p in fixed] == [  # 40 candidates collapse to the two tiled-loss settings
+        {"checkpointing": "full", "tiled_loss": "off", "tiled_mlp": "on", "activation_offload": "off"},
+        {"checkpointing": "full", "tiled_loss": "on", "return_logits": False, "tiled_mlp": "on",
+         "activation_offload": "off"}]
+    # "auto" leaves activation offload to the planner: with it and without, named (it replaces the "auto")
+    assert [p.options["activation_offload"] for p in candidate_plans(
+        checkpointing=("full",), tiled_loss=("off",), tiled_mlp=("off",), fixed={"activation_offload": "auto"})] == [
+        "off", "on"]
+
+
+def test_tight_target_makes_the_planner_offload_activations_on_the_trace_of_the_plan_without(tmp_path, cluster):
+    """With activation offload among the candidates and the offload plan's peak as the target, the planner picks
+    offload: its device peak is lower (three layers: the first layers' saved tensors are in host memory while the
+    backward of the last one runs) and its host peak holds what moved (docs/design.md, "Memory planner").  Both
+    plans come from one trace (the offload pass rewrites the partition of the plan without it), and the offload
+    plan's prediction equals that of its own trace, where the backend ran the pass."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "num_hidden_layers": 3, "vocab_size": 256}))
+    setup = TrainingSetup(seq_len=64, sp_size=2, dtype="fp32", compiler="aot_eager")
+    plans = candidate_plans(checkpointing=("none",), tiled_loss=("off",), tiled_mlp=("off",))
+    assert [p.options.get("activation_offload") for p in plans] == [None, "on"]
+    alone = predict(str(path), setup, cluster, options=plans[1].options)
+    report = plan_memory(str(path), setup, cluster, plans=plans, target_memory=alone.peak_bytes)
+    plain, offload = (c.prediction for c in report.candidates)
+    assert report.traces == 1 and report.partitions == 1
+    assert (alone.peak_bytes, alone.host_peak_bytes, alone.step.step_time_s) == (
+        offload.peak_bytes, offload.host_peak_bytes, offload.step.step_time_s)
+    assert offload.step.dynamic_memory_bytes < plain.step.dynamic_memory_bytes and offload.peak_bytes < plain.peak_bytes
+    moved = offload.step.host_dynamic_memory_bytes
+    assert moved > 0 and plain.host_peak_bytes == 0 and offload.host_fits
+    assert offload.host_peak_bytes == sum(ln.bytes for ln in offload.lines if ln.pool == "host") > moved
+    assert report.options == {"checkpointing": "none", "tiled_loss": "off", "tiled_mlp": "off",
+                              "activation_offload": "on"}
+    assert "host GiB" in report.format() and report.to_dict()["candidates"][1]["host_peak_bytes"] == \
+        offload.host_peak_bytes
 
 
 def test_cli_memory_plan_flags_and_refusals(model, caplog):
