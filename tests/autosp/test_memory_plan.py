@@ -123,7 +123,11 @@ def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
         plan, where = r["plan"], case["model"]
         assert plan["options"] == other["plan"]["options"], f"{where}: the ranks compiled different plans"
         candidates = [c for c in plan["candidates"] if c["refused"] is None]
-        assert len(candidates) == len(plan["candidates"]) == case["candidates"], where
+        # Each plan also with activation offload, refused here: the CPU preset has no host-memory link.
+        offload = [c for c in plan["candidates"] if c["options"].get("activation_offload") == "on"]
+        assert len(candidates) == len(offload) == case["candidates"], where
+        assert len(plan["candidates"]) == 2 * case["candidates"], where
+        assert all(c["refused"] and "host_memory_link" in c["refused"] for c in offload), where
         for c in candidates:  # fits means: the predicted peak within the target
             assert c["fits"] == (c["peak_bytes"] <= case["target"]), (where, c["plan"])
         best = min((c for c in candidates if c["fits"]), key=lambda c: (c["step_time_s"], c["peak_bytes"]))
