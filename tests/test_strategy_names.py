@@ -75,7 +75,7 @@ def test_strategy_names_in_the_system_column_of_every_data_table(path):
 
 
 def test_strategy_names_published_figures_are_the_registrys_published_strategies():
-    from experiments.reproduce import published_systems
+    from experiments.reproduction.common import published_systems
 
     assert set(published_systems()) == {name for name in STRATEGIES if STRATEGIES[name].published}
 

@@ -1,7 +1,7 @@
 """``python -m experiments.cpu.bench_strategies``: AutoSP's strategies and the hand-written ring, side by side on gloo ranks.
 
 For each rank count, one gloo run builds, from the same weights of the measured-cpu table's model (a small
-Hugging Face Llama with GQA: experiments.reproduce's CPU_MODEL), every strategy of the pass that can split the
+Hugging Face Llama with GQA: experiments.reproduction.common.CPU_MODEL), every strategy of the pass that can split the
 sequence over that many ranks (simulator.strategies.sp_candidates: Ulysses where the heads divide, every hybrid
 U x R, the ring) and the hand-written ring baselines of the registry, all under the same compiler
 (experiments.baselines.build_system).  experiments.cpu.measure.measure_on_rank measures them in that one run:
@@ -75,7 +75,7 @@ def run(args) -> list[dict]:
     from experiments.cpu.measure import measure_on_rank
     from experiments.launch import run_on_ranks
     from experiments.models import build_model
-    from experiments.reproduce import COLLECTIVE_TIMEOUT_S, CPU_MODEL, CPU_MODEL_OPTIONS
+    from experiments.reproduction.common import COLLECTIVE_TIMEOUT_S, CPU_MODEL, CPU_MODEL_OPTIONS
 
     config = build_model(CPU_MODEL, layers=args.layers, hidden=args.hidden, **CPU_MODEL_OPTIONS).config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads

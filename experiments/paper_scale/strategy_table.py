@@ -224,17 +224,6 @@ def footer(s: Mapping) -> list[str]:
     ]
 
 
-def table_strategies(args) -> list[dict]:
-    """The ``strategies`` table (`experiments.reproduce`'s builder): the row groups on its task runner."""
-    from experiments.reproduce import _run_tasks  # the tables' one runner (worker pool or inline)
-
-    rows = [r for group in _run_tasks(args, strategy_tasks(), "strategies (strategy='auto' per row group)")
-            for r in group]
-    rows = sort_rows(rows)
-    args.summaries["strategies"] = summary(rows)
-    return rows
-
-
 def plot_strategies(rows: list[dict], path: pathlib.Path) -> None:
     """Step time of every candidate per row group, one panel per length (log scale; hatched: does not fit; a
     black edge: the auto choice)."""

@@ -24,7 +24,7 @@ SMALL = {
 }
 """Parameters each notebook is executed with here (a tiny model, a short search)."""
 
-INTERNAL = re.compile(r"^\s*(?:from|import)\s+experiments\.(?:paper_scale|cpu|reproduce|models|baselines)\b",
+INTERNAL = re.compile(r"^\s*(?:from|import)\s+experiments\.(?:paper_scale|cpu|reproduce|reproduction|models|baselines)\b",
                       re.MULTILINE)
 """Imports of the reproduction's internals, which a notebook pointed at your model must not need."""
 

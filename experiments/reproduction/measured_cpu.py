@@ -1,0 +1,81 @@
+"""The ``measured-cpu`` table: the systems side by side on real gloo ranks with a small Hugging Face Llama."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from tqdm import tqdm
+
+from experiments.reproduction.common import (
+    COLLECTIVE_TIMEOUT_S,
+    CPU_MODEL,
+    CPU_MODEL_OPTIONS,
+    EXACT_GRAD_ERROR,
+    MEASURED,
+    MEASUREMENT_TIMEOUT_S,
+    fmt,
+)
+from experiments.reproduction.run import RunConfig, Runner
+from experiments.reproduction.table import Table
+from experiments.tables import bar_plot
+
+
+def build(run: RunConfig, runner: Runner) -> list[dict]:
+    from experiments.cpu.measure import measure_on_rank
+    from experiments.launch import run_on_ranks
+
+    rows = []
+    for ranks in tqdm(run.cpu_ranks, desc="measured-cpu (gloo ranks per run)", file=sys.stderr):
+        spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "seq_len": run.cpu_seq_len,
+                "steps": run.cpu_steps, "compiler": "aot_eager"}
+        # Each system in its own processes: a fresh compile state and its own graph-break/recompile counts.
+        by_system = {name: [r["systems"][name] for r in run_on_ranks(
+            measure_on_rank, ranks, {**spec, "systems": [name]}, timeout_s=MEASUREMENT_TIMEOUT_S,
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S)] for name in MEASURED}
+        ulysses = by_system["ulysses"]
+        ulysses_s = max(r["median_step_s"] for r in ulysses) if "median_step_s" in ulysses[0] else None
+        for name, results in by_system.items():
+            row = {"system": name, "ranks": ranks, "seq_len": run.cpu_seq_len}
+            if "unsupported" in results[0]:
+                rows.append({**row, "first_step_s": "", "median_step_ms": "", "ratio_to_ulysses": "",
+                             "loss_error": "", "grad_max_rel_error": "",
+                             "peak_mib": "", "peak_mib_by_rank": "",
+                             "graph_breaks": "", "recompiles": "",
+                             "note": f"unsupported: {results[0]['unsupported']}"})
+                continue
+            step_s = max(r["median_step_s"] for r in results)
+            grad_error = max(r["grad_max_rel_error"] for r in results)
+            row.update({
+                "first_step_s": f"{max(r['first_step_s'] for r in results):.1f}",
+                "median_step_ms": f"{step_s * 1e3:.1f}",
+                "ratio_to_ulysses": fmt(step_s / ulysses_s if ulysses_s else None, ".2f"),
+                "loss_error": f"{max(r['loss_error'] for r in results):.1e}",
+                "grad_max_rel_error": f"{grad_error:.1e}",
+            })
+            peaks = [r["peak_memory_bytes"] / 2**20 for r in results]
+            row.update({"peak_mib": f"{max(peaks):.2f}", "peak_mib_by_rank": "/".join(f"{p:.2f}" for p in peaks)})
+            breaks = max(r.get("graph_breaks", 0) for r in results)
+            recompiles = max(r.get("recompiles", 0) for r in results)
+            row.update({"graph_breaks": breaks, "recompiles": recompiles})
+            nan_ranks = [str(i) for i, r in enumerate(results) if math.isnan(r["loss"])]
+            row["note"] = "; ".join(filter(None, [
+                "inexact" if not grad_error <= EXACT_GRAD_ERROR else "",
+                f"graph breaks ({max(r.get('graphs', 0) for r in results)} graphs)" if breaks else "",
+                "recompiles" if recompiles else "",
+                f"NaN loss on rank {', '.join(nan_ranks)}" if nan_ranks else "",
+            ]))
+            rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict], path) -> None:
+    bar_plot(rows, "median_step_ms", "median step (ms)", "CPU gloo: median training step", path)
+
+
+TABLE = Table(
+    name="measured-cpu",
+    help="the systems side by side on real gloo ranks with a small Hugging Face Llama: compile time,\n"
+         "median step time and its ratio to hand-written Ulysses, loss and gradient error against\n"
+         "single-device training, per-rank peak tensor memory",
+    build=build, simulated=False, plot=plot)

@@ -1,0 +1,63 @@
+"""The ``memory-cap`` table: the longest sequence each system trains on CPU gloo ranks under a per-rank memory
+cap."""
+
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+from experiments.reproduction.common import (
+    COLLECTIVE_TIMEOUT_S,
+    CPU_MODEL,
+    CPU_MODEL_OPTIONS,
+    MEASURED,
+    MEASUREMENT_TIMEOUT_S,
+)
+from experiments.reproduction.run import RunConfig, Runner
+from experiments.reproduction.table import Table
+from experiments.tables import bar_plot
+
+
+def build(run: RunConfig, runner: Runner) -> list[dict]:
+    from experiments.cpu.memory_cap import max_seq_len_on_rank
+    from experiments.launch import run_on_ranks
+
+    rows = []
+    for ranks in tqdm(run.cap_ranks, desc="memory-cap (search per gloo run)", file=sys.stderr):
+        spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS,
+                "cap_bytes": int(run.memory_cap_mib * 2**20), "start": run.cap_start,
+                "granularity": run.cap_granularity, "max_probes": run.cap_probes, "max_len": run.cap_max_len}
+        results = {name: run_on_ranks(max_seq_len_on_rank, ranks, {**spec, "systems": [name]},
+                                      timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+                                      )[0]["systems"][name]
+                   for name in MEASURED}  # each system in its own processes
+        for name in MEASURED:
+            r = results[name]
+            probes = ", ".join(f"{s}:{p / 2**20:.1f}" for s, p in r["probes"])
+            row = {"system": name, "ranks": ranks, "cap_mib": f"{run.memory_cap_mib:g}"}
+            if "unsupported" in r:
+                rows.append({**row, "max_seq_len": "", "first_failure": "", "probes_tokens_mib": probes,
+                             "search_s": "", "note": f"unsupported: {r['unsupported']}"})
+                continue
+            fit, fail = r["max_seq_len"], r["first_failure"]
+            if fail is None and fit >= run.cap_max_len:
+                note = f"fits up to the search limit ({run.cap_max_len} tokens)"
+            elif fail is None or fail - fit > run.cap_granularity:
+                note = f"probe budget ({run.cap_probes}) spent: a lower bound"
+            else:
+                note = ""
+            rows.append({**row, "max_seq_len": r["max_seq_len"], "first_failure": r["first_failure"] or "",
+                         "probes_tokens_mib": probes, "search_s": f"{r['search_s']:.0f}", "note": note})
+    return rows
+
+
+def plot(rows: list[dict], path) -> None:
+    bar_plot(rows, "max_seq_len", "longest sequence (tokens)",
+             f"CPU gloo: longest sequence under {rows[0]['cap_mib']} MiB per rank", path)
+
+
+TABLE = Table(
+    name="memory-cap",
+    help="the longest sequence each system trains on CPU gloo ranks under a per-rank memory cap",
+    build=build, simulated=False, plot=plot)
