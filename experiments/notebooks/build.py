@@ -21,7 +21,12 @@ import pathlib
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from experiments.reproduction.max_seq_len import TABLE as MAX_SEQ_LEN
+
 HERE = pathlib.Path(__file__).resolve().parent
+MAX_SEQ_LEN_CSV = f"{MAX_SEQ_LEN.name}.csv"
+"""The reproduce table (`experiments.reproduction.TABLES`) whose results the max-sequence-length notebook reads; its
+summary is run.json's ``MAX_SEQ_LEN.record``."""
 PARAMETERS_TAG = "parameters"
 """The tag of the parameter cell (papermill's)."""
 
@@ -321,19 +326,19 @@ NOTEBOOKS = {
         new_code_cell(
             "import json\n\n"
             "folder = pathlib.Path(RESULTS)\n"
-            'if not (folder / "max-seq-len.csv").exists():\n'
-            '    print(f"no {folder}/max-seq-len.csv: python -m experiments.reproduce --out {folder} writes it")\n'
+            'if not (folder / "' + MAX_SEQ_LEN_CSV + '").exists():\n'
+            '    print(f"no {folder}/' + MAX_SEQ_LEN_CSV + ': python -m experiments.reproduce --out {folder} writes it")\n'
             "else:\n"
-            '    for r in csv.DictReader((folder / "max-seq-len.csv").open()):\n'
+            '    for r in csv.DictReader((folder / "' + MAX_SEQ_LEN_CSV + '").open()):\n'
             '        print(f"{r[\'model\']:13s} {r[\'system\']:15s} published {r[\'published_tokens\'] or \'-\':>6s}  "\n'
             '              f"simulated {r[\'simulated_tokens\']:>9s}  band {r[\'band_tokens\']:>19s}  "\n'
             '              f"error {r[\'error_pct\'] or \'-\':>5s} %  ({r[\'stopped\']}); alternative "\n'
             '              f"{r[\'alternative_tokens\']} (error {r[\'alternative_error_pct\'] or \'-\'} %), "\n'
             '              f"free at the published length {r[\'headroom_at_published_gib\'] or \'-\'} GiB")\n'
-            '    summary = json.loads((folder / "run.json").read_text()).get("max_seq_len_summary", {})\n'
+            '    summary = json.loads((folder / "run.json").read_text()).get("' + MAX_SEQ_LEN.record + '", {})\n'
             '    print(f"median |error| {summary.get(\'median_abs_error_pct\')} %, ordering: {summary.get(\'ordering\')}")\n'
             "    # The misses read across models: fixed memory per rank, or memory per token (Note [Fixed or\n"
-            "    # per-token gap] in experiments/reproduce.py); the smaller spread is the reading the data support.\n"
+            "    # per-token gap] in experiments/reproduction/max_seq_len.py); the smaller spread is the reading the data support.\n"
             '    for system, g in summary.get("gap_shape", {}).items():\n'
             '        print(f"{system}: as fixed GiB/rank {g[\'fixed_gib\']} (CV {g[\'fixed_cv\']}); as bytes per token, "\n'
             '              f"hidden unit and layer {g[\'per_token_hidden_layer_bytes\']} (CV {g[\'per_token_cv\']}); "\n'

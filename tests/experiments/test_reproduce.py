@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from experiments.paper_scale.simulate import simulate_step
-from experiments.reproduce import published_figures
+from experiments.reproduction.common import published_figures
 from simulator.strategies import STRATEGIES
 
 pytestmark = pytest.mark.timeout(1800)  # the first test to use quick_results pays for the whole quick run
@@ -91,7 +91,7 @@ def test_reproduce_throughput_table_shows_tokens_per_gpu_beside_published_second
 
 @pytest.mark.slow
 def test_reproduce_plots_and_traces_exist_and_parse(quick_results):
-    from experiments.reproduce import STEP_FILES
+    from experiments.reproduction.simulated_step import STEP_FILES
 
     for png in ("max-seq-len.png", STEP_FILES["timeline"], STEP_FILES["memory"]):
         assert (quick_results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -190,6 +190,73 @@ def test_reproduce_help_shows_defaults_and_what_quick_changes_without_markup(cap
     text = capsys.readouterr().out
     assert "(default: results)" in text and "what --quick changes" in text and "1024 -> 8192" in text
     assert "``" not in text and "`" not in text
+
+
+def test_reproduce_tables_are_one_registry_that_the_command_line_and_the_docs_read():
+    import importlib
+    import pkgutil
+    import re
+    from pathlib import Path
+
+    import experiments.reproduction as reproduction
+    from experiments.reproduce import DESCRIPTION, TABLE_RECORDS, build_parser
+    from experiments.reproduction import BY_NAME, RECORDS, TABLES, selected
+
+    names = [t.name for t in TABLES]
+    assert len(set(names)) == len(names) == len(BY_NAME)
+    declared = [getattr(importlib.import_module(f"experiments.reproduction.{m.name}"), "TABLE", None)
+                for m in pkgutil.iter_modules(reproduction.__path__)]
+    assert {t.name for t in declared if t is not None} == set(names)  # every declared table is registered
+    only = next(a for a in build_parser()._actions if a.dest == "only")
+    assert list(only.choices) == names
+    assert [ln.split()[0] for ln in DESCRIPTION.splitlines() if re.match(r"  [a-z]", ln)] == names
+    on_request = [t.name for t in TABLES if t.on_request]
+    assert {"max-seq-len-configs", "external-fidelity", "strategies"} <= set(on_request)
+    assert f"{', '.join(on_request[:-1])} and {on_request[-1]} run only with --only NAME." in DESCRIPTION
+    assert selected(None) == tuple(n for n in names if n not in on_request) and selected("strategies") == (
+        "strategies",)
+    assert RECORDS == tuple(t.record for t in TABLES if t.summary) and set(RECORDS) < set(TABLE_RECORDS)
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("README.md", "docs/design.md"):
+        text = (root / doc).read_text()
+        assert [n for n in names if f"`{n}`" not in text] == [], doc
+
+
+def test_reproduce_run_config_and_the_run_loop_build_a_table_from_its_object(tmp_path, capsys):
+    import dataclasses
+
+    from experiments.reproduce import run_config, run_tables
+    from experiments.reproduction import Runner, Table
+    from experiments.reproduction.run import PRESETS, SHARED
+
+    run = run_config(["--quick", "--out", str(tmp_path), "--only", "memory-cap", "--memory-cap-mib", "4",
+                      "--cpu-ranks", "2", "4", "--jobs", "2"])
+    assert (run.preset, run.tables, run.memory_cap_mib, run.cpu_ranks) == ("quick", ("memory-cap",), 4.0, (2, 4))
+    assert run.settings() == {**PRESETS["quick"], **SHARED, "memory_cap_mib": 4.0, "cpu_ranks": (2, 4)}
+    assert run_config([]).settings() == {**PRESETS["default"], **SHARED} and run_config([]).models is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.granularity = 1
+
+    def build(run, runner):
+        return [{"system": s, "ranks": 2, "tokens": run.cap_start * (i + 1)} for i, s in enumerate(("a", "b"))]
+
+    table = Table(name="toy", help="a toy table", build=build, simulated=False, record="toy_summary",
+                  summary=lambda rows: {"longest": max(r["tokens"] for r in rows)},
+                  footer=lambda rows, s: [f"{len(rows)} rows, longest {s['longest']}"],
+                  plot=lambda rows, path: path.write_bytes(b"png"))
+    empty = Table(name="empty", help="no rows", build=lambda run, runner: [], simulated=False, record="none",
+                  summary=lambda rows: {"rows": len(rows)})
+    runner = Runner(cache=None)
+    tables, summaries = run_tables(run, runner, [table, empty], "cmd")
+    assert summaries == {"toy_summary": {"longest": 1024}, "none": {"rows": 0}}
+    assert {n: (t["command"], t["preset"], t["rows"]) for n, t in tables.items()} == {
+        "toy": ("cmd", "quick", 2), "empty": ("cmd", "quick", 0)}
+    assert (tmp_path / "toy.csv").read_text().splitlines() == ["system,ranks,tokens", "a,2,512", "b,2,1024"]
+    assert (tmp_path / "toy.md").read_text().endswith("\n\n2 rows, longest 1024\n")
+    assert (tmp_path / "toy.png").read_bytes() == b"png" and not (tmp_path / "empty.csv").exists()
+    assert "## toy" in capsys.readouterr().out and runner.pool is None
+    with pytest.raises(ValueError, match="record key and its summary"):
+        Table(name="x", help="x", build=build, simulated=False, record="x_summary")
 
 
 def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_redo(tmp_path):
@@ -382,7 +449,7 @@ def test_memory_cap_search_finds_the_longest_fitting_length_in_few_probes(peak, 
 
 
 def test_headroom_at_the_published_length_and_the_summary_of_the_table():
-    from experiments.reproduce import headroom_at, max_seq_len_summary, ordering_agrees
+    from experiments.reproduction.max_seq_len import headroom_at, max_seq_len_summary, ordering_agrees
     from simulator.search import SearchResult, Trial
 
     gib, mib = 2**30, 2**20
@@ -421,7 +488,7 @@ def _gap_rows(missing_gib):
 
 def test_gap_shape_tells_a_per_token_gap_from_a_fixed_one():
     from experiments.models import PAPER_MODELS
-    from experiments.reproduce import gap_shape
+    from experiments.reproduction.max_seq_len import gap_shape
 
     def per_token(model, tokens):  # 12 bytes per token, hidden unit and layer
         m = PAPER_MODELS[model]
@@ -439,7 +506,7 @@ def test_gap_shape_tells_a_per_token_gap_from_a_fixed_one():
 
 
 def test_activation_multiple_reads_the_gap_as_activations():
-    from experiments.reproduce import activation_multiple_at, headroom_at
+    from experiments.reproduction.max_seq_len import activation_multiple_at, headroom_at
     from simulator.search import SearchResult, Trial
 
     static, per_token, capacity = 30 * 2**30, 2**20, 80 * 2**30
