@@ -10,7 +10,8 @@ where the numbers come from:
 - ``calibration/`` — the simulator's cpu-gloo preset measured and validated;
 - ``models/`` — model presets; ``baselines/`` — the systems compared;
 - ``launch`` (the multi-rank launcher), ``tables`` (CSV/Markdown/plot writers),
-  ``reproduce`` and ``paper`` (the tables and the write-up), ``notebooks/``.
+  ``reproduce`` (the reproduction's command line), ``reproduction/`` (its tables, one
+  module each), ``paper`` (the write-up), ``notebooks/``.
 
 It may import `autosp` and `simulator`; only the tests import it.
 """
