@@ -39,7 +39,7 @@ def _run_case(rank, world, *, model, sp_size, seq_len, dtype="float32", override
               for i, (ids, _) in enumerate(samples)]
 
     ref_losses = []
-    for (ids, labels), extra in zip(samples, extras):  # data parallelism averages the replicas' gradients
+    for (ids, labels), extra in zip(samples, extras, strict=True):  # data parallelism averages the replicas' gradients
         loss = loss_of(reference(input_ids=ids, labels=labels, **extra))
         (loss / dp_size).backward()
         ref_losses.append(loss.detach())
