@@ -79,6 +79,10 @@ class CompileReport:
     attention_kept_fraction: float | None = None
     """Fraction of the causal attention scores the traced batch's masks keep (1.0: plain causal; None: not
     known, a shape-only trace), what the export prices masked attention at."""
+    document_ids: object = None
+    """A ring or hybrid program over packed documents: the traced batch's document ids over the whole padded
+    sequence ([B, S] tensor, Note [Document masks] in autosp/document_attention.py), from which the export skips
+    the chunk pairs the ring skips (Note [Ring attention in the export] in autosp/export.py); None otherwise."""
 
     memory_plan: dict | None = None
     """With ``memory_plan="auto"``: the planner's decision (autosp.plan.auto.decide): ``options`` (what the model

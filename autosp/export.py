@@ -29,7 +29,9 @@ second step) the wait for the accumulator arriving from rank r-1 and its additio
 the sum onward (P transfers: after the last one each rank holds its own tokens' dK/dV).  Message bytes are the
 tensors the op passes: 2·B·Hkv·L·D elements in the activation dtype for K/V, in the accumulator dtype (fp32)
 for dK/dV.  The copies a call's concatenated chunks and GQA-expanded heads make are counted as its bytes and a
-temporary, freed by the merge or accumulation after it.
+temporary, freed by the merge or accumulation after it.  Over packed documents (``document_ids``, the traced
+batch's) a (query chunk, key chunk) pair no query reads is left out, as the op skips it at run time; the calls
+that remain are priced as the kernel they run (causal within one document, the masked dense block otherwise).
 
 Note [Hybrid attention in the export]
 A strategy="hybrid" program (Note [Hybrid attention] in autosp/passes/dynamo/attention.py) has both: all-to-alls
@@ -79,7 +81,7 @@ from autosp.costs import (
     workspace_bytes,
 )
 from autosp.errors import AutoSPError
-from autosp.ring_attention import accumulator_dtype, blocks, rank_chunks, schedule
+from autosp.ring_attention import Documents, accumulator_dtype, blocks, rank_chunks, schedule
 from simulator.workload import HOST_GROUP, RING_GROUPS, Collective, Op, RankProgram, StaticMemory, Workload
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,8 @@ class _Emitter:
     """A hybrid program's Ulysses degree: the ring runs over the ranks this far apart (1: the ring alone)."""
     named_groups: dict[str, str] | None = None
     """c10d group name -> workload group, for collectives not on ``group`` (a hybrid's all-to-alls)."""
+    document_ids: torch.Tensor | None = None
+    """A ring over packed documents: the traced batch's document ids, [B, S] (see `export_workload`)."""
 
     def __post_init__(self):
         self.ops: list[Op] = []
@@ -247,6 +251,12 @@ def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], o
     ring_rank, lane = divmod(rank, u)  # Note [Hybrid attention in the export]; u = 1: the ring alone
     mine = rank_chunks(layout, size, ring_rank)
     chunk = length // len(mine)
+    reads = None  # packed documents: the chunk pairs no query reads are skipped, as the op skips them
+    if em.document_ids is not None:
+        if em.document_ids.shape[-1] != length * size:
+            raise AutoSPError(f"document_ids cover {em.document_ids.shape[-1]} tokens but {node.name} runs over "
+                              f"{length * size}; pass the CompileReport.document_ids of the traced batch")
+        reads = Documents(em.document_ids, size * len(mine)).reads
     nxt, prv = ((ring_rank + 1) % size) * u + lane, ((ring_rank - 1) % size) * u + lane
     kv_bytes = 2 * b * hkv * length * d * e  # k and v stacked: what travels forward (and backward again)
     dkv_elements = 2 * b * hkv * length * d  # the dK/dV accumulators travelling backward, in the accumulator dtype
@@ -318,7 +328,7 @@ def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], o
             dkv = tensor(dkv_elements * acc)
             cursor = add(f"step{s}.zeros", op_class="memory", written=dkv_elements * acc, after=(cursor,),
                          allocates=(dkv,))
-        for j, (rows, cols, block_causal) in enumerate(blocks(mine, theirs, causal)):
+        for j, (rows, cols, block_causal) in enumerate(blocks(mine, theirs, causal, reads)):
             lq, lk, q_shape, k_shape, copies = block_bytes(rows, cols)
             q_el, kv_el = b * h * lq * d, 2 * b * hkv * lk * d
             kernel = dict(flops=attention_flops(q_shape, k_shape, causal=block_causal, backward=backward),
@@ -375,6 +385,7 @@ def export_workload(
     metadata: dict | None = None,
     saved_freed_at_last_use: bool = True,
     attention_kept_fraction: float | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> Workload:
     """One Workload of world ``sp_size`` from the latest forward and backward graphs: symmetric (rank 0's
     program) for a Ulysses program, one program per rank for a ring or hybrid program
@@ -390,6 +401,9 @@ def export_workload(
     (``aot_eager`` does: its boxed call keeps the argument list alive).
     ``attention_kept_fraction``: the fraction of its Sq·Sk scores document-masked attention keeps
     (`CompileReport.attention_kept_fraction`); None prices it as causal.
+    ``document_ids``: a ring or hybrid program over packed documents, the traced batch's document ids
+    (`CompileReport.document_ids`): the chunk pairs no query reads are left out, as the op skips them; None
+    prices every pair the causal ring computes.
     """
     graphs = dict(aot_graphs)
     if "forward" not in graphs or "backward" not in graphs:
@@ -413,6 +427,7 @@ def export_workload(
     programs = {}
     for rank in range(sp_size) if ring else (0,):  # a ring's neighbours are absolute ranks: a program per rank
         em = _Emitter(group="sp", masked_fraction=attention_kept_fraction, rank=rank, ulysses_size=u,
+                      document_ids=document_ids if ring else None,
                       named_groups=dict.fromkeys(ulysses_names, "ulysses") if hybrid else None)
         live: dict[str, int] = {}
         _emit_graph(graphs["forward"], "forward", em, live)

@@ -44,6 +44,7 @@ PRESET = pathlib.Path(__file__).resolve().parents[1] / "simulator" / "presets" /
 SOURCE_COMMENT = re.compile(r"<!--.*?-->\n?", re.DOTALL)  # notes for the source's editors only
 PRODUCERS = {
     "validation/validation": "python -m experiments.validate_simulator --out RESULTS/validation",
+    "external-fidelity": "python -m experiments.reproduce --only external-fidelity --out RESULTS",
 }
 
 

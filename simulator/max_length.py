@@ -27,6 +27,10 @@ selective checkpointing budgets recomputation as a share of the whole graph's co
 graph (LM head and loss dominant) saves a different share of each layer than a 32-layer one.  Measured on
 Llama-3.1-8B over 8 ranks: 6.63 GiB extrapolated vs 16.96 GiB traced at 32 layers (32K tokens, SAC).  So a step
 extrapolated from shallow traces is labelled as such, and full-depth traces are the default where it matters.
+Where the two shallow traces disagree in direction - the deeper one holds less memory (or takes less time), as
+when SAC recomputes more of the two-layer graph than of the one-layer graph - the line would fall with the depth
+and at long lengths even below zero (-95.6 GiB at 294,912 tokens for Llama-3.1-8B on 8 ranks under SAC), so
+:func:`extrapolate_depth` refuses (:class:`DepthExtrapolationError`) and its callers trace the full depth there.
 
 Note [Max-length band from one set of steps]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -67,6 +71,11 @@ class ModelStep:
     """The two traced depths, when the step was extrapolated (Note [Depth extrapolation]); None: traced whole."""
 
 
+class DepthExtrapolationError(ValueError):
+    """Two shallow traces that no straight line in the depth can extend (Note [Depth extrapolation]): the deeper
+    one takes less time or holds less memory.  Callers trace the full depth instead."""
+
+
 def extrapolate_depth(at_depth: Callable[[int], tuple[float, int]], layers: int,
                       depths: tuple[int, int]) -> tuple[float, int]:
     """(step time, dynamic memory) of ``layers`` layers from ``at_depth(d)`` at the two ``depths`` (Note [Depth
@@ -78,6 +87,11 @@ def extrapolate_depth(at_depth: Callable[[int], tuple[float, int]], layers: int,
     if d1 == d2:
         return t1, m1
     t2, m2 = at_depth(d2)
+    if t2 < t1 or m2 < m1:
+        raise DepthExtrapolationError(
+            f"the step traced at {d2} layers has {'less time' if t2 < t1 else 'less memory'} than at {d1} "
+            f"({t2:.4g} s, {m2:,} B vs {t1:.4g} s, {m1:,} B): the shallow traces planned differently (Note [Depth "
+            "extrapolation]) and a straight line through them would predict too little; trace the full depth")
     extra = (layers - d1) / (d2 - d1)
     return t1 + extra * (t2 - t1), int(m1 + extra * (m2 - m1))
 

@@ -24,7 +24,14 @@ from autosp.plan.model_source import ModelSource
 from simulator.cluster import Cluster
 from simulator.engine import simulate
 from simulator.ledger import OPTIMIZER_STATES, LedgerLine, TrainingConfig, memory_ledger, summarize
-from simulator.max_length import BANDS, ModelStep, extrapolate_depth, ledger_host_peak, ledger_peak
+from simulator.max_length import (
+    BANDS,
+    DepthExtrapolationError,
+    ModelStep,
+    extrapolate_depth,
+    ledger_host_peak,
+    ledger_peak,
+)
 from simulator.max_length import max_length as search_max_length
 from simulator.replicas import data_parallel_replicas
 from simulator.result import Result
@@ -247,7 +254,8 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, parame
     exported = export_workload(graphs, name=f"{source.spec}/L={depth}/S={seq_len}", sp_size=setup.sp_size,
                                parameter_bytes=parameter_bytes,
                                saved_freed_at_last_use=setup.compiler == "inductor",
-                               attention_kept_fraction=report.attention_kept_fraction)
+                               attention_kept_fraction=report.attention_kept_fraction,
+                               document_ids=report.document_ids)
     modules = module_parameters(graphs, report.forward_graphs[-1])
     world = setup.world_size
     names = [n for m in modules for n in m.gradients]
@@ -393,8 +401,13 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
             memo[layers] = at_depth(None if layers == model_layers else layers)
         return memo[layers]
 
-    step_s, dynamic = extrapolate_depth(lambda d: (cached(d)[0], cached(d)[2]), model_layers, depths)
-    micro_s, host = extrapolate_depth(lambda d: (cached(d)[1], cached(d)[4]), model_layers, depths)
+    try:
+        step_s, dynamic = extrapolate_depth(lambda d: (cached(d)[0], cached(d)[2]), model_layers, depths)
+        micro_s, host = extrapolate_depth(lambda d: (cached(d)[1], cached(d)[4]), model_layers, depths)
+    except DepthExtrapolationError as exc:  # Note [Depth extrapolation] in simulator/max_length.py
+        log.warning("%d tokens: %s; tracing all %d layers", seq_len, exc, model_layers)
+        depths = (model_layers, model_layers)
+        step_s, micro_s, dynamic, _, host = cached(model_layers)
     return StepPrediction(seq_len=seq_len, step_time_s=step_s, dynamic_memory_bytes=dynamic,
                           host_dynamic_memory_bytes=host,
                           micro_step_time_s=micro_s, simulated=memo[depths[1]][3],

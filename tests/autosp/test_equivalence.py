@@ -21,31 +21,39 @@ BF16_TOL = {"rtol": 2e-2, "atol": 2e-2, "relative_to_scale": True}
 
 
 def _run_case(rank, world, *, model, sp_size, seq_len, dtype="float32", overrides=None, compiler="aot_eager",
-              options=None):
+              options=None, documents=None):
+    """``documents``: per data-parallel replica, the lengths of the documents its row packs (position ids restart
+    at each; a Hugging Face model then masks attention within documents)."""
     import autosp
     from experiments.models import build_model, vocab_size
 
     torch.manual_seed(0)
     reference = build_model(model, **(overrides or {})).to(getattr(torch, dtype))
+    if documents is not None and hasattr(reference, "config"):
+        reference.config.use_cache = False  # Hugging Face: the packed-sequence mask needs no cache
     candidate = copy.deepcopy(reference)
     dp_size, dp_rank = world // sp_size, rank // sp_size
     samples = [make_sample(seq_len, vocab_size(reference), seed=100 + i) for i in range(dp_size)]
+    extras = [{} if documents is None else
+              {"position_ids": torch.cat([torch.arange(n) for n in documents[i]])[None].expand(ids.shape[0], -1)}
+              for i, (ids, _) in enumerate(samples)]
 
     ref_losses = []
-    for ids, labels in samples:  # data parallelism averages the replicas' gradients
-        loss = loss_of(reference(input_ids=ids, labels=labels))
+    for (ids, labels), extra in zip(samples, extras, strict=True):  # data parallelism averages the replicas' gradients
+        loss = loss_of(reference(input_ids=ids, labels=labels, **extra))
         (loss / dp_size).backward()
         ref_losses.append(loss.detach())
 
     compiled = autosp.compile(candidate, sp_size=sp_size, compiler=compiler, **(options or {}))
     ids, labels = samples[dp_rank]
-    loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
+    loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels, **extras[dp_rank])))
     loss.backward()
     autosp.sync_gradients(compiled)
     return {
         "loss": loss.detach(), "ref_loss": ref_losses[dp_rank],
         "grads": named_grads(candidate), "ref_grads": named_grads(reference),
         "sites": [(s.num_heads, s.num_kv_heads, s.kv_replication) for s in compiled.report.attention_sites],
+        "masks": [(m.by_position, m.padding, m.window) for m in compiled.report.document_masks],
     }
 
 

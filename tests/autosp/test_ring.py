@@ -336,6 +336,9 @@ def _four_rank_cases(rank, world):
          "options": RING},  # more ranks than heads
         {"model": "plain-llama", "sp_size": 2, "seq_len": 32, "overrides": {"kv_heads": 2},
          "options": RING},  # SP 2 x DP 2
+        # packed documents under SP 2 x DP 2 on the ring, each replica its own packing (chunks of 16; the ids
+        # and the skipped pairs are per SP group)
+        {"model": "hf-llama", "sp_size": 2, "seq_len": 64, "options": RING, "documents": [[5, 40, 19], [30, 34]]},
         # activation offload (tests/autosp/test_activation_offload.py) under SP 2 x DP 2 on the ring
         {"model": "hf-llama", "sp_size": 2, "seq_len": 64, "options": {**RING, "activation_offload": "on"}},
     ]
@@ -356,6 +359,9 @@ def _four_rank_cases(rank, world):
 def test_ring_four_ranks_gqa_more_ranks_than_heads_and_data_parallel_and_the_hybrid_match_single_device():
     out = run_on_ranks(_four_rank_cases, 4, timeout_s=900)
     _check([r["cases"] for r in out], FP32_TOL)
+    for r in out:  # only the packed case applies document masks (one per layer), by position
+        masks = [c["masks"] for c in r["cases"]]
+        assert masks[3] and set(masks[3]) == {(True, False, None)} and not any(masks[:3] + masks[4:])
     assert all("strategy='ring'" in r["ulysses"] for r in out)
     check_hybrid_four_ranks([r["hybrid"] for r in out])
     _check([r["documents"] for r in out], FP32_TOL)

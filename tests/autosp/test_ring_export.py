@@ -153,3 +153,45 @@ def test_ring_export_is_what_the_registrys_autosp_ring_builds_its_whole_step_fro
     assert all(any(op.phase == "optimizer" for op in program.ops) for program in step.ranks.values())
     cluster = Cluster.from_preset("h100-sxm")
     assert simulate(step, cluster).step_time_s > simulate(workload, cluster).step_time_s
+
+
+@pytest.mark.parametrize("document_lengths,read_blocks", [
+    ([16, 16, 16, 16], 4),  # every chunk its own document: only the 4 diagonal blocks are read
+    ([32, 32], 6),          # two documents of two chunks: 4 diagonal blocks and 2 below them
+])
+def test_ring_export_over_packed_documents_leaves_out_the_chunk_pairs_the_op_skips(document_lengths, read_blocks):
+    """Note [Ring attention in the export]: HF Llama (its packed-sequence mask) over 2 ranks, 4 chunks of 16
+    tokens; the ring's attention work summed over the ranks is the causal blocks the documents read, no more."""
+    def build():
+        model = build_model("hf-llama", layers=1, vocab=VOCAB, heads=8, kv_heads=2)
+        model.config.use_cache = False
+        return model
+
+    torch._dynamo.reset()
+    compiled, parameter_bytes = trace_fake_step(build, seq_len=SEQ, sp_size=2, vocab_size=VOCAB, strategy="ring",
+                                                document_lengths=document_lengths, **COMPARED)
+    report = compiled.report
+    assert report.document_ids is not None and tuple(report.document_ids.shape) == (1, SEQ)
+    chunk, d = SEQ // 4, 64 // 8
+    shapes = (1, 8, chunk, d), (1, 2, chunk, d)
+    off_diagonal = read_blocks - 4  # whole (non-causal) blocks below the diagonal
+
+    def expected(backward: bool) -> int:
+        return (4 * attention_flops(*shapes, causal=True, backward=backward)
+                + off_diagonal * attention_flops(*shapes, causal=False, backward=backward))
+
+    def attention(workload, phase):
+        return sum(op.flops for program in workload.ranks.values() for op in program.ops
+                   if op.op_class == "attention" and op.phase == phase)
+
+    skipped = export_workload(report.aot_graphs, name="documents", sp_size=2, parameter_bytes=parameter_bytes,
+                              document_ids=report.document_ids)
+    dense = export_workload(report.aot_graphs, name="causal", sp_size=2, parameter_bytes=parameter_bytes)
+    assert attention(skipped, "forward") == expected(False)
+    assert attention(skipped, "backward") == expected(True)
+    # without the ids: the plain causal ring, 16 causal blocks' worth of scores (8 whole blocks)
+    assert attention(dense, "forward") == 16 * attention_flops(*shapes, causal=True, backward=False)
+    assert simulate(skipped, Cluster.from_preset("h100-sxm")).step_time_s > 0
+    with pytest.raises(Exception, match="document_ids cover"):
+        export_workload(report.aot_graphs, name="x", sp_size=2, parameter_bytes=parameter_bytes,
+                        document_ids=report.document_ids[:, :32])

@@ -10,14 +10,41 @@ from experiments.paper_scale.external_fidelity import (
     external_fidelity_rows,
     median_abs_error_pct,
     reserved_bytes,
+    simulated_step_key,
 )
 
 
 def test_figures_come_from_two_sources_with_provenance():
-    assert len(EXTERNAL_FIGURES) >= 6 and len({f.source for f in EXTERNAL_FIGURES}) >= 2
+    assert len(EXTERNAL_FIGURES) >= 6 and len({f.source for f in EXTERNAL_FIGURES}) >= 3
     for fig in EXTERNAL_FIGURES:
         assert " line " in fig.provenance and ".md" in fig.provenance and fig.modelled_as
         assert fig.seq_len % fig.cp == 0 and fig.shard % fig.cp == 0 or fig.cp == 1
+
+
+def test_torchao_measured_one_configuration_on_three_machines():
+    rows = [f for f in EXTERNAL_FIGURES if f.source.startswith("torchao")]
+    assert [f.published_gib for f in rows] == [47.65, 39.09, 33.71]
+    # batch 1 x 8192 over 8 FSDP ranks under op-SAC each time: one simulated step stands for all three
+    assert {simulated_step_key(f) for f in rows} == {("llama-3.1-8b", 8192, 1, "sac", "h100-sxm")}
+    assert {f.shard for f in rows} == {8}
+    # a GPU without a preset says which preset stands in for it
+    assert all(("stands in" in f.modelled_as) == ("H100" not in f.figure) for f in rows)
+
+
+def test_each_distinct_step_is_simulated_once():
+    gib = 2**30
+    calls = []
+
+    def dynamic(fig):
+        calls.append(simulated_step_key(fig))
+        return (10 + len(calls)) * gib
+
+    rows = external_fidelity_rows(dynamic=dynamic)
+    assert sorted(calls) == sorted({simulated_step_key(f) for f in EXTERNAL_FIGURES})
+    order = list(dict.fromkeys(simulated_step_key(f) for f in EXTERNAL_FIGURES))
+    for fig, row in zip(EXTERNAL_FIGURES, rows, strict=True):
+        activations = (11 + order.index(simulated_step_key(fig))) * gib
+        assert row["simulated"] == f"{reserved_bytes(fig, activations) / gib:.2f}"
 
 
 def test_rows_carry_columns_and_the_ledger_decides():

@@ -135,3 +135,24 @@ def test_search_over_an_explicit_set_of_lengths_finds_the_longest_member_that_fi
     assert found.max_seq_len == (max(fitting) if fitting else None)
     assert found.stopped == {900: "none_fit", 200_000: "ceiling"}.get(capacity_tokens, "converged")
     assert len(probed) == len(set(probed))
+
+
+def test_depth_extrapolation_is_a_straight_line_in_the_depth():
+    from simulator.max_length import extrapolate_depth
+
+    def at_depth(d):
+        return 0.5 + 0.25 * d, 1000 + 300 * d
+
+    assert extrapolate_depth(at_depth, 32, (1, 2)) == (8.5, 10600)
+    assert extrapolate_depth(at_depth, 32, (32, 32)) == at_depth(32)  # traced at full depth: as is
+
+
+@pytest.mark.parametrize("shallow,deeper", [((1.0, 5000), (1.5, 4000)),   # less memory at two layers
+                                            ((1.0, 5000), (0.9, 6000))])  # less time at two layers
+def test_depth_extrapolation_refuses_traces_that_shrink_with_the_depth(shallow, deeper):
+    # Under SAC the 1- and 2-layer graphs can be planned differently; a line falling with the depth would
+    # predict a 32-layer model holding less than one layer (below zero at long lengths): refused.
+    from simulator.max_length import DepthExtrapolationError, extrapolate_depth
+
+    with pytest.raises(DepthExtrapolationError, match="trace the full depth"):
+        extrapolate_depth({1: shallow, 2: deeper}.__getitem__, 32, (1, 2))

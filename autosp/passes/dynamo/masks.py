@@ -372,6 +372,8 @@ class _MaskLearner:
         padded_mask = None if padding is None else pad_end(padding, layout.pad_tokens, 0)
         documents = rule.documents(padded_positions, padded_mask)
         self.kept[rule] = kept_fraction(documents, rule.window)
+        if self.ctx.strategy in ZIGZAG_STRATEGIES:  # the ring skips chunk pairs by these ids; so does its export
+            self.ctx.report.document_ids = documents
         length = layout.local_seq_len
         for start in range(0, layout.padded_seq_len, length):
             # Rank start // length's block, cut as shard_batch cuts the inputs (autosp.inputs.shard_tokens).
