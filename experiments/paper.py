@@ -44,8 +44,20 @@ PRESET = pathlib.Path(__file__).resolve().parents[1] / "simulator" / "presets" /
 SOURCE_COMMENT = re.compile(r"<!--.*?-->\n?", re.DOTALL)  # notes for the source's editors only
 PRODUCERS = {
     "validation/validation": "python -m experiments.validate_simulator --out RESULTS/validation",
-    "external-fidelity": "python -m experiments.reproduce --only external-fidelity --out RESULTS",
 }
+"""Commands that write a table other than the reproduce tables (`producer`)."""
+
+
+def producer(name: str) -> str:
+    """The command that writes table ``name`` into ``results``: its `PRODUCERS` entry, ``--only NAME`` for a
+    reproduce table run only on request (`experiments.reproduction.TABLES`), else a default reproduce run."""
+    from experiments.reproduction import BY_NAME
+
+    if name in PRODUCERS:
+        return PRODUCERS[name].replace("RESULTS", "results")
+    if name in BY_NAME and BY_NAME[name].on_request:
+        return f"python -m experiments.reproduce --only {name} --out results"
+    return "python -m experiments.reproduce"
 
 
 class MissingResult(FileNotFoundError):
@@ -91,8 +103,7 @@ class Builder:
         path = self.results / f"{name}.md"
         if not path.exists():
             if flag == "optional":
-                command = PRODUCERS.get(name, "python -m experiments.reproduce").replace("RESULTS", "results")
-                return f"*(This table is not in the results folder: `{command}` writes it.)*"
+                return f"*(This table is not in the results folder: `{producer(name)}` writes it.)*"
             raise self._missing(f"{name}.md")
         return path.read_text().strip()
 
