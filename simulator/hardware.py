@@ -182,10 +182,12 @@ class HardwarePreset:
     """Host (CPU) memory of one node that its training processes may use, bytes (``None``: unknown; the
     devices of a node share it equally, :meth:`simulator.cluster.Cluster.host_memory_per_rank_bytes`)."""
     host_memory_link: LinkSpec | None = None
-    """One device's link to host memory, per direction: what device<->host copies (optimizer offload) cross
-    (``None``: the preset has no separate host memory, e.g. ``cpu-gloo``)."""
+    """One device's link to host memory, per direction: what device<->host copies (optimizer and activation
+    offload) cross (``None``: the preset has no host memory to offload to). On ``cpu-gloo`` device and host memory
+    are the same RAM and the link is a memory-to-memory copy, measured (``experiments.calibrate_cpu``)."""
     host_memory_kind: str = ""
-    """``"pcie"`` or ``"nvlink-c2c"``: the kind of :attr:`host_memory_link` (selects its constants)."""
+    """``"pcie"`` or ``"nvlink-c2c"`` (GPU presets: selects the link's constants), ``"memory"`` (``cpu-gloo``: a
+    copy within RAM, measured)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,6 +356,8 @@ def preset_from_dict(data: Mapping[str, Any]) -> HardwarePreset:
                         for k, v in dev["efficiency"].items()},
         )
         link = data["intra_node"]
+        host = data.get("host_memory_link")
+        host_bytes = data.get("host_memory_bytes")
         return HardwarePreset(
             name=str(data["name"]),
             device=device,
@@ -367,6 +371,11 @@ def preset_from_dict(data: Mapping[str, Any]) -> HardwarePreset:
             calibrated=bool(data["calibrated"]),
             notes=str(data.get("notes", "")),
             collectives_in_flight=int(data.get("collectives_in_flight", 1)),
+            host_memory_bytes=None if host_bytes is None else int(host_bytes),
+            host_memory_link=None if host is None else LinkSpec(
+                bandwidth_bytes_per_s=float(host["bandwidth_bytes_per_s"]), latency_s=float(host["latency_s"]),
+                efficiency=float(host.get("efficiency", 1.0))),
+            host_memory_kind=str(data.get("host_memory_kind", "")) if host is not None else "",
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed hardware preset document ({exc!r}); regenerate it with "

@@ -326,7 +326,8 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
     (inside the optimizer step, with the gradients), see Note [Which
     DeepSpeed path holds what]).
 
-    ``device=False`` leaves out what only a GPU process holds (CUDA context, NCCL, workspaces, allocator);
+    ``device=False`` (or ``cfg.gpu_process=False``: a CPU process) leaves out what only a GPU process holds (CUDA
+    context, NCCL, workspaces, allocator, the host process allowance);
     ``activation_bytes`` / ``logits_bytes`` (e.g. a simulated workload's peak above static memory) add lines of
     their own and are what the fragmentation band applies to; ``host_activation_bytes`` (a simulated workload's
     host peak: offloaded activations, Note [Host tensors] in simulator/workload.py) a host line. Under optimizer offload some lines are in host memory
@@ -349,7 +350,7 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
     if host_activation_bytes:
         lines.append(_line("activations", "offloaded activations (simulated workload)", [host_activation_bytes],
                            "simulated workload: peak live host tensors", "backward", pool="host"))
-    if not device:
+    if not device or not cfg.gpu_process:
         return lines
     table = UNCERTAIN if uncertain is None else uncertain
     lines.append(_band_line("runtime", "CUDA context and kernel images", table["cuda_context_bytes"], 1))

@@ -51,6 +51,11 @@ class TrainingConfig:
     """``zero_optimization.offload_optimizer.device = "cpu"``: fp32 master weights, gradient partitions and
     optimizer state in host memory, the optimizer step on the CPU (Note [Optimizer offload] in
     simulator/ledger.py). ZeRO 1-3 only."""
+    gpu_process: bool = True
+    """The rank is a GPU process: it also holds what no tensor accounts for (CUDA context, NCCL buffers,
+    library workspaces, the caching allocator's rounding and fragmentation, and under offload the host process's
+    own memory; :mod:`simulator.device_reserve`). False for a CPU process (``cpu-gloo``), whose memory the ledger
+    counts as its tensors alone, as ``experiments.cpu.peak_memory.PeakMemory`` measures it."""
 
     def __post_init__(self) -> None:
         if self.deepspeed not in DEEPSPEED_VERSIONS:

@@ -559,7 +559,8 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     source = ModelSource(model)
     hf = source.config(seq_len=setup.seq_len)
     numels = source.parameter_numels(hf)
-    config = setup.training_config(numels)
+    # a node without a GPU architecture (cpu-gloo) runs CPU processes: the ledger counts their tensors only
+    config = dataclasses.replace(setup.training_config(numels), gpu_process=bool(cluster.preset.architecture))
     capacity = int(cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes)
     offloading = [what for what, on in (
         (f"--offload {setup.offload}", config.offload_optimizer),
@@ -606,7 +607,8 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
         notes.append("depth extrapolated from 1 and 2 layers: too low under activation checkpointing "
                      "(Note [Depth extrapolation] in simulator/max_length.py)")
     if not cluster.preset.architecture:
-        notes.append("the device reserve (CUDA context, NCCL, workspaces) is a GPU's; this device is not a GPU")
+        notes.append("a CPU process (no GPU architecture): no device reserve (CUDA context, NCCL, workspaces, "
+                     "allocator); the peak is the tensors' memory")
     if config.offload_optimizer:
         notes.append(f"optimizer step on the CPU: {host_optimizer_time_s(config) * 1e3:.1f} ms per step (assumption "
                      "host_cpu.adam_elements_per_s in simulator/gpu_constants.py), included in the step time")

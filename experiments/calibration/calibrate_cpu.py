@@ -3,7 +3,8 @@
 Run ``python -m experiments.calibrate_cpu`` (about two and a half minutes on 2 cores; ``--quick`` halves it,
 ``--out PATH`` writes elsewhere, ``--update-preset`` replaces the tracked ``simulator/presets/cpu_gloo.json``,
 the preset the simulator and the paper use), with nothing else running. With one thread per process, as the gloo tests run, it measures:
-fp32 matmul FLOP/s (the preset's peak), elementwise, copy and reduction memory bandwidth, causal
+fp32 matmul FLOP/s (the preset's peak), elementwise, copy and reduction memory bandwidth, AutoSP's activation-offload
+copies (`measure_host_copy`: the host-memory link; host memory is the machine's RAM), causal
 ``scaled_dot_product_attention`` forward and backward over head dims 16-128 (fitted to a matmul rate plus a time
 per query-key score, see `measure_attention`), the host cost of one graph node and of entering one compiled graph
 (`_compiled_step_host_costs`: toy forward + backward steps compiled with ``aot_eager`` on tiny tensors, two
@@ -79,6 +80,7 @@ def measure_compute(repeat: int) -> dict[str, float]:
     out["copy_bytes_per_s"] = 2 * 4 * numel / _best_time_s(lambda: z.copy_(x), repeat=repeat)
     out["reduction_bytes_per_s"] = 4 * numel / _best_time_s(lambda: x.sum(), repeat=repeat)
     out.update(measure_attention(repeat))
+    out.update(measure_host_copy(repeat))
     t1, t2 = torch.randn(1), torch.randn(1)
     out["eager_add_call_s"] = _best_time_s(lambda: torch.add(t1, t2), repeat=repeat)
     node_s, graph_s = _compiled_step_host_costs(repeat)
@@ -86,6 +88,52 @@ def measure_compute(repeat: int) -> dict[str, float]:
     out["kernel_launch_overhead_s"] = out["view_op_overhead_s"] = node_s
     out["graph_call_overhead_s"] = graph_s
     return out
+
+
+HOST_COPY_BYTES = 32 * 2**20
+"""Bytes of the tensor the activation-offload copies are timed on (well beyond the caches)."""
+
+
+def measure_host_copy(repeat: int) -> dict[str, float]:
+    """The cpu-gloo preset's host-memory link: AutoSP's activation-offload copies as the compiled program calls
+    them (``autosp.ops.offload_to_host`` and ``reload_from_host``, Note [Activation offload ops]: on a CPU each is a
+    copy into newly allocated RAM, page faults included), on a `HOST_COPY_BYTES` fp32 tensor and on a one-element
+    tensor.  The one-element call is the link's latency (the op's dispatch); the bandwidth per direction is the
+    large copy's bytes over its time less that latency, the two directions averaged (9.80 and 9.87 ms for
+    32 MiB on this project's machine: both allocate and copy).  About 3.4 GB/s there, against 43 GB/s (read plus
+    write) of ``copy_`` into an existing tensor: the fresh allocation's page faults dominate."""
+    from autosp.ops import offload_to_host, reload_from_host
+
+    torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    x, one = torch.randn(HOST_COPY_BYTES // 4), torch.randn(1)
+    host, host_one = offload_to_host(x), offload_to_host(one)
+    out = {"host_copy_bytes": HOST_COPY_BYTES,
+           "offload_to_host_s": _best_time_s(lambda: offload_to_host(x), repeat=repeat),
+           "reload_from_host_s": _best_time_s(lambda: reload_from_host(host, cpu), repeat=repeat),
+           "offload_to_host_one_element_s": _best_time_s(lambda: offload_to_host(one), repeat=repeat),
+           "reload_from_host_one_element_s": _best_time_s(lambda: reload_from_host(host_one, cpu), repeat=repeat)}
+    latency = (out["offload_to_host_one_element_s"] + out["reload_from_host_one_element_s"]) / 2
+    copy_s = (out["offload_to_host_s"] + out["reload_from_host_s"]) / 2 - latency
+    out["host_copy_latency_s"] = latency
+    out["host_copy_bytes_per_s"] = HOST_COPY_BYTES / max(copy_s, 1e-9)
+    return out
+
+
+HOST_MEMORY_NOTE = ("host_memory_bytes is the machine's RAM (device and host memory are the same RAM: a run caps the "
+                    "device pool itself, e.g. target_memory); host_memory_link is AutoSP's activation-offload copy "
+                    "(offload_to_host and reload_from_host of a 32 MiB fp32 tensor, the two directions averaged, "
+                    "less the latency: the one-element call), not scaled by step_factor")
+"""The preset's notes on its host-memory fields (`host_memory_fields`)."""
+
+
+def host_memory_fields(host_copy: dict[str, float], total_ram: int) -> dict:
+    """The preset's host-memory fields from `measure_host_copy`'s figures: the machine's RAM (device and host
+    memory are the same RAM on a CPU: a run caps the device pool itself, e.g. the memory-cap table's 16 MiB per
+    rank, and the host pool is the RAM shared by the node's ranks) and the measured copy as the link."""
+    return {"host_memory_bytes": int(total_ram), "host_memory_kind": "memory",
+            "host_memory_link": {"bandwidth_bytes_per_s": host_copy["host_copy_bytes_per_s"],
+                                 "latency_s": host_copy["host_copy_latency_s"], "efficiency": 1.0}}
 
 
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
@@ -331,13 +379,14 @@ def build_preset(compute: dict, a2a: dict[int, dict[int, float]],
                  "'fabric' is gloo over TCP on 127.0.0.1, timed through AutoSP's all-to-all op between compute "
                  "(its mean in-step cost); with more "
                  "ranks than calibration.cpus the ranks share the cores; memory_bytes is "
-                 f"the machine's RAM split over {devices} ranks",
+                 f"the machine's RAM split over {devices} ranks; " + HOST_MEMORY_NOTE,
         "sources": ["python -m experiments.calibrate_cpu"],
         "devices_per_node": devices,
         "intra_node_kind": "loopback",
         # gloo runs async work on 2 threads, but two all-to-alls started together on this 2-core machine were
         # sometimes 30 % faster, sometimes 40 % slower than one after the other (run to run): modelled serial.
         "collectives_in_flight": 1,
+        **host_memory_fields(compute, total_ram),
         "device": {
             "name": f"cpu process ({platform.machine()}, 1 thread)",
             "peak_flops_per_s": peak,

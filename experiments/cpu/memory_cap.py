@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,19 @@ from experiments.cpu.measure import _measured_step, _quiet_rank, _sample
 
 log = logging.getLogger(__name__)
 
+
+# Note [The planner's memory-cap row]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Beside the systems of the registry, the table has a row `PLANNER_ROW`: AutoSP compiled with
+# ``memory_plan="auto", target_memory=cap_bytes`` (autosp/plan/auto.py), so at each probed length the planner
+# chooses checkpointing, SAC budget, tiled loss, tiled MLP and activation offload (all its candidates) as the
+# fastest plan it predicts to fit the cap; the probe then measures the plan it chose, like any other system.  The
+# planner is told what the probe runs (`PLANNER_SETUP`: plain torch, no optimizer state), and on the cpu-gloo
+# preset its peak is tensor memory (a CPU process: no device reserve), what PeakMemory measures.  A length at
+# which it predicts that no plan fits is a failed probe (`NO_PLAN_PEAK`: where that bounds the bracket the search
+# takes its middle).  The measured peak is not monotone in the length across plans (a longer probe may get a leaner
+# plan: 14.6 MiB at 2,944 tokens, 13.5 at 3,328 in the default run), which the search assumes, so within its probe
+# budget the row's length can be a lower bound (the table says so).
 
 # Note [Memory-cap search]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -55,7 +69,7 @@ def next_probe(probes: list[tuple[int, int]], cap_bytes: int, *, granularity: in
         return None
     if fits and fails:  # bracketed: interpolate, but shrink the bracket by at least a quarter
         slope = (peak[hi] - peak[lo]) / (hi - lo)
-        guess = lo + (cap_bytes - peak[lo]) / slope if slope > 0 else (lo + hi) / 2
+        guess = lo + (cap_bytes - peak[lo]) / slope if 0 < slope < math.inf else (lo + hi) / 2
         guess = min(max(guess, lo + (hi - lo) / 4), hi - (hi - lo) / 4)
     elif len(probes) == 1:
         (s0, p0), = probes
@@ -63,7 +77,7 @@ def next_probe(probes: list[tuple[int, int]], cap_bytes: int, *, granularity: in
     else:  # all fit (extrapolate from the two longest) or all fail (from the two shortest)
         (s0, p0), (s1, p1) = sorted(probes)[-2:] if not fails else sorted(probes)[:2]
         slope = (p1 - p0) / (s1 - s0)
-        guess = s1 + (cap_bytes - p1) / slope if slope > 0 else (2 * s1 if not fails else s0 / 2)
+        guess = s1 + (cap_bytes - p1) / slope if 0 < slope < math.inf else (2 * s1 if not fails else s0 / 2)
     length = int(guess // granularity) * granularity
     return max(lo + granularity, min(length, hi - granularity, max_len))
 
@@ -91,19 +105,62 @@ class MemoryCapSpec:
     """Further size overrides for the preset (e.g. ``{"kv_heads": 4}``)."""
 
 
-def _probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> int:
-    """Largest peak bytes over the ranks of one step of ``name`` at ``seq_len``."""
+PLANNER_ROW = "autosp+planner"
+"""The row of AutoSP under its memory planner (Note [The planner's memory-cap row])."""
+PLANNER_SETUP = {"zero_stage": 0, "optimizer": "sgd"}
+"""``plan_setup`` of `PLANNER_ROW`: what every probe runs (the model's own fp32 parameters and ``param.grad``, no
+DeepSpeed wrapper, no optimizer state), for the planner's memory ledger."""
+NO_PLAN_PEAK = float("inf")
+"""The peak recorded for a probe at which the planner finds no plan that fits."""
+
+
+def row_system(row: str, cap_bytes: int) -> tuple[str, dict]:
+    """The `experiments.baselines.build_system` name and extra options of memory-cap row ``row``: a system of the
+    registry as it is, or `PLANNER_ROW` (AutoSP with ``memory_plan="auto"`` under ``cap_bytes``)."""
+    if row == PLANNER_ROW:
+        return "autosp", {"memory_plan": "auto", "target_memory": int(cap_bytes), "plan_setup": dict(PLANNER_SETUP)}
+    return row, {}
+
+
+def row_note(result: dict) -> str:
+    """What the table says of a row's search beyond its lengths: for `PLANNER_ROW`, the plan chosen at the longest
+    length that fitted and at the first that did not ("" for the other rows)."""
+    plans = result.get("plans") or {}
+    said = [f"{what} {s}: {plans[s]}" for what, s in (("plan at", result.get("max_seq_len")),
+                                                         ("at", result.get("first_failure"))) if s in plans]
+    return "; ".join(said)
+
+
+def _planned(system) -> str | None:
+    """The memory plan the planner chose for ``system`` (None: it did not plan)."""
+    compiled = getattr(system, "compiled", None)
+    plan = compiled.report.memory_plan if compiled is not None else None
+    return plan["candidates"][plan["chosen"]]["plan"] if plan else None
+
+
+def _probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> tuple[float, str | None]:
+    """Largest peak bytes over the ranks of one step of row ``name`` at ``seq_len``, and the memory plan the
+    planner chose (`PLANNER_ROW`; else None)."""
+    from autosp.errors import AutoSPError
     from experiments.baselines import build_system
     from experiments.models import vocab_size
 
     torch._dynamo.reset()
     ids, labels = _sample(seq_len, vocab_size(base))
-    system = build_system(name, copy.deepcopy(base), sp_size=world, compiler=spec.compiler)
-    system.step(ids, labels)
+    system_name, options = row_system(name, spec.cap_bytes)
+    system = build_system(system_name, copy.deepcopy(base), sp_size=world, compiler=spec.compiler, **options)
+    try:
+        system.step(ids, labels)
+    except AutoSPError as err:  # every rank raises it (the decision is broadcast)
+        if options.get("memory_plan") == "auto" and "found no plan" in str(err):
+            log.info("memory cap %s at %d tokens: %s", name, seq_len, err)
+            return NO_PLAN_PEAK, "no plan fits"
+        raise
     peak = torch.tensor([_measured_step(system, ids, labels)], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    plan = _planned(system)
     del system
-    return int(peak.item())
+    return int(peak.item()), plan
 
 
 def max_seq_len_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
@@ -119,18 +176,55 @@ def max_seq_len_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
     results = {}
     for name in spec.systems:
         start_s = time.perf_counter()
-        probes: list[tuple[int, int]] = []
+        probes: list[tuple[int, float]] = []
+        plans: dict[int, str] = {}
         try:
             length = spec.start
             while length is not None and len(probes) < spec.max_probes:
-                probes.append((length, _probe(name, base, length, world, spec)))
+                peak, plan = _probe(name, base, length, world, spec)
+                probes.append((length, peak))
+                if plan is not None:
+                    plans[length] = plan
                 length = next_probe(probes, spec.cap_bytes, granularity=spec.granularity, max_len=spec.max_len)
         except BaselineUnsupported as err:
             results[name] = {"unsupported": str(err), "probes": probes}
             continue
         fit = max((s for s, p in probes if p <= spec.cap_bytes), default=0)
         fail = min((s for s, p in probes if p > spec.cap_bytes), default=None)
-        results[name] = {"max_seq_len": fit, "first_failure": fail, "probes": probes,
+        results[name] = {"max_seq_len": fit, "first_failure": fail, "probes": probes, "plans": plans,
                          "search_s": time.perf_counter() - start_s}
         log.info("memory cap %s: %d tokens fit (%d probes)", name, fit, len(probes))
     return {"rank": rank, "systems": results, "spec": asdict(spec)}
+
+
+def step_times_on_rank(rank: int, world: int, spec_dict: dict, seq_len: int, steps: int) -> dict:
+    """Median step seconds (slowest rank) of every row of ``spec_dict["systems"]`` at ``seq_len``, steps interleaved
+    (`experiments.cpu.measure.time_interleaved`) after one compiling step each, with each row's measured peak and
+    the plan `PLANNER_ROW` chose: the step-time side of the memory-cap comparison, at one length."""
+    import statistics
+
+    from experiments.baselines import build_system
+    from experiments.cpu.measure import time_interleaved
+    from experiments.models import build_model, vocab_size
+
+    spec = MemoryCapSpec(**{**spec_dict, "systems": tuple(spec_dict["systems"])})
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    _quiet_rank()
+    torch.manual_seed(0)
+    base = build_model(spec.model, layers=spec.layers, hidden=spec.hidden, **spec.model_options)
+    ids, labels = _sample(seq_len, vocab_size(base))
+    systems, out = {}, {}
+    for name in spec.systems:
+        system_name, options = row_system(name, spec.cap_bytes)
+        systems[name] = build_system(system_name, copy.deepcopy(base), sp_size=world, compiler=spec.compiler,
+                                     **options)
+        systems[name].step(ids, labels)
+        peak = torch.tensor([_measured_step(systems[name], ids, labels)], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out[name] = {"peak_bytes": int(peak.item()), "plan": _planned(systems[name])}
+    time_interleaved(systems, ids, labels, steps=1)  # a later build may make an earlier system recompile
+    for name, seconds in time_interleaved(systems, ids, labels, steps=steps).items():
+        slowest = torch.tensor(seconds, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out[name]["median_step_s"] = statistics.median(slowest.tolist())
+    return out

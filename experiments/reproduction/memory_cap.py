@@ -20,7 +20,7 @@ from experiments.tables import bar_plot
 
 
 def build(run: RunConfig, runner: Runner) -> list[dict]:
-    from experiments.cpu.memory_cap import max_seq_len_on_rank
+    from experiments.cpu.memory_cap import PLANNER_ROW, max_seq_len_on_rank, row_note
     from experiments.launch import run_on_ranks
 
     rows = []
@@ -31,8 +31,8 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
         results = {name: run_on_ranks(max_seq_len_on_rank, ranks, {**spec, "systems": [name]},
                                       timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
                                       )[0]["systems"][name]
-                   for name in MEASURED}  # each system in its own processes
-        for name in MEASURED:
+                   for name in (*MEASURED, PLANNER_ROW)}  # each system in its own processes
+        for name in (*MEASURED, PLANNER_ROW):
             r = results[name]
             probes = ", ".join(f"{s}:{p / 2**20:.1f}" for s, p in r["probes"])
             row = {"system": name, "ranks": ranks, "cap_mib": f"{run.memory_cap_mib:g}"}
@@ -47,6 +47,7 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
                 note = f"probe budget ({run.cap_probes}) spent: a lower bound"
             else:
                 note = ""
+            note = "; ".join(filter(None, (note, row_note(r))))
             rows.append({**row, "max_seq_len": r["max_seq_len"], "first_failure": r["first_failure"] or "",
                          "probes_tokens_mib": probes, "search_s": f"{r['search_s']:.0f}", "note": note})
     return rows

@@ -82,12 +82,16 @@ def _peaks(rank, world):
 
 
 def _on_rank(rank, world):
-    return {"cases": [_case(rank, world, **case) for case in CASES], "peaks": _peaks(rank, world)}
+    return {"cases": [_case(rank, world, **case) for case in CASES], "peaks": _peaks(rank, world),
+            "views": _views_on_rank(rank, world)}
 
 
 def test_activation_offload_exact_on_two_ranks_and_lowers_the_device_peak():
     out = run_on_ranks(_on_rank, 2, timeout_s=600)
     _check([r["cases"] for r in out], FP32_TOL)
+    _check([r["views"] for r in out], FP32_TOL)  # one storage, several saved views: see below
+    assert all(case["views"] and min(case["views"]) >= 2 for r in out for case in r["views"]), \
+        [[case["views"] for case in r["views"]] for r in out]
     for r in out:
         assert all(case["offloaded"] > 0 for case in r["cases"]), [c["offloaded"] for c in r["cases"]]
         (off, off_host, _), (on, on_host, on_host_breakdown) = r["peaks"]["off"], r["peaks"]["on"]
@@ -165,3 +169,101 @@ def test_peak_memory_counts_offload_copies_in_the_host_pool():
         del back
     assert (pm.peak_live_bytes, pm.host_peak_bytes, pm.live_bytes, pm.host_live_bytes) == (4000, 4000, 0, 0)
     assert pm.breakdown()["host_peak_bytes"] == 4000 and pm.breakdown()["by_op"] == {"mul": 4000}
+
+
+# --- one storage, several saved views (Note [Activation offload]: offloaded once, every view replayed) ---------
+
+VIEWS_VOCAB, VIEWS_HIDDEN = 128, 32
+
+
+class _ViewsBlock(torch.nn.Module):
+    """Causal attention, then a gate over three views of one projection's output (``spelling``: ``"slice"`` cuts
+    them by indexing, ``"chunk"`` by ``Tensor.chunk``, a multi-output view op read through ``getitem``): the
+    products save every view, so the forward saves several views of one storage."""
+
+    def __init__(self, spelling: str, hidden: int = VIEWS_HIDDEN, heads: int = 4):
+        super().__init__()
+        self.spelling, self.heads = spelling, heads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.out = torch.nn.Linear(hidden, hidden)
+        self.proj = torch.nn.Linear(hidden, 3 * hidden)
+        self.down = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(y.transpose(1, 2).reshape(b, s, h))
+        p = self.proj(x)
+        if self.spelling == "chunk":
+            gate, up, extra = p.chunk(3, dim=-1)
+        else:
+            gate, up, extra = p[..., :h], p[..., h:2 * h], p[..., 2 * h:]
+        return x + self.down(torch.tanh(gate) * up * extra.transpose(0, 1).transpose(0, 1))
+
+
+class SavedViewsLM(torch.nn.Module):
+    """Two `_ViewsBlock` layers and a causal-LM loss from unshifted labels, computed in forward: the first layer's
+    saved views are offloaded (the last layer's are read before the backward's first attention and stay)."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VIEWS_VOCAB, VIEWS_HIDDEN)
+        self.layers = torch.nn.ModuleList(_ViewsBlock(spelling) for _ in range(2))
+        self.head = torch.nn.Linear(VIEWS_HIDDEN, VIEWS_VOCAB, bias=False)
+
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        return torch.nn.functional.cross_entropy(self.head(x).reshape(-1, VIEWS_VOCAB), shifted.reshape(-1),
+                                                 ignore_index=-100)
+
+
+VIEWS_CASES = [{"spelling": "slice", "options": {**ON, "checkpointing": "none"}},
+               {"spelling": "chunk", "options": {**ON, "checkpointing": "none"}},
+               {"spelling": "slice", "options": ON}]  # SAC on: it recomputes the products from the saved views
+
+
+def _views_case(rank, world, *, spelling, options):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = SavedViewsLM(spelling)
+    candidate = copy.deepcopy(reference)
+    ids, labels = make_sample(SEQ_LEN, VIEWS_VOCAB, seed=5)
+    ref_loss = reference(input_ids=ids, labels=labels)
+    ref_loss.backward()
+    compiled = autosp.compile(candidate, sp_size=world, compiler="aot_eager", **options)
+    loss = compiled(**autosp.prepare_inputs(ids, labels=labels))
+    loss.backward()
+    return {"loss": loss.detach(), "ref_loss": ref_loss.detach(), "grads": named_grads(candidate),
+            "ref_grads": named_grads(reference), "views": _replayed_views(compiled.report)}
+
+
+def _replayed_views(report) -> list[int]:
+    """For each offloaded storage with more than one saved alias: how many saved slots its one host copy fills,
+    checked against the backward (one reload, every alias rebuilt from it by view ops, the received copies of the
+    other slots unread)."""
+    graphs = dict(report.aot_graphs)
+    forward, backward = list(graphs["forward"].graph.nodes), list(graphs["backward"].graph.nodes)
+    outputs = list(forward[-1].args[0])
+    received_saved = [n for n in backward if n.op == "placeholder" and not n.name.startswith("tangents")]
+    saved = outputs[len(outputs) - len(received_saved):]  # the saved tensors follow the user outputs, in order
+    shared = []
+    for host in (n for n in forward if n.target is OFFLOAD):
+        slots = [i for i, s in enumerate(saved) if s is host]
+        if len(slots) < 2:
+            continue
+        shared.append(len(slots))
+        received = [received_saved[i] for i in slots]
+        readers = [p for p in received if p.users]
+        assert len(readers) == 1, [p.name for p in received]
+        (reload,) = [u for u in readers[0].users if u.target is RELOAD]
+        rebuilt = [u for u in reload.users if u.target is not RELOAD_WAIT]
+        assert rebuilt and all(packet_name(u.target) in VIEWS for u in rebuilt)
+    return shared
+
+
+def _views_on_rank(rank, world):
+    return [_views_case(rank, world, **case) for case in VIEWS_CASES]

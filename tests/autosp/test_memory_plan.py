@@ -7,7 +7,9 @@ One gloo launch (2 ranks, SP 2) trains Hugging Face Llama and Qwen2 (1 layer, hi
 checkpointing, no tiling; predicted here independently), so the plan must use one; the loss and every gradient
 equal a single-device full-sequence run, and the choice is the fastest candidate that fits by the candidates' own
 predictions (no option set is hard-coded).  Qwen2 passes ``tiled_mlp="on"`` explicitly: it wins over the plan,
-which chooses the rest (and its candidates are the 10 with the tiled MLP on; Llama's are all 20).  In the same
+which chooses the rest (its 20 candidates have the tiled MLP on at its default chunk and at the planner's chunk for
+the target; Llama's 20 have it off and on; each also with activation offload, priced on the cpu-gloo preset's
+measured host-memory link).  In the same
 launch Llama compiles with ``strategy="auto"`` (candidates: Ulysses and the ring over 2 ranks, on the cpu-gloo
 preset): both ranks compile the candidate the planner names, the fastest that fits by the candidates' own
 predictions, and train exactly.
@@ -32,7 +34,9 @@ SIZES = {"layers": 1, "hidden": 32, "vocab": 2048}
 PLAIN = {"checkpointing": "none", "tiled_loss": "off", "tiled_mlp": "off"}
 CASES = [  # Qwen2's tiled MLP passed explicitly: it wins over the plan, which chooses the rest
     {"model": "hf-llama", "explicit": {}, "baseline": PLAIN, "candidates": 5 * 2 * 2},
-    {"model": "hf-qwen2", "explicit": {"tiled_mlp": "on"}, "baseline": {**PLAIN, "tiled_mlp": "on"}, "candidates": 5 * 2},
+    # Qwen2: the tiled MLP at its default chunk (the fixed "on") and at the planner's chunk for the target
+    {"model": "hf-qwen2", "explicit": {"tiled_mlp": "on"}, "baseline": {**PLAIN, "tiled_mlp": "on"},
+     "candidates": 5 * 2 * 2},
 ]
 """``baseline``: the candidate with no technique the plan may choose, whose peak the target is one byte under."""
 STRATEGY_CASE = {"model": "hf-llama", "compile": {"strategy": "auto", "plan_seq_len": SEQ_LEN}}
@@ -91,7 +95,8 @@ def trained(tmp_path_factory):
         peak = _baseline_peak(case["model"], case["baseline"], folder)
         cases.append({**case, "target": peak - 1, "baseline_peak": peak,
                       "compile": {"memory_plan": "auto", "target_memory": peak - 1, **case["explicit"]}})
-    results = run_on_ranks(_auto_cases, 2, [*cases, STRATEGY_CASE], timeout_s=600)
+    # the planner process runs while the other rank waits in a collective: allow it minutes on a loaded machine
+    results = run_on_ranks(_auto_cases, 2, [*cases, STRATEGY_CASE], timeout_s=600, collective_timeout_s=300)
     return cases, [per_rank[:-1] for per_rank in results], [per_rank[-1] for per_rank in results]
 
 
@@ -123,11 +128,10 @@ def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
         plan, where = r["plan"], case["model"]
         assert plan["options"] == other["plan"]["options"], f"{where}: the ranks compiled different plans"
         candidates = [c for c in plan["candidates"] if c["refused"] is None]
-        # Each plan also with activation offload, refused here: the CPU preset has no host-memory link.
+        # Each plan also with activation offload, priced on the CPU preset's measured host-memory link (1 layer: the
+        # last layer's activations stay on the device, so nothing moves and the twins predict alike).
         offload = [c for c in plan["candidates"] if c["options"].get("activation_offload") == "on"]
-        assert len(candidates) == len(offload) == case["candidates"], where
-        assert len(plan["candidates"]) == 2 * case["candidates"], where
-        assert all(c["refused"] and "host_memory_link" in c["refused"] for c in offload), where
+        assert len(offload) == case["candidates"] and len(candidates) == len(plan["candidates"]) == 2 * len(offload)
         for c in candidates:  # fits means: the predicted peak within the target
             assert c["fits"] == (c["peak_bytes"] <= case["target"]), (where, c["plan"])
         best = min((c for c in candidates if c["fits"]), key=lambda c: (c["step_time_s"], c["peak_bytes"]))
@@ -142,7 +146,8 @@ def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
                 (where, option)
         # Every checkpointing setting x tiled loss x tiled MLP (unless passed) is a candidate.
         settings = {(c["options"]["checkpointing"], c["options"].get("sac_memory_budget"), c["options"]["tiled_loss"],
-                     c["options"]["tiled_mlp"]) for c in candidates}
+                     c["options"]["tiled_mlp"], c["options"].get("mlp_chunk_tokens"),
+                     c["options"].get("activation_offload")) for c in candidates}
         assert len(settings) == len(candidates), settings
         assert all(c["options"].items() >= case["explicit"].items() for c in candidates), where
         baseline = next(c for c in candidates if c["options"] == case["baseline"])

@@ -148,8 +148,12 @@ def test_reproduce_measured_cpu_table_has_every_system_with_finite_numbers(quick
 
 @pytest.mark.slow
 def test_reproduce_memory_cap_table_finds_a_length_for_every_system(quick_results):
+    from experiments.cpu.memory_cap import PLANNER_ROW
+
     rows = _rows(quick_results / "memory-cap.csv")
-    assert {r["system"] for r in rows} == MEASURED
+    assert {r["system"] for r in rows} == MEASURED | {PLANNER_ROW}  # and AutoSP under its memory planner
+    planned = next(r for r in rows if r["system"] == PLANNER_ROW)
+    assert f"plan at {planned['max_seq_len']}: " in planned["note"] or planned["max_seq_len"] == "0", planned
     for r in rows:
         probes = [p.split(":") for p in r["probes_tokens_mib"].split(", ")]
         cap = float(r["cap_mib"])
@@ -441,6 +445,9 @@ def test_whole_step_adds_gradient_reduction_and_an_optimizer_step_to_every_syste
     (lambda s: 500_000 + 2_400 * s, 512, 3840),                            # linear: the cap is at 3958 tokens
     (lambda s: 6_000_000 + 100 * s if s < 2000 else 2_400 * s, 512, 4096),  # flat, then steeper (cap at 4166)
     (lambda s: 1_000_000 + 2_400 * s, 65536, 3584),                         # the first probe already fails
+    # the planner finds no plan past 3,000 tokens (NO_PLAN_PEAK): the search bisects where it cannot interpolate
+    (lambda s: 500_000 + 2_400 * s if s <= 3000 else float("inf"), 512, 2816),
+    (lambda s: float("inf") if s > 700 else 500_000 + 2_400 * s, 4096, 512),
 ])
 def test_memory_cap_search_finds_the_longest_fitting_length_in_few_probes(peak, start, answer):
     from experiments.cpu.memory_cap import next_probe

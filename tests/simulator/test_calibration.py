@@ -35,7 +35,8 @@ def test_calibration_preset_document_loads_as_a_calibrated_preset():
     calibrate = pytest.importorskip("experiments.calibration.calibrate_cpu")
     compute = {"matmul_fp32_flops_per_s": 1e11, "matmul_bf16_flops_per_s": 2e11, "elementwise_bytes_per_s": 2e10,
                "copy_bytes_per_s": 1e10, "reduction_bytes_per_s": 3e10, "attention_flops_per_s": 5e10,
-               "kernel_launch_overhead_s": 2e-6, "view_op_overhead_s": 1e-6, "attention_score_time_s": 5e-10}
+               "kernel_launch_overhead_s": 2e-6, "view_op_overhead_s": 1e-6, "attention_score_time_s": 5e-10,
+               "host_copy_bytes_per_s": 4e9, "host_copy_latency_s": 1e-5}
     a2a = {w: {n: all_to_all_time_s(n, w, latency_s=1e-4, bandwidth_bytes_per_s=2e9) for n in calibrate.A2A_BYTES}
            for w in calibrate.WORLDS}
     preset = preset_from_dict(calibrate.build_preset(compute, a2a))
@@ -47,6 +48,9 @@ def test_calibration_preset_document_loads_as_a_calibrated_preset():
     assert preset.device.attention_score_time_s == 5e-10
     assert preset.intra_node.latency_s == pytest.approx(0.5e-4)  # alpha split over two hops
     assert preset.intra_node.bandwidth_bytes_per_s == pytest.approx(2e9)
+    # host memory: the RAM; its link: the measured offload copy
+    assert preset.host_memory_kind == "memory" and preset.host_memory_bytes >= 4 * preset.device.memory_bytes
+    assert (preset.host_memory_link.bandwidth_bytes_per_s, preset.host_memory_link.latency_s) == (4e9, 1e-5)
 
 
 def test_calibration_step_factor_scales_compute_but_not_the_measured_link():
@@ -58,7 +62,7 @@ def test_calibration_step_factor_scales_compute_but_not_the_measured_link():
     compute = {"matmul_fp32_flops_per_s": 1e11, "matmul_bf16_flops_per_s": 2e11, "elementwise_bytes_per_s": 2e10,
                "copy_bytes_per_s": 1e10, "reduction_bytes_per_s": 3e10, "attention_flops_per_s": 5e10,
                "kernel_launch_overhead_s": 2e-6, "view_op_overhead_s": 1e-6, "attention_score_time_s": 5e-10,
-               "graph_call_overhead_s": 3e-5}
+               "graph_call_overhead_s": 3e-5, "host_copy_bytes_per_s": 4e9, "host_copy_latency_s": 1e-5}
     a2a = {w: {n: all_to_all_time_s(n, w, latency_s=1e-4, bandwidth_bytes_per_s=2e9) for n in calibrate.A2A_BYTES}
            for w in calibrate.WORLDS}
     preset = calibrate.build_preset(compute, a2a)
@@ -81,4 +85,5 @@ def test_calibration_step_factor_scales_compute_but_not_the_measured_link():
     assert step_s(scaled, True) - step_s(scaled, False) == pytest.approx(collective_s, rel=1e-9)
     assert preset["calibration"]["compute"] is not scaled["calibration"]["compute"]
     assert scaled["calibration"]["compute"] == preset["calibration"]["compute"]
+    assert scaled["host_memory_link"] == preset["host_memory_link"]  # measured, not scaled
 

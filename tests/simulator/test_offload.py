@@ -42,7 +42,31 @@ def test_presets_have_host_memory_and_its_link_with_a_source(name, per_direction
     assert cluster.describe()["host_memory_link"]["bandwidth_bytes_per_s"] == link.effective_bandwidth_bytes_per_s
     # device-to-device routes never pass through host memory
     assert all(cluster.topology.links[i].kind != "host" for i in cluster.topology.path(0, 1))
-    assert get_preset("cpu-gloo").host_memory_link is None  # one memory: nothing to offload to
+
+
+def test_cpu_gloo_host_memory_is_the_ram_and_its_link_the_measured_offload_copy():
+    """cpu-gloo: device and host memory are the machine's RAM (the device pool is capped by the run: target_memory)
+    and the host-memory link is AutoSP's offload copy as experiments.calibrate_cpu measured it; a CPU process's
+    ledger has no device reserve (CUDA context, NCCL, workspaces, allocator, host-process allowance)."""
+    import json
+
+    from simulator.hardware import CPU_GLOO_JSON
+
+    preset = get_preset("cpu-gloo")
+    measured = json.loads(CPU_GLOO_JSON.read_text())["calibration"]["compute"]
+    link = preset.host_memory_link
+    assert preset.host_memory_kind == "memory" and link.efficiency == 1.0
+    assert (link.bandwidth_bytes_per_s, link.latency_s) == (measured["host_copy_bytes_per_s"],
+                                                            measured["host_copy_latency_s"])
+    assert preset.host_memory_bytes // preset.devices_per_node == preset.device.memory_bytes  # the RAM, split
+    cluster = Cluster.from_preset(preset, devices_per_node=2)
+    assert cluster.topology.links[cluster.topology.host_path(1, to_host=False)[0]].bandwidth_bytes_per_s == \
+        link.bandwidth_bytes_per_s
+    config = TrainingConfig(parameter_numels=(1000,), precision="fp32", zero_stage=0, optimizer="sgd")
+    tensors = memory_ledger(config, at="backward", device=False, host_activation_bytes=4096)
+    assert memory_ledger(dataclasses.replace(config, gpu_process=False), at="backward",
+                         host_activation_bytes=4096) == tensors
+    assert summarize(tensors).nominal == 8000 and summarize(tensors, "host").nominal == 4096
 
 
 def _host_copies(cluster, *messages, streams: int = 1):

@@ -8,7 +8,8 @@ overlap pass).
 Note [Activation offload]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 What is offloaded: storages, not tensors.  Each tensor the partitioned forward saves for the backward is traced
-through its views (``_unsafe_view``, ``detach`` and every op whose schema returns an alias) to the node that owns
+through its views (``_unsafe_view``, ``detach``, every op whose schema returns an alias, and the ``getitem`` of one
+of several views: ``split``, ``chunk``, ``unbind``) to the node that owns
 its storage; a storage is offloaded when it is an activation, i.e. made by the forward (not a graph input, a
 parameter or a view of one: those live on anyway), floating point (integer and bool tensors are indices and
 masks, small and often read by guards), at least ``OFFLOAD_MIN_BYTES`` (below that a copy costs more to issue
@@ -53,6 +54,7 @@ untried on a GPU; the device peak and step time it would give are the simulator'
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +101,8 @@ def _is_alias(node: fx.Node) -> bool:
     or it is ``_unsafe_view`` (a view whose schema does not say so)."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return False
+    if node.target is operator.getitem:  # one output of a view op with several (split, chunk, unbind)
+        return _is_alias(node.args[0])
     if node.target is torch.ops.aten._unsafe_view.default:
         return True
     schema = getattr(node.target, "_schema", None)
