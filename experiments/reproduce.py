@@ -38,7 +38,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from tqdm import tqdm
 
 from experiments import cli
-from experiments.paper_scale import strategy_table
+from experiments.paper_scale import alst, strategy_table
 from experiments.tables import bar_plot, write_table
 from simulator.strategies import STRATEGIES
 
@@ -551,13 +551,13 @@ def table_memory_cap(args) -> list[dict]:
     return rows
 
 
-SIMULATED_TABLES = ("max-seq-len", "max-seq-len-configs", "external-fidelity", "strategies", "throughput")
-ON_REQUEST = ("max-seq-len-configs", "external-fidelity", "strategies")
+SIMULATED_TABLES = ("max-seq-len", "max-seq-len-configs", "external-fidelity", "strategies", "alst", "throughput")
+ON_REQUEST = ("max-seq-len-configs", "external-fidelity", "strategies", "alst")
 """Tables run only when ``--only`` names them (each is several times the max-seq-len table's simulation)."""
 TABLES: dict[str, Callable] = {
     "max-seq-len": table_max_seq_len, "max-seq-len-configs": table_max_seq_len_configs,
     "external-fidelity": table_external_fidelity, "strategies": strategy_table.table_strategies,
-    "throughput": table_throughput,
+    "alst": alst.table_alst, "throughput": table_throughput,
     "measured-cpu": table_measured_cpu, "memory-cap": table_memory_cap,
 }
 
@@ -644,6 +644,7 @@ TABLE_FOOTERS: dict[str, Callable] = {
         "max_memory_reserved (no CUDA context, no NCCL buffers); how each configuration is modelled is in "
         "modelled_as (Note [What the external figures measure and how they are modelled])."],
     "strategies": lambda args: strategy_table.footer(args.summaries["strategies"]),
+    "alst": lambda args: args.summaries["alst"]["footer"],
     "throughput": lambda args: [THROUGHPUT_UNKNOWN + " Simulated: one whole step (forward, backward, gradient "
                                 "reduction, optimizer) of one sequence split over the ranks (ZeRO-3: one "
                                 "sequence per rank), micro-batch 1."],
@@ -657,6 +658,7 @@ PLOTS = {
                                                f"CPU gloo: longest sequence under {rows[0]['cap_mib']} MiB per rank",
                                                path),
     "strategies": strategy_table.plot_strategies,
+    "alst": alst.plot_alst,
 }
 
 
@@ -732,6 +734,9 @@ Tables (--only NAME runs one):
                   the ring) for Llama-3.1-8B at 128K, 512K and 1M tokens on 8 to 64 H100s (1 to 8 nodes),
                   simulated with depth extrapolated: step time, peak, fits, what strategy='auto' chose,
                   the sweep's best and auto's speedup over Ulysses
+  alst            ALST's feature breakdown (arXiv 2506.13996 Table 1: Llama-3.1-8B on 8 H100-80GB, ZeRO 3
+                  with optimizer offload) modelled row by row beside the published lengths, then AutoSP's
+                  techniques added in turn; depth as --quick/default say
   throughput      simulated tokens/s per GPU of every system at the published lengths, beside the
                   published iteration seconds (whose batch and timer are not published: no ratio)
   measured-cpu    the systems side by side on real gloo ranks with a small Hugging Face Llama: compile time,
@@ -739,7 +744,7 @@ Tables (--only NAME runs one):
                   single-device training, per-rank peak tensor memory
   memory-cap      the longest sequence each system trains on CPU gloo ranks under a per-rank memory cap
 
-max-seq-len-configs, external-fidelity and strategies run only with --only NAME.
+max-seq-len-configs, external-fidelity, strategies and alst run only with --only NAME.
 
 Outputs in --out: NAME.csv and NAME.md per table, PNG plots, run.json (the command line, settings and
 timings; written by every run, --only included), and, on a full run, one simulated step of the
