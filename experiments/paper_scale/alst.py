@@ -93,9 +93,9 @@ ITEMS: dict[str, str] = {
     "last-layer-on-device": "AutoSP's offload keeps the activations the backward reads before its first attention "
                             "(the last layer's) on the device; ALST offloads every checkpointed layer input",
     "host-memory": "host memory is the h100-sxm preset's 2 TiB per node (256 GiB per rank); ALST's node had 1.9TB",
-    "published-is-a-run": "the published figure is a length ALST ran, not a searched maximum (the recipe's history "
-                          "lists 2.5M 'close to oom' and 3M 'oom' near the 2.4M row): the true maximum is at or "
-                          "above it",
+    "published-is-a-run": "the published figure is a length ALST ran, not a searched maximum (commented-out lengths "
+                          "in an earlier recipe, commit 115740a9, mark 2.5M 'close to oom' and 3M 'oom'): the true "
+                          "maximum is at or above it",
     "depth-extrapolated": "depth extrapolated from 1- and 2-layer traces (Note [Depth extrapolation] in "
                           "simulator/max_length.py): exact in the depth for per-layer checkpointing, not for SAC",
 }
@@ -359,7 +359,8 @@ def footer(rows: Sequence[dict]) -> list[str]:
              "configuration] in experiments/paper_scale/alst.py)."]
     for r in alst:
         if r["within_tolerance"] is not True:
-            lines.append(f"- miss: {r['row']}: {r['simulated_tokens'] or 'nothing fits'} vs {r['published_tokens']:,} "
+            found = f"{r['simulated_tokens']:,}" if r["simulated_tokens"] else "nothing fits"
+            lines.append(f"- miss: {r['row']}: {found} vs {r['published_tokens']:,} "
                          f"({r['error_pct']} %); peak at the published length {r['peak_at_published_gib']} GiB "
                          f"(largest ledger lines, GiB: {r['largest_ledger_lines_gib']}); items: {r['items']}")
     used = sorted({item for r in rows for item in str(r["items"]).split()})
