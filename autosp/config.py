@@ -18,7 +18,7 @@ ZIGZAG_STRATEGIES = ("ring", "hybrid")
 documents in the ring and refuse what the ring refuses (padding masks, sliding windows, chunked attention)."""
 
 COMPILERS = ("inductor", "aot_eager")
-CHECKPOINTING = ("sac", "none", "default", "full", "long-context")
+CHECKPOINTING = ("sac", "none", "default", "full", "long-context", "layer")
 TILED_LOSS = ("off", "on", "auto")
 TILED_MLP = ("off", "on", "auto")
 ACTIVATION_OFFLOAD = ("off", "on", "auto")
@@ -82,7 +82,10 @@ class AutoSPConfig:
     partitioner heuristics), "full" (recompute every op except collectives), "long-context" (the
     rule the authors' research fork of DeepSpeed ran: a tensor the backward reads is recomputed only when its
     dim 1 is at least 4096; Note [The long-context rule of the AutoSP research fork] in
-    autosp/passes/joint/checkpointing.py)."""
+    autosp/passes/joint/checkpointing.py), "layer" (per-layer checkpointing as torch.utils.checkpoint around
+    each decoder layer runs it: inside the layers keep only the residual stream between them and recompute
+    everything else, the attention and all-to-alls included; keep what runs outside them; Note
+    [Sequence-aware checkpointing])."""
     sac_recompute_limit: float = 0.25
     """SAC recomputes matmuls, cheapest per byte freed first, while the extra FLOPs stay
     within this fraction of the forward pass's FLOPs (attention included; at long

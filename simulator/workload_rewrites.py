@@ -34,6 +34,11 @@ on a ``dp_gather`` stream and the reduce-scatters on a ``dp_reduce`` stream, bot
 over all P ranks, so gathers, reductions and compute overlap.  Static memory is the
 traced parameters, gradients and optimizer state divided by P.
 
+The same rewrite applies to a sequence-parallel trace whose ranks are the ZeRO-3 world (ALST's configuration:
+Ulysses over every rank of a node under ZeRO 3, DeepSpeed partitioning over the sequence-data-parallel group, i.e.
+all ranks; experiments/paper_scale/alst.py): the trace's own collectives (its all-to-alls) stay on their groups,
+and the gathers and reduce-scatters run over all ranks beside them.
+
 Not modelled: DeepSpeed's parameter-persistence threshold (small parameters kept
 whole), ``stage3_max_live_parameters``/``max_reuse_distance`` (a module used again
 soon keeps its gathered copy), a tied embedding gathered once per use (here one
@@ -168,14 +173,17 @@ class _Program:
 
 def zero3_workload(workload: Workload, modules: Sequence[ModuleParameters], *, world_size: int,
                    name: str | None = None) -> Workload:
-    """The ZeRO-3 step of ``workload`` (one rank's single-device step) on ``world_size`` data-parallel ranks.
+    """The ZeRO-3 step of ``workload`` (one rank's single-device step, or a symmetric sequence-parallel step over
+    exactly ``world_size`` ranks) on ``world_size`` ranks that ZeRO partitions over.
 
     ``modules``: `autosp.export.module_parameters` of the traced graphs.  See
     Note [ZeRO-3 as a rewrite of the single-device trace]."""
     source = workload.program(0)
-    if any(op.collective is not None for op in source.ops):
-        raise ValueError("zero3_workload expects a single-device trace without collectives (autosp.compile with "
-                         "sp_size=1); it adds ZeRO-3's own")
+    if any(op.collective is not None for op in source.ops) and (workload.world_size != world_size
+                                                                 or not workload.symmetric):
+        raise ValueError(f"zero3_workload expects a single-device trace without collectives (autosp.compile with "
+                         f"sp_size=1), or a symmetric sequence-parallel trace over all {world_size} ranks; "
+                         f"{workload.name!r} has collectives over {workload.world_size} ranks")
     index = {op.name: i for i, op in enumerate(source.ops)}
     missing = sorted({n for m in modules for n in m.forward_reads + m.backward_reads + m.gradients} - set(index))
     if missing:
@@ -248,8 +256,9 @@ def zero3_workload(workload: Workload, modules: Sequence[ModuleParameters], *, w
                                 gradient_bytes=-(-static.gradient_bytes // p),
                                 optimizer_bytes=-(-static.optimizer_bytes // p), other_bytes=static.other_bytes)
     everyone = [list(range(p))]
+    own = {g: [list(m) for m in inst] for g, inst in workload.groups.items()} if workload.world_size == p else {}
     return Workload(name=name or f"{workload.name}/zero3", world_size=p,
-                    groups={"dp_gather": everyone, "dp_reduce": everyone}, ranks={0: out.build(zero3_static)},
+                    groups={**own, "dp_gather": everyone, "dp_reduce": everyone}, ranks={0: out.build(zero3_static)},
                     symmetric=True, metadata={**workload.metadata, "system": "zero3", "dp_size": p})
 
 

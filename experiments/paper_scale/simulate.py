@@ -15,8 +15,8 @@ and the band's ends from the same simulated steps (The band of the longest lengt
 Note [One trace per length class]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Tracing a 32-layer model on fake tensors takes tens of seconds (Dynamo and AOTAutograd; exporting and
-simulating take under a second), and a max-length search probes a dozen lengths.  Under ``checkpointing="none"``
-or ``"full"`` (Ulysses, ring attention, Ulysses+ckpt, ZeRO-3) what is saved or recomputed does not depend on the
+simulating take under a second), and a max-length search probes a dozen lengths.  Under ``checkpointing="none"``,
+``"full"`` or ``"layer"`` (Ulysses, ring attention, Ulysses+ckpt, ZeRO-3) what is saved or recomputed does not depend on the
 length, and the exported workload is the same program at every length: the same ops, dependencies, tensor
 lifetimes and collectives, with every FLOP, byte and score count a polynomial of degree at most two in the length
 (attention scores and FLOPs quadratic, everything else linear or constant).  So a `TraceCache` with
@@ -102,7 +102,7 @@ class SimulatedStep(ModelStep):
         return self.seq_len / self.sp_size / self.step_time_s
 
 
-LENGTH_INVARIANT_CHECKPOINTING = ("none", "full", "long-context")
+LENGTH_INVARIANT_CHECKPOINTING = ("none", "full", "layer", "long-context")
 """Checkpointing settings whose plan does not depend on the length within a length class (Note [One trace per
 length class]; "long-context": on one side of its threshold, `_length_side`)."""
 

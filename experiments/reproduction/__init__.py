@@ -10,6 +10,7 @@ its entry below and its test (docs/design.md, "Adding a reproduce table").
 from __future__ import annotations
 
 from experiments.reproduction import (
+    alst,
     external_fidelity,
     max_seq_len,
     max_seq_len_configs,
@@ -22,7 +23,8 @@ from experiments.reproduction.run import RunConfig, Runner
 from experiments.reproduction.table import Table
 
 TABLES: tuple[Table, ...] = (
-    max_seq_len.TABLE, max_seq_len_configs.TABLE, external_fidelity.TABLE, strategies.TABLE, throughput.TABLE,
+    max_seq_len.TABLE, max_seq_len_configs.TABLE, external_fidelity.TABLE, strategies.TABLE, alst.TABLE,
+    throughput.TABLE,
     measured_cpu.TABLE, memory_cap.TABLE,
 )
 """Every reproduce table, in the order a run builds them (the max-seq-len search simulates the throughput

@@ -105,6 +105,20 @@ def test_checkpointing_sac_saves_attention_outputs_and_recomputes_sequence_activ
     assert plan.recomputed and plan.recompute_flops > 0
 
 
+def test_checkpointing_layer_recomputes_the_all_to_alls_and_keeps_only_the_residual_stream():
+    forward, backward, plan = _graphs("layer")
+    recomputed = _recomputed(forward, backward)
+    # Per-layer checkpointing as torch.utils.checkpoint runs it: the forward all-to-alls (q, k, v, output of both
+    # layers) run again in backward, beside their gradients'.
+    assert sum(1 for n in recomputed.values() if n.target is A2A) == 4 * 2
+    assert sum(1 for n in backward.graph.nodes if n.target is A2A) == 2 * 4 * 2
+    saved = _saved(forward, backward)
+    assert not any(n.target is A2A for n in saved.values())
+    assert "_log_softmax" in saved  # outside the decoder layers (the loss) kept, as autograd keeps it
+    assert _saved_bytes(forward, backward) < _saved_bytes(*_graphs("full")[:2])
+    assert plan.kept_across_attention and plan.recomputed
+
+
 def test_checkpointing_settings_order_the_saved_bytes():
     none = _saved_bytes(*_graphs("none")[:2])
     forward, backward, _ = _graphs("none")

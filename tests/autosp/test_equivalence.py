@@ -118,7 +118,7 @@ def test_equivalence_every_checkpointing_setting_with_and_without_overlap():
     cases = [
         {"model": "hf-llama", "sp_size": 2, "seq_len": 32,
          "options": {"checkpointing": setting, "overlap_communication": overlap}}
-        for setting in ("sac", "none", "default", "full") for overlap in (True, False)
+        for setting in ("sac", "none", "default", "full", "layer") for overlap in (True, False)
     ]
     # SAC recomputing every matmul too (a zero memory budget), as it would at long sequences.
     cases.append({"model": "plain-llama", "sp_size": 2, "seq_len": 32, "options": {"sac_memory_budget": 0.0}})

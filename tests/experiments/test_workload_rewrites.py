@@ -231,6 +231,23 @@ def test_zero3_rewrite_refuses_a_trace_with_collectives_or_foreign_op_names():
         zero3_workload(source, stray, world_size=8)
 
 
+def test_zero3_rewrite_of_a_sequence_parallel_trace_over_its_own_ranks_keeps_the_all_to_alls():
+    # ALST's configuration: Ulysses over every rank, ZeRO 3 partitioning over the same ranks.
+    source = _ulysses_toy()
+    modules = [ModuleParameters(module=f"model.layers.{i}", parameter_bytes=1000,
+                                forward_reads=(f"forward.proj{i}_q", f"forward.proj{i}_v"),
+                                backward_reads=(f"backward.attention{i}_backward",), gradients=())
+               for i in range(2)]
+    zero3 = zero3_workload(source, modules, world_size=P)
+    validate_workload(zero3)
+    kinds = Counter(op.collective.kind for op in zero3.program(0).ops if op.kind in ("collective", "collective_start"))
+    a2a = sum(1 for op in source.program(0).ops if op.collective is not None)
+    assert kinds == {"all_to_all": a2a, "all_gather": 4}  # two modules, forward and backward; no gradients here
+    assert zero3.groups["sp"] == source.groups["sp"] and zero3.groups["dp_gather"] == (tuple(range(P)),)
+    cluster = Cluster.from_preset("h100-sxm")
+    assert simulate(zero3, cluster).step_time_s > simulate(source, cluster).step_time_s
+
+
 # --- on real traces -------------------------------------------------------------------------------------------
 
 

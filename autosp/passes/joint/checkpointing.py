@@ -34,6 +34,15 @@ recomputation just before its use.  The other settings use the same tags:
 "none" bans every recomputation, "full" recomputes every op except collectives
 and the attention-boundary tensors (per-layer checkpointing), "default" leaves the partitioner's heuristics alone (collectives banned).
 "long-context" is the rule of Note [The long-context rule of the AutoSP research fork].
+"layer" is per-layer checkpointing as ``torch.utils.checkpoint`` around each decoder layer runs it (Hugging Face's
+``gradient_checkpointing_enable``, the hand-written baselines of ALST): what runs outside the decoder layers (the
+blocks of a module list, by the nodes' ``nn_module_stack``: embedding, final norm, output head, loss) is kept as
+autograd keeps it; inside a layer only the attention-boundary tensors (the residual stream between layers) are
+kept, and everything else is recomputed, the collectives included, so each
+all-to-all of a layer runs again in its backward (a second trip over the network, which the other settings
+avoid), and so is the attention (the other settings keep its output: its kernel carries PyTorch's
+``nondeterministic_seeded`` tag, for its dropout, which AutoSP refuses, so recomputing it is exact). Every rank
+runs the same program, so the recomputed collectives match across ranks.
 
 Note [The long-context rule of the AutoSP research fork]
 The published AutoSP figures were made with the authors' research fork of DeepSpeed 0.16.3
@@ -135,6 +144,16 @@ def _is_collective(node: fx.Node) -> bool:
     return getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES
 
 
+def _in_layer(node: fx.Node) -> bool:
+    """Whether ``node`` runs inside one block of a module list (a decoder layer: ``model.layers.3``,
+    ``transformer.h.3``), what ``gradient_checkpointing_enable`` checkpoints; a collective the passes inserted (no
+    module) sits around an attention, inside its layer."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return _is_collective(node)
+    return any(str(entry[0]).rsplit(".", 1)[-1].isdigit() for entry in stack.values())
+
+
 def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
@@ -202,23 +221,26 @@ def tag_recomputation(
     forward_flops = 0
     forward = _forward_ops(graph)
     segments = attention_segments(forward)
+    aliases = []  # "layer": views recomputed too (the partitioner would save a reshape like _unsafe_view)
     for node in forward:
         if packet_name(node.target) in VIEWS:
-            continue  # aliases: the partitioner recomputes views for free
+            if setting == "layer" and _in_layer(node) and not _crosses_attention(node, segments):
+                aliases.append(node)
+            continue  # aliases: otherwise the partitioner recomputes views for free
         op_class, flops = classify(node)
         forward_flops += flops
         costs[node], classes[node] = flops, op_class
-        if _is_collective(node):
+        if _is_collective(node) and setting != "layer":
             saved.append(node)
-        elif _is_random(node):
+        elif _is_random(node) and not (setting == "layer" and op_class == "attention"):
             continue  # never tagged: the partitioner never recomputes random ops by itself
-        elif setting == "none":
-            saved.append(node)
-        elif setting in ("full", "sac", "long-context") and op_class != "attention" and \
+        elif setting == "none" or (setting == "layer" and not _in_layer(node)):
+            saved.append(node)  # "layer": what runs outside the decoder layers is kept, as autograd keeps it
+        elif setting in ("full", "layer", "sac", "long-context") and op_class != "attention" and \
                 _crosses_attention(node, segments):
             saved.append(node)
             across.append(node)  # See Note [Sequence-aware checkpointing]: the residual stream between layers
-        elif setting == "full":
+        elif setting in ("full", "layer"):
             recompute.append(node)
         elif setting == "long-context":
             (recompute if op_class != "attention" and long_context_recomputable(node, op_class) else saved).append(node)
@@ -235,7 +257,7 @@ def tag_recomputation(
         recompute += [n for n in candidates if n.name in chosen]
         saved += [n for n in candidates if n.name not in chosen]
     for node, policy in [(n, CheckpointPolicy.MUST_SAVE) for n in saved] + [
-        (n, CheckpointPolicy.PREFER_RECOMPUTE) for n in recompute
+        (n, CheckpointPolicy.PREFER_RECOMPUTE) for n in recompute + aliases
     ]:
         node.meta["recompute"] = policy
         for user in node.users:  # multi-output ops: their getitems share the decision

@@ -1,0 +1,398 @@
+"""ALST's feature breakdown, simulated: Snowflake's Arctic Long Sequence Training configuration modelled row by row
+beside its published figures, then AutoSP's techniques added in turn on the same machine.
+
+Note [ALST's published breakdown and configuration]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Source: Bekman et al., "Arctic Long Sequence Training: Scalable And Efficient Training For Multi-Million Token
+Sequences", arXiv 2506.13996v1 (16 June 2025), section 5.4 "Feature Ablations", Table 1 (Llama-3.1-8B-Instruct,
+one node of 8x H100 80GB, batch size 1): baseline 32K tokens (iteration 0:00:17, 231.6 TFLOPS); + tiled logits
+and loss 160K (0:02:03, 514.4); + Ulysses SP 1.1M (0:09:24, 576.1); + tiled MLP 1.2M (0:11:43, 548.7);
++ activation checkpoint offload instead of tiled MLP 2.4M (0:43:30, 585.8); everything 3.7M (1:47:35, 590.6).
+The baseline (section 5.4): DeepSpeed ZeRO stage 3, gradient/activation checkpointing, optimizer states offloaded
+to the CPU, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, Flash Attention 2. Section 5.2: torch
+2.8.0.dev20250507, flash_attn 2.7.4, transformers 4.51.3, deepspeed 0.17.0; NVLink-4 inside the node.
+
+Their recipes (GitHub snowflakedb/ArcticTraining, ``projects/sequence-parallelism/``, commit
+2771b4b1b9c8cbb54895ccb940dcaa76d33bf7ef): ``run-h100-sp8-llama-8b-no-ulysses-no-liger-no-extras.yml`` (32_000),
+``...-no-ulysses-yes-liger-no-extras.yml`` (160_000, ``sequence_parallel_size: 1``; commit 04f192eb),
+``...-no-mlp-no-act-offload.yml`` (1_100_000), ``...-yes-mlp.yml`` (1_200_000, ``attn_implementation: sdpa``),
+``...-yes-act-offload.yml`` (2_400_000), ``run-h100-sp8-llama-8b.yml`` (3_800_000: the recipe's length, 3.7M in
+the paper); every one ``zero_optimization: {stage: 3, offload_optimizer: {device: cpu}}``, ``optimizer: cpu_adam``,
+``micro_batch_size: 1``, bf16. The baseline recipe says ``sequence_parallel_size: 8`` at that commit but 1 at
+commit 115740a9670853cd482ad76ca9ceffe9ac81849d (``run-sp8-llama-8b-no-ulysses-no-liger-no-extras.yml``) and the
+paper's baseline has no Ulysses: modelled with SP 1 (8 ranks, each its own sequence, ZeRO 3 over all 8).
+The project README there: H100 80GB nodes, 1.9TB CPU memory.
+
+How each technique is modelled (the trace is this project's AutoSP program of the Hugging Face model on fake
+tensors, `experiments.paper_scale.simulate.trace_workload`; nothing is fitted):
+
+* activation checkpointing: ArcticTraining's ``HFModelFactory.post_create_model_callback`` calls
+  ``model.gradient_checkpointing_enable()`` (``arctic_training/model/hf_factory.py``): one checkpoint per decoder
+  layer, which keeps the layer's input and recomputes the rest, its all-to-alls included: ``checkpointing="layer"``
+  (Note [Sequence-aware checkpointing] in autosp/passes/joint/checkpointing.py);
+* tiled logits and loss (Liger-Kernel's fused linear cross entropy): ``tiled_loss="on"`` with Liger's chunk,
+  ``next_power_of_2(ceil(tokens / ceil(vocab / hidden)))`` tokens of this rank (liger_kernel
+  ``ops/fused_linear_cross_entropy.py``), `liger_chunk_tokens`;
+* Ulysses SP: ``strategy="ulysses"`` over the 8 ranks, blocking all-to-alls (ALST's are not overlapped);
+* tiled MLP: ``tiled_mlp="on"`` with ArcticTraining's shard count ``ceil(tokens / hidden)`` of this rank
+  (``arctic_training/model/tiled_compute.py tiled_mlp_forward_common``), `tiled_mlp_chunk_tokens`;
+* activation checkpoint offload: ``activation_offload="on"``: under per-layer checkpointing what the forward saves
+  is the layers' inputs, which is what ALST's patched ``CheckpointFunction`` sends to the CPU;
+* ZeRO 3 with optimizer offload: the ZeRO-3 rewrite of the trace (Note [ZeRO-3 as a rewrite of the single-device
+  trace] in simulator/workload_rewrites.py, also over a sequence-parallel trace), DeepSpeed's host copies and CPU
+  Adam (Note [Optimizer offload traffic] in simulator/training_step.py) and the ledger's ZeRO-3 offload lines
+  (Note [Optimizer offload] in simulator/ledger.py);
+* the machine: the ``h100-sxm`` preset (80 GB, 2 TB of host memory per node: 256 GiB per rank).
+
+What differs from ALST's run, named in the table's ``items`` column (:data:`ITEMS`), is what a miss is read
+against; ``peak_at_published_gib`` is the simulated peak at the published length with its largest ledger lines.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import pathlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from experiments.models import PAPER_MODELS, PaperModel
+from experiments.paper_scale.simulate import TraceCache, trace_workload
+from simulator import Cluster, simulate
+from simulator.ledger import TrainingConfig, memory_ledger
+from simulator.max_length import ModelStep, extrapolate_depth, ledger_host_peak, ledger_peak
+from simulator.max_length import max_length as search_max_length
+from simulator.strategies import WorkloadRecipe
+from simulator.training_step import add_training_step, host_optimizer_time_s
+from simulator.workload_rewrites import zero3_workload
+
+log = logging.getLogger(__name__)
+
+MODEL = "llama-3.1-8b"
+CLUSTER = "h100-sxm"
+RANKS = 8
+PAPER = "arXiv 2506.13996v1 section 5.4 Table 1"
+RECIPES = "snowflakedb/ArcticTraining projects/sequence-parallelism (commit 2771b4b1b9c8cbb54895ccb940dcaa76d33bf7ef)"
+TOLERANCE = 0.20
+"""The reproduction's acceptance: simulated within +-20 % of the published length (issue 20)."""
+
+ITEMS: dict[str, str] = {
+    "loss-fp32-chunk": "AutoSP's tiled loss holds a chunk's logits in fp32 and recomputes them in backward; Liger's "
+                       "kernel computes the gradient in the forward, in bf16 in place, and keeps the [tokens, hidden] "
+                       "input gradient until backward (liger_kernel ops/fused_linear_cross_entropy.py)",
+    "fragmentation": "the ledger's allocator fragmentation (simulator/device_reserve.py, fragmentation_fraction) is "
+                     "the default caching allocator's; ALST ran expandable_segments:True, which fragments less",
+    "deepspeed-0.19.8": "the ledger follows DeepSpeed 0.19.8's ZeRO-3 buffers (ipg bucket, persistent parameters, "
+                        "prefetch); ALST ran 0.17.0",
+    "zero3-gathers": "the ZeRO-3 rewrite keeps each gathered layer until its last read and prefetches one module "
+                     "ahead; DeepSpeed's max_live_parameters/max_reuse_distance and the ledger's prefetch line "
+                     "are not reconciled (Note [ZeRO-3 as a rewrite of the single-device trace])",
+    "attention-kernel": "the trace runs SDPA's fused kernel; ALST ran flash_attn 2.7.4 (SDPA in the tiled-MLP "
+                        "recipe): same O(S) memory, different workspace and speed",
+    "last-layer-on-device": "AutoSP's offload keeps the activations the backward reads before its first attention "
+                            "(the last layer's) on the device; ALST offloads every checkpointed layer input",
+    "host-memory": "host memory is the h100-sxm preset's 2 TiB per node (256 GiB per rank); ALST's node had 1.9TB",
+    "published-is-a-run": "the published figure is a length ALST ran, not a searched maximum (commented-out lengths "
+                          "in an earlier recipe, commit 115740a9, mark 2.5M 'close to oom' and 3M 'oom'): the true "
+                          "maximum is at or above it",
+    "depth-extrapolated": "depth extrapolated from 1- and 2-layer traces (Note [Depth extrapolation] in "
+                          "simulator/max_length.py): exact in the depth for per-layer checkpointing, not for SAC",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BreakdownRow:
+    """One row of the breakdown: a training configuration on 8 H100s and, for ALST's, its published figure."""
+
+    name: str
+    system: str
+    """``alst`` (ALST's configuration as modelled) or ``autosp`` (AutoSP's techniques)."""
+    sp_size: int
+    checkpointing: str
+    tiled_loss: bool = False
+    tiled_mlp: bool = False
+    offload: bool = False
+    zero_stage: int = 3
+    chunks: str = "alst"
+    """``alst``: the tiled loss and MLP chunk as Liger and ArcticTraining do; ``autosp``: AutoSP's defaults."""
+    overlap: bool = False
+    published_tokens: int | None = None
+    published_iteration_s: float | None = None
+    published_tflops: float | None = None
+    source: str = ""
+    items: tuple[str, ...] = ()
+    """Keys of :data:`ITEMS`: how this row's model differs from ALST's run."""
+
+
+_COMMON = ("fragmentation", "deepspeed-0.19.8", "zero3-gathers", "attention-kernel", "published-is-a-run")
+ALST_ROWS: tuple[BreakdownRow, ...] = (
+    BreakdownRow(name="baseline", system="alst", sp_size=1, checkpointing="layer", published_tokens=32_000,
+                 published_iteration_s=17, published_tflops=231.6,
+                 source=f"{PAPER} row 1; recipe run-h100-sp8-llama-8b-no-ulysses-no-liger-no-extras.yml",
+                 items=_COMMON),
+    BreakdownRow(name="+ tiled logits & loss", system="alst", sp_size=1, checkpointing="layer", tiled_loss=True,
+                 published_tokens=160_000, published_iteration_s=123, published_tflops=514.4,
+                 source=f"{PAPER} row 2; recipe ...-no-ulysses-yes-liger-no-extras.yml (commit 04f192eb)",
+                 items=("loss-fp32-chunk", *_COMMON)),
+    BreakdownRow(name="+ Ulysses SP 8", system="alst", sp_size=8, checkpointing="layer", tiled_loss=True,
+                 published_tokens=1_100_000, published_iteration_s=564, published_tflops=576.1,
+                 source=f"{PAPER} row 3; recipe ...-no-mlp-no-act-offload.yml", items=("loss-fp32-chunk", *_COMMON)),
+    BreakdownRow(name="+ tiled MLP", system="alst", sp_size=8, checkpointing="layer", tiled_loss=True,
+                 tiled_mlp=True, published_tokens=1_200_000, published_iteration_s=703, published_tflops=548.7,
+                 source=f"{PAPER} row 4; recipe ...-yes-mlp.yml", items=("loss-fp32-chunk", *_COMMON)),
+    BreakdownRow(name="+ act. offload (no tiled MLP)", system="alst", sp_size=8, checkpointing="layer",
+                 tiled_loss=True, offload=True, published_tokens=2_400_000, published_iteration_s=2610,
+                 published_tflops=585.8, source=f"{PAPER} row 5; recipe ...-yes-act-offload.yml",
+                 items=("loss-fp32-chunk", "last-layer-on-device", "host-memory", *_COMMON)),
+    BreakdownRow(name="everything", system="alst", sp_size=8, checkpointing="layer", tiled_loss=True,
+                 tiled_mlp=True, offload=True, published_tokens=3_700_000, published_iteration_s=6455,
+                 published_tflops=590.6, source=f"{PAPER} row 6; recipe run-h100-sp8-llama-8b.yml (max_length "
+                 "3_800_000; the published TFLOPS match 3.8M tokens, `tflops_per_gpu`)", items=("loss-fp32-chunk", "last-layer-on-device", "host-memory", *_COMMON)),
+)
+"""ALST's Table 1, each row its configuration as modelled (Note [ALST's published breakdown and configuration])."""
+
+AUTOSP_ROWS: tuple[BreakdownRow, ...] = (
+    BreakdownRow(name="AutoSP SAC", system="autosp", sp_size=8, checkpointing="sac", chunks="autosp", overlap=True),
+    BreakdownRow(name="+ tiled loss", system="autosp", sp_size=8, checkpointing="sac", tiled_loss=True,
+                 chunks="autosp", overlap=True),
+    BreakdownRow(name="+ tiled MLP", system="autosp", sp_size=8, checkpointing="sac", tiled_loss=True,
+                 tiled_mlp=True, chunks="autosp", overlap=True),
+    BreakdownRow(name="+ activation offload", system="autosp", sp_size=8, checkpointing="sac", tiled_loss=True,
+                 tiled_mlp=True, offload=True, chunks="autosp", overlap=True),
+    BreakdownRow(name="all, per-layer checkpointing", system="autosp", sp_size=8, checkpointing="layer",
+                 tiled_loss=True, tiled_mlp=True, offload=True, chunks="autosp", overlap=True),
+)
+"""AutoSP's techniques added in turn on ALST's machine and ZeRO setting (ZeRO 3, optimizer offload): Ulysses SP 8
+with overlapped all-to-alls and AutoSP's own chunk sizes. AutoSP does not compose with ZeRO 3 today (DeepSpeed's
+AutoSP backend refuses it): these rows price the AutoSP program under ALST's ZeRO setting, so that only the
+techniques differ; `autosp_zero2_row` is what AutoSP runs today."""
+
+
+def autosp_zero2_row() -> BreakdownRow:
+    """Every AutoSP technique under ZeRO 2 with optimizer offload, the configuration AutoSP composes with today."""
+    return replace(AUTOSP_ROWS[3], name="all, ZeRO 2 + optimizer offload", zero_stage=2)
+
+
+def liger_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
+    """Liger-Kernel's fused linear cross-entropy chunk: ``next_power_of_2(ceil(tokens / ceil(vocab / hidden)))``
+    (liger_kernel ops/fused_linear_cross_entropy.py), at most ``tokens``."""
+    return min(tokens, 1 << max(0, math.ceil(math.log2(-(-tokens // -(-vocab // hidden))))))
+
+
+def tiled_mlp_chunk_tokens(tokens: int, hidden: int) -> int:
+    """ArcticTraining's TiledMLP chunk: ``ceil(tokens / hidden)`` shards of this rank's tokens
+    (arctic_training/model/tiled_compute.py tiled_mlp_forward_common)."""
+    return -(-tokens // -(-tokens // hidden))
+
+
+def compile_options(row: BreakdownRow, seq_len: int, model: PaperModel) -> dict:
+    """The `autosp.compile` options the row's step is traced with at ``seq_len`` tokens."""
+    local = seq_len // row.sp_size
+    options: dict = {"checkpointing": row.checkpointing, "overlap_communication": row.overlap}
+    if row.sp_size > 1:
+        options["strategy"] = "ulysses"
+    if row.tiled_loss:
+        options.update(tiled_loss="on", return_logits=False)
+        if row.chunks == "alst":
+            options["loss_chunk_tokens"] = liger_chunk_tokens(local, model.hidden_size, model.vocab_size)
+    if row.tiled_mlp:
+        options["tiled_mlp"] = "on"
+        if row.chunks == "alst":
+            options["mlp_chunk_tokens"] = tiled_mlp_chunk_tokens(local, model.hidden_size)
+    if row.offload:
+        options["activation_offload"] = "on"
+    return options
+
+
+def training_config(row: BreakdownRow, model: PaperModel, layers: int | None = None) -> TrainingConfig:
+    """The ledger's configuration of ``row`` (``layers``: the depth of a traced step; None: the whole model): bf16,
+    Adam, ZeRO over all 8 ranks with the optimizer offloaded to the CPU."""
+    return TrainingConfig.for_llama(
+        hidden=model.hidden_size, ffn_hidden=model.intermediate_size, layers=layers or model.num_layers,
+        heads=model.num_heads, kv_heads=model.num_kv_heads, vocab=model.vocab_size,
+        tied_embeddings=model.tie_word_embeddings, optimizer="adam", precision="bf16", zero_stage=row.zero_stage,
+        dp_world_size=RANKS, nccl_communicators=2 if row.sp_size > 1 else 1, offload_optimizer=True)
+
+
+def step_at_depth(row: BreakdownRow, seq_len: int, layers: int, *, model: PaperModel, cluster: Cluster,
+                  cache: TraceCache | None = None) -> tuple[float, int, int]:
+    """(simulated step time, device peak above static memory, host peak) of ``layers`` layers of ``row`` at
+    ``seq_len`` tokens: the trace, ZeRO's rewrite or gradient step with optimizer offload, simulated."""
+    traced = trace_workload(model, seq_len, layers, sp_size=row.sp_size,
+                            autosp_options=compile_options(row, seq_len, model), cache=cache)
+    cfg = training_config(row, model, layers)
+    if row.zero_stage == 3:
+        workload = zero3_workload(traced.workload, traced.modules, world_size=RANKS)
+        workload = add_training_step(workload, [], cfg, group="dp_reduce")
+    else:
+        workload = WorkloadRecipe(trace_sequence_parallel=True).build(traced.workload, traced.modules, cfg)
+    result = simulate(workload, cluster)
+    dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+    return result.step_time_s, dynamic, result.host_peak_memory_bytes
+
+
+def model_step(row: BreakdownRow, seq_len: int, *, model: PaperModel, cluster: Cluster, layers: str = "extrapolated",
+               cache: TraceCache | None = None) -> ModelStep:
+    """The whole model's step of ``row`` at ``seq_len``: traced at full depth or extrapolated from 1 and 2 layers
+    (Note [Depth extrapolation] in simulator/max_length.py), plus the CPU Adam step of optimizer offload."""
+
+    @functools.cache
+    def at(depth: int) -> tuple[float, int, int]:
+        return step_at_depth(row, seq_len, depth, model=model, cluster=cluster, cache=cache)
+
+    depths = (model.num_layers, model.num_layers) if layers == "full" else (1, 2)
+    time_s, dynamic = extrapolate_depth(lambda d: at(d)[:2], model.num_layers, depths)
+    _, host = extrapolate_depth(lambda d: (0.0, at(d)[2]), model.num_layers, depths)
+    return ModelStep(seq_len=seq_len, step_time_s=time_s + host_optimizer_time_s(training_config(row, model)),
+                     dynamic_memory_bytes=dynamic, host_dynamic_memory_bytes=host,
+                     extrapolated_from=None if depths[0] == depths[1] else depths)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Search:
+    """Search settings of one row (tokens)."""
+
+    granularity: int
+    start: int
+    high: int
+    max_probes: int = 10
+
+
+def default_search(row: BreakdownRow) -> Search:
+    """Steps of 1/64 of a power of two near where a configuration of this shape lands; the same for every row of a
+    shape (never the published figure)."""
+    if row.sp_size == 1:
+        return Search(granularity=2048, start=65_536, high=1 << 20)
+    return Search(granularity=16_384, start=1 << 20, high=1 << 23)
+
+
+def tflops_per_gpu(seq_len: int, step_time_s: float, sp_size: int, model: PaperModel) -> float:
+    """Model TFLOPS per GPU of one step as ALST counts them (section 5.4: "the standard Megatron-LM flos estimation
+    formulae taking into account repeated forwards"): ``96 s l h^2 (1 + s / 6h + V / 16 l h)`` per sample of ``s``
+    tokens (Narayanan et al. 2021, with activation checkpointing), over the GPUs sharing it. With their published
+    lengths and iteration times this gives their TFLOPS column (231.6 at 32,000 tokens and 17 s; the last row's
+    590.6 at the recipe's 3,800,000 tokens, not the paper's 3.7M)."""
+    h, layers, vocab = model.hidden_size, model.num_layers, model.vocab_size
+    per_sample = 96 * seq_len * layers * h * h * (1 + seq_len / (6 * h) + vocab / (16 * layers * h))
+    return per_sample / sp_size / step_time_s / 1e12
+
+
+def _figures(value: float) -> float:
+    """``value`` to four significant figures."""
+    return float(f"{value:.4g}")
+
+
+def _largest_lines(cfg: TrainingConfig, dynamic: int, count: int = 3) -> str:
+    lines = memory_ledger(cfg, at="backward", activation_bytes=dynamic)
+    top = sorted((ln for ln in lines if ln.pool == "device"), key=lambda ln: -ln.bytes)[:count]
+    return "; ".join(f"{ln.name} {ln.bytes / 2**30:.1f}" for ln in top)
+
+
+def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers: str = "extrapolated",
+               cache: TraceCache | None = None, search: Search | None = None) -> dict:
+    """One table row: the simulated longest length of ``row`` (nominal ledger, and its band), its step time,
+    beside the published figure, the error, and the peak at the published length."""
+    search = search or default_search(row)
+    cfg = training_config(row, model)
+    capacity = int(cluster.device.memory_bytes)
+    host_capacity = cluster.host_memory_per_rank_bytes
+
+    @functools.cache
+    def step(seq_len: int) -> ModelStep:
+        return model_step(row, seq_len, model=model, cluster=cluster, layers=layers, cache=cache)
+
+    found = search_max_length(step, cfg, capacity_bytes=capacity, low=search.granularity, high=search.high,
+                              granularity=search.granularity, start=search.start, max_probes=search.max_probes,
+                              host_capacity_bytes=host_capacity)
+    best = found.nominal.max_seq_len
+    out = {"system": row.system, "row": row.name, "sp_size": row.sp_size, "zero_stage": row.zero_stage,
+           "checkpointing": row.checkpointing, "tiled_loss": row.tiled_loss, "tiled_mlp": row.tiled_mlp,
+           "activation_offload": row.offload, "simulated_tokens": best or "",
+           "band_tokens": f"{found.high_memory.display()} - {found.low_memory.display()}",
+           "stopped": found.nominal.stopped, "published_tokens": row.published_tokens or "",
+           "error_pct": "", "within_tolerance": "", "simulated_step_s": "", "published_iteration_s":
+           row.published_iteration_s or "", "simulated_tflops": "", "published_tflops": row.published_tflops or "",
+           "host_peak_gib": "", "peak_at_published_gib": "", "simulated_step_at_published_s": "",
+           "largest_ledger_lines_gib": "",
+           "depth": layers, "items": " ".join(row.items + (("depth-extrapolated",) if layers != "full" else ())),
+           "source": row.source}
+    if best:
+        at_best = step(best)
+        out.update(simulated_step_s=_figures(at_best.step_time_s),
+                   simulated_tflops=_figures(tflops_per_gpu(best, at_best.step_time_s, row.sp_size, model)),
+                   host_peak_gib=round(ledger_host_peak(cfg, at_best.host_dynamic_memory_bytes) / 2**30, 1))
+    if row.published_tokens:
+        published = row.published_tokens - row.published_tokens % row.sp_size
+        at_published = step(published)
+        if best:
+            error = best / row.published_tokens - 1
+            out.update(error_pct=round(100 * error, 1), within_tolerance=abs(error) <= TOLERANCE)
+        out.update(peak_at_published_gib=round(ledger_peak(cfg, at_published.dynamic_memory_bytes) / 2**30, 1),
+                   largest_ledger_lines_gib=_largest_lines(cfg, at_published.dynamic_memory_bytes),
+                   simulated_step_at_published_s=_figures(at_published.step_time_s))
+    log.info("%s %s: %s tokens (published %s)", row.system, row.name, best, row.published_tokens)
+    return out
+
+
+def alst_rows(*, layers: str = "extrapolated", cache: TraceCache | None = None,
+              rows: Sequence[BreakdownRow] | None = None, searches: Mapping[str, Search] | None = None,
+              cluster: str = CLUSTER, model: PaperModel | None = None) -> list[dict]:
+    """The breakdown table: ALST's rows (:data:`ALST_ROWS`) then AutoSP's (:data:`AUTOSP_ROWS` and
+    `autosp_zero2_row`), or ``rows``; ``searches`` overrides a row's search settings by row name; ``layers``:
+    ``full`` or ``extrapolated`` depth (Note [Depth extrapolation] in simulator/max_length.py); ``model``:
+    Llama-3.1-8B unless given (tests pass a small one)."""
+    model = model or PAPER_MODELS[MODEL]
+    cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
+    machine = Cluster.from_preset(cluster)
+    chosen = rows if rows is not None else (*ALST_ROWS, *AUTOSP_ROWS, autosp_zero2_row())
+    return [row_result(row, model=model, cluster=machine, layers=layers, cache=cache,
+                       search=(searches or {}).get(row.name)) for row in chosen]
+
+
+def footer(rows: Sequence[dict]) -> list[str]:
+    """The table's footer: the reproduction's verdict, the items its misses are read against, what AutoSP adds."""
+    alst = [r for r in rows if r["system"] == "alst" and r["error_pct"] != ""]
+    inside = sum(1 for r in alst if r["within_tolerance"] is True)
+    lines = [f"ALST's configuration reproduced within +-{TOLERANCE:.0%} on {inside} of {len(alst)} published "
+             f"lengths ({PAPER}; recipes: {RECIPES}); nothing fitted (Note [ALST's published breakdown and "
+             "configuration] in experiments/paper_scale/alst.py)."]
+    for r in alst:
+        if r["within_tolerance"] is not True:
+            found = f"{r['simulated_tokens']:,}" if r["simulated_tokens"] else "nothing fits"
+            lines.append(f"- miss: {r['row']}: {found} vs {r['published_tokens']:,} "
+                         f"({r['error_pct']} %); peak at the published length {r['peak_at_published_gib']} GiB "
+                         f"(largest ledger lines, GiB: {r['largest_ledger_lines_gib']}); items: {r['items']}")
+    used = sorted({item for r in rows for item in str(r["items"]).split()})
+    lines += ["", "Items (what the model of a row differs in from ALST's run):"]
+    lines += [f"- {key}: {ITEMS[key]}" for key in used]
+    best = {r["system"]: max((int(x["simulated_tokens"] or 0) for x in rows if x["system"] == r["system"]), default=0)
+            for r in rows}
+    if best.get("autosp") and best.get("alst"):
+        lines += ["", f"Longest simulated: ALST's configuration {best['alst']:,} tokens, AutoSP's techniques "
+                  f"{best['autosp']:,} ({best['autosp'] / best['alst']:.2f}x). AutoSP rows at ZeRO 3 price the AutoSP "
+                  "program under ALST's ZeRO setting (AutoSP refuses ZeRO 3 today); the ZeRO 2 row is what it runs."]
+    return lines
+
+
+def plot_alst(rows: Sequence[dict], path: pathlib.Path) -> None:
+    """Published and simulated longest lengths per row (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    names = [f"{r['system']}: {r['row']}" for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [float(r["published_tokens"] or 0) for r in rows], 0.4, label="published (ALST)")
+    ax.bar([i + 0.2 for i in x], [float(r["simulated_tokens"] or 0) for r in rows], 0.4, label="simulated",
+           color="white", edgecolor="C1", hatch="//")
+    ax.set_yscale("log")
+    ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("longest trainable sequence (tokens)")
+    ax.set_title("Llama-3.1-8B on 8x H100-80GB: ALST's breakdown and AutoSP's techniques")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
