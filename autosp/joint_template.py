@@ -158,7 +158,7 @@ def partition_at(capture: JointCapture, config: AutoSPConfig) -> list[tuple[str,
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-    from autosp.backend import partition_pair, rewrite_partitioned
+    from autosp.backend import partition_pair
     from autosp.passes.joint.checkpointing import tag_recomputation
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -174,4 +174,4 @@ def partition_at(capture: JointCapture, config: AutoSPConfig) -> list[tuple[str,
     # called, so their Python code is not generated.
     with mode, _use_lazy_graph_module(True):
         fw, bw = partition_pair(capture.graph, inputs, capture.partition_kwargs, config=config)
-        return [("forward", rewrite_partitioned(fw, config)), ("backward", rewrite_partitioned(bw, config))]
+        return [("forward", fw), ("backward", bw)]
