@@ -639,8 +639,12 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     found = longest = None
     if max_length:
         grain = -(-granularity // setup.sp_size) * setup.sp_size
-        found_ml = search_max_length(step, config, capacity_bytes=capacity, low=grain,
-                                     high=max_length_high or 8 * setup.seq_len, granularity=grain,
+        high = max_length_high or 8 * setup.seq_len
+        if reuse is not None and reuse.resize_lengths and high // grain * grain > setup.seq_len:
+            # The search's ceiling as the second anchor: the probes above the start then lie inside the traced
+            # range and are re-sized, not traced (docs/design.md, "Trace reuse across lengths").
+            step(high // grain * grain)
+        found_ml = search_max_length(step, config, capacity_bytes=capacity, low=grain, high=high, granularity=grain,
                                      start=setup.seq_len - setup.seq_len % grain or grain, max_probes=max_probes,
                                      host_capacity_bytes=cluster.host_memory_per_rank_bytes)
         longest = found_ml.nominal.result
