@@ -5,15 +5,16 @@
 pass pipeline the graph goes through AOTAutograd, which derives the backward
 (including the all-to-alls' own backward) as one joint graph.  Activation
 checkpointing tags that joint graph (autosp.passes.joint.checkpointing) before the
-min-cut partitioner splits it into forward and backward; with ``activation_offload="on"`` the offload pass
-(autosp.passes.partitioned.offload) then rewrites the pair, where the forward's saved outputs and the backward's
-inputs are both visible; the overlap pass (autosp.passes.partitioned.overlap) splits each all-to-all into start and
-wait.  The graphs go to Inductor or to eager kernels (`AutoSPConfig.compiler`) and are recorded in the model's
-`CompileReport` for tests and for the schedule export.
+min-cut partitioner splits it into forward and backward; the pair's rewrites (`rewrite_pair`, in this order) then
+run on the partitioned pair: with ``activation_offload="on"`` the offload pass (autosp.passes.partitioned.offload),
+where the forward's saved outputs and the backward's inputs are both visible, then the overlap pass
+(autosp.passes.partitioned.overlap), which splits each all-to-all into start and wait.  The graphs go to Inductor
+or to eager kernels (`AutoSPConfig.compiler`) and are recorded in the model's `CompileReport` for tests and for the
+schedule export.
 
 Extension points used: AOTAutograd's ``partition_fn`` and compiler callbacks
-(aot_eager), Inductor's ``inner_compile``, its ``joint_custom_pre_pass`` and (activation offload only) its
-``custom_partitioner_fn`` set through ``config_patches`` for this one compile (inductor).  Nothing global is
+(aot_eager), Inductor's ``inner_compile``, its ``joint_custom_pre_pass`` and its ``custom_partitioner_fn`` (the
+min-cut, then `rewrite_pair`) set through ``config_patches`` for this one compile (inductor).  Nothing global is
 changed, so two compiles in one process do not interact.
 """
 
@@ -44,31 +45,37 @@ log = logging.getLogger(__name__)
 JointGraphPass = Callable[[fx.Graph], None]
 
 
-def rewrite_partitioned(graph: fx.GraphModule, config: AutoSPConfig) -> fx.GraphModule:
-    """Last rewrites of one partitioned graph."""
+def rewrite_inference(graph: fx.GraphModule, config: AutoSPConfig) -> fx.GraphModule:
+    """The rewrites of a forward compiled without a backward (no partition: nothing is saved for backward, so
+    activation offload has nothing to move): the overlap pass (``overlap_communication``)."""
     return overlap_all_to_alls_pass(graph) if config.overlap_communication else graph
+
+
+def rewrite_pair(fw: fx.GraphModule, bw: fx.GraphModule, *, config: AutoSPConfig, num_fwd_outputs: int,
+                 record: Callable[[object], None] | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The rewrites of one partitioned forward/backward pair, in their one order: the activation offload pass on the
+    pair (``activation_offload="on"``; ``num_fwd_outputs``: the partitioner's count of the forward's user outputs,
+    the rest of its outputs being saved for backward; the offload plan goes to ``record``), then the overlap pass on
+    each graph (``overlap_communication``).  Used by the backend for every partition it makes and by the planner for
+    copies of partitions traced without the rewrites (`autosp.plan.predict.partitioned_rewrites`)."""
+    if config.activation_offload == "on":  # "auto" unresolved by a plan: off
+        plan = offload_saved_activations(fw, bw, num_fwd_outputs=num_fwd_outputs)
+        if record is not None:
+            record(plan)
+    if config.overlap_communication:
+        fw, bw = overlap_all_to_alls_pass(fw), overlap_all_to_alls_pass(bw)
+    return fw, bw
 
 
 def partition_pair(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, config: AutoSPConfig,
                    record: Callable[[object], None] | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """AOTAutograd's min-cut partition, then (activation_offload="on") the offload pass on the pair, whose plan goes
-    to ``record``: every partition of the backend (its own, the checkpointing variants', the joint graph at another
+    """AOTAutograd's min-cut partition, then the pair's rewrites (`rewrite_pair`; the offload plan goes to
+    ``record``): every partition of the backend (its own, the checkpointing variants', the joint graph at another
     length's: autosp.joint_template.partition_at) goes through here."""
     from functorch.compile import min_cut_rematerialization_partition
 
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **partition_kwargs)
-    if config.activation_offload == "on":  # "auto" unresolved by a plan: off
-        plan = offload_saved_activations(fw, bw, num_fwd_outputs=partition_kwargs["num_fwd_outputs"])
-        if record is not None:
-            record(plan)
-    return fw, bw
-
-
-def _finish(kind: str, graph: fx.GraphModule, config: AutoSPConfig, report: CompileReport) -> fx.GraphModule:
-    """Last rewrites of one partitioned graph, then record it."""
-    graph = rewrite_partitioned(graph, config)
-    report.aot_graphs.append((kind, graph))
-    return graph
+    return rewrite_pair(fw, bw, config=config, num_fwd_outputs=partition_kwargs["num_fwd_outputs"], record=record)
 
 
 def _partition_variants(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, config: AutoSPConfig,
@@ -95,10 +102,28 @@ def _partition_variants(joint: fx.GraphModule, joint_inputs, partition_kwargs: d
             continue
         fw, bw = partition_pair(graph, joint_inputs, partition_kwargs, config=config)
         report.partitions += 1
-        report.variant_graphs[variant] = [("forward", rewrite_partitioned(fw, config)),
-                                          ("backward", rewrite_partitioned(bw, config))]
+        report.variant_graphs[variant] = [("forward", fw), ("backward", bw)]
     if own in variants:
         report.variant_plans[own] = own_plan
+
+
+def partition_joint(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, config: AutoSPConfig,
+                    report: CompileReport, variants: Sequence[tuple[str, float | None]] = (),
+                    tag_joint: JointGraphPass | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """What the backend does with an untagged joint graph (aot_eager): the checkpointing variants' partitions into
+    ``report`` (`_partition_variants`), the compile's own checkpointing tags (``tag_joint``, default: ``config``'s,
+    their plan recorded in ``report``), the min-cut and the pair's rewrites (`partition_pair`).  The joint graph at
+    another length goes through here too (autosp.joint_template.partition_at)."""
+    if variants:
+        _partition_variants(joint, joint_inputs, partition_kwargs, config=config, report=report, variants=variants)
+    if tag_joint is None:
+        tag_joint = make_recompute_tagger(setting=config.checkpointing, recompute_limit=config.sac_recompute_limit,
+                                          memory_budget=config.sac_memory_budget,
+                                          record=report.checkpoint_plans.append)
+    tag_joint(joint.graph)
+    report.partitions += 1
+    report.num_fwd_outputs = partition_kwargs["num_fwd_outputs"]
+    return partition_pair(joint, joint_inputs, partition_kwargs, config=config, record=report.offload_plans.append)
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, report: CompileReport,
@@ -107,9 +132,12 @@ def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repo
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    def compiler(kind: str):
+    def compiler(kind: str, *, inference: bool = False):
         def compile_graph(graph: fx.GraphModule, inputs):
-            return make_boxed_func(_finish(kind, graph, config, report).forward)
+            if inference:
+                graph = rewrite_inference(graph, config)  # a training pair is rewritten in partition_pair
+            report.aot_graphs.append((kind, graph))
+            return make_boxed_func(graph.forward)
 
         return compile_graph
 
@@ -117,14 +145,11 @@ def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repo
         report.joint_graphs += 1
         if capture_seq_len is not None:  # Note [The joint graph at another length] in autosp/joint_template.py
             report.joint_capture = capture_joint(joint, joint_inputs, kwargs, seq_len=capture_seq_len)
-        if variants:
-            _partition_variants(joint, joint_inputs, kwargs, config=config, report=report, variants=variants)
-        tag_joint(joint.graph)
-        report.partitions += 1
-        return partition_pair(joint, joint_inputs, kwargs, config=config, record=report.offload_plans.append)
+        return partition_joint(joint, joint_inputs, kwargs, config=config, report=report, variants=variants,
+                               tag_joint=tag_joint)
 
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                        partition_fn=partition)(gm, example_inputs)
+                        inference_compiler=compiler("forward", inference=True), partition_fn=partition)(gm, example_inputs)
 
 
 def _joint_pass_for_inductor(tag_joint: JointGraphPass, config: AutoSPConfig):
@@ -145,16 +170,17 @@ def _joint_pass_for_inductor(tag_joint: JointGraphPass, config: AutoSPConfig):
 def _partitioner_for_inductor(config: AutoSPConfig, report: CompileReport):
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-    class OffloadPartitioner(CustomPartitionerFn):
-        """Inductor's hook for the partitioner: its min-cut (after its joint passes), then the offload pass."""
+    class PairPartitioner(CustomPartitionerFn):
+        """Inductor's hook for the partitioner: its min-cut (after its joint passes), then the pair's rewrites."""
 
         def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+            report.num_fwd_outputs = kwargs["num_fwd_outputs"]
             return partition_pair(gm, joint_inputs, kwargs, config=config, record=report.offload_plans.append)
 
         def uuid(self):
-            return ("autosp-offload-partitioner", repr(config))
+            return ("autosp-pair-partitioner", repr(config))
 
-    return OffloadPartitioner()
+    return PairPartitioner()
 
 
 def _inductor(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, report: CompileReport,
@@ -162,14 +188,15 @@ def _inductor(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repor
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
-        graph = _finish("backward" if kwargs.get("is_backward") else "forward", graph, config, report)
+        if kwargs.get("is_inference"):  # a training pair is rewritten in the partitioner
+            graph = rewrite_inference(graph, config)
+        report.aot_graphs.append(("backward" if kwargs.get("is_backward") else "forward", graph))
         return compile_fx_inner(graph, inputs, **kwargs)
 
     # No AOTAutograd cache for this compile: a hit would skip inner_compile, leaving the report (and the
     # export) without graphs.  The patch is scoped to this call.
-    patches = {"joint_custom_pre_pass": _joint_pass_for_inductor(tag_joint, config), "fx_graph_cache": False}
-    if config.activation_offload == "on":
-        patches["custom_partitioner_fn"] = _partitioner_for_inductor(config, report)
+    patches = {"joint_custom_pre_pass": _joint_pass_for_inductor(tag_joint, config), "fx_graph_cache": False,
+               "custom_partitioner_fn": _partitioner_for_inductor(config, report)}
     with functorch_config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 

@@ -47,6 +47,9 @@ class CompileReport:
     offload_plans: list[object] = field(default_factory=list)
     """autosp.passes.partitioned.offload.OffloadPlan of each partition with activation_offload="on" (what moved to
     host memory: names, count, bytes), latest last."""
+    num_fwd_outputs: int | None = None
+    """The partitioner's count of the forward's user outputs in the latest partition (the forward's other outputs
+    are the tensors saved for backward): what `autosp.backend.rewrite_pair` needs to rewrite a copy of the pair."""
     joint_graphs: int = 0
     """Joint graphs AOTAutograd built (one per compiled graph with a backward)."""
     partitions: int = 0

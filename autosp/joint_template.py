@@ -21,9 +21,10 @@ partitioner and the rewrites of partitioned graphs.  The length-dependent decisi
 on the new shapes, exactly as a trace would make them.
 
 This is an assumption about the program (no length-dependent branch between S1 and the length asked for), so
-the caller checks it: experiments/paper_scale/simulate.py exports the re-sized program at a third traced length
-and requires it to equal the trace (Note [One trace per length class] there); a class that fails is traced at
-every length.  Only lengths inside the traced range are re-sized.
+it is checked: a `LengthClass` (used by experiments/paper_scale/simulate.py, Note [One trace per length class]
+there, and by the planner's TraceReuse in autosp/plan/predict.py) exports the re-sized program at a third traced
+length and requires it to equal the trace; a class that fails is traced at every length.  Only lengths inside the
+traced range are re-sized.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import TypeVar
 
 import torch
 from torch import fx
@@ -42,6 +45,7 @@ from torch.utils import _pytree as pytree
 from autosp.config import AutoSPConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -150,16 +154,18 @@ def joint_at(first: JointCapture, second: JointCapture, seq_len: int) -> JointCa
     return JointCapture(seq_len=seq_len, graph=module, inputs=inputs, partition_kwargs=first.partition_kwargs)
 
 
-def partition_at(capture: JointCapture, config: AutoSPConfig) -> list[tuple[str, fx.GraphModule]]:
-    """The forward and backward graphs (as ``report.aot_graphs`` holds them) that the backend makes from the joint
-    graph of ``capture``: fake tensors of its shapes propagated, the checkpointing tags of ``config``, the min-cut
-    partitioner, the rewrites of partitioned graphs (Note [The joint graph at another length])."""
+def partition_at(capture: JointCapture, config: AutoSPConfig, variants: Sequence[tuple[str, float | None]] = ()):
+    """What the backend makes from the joint graph of ``capture`` (a `autosp.context.CompileReport` with its
+    ``aot_graphs``, and with ``variants``, (checkpointing, sac_memory_budget) pairs, each variant's partition as
+    checkpointing variants of a trace have them): fake tensors of its shapes propagated, then
+    `autosp.backend.partition_joint` (the checkpointing tags of ``config``, the min-cut partitioner, the pair's
+    rewrites; Note [The joint graph at another length])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-    from autosp.backend import partition_pair, rewrite_partitioned
-    from autosp.passes.joint.checkpointing import tag_recomputation
+    from autosp.backend import partition_joint
+    from autosp.context import CompileReport
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
@@ -168,10 +174,81 @@ def partition_at(capture: JointCapture, config: AutoSPConfig) -> list[tuple[str,
     for node in capture.graph.graph.nodes:
         if isinstance(node.meta.get("val"), torch.Tensor):
             node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
-    tag_recomputation(capture.graph.graph, setting=config.checkpointing, recompute_limit=config.sac_recompute_limit,
-                      memory_budget=config.sac_memory_budget)
+    report = CompileReport()
     # Lazy graph modules (torch's own switch, scoped to this block): the partitioned graphs are exported, never
     # called, so their Python code is not generated.
     with mode, _use_lazy_graph_module(True):
-        fw, bw = partition_pair(capture.graph, inputs, capture.partition_kwargs, config=config)
-        return [("forward", rewrite_partitioned(fw, config)), ("backward", rewrite_partitioned(bw, config))]
+        fw, bw = partition_joint(capture.graph, inputs, capture.partition_kwargs, config=config, report=report,
+                                 variants=tuple(variants))
+    report.joint_graphs = 1
+    report.aot_graphs = [("forward", fw), ("backward", bw)]
+    return report
+
+
+RESIZED, INTERPOLATED = "resized", "interpolated"
+
+
+@dataclass
+class LengthClass:
+    """The traces of one program (one model, depth, rank count and option set) at several lengths, and when a
+    length is traced or built from them (Note [One trace per length class] in experiments/paper_scale/simulate.py,
+    Note [The joint graph at another length] here).  ``how``: `RESIZED` (the joint graphs of the first two traces
+    re-sized, `resize`) or `INTERPOLATED` (the caller's own build from its first three traces).  The first
+    ``anchors`` lengths asked for are traced, the next one too, where the built program must equal the trace
+    (``==``, `get`), or every length is traced; after that a length strictly inside the traced range is built and
+    one outside it traced (the range widens).  The callers: the paper-scale experiments' ``TraceCache`` and the
+    planner's ``TraceReuse`` (autosp/plan/predict.py)."""
+
+    how: str = RESIZED
+    lengths: list[int] = field(default_factory=list)
+    """Lengths traced, in the order asked for: the first `anchors` are the anchors, the next one the check."""
+    checked: bool | None = None
+    """Whether the program built at the check length equalled its trace (None: not yet)."""
+    captures: list[JointCapture] = field(default_factory=list)
+    """`RESIZED`: the joint graphs of the two anchors."""
+    config: AutoSPConfig | None = None
+    """`RESIZED`: the configuration the first capturing trace compiled with."""
+    facts: object = None
+    """What the caller needs from the first capturing trace to export a re-sized program (its own type)."""
+
+    @property
+    def anchors(self) -> int:
+        return 3 if self.how == INTERPOLATED else 2
+
+    def traces(self, seq_len: int) -> bool:
+        """Whether ``seq_len`` is traced (not built): an anchor, the check, unchecked, or outside the range."""
+        return seq_len in self.lengths or not (self.checked and min(self.lengths) < seq_len < max(self.lengths))
+
+    def add_capture(self, capture: JointCapture, config: AutoSPConfig, facts: object = None) -> None:
+        """Keep the joint graph of a trace `get` asked to capture (its ``trace(True)``)."""
+        self.captures.append(capture)
+        if self.config is None:
+            self.config, self.facts = config, facts
+
+    def resize(self, seq_len: int, config: AutoSPConfig | None = None,
+               variants: Sequence[tuple[str, float | None]] = ()):
+        """`partition_at` of the joint graph at ``seq_len`` re-sized from the two captures (``config``: default the
+        captured trace's); None when they are not one re-sizable program."""
+        capture = joint_at(*self.captures, seq_len) if len(self.captures) == 2 else None
+        return None if capture is None else partition_at(capture, config or self.config, variants)
+
+    def get(self, seq_len: int, *, trace: Callable[[bool], T], build: Callable[[], T | None],
+            what: str = "") -> tuple[T, bool]:
+        """The program at ``seq_len`` and whether it was built (True) or traced: ``trace(capture)`` traces it
+        (with ``capture``, handing its joint graph to `add_capture`), ``build()`` builds it from the anchors (None:
+        not this class's program at this length)."""
+        if self.traces(seq_len):
+            traced = trace(self.how == RESIZED and len(self.captures) < 2 and seq_len not in self.lengths)
+            if seq_len not in self.lengths:
+                self.lengths.append(seq_len)
+            if len(self.lengths) == self.anchors + 1 and self.checked is None:
+                self.checked = build() == traced
+                if not self.checked:
+                    log.warning("%s: the program %s at %d tokens differs from its trace; tracing every length "
+                                "instead", what, self.how, seq_len)
+            return traced, False
+        found = build()
+        if found is None:  # not this class's program at this length (a number that is not an integer)
+            log.warning("%s: not %s at %d tokens; traced", what, self.how, seq_len)
+            return trace(False), False
+        return found, True

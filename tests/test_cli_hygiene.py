@@ -60,6 +60,7 @@ CLIS = (
         typos=(("--model", "llama-9b"), ("--cluster", "h100"))),
     Cli("experiments.bench_sac_overlap", aliases=("experiments.cpu.bench_sac_overlap",),
         typos=(("--model", "hf-lama"), ("--paper-scale", "llama-9b"))),
+    Cli("experiments.bench_planner", typos=(("--only", "longst"),)),
     Cli("experiments.cpu.bench_packed", typos=(("--compiler", "inductr"),)),
     Cli("experiments.cpu.bench_same_sample", typos=(("--compiler", "inductr"),)),
     Cli("experiments.cpu.bench_lengths", typos=(("--compiler", "inductr"), ("--model", "hf-lama"))),

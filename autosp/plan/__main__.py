@@ -191,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
                                  plans=plans, max_length_high=args.max_length_high, granularity=args.granularity,
                                  max_probes=args.max_probes)
         else:
+            from autosp.plan.predict import TraceReuse
+
+            options = {**options, **({} if args.strategy == "ulysses" else {"strategy": args.strategy})}
             answer = predict(args.model, setup, cluster, capacity_bytes=target, max_length=args.max_length,
                              max_length_high=args.max_length_high, granularity=args.granularity,
                              max_probes=args.max_probes, progress=lambda s: log.info("step at %s", s),
-                             options={**options, **({} if args.strategy == "ulysses" else {"strategy": args.strategy})}
-                             or None)
+                             options=options or None, reuse=TraceReuse([options], resize_lengths=args.max_length))
     except AutoSPError as err:
         log.error("%s", err)
         return 2

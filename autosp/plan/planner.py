@@ -264,20 +264,24 @@ def _choose_longest(candidates: Sequence[Candidate], target: int) -> tuple[int |
 def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",
                 target_memory: int | None = None, plans: Sequence[MemoryPlan] | None = None,
                 max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
-                reuse_traces: bool = True) -> PlanReport:
+                reuse_traces: bool = True, resize_lengths: bool = True) -> PlanReport:
     """Predict every plan of ``plans`` (default `candidate_plans`) for ``setup`` on ``cluster`` and choose one:
     ``"fastest"``: the fastest step at ``setup.seq_len`` whose peak fits ``target_memory`` (bytes per rank; default:
     the device's memory), ties by the lower peak; ``"longest"``: the longest length that fits (the max-length search
     of `predict`, starting at ``setup.seq_len``), ties by the faster step at that length.  ``reuse_traces``: plans
     differing only in checkpointing share one trace and plans with the same program one simulation (`TraceReuse`);
-    False traces every plan on its own (the same predictions, slower)."""
+    False traces every plan on its own (the same predictions, slower).  ``resize_lengths``: with trace reuse and
+    ``objective="longest"``, a group's program at a length inside its traced range is built from a re-sized joint
+    graph (`TraceReuse`)."""
     if objective not in OBJECTIVES:
         raise AutoSPError(f"objective {objective!r}: choose one of {OBJECTIVES}")
     setup.check()
     start = time.perf_counter()
     target = int(cluster.device.memory_bytes if target_memory is None else target_memory)
     plans = tuple(plans or candidate_plans())
-    reuse = TraceReuse([p.options for p in plans]) if reuse_traces else None
+    # Only the max-length search asks for several lengths.
+    reuse = TraceReuse([p.options for p in plans], resize_lengths=resize_lengths and objective == "longest") \
+        if reuse_traces else None
     candidates, traces = [], 0
     for plan in plans:
         before = reuse.traces if reuse else 0

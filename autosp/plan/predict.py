@@ -145,29 +145,22 @@ OFFLOAD_OPTION = "activation_offload"
 reuses the trace (and the partition) of the same plan without it (`TraceReuse`, docs/design.md "Trace reuse")."""
 
 
-def partitioned_rewrites(graphs: Sequence, *, offload: bool, overlap: bool) -> list:
+def partitioned_rewrites(graphs: Sequence, *, config, num_fwd_outputs: int) -> list:
     """Copies of a partitioned forward and backward (``graphs``: (kind, graph) pairs, as partitioned) rewritten as
-    `autosp.backend` rewrites them: the activation offload pass on the pair (``offload``), then the overlap pass on
-    each graph (``overlap``).  For traces taken without those rewrites (`trace_step`'s ``rewrites_here``)."""
+    the backend rewrites a partition compiled with ``config`` (`autosp.backend.rewrite_pair`; ``num_fwd_outputs``:
+    the partitioner's, `autosp.context.CompileReport.num_fwd_outputs` of the trace).  For traces taken without
+    those rewrites (`trace_step`'s ``rewrites_here``)."""
     import copy
 
     from torch import fx
 
-    from autosp.passes.partitioned.offload import offload_saved_activations
-    from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
+    from autosp.backend import rewrite_pair
 
     graphs = dict(graphs)
     with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
         fw, bw = (fx.GraphModule(graphs[k], copy.deepcopy(graphs[k].graph)) for k in ("forward", "backward"))
-    if offload:
-        # The forward returns its user outputs, then the tensors saved for backward: the backward's placeholders
-        # named after forward nodes (the rest are its tangents).
-        saved = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
-        outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
-        offload_saved_activations(fw, bw, num_fwd_outputs=len(outputs) - saved)
-    if overlap:
-        fw, bw = overlap_all_to_alls_pass(fw), overlap_all_to_alls_pass(bw)
+    fw, bw = rewrite_pair(fw, bw, config=config, num_fwd_outputs=num_fwd_outputs)
     return [("forward", fw), ("backward", bw)]
 
 
@@ -188,10 +181,25 @@ def checkpointing_variant(options: Mapping | None) -> tuple[str, float | None]:
     return options.get("checkpointing", "sac"), options.get("sac_memory_budget")
 
 
+@dataclass(frozen=True, kw_only=True)
+class _TraceFacts:
+    """What building a step needs from a trace besides its partitioned graphs: the same at every length of a
+    `autosp.joint_template.LengthClass` (`TraceReuse`)."""
+
+    parameter_bytes: int
+    forward_graph: object
+    """The Dynamo graph (`autosp.export.module_parameters` reads its parameter names)."""
+    attention_kept_fraction: float | None
+    compiled_with: object
+    """The `autosp.config.AutoSPConfig` of the trace (with ``rewrites_here``: without the pair's rewrites)."""
+    num_fwd_outputs: int
+    """The partitioner's count of the forward's user outputs (`autosp.backend.rewrite_pair`)."""
+
+
 def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
                config: TrainingConfig, options: Mapping | None = None,
                variants: tuple[tuple[str, float | None], ...] = (),
-               rewrites_here: bool = False) -> Traced | dict[tuple, Traced]:
+               rewrites_here: bool = False, capture_into=None) -> Traced | dict[tuple, Traced]:
     """Trace ``layers`` decoder layers (None: all) at ``seq_len`` tokens and build the whole step of ``setup``
     (``config``: the ledger's configuration of the whole model; ``options``: `autosp.compile` options, e.g. the
     memory plan's checkpointing and tiled loss).  With ``variants`` ((checkpointing, sac_memory_budget) pairs) the
@@ -199,16 +207,17 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
     variant, and ``options``' own, to its step; variants with the same program share one `Traced`.
     ``rewrites_here``: the trace leaves out the partitioned-graph rewrites (activation offload, overlap), which
     `partitioned_rewrites` then applies to copies, so that one trace also builds the step with activation offload
-    (`Traced.rebuild` on `Traced.graphs`, as partitioned)."""
+    (`Traced.rebuild` on `Traced.graphs`, as partitioned).  ``capture_into``: a
+    `autosp.joint_template.LengthClass` that keeps the trace's joint graph (`resized_steps`)."""
     import torch
 
     from autosp.export import trace_fake_step
 
     hf = source.config(seq_len=seq_len, num_layers=layers)
     depth = hf.num_hidden_layers
-    overlap = (options or {}).get("overlap_communication", True)  # AutoSPConfig's default
+    traced_options = dict(options or {})
     if rewrites_here:
-        options = {**(options or {}), "overlap_communication": False, OFFLOAD_OPTION: "off"}
+        traced_options.update(overlap_communication=False, **{OFFLOAD_OPTION: "off"})
     dtype = _torch_dtype(setup.dtype)
     start = time.perf_counter()
     log.info("tracing %s: %d layers, %s x %d tokens over %d SP ranks", source.spec, depth, setup.micro_batch,
@@ -221,23 +230,59 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
         compiled, parameter_bytes = trace_fake_step(lambda: source.build(hf, dtype), seq_len=seq_len,
                                                     sp_size=setup.sp_size, vocab_size=hf.vocab_size, dtype=dtype,
                                                     micro_batch=setup.micro_batch, checkpointing_variants=variants,
-                                                    **(options or {}))
+                                                    capture_joint=capture_into is not None, **traced_options)
     report = compiled.report
     log.info("traced in %.1f s: %d joint graph(s), %d partition(s)", time.perf_counter() - start,
              report.joint_graphs, report.partitions)
+    facts = _TraceFacts(parameter_bytes=parameter_bytes, forward_graph=report.forward_graphs[-1],
+                        attention_kept_fraction=report.attention_kept_fraction, compiled_with=compiled.config,
+                        num_fwd_outputs=report.num_fwd_outputs)
+    if capture_into is not None:
+        capture_into.add_capture(report.joint_capture, compiled.config, facts)
+    found = _steps(source, setup, report, facts, seq_len=seq_len, layers=layers, config=config, options=options,
+                   rewrites_here=rewrites_here)
+    return found if variants else found[checkpointing_variant(options)]
+
+
+def resized_steps(length_class, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
+                  config: TrainingConfig, options: Mapping | None = None,
+                  variants: tuple[tuple[str, float | None], ...] = (),
+                  rewrites_here: bool = False) -> dict[tuple, Traced] | None:
+    """`trace_step`'s answer (as a map, ``options``' own variant included) from the joint graph re-sized to
+    ``seq_len`` from the two captures of ``length_class`` (`autosp.joint_template.LengthClass.resize`; Note [The
+    joint graph at another length] in autosp/joint_template.py), skipping Dynamo and the joint trace; None when
+    they are not one re-sizable program."""
+    facts: _TraceFacts = length_class.facts
+    checkpointing, budget = checkpointing_variant(options)
+    own = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
+    start = time.perf_counter()
+    report = length_class.resize(seq_len, own, variants)
+    if report is None:
+        return None
+    log.info("re-sized %s to %d tokens in %.1f s: %d partition(s)", source.spec, seq_len,
+             time.perf_counter() - start, report.partitions)
+    return _steps(source, setup, report, facts, seq_len=seq_len, layers=layers, config=config, options=options,
+                  rewrites_here=rewrites_here)
+
+
+def _steps(source: ModelSource, setup: TrainingSetup, report, facts: _TraceFacts, *, seq_len: int,
+           layers: int | None, config: TrainingConfig, options: Mapping | None,
+           rewrites_here: bool) -> dict[tuple, Traced]:
+    """The step of each partition of ``report`` (its own and its checkpointing variants'), by variant."""
+    hf = source.config(seq_len=seq_len, num_layers=layers)
+    overlap = (options or {}).get("overlap_communication", True)  # AutoSPConfig's default
 
     def build(graphs, offload: bool = False) -> Traced:
         partitioned = graphs
         if rewrites_here:
-            graphs = partitioned_rewrites(partitioned, offload=offload, overlap=overlap)
-        built = _build_step(source, setup, hf, graphs, parameter_bytes=parameter_bytes, report=report,
-                            config=config, layers=layers, seq_len=seq_len, dtype=dtype)
+            rewrites = dataclasses.replace(facts.compiled_with, overlap_communication=overlap,
+                                           activation_offload="on" if offload else "off")
+            graphs = partitioned_rewrites(partitioned, config=rewrites, num_fwd_outputs=facts.num_fwd_outputs)
+        built = _build_step(source, setup, hf, graphs, facts=facts, config=config, layers=layers, seq_len=seq_len,
+                            dtype=_torch_dtype(setup.dtype))
         return dataclasses.replace(built, graphs=tuple(partitioned), rebuild=build)
 
-    own = build(report.aot_graphs)
-    if not variants:
-        return own
-    found = {checkpointing_variant(options): own}
+    found = {checkpointing_variant(options): build(report.aot_graphs)}
     for variant, graphs in report.variant_graphs.items():
         found[variant] = build(graphs)
     for variant, same in report.variant_same_as.items():
@@ -245,18 +290,17 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
     return found
 
 
-def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, parameter_bytes: int, report,
+def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts: _TraceFacts,
                 config: TrainingConfig, layers: int | None, seq_len: int, dtype) -> Traced:
     """Export one traced program (forward and backward ``graphs``) and build its whole training step."""
     from autosp.export import export_workload, module_parameters
 
     depth = hf.num_hidden_layers
     exported = export_workload(graphs, name=f"{source.spec}/L={depth}/S={seq_len}", sp_size=setup.sp_size,
-                               parameter_bytes=parameter_bytes,
+                               parameter_bytes=facts.parameter_bytes,
                                saved_freed_at_last_use=setup.compiler == "inductor",
-                               attention_kept_fraction=report.attention_kept_fraction,
-                               document_ids=report.document_ids)
-    modules = module_parameters(graphs, report.forward_graphs[-1])
+                               attention_kept_fraction=facts.attention_kept_fraction)
+    modules = module_parameters(graphs, facts.forward_graph)
     world = setup.world_size
     names = [n for m in modules for n in m.gradients]
     released = dataclasses.replace(exported, ranks={r: release_gradients(p, names) for r, p in exported.ranks.items()})
@@ -279,13 +323,22 @@ class TraceReuse:
     offload on gets its program by the offload pass on the partition of the same plan without it (the group's trace
     leaves the partitioned-graph rewrites to `partitioned_rewrites`)."""
 
-    def __init__(self, plans: Sequence[Mapping]):
+    def __init__(self, plans: Sequence[Mapping], *, resize_lengths: bool = False):
         self._plans = [dict(p) for p in plans]
+        self.resize_lengths = resize_lengths
+        """Build a group's program at a length inside its traced range from the joint graphs of two traces
+        (`autosp.joint_template.LengthClass`, docs/design.md "Trace reuse across lengths") instead of tracing it:
+        for callers that ask for many lengths (the max-length searches), since each of the first two traces of a
+        group also copies its joint graph."""
+        self.length_classes: dict[tuple, object] = {}
+        """`autosp.joint_template.LengthClass` per group (the trace key less the length)."""
         self._traced: dict[tuple, Traced] = {}
         self._offloaded: dict[int, Traced] = {}
         self._simulated: dict[tuple[int, int], tuple] = {}
         self.traces = 0
         """Fake-tensor traces (Dynamo captures) taken."""
+        self.resized = 0
+        """Lengths whose programs were built from a re-sized joint graph instead of a trace."""
         self.joint_graphs = 0
         self.partitions = 0
         self.simulations = 0
@@ -310,11 +363,24 @@ class TraceReuse:
             variants = tuple(dict.fromkeys(checkpointing_variant(p) for p in self._plans
                                            if self._group(p) == group and checkpointing_variant(p) != own))
             offloads = any(self._group(p) == group and self._variant(p)[1] for p in self._plans)
-            found = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=plain,
-                               variants=variants, rewrites_here=offloads)
-            found = found if variants else {own: found}
-            self.traces += 1
-            self.joint_graphs += 1  # one Dynamo graph (fullgraph), one joint graph
+            asked = dict(seq_len=seq_len, layers=layers, config=config, options=plain, variants=variants,
+                         rewrites_here=offloads)
+
+            def trace(capture: bool) -> dict[tuple, Traced]:
+                found = trace_step(source, setup, capture_into=lengths if capture else None, **asked)
+                self.traces += 1
+                self.joint_graphs += 1  # one Dynamo graph (fullgraph), one joint graph
+                return found if variants else {own: found}
+
+            if self.resize_lengths:
+                from autosp.joint_template import LengthClass
+
+                lengths = self.length_classes.setdefault(key[:3] + key[4:], LengthClass())
+                found, built = lengths.get(seq_len, trace=trace, what=f"{source.spec} ({plain})",
+                                           build=lambda: resized_steps(lengths, source, setup, **asked))
+                self.resized += built
+            else:
+                found = trace(False)
             self.partitions += len({id(t) for t in found.values()})
             for variant, traced in found.items():
                 self._traced[(*key, variant, False)] = traced
@@ -586,8 +652,12 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     found = longest = None
     if max_length:
         grain = -(-granularity // setup.sp_size) * setup.sp_size
-        found_ml = search_max_length(step, config, capacity_bytes=capacity, low=grain,
-                                     high=max_length_high or 8 * setup.seq_len, granularity=grain,
+        high = max_length_high or 8 * setup.seq_len
+        if reuse is not None and reuse.resize_lengths and high // grain * grain > setup.seq_len:
+            # The search's ceiling as the second anchor: the probes above the start then lie inside the traced
+            # range and are re-sized, not traced (docs/design.md, "Trace reuse across lengths").
+            step(high // grain * grain)
+        found_ml = search_max_length(step, config, capacity_bytes=capacity, low=grain, high=high, granularity=grain,
                                      start=setup.seq_len - setup.seq_len % grain or grain, max_probes=max_probes,
                                      host_capacity_bytes=cluster.host_memory_per_rank_bytes)
         longest = found_ml.nominal.result

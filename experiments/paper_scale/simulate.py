@@ -22,7 +22,8 @@ lifetimes and collectives, with every FLOP, byte and score count a polynomial of
 (attention scores and FLOPs quadratic, everything else linear or constant).  So a `TraceCache` with
 ``interpolate_lengths`` traces such a system at the first three lengths a caller asks for (the anchors: a
 search's first probes, which it would trace anyway) and at the fourth, where it checks once per model, depth,
-rank count and option set (a `LengthClass`) that exact integer Lagrange interpolation from the anchors gives the
+rank count and option set (a length class: `autosp.joint_template.LengthClass`, which the planner's trace reuse
+shares) that exact integer Lagrange interpolation from the anchors gives the
 traced workload: every op, tensor and module equal (``==``).  After that a length strictly inside the traced
 range is interpolated, one outside it is traced (and widens the range).  If the check fails, or a number does
 not come out an integer, that class is traced at every length (and the log says so).  Selective checkpointing
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 
 from autosp.export import ModuleParameters, export_workload, module_parameters, trace_fake_step
+from autosp.joint_template import INTERPOLATED, RESIZED, LengthClass
 from experiments.baselines.autosp_system import autosp_options as strategy_options
 from experiments.models import PAPER_MODELS, PaperModel
 from experiments.paper_scale.config import PAPER_CONFIG, PaperConfig, peak_memory_bytes, training_config
@@ -115,32 +117,6 @@ def _length_side(options: dict, seq_len: int, sp_size: int) -> bool | None:
 
 
 @dataclass
-class LengthClass:
-    """The real traces of one model, depth, rank count and option set, and how a `TraceCache` builds other lengths
-    from them (Note [One trace per length class])."""
-
-    how: str
-    """"interpolated" (between the workloads of three traces) or "resized" (from the joint graphs of two)."""
-    lengths: list[int] = field(default_factory=list)
-    """Lengths traced, in the order asked for: the first three (interpolated) or two (resized) are the anchors,
-    the next one the check."""
-    checked: bool | None = None
-    """Whether the workload built at the check length equalled its trace (None: not yet)."""
-    captures: list = field(default_factory=list)
-    """"resized": `autosp.joint_template.JointCapture` of the two anchors."""
-    config: object = None
-    """"resized": the `autosp.config.AutoSPConfig` the traces compiled with."""
-    forward_graph: object = None
-    """"resized": the Dynamo graph of the first trace (`autosp.export.module_parameters` reads its parameter
-    names)."""
-    parameter_bytes: int = 0
-
-    @property
-    def anchors(self) -> int:
-        return 3 if self.how == "interpolated" else 2
-
-
-@dataclass
 class TraceCache:
     """Exported workloads of one run, keyed by everything that determines the trace.
 
@@ -160,7 +136,7 @@ class TraceCache:
     resized: int = 0
     """Workloads built from a re-sized joint graph (Note [One trace per length class])."""
     length_classes: dict = field(default_factory=dict)
-    """`LengthClass` per (model, depth, ranks, options, variant, side)."""
+    """`autosp.joint_template.LengthClass` per (model, depth, ranks, options, variant, side)."""
 
     def get(self, key, make: Callable[[], TracedStep]) -> TracedStep:
         found = self.workloads.get(key)
@@ -216,56 +192,43 @@ def trace_workload(model: PaperModel, seq_len: int, layers: int, *, sp_size: int
     resize = options.get("checkpointing") not in LENGTH_INVARIANT_CHECKPOINTING
     lengths = cache.length_classes.setdefault(
         (model.name, layers, sp_size, tuple(sorted(options.items())), variant,
-         _length_side(options, seq_len, sp_size)), LengthClass(how="resized" if resize else "interpolated"))
+         _length_side(options, seq_len, sp_size)), LengthClass(how=RESIZED if resize else INTERPOLATED))
     name = _trace_name(model, sp_size, layers, seq_len)
+    key = (lengths.how, *_trace_key(model, seq_len, layers, sp_size, options, variant))
+    if not lengths.traces(seq_len) and key in cache.workloads:
+        cache.hits += 1
+        return cache.workloads[key]
 
     def build() -> TracedStep | None:
-        if lengths.how == "interpolated":
+        if lengths.how == INTERPOLATED:
             return interpolate_trace({n: cache.workloads[_trace_key(model, n, layers, sp_size, options, variant)]
                                       for n in lengths.lengths[:3]}, seq_len, name=name)
         return _resized(lengths, seq_len, name=name, sp_size=sp_size)
 
-    if seq_len in lengths.lengths or not (lengths.checked and min(lengths.lengths) < seq_len < max(lengths.lengths)):
-        capture = resize and len(lengths.captures) < 2 and seq_len not in lengths.lengths
-        traced = _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant,
-                         capture_into=lengths if capture else None)
-        if seq_len not in lengths.lengths:
-            lengths.lengths.append(seq_len)
-        if len(lengths.lengths) == lengths.anchors + 1 and lengths.checked is None:
-            lengths.checked = build() == traced
-            if not lengths.checked:
-                log.warning("%s at %d layers (%s): the workload %s at %d tokens differs from its trace; tracing "
-                            "every length instead", model.name, layers, options, lengths.how, seq_len)
-        return traced
-    key = (lengths.how, *_trace_key(model, seq_len, layers, sp_size, options, variant))
-    if key in cache.workloads:
-        cache.hits += 1
-        return cache.workloads[key]
-    found = build()
-    if found is None:  # not this class's program at this length (a number that is not an integer)
-        log.warning("%s at %d layers (%s): not %s at %d tokens; traced", model.name, layers, options, lengths.how,
-                    seq_len)
-        return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant)
-    if lengths.how == "interpolated":
-        cache.interpolated += 1
-    else:
-        cache.resized += 1
-    cache.workloads[key] = found
+    def trace(capture: bool) -> TracedStep:
+        return _traced(model, seq_len, layers, sp_size=sp_size, options=options, cache=cache, variant=variant,
+                       capture_into=lengths if capture else None)
+
+    found, built = lengths.get(seq_len, trace=trace, build=build, what=f"{model.name} at {layers} layers ({options})")
+    if built:
+        if lengths.how == INTERPOLATED:
+            cache.interpolated += 1
+        else:
+            cache.resized += 1
+        cache.workloads[key] = found
     return found
 
 
 def _resized(lengths: LengthClass, seq_len: int, *, name: str, sp_size: int) -> TracedStep | None:
     """The traced step at ``seq_len`` from the joint graphs of the class's two anchors (Note [The joint graph at
     another length] in autosp/joint_template.py); None when they are not one re-sizable program."""
-    from autosp.joint_template import joint_at, partition_at
-
-    capture = joint_at(*lengths.captures, seq_len)
-    if capture is None:
+    report = lengths.resize(seq_len)
+    if report is None:
         return None
-    graphs = partition_at(capture, lengths.config)
-    return TracedStep(workload=export_workload(graphs, name=name, sp_size=sp_size,
-                                               parameter_bytes=lengths.parameter_bytes),
-                      modules=module_parameters(graphs, lengths.forward_graph))
+    forward_graph, parameter_bytes = lengths.facts
+    return TracedStep(workload=export_workload(report.aot_graphs, name=name, sp_size=sp_size,
+                                               parameter_bytes=parameter_bytes),
+                      modules=module_parameters(report.aot_graphs, forward_graph))
 
 
 def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, options: dict,
@@ -292,9 +255,8 @@ def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, optio
             )
         graphs = compiled.report.aot_graphs
         if capture_into is not None:
-            capture_into.captures.append(compiled.report.joint_capture)
-            capture_into.config, capture_into.parameter_bytes = compiled.config, parameter_bytes
-            capture_into.forward_graph = capture_into.forward_graph or compiled.report.forward_graphs[-1]
+            capture_into.add_capture(compiled.report.joint_capture, compiled.config,
+                                     (compiled.report.forward_graphs[-1], parameter_bytes))
         workload = export_workload(graphs, name=_trace_name(model, sp_size, layers, seq_len), sp_size=sp_size,
                                    parameter_bytes=parameter_bytes)
         return TracedStep(workload=workload, modules=module_parameters(graphs, compiled.report.forward_graphs[-1]))

@@ -59,3 +59,16 @@ def test_overlap_exported_schedule_has_matching_start_and_wait():
         assert start.id in wait.deps and start.id < wait.id
         assert start.collective.kind == "all_to_all" and start.collective.message_bytes > 0
     assert any(waits[k].id - s.id > 1 for k, s in starts.items())  # compute issued in between
+
+
+def test_overlap_in_a_forward_compiled_without_backward():
+    """Under ``no_grad`` AOTAutograd compiles the forward alone, without a partition (its inference path): the
+    overlap pass rewrites it there (`autosp.backend.rewrite_inference`), as the pair's rewrites do in training."""
+    model = build_model("hf-llama", layers=1, hidden=64)
+    with fake_process_group(2, rank=1), torch.no_grad():
+        compiled = autosp.compile(model, sp_size=2, compiler="aot_eager", overlap_communication=True)
+        ids, labels = make_sample(32, vocab_size(model), seed=0)
+        compiled(**autosp.prepare_inputs(ids, labels=labels))
+    ((kind, gm),) = compiled.report.aot_graphs
+    assert kind == "forward" and compiled.report.joint_graphs == 0
+    assert len(overlapped_compute(gm)) == 4  # q, k, v and the output all-to-all of the one layer

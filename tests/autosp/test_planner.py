@@ -201,3 +201,43 @@ def test_cli_memory_plan_flags_and_refusals(model, caplog):
     assert "--target-memory 0" in caplog.text
     with pytest.raises(AutoSPError, match="objective"):
         plan_memory(model, SETUP, load_cluster("h100-sxm", world_size=2), objective="cheapest", plans=PLANS)
+
+
+def test_planner_resizes_lengths_inside_its_traced_range_and_predicts_what_traces_predict(tmp_path, cluster):
+    """`TraceReuse` traces a group at its first two lengths (keeping their joint graphs), traces the third and
+    checks there that the program re-sized from the two (Note [The joint graph at another length] in
+    autosp/joint_template.py) equals the trace, then builds a length inside the traced range without a trace.
+    Every plan's prediction there (step time, device and host activations) and its whole training step equal
+    those of a trace at that length: no checkpointing, SAC and full recomputation (checkpointing variants of one
+    trace), each with activation offload off and on (the pair's rewrites on copies of the re-sized partition)."""
+    from autosp.plan.model_source import ModelSource
+    from autosp.plan.predict import TraceReuse, simulate_step
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 256,
+                                "vocab_size": 256}))
+    source = ModelSource(str(path))
+    hf = source.config(seq_len=SETUP.seq_len)
+    config = SETUP.training_config(source.parameter_numels(hf))
+    plans = [p.options for p in candidate_plans(checkpointing=("none", "sac", "full"), tiled_loss=("off",),
+                                                tiled_mlp=("off",))]
+    assert len(plans) == 6
+    fast, slow = TraceReuse(plans, resize_lengths=True), TraceReuse(plans)
+
+    def predictions(reuse: TraceReuse, seq_len: int) -> list:
+        return [simulate_step(source, SETUP, cluster, config, hf.num_hidden_layers, seq_len, p, reuse) for p in plans]
+
+    for n in (32, 96, 64):  # two captures, then the check (one trace partitions every plan of the group)
+        fast.trace(source, SETUP, seq_len=n, layers=None, config=config, options=plans[0])
+    (lengths,) = fast.length_classes.values()
+    assert (lengths.lengths, lengths.checked, fast.traces, fast.resized) == ([32, 96, 64], True, 3, 0)
+    resized = predictions(fast, 48)
+    assert (fast.traces, fast.resized) == (3, 1)
+    assert resized == predictions(slow, 48) and slow.traces == 1
+    assert any(p.host_dynamic_memory_bytes for p in resized)  # the offload plans moved activations
+    fast_steps, slow_steps = ([r.trace(source, SETUP, seq_len=48, layers=None, config=config, options=p).step
+                               for p in plans] for r in (fast, slow))
+    assert fast_steps == slow_steps
+    # Outside the traced range: traced (the range widens).
+    fast.trace(source, SETUP, seq_len=128, layers=None, config=config, options=plans[0])
+    assert (fast.traces, fast.resized, lengths.lengths) == (4, 1, [32, 96, 64, 128])

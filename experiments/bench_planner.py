@@ -1,0 +1,96 @@
+"""How long the planner takes to decide (issues 20 and 21): a memory plan at one length, ``strategy="auto"`` and the
+longest length, the last with and without re-sizing the joint graph across lengths
+(`autosp.plan.predict.TraceReuse`, docs/design.md "Trace reuse"). Prints wall and CPU times (the CPU time is
+steadier on a shared machine), traces, re-sized lengths and where the time went (summed from the planner's log:
+tracing, re-sizing, simulating). Not a test: it takes minutes on a CPU.
+
+    python -m experiments.bench_planner --model llama-3.1-8b --cluster h100-sxm --sp-size 8 --seq-len 65536
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+
+
+class _Seconds(logging.Handler):
+    """Sums the seconds the planner's log lines report ("traced in 12.3 s", "re-sized ... in", "simulated ...
+    in")."""
+
+    PATTERNS = {"trace": re.compile(r"^traced in ([0-9.]+) s"), "resize": re.compile(r"^re-sized .* in ([0-9.]+) s"),
+                "simulate": re.compile(r"^simulated on .* in ([0-9.]+) s")}
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.seconds = dict.fromkeys(self.PATTERNS, 0.0)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        for what, pattern in self.PATTERNS.items():
+            found = pattern.match(message)
+            if found:
+                self.seconds[what] += float(found.group(1))
+
+
+SCENARIOS = ("longest", "longest-traced", "memory-plan", "strategy-auto")
+
+
+def build_parser():
+    from experiments import cli
+
+    parser = cli.parser("experiments.bench_planner", __doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3.1-8b", help="a preset of autosp.train or a config.json")
+    parser.add_argument("--cluster", default="h100-sxm", help="a cluster preset or a cluster file")
+    parser.add_argument("--sp-size", type=int, default=8, help="SP ranks")
+    parser.add_argument("--seq-len", type=int, default=65536, help="the planned length (tokens per sample)")
+    parser.add_argument("--max-probes", type=int, default=8, help="lengths the max-length search may simulate")
+    parser.add_argument("--only", nargs="+", default=list(SCENARIOS), choices=SCENARIOS,
+                        help="decisions to time: longest (lengths re-sized), longest-traced (every length traced), "
+                             "memory-plan (one length), strategy-auto (one length)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from autosp.plan import TrainingSetup, load_cluster
+    from autosp.plan.planner import candidate_plans, plan_memory
+    from autosp.plan.predict import TraceReuse, choose_strategy, predict
+
+    handler = _Seconds()
+    logging.getLogger("autosp.plan").addHandler(handler)
+    logging.getLogger("autosp.plan").setLevel(logging.INFO)
+    setup = TrainingSetup(seq_len=args.seq_len, sp_size=args.sp_size)
+    cluster = load_cluster(args.cluster, world_size=setup.world_size)
+    # The two checkpointing plans of one trace group (issue 20's "2 plans"): SAC and full recomputation.
+    plans = candidate_plans(checkpointing=("sac", "full"), tiled_loss=("off",), tiled_mlp=("off",),
+                            activation_offload=("off",))
+    start = time.perf_counter()  # warm-up: the first trace of a process pays for imports and first compiles
+    predict(args.model, TrainingSetup(seq_len=args.seq_len, sp_size=args.sp_size, depth="extrapolated"), cluster)
+    sys.stdout.write(f"{'warm-up':15s} {time.perf_counter() - start:7.1f} s  (1 and 2 layers traced)\n")
+    for what in args.only:
+        handler.seconds = dict.fromkeys(handler.PATTERNS, 0.0)
+        start, cpu = time.perf_counter(), time.process_time()
+        if what == "strategy-auto":
+            reuse = TraceReuse([])
+            decision = choose_strategy(args.model, setup, cluster, reuse=reuse)
+            counts, answer = f"{reuse.traces} traces", f"chose {decision.chosen}"
+        else:
+            longest = what.startswith("longest")
+            report = plan_memory(args.model, setup, cluster, objective="longest" if longest else "fastest",
+                                 plans=plans, max_probes=args.max_probes, resize_lengths=what != "longest-traced")
+            chosen = report.candidates[report.chosen] if report.chosen is not None else None
+            lengths = sorted(chosen.prediction.max_length["lengths_simulated"]) if longest and chosen else []
+            counts = f"{report.traces} traces, {report.partitions} partitions"
+            answer = (f"chose {chosen.plan.name if chosen else None}"
+                      + (f", max length {chosen.max_seq_len} over lengths {lengths}" if longest and chosen else ""))
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        spent = ", ".join(f"{k} {v:.1f} s" for k, v in handler.seconds.items())
+        sys.stdout.write(f"{what:15s} {seconds:7.1f} s wall, {cpu:7.1f} s CPU  ({counts}; {spent}); {answer}\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
