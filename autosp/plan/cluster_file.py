@@ -63,7 +63,9 @@ def _node(value: Any, where: str):
         raise AutoSPError(f"{where}: give a hardware preset name ({', '.join(preset_names())}) or a hardware "
                           "object (device, intra_node, devices_per_node; see docs/design.md, Cluster files)")
     try:
-        preset = preset_from_dict({"calibrated": False, "name": "custom", **value})
+        # the host-memory fields are read below, each error naming its field
+        preset = preset_from_dict({"calibrated": False, "name": "custom",
+                                   **{k: v for k, v in value.items() if k != "host_memory_link"}})
     except ValueError as exc:
         raise AutoSPError(f"{where}: {exc}; see docs/design.md, Cluster files, for the fields") from None
     host = value.get("host_link")
