@@ -34,10 +34,8 @@ on a ``dp_gather`` stream and the reduce-scatters on a ``dp_reduce`` stream, bot
 over all P ranks, so gathers, reductions and compute overlap.  Static memory is the
 traced parameters, gradients and optimizer state divided by P.
 
-The same rewrite applies to a sequence-parallel trace whose ranks are the ZeRO-3 world (ALST's configuration:
-Ulysses over every rank of a node under ZeRO 3, DeepSpeed partitioning over the sequence-data-parallel group, i.e.
-all ranks; experiments/paper_scale/alst.py): the trace's own collectives (its all-to-alls) stay on their groups,
-and the gathers and reduce-scatters run over all ranks beside them.
+A sequence-parallel trace over the whole ZeRO-3 world (ALST: Ulysses and ZeRO 3 over one node) keeps its
+all-to-alls on their groups, the gathers and reduce-scatters beside them (experiments/paper_scale/alst.py).
 
 Not modelled: DeepSpeed's parameter-persistence threshold (small parameters kept
 whole), ``stage3_max_live_parameters``/``max_reuse_distance`` (a module used again
@@ -175,9 +173,7 @@ def zero3_workload(workload: Workload, modules: Sequence[ModuleParameters], *, w
                    name: str | None = None) -> Workload:
     """The ZeRO-3 step of ``workload`` (one rank's single-device step, or a symmetric sequence-parallel step over
     exactly ``world_size`` ranks) on ``world_size`` ranks that ZeRO partitions over.
-
-    ``modules``: `autosp.export.module_parameters` of the traced graphs.  See
-    Note [ZeRO-3 as a rewrite of the single-device trace]."""
+    ``modules``: `autosp.export.module_parameters`; Note [ZeRO-3 as a rewrite of the single-device trace]."""
     source = workload.program(0)
     if any(op.collective is not None for op in source.ops) and (workload.world_size != world_size
                                                                  or not workload.symmetric):
