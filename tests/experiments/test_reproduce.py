@@ -122,7 +122,18 @@ def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
 
 
 MEASURED = {"autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp",
-            "autosp-ring"}
+            "autosp-ring", "autosp-hybrid-2x2"}
+NEEDS_4_RANKS = {"autosp-hybrid-2x2"}
+"""Listed, but on the quick run's 2 ranks a row that says why it did not run."""
+
+
+def _ran(rows: list[dict]) -> list[dict]:
+    """The rows of the systems that ran; the others say they need 4 ranks, with every measured cell blank."""
+    skipped = [r for r in rows if r["system"] in NEEDS_4_RANKS]
+    assert [r["note"] for r in skipped] == ["needs 4 ranks"] * len(NEEDS_4_RANKS), skipped
+    assert all(v == "" for r in skipped for k, v in r.items() if k not in ("system", "ranks", "seq_len",
+                                                                          "cap_mib", "note")), skipped
+    return [r for r in rows if r["system"] not in NEEDS_4_RANKS]
 
 
 @pytest.mark.slow
@@ -130,6 +141,7 @@ def test_reproduce_measured_cpu_table_has_every_system_with_finite_numbers(quick
     rows = _rows(quick_results / "measured-cpu.csv")
     assert {r["system"] for r in rows} == MEASURED
     assert {int(r["ranks"]) for r in rows} == {2}
+    rows = _ran(rows)
     for r in rows:
         for column in ("first_step_s", "median_step_ms", "ratio_to_ulysses", "loss_error", "grad_max_rel_error",
                        "peak_mib"):
@@ -154,7 +166,7 @@ def test_reproduce_memory_cap_table_finds_a_length_for_every_system(quick_result
     assert {r["system"] for r in rows} == MEASURED | {PLANNER_ROW}  # and AutoSP under its memory planner
     planned = next(r for r in rows if r["system"] == PLANNER_ROW)
     assert f"plan at {planned['max_seq_len']}: " in planned["note"] or planned["max_seq_len"] == "0", planned
-    for r in rows:
+    for r in _ran(rows):
         probes = [p.split(":") for p in r["probes_tokens_mib"].split(", ")]
         cap = float(r["cap_mib"])
         fits = [int(s) for s, mib in probes if float(mib) <= cap]
