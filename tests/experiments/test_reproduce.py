@@ -123,6 +123,7 @@ def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
 
 MEASURED = {"autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp",
             "autosp-ring", "autosp-hybrid-2x2"}
+MEASURED_ORDER = STRATEGIES.table("measured-cpu")
 NEEDS_4_RANKS = {"autosp-hybrid-2x2"}
 """Listed, but on the quick run's 2 ranks a row that says why it did not run."""
 
@@ -279,6 +280,37 @@ def test_reproduce_run_config_and_the_run_loop_build_a_table_from_its_object(tmp
     assert "## toy" in capsys.readouterr().out and runner.pool is None
     with pytest.raises(ValueError, match="record key and its summary"):
         Table(name="x", help="x", build=build, simulated=False, record="x_summary")
+
+
+def test_measured_cpu_runs_a_system_only_on_the_ranks_it_declares_and_says_why_elsewhere(tmp_path, monkeypatch):
+    """The table's rows from fake gloo runs (no processes): a system the registry says cannot run on a rank count
+    (Strategy.cannot_run_on) is not launched there and has a row whose note says why; the ratio is to Ulysses."""
+    import experiments.launch
+    from experiments.reproduce import run_config
+    from experiments.reproduction import Runner, measured_cpu
+
+    launched = []
+
+    def fake_run_on_ranks(fn, ranks, spec, **kw):
+        (name,) = spec["systems"]
+        launched.append((ranks, name))
+        step_s = 0.1 * (1 + len(name) % 3)
+        return [{"systems": {name: {"median_step_s": step_s * (1 + rank / 10), "first_step_s": 1.0, "loss": 1.0,
+                                    "loss_error": 0.0, "grad_max_rel_error": 1e-7, "peak_memory_bytes": 2**20}}}
+                for rank in range(ranks)]
+
+    monkeypatch.setattr(experiments.launch, "run_on_ranks", fake_run_on_ranks)
+    run = run_config(["--quick", "--out", str(tmp_path), "--only", "measured-cpu", "--cpu-ranks", "2", "4"])
+    rows = measured_cpu.build(run, Runner(cache=None))
+    assert [(r["ranks"], r["system"]) for r in rows] == [(n, s) for n in (2, 4) for s in MEASURED_ORDER]
+    assert launched == [(n, s) for n in (2, 4) for s in MEASURED_ORDER if (n, s) != (2, "autosp-hybrid-2x2")]
+    hybrid_2, hybrid_4 = (next(r for r in rows if r["system"] == "autosp-hybrid-2x2" and r["ranks"] == n)
+                          for n in (2, 4))
+    assert hybrid_2["note"] == "needs 4 ranks" and hybrid_2["median_step_ms"] == hybrid_2["ratio_to_ulysses"] == ""
+    ulysses_ms = float(next(r for r in rows if r["system"] == "ulysses" and r["ranks"] == 4)["median_step_ms"])
+    assert float(hybrid_4["ratio_to_ulysses"]) == pytest.approx(float(hybrid_4["median_step_ms"]) / ulysses_ms,
+                                                               abs=0.01)
+    assert hybrid_4["note"] == "" and hybrid_4["grad_max_rel_error"] == "1.0e-07"
 
 
 def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_redo(tmp_path):
