@@ -76,6 +76,17 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
     return rows
 
 
+def footer(rows: list[dict], summary: dict | None = None) -> list[str]:
+    """The closing note: on each rank count, every system's median step as a multiple of hand-written Ulysses'
+    (the same compiler, `aot_eager`, for all), or why it has none."""
+    lines = []
+    for ranks in dict.fromkeys(r["ranks"] for r in rows):
+        ratios = [f"`{r['system']}` {r['ratio_to_ulysses']}x" if r["ratio_to_ulysses"] != ""
+                  else f"`{r['system']}` ({r['note']})" for r in rows if r["ranks"] == ranks]
+        lines.append(f"Step time on {ranks} ranks over hand-written Ulysses': {', '.join(ratios)}.")
+    return lines
+
+
 def plot(rows: list[dict], path) -> None:
     bar_plot(rows, "median_step_ms", "median step (ms)", "CPU gloo: median training step", path)
 
@@ -85,4 +96,4 @@ TABLE = Table(
     help="the systems side by side on real gloo ranks with a small Hugging Face Llama: compile time,\n"
          "median step time and its ratio to hand-written Ulysses, loss and gradient error against\n"
          "single-device training, per-rank peak tensor memory",
-    build=build, simulated=False, plot=plot)
+    build=build, simulated=False, footer=footer, plot=plot)

@@ -311,6 +311,9 @@ def test_measured_cpu_runs_a_system_only_on_the_ranks_it_declares_and_says_why_e
     assert float(hybrid_4["ratio_to_ulysses"]) == pytest.approx(float(hybrid_4["median_step_ms"]) / ulysses_ms,
                                                                abs=0.01)
     assert hybrid_4["note"] == "" and hybrid_4["grad_max_rel_error"] == "1.0e-07"
+    closing = measured_cpu.TABLE.footer(rows, None)  # the ratios, one line per rank count
+    assert len(closing) == 2 and "`autosp-hybrid-2x2` (needs 4 ranks)" in closing[0]
+    assert f"`autosp-hybrid-2x2` {hybrid_4['ratio_to_ulysses']}x" in closing[1] and "`ulysses` 1.00x" in closing[1]
 
 
 def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_redo(tmp_path):
