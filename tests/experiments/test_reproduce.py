@@ -316,6 +316,26 @@ def test_measured_cpu_runs_a_system_only_on_the_ranks_it_declares_and_says_why_e
     assert f"`autosp-hybrid-2x2` {hybrid_4['ratio_to_ulysses']}x" in closing[1] and "`ulysses` 1.00x" in closing[1]
 
 
+def test_memory_cap_searches_a_system_only_on_the_ranks_it_declares_and_says_why_elsewhere(tmp_path, monkeypatch):
+    import experiments.launch
+    from experiments.cpu.memory_cap import PLANNER_ROW
+    from experiments.reproduce import run_config
+    from experiments.reproduction import Runner, memory_cap
+
+    launched = []
+
+    def fake_run_on_ranks(fn, ranks, spec, **kw):
+        (name,) = spec["systems"]
+        launched.append(name)
+        return [{"systems": {name: {"probes": [(512, 2**20)], "max_seq_len": 512, "first_failure": 1024,
+                                    "search_s": 1.0}}}] * ranks
+
+    monkeypatch.setattr(experiments.launch, "run_on_ranks", fake_run_on_ranks)
+    rows = memory_cap.build(run_config(["--quick", "--out", str(tmp_path)]), Runner(cache=None))  # on 2 ranks
+    assert launched == [s for s in (*MEASURED_ORDER, PLANNER_ROW) if s not in NEEDS_4_RANKS]
+    assert [r["system"] for r in rows] == [*MEASURED_ORDER, PLANNER_ROW] and _ran(rows)
+
+
 def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_redo(tmp_path):
     from experiments.reproduce import _write_run_json
 
