@@ -235,7 +235,9 @@ _SP, _ZERO1 = WorkloadRecipe(trace_sequence_parallel=True), 1
 _BOTH, _MEASURED = ("measured-cpu", "paper-scale"), ("measured-cpu",)
 _HAND = _options(strategy="ulysses", checkpointing="none", overlap_communication=False)
 
+
 def _hybrid(ulysses_size: int, ring_size: int, *, tables: tuple[str, ...] = ()) -> Strategy:
+    """A hybrid of the family (see :func:`hybrid`), listed in ``tables``."""
     if not (isinstance(ulysses_size, int) and isinstance(ring_size, int) and ulysses_size >= 1 and ring_size >= 1):
         raise ValueError(f"hybrid degrees must be positive integers, got {ulysses_size!r} x {ring_size!r}")
     return Strategy(name=f"autosp-hybrid-{ulysses_size}x{ring_size}",
@@ -283,8 +285,6 @@ _FIXED: tuple[Strategy, ...] = (
 )
 
 _HYBRID = re.compile(r"autosp-hybrid-([1-9][0-9]*)x([1-9][0-9]*)")
-
-
 
 
 def hybrid(ulysses_size: int, ring_size: int) -> Strategy:
