@@ -143,6 +143,22 @@ class Strategy:
     published: bool = False
     """The AutoSP paper reports a figure for it (``experiments/data/autosp-paper-figures.csv``)."""
 
+    @property
+    def min_ranks(self) -> int:
+        """The fewest ranks it trains on: a hybrid's ``ulysses_size x ring_size`` (one sequence over all of them);
+        1 for the others."""
+        return self.ulysses_size * self.ring_size if self.sequence_parallel == "hybrid" else 1
+
+    def cannot_run_on(self, ranks: int) -> str | None:
+        """Why the strategy cannot split one sequence over all ``ranks`` ranks, as a table row's note (``"needs 4
+        ranks"``), or ``None`` where it can: what the measured tables ask of it (they give every system the
+        whole world as its SP group). A hybrid runs on exactly :attr:`min_ranks` ranks there."""
+        if ranks < self.min_ranks:
+            return f"needs {self.min_ranks} ranks"
+        if self.sequence_parallel == "hybrid" and ranks != self.min_ranks:
+            return f"splits a sequence over exactly {self.min_ranks} ranks, not {ranks}"
+        return None
+
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"{self.name}: implementation must be one of {IMPLEMENTATIONS}")
@@ -219,6 +235,18 @@ _SP, _ZERO1 = WorkloadRecipe(trace_sequence_parallel=True), 1
 _BOTH, _MEASURED = ("measured-cpu", "paper-scale"), ("measured-cpu",)
 _HAND = _options(strategy="ulysses", checkpointing="none", overlap_communication=False)
 
+
+def _hybrid(ulysses_size: int, ring_size: int, *, tables: tuple[str, ...] = ()) -> Strategy:
+    """A hybrid of the family (see :func:`hybrid`), listed in ``tables``."""
+    if not (isinstance(ulysses_size, int) and isinstance(ring_size, int) and ulysses_size >= 1 and ring_size >= 1):
+        raise ValueError(f"hybrid degrees must be positive integers, got {ulysses_size!r} x {ring_size!r}")
+    return Strategy(name=f"autosp-hybrid-{ulysses_size}x{ring_size}",
+                    description=f"AutoSP (this pass): Ulysses over {ulysses_size} ranks x ring over {ring_size}",
+                    implementation="autosp", sequence_parallel="hybrid", zero_stage=_ZERO1, workload=_SP,
+                    options=_options(strategy="hybrid", ulysses_size=ulysses_size, ring_size=ring_size),
+                    ulysses_size=ulysses_size, ring_size=ring_size, tables=tables)
+
+
 _FIXED: tuple[Strategy, ...] = (
     Strategy(name="autosp", description="AutoSP (this pass): Ulysses, selective activation checkpointing, "
              "overlapped all-to-alls", implementation="autosp", sequence_parallel="ulysses", zero_stage=_ZERO1,
@@ -243,16 +271,17 @@ _FIXED: tuple[Strategy, ...] = (
     Strategy(name="deepspeed-autosp", description="DeepSpeed's own AutoSP pass, run as it is",
              implementation="deepspeed", sequence_parallel="ulysses", zero_stage=_ZERO1, workload=None,
              tables=_MEASURED),
-    # The pass's ring and auto strategies and (below) its hybrid family (issue 21): the ring in the measured table
-    # (beside the hand-written ring); the hybrid family there needs 4 or more ranks, so the measured hybrids are
-    # experiments/cpu/bench_strategies.py's; "auto" resolves to one of them before compiling (autosp.plan.auto).
-    # options_for refuses them on a pass without `strategy`.
+    # The pass's ring and auto strategies and its hybrid family (issue 21): the ring in the measured table (beside
+    # the hand-written ring), and the hybrid 2 x 2 there too: it needs 4 ranks (min_ranks; on fewer its row says
+    # so); every other hybrid is the family's (below); "auto" resolves to one of them before compiling
+    # (autosp.plan.auto). options_for refuses them on a pass without `strategy`.
     Strategy(name="autosp-ring", description="AutoSP (this pass): zig-zag ring attention", implementation="autosp",
              sequence_parallel="ring", zero_stage=_ZERO1, workload=_SP, options=_options(strategy="ring"),
              tables=_MEASURED),
     Strategy(name="autosp-auto", description="AutoSP (this pass): the strategy and degrees it simulates fastest",
              implementation="autosp", sequence_parallel="auto", zero_stage=_ZERO1, workload=_SP,
              options=_options(strategy="auto")),
+    _hybrid(2, 2, tables=_MEASURED),
 )
 
 _HYBRID = re.compile(r"autosp-hybrid-([1-9][0-9]*)x([1-9][0-9]*)")
@@ -260,14 +289,10 @@ _HYBRID = re.compile(r"autosp-hybrid-([1-9][0-9]*)x([1-9][0-9]*)")
 
 def hybrid(ulysses_size: int, ring_size: int) -> Strategy:
     """The AutoSP hybrid of Ulysses degree ``ulysses_size`` and ring degree ``ring_size``, named
-    ``autosp-hybrid-<ulysses_size>x<ring_size>`` (Note [Hybrid rank layout])."""
-    if not (isinstance(ulysses_size, int) and isinstance(ring_size, int) and ulysses_size >= 1 and ring_size >= 1):
-        raise ValueError(f"hybrid degrees must be positive integers, got {ulysses_size!r} x {ring_size!r}")
-    return Strategy(name=f"autosp-hybrid-{ulysses_size}x{ring_size}",
-                    description=f"AutoSP (this pass): Ulysses over {ulysses_size} ranks x ring over {ring_size}",
-                    implementation="autosp", sequence_parallel="hybrid", zero_stage=_ZERO1, workload=_SP,
-                    options=_options(strategy="hybrid", ulysses_size=ulysses_size, ring_size=ring_size),
-                    ulysses_size=ulysses_size, ring_size=ring_size)
+    ``autosp-hybrid-<ulysses_size>x<ring_size>`` (Note [Hybrid rank layout]): the registry's own where it lists
+    it in a table (``autosp-hybrid-2x2``), else a new one of the family."""
+    strategy = _hybrid(ulysses_size, ring_size)
+    return next((s for s in _FIXED if s.name == strategy.name), strategy)
 
 
 @dataclass(frozen=True)

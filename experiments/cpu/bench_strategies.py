@@ -132,11 +132,9 @@ def _check(parser, args) -> None:
     for name in args.systems or ():
         strategy = STRATEGIES[name]
         for ranks in args.ranks:  # a hybrid's degrees must split the one sequence over all the ranks
-            try:
-                if strategy.sequence_parallel == "hybrid":
-                    strategy.degrees(ranks)
-            except ValueError as err:
-                parser.error(f"--systems {name} cannot run on {ranks} ranks: {err}")
+            reason = strategy.cannot_run_on(ranks)
+            if reason:
+                parser.error(f"--systems {name} cannot run on {ranks} ranks: {reason}")
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()

@@ -17,6 +17,7 @@ from experiments.reproduction.common import (
 from experiments.reproduction.run import RunConfig, Runner
 from experiments.reproduction.table import Table
 from experiments.tables import bar_plot
+from simulator.strategies import STRATEGIES
 
 
 def build(run: RunConfig, runner: Runner) -> list[dict]:
@@ -28,14 +29,20 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
         spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS,
                 "cap_bytes": int(run.memory_cap_mib * 2**20), "start": run.cap_start,
                 "granularity": run.cap_granularity, "max_probes": run.cap_probes, "max_len": run.cap_max_len}
+        # a system that cannot split one sequence over this many ranks (a hybrid on too few): a row saying why
+        cannot = {name: STRATEGIES[name].cannot_run_on(ranks) for name in MEASURED}
         results = {name: run_on_ranks(max_seq_len_on_rank, ranks, {**spec, "systems": [name]},
                                       timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
                                       )[0]["systems"][name]
-                   for name in (*MEASURED, PLANNER_ROW)}  # each system in its own processes
+                   for name in (*MEASURED, PLANNER_ROW) if not cannot.get(name)}  # each in its own processes
         for name in (*MEASURED, PLANNER_ROW):
+            row = {"system": name, "ranks": ranks, "cap_mib": f"{run.memory_cap_mib:g}"}
+            if cannot.get(name):
+                rows.append({**row, "max_seq_len": "", "first_failure": "", "probes_tokens_mib": "",
+                             "search_s": "", "note": cannot[name]})
+                continue
             r = results[name]
             probes = ", ".join(f"{s}:{p / 2**20:.1f}" for s, p in r["probes"])
-            row = {"system": name, "ranks": ranks, "cap_mib": f"{run.memory_cap_mib:g}"}
             if "unsupported" in r:
                 rows.append({**row, "max_seq_len": "", "first_failure": "", "probes_tokens_mib": probes,
                              "search_s": "", "note": f"unsupported: {r['unsupported']}"})

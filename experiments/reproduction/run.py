@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 PRESETS: dict[str, dict] = {
     # measured-cpu on 2 ranks: 4 gloo ranks on a 2-core machine share cores, their step times measure the
-    # contention (--cpu-ranks 2 4 on a machine with 4 or more cores)
+    # contention (--cpu-ranks 2 4 on a machine with 4 or more cores; the hybrid autosp-hybrid-2x2 runs only there)
     "default": {"granularity": 1024, "zero3_granularity": 1024, "search_probes": 10, "cpu_ranks": (2,),
                 "cpu_seq_len": 1024, "cpu_steps": 8, "memory_cap_mib": 16.0, "cap_granularity": 128,
                 "cap_probes": 5, "layers": "full"},

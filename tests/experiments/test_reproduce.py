@@ -122,7 +122,19 @@ def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
 
 
 MEASURED = {"autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp",
-            "autosp-ring"}
+            "autosp-ring", "autosp-hybrid-2x2"}
+MEASURED_ORDER = STRATEGIES.table("measured-cpu")
+NEEDS_4_RANKS = {"autosp-hybrid-2x2"}
+"""Listed, but on the quick run's 2 ranks a row that says why it did not run."""
+
+
+def _ran(rows: list[dict]) -> list[dict]:
+    """The rows of the systems that ran; the others say they need 4 ranks, with every measured cell blank."""
+    skipped = [r for r in rows if r["system"] in NEEDS_4_RANKS]
+    assert [r["note"] for r in skipped] == ["needs 4 ranks"] * len(NEEDS_4_RANKS), skipped
+    assert all(v == "" for r in skipped for k, v in r.items() if k not in ("system", "ranks", "seq_len",
+                                                                          "cap_mib", "note")), skipped
+    return [r for r in rows if r["system"] not in NEEDS_4_RANKS]
 
 
 @pytest.mark.slow
@@ -130,6 +142,7 @@ def test_reproduce_measured_cpu_table_has_every_system_with_finite_numbers(quick
     rows = _rows(quick_results / "measured-cpu.csv")
     assert {r["system"] for r in rows} == MEASURED
     assert {int(r["ranks"]) for r in rows} == {2}
+    rows = _ran(rows)
     for r in rows:
         for column in ("first_step_s", "median_step_ms", "ratio_to_ulysses", "loss_error", "grad_max_rel_error",
                        "peak_mib"):
@@ -154,7 +167,7 @@ def test_reproduce_memory_cap_table_finds_a_length_for_every_system(quick_result
     assert {r["system"] for r in rows} == MEASURED | {PLANNER_ROW}  # and AutoSP under its memory planner
     planned = next(r for r in rows if r["system"] == PLANNER_ROW)
     assert f"plan at {planned['max_seq_len']}: " in planned["note"] or planned["max_seq_len"] == "0", planned
-    for r in rows:
+    for r in _ran(rows):
         probes = [p.split(":") for p in r["probes_tokens_mib"].split(", ")]
         cap = float(r["cap_mib"])
         fits = [int(s) for s, mib in probes if float(mib) <= cap]
@@ -267,6 +280,60 @@ def test_reproduce_run_config_and_the_run_loop_build_a_table_from_its_object(tmp
     assert "## toy" in capsys.readouterr().out and runner.pool is None
     with pytest.raises(ValueError, match="record key and its summary"):
         Table(name="x", help="x", build=build, simulated=False, record="x_summary")
+
+
+def test_measured_cpu_runs_a_system_only_on_the_ranks_it_declares_and_says_why_elsewhere(tmp_path, monkeypatch):
+    """The table's rows from fake gloo runs (no processes): a system the registry says cannot run on a rank count
+    (Strategy.cannot_run_on) is not launched there and has a row whose note says why; the ratio is to Ulysses."""
+    import experiments.launch
+    from experiments.reproduce import run_config
+    from experiments.reproduction import Runner, measured_cpu
+
+    launched = []
+
+    def fake_run_on_ranks(fn, ranks, spec, **kw):
+        (name,) = spec["systems"]
+        launched.append((ranks, name))
+        step_s = 0.1 * (1 + len(name) % 3)
+        return [{"systems": {name: {"median_step_s": step_s * (1 + rank / 10), "first_step_s": 1.0, "loss": 1.0,
+                                    "loss_error": 0.0, "grad_max_rel_error": 1e-7, "peak_memory_bytes": 2**20}}}
+                for rank in range(ranks)]
+
+    monkeypatch.setattr(experiments.launch, "run_on_ranks", fake_run_on_ranks)
+    run = run_config(["--quick", "--out", str(tmp_path), "--only", "measured-cpu", "--cpu-ranks", "2", "4"])
+    rows = measured_cpu.build(run, Runner(cache=None))
+    assert [(r["ranks"], r["system"]) for r in rows] == [(n, s) for n in (2, 4) for s in MEASURED_ORDER]
+    assert launched == [(n, s) for n in (2, 4) for s in MEASURED_ORDER if (n, s) != (2, "autosp-hybrid-2x2")]
+    hybrid_2, hybrid_4 = (next(r for r in rows if r["system"] == "autosp-hybrid-2x2" and r["ranks"] == n)
+                          for n in (2, 4))
+    assert hybrid_2["note"] == "needs 4 ranks" and hybrid_2["median_step_ms"] == hybrid_2["ratio_to_ulysses"] == ""
+    ulysses_ms = float(next(r for r in rows if r["system"] == "ulysses" and r["ranks"] == 4)["median_step_ms"])
+    assert float(hybrid_4["ratio_to_ulysses"]) == pytest.approx(float(hybrid_4["median_step_ms"]) / ulysses_ms,
+                                                               abs=0.01)
+    assert hybrid_4["note"] == "" and hybrid_4["grad_max_rel_error"] == "1.0e-07"
+    closing = measured_cpu.TABLE.footer(rows, None)  # the ratios, one line per rank count
+    assert len(closing) == 2 and "`autosp-hybrid-2x2` (needs 4 ranks)" in closing[0]
+    assert f"`autosp-hybrid-2x2` {hybrid_4['ratio_to_ulysses']}x" in closing[1] and "`ulysses` 1.00x" in closing[1]
+
+
+def test_memory_cap_searches_a_system_only_on_the_ranks_it_declares_and_says_why_elsewhere(tmp_path, monkeypatch):
+    import experiments.launch
+    from experiments.cpu.memory_cap import PLANNER_ROW
+    from experiments.reproduce import run_config
+    from experiments.reproduction import Runner, memory_cap
+
+    launched = []
+
+    def fake_run_on_ranks(fn, ranks, spec, **kw):
+        (name,) = spec["systems"]
+        launched.append(name)
+        return [{"systems": {name: {"probes": [(512, 2**20)], "max_seq_len": 512, "first_failure": 1024,
+                                    "search_s": 1.0}}}] * ranks
+
+    monkeypatch.setattr(experiments.launch, "run_on_ranks", fake_run_on_ranks)
+    rows = memory_cap.build(run_config(["--quick", "--out", str(tmp_path)]), Runner(cache=None))  # on 2 ranks
+    assert launched == [s for s in (*MEASURED_ORDER, PLANNER_ROW) if s not in NEEDS_4_RANKS]
+    assert [r["system"] for r in rows] == [*MEASURED_ORDER, PLANNER_ROW] and _ran(rows)
 
 
 def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_redo(tmp_path):

@@ -46,7 +46,8 @@ def test_strategies_other_spellings_are_refused_with_the_valid_names(spelling):
 
 def test_strategies_tables_list_the_systems_in_registry_order():
     assert STRATEGIES.table("measured-cpu") == (
-        "autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp", "autosp-ring")
+        "autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp", "autosp-ring",
+        "autosp-hybrid-2x2")
     assert STRATEGIES.table("paper-scale") == ("autosp", "ulysses", "ulysses+ckpt", "ring", "zero3")
     with pytest.raises(ValueError, match="paper-scale"):
         STRATEGIES.table("simulated")
@@ -73,6 +74,16 @@ def test_strategies_hybrid_family_degrees_and_rank_layout(u, r):
     assert strategy.compile_options == {"strategy": "hybrid", "ulysses_size": u, "ring_size": r}
     with pytest.raises(ValueError, match="sp_size"):
         strategy.degrees(sp + 1)
+
+
+def test_strategies_the_ranks_a_strategy_runs_on_are_declared_by_it():
+    listed = STRATEGIES["autosp-hybrid-2x2"]  # the measured table's hybrid: the registry's own, from either name
+    assert hybrid(2, 2) is listed and listed.tables == ("measured-cpu",) and hybrid(2, 4).tables == ()
+    assert [listed.min_ranks, hybrid(2, 4).min_ranks, STRATEGIES["autosp"].min_ranks] == [4, 8, 1]
+    assert [listed.cannot_run_on(n) for n in (2, 3, 4)] == ["needs 4 ranks", "needs 4 ranks", None]
+    assert "exactly 4 ranks" in listed.cannot_run_on(8)  # the measured tables split one sequence over every rank
+    for name in ("autosp", "ulysses", "ring", "zero3", "autosp-ring"):
+        assert STRATEGIES[name].cannot_run_on(2) is STRATEGIES[name].cannot_run_on(8) is None
 
 
 def test_strategies_hybrid_layout_keeps_ulysses_on_a_node_and_the_ring_on_a_rail():
