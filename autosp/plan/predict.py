@@ -568,7 +568,7 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
     if cluster.world_size < setup.world_size:
         raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
-    shallow = setup.depth == "extrapolated" and model_layers > 2
+    shallow = setup.depth == "extrapolated" and model_layers > 3  # 1 + 2 traced layers: no fewer than the model's
     if shallow and checkpointing_variant(options)[0] == "sac":
         try:
             return _shallow_sac_step(source, setup, cluster, config, model_layers, seq_len, options, reuse)
