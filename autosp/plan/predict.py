@@ -541,6 +541,8 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
                 graph = fx.GraphModule(capture.graph, copy.deepcopy(capture.graph.graph))
             sac = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
             report = partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern))
+            if reuse is not None:
+                reuse.partitions += 1
             traced = _steps(source, setup, report, facts, seq_len=seq_len, layers=layers, config=config,
                             options=options, rewrites_here=rewrites_here)[(checkpointing, budget)]
             if rewrites_here and (options or {}).get(OFFLOAD_OPTION) == "on":
