@@ -571,6 +571,12 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
         raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
     shallow = setup.depth == "extrapolated" and model_layers > 3  # 1 + 2 traced layers: no fewer than the model's
+    if shallow and (options or {}).get(OFFLOAD_OPTION) == "on":
+        # Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py: activation offload
+        log.warning("%d tokens, activation offload: the device peak depends on the reloads in flight over the "
+                    "host link, which a line through 1 and 2 layers does not see; tracing all %d layers", seq_len,
+                    model_layers)
+        shallow = False
     if shallow and checkpointing_variant(options)[0] == "sac":
         try:
             return _shallow_sac_step(source, setup, cluster, config, model_layers, seq_len, options, reuse)
