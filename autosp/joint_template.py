@@ -154,12 +154,13 @@ def joint_at(first: JointCapture, second: JointCapture, seq_len: int) -> JointCa
     return JointCapture(seq_len=seq_len, graph=module, inputs=inputs, partition_kwargs=first.partition_kwargs)
 
 
-def partition_at(capture: JointCapture, config: AutoSPConfig, variants: Sequence[tuple[str, float | None]] = ()):
+def partition_at(capture: JointCapture, config: AutoSPConfig, variants: Sequence[tuple[str, float | None]] = (),
+                 tag_joint: Callable[[fx.Graph], None] | None = None):
     """What the backend makes from the joint graph of ``capture`` (a `autosp.context.CompileReport` with its
     ``aot_graphs``, and with ``variants``, (checkpointing, sac_memory_budget) pairs, each variant's partition as
     checkpointing variants of a trace have them): fake tensors of its shapes propagated, then
-    `autosp.backend.partition_joint` (the checkpointing tags of ``config``, the min-cut partitioner, the pair's
-    rewrites; Note [The joint graph at another length])."""
+    `autosp.backend.partition_joint` (the checkpointing tags of ``config``, or ``tag_joint``'s, the min-cut
+    partitioner, the pair's rewrites; Note [The joint graph at another length])."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
@@ -179,7 +180,7 @@ def partition_at(capture: JointCapture, config: AutoSPConfig, variants: Sequence
     # called, so their Python code is not generated.
     with mode, _use_lazy_graph_module(True):
         fw, bw = partition_joint(capture.graph, inputs, capture.partition_kwargs, config=config, report=report,
-                                 variants=tuple(variants))
+                                 variants=tuple(variants), tag_joint=tag_joint)
     report.joint_graphs = 1
     report.aot_graphs = [("forward", fw), ("backward", bw)]
     return report

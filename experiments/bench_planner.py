@@ -1,14 +1,18 @@
 """How long the planner takes to decide (issues 20 and 21): a memory plan at one length, ``strategy="auto"`` and the
 longest length, the last with and without re-sizing the joint graph across lengths
-(`autosp.plan.predict.TraceReuse`, docs/design.md "Trace reuse"). Prints wall and CPU times (the CPU time is
-steadier on a shared machine), traces, re-sized lengths and where the time went (summed from the planner's log:
-tracing, re-sizing, simulating). Not a test: it takes minutes on a CPU.
+(`autosp.plan.predict.TraceReuse`, docs/design.md "Trace reuse"). The decisions predict their candidates at depth
+``extrapolated`` (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py); ``--compare``
+also takes each decision at full depth and prints both side by side: the choice, and each candidate's step time
+and peak with the difference. Prints wall and CPU times (the CPU time is steadier on a shared machine), traces,
+re-sized lengths and where the time went (summed from the planner's log: tracing, re-sizing, simulating). Not a
+test: it takes minutes on a CPU.
 
     python -m experiments.bench_planner --model llama-3.1-8b --cluster h100-sxm --sp-size 8 --seq-len 65536
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import sys
@@ -49,7 +53,33 @@ def build_parser():
     parser.add_argument("--only", nargs="+", default=list(SCENARIOS), choices=SCENARIOS,
                         help="decisions to time: longest (lengths re-sized), longest-traced (every length traced), "
                              "memory-plan (one length), strategy-auto (one length)")
+    parser.add_argument("--depth", default=None, choices=("full", "extrapolated"),
+                        help="the depth the decisions predict at (default: theirs, extrapolated)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also decide at full depth and print both decisions and predictions side by side")
     return parser
+
+
+def _rows(decision) -> tuple[str | None, dict[str, tuple[float, float]]]:
+    """(chosen, candidate -> (step s, peak GiB)) of a PlanReport or a StrategyDecision."""
+    if hasattr(decision, "objective"):
+        chosen = decision.candidates[decision.chosen].plan.name if decision.chosen is not None else None
+        return chosen, {c.plan.name: (c.prediction.step.step_time_s, c.prediction.peak_bytes / 2**30)
+                        for c in decision.candidates if c.prediction}
+    return decision.chosen, {c.system: (c.prediction.step.step_time_s, c.prediction.peak_bytes / 2**30)
+                             for c in decision.candidates if c.prediction}
+
+
+def _compare(fast, full) -> str:
+    chosen, rows = _rows(fast)
+    chosen_full, rows_full = _rows(full)
+    out = [f"  chosen: {chosen} (full depth: {chosen_full}; {'same' if chosen == chosen_full else 'DIFFERENT'})",
+           f"  {'candidate':40s} {'step s':>9s} {'full':>9s} {'diff':>7s} {'peak GiB':>9s} {'full':>9s} {'diff':>7s}"]
+    for name, (step, peak) in rows.items():
+        step_full, peak_full = rows_full.get(name, (float("nan"), float("nan")))
+        out.append(f"  {name:40s} {step:9.4f} {step_full:9.4f} {100 * (step / step_full - 1):+6.2f}% "
+                   f"{peak:9.3f} {peak_full:9.3f} {100 * (peak / peak_full - 1):+6.2f}%")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = _Seconds()
     logging.getLogger("autosp.plan").addHandler(handler)
     logging.getLogger("autosp.plan").setLevel(logging.INFO)
-    setup = TrainingSetup(seq_len=args.seq_len, sp_size=args.sp_size)
+    setup = TrainingSetup(seq_len=args.seq_len, sp_size=args.sp_size, depth=args.depth)
     cluster = load_cluster(args.cluster, world_size=setup.world_size)
     # The two checkpointing plans of one trace group (issue 20's "2 plans"): SAC and full recomputation.
     plans = candidate_plans(checkpointing=("sac", "full"), tiled_loss=("off",), tiled_mlp=("off",),
@@ -69,13 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()  # warm-up: the first trace of a process pays for imports and first compiles
     predict(args.model, TrainingSetup(seq_len=args.seq_len, sp_size=args.sp_size, depth="extrapolated"), cluster)
     sys.stdout.write(f"{'warm-up':15s} {time.perf_counter() - start:7.1f} s  (1 and 2 layers traced)\n")
-    for what in args.only:
+    runs = [(what, setup) for what in args.only]
+    if args.compare:
+        full = dataclasses.replace(setup, depth="full")
+        runs = [run for what in args.only for run in ((what, setup), (what, full))]
+    decided = {}
+    for what, setup in runs:
         handler.seconds = dict.fromkeys(handler.PATTERNS, 0.0)
         start, cpu = time.perf_counter(), time.process_time()
         if what == "strategy-auto":
             reuse = TraceReuse([])
-            decision = choose_strategy(args.model, setup, cluster, reuse=reuse)
-            counts, answer = f"{reuse.traces} traces", f"chose {decision.chosen}"
+            report = choose_strategy(args.model, setup, cluster, reuse=reuse)
+            counts, answer = f"{reuse.traces} traces", f"chose {report.chosen}"
         else:
             longest = what.startswith("longest")
             report = plan_memory(args.model, setup, cluster, objective="longest" if longest else "fastest",
@@ -87,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                       + (f", max length {chosen.max_seq_len} over lengths {lengths}" if longest and chosen else ""))
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         spent = ", ".join(f"{k} {v:.1f} s" for k, v in handler.seconds.items())
-        sys.stdout.write(f"{what:15s} {seconds:7.1f} s wall, {cpu:7.1f} s CPU  ({counts}; {spent}); {answer}\n")
+        label = f"{what} ({'full depth' if setup.depth == 'full' else 'extrapolated'})"
+        sys.stdout.write(f"{label:30s} {seconds:7.1f} s wall, {cpu:7.1f} s CPU  ({counts}; {spent}); {answer}\n")
+        if what in decided and not what.startswith("longest"):
+            sys.stdout.write(_compare(decided[what], report) + "\n")
+        decided.setdefault(what, report)
         sys.stdout.flush()
     return 0
 

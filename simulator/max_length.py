@@ -31,6 +31,8 @@ Where the two shallow traces disagree in direction - the deeper one holds less m
 when SAC recomputes more of the two-layer graph than of the one-layer graph - the line would fall with the depth
 and at long lengths even below zero (-95.6 GiB at 294,912 tokens for Llama-3.1-8B on 8 ranks under SAC), so
 :func:`extrapolate_depth` refuses (:class:`DepthExtrapolationError`) and its callers trace the full depth there.
+The planner's decisions extrapolate with SAC deciding as for the full model instead (Note [Shallow traces
+checkpointed for the full depth] in autosp/plan/depth.py), through this same function.
 
 Note [Max-length band from one set of steps]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

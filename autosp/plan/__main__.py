@@ -110,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compiler", default="inductor", choices=COMPILERS,
                    help="backend the graphs run under (frees saved activations after last use; aot_eager holds "
                         "them to the end of backward) (default: %(default)s)")
-    p.add_argument("--depth", default="full", choices=DEPTHS,
-                   help="trace every layer, or 1 and 2 layers and extrapolate (faster; too low under activation "
-                        "checkpointing) (default: %(default)s)")
+    p.add_argument("--depth", default=None, choices=DEPTHS,
+                   help="trace every layer, or 1 and 2 layers and extrapolate, SAC deciding as for the full model "
+                        "(faster; the full depth where that is refused) (default: full for a prediction, "
+                        "extrapolated for --strategy auto and --memory-plan auto)")
     p.add_argument("--max-length", action="store_true",
                    help="also search the longest sequence that fits (one trace per length probed)")
     p.add_argument("--max-length-high", type=_positive, default=None,

@@ -12,13 +12,14 @@ time, max length), the chosen plan and why.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autosp.errors import AutoSPError
-from autosp.plan.predict import Prediction, TraceReuse, TrainingSetup, predict
+from autosp.plan.predict import DECIDING_DEPTH, Prediction, TraceReuse, TrainingSetup, predict
 from simulator.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -276,6 +277,7 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     if objective not in OBJECTIVES:
         raise AutoSPError(f"objective {objective!r}: choose one of {OBJECTIVES}")
     setup.check()
+    setup = dataclasses.replace(setup, depth=setup.depth or DECIDING_DEPTH)
     start = time.perf_counter()
     target = int(cluster.device.memory_bytes if target_memory is None else target_memory)
     plans = tuple(plans or candidate_plans())

@@ -51,6 +51,10 @@ OPTIMIZERS = tuple(OPTIMIZER_STATES)
 OFFLOADS = ("none", "optimizer")
 COMPILERS = ("inductor", "aot_eager")
 DEPTHS = ("full", "extrapolated")
+DECIDING_DEPTH = "extrapolated"
+"""The depth the decisions among candidates (the memory planner, ``strategy="auto"``) predict them at when the
+setup leaves it open (``depth=None``): Note [Shallow traces checkpointed for the full depth] in
+autosp/plan/depth.py."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,9 +78,11 @@ class TrainingSetup:
     compiler: str = "inductor"
     """The backend the graphs run under: Inductor frees each saved activation after its last backward use,
     ``aot_eager`` holds them to the end of backward (see Note [Tensor lifetimes in the export])."""
-    depth: str = "full"
-    """``full``: trace every layer; ``extrapolated``: trace 1 and 2 layers and extrapolate (faster, too low
-    under activation checkpointing, see Note [Depth extrapolation] in simulator/max_length.py)."""
+    depth: str | None = None
+    """``full``: trace every layer; ``extrapolated``: trace 1 and 2 layers and extrapolate, SAC deciding as for
+    the full model (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py; the full depth
+    where extrapolation is refused); None: the caller's default, ``full`` for `predict` and ``extrapolated`` for
+    the decisions among candidates (`autosp.plan.plan_memory`, `choose_strategy`), `DECIDING_DEPTH`."""
 
     @property
     def world_size(self) -> int:
@@ -88,7 +94,7 @@ class TrainingSetup:
             if getattr(self, name) < 1:
                 raise AutoSPError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive number")
         choices = {"dtype": DTYPES, "optimizer": OPTIMIZERS, "offload": OFFLOADS, "compiler": COMPILERS,
-                   "depth": DEPTHS, "zero_stage": (0, 1, 2, 3)}
+                   "depth": (*DEPTHS, None), "zero_stage": (0, 1, 2, 3)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise AutoSPError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose one of {allowed}")
@@ -314,6 +320,18 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts:
     return Traced(layers=depth, backward=backward, step=step)
 
 
+class _Captured:
+    """Keeps the joint graph a trace hands to `add_capture` (and hands it on to ``then``, a length class)."""
+
+    def __init__(self, then=None):
+        self.then, self.capture, self.facts = then, None, None
+
+    def add_capture(self, capture, config, facts) -> None:
+        self.capture, self.facts = capture, facts
+        if self.then is not None:
+            self.then.add_capture(capture, config, facts)
+
+
 class TraceReuse:
     """Traces shared between the memory plans of one decision (docs/design.md, "Trace reuse").
 
@@ -335,6 +353,7 @@ class TraceReuse:
         self._traced: dict[tuple, Traced] = {}
         self._offloaded: dict[int, Traced] = {}
         self._simulated: dict[tuple[int, int], tuple] = {}
+        self._captures: dict[tuple, tuple] = {}
         self.traces = 0
         """Fake-tensor traces (Dynamo captures) taken."""
         self.resized = 0
@@ -366,8 +385,15 @@ class TraceReuse:
             asked = dict(seq_len=seq_len, layers=layers, config=config, options=plain, variants=variants,
                          rewrites_here=offloads)
 
+            lengths = None
+
             def trace(capture: bool) -> dict[tuple, Traced]:
-                found = trace_step(source, setup, capture_into=lengths if capture else None, **asked)
+                # A shallow trace keeps its joint graph for SAC's full-depth tags (`captured`).
+                into = _Captured(lengths if capture else None) if layers is not None else \
+                    (lengths if capture else None)
+                found = trace_step(source, setup, capture_into=into, **asked)
+                if layers is not None:
+                    self._captures[key] = (into.capture, into.facts, offloads)
                 self.traces += 1
                 self.joint_graphs += 1  # one Dynamo graph (fullgraph), one joint graph
                 return found if variants else {own: found}
@@ -390,6 +416,25 @@ class TraceReuse:
                 self._offloaded[id(traced)] = traced.rebuild(traced.graphs, offload=True)
             traced = self._traced[(*key, own, True)] = self._offloaded[id(traced)]
         return traced
+
+    def captured(self, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int,
+                 config: TrainingConfig, options: Mapping | None) -> tuple:
+        """(joint graph, `_TraceFacts`, ``rewrites_here``) of the shallow trace of ``options`` at ``seq_len`` and
+        ``layers`` (traced if not yet; re-sized from its length class's two joint graphs when its program was),
+        for SAC's full-depth tags (`_shallow_sac_step`)."""
+        self.trace(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
+        key = (source.spec, repr(setup), repr(config), seq_len, layers, self._group(options))
+        if key in self._captures:
+            return self._captures[key]
+        from autosp.joint_template import joint_at
+
+        lengths = self.length_classes.get(key[:3] + key[4:])
+        capture = joint_at(*lengths.captures, seq_len) if lengths is not None and len(lengths.captures) == 2 \
+            else None
+        if capture is None:
+            raise DepthExtrapolationError(f"no joint graph of the {layers}-layer program at {seq_len} tokens")
+        offloads = any(self._group(p) == key[-1] and self._variant(p)[1] for p in self._plans)
+        return capture, lengths.facts, offloads
 
     def same_program(self, options: Mapping, other: Mapping) -> bool:
         """Whether ``options`` and ``other`` traced to the same program at every length and depth traced for both
@@ -426,58 +471,142 @@ class StepPrediction(ModelStep):
     `simulator.plots` (timeline, memory over time)."""
 
 
+def _simulated(traced: Traced, setup: TrainingSetup, cluster: Cluster,
+               reuse: TraceReuse | None) -> tuple[float, float, int, Result, int]:
+    """(step time, micro-step time, activations, result, host activations) of one traced step simulated."""
+    start = time.perf_counter()
+    result = simulate(traced.step, cluster) if reuse is None else reuse.simulate(traced, traced.step, cluster)
+    dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+    host = result.host_peak_memory_bytes  # offloaded activations (Note [Host tensors] in simulator/workload.py)
+    step_s = micro_s = result.step_time_s
+    # the CPU optimizer step under offload, outside the simulated step (Note [Optimizer offload traffic])
+    step_s += traced.step.metadata["training_step"]["host_optimizer_s"]
+    if setup.grad_accum > 1:
+        # ZeRO 2 reduces its gradients every micro-step; ZeRO 0 (and 1) at the accumulation boundary only.
+        if setup.zero_stage == 2:
+            micro_s = simulate(_without_optimizer(traced.step), cluster).step_time_s
+        else:
+            micro_s = (simulate(traced.backward, cluster) if reuse is None
+                       else reuse.simulate(traced, traced.backward, cluster)).step_time_s
+        step_s += (setup.grad_accum - 1) * micro_s
+    log.info("simulated on %s in %.1f s: step %.3f s, activations %.2f GiB (host %.2f GiB)",
+             cluster.preset.name, time.perf_counter() - start, step_s, dynamic / 2**30, host / 2**30)
+    return step_s, micro_s, dynamic, result, host
+
+
+def _extrapolated(values: Mapping[int, tuple], model_layers: int) -> tuple[float, float, int, int]:
+    """(step time, micro-step time, activations, host activations) of ``model_layers`` layers from `_simulated`'s
+    answers at 1 and 2 layers (`simulator.max_length.extrapolate_depth`, which refuses a line that falls)."""
+    step_s, dynamic = extrapolate_depth(lambda d: (values[d][0], values[d][2]), model_layers, (1, 2))
+    micro_s, host = extrapolate_depth(lambda d: (values[d][1], values[d][4]), model_layers, (1, 2))
+    return step_s, micro_s, dynamic, host
+
+
+def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, config: TrainingConfig,
+                      model_layers: int, seq_len: int, options: Mapping | None,
+                      reuse: TraceReuse | None) -> StepPrediction:
+    """The step of ``model_layers`` layers under SAC from traces of 1 and 2 layers whose joint graphs are tagged
+    with the full model's SAC decision (Note [Shallow traces checkpointed for the full depth] in
+    autosp/plan/depth.py); `DepthExtrapolationError` where that does not hold."""
+    import copy
+
+    from torch import fx
+
+    from autosp.joint_template import partition_at
+    from autosp.plan.depth import FullDepthTagger
+
+    captured = {}
+    for layers in (2, 1):
+        if reuse is not None:
+            captured[layers] = reuse.captured(source, setup, seq_len=seq_len, layers=layers, config=config,
+                                              options=options)
+        else:
+            into = _Captured()
+            trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options,
+                       capture_into=into)
+            captured[layers] = (into.capture, into.facts, False)
+    checkpointing, budget = checkpointing_variant(options)
+    facts = captured[2][1]
+    tags = FullDepthTagger(model_layers=model_layers, recompute_limit=facts.compiled_with.sac_recompute_limit,
+                           memory_budget=budget)
+    values: dict[str, dict[int, tuple]] = {}
+    start = time.perf_counter()
+    patterns = ["every"]
+    while patterns:
+        pattern = patterns.pop(0)
+        for layers in (2, 1):
+            capture, facts, rewrites_here = captured[layers]
+            with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
+                warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+                graph = fx.GraphModule(capture.graph, copy.deepcopy(capture.graph.graph))
+            sac = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
+            report = partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern))
+            if reuse is not None:
+                reuse.partitions += 1
+            traced = _steps(source, setup, report, facts, seq_len=seq_len, layers=layers, config=config,
+                            options=options, rewrites_here=rewrites_here)[(checkpointing, budget)]
+            if rewrites_here and (options or {}).get(OFFLOAD_OPTION) == "on":
+                traced = traced.rebuild(traced.graphs, offload=True)
+            values.setdefault(pattern, {})[layers] = _simulated(traced, setup, cluster, reuse)
+        if pattern == "every":
+            patterns = [p for p in tags.decision.patterns if p != "every"]
+    share = tags.decision.share
+    lines = {p: _extrapolated(v, model_layers) for p, v in values.items()}
+    mixed = [sum((share if p == "some" else 1 - share if len(lines) > 1 else 1) * line[i] for p, line in lines.items())
+             for i in range(4)]
+    log.info("SAC for %d layers from 1 and 2 (%d program(s), %.0f%% of the bytes between them recomputed) in "
+             "%.1f s", model_layers, len(lines), 100 * share, time.perf_counter() - start)
+    return StepPrediction(seq_len=seq_len, step_time_s=mixed[0], micro_step_time_s=mixed[1],
+                          dynamic_memory_bytes=int(mixed[2]), host_dynamic_memory_bytes=int(mixed[3]),
+                          simulated=values["every"][2][3], extrapolated_from=(1, 2))
+
+
 def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, config: TrainingConfig,
                   model_layers: int, seq_len: int, options: Mapping | None = None,
                   reuse: TraceReuse | None = None) -> StepPrediction:
-    """Step time and activations of the whole model at ``seq_len`` tokens (full depth, or extrapolated);
-    ``reuse``: traces and simulations shared with other plans."""
+    """Step time and activations of the whole model at ``seq_len`` tokens (full depth, or extrapolated: SAC as
+    `_shallow_sac_step`, other settings by a straight line); ``reuse``: traces and simulations shared with other
+    plans."""
     if cluster.world_size < setup.world_size:
         raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
+    shallow = setup.depth == "extrapolated" and model_layers > 3  # 1 + 2 traced layers: no fewer than the model's
+    if shallow and (options or {}).get(OFFLOAD_OPTION) == "on":
+        # Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py: activation offload
+        log.warning("%d tokens, activation offload: the device peak depends on the reloads in flight over the "
+                    "host link, which a line through 1 and 2 layers does not see; tracing all %d layers", seq_len,
+                    model_layers)
+        shallow = False
+    if shallow and checkpointing_variant(options)[0] == "sac":
+        try:
+            return _shallow_sac_step(source, setup, cluster, config, model_layers, seq_len, options, reuse)
+        except DepthExtrapolationError as exc:  # Note [Shallow traces checkpointed for the full depth]
+            log.warning("%d tokens: %s; tracing all %d layers", seq_len, exc, model_layers)
+            shallow = False
 
-    def at_depth(layers: int) -> tuple[float, float, int, Result, int]:
-        if reuse is None:
-            traced = trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
-        else:
-            traced = reuse.trace(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
-        start = time.perf_counter()
-        result = simulate(traced.step, cluster) if reuse is None else reuse.simulate(traced, traced.step, cluster)
-        dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
-        host = result.host_peak_memory_bytes  # offloaded activations (Note [Host tensors] in simulator/workload.py)
-        step_s = micro_s = result.step_time_s
-        # the CPU optimizer step under offload, outside the simulated step (Note [Optimizer offload traffic])
-        step_s += traced.step.metadata["training_step"]["host_optimizer_s"]
-        if setup.grad_accum > 1:
-            # ZeRO 2 reduces its gradients every micro-step; ZeRO 0 (and 1) at the accumulation boundary only.
-            if setup.zero_stage == 2:
-                micro_s = simulate(_without_optimizer(traced.step), cluster).step_time_s
-            else:
-                micro_s = (simulate(traced.backward, cluster) if reuse is None
-                           else reuse.simulate(traced, traced.backward, cluster)).step_time_s
-            step_s += (setup.grad_accum - 1) * micro_s
-        log.info("simulated on %s in %.1f s: step %.3f s, activations %.2f GiB (host %.2f GiB)",
-                 cluster.preset.name, time.perf_counter() - start, step_s, dynamic / 2**30, host / 2**30)
-        return step_s, micro_s, dynamic, result, host
-
-    depths = (model_layers, model_layers) if setup.depth == "full" else (1, 2)
     memo: dict[int, tuple[float, float, int, Result, int]] = {}
 
     def cached(layers: int) -> tuple[float, float, int, Result, int]:
         if layers not in memo:
-            memo[layers] = at_depth(None if layers == model_layers else layers)
+            depth = None if layers == model_layers else layers
+            if reuse is None:
+                traced = trace_step(source, setup, seq_len=seq_len, layers=depth, config=config, options=options)
+            else:
+                traced = reuse.trace(source, setup, seq_len=seq_len, layers=depth, config=config, options=options)
+            memo[layers] = _simulated(traced, setup, cluster, reuse)
         return memo[layers]
 
-    try:
-        step_s, dynamic = extrapolate_depth(lambda d: (cached(d)[0], cached(d)[2]), model_layers, depths)
-        micro_s, host = extrapolate_depth(lambda d: (cached(d)[1], cached(d)[4]), model_layers, depths)
-    except DepthExtrapolationError as exc:  # Note [Depth extrapolation] in simulator/max_length.py
-        log.warning("%d tokens: %s; tracing all %d layers", seq_len, exc, model_layers)
-        depths = (model_layers, model_layers)
-        step_s, micro_s, dynamic, _, host = cached(model_layers)
+    if shallow:
+        try:
+            step_s, micro_s, dynamic, host = _extrapolated({d: cached(d) for d in (1, 2)}, model_layers)
+            return StepPrediction(seq_len=seq_len, step_time_s=step_s, dynamic_memory_bytes=dynamic,
+                                  host_dynamic_memory_bytes=host, micro_step_time_s=micro_s, simulated=memo[2][3],
+                                  extrapolated_from=(1, 2))
+        except DepthExtrapolationError as exc:  # Note [Depth extrapolation] in simulator/max_length.py
+            log.warning("%d tokens: %s; tracing all %d layers", seq_len, exc, model_layers)
+    step_s, micro_s, dynamic, result, host = cached(model_layers)
     return StepPrediction(seq_len=seq_len, step_time_s=step_s, dynamic_memory_bytes=dynamic,
-                          host_dynamic_memory_bytes=host,
-                          micro_step_time_s=micro_s, simulated=memo[depths[1]][3],
-                          extrapolated_from=None if depths[0] == depths[1] else depths)
+                          host_dynamic_memory_bytes=host, micro_step_time_s=micro_s, simulated=result)
 
 
 def peak_by_category(lines: Sequence[LedgerLine]) -> dict[str, int]:
@@ -674,8 +803,8 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
                  "lengths_simulated": sorted(steps)}
     notes = []
     if at.extrapolated_from:
-        notes.append("depth extrapolated from 1 and 2 layers: too low under activation checkpointing "
-                     "(Note [Depth extrapolation] in simulator/max_length.py)")
+        notes.append("depth extrapolated from 1 and 2 layers, SAC deciding as for the full model (Note [Shallow "
+                     "traces checkpointed for the full depth] in autosp/plan/depth.py)")
     if not cluster.preset.architecture:
         notes.append("a CPU process (no GPU architecture): no device reserve (CUDA context, NCCL, workspaces, "
                      "allocator); the peak is the tensors' memory")
@@ -810,6 +939,7 @@ def choose_strategy(model: str, setup: TrainingSetup, cluster: Cluster, *, optio
     or its degrees); ``reuse``: traces shared with other calls (`TraceReuse`)."""
     start = time.perf_counter()
     setup.check()
+    setup = dataclasses.replace(setup, depth=setup.depth or DECIDING_DEPTH)
     if setup.sp_size < 2:
         raise AutoSPError("strategy 'auto' chooses how a sequence is split over ranks: give sp_size >= 2")
     options = dict(options or {})

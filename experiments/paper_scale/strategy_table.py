@@ -25,9 +25,11 @@ Note [The strategy table's settings]
   with ``return_logits=False``, so that the [tokens, vocab] logits and the [tokens, intermediate] MLP values never
   exist whole.  Each candidate is traced with them; nothing else is tuned per row.  A row group where nothing fits
   says so (``auto_choice`` "none"): that is the answer, not a failure.
-* Depth extrapolated from traces of 1 and 2 layers (Note [Depth extrapolation] in simulator/max_length.py): the
-  table is labelled so.  Under selective checkpointing the extrapolated activations are too low (the note measures
-  it), so a ``fits`` near the capacity is optimistic; the step times extrapolate well.
+* Depth extrapolated from traces of 1 and 2 layers (Note [Depth extrapolation] in simulator/max_length.py), SAC
+  deciding as for the full model (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py):
+  the table is labelled so.  Measured against full-depth decisions for Llama-3.1-8B on 8 ranks at 131,072 tokens
+  without the tiled ops (experiments/bench_planner.py --compare): the same choice, step times within 0.1 %, peaks
+  1.6-1.7 % high.
 * One `autosp.plan.predict.TraceReuse` per row group: its traces are keyed by length, depth and options, not by SP
   degree, so it is never shared between GPU counts.
 
@@ -63,7 +65,8 @@ default, SAC)."""
 DEPTH = "extrapolated"
 WITHIN = 0.05
 """The auto choice counts as the best when its step time is at most this much above the sweep's fastest."""
-DEPTH_LABEL = "depth extrapolated from 1 and 2 layers (Note [Depth extrapolation] in simulator/max_length.py)"
+DEPTH_LABEL = ("depth extrapolated from 1 and 2 layers, SAC deciding as for the full model (Note [Shallow traces "
+               "checkpointed for the full depth] in autosp/plan/depth.py)")
 
 
 def cluster_for(gpus: int, node: str = NODE) -> str:

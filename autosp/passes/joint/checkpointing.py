@@ -213,9 +213,13 @@ def long_context_recomputable(node: fx.Node, op_class: str) -> bool:
 
 
 def tag_recomputation(
-    graph: fx.Graph, *, setting: str, recompute_limit: float, memory_budget: float | None
+    graph: fx.Graph, *, setting: str, recompute_limit: float, memory_budget: float | None,
+    decide: Callable[[dict[fx.Node, Candidate], dict[fx.Node, int]], set[str]] | None = None,
 ) -> CheckpointPlan:
-    """Set ``node.meta["recompute"]`` on the forward nodes of AOTAutograd's joint graph."""
+    """Set ``node.meta["recompute"]`` on the forward nodes of AOTAutograd's joint graph.  ``decide(candidates,
+    flops)``: SAC's choice (the names recomputed) from its candidates and every forward op's FLOPs, instead of
+    `choose_recomputation` on this graph (the planner's shallow traces decide for the full depth: Note [Shallow
+    traces checkpointed for the full depth] in autosp/plan/depth.py)."""
     saved, recompute, across = [], [], []
     candidates, costs, classes = [], {}, {}
     forward_flops = 0
@@ -252,8 +256,8 @@ def tag_recomputation(
     plain = {n: Candidate(n.name, "matmul" if classes[n] == "matmul" else "cheap", costs[n],
                           nbytes_of(n.meta.get("val"))) for n in candidates}
     if setting == "sac":
-        chosen = choose_recomputation(plain.values(), forward_flops=forward_flops, recompute_limit=recompute_limit,
-                                      memory_budget=memory_budget)
+        chosen = decide(plain, costs) if decide is not None else choose_recomputation(
+            plain.values(), forward_flops=forward_flops, recompute_limit=recompute_limit, memory_budget=memory_budget)
         recompute += [n for n in candidates if n.name in chosen]
         saved += [n for n in candidates if n.name not in chosen]
     for node, policy in [(n, CheckpointPolicy.MUST_SAVE) for n in saved] + [
