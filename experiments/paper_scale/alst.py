@@ -50,6 +50,7 @@ against; ``peak_at_published_gib`` is the simulated peak at the published length
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -58,13 +59,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from experiments.models import PAPER_MODELS, PaperModel
-from experiments.paper_scale.simulate import TraceCache, trace_workload
+from experiments.paper_scale.fork import CAUSAL_ATTENTION
+from experiments.paper_scale.simulate import ModelVariant, TraceCache, trace_workload
 from simulator import Cluster, simulate
 from simulator.ledger import TrainingConfig, memory_ledger
 from simulator.max_length import ModelStep, extrapolate_depth, ledger_host_peak, ledger_peak
 from simulator.max_length import max_length as search_max_length
 from simulator.strategies import WorkloadRecipe
 from simulator.training_step import add_training_step, host_optimizer_time_s
+from simulator.workload import Workload
 from simulator.workload_rewrites import zero3_workload
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,11 @@ CLUSTER = "h100-sxm"
 RANKS = 8
 PAPER = "arXiv 2506.13996v1 section 5.4 Table 1"
 RECIPES = "snowflakedb/ArcticTraining projects/sequence-parallelism (commit 2771b4b1b9c8cbb54895ccb940dcaa76d33bf7ef)"
+TRAINING = ModelVariant(attention=CAUSAL_ATTENTION, use_cache=False)
+"""How every row's model is traced: without a KV cache (ArcticTraining's SFT loss calls ``model(**batch,
+use_cache=False)``, ``arctic_training/trainer/sft_trainer.py``; AutoSP's Trainer integration sets
+``config.use_cache = False``, autosp/integrations/hf.py) and without a dense [S, S] mask (flash_attention_2, which
+ALST ran, gets none; `CAUSAL_ATTENTION`)."""
 TOLERANCE = 0.20
 """The reproduction's acceptance: simulated within +-20 % of the published length (issue 20)."""
 
@@ -117,6 +125,8 @@ class BreakdownRow:
     chunks: str = "alst"
     """``alst``: the tiled loss and MLP chunk as Liger and ArcticTraining do; ``autosp``: AutoSP's defaults."""
     overlap: bool = False
+    eager: bool = False
+    """Pointwise ops run one kernel each (no torch.compile, no Liger kernels), not fused (Note [ALST's kernels])."""
     published_tokens: int | None = None
     published_iteration_s: float | None = None
     published_tflops: float | None = None
@@ -127,7 +137,7 @@ class BreakdownRow:
 
 _COMMON = ("fragmentation", "deepspeed-0.19.8", "zero3-gathers", "attention-kernel", "published-is-a-run")
 ALST_ROWS: tuple[BreakdownRow, ...] = (
-    BreakdownRow(name="baseline", system="alst", sp_size=1, checkpointing="layer", published_tokens=32_000,
+    BreakdownRow(name="baseline", system="alst", sp_size=1, checkpointing="layer", eager=True, published_tokens=32_000,
                  published_iteration_s=17, published_tflops=231.6,
                  source=f"{PAPER} row 1; recipe run-h100-sp8-llama-8b-no-ulysses-no-liger-no-extras.yml",
                  items=_COMMON),
@@ -215,33 +225,82 @@ def training_config(row: BreakdownRow, model: PaperModel, layers: int | None = N
         dp_world_size=RANKS, nccl_communicators=2 if row.sp_size > 1 else 1, offload_optimizer=True)
 
 
+def liger_loss_workload(workload: Workload, *, chunk_tokens: int, vocab: int) -> Workload:
+    """``workload`` with the memory of its tiled loss made Liger's fused linear cross entropy (Note [ALST's
+    kernels]): the forward holds one bf16 ``[chunk, vocab]`` logits block (the gradient is formed in place) and
+    allocates the gradients of the hidden states and of the output weight that the backward returns; the
+    backward and a recomputed forward allocate no workspace."""
+    def rewrite(program):
+        ops = list(program.ops)
+        tensors = dict(program.tensors)
+        forward = next((i for i, op in enumerate(ops) if op.name == "forward.linear_cross_entropy"), None)
+        backward = next((i for i, op in enumerate(ops) if op.name == "backward.linear_cross_entropy_backward"), None)
+        if forward is None or backward is None:
+            raise ValueError(f"{workload.name}: no tiled loss to price as Liger's")
+        for i, op in enumerate(ops):
+            if op.name in ("forward.linear_cross_entropy", "backward.linear_cross_entropy",
+                           "backward.linear_cross_entropy_backward"):
+                for t in set(op.allocates) & set(op.frees):  # the op's own workspace
+                    tensors[t] = 2 * chunk_tokens * vocab if i == forward else 0
+        returned = tuple(t for t in ops[backward].allocates if t not in ops[backward].frees)
+        ops[backward] = replace(ops[backward], allocates=tuple(t for t in ops[backward].allocates
+                                                               if t not in returned))
+        ops[forward] = replace(ops[forward], allocates=ops[forward].allocates + returned)
+        return replace(program, ops=tuple(ops), tensors=tensors)
+
+    return replace(workload, ranks={r: rewrite(p) for r, p in workload.ranks.items()})
+
+
+def row_cluster(row: BreakdownRow, cluster: Cluster) -> Cluster:
+    """The machine as ``row`` runs on it: ``cluster``, or for an eager row its device without fused pointwise
+    kernels (Note [ALST's kernels])."""
+    if not row.eager:
+        return cluster
+    preset = dataclasses.replace(cluster.preset, device=dataclasses.replace(cluster.preset.device,
+                                                                         fuses_pointwise=False))
+    return Cluster.from_preset(preset, nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
+                               network=cluster.network, all_to_all=cluster.all_to_all)
+
+
 def step_at_depth(row: BreakdownRow, seq_len: int, layers: int, *, model: PaperModel, cluster: Cluster,
                   cache: TraceCache | None = None) -> tuple[float, int, int]:
     """(simulated step time, device peak above static memory, host peak) of ``layers`` layers of ``row`` at
     ``seq_len`` tokens: the trace, ZeRO's rewrite or gradient step with optimizer offload, simulated."""
-    traced = trace_workload(model, seq_len, layers, sp_size=row.sp_size,
-                            autosp_options=compile_options(row, seq_len, model), cache=cache)
+    options = compile_options(row, seq_len, model)
+    traced = trace_workload(model, seq_len, layers, sp_size=row.sp_size, autosp_options=options, cache=cache,
+                            variant=TRAINING)
+    workload = traced.workload
+    if row.tiled_loss and row.chunks == "alst":
+        workload = liger_loss_workload(workload, chunk_tokens=options["loss_chunk_tokens"], vocab=model.vocab_size)
     cfg = training_config(row, model, layers)
     if row.zero_stage == 3:
-        workload = zero3_workload(traced.workload, traced.modules, world_size=RANKS)
+        workload = zero3_workload(workload, traced.modules, world_size=RANKS)
         workload = add_training_step(workload, [], cfg, group="dp_reduce")
     else:
-        workload = WorkloadRecipe(trace_sequence_parallel=True).build(traced.workload, traced.modules, cfg)
-    result = simulate(workload, cluster)
+        workload = WorkloadRecipe(trace_sequence_parallel=True).build(workload, traced.modules, cfg)
+    result = simulate(workload, row_cluster(row, cluster))
     dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
     return result.step_time_s, dynamic, result.host_peak_memory_bytes
 
 
+DEPTHS = (2, 3)
+"""The depths a step is extrapolated from (Note [Depth extrapolation] in simulator/max_length.py).  Not 1 and 2:
+under ZeRO 3 the backward of the last layer holds its own gathered parameters and the next layer's, prefetched
+(Note [ZeRO-3 as a rewrite of the single-device trace]); one layer has no next layer, so a line through 1 and 2
+layers adds a gathered layer per layer (0.41 GiB each for Llama-3.1-8B: 12 GiB at 32 layers) where 32 layers hold
+two.  From 2 layers on each layer adds only its checkpointed input."""
+
+
 def model_step(row: BreakdownRow, seq_len: int, *, model: PaperModel, cluster: Cluster, layers: str = "extrapolated",
                cache: TraceCache | None = None) -> ModelStep:
-    """The whole model's step of ``row`` at ``seq_len``: traced at full depth or extrapolated from 1 and 2 layers
+    """The whole model's step of ``row`` at ``seq_len``: traced at full depth or extrapolated from `DEPTHS`
     (Note [Depth extrapolation] in simulator/max_length.py), plus the CPU Adam step of optimizer offload."""
 
     @functools.cache
     def at(depth: int) -> tuple[float, int, int]:
         return step_at_depth(row, seq_len, depth, model=model, cluster=cluster, cache=cache)
 
-    depths = (model.num_layers, model.num_layers) if layers == "full" else (1, 2)
+    depths = (model.num_layers, model.num_layers) if layers == "full" else DEPTHS
     time_s, dynamic = extrapolate_depth(lambda d: at(d)[:2], model.num_layers, depths)
     _, host = extrapolate_depth(lambda d: (0.0, at(d)[2]), model.num_layers, depths)
     return ModelStep(seq_len=seq_len, step_time_s=time_s + host_optimizer_time_s(training_config(row, model)),
