@@ -78,7 +78,7 @@ RANKS = 8
 PAPER = "arXiv 2506.13996v1 section 5.4 Table 1"
 RECIPES = "snowflakedb/ArcticTraining projects/sequence-parallelism (commit 2771b4b1b9c8cbb54895ccb940dcaa76d33bf7ef)"
 TRAINING = ModelVariant(attention=CAUSAL_ATTENTION, use_cache=False)
-"""How every row's model is traced: without a KV cache (ArcticTraining's SFT loss calls ``model(**batch,
+"""How every row's model is traced (a Liger row's with Liger's RMSNorm, `trace_variant`): without a KV cache (ArcticTraining's SFT loss calls ``model(**batch,
 use_cache=False)``, ``arctic_training/trainer/sft_trainer.py``; AutoSP's Trainer integration sets
 ``config.use_cache = False``, autosp/integrations/hf.py) and without a dense [S, S] mask (flash_attention_2, which
 ALST ran, gets none; `CAUSAL_ATTENTION`)."""
@@ -133,6 +133,12 @@ class BreakdownRow:
     source: str = ""
     items: tuple[str, ...] = ()
     """Keys of :data:`ITEMS`: how this row's model differs from ALST's run."""
+
+    @property
+    def liger(self) -> bool:
+        """ALST's model with Liger's kernels (``model.type: liger`` in every recipe with the tiled loss): Liger's
+        fused linear cross entropy and RMSNorm (Note [ALST's kernels])."""
+        return self.system == "alst" and self.tiled_loss and self.chunks == "alst"
 
 
 _COMMON = ("fragmentation", "deepspeed-0.19.8", "zero3-gathers", "attention-kernel", "published-is-a-run")
@@ -251,6 +257,11 @@ def liger_loss_workload(workload: Workload, *, chunk_tokens: int, vocab: int) ->
     return replace(workload, ranks={r: rewrite(p) for r, p in workload.ranks.items()})
 
 
+def trace_variant(row: BreakdownRow) -> ModelVariant:
+    """How ``row``'s model is traced: `TRAINING`, with Liger's RMSNorm in a Liger row."""
+    return replace(TRAINING, rms_norm="liger") if row.liger else TRAINING
+
+
 def row_cluster(row: BreakdownRow, cluster: Cluster) -> Cluster:
     """The machine as ``row`` runs on it: ``cluster``, or for an eager row its device without fused pointwise
     kernels (Note [ALST's kernels])."""
@@ -268,9 +279,9 @@ def step_at_depth(row: BreakdownRow, seq_len: int, layers: int, *, model: PaperM
     ``seq_len`` tokens: the trace, ZeRO's rewrite or gradient step with optimizer offload, simulated."""
     options = compile_options(row, seq_len, model)
     traced = trace_workload(model, seq_len, layers, sp_size=row.sp_size, autosp_options=options, cache=cache,
-                            variant=TRAINING)
+                            variant=trace_variant(row))
     workload = traced.workload
-    if row.tiled_loss and row.chunks == "alst":
+    if row.liger:
         workload = liger_loss_workload(workload, chunk_tokens=options["loss_chunk_tokens"], vocab=model.vocab_size)
     cfg = training_config(row, model, layers)
     if row.zero_stage == 3:

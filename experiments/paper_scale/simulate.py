@@ -169,6 +169,9 @@ class ModelVariant:
     """The Hugging Face config's ``use_cache``: True (its default) keeps every layer's keys and values in a
     ``DynamicCache`` to the end of the step; a trainer that calls the model with ``use_cache=False`` (ArcticTraining's
     SFT loss, AutoSP's Trainer integration) keeps none."""
+    rms_norm: str = "hf"
+    """``hf``: transformers' ``LlamaRMSNorm``; ``liger``: Liger-Kernel's (Note [Liger's RMSNorm in a trace] in
+    experiments/paper_scale/liger.py)."""
 
 
 PLAIN = ModelVariant()
@@ -236,11 +239,18 @@ def _resized(lengths: LengthClass, seq_len: int, *, name: str, sp_size: int) -> 
                       modules=module_parameters(report.aot_graphs, forward_graph))
 
 
-def _config(model: PaperModel, layers: int, variant: ModelVariant):
-    """The Hugging Face config of ``layers`` layers of ``model`` as ``variant`` traces it."""
+def _build(model: PaperModel, layers: int, variant: ModelVariant):
+    """The Hugging Face model of ``layers`` layers of ``model`` as ``variant`` traces it."""
+    from experiments.paper_scale.liger import use_liger_rms_norm
+
     config = model.hf_config(num_layers=layers)
     config.use_cache = variant.use_cache
-    return config
+    built = build_llama(config, variant.attention)
+    if variant.rms_norm == "liger":
+        use_liger_rms_norm(built)
+    elif variant.rms_norm != "hf":
+        raise ValueError(f"rms_norm {variant.rms_norm!r}: choose hf or liger")
+    return built
 
 
 def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, options: dict,
@@ -261,7 +271,7 @@ def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, optio
         with warnings.catch_warnings(), sdpa_backends(variant.kernel):
             warnings.filterwarnings("ignore", message="autosp.compile with sp_size=1")
             compiled, parameter_bytes = trace_fake_step(
-                lambda: build_llama(_config(model, layers, variant), variant.attention),
+                lambda: _build(model, layers, variant),
                 seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size, capture_joint=capture_into is not None,
                 **options,
             )
