@@ -98,3 +98,12 @@ def test_liger_loss_workload_holds_liger_buffers():
                                    chunk_tokens=10, vocab=100).program(0)
     assert out.tensors[1] == 2 * 10 * 100 and out.tensors[3] == 0 and out.tensors[5] == 0
     assert out.ops[0].allocates == (0, 1, 4) and out.ops[3].allocates == (5,) and out.ops[4].frees == (4,)
+
+
+def test_miss_item_names_what_moves_the_length_towards_the_published_one():
+    row = replace(alst.ALST_ROWS[3], published_tokens=1000)
+    items = [("fragmentation", 2**30, 100), ("attention-kernel", -2**30, -50), ("published-is-a-run", 2**31, 300)]
+    short = alst.miss_item(row, items, 800)  # 20 % short: what would lengthen it
+    assert short.startswith("fragmentation: +1.0 GiB") and short.endswith("error after it -10.0 %")
+    assert alst.miss_item(row, items, 1500).startswith("published-is-a-run: the published length fits with 2.0 GiB")
+    assert alst.miss_item(row, items[1:2], 800) == "none sized"
