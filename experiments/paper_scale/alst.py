@@ -120,6 +120,9 @@ ITEMS: dict[str, str] = {
     "liger-rms-norm": "the trace's RMSNorm keeps a bf16 normalised copy of its input for the weight's gradient, "
                       "which Liger's kernel recomputes (Note [Liger's RMSNorm in a trace] in "
                       "experiments/paper_scale/liger.py)",
+    "eager-non-liger": "a Liger row is simulated with fused pointwise kernels; ALST ran the ops Liger does not "
+                       "replace (residual adds, the attention's and Ulysses' copies) eagerly, each output allocated; "
+                       "sized as the whole row run unfused, a bound (it unfuses Liger's kernels too)",
     "fragmentation": "the ledger's allocator fragmentation (simulator/device_reserve.py, fragmentation_fraction) is "
                      "the default caching allocator's; ALST ran expandable_segments:True, which fragments less",
     "zero3-gathers": "the ZeRO-3 rewrite keeps each gathered layer until its last read and prefetches one module "
@@ -178,7 +181,7 @@ class BreakdownRow:
 
 
 _COMMON = ("fragmentation", "zero3-gathers", "attention-kernel", "published-is-a-run")
-_LIGER = ("liger-loss", "liger-rms-norm", *_COMMON)
+_LIGER = ("liger-loss", "liger-rms-norm", "eager-non-liger", *_COMMON)
 ALST_ROWS: tuple[BreakdownRow, ...] = (
     BreakdownRow(name="baseline", system="alst", sp_size=1, checkpointing="layer", eager=True, published_tokens=32_000,
                  published_iteration_s=17, published_tflops=231.6,
@@ -447,21 +450,24 @@ def _largest_lines(cfg: TrainingConfig, dynamic: int, count: int = 3) -> str:
 
 
 def miss_items(row: BreakdownRow, cfg: TrainingConfig, model: PaperModel, capacity: int, dynamic: int,
-               per_token: float) -> list[tuple[str, int, int]]:
+               per_token: float, eager_dynamic: int | None = None) -> list[tuple[str, int, int]]:
     """What the model of ``row`` still differs in from ALST's run and can be sized, as (item, device bytes it
     frees at the published length, tokens it moves the simulated length) (``dynamic``: the simulated activations there; ``per_token``: the
     row's simulated peak per token): the ledger's fragmentation line, which ALST's expandable segments do not
     pay (`fragmentation`, the band's low end, 0); for the recipe with ``attn_implementation: sdpa``, the K/V
     that transformers 4.50.3's ``sdpa_attention_forward`` repeats to every query head before SDPA (Note [The
     traced workloads of the AutoSP research fork] in experiments/paper_scale/fork.py), kept for the backward of
-    the recomputed layer (`attention-kernel`); and, where ALST's figure fits with room, the room
-    (`published-is-a-run`)."""
+    the recomputed layer (`attention-kernel`); for a Liger row, what running it unfused adds
+    (``eager_dynamic``: its simulated activations on the device without fused kernels; `eager-non-liger`, a bound);
+    and, where ALST's figure fits with room, the room (`published-is-a-run`)."""
     lines = memory_ledger(cfg, at="backward", activation_bytes=dynamic)
     items = [("fragmentation", sum(ln.bytes for ln in lines if ln.name == "fragmentation"))]
     if row.attention == "sdpa":
         local_heads = (model.num_heads - model.num_kv_heads) // row.sp_size
         head_dim = model.hidden_size // model.num_heads
         items.append(("attention-kernel", -2 * row.published_tokens * local_heads * head_dim * 2))
+    if eager_dynamic is not None:
+        items.append(("eager-non-liger", ledger_peak(cfg, dynamic) - ledger_peak(cfg, eager_dynamic)))
     room = capacity - ledger_peak(cfg, dynamic)
     if room > 0:
         items.append(("published-is-a-run", room))
@@ -470,12 +476,13 @@ def miss_items(row: BreakdownRow, cfg: TrainingConfig, model: PaperModel, capaci
 
 def miss_item(row: BreakdownRow, items: Sequence[tuple[str, int, int]], simulated: int) -> str:
     """The item of `miss_items` that explains the miss of ``simulated`` from the published length (the largest
-    moving the simulated length towards it; ``published-is-a-run`` where the simulation is longer, as ALST's
-    figure is a run that fitted), with its size and the error left after it."""
+    moving the simulated length towards it; where the simulation is longer and no modelling difference moves it
+    back, ``published-is-a-run``: ALST's figure is a run that fitted), with its size and the error left after
+    it."""
     short = simulated < row.published_tokens
     toward = [it for it in items if (it[2] > 0) == short and it[0] != "published-is-a-run"]
-    if not short:
-        toward += [it for it in items if it[0] == "published-is-a-run"]
+    if not short and not toward:
+        toward = [it for it in items if it[0] == "published-is-a-run"]
     if not toward:
         return "none sized"
     key, freed, tokens = max(toward, key=lambda it: abs(it[2]))
@@ -529,7 +536,11 @@ def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers
         if best and best != published:
             per_token = (ledger_peak(cfg, at_published.dynamic_memory_bytes) -
                          ledger_peak(cfg, step(best).dynamic_memory_bytes)) / (published - best)
-            items = miss_items(row, cfg, model, capacity, at_published.dynamic_memory_bytes, per_token)
+            eager = None
+            if row.liger and not row.eager:
+                eager = model_step(replace(row, eager=True), published, model=model, cluster=cluster, layers=layers,
+                                   cache=cache).dynamic_memory_bytes
+            items = miss_items(row, cfg, model, capacity, at_published.dynamic_memory_bytes, per_token, eager)
             out.update(miss_item=miss_item(row, items, best))
         out.update(peak_at_published_gib=round(ledger_peak(cfg, at_published.dynamic_memory_bytes) / 2**30, 1),
                    largest_ledger_lines_gib=_largest_lines(cfg, at_published.dynamic_memory_bytes),

@@ -28,8 +28,8 @@ def test_alst_table_builds_and_its_rows_are_consistent():
     # ZeRO-3 path of the SP 1 rows is tests/experiments/test_workload_rewrites.py's.
     everything = replace(alst.ALST_ROWS[5], published_tokens=8192)
     search = alst.Search(granularity=1024, start=8192, high=8192, max_probes=2)  # everything fits: one probe
-    rows = alst.alst_rows(rows=[everything], model=SMALL, cache=TraceCache(interpolate_lengths=True),
-                          searches={everything.name: search})
+    cache = TraceCache(interpolate_lengths=True)
+    rows = alst.alst_rows(rows=[everything], model=SMALL, cache=cache, searches={everything.name: search})
     (row,) = rows
     assert row["row"] == everything.name and row["system"] == "alst"
     assert row["simulated_tokens"] == 8192 and row["stopped"] == "ceiling"
@@ -43,6 +43,11 @@ def test_alst_table_builds_and_its_rows_are_consistent():
     assert lines[0].startswith("ALST's configuration reproduced within +-20% on 1 of 1")
     assert not any(line.startswith("- miss: ") for line in lines)
     assert alst.footer([{**row, "error_pct": 50.0, "within_tolerance": False}])[1].startswith("- miss: everything:")
+    # Found short of the published length: the miss_item column sizes what is left (the unfused bound included).
+    (short,) = alst.alst_rows(rows=[everything], model=SMALL, cache=cache, searches={
+        everything.name: alst.Search(granularity=1024, start=4096, high=4096, max_probes=1)})
+    assert short["simulated_tokens"] == 4096 and short["error_pct"] == -50.0
+    assert short["miss_item"].split(":")[0] in {"fragmentation", "published-is-a-run", "none sized"}
 
 
 def test_liger_rms_norm_matches_llama_rms_norm_and_keeps_no_fp32_copy():
@@ -105,5 +110,6 @@ def test_miss_item_names_what_moves_the_length_towards_the_published_one():
     items = [("fragmentation", 2**30, 100), ("attention-kernel", -2**30, -50), ("published-is-a-run", 2**31, 300)]
     short = alst.miss_item(row, items, 800)  # 20 % short: what would lengthen it
     assert short.startswith("fragmentation: +1.0 GiB") and short.endswith("error after it -10.0 %")
-    assert alst.miss_item(row, items, 1500).startswith("published-is-a-run: the published length fits with 2.0 GiB")
+    assert alst.miss_item(row, items, 1500).startswith("attention-kernel: -1.0 GiB")  # a modelling item first
+    assert alst.miss_item(row, items[::2], 1500).startswith("published-is-a-run: the published length fits with 2.0")
     assert alst.miss_item(row, items[1:2], 800) == "none sized"
