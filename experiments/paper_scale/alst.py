@@ -32,7 +32,7 @@ tensors, `experiments.paper_scale.simulate.trace_workload`; nothing is fitted):
   (Note [Sequence-aware checkpointing] in autosp/passes/joint/checkpointing.py);
 * tiled logits and loss (Liger-Kernel's fused linear cross entropy): ``tiled_loss="on"`` with Liger's chunk,
   ``next_power_of_2(ceil(tokens / ceil(vocab / hidden)))`` tokens of this rank (liger_kernel
-  ``ops/fused_linear_cross_entropy.py``), `liger_chunk_tokens`;
+  ``ops/fused_linear_cross_entropy.py``), `liger_chunk_tokens`, its memory made Liger's (Note [ALST's kernels]);
 * Ulysses SP: ``strategy="ulysses"`` over the 8 ranks, blocking all-to-alls (ALST's are not overlapped);
 * tiled MLP: ``tiled_mlp="on"`` with ArcticTraining's shard count ``ceil(tokens / hidden)`` of this rank
   (``arctic_training/model/tiled_compute.py tiled_mlp_forward_common``), `tiled_mlp_chunk_tokens`;
@@ -44,12 +44,41 @@ tensors, `experiments.paper_scale.simulate.trace_workload`; nothing is fitted):
   (Note [Optimizer offload] in simulator/ledger.py);
 * the machine: the ``h100-sxm`` preset (80 GB, 2 TB of host memory per node: 256 GiB per rank).
 
+Note [ALST's kernels]
+~~~~~~~~~~~~~~~~~~~~~
+ALST ran eagerly: ArcticTraining (commit 2771b4b1) calls ``torch.compile`` nowhere, so what is not a library kernel
+is one CUDA kernel per op, each output allocated. Its SFT loss calls ``self.model(**batch, use_cache=False)``
+(``arctic_training/trainer/sft_trainer.py``): no KV cache (`TRAINING`). Three kinds of rows follow:
+
+* the baseline (no Liger): Hugging Face's ``LlamaForCausalLM`` as it is, whose loss (``ForCausalLMLoss``) upcasts
+  the [tokens, vocab] logits to fp32 before cross entropy, and whose backward allocates the fp32 gradient of the
+  log-softmax and of the upcast: ``eager=True``, simulated on the device without fused pointwise kernels
+  (`row_cluster`; :mod:`simulator.fusion` prices Inductor's fusion, which ALST did not run);
+* the rows with ``model.type: liger`` (`BreakdownRow.liger`): ``AutoLigerKernelForCausalLM``
+  (``arctic_training/model/liger_factory.py``) patches Llama with Liger's RoPE, RMSNorm, SwiGLU (not with the
+  tiled MLP) and fused linear cross entropy (``apply_liger_kernel_to_llama`` defaults, linkedin/Liger-Kernel
+  ``src/liger_kernel/transformers/monkey_patch.py``, commit 05b43a14): fused kernels, so these rows are simulated
+  with fusion; the RMSNorm is traced with Liger's saved tensors (Note [Liger's RMSNorm in a trace] in
+  experiments/paper_scale/liger.py) and the loss's memory is Liger's (`liger_loss_workload`): the forward forms
+  the gradient in place in one bf16 [chunk, vocab] logits block and allocates the [tokens, hidden] and
+  [vocab, hidden] gradients it returns in backward (``fused_linear_cross_entropy_forward``), where AutoSP's op
+  holds two fp32 [chunk, vocab] buffers, recomputes its forward under layer checkpointing and sums the weight's
+  gradient in fp32;
+* AutoSP's rows: torch.compile, fused.
+
+What each correction moves is `cause_effects` (:data:`SWITCHES`). Checked and not a cause: DeepSpeed 0.17.0 (what
+ALST ran) and the 0.19 line the ledger follows allocate the same ZeRO-3 device buffers for a one-dtype model: one
+ipg bucket of ``reduce_bucket_size`` (default 5e8 in both ``runtime/zero/config.py``), prefetch 5e7, persistence
+threshold 1e5 (deepspeedai/DeepSpeed tag v0.17.0 and commit edaa7221, ``runtime/zero/stage3.py
+_setup_for_real_optimizer``: one flat buffer then, one per dtype now).
+
 What differs from ALST's run, named in the table's ``items`` column (:data:`ITEMS`), is what a miss is read
 against; ``peak_at_published_gib`` is the simulated peak at the published length with its largest ledger lines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -58,13 +87,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from experiments.models import PAPER_MODELS, PaperModel
-from experiments.paper_scale.simulate import TraceCache, trace_workload
+from experiments.paper_scale.fork import CAUSAL_ATTENTION
+from experiments.paper_scale.simulate import PLAIN, ModelVariant, TraceCache, trace_workload
 from simulator import Cluster, simulate
 from simulator.ledger import TrainingConfig, memory_ledger
 from simulator.max_length import ModelStep, extrapolate_depth, ledger_host_peak, ledger_peak
 from simulator.max_length import max_length as search_max_length
 from simulator.strategies import WorkloadRecipe
 from simulator.training_step import add_training_step, host_optimizer_time_s
+from simulator.workload import Workload
 from simulator.workload_rewrites import zero3_workload
 
 log = logging.getLogger(__name__)
@@ -74,29 +105,40 @@ CLUSTER = "h100-sxm"
 RANKS = 8
 PAPER = "arXiv 2506.13996v1 section 5.4 Table 1"
 RECIPES = "snowflakedb/ArcticTraining projects/sequence-parallelism (commit 2771b4b1b9c8cbb54895ccb940dcaa76d33bf7ef)"
+TRAINING = ModelVariant(attention=CAUSAL_ATTENTION, use_cache=False)
+"""How every row's model is traced (a Liger row's with Liger's RMSNorm, `trace_variant`): without a KV cache (ArcticTraining's SFT loss calls ``model(**batch,
+use_cache=False)``, ``arctic_training/trainer/sft_trainer.py``; AutoSP's Trainer integration sets
+``config.use_cache = False``, autosp/integrations/hf.py) and without a dense [S, S] mask (flash_attention_2, which
+ALST ran, gets none; `CAUSAL_ATTENTION`)."""
 TOLERANCE = 0.20
 """The reproduction's acceptance: simulated within +-20 % of the published length (issue 20)."""
 
 ITEMS: dict[str, str] = {
-    "loss-fp32-chunk": "AutoSP's tiled loss holds a chunk's logits in fp32 and recomputes them in backward; Liger's "
-                       "kernel computes the gradient in the forward, in bf16 in place, and keeps the [tokens, hidden] "
-                       "input gradient until backward (liger_kernel ops/fused_linear_cross_entropy.py)",
+    "liger-loss": "the tiled loss's memory is Liger's fused linear cross entropy (`liger_loss_workload`), its time "
+                  "AutoSP's op (the forward recomputed in backward, the logits recomputed for the gradient): Liger "
+                  "forms the gradient in the forward and recomputes nothing",
+    "liger-rms-norm": "the trace's RMSNorm keeps a bf16 normalised copy of its input for the weight's gradient, "
+                      "which Liger's kernel recomputes (Note [Liger's RMSNorm in a trace] in "
+                      "experiments/paper_scale/liger.py)",
+    "eager-non-liger": "a Liger row is simulated with fused pointwise kernels; ALST ran the ops Liger does not "
+                       "replace (residual adds, the attention's and Ulysses' copies) eagerly, each output allocated; "
+                       "sized as the whole row run unfused, a bound (it unfuses Liger's kernels too)",
     "fragmentation": "the ledger's allocator fragmentation (simulator/device_reserve.py, fragmentation_fraction) is "
                      "the default caching allocator's; ALST ran expandable_segments:True, which fragments less",
-    "deepspeed-0.19.8": "the ledger follows DeepSpeed 0.19.8's ZeRO-3 buffers (ipg bucket, persistent parameters, "
-                        "prefetch); ALST ran 0.17.0",
     "zero3-gathers": "the ZeRO-3 rewrite keeps each gathered layer until its last read and prefetches one module "
                      "ahead; DeepSpeed's max_live_parameters/max_reuse_distance and the ledger's prefetch line "
                      "are not reconciled (Note [ZeRO-3 as a rewrite of the single-device trace])",
-    "attention-kernel": "the trace runs SDPA's fused kernel; ALST ran flash_attn 2.7.4 (SDPA in the tiled-MLP "
-                        "recipe): same O(S) memory, different workspace and speed",
+    "attention-kernel": "the trace runs SDPA's fused kernel with GQA (K/V not repeated); ALST ran flash_attn 2.7.4, "
+                        "which keeps the same output and log-sum-exp for the backward, except in the tiled-MLP "
+                        "recipe (attn_implementation: sdpa), where transformers repeats K/V to every query head "
+                        "before SDPA (sized in the miss_item column)",
     "last-layer-on-device": "AutoSP's offload keeps the activations the backward reads before its first attention "
                             "(the last layer's) on the device; ALST offloads every checkpointed layer input",
     "host-memory": "host memory is the h100-sxm preset's 2 TiB per node (256 GiB per rank); ALST's node had 1.9TB",
     "published-is-a-run": "the published figure is a length ALST ran, not a searched maximum (commented-out lengths "
                           "in an earlier recipe, commit 115740a9, mark 2.5M 'close to oom' and 3M 'oom'): the true "
                           "maximum is at or above it",
-    "depth-extrapolated": "depth extrapolated from 1- and 2-layer traces (Note [Depth extrapolation] in "
+    "depth-extrapolated": "depth extrapolated from 2- and 3-layer traces (`DEPTHS`; Note [Depth extrapolation] in "
                           "simulator/max_length.py): exact in the depth for per-layer checkpointing, not for SAC",
 }
 
@@ -117,6 +159,13 @@ class BreakdownRow:
     chunks: str = "alst"
     """``alst``: the tiled loss and MLP chunk as Liger and ArcticTraining do; ``autosp``: AutoSP's defaults."""
     overlap: bool = False
+    attention: str = "flash_attention_2"
+    """The recipe's ``attn_implementation`` (the trace runs SDPA's fused kernel either way; `miss_items`)."""
+    eager: bool = False
+    """Pointwise ops run one kernel each (no torch.compile, no Liger kernels), not fused (Note [ALST's kernels])."""
+    switched: frozenset[str] = frozenset()
+    """Keys of :data:`SWITCHES`: what this row models as it was modelled before a sourced fact corrected it (to
+    measure what each correction moves, `cause_effects`); empty in the table."""
     published_tokens: int | None = None
     published_iteration_s: float | None = None
     published_tflops: float | None = None
@@ -124,31 +173,39 @@ class BreakdownRow:
     items: tuple[str, ...] = ()
     """Keys of :data:`ITEMS`: how this row's model differs from ALST's run."""
 
+    @property
+    def liger(self) -> bool:
+        """ALST's model with Liger's kernels (``model.type: liger`` in every recipe with the tiled loss): Liger's
+        fused linear cross entropy and RMSNorm (Note [ALST's kernels])."""
+        return self.system == "alst" and self.tiled_loss and self.chunks == "alst"
 
-_COMMON = ("fragmentation", "deepspeed-0.19.8", "zero3-gathers", "attention-kernel", "published-is-a-run")
+
+_COMMON = ("fragmentation", "zero3-gathers", "attention-kernel", "published-is-a-run")
+_LIGER = ("liger-loss", "liger-rms-norm", "eager-non-liger", *_COMMON)
 ALST_ROWS: tuple[BreakdownRow, ...] = (
-    BreakdownRow(name="baseline", system="alst", sp_size=1, checkpointing="layer", published_tokens=32_000,
+    BreakdownRow(name="baseline", system="alst", sp_size=1, checkpointing="layer", eager=True, published_tokens=32_000,
                  published_iteration_s=17, published_tflops=231.6,
                  source=f"{PAPER} row 1; recipe run-h100-sp8-llama-8b-no-ulysses-no-liger-no-extras.yml",
                  items=_COMMON),
     BreakdownRow(name="+ tiled logits & loss", system="alst", sp_size=1, checkpointing="layer", tiled_loss=True,
                  published_tokens=160_000, published_iteration_s=123, published_tflops=514.4,
                  source=f"{PAPER} row 2; recipe ...-no-ulysses-yes-liger-no-extras.yml (commit 04f192eb)",
-                 items=("loss-fp32-chunk", *_COMMON)),
+                 items=_LIGER),
     BreakdownRow(name="+ Ulysses SP 8", system="alst", sp_size=8, checkpointing="layer", tiled_loss=True,
                  published_tokens=1_100_000, published_iteration_s=564, published_tflops=576.1,
-                 source=f"{PAPER} row 3; recipe ...-no-mlp-no-act-offload.yml", items=("loss-fp32-chunk", *_COMMON)),
+                 source=f"{PAPER} row 3; recipe ...-no-mlp-no-act-offload.yml", items=_LIGER),
     BreakdownRow(name="+ tiled MLP", system="alst", sp_size=8, checkpointing="layer", tiled_loss=True,
-                 tiled_mlp=True, published_tokens=1_200_000, published_iteration_s=703, published_tflops=548.7,
-                 source=f"{PAPER} row 4; recipe ...-yes-mlp.yml", items=("loss-fp32-chunk", *_COMMON)),
+                 tiled_mlp=True, attention="sdpa", published_tokens=1_200_000, published_iteration_s=703,
+                 published_tflops=548.7,
+                 source=f"{PAPER} row 4; recipe ...-yes-mlp.yml", items=_LIGER),
     BreakdownRow(name="+ act. offload (no tiled MLP)", system="alst", sp_size=8, checkpointing="layer",
                  tiled_loss=True, offload=True, published_tokens=2_400_000, published_iteration_s=2610,
                  published_tflops=585.8, source=f"{PAPER} row 5; recipe ...-yes-act-offload.yml",
-                 items=("loss-fp32-chunk", "last-layer-on-device", "host-memory", *_COMMON)),
+                 items=("last-layer-on-device", "host-memory", *_LIGER)),
     BreakdownRow(name="everything", system="alst", sp_size=8, checkpointing="layer", tiled_loss=True,
                  tiled_mlp=True, offload=True, published_tokens=3_700_000, published_iteration_s=6455,
                  published_tflops=590.6, source=f"{PAPER} row 6; recipe run-h100-sp8-llama-8b.yml (max_length "
-                 "3_800_000; the published TFLOPS match 3.8M tokens, `tflops_per_gpu`)", items=("loss-fp32-chunk", "last-layer-on-device", "host-memory", *_COMMON)),
+                 "3_800_000; the published TFLOPS match 3.8M tokens, `tflops_per_gpu`)", items=("last-layer-on-device", "host-memory", *_LIGER)),
 )
 """ALST's Table 1, each row its configuration as modelled (Note [ALST's published breakdown and configuration])."""
 
@@ -215,38 +272,141 @@ def training_config(row: BreakdownRow, model: PaperModel, layers: int | None = N
         dp_world_size=RANKS, nccl_communicators=2 if row.sp_size > 1 else 1, offload_optimizer=True)
 
 
+def liger_loss_workload(workload: Workload, *, chunk_tokens: int, vocab: int) -> Workload:
+    """``workload`` with the memory of its tiled loss made Liger's fused linear cross entropy (Note [ALST's
+    kernels]): the forward holds one bf16 ``[chunk, vocab]`` logits block (the gradient is formed in place) and
+    allocates the gradients of the hidden states and of the output weight that the backward returns; the
+    backward and a recomputed forward allocate no workspace."""
+    def rewrite(program):
+        ops = list(program.ops)
+        tensors = dict(program.tensors)
+        forward = next((i for i, op in enumerate(ops) if op.name == "forward.linear_cross_entropy"), None)
+        backward = next((i for i, op in enumerate(ops) if op.name == "backward.linear_cross_entropy_backward"), None)
+        if forward is None or backward is None:
+            raise ValueError(f"{workload.name}: no tiled loss to price as Liger's")
+        for i, op in enumerate(ops):
+            if op.name in ("forward.linear_cross_entropy", "backward.linear_cross_entropy",
+                           "backward.linear_cross_entropy_backward"):
+                for t in set(op.allocates) & set(op.frees):  # the op's own workspace
+                    tensors[t] = 2 * chunk_tokens * vocab if i == forward else 0
+        returned = tuple(t for t in ops[backward].allocates if t not in ops[backward].frees)
+        ops[backward] = replace(ops[backward], allocates=tuple(t for t in ops[backward].allocates
+                                                               if t not in returned))
+        ops[forward] = replace(ops[forward], allocates=ops[forward].allocates + returned)
+        return replace(program, ops=tuple(ops), tensors=tensors)
+
+    return replace(workload, ranks={r: rewrite(p) for r, p in workload.ranks.items()})
+
+
+def trace_variant(row: BreakdownRow) -> ModelVariant:
+    """How ``row``'s model is traced: `TRAINING`, with Liger's RMSNorm in a Liger row."""
+    variant = PLAIN if "kv-cache" in row.switched else TRAINING
+    return replace(variant, rms_norm="liger") if row.liger and "hf-rms-norm" not in row.switched else variant
+
+
+def row_cluster(row: BreakdownRow, cluster: Cluster) -> Cluster:
+    """The machine as ``row`` runs on it: ``cluster``, or for an eager row its device without fused pointwise
+    kernels (Note [ALST's kernels])."""
+    if not row.eager or "fused-baseline" in row.switched:
+        return cluster
+    preset = dataclasses.replace(cluster.preset, device=dataclasses.replace(cluster.preset.device,
+                                                                         fuses_pointwise=False))
+    return Cluster.from_preset(preset, nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
+                               network=cluster.network, all_to_all=cluster.all_to_all)
+
+
 def step_at_depth(row: BreakdownRow, seq_len: int, layers: int, *, model: PaperModel, cluster: Cluster,
                   cache: TraceCache | None = None) -> tuple[float, int, int]:
     """(simulated step time, device peak above static memory, host peak) of ``layers`` layers of ``row`` at
     ``seq_len`` tokens: the trace, ZeRO's rewrite or gradient step with optimizer offload, simulated."""
-    traced = trace_workload(model, seq_len, layers, sp_size=row.sp_size,
-                            autosp_options=compile_options(row, seq_len, model), cache=cache)
+    options = compile_options(row, seq_len, model)
+    traced = trace_workload(model, seq_len, layers, sp_size=row.sp_size, autosp_options=options, cache=cache,
+                            variant=trace_variant(row))
+    workload = traced.workload
+    if row.liger and "autosp-loss" not in row.switched:
+        workload = liger_loss_workload(workload, chunk_tokens=options["loss_chunk_tokens"], vocab=model.vocab_size)
     cfg = training_config(row, model, layers)
     if row.zero_stage == 3:
-        workload = zero3_workload(traced.workload, traced.modules, world_size=RANKS)
+        workload = zero3_workload(workload, traced.modules, world_size=RANKS)
         workload = add_training_step(workload, [], cfg, group="dp_reduce")
     else:
-        workload = WorkloadRecipe(trace_sequence_parallel=True).build(traced.workload, traced.modules, cfg)
-    result = simulate(workload, cluster)
+        workload = WorkloadRecipe(trace_sequence_parallel=True).build(workload, traced.modules, cfg)
+    result = simulate(workload, row_cluster(row, cluster))
     dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
     return result.step_time_s, dynamic, result.host_peak_memory_bytes
 
 
+DEPTHS = (2, 3)
+"""The depths a step is extrapolated from (Note [Depth extrapolation] in simulator/max_length.py).  Not 1 and 2:
+under ZeRO 3 the backward of the last layer holds its own gathered parameters and the next layer's, prefetched
+(Note [ZeRO-3 as a rewrite of the single-device trace]); one layer has no next layer, so a line through 1 and 2
+layers adds a gathered layer per layer (0.41 GiB each for Llama-3.1-8B: 12 GiB at 32 layers) where 32 layers hold
+two.  From 2 layers on each layer adds only its checkpointed input."""
+
+
 def model_step(row: BreakdownRow, seq_len: int, *, model: PaperModel, cluster: Cluster, layers: str = "extrapolated",
                cache: TraceCache | None = None) -> ModelStep:
-    """The whole model's step of ``row`` at ``seq_len``: traced at full depth or extrapolated from 1 and 2 layers
+    """The whole model's step of ``row`` at ``seq_len``: traced at full depth or extrapolated from `DEPTHS`
     (Note [Depth extrapolation] in simulator/max_length.py), plus the CPU Adam step of optimizer offload."""
 
     @functools.cache
     def at(depth: int) -> tuple[float, int, int]:
         return step_at_depth(row, seq_len, depth, model=model, cluster=cluster, cache=cache)
 
-    depths = (model.num_layers, model.num_layers) if layers == "full" else (1, 2)
+    depths = (model.num_layers, model.num_layers) if layers == "full" else (
+        (1, 2) if "depths-1-2" in row.switched else DEPTHS)
     time_s, dynamic = extrapolate_depth(lambda d: at(d)[:2], model.num_layers, depths)
     _, host = extrapolate_depth(lambda d: (0.0, at(d)[2]), model.num_layers, depths)
     return ModelStep(seq_len=seq_len, step_time_s=time_s + host_optimizer_time_s(training_config(row, model)),
                      dynamic_memory_bytes=dynamic, host_dynamic_memory_bytes=host,
                      extrapolated_from=None if depths[0] == depths[1] else depths)
+
+
+SWITCHES: dict[str, str] = {
+    "kv-cache": "traced with transformers' default use_cache=True: every layer's keys and values kept in a "
+                "DynamicCache to the end of the step (ALST calls the model with use_cache=False)",
+    "depths-1-2": "depth extrapolated from 1 and 2 layers: the prefetched gathered layer counted once per layer "
+                  "(`DEPTHS`)",
+    "autosp-loss": "AutoSP's tiled loss: two fp32 [chunk, vocab] buffers, the forward recomputed in backward and "
+                   "an fp32 [vocab, hidden] weight-gradient accumulator, in place of Liger's bf16 chunk",
+    "hf-rms-norm": "transformers' LlamaRMSNorm in place of Liger's: autograd keeps the fp32 copy of its input",
+    "fused-baseline": "the baseline's pointwise ops fused as Inductor would (the fp32 logits copy and the loss "
+                      "backward's [tokens, vocab] intermediates never allocated); ALST ran it eagerly",
+}
+"""What a row modelled before a sourced correction (:attr:`BreakdownRow.switched`), to measure each correction."""
+
+
+def switch_applies(row: BreakdownRow, key: str) -> bool:
+    """Whether switching ``key`` changes ``row``."""
+    return {"autosp-loss": row.liger, "hf-rms-norm": row.liger, "fused-baseline": row.eager}.get(key, True)
+
+
+def cause_effects(row: BreakdownRow, *, model: PaperModel | None = None, cluster: str = CLUSTER,
+                  cache: TraceCache | None = None, keys: Sequence[str] = tuple(SWITCHES)) -> list[dict]:
+    """Each correction of :data:`SWITCHES` that applies to ``row``, switched back one at a time: the simulated
+    peak at the published length as modelled and switched, and the length it moves, estimated from the modelled
+    row's peak per token between the published length and 90 % of it (one probe each, not a search)."""
+    model = model or PAPER_MODELS[MODEL]
+    machine = Cluster.from_preset(cluster)
+    cfg = training_config(row, model)
+    published = row.published_tokens - row.published_tokens % row.sp_size
+    shorter = int(published * 0.9) - int(published * 0.9) % row.sp_size
+
+    def peak(r: BreakdownRow, seq_len: int) -> int:
+        return ledger_peak(cfg, model_step(r, seq_len, model=model, cluster=machine, cache=cache).dynamic_memory_bytes)
+
+    base = peak(row, published)
+    per_token = (base - peak(row, shorter)) / (published - shorter)
+    out = []
+    for key in keys:
+        if not switch_applies(row, key):
+            continue
+        switched = peak(replace(row, switched=frozenset({key})), published)
+        moved = (base - switched) / per_token
+        out.append({"row": row.name, "switch": key, "peak_gib": round(base / 2**30, 2),
+                    "switched_peak_gib": round(switched / 2**30, 2), "delta_gib": round((switched - base) / 2**30, 2),
+                    "tokens_moved": int(moved), "pct_of_published": round(100 * moved / row.published_tokens, 1)})
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,6 +449,51 @@ def _largest_lines(cfg: TrainingConfig, dynamic: int, count: int = 3) -> str:
     return "; ".join(f"{ln.name} {ln.bytes / 2**30:.1f}" for ln in top)
 
 
+def miss_items(row: BreakdownRow, cfg: TrainingConfig, model: PaperModel, capacity: int, dynamic: int,
+               per_token: float, eager_dynamic: int | None = None) -> list[tuple[str, int, int]]:
+    """What the model of ``row`` still differs in from ALST's run and can be sized, as (item, device bytes it
+    frees at the published length, tokens it moves the simulated length) (``dynamic``: the simulated activations there; ``per_token``: the
+    row's simulated peak per token): the ledger's fragmentation line, which ALST's expandable segments do not
+    pay (`fragmentation`, the band's low end, 0); for the recipe with ``attn_implementation: sdpa``, the K/V
+    that transformers 4.50.3's ``sdpa_attention_forward`` repeats to every query head before SDPA (Note [The
+    traced workloads of the AutoSP research fork] in experiments/paper_scale/fork.py), kept for the backward of
+    the recomputed layer (`attention-kernel`); for a Liger row, what running it unfused adds
+    (``eager_dynamic``: its simulated activations on the device without fused kernels; `eager-non-liger`, a bound);
+    and, where ALST's figure fits with room, the room (`published-is-a-run`)."""
+    lines = memory_ledger(cfg, at="backward", activation_bytes=dynamic)
+    items = [("fragmentation", sum(ln.bytes for ln in lines if ln.name == "fragmentation"))]
+    if row.attention == "sdpa":
+        local_heads = (model.num_heads - model.num_kv_heads) // row.sp_size
+        head_dim = model.hidden_size // model.num_heads
+        items.append(("attention-kernel", -2 * row.published_tokens * local_heads * head_dim * 2))
+    if eager_dynamic is not None:
+        items.append(("eager-non-liger", ledger_peak(cfg, dynamic) - ledger_peak(cfg, eager_dynamic)))
+    room = capacity - ledger_peak(cfg, dynamic)
+    if room > 0:
+        items.append(("published-is-a-run", room))
+    return [(key, freed, int(freed / per_token)) for key, freed in items]
+
+
+def miss_item(row: BreakdownRow, items: Sequence[tuple[str, int, int]], simulated: int) -> str:
+    """The item of `miss_items` that explains the miss of ``simulated`` from the published length (the largest
+    moving the simulated length towards it; where the simulation is longer and no modelling difference moves it
+    back, ``published-is-a-run``: ALST's figure is a run that fitted), with its size and the error left after
+    it."""
+    short = simulated < row.published_tokens
+    toward = [it for it in items if (it[2] > 0) == short and it[0] != "published-is-a-run"]
+    if not short and not toward:
+        toward = [it for it in items if it[0] == "published-is-a-run"]
+    if not toward:
+        return "none sized"
+    key, freed, tokens = max(toward, key=lambda it: abs(it[2]))
+    if key == "published-is-a-run":
+        return (f"{key}: the published length fits with {freed / 2**30:.1f} GiB to spare, room for {tokens:+,} "
+                f"tokens ({100 * tokens / row.published_tokens:+.1f} %)")
+    left = 100 * ((simulated + tokens) / row.published_tokens - 1)
+    return (f"{key}: {freed / 2**30:+.1f} GiB at the published length, {tokens:+,} tokens "
+            f"({100 * tokens / row.published_tokens:+.1f} %); error after it {left:+.1f} %")
+
+
 def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers: str = "extrapolated",
                cache: TraceCache | None = None, search: Search | None = None) -> dict:
     """One table row: the simulated longest length of ``row`` (nominal ledger, and its band), its step time,
@@ -314,7 +519,7 @@ def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers
            "error_pct": "", "within_tolerance": "", "simulated_step_s": "", "published_iteration_s":
            row.published_iteration_s or "", "simulated_tflops": "", "published_tflops": row.published_tflops or "",
            "host_peak_gib": "", "peak_at_published_gib": "", "simulated_step_at_published_s": "",
-           "largest_ledger_lines_gib": "",
+           "largest_ledger_lines_gib": "", "miss_item": "",
            "depth": layers, "items": " ".join(row.items + (("depth-extrapolated",) if layers != "full" else ())),
            "source": row.source}
     if best:
@@ -328,6 +533,15 @@ def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers
         if best:
             error = best / row.published_tokens - 1
             out.update(error_pct=round(100 * error, 1), within_tolerance=abs(error) <= TOLERANCE)
+        if best and best != published:
+            per_token = (ledger_peak(cfg, at_published.dynamic_memory_bytes) -
+                         ledger_peak(cfg, step(best).dynamic_memory_bytes)) / (published - best)
+            eager = None
+            if row.liger and not row.eager:
+                eager = model_step(replace(row, eager=True), published, model=model, cluster=cluster, layers=layers,
+                                   cache=cache).dynamic_memory_bytes
+            items = miss_items(row, cfg, model, capacity, at_published.dynamic_memory_bytes, per_token, eager)
+            out.update(miss_item=miss_item(row, items, best))
         out.update(peak_at_published_gib=round(ledger_peak(cfg, at_published.dynamic_memory_bytes) / 2**30, 1),
                    largest_ledger_lines_gib=_largest_lines(cfg, at_published.dynamic_memory_bytes),
                    simulated_step_at_published_s=_figures(at_published.step_time_s))
@@ -362,7 +576,8 @@ def footer(rows: Sequence[dict]) -> list[str]:
             found = f"{r['simulated_tokens']:,}" if r["simulated_tokens"] else "nothing fits"
             lines.append(f"- miss: {r['row']}: {found} vs {r['published_tokens']:,} "
                          f"({r['error_pct']} %); peak at the published length {r['peak_at_published_gib']} GiB "
-                         f"(largest ledger lines, GiB: {r['largest_ledger_lines_gib']}); items: {r['items']}")
+                         f"(largest ledger lines, GiB: {r['largest_ledger_lines_gib']}); explained by "
+                         f"{r['miss_item'] or 'nothing sized'}; items: {r['items']}")
     used = sorted({item for r in rows for item in str(r["items"]).split()})
     lines += ["", "Items (what the model of a row differs in from ALST's run):"]
     lines += [f"- {key}: {ITEMS[key]}" for key in used]

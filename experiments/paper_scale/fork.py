@@ -44,8 +44,12 @@ from dataclasses import dataclass
 FORK = "spikerheado1234/AutoSP fd542b4"
 REPEAT_KV_ATTENTION = "sdpa_repeat_kv_4_50"
 """The transformers attention implementation `repeat_kv_attention` is registered under."""
+CAUSAL_ATTENTION = "sdpa_causal_no_mask"
+"""transformers' own ``sdpa_attention_forward`` under a name whose mask function builds no mask (SDPA's
+``is_causal`` applies the causal rule, as flash_attention_2's mask function leaves it to the kernel): a model run
+with ``use_cache=False`` then builds no [S, S] mask from its position ids (`causal_attention_mask`)."""
 KERNELS = ("fused", "math")
-ATTENTIONS = ("sdpa", REPEAT_KV_ATTENTION)
+ATTENTIONS = ("sdpa", REPEAT_KV_ATTENTION, CAUSAL_ATTENTION)
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,19 @@ def build_llama(hf_config, attention: str = "sdpa"):
         # changes nothing.  Only this model's config selects it.
         transformers.AttentionInterface.register(REPEAT_KV_ATTENTION, repeat_kv_attention)
         model.set_attn_implementation(REPEAT_KV_ATTENTION)
+    elif attention == CAUSAL_ATTENTION:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface
+
+        transformers.AttentionInterface.register(CAUSAL_ATTENTION, sdpa_attention_forward)
+        AttentionMaskInterface.register(CAUSAL_ATTENTION, causal_attention_mask)
+        model.set_attn_implementation(CAUSAL_ATTENTION)
     return model
+
+
+def causal_attention_mask(*args, **kwargs):
+    """The mask function of `CAUSAL_ATTENTION`: no mask (the kernel is causal), whatever the inputs."""
+    return None
 
 
 def sdpa_backends(kernel: str):

@@ -160,10 +160,18 @@ class TracedStep:
 @dataclass(frozen=True)
 class ModelVariant:
     """How the traced model computes attention (Note [The traced workloads of the AutoSP research fork] in
-    experiments/paper_scale/fork.py): its transformers attention implementation and the SDPA kernel."""
+    experiments/paper_scale/fork.py): its transformers attention implementation and the SDPA kernel; and whether
+    it keeps a KV cache."""
 
     attention: str = "sdpa"
     kernel: str = "fused"
+    use_cache: bool = True
+    """The Hugging Face config's ``use_cache``: True (its default) keeps every layer's keys and values in a
+    ``DynamicCache`` to the end of the step; a trainer that calls the model with ``use_cache=False`` (ArcticTraining's
+    SFT loss, AutoSP's Trainer integration) keeps none."""
+    rms_norm: str = "hf"
+    """``hf``: transformers' ``LlamaRMSNorm``; ``liger``: Liger-Kernel's (Note [Liger's RMSNorm in a trace] in
+    experiments/paper_scale/liger.py)."""
 
 
 PLAIN = ModelVariant()
@@ -231,6 +239,20 @@ def _resized(lengths: LengthClass, seq_len: int, *, name: str, sp_size: int) -> 
                       modules=module_parameters(report.aot_graphs, forward_graph))
 
 
+def _build(model: PaperModel, layers: int, variant: ModelVariant):
+    """The Hugging Face model of ``layers`` layers of ``model`` as ``variant`` traces it."""
+    from experiments.paper_scale.liger import use_liger_rms_norm
+
+    config = model.hf_config(num_layers=layers)
+    config.use_cache = variant.use_cache
+    built = build_llama(config, variant.attention)
+    if variant.rms_norm == "liger":
+        use_liger_rms_norm(built)
+    elif variant.rms_norm != "hf":
+        raise ValueError(f"rms_norm {variant.rms_norm!r}: choose hf or liger")
+    return built
+
+
 def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, options: dict,
             cache: TraceCache | None, variant: ModelVariant = PLAIN,
             capture_into: LengthClass | None = None) -> TracedStep:
@@ -249,7 +271,7 @@ def _traced(model: PaperModel, seq_len: int, layers: int, *, sp_size: int, optio
         with warnings.catch_warnings(), sdpa_backends(variant.kernel):
             warnings.filterwarnings("ignore", message="autosp.compile with sp_size=1")
             compiled, parameter_bytes = trace_fake_step(
-                lambda: build_llama(model.hf_config(num_layers=layers), variant.attention),
+                lambda: _build(model, layers, variant),
                 seq_len=seq_len, sp_size=sp_size, vocab_size=model.vocab_size, capture_joint=capture_into is not None,
                 **options,
             )

@@ -28,8 +28,8 @@ def test_alst_table_builds_and_its_rows_are_consistent():
     # ZeRO-3 path of the SP 1 rows is tests/experiments/test_workload_rewrites.py's.
     everything = replace(alst.ALST_ROWS[5], published_tokens=8192)
     search = alst.Search(granularity=1024, start=8192, high=8192, max_probes=2)  # everything fits: one probe
-    rows = alst.alst_rows(rows=[everything], model=SMALL, cache=TraceCache(interpolate_lengths=True),
-                          searches={everything.name: search})
+    cache = TraceCache(interpolate_lengths=True)
+    rows = alst.alst_rows(rows=[everything], model=SMALL, cache=cache, searches={everything.name: search})
     (row,) = rows
     assert row["row"] == everything.name and row["system"] == "alst"
     assert row["simulated_tokens"] == 8192 and row["stopped"] == "ceiling"
@@ -43,3 +43,73 @@ def test_alst_table_builds_and_its_rows_are_consistent():
     assert lines[0].startswith("ALST's configuration reproduced within +-20% on 1 of 1")
     assert not any(line.startswith("- miss: ") for line in lines)
     assert alst.footer([{**row, "error_pct": 50.0, "within_tolerance": False}])[1].startswith("- miss: everything:")
+    # Found short of the published length: the miss_item column sizes what is left (the unfused bound included).
+    (short,) = alst.alst_rows(rows=[everything], model=SMALL, cache=cache, searches={
+        everything.name: alst.Search(granularity=1024, start=4096, high=4096, max_probes=1)})
+    assert short["simulated_tokens"] == 4096 and short["error_pct"] == -50.0
+    assert short["miss_item"].split(":")[0] in {"fragmentation", "published-is-a-run", "none sized"}
+
+
+def test_liger_rms_norm_matches_llama_rms_norm_and_keeps_no_fp32_copy():
+    # Liger's RMSNorm as traced (Note [Liger's RMSNorm in a trace]): the same values and gradients as transformers'
+    # LlamaRMSNorm (fp32), and in bf16 autograd keeps no fp32 [tokens, hidden] tensor, which LlamaRMSNorm does.
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from experiments.paper_scale.liger import liger_rms_norm
+
+    torch.manual_seed(0)
+    ref = LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    weight = ref.weight.detach().clone().requires_grad_(True)
+    grad = torch.randn(2, 16, 64)
+    (ref(x) * grad).sum().backward()
+    expected = (x.grad.clone(), ref.weight.grad.clone())
+    x.grad = None
+    out = liger_rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out, ref(x), rtol=1e-4, atol=1e-6)
+    (out * grad).sum().backward()
+    torch.testing.assert_close(x.grad, expected[0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(weight.grad, expected[1], rtol=1e-4, atol=1e-6)
+
+    def saved_fp32_activations(norm) -> int:
+        found = []
+        xb = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: found.append(t) or t, lambda t: t):
+            norm(xb)
+        return sum(1 for t in found if t.dtype == torch.float32 and t.shape == xb.shape)
+
+    bf16 = LlamaRMSNorm(64).to(torch.bfloat16)
+    assert saved_fp32_activations(bf16) > 0
+    assert saved_fp32_activations(lambda h: liger_rms_norm(h, bf16.weight, 1e-5)) == 0
+
+
+def test_liger_loss_workload_holds_liger_buffers():
+    # A program with AutoSP's tiled loss (forward workspace, a recomputed forward, the backward's workspace and the
+    # gradients it returns) becomes Liger's: one bf16 [chunk, vocab] block in the forward, the returned gradients
+    # allocated there and freed where they were, no workspace in backward.
+    from simulator.workload import Op, RankProgram, Workload
+
+    ops = (Op(id=0, name="forward.linear_cross_entropy", kind="compute", allocates=(0, 1), frees=(1,)),
+           Op(id=1, name="forward.other", kind="compute", deps=(0,)),
+           Op(id=2, name="backward.linear_cross_entropy", kind="compute", deps=(1,), allocates=(2, 3), frees=(3,)),
+           Op(id=3, name="backward.linear_cross_entropy_backward", kind="compute", deps=(2,), allocates=(4, 5),
+              frees=(0, 2, 5)),
+           Op(id=4, name="backward.norm", kind="compute", deps=(3,), frees=(4,)))
+    program = RankProgram(ops=ops, tensors={0: 40, 1: 8000, 2: 40, 3: 8000, 4: 300, 5: 9000})
+    out = alst.liger_loss_workload(Workload(name="w", world_size=1, groups={}, ranks={0: program}),
+                                   chunk_tokens=10, vocab=100).program(0)
+    assert out.tensors[1] == 2 * 10 * 100 and out.tensors[3] == 0 and out.tensors[5] == 0
+    assert out.ops[0].allocates == (0, 1, 4) and out.ops[3].allocates == (5,) and out.ops[4].frees == (4,)
+
+
+def test_miss_item_names_what_moves_the_length_towards_the_published_one():
+    row = replace(alst.ALST_ROWS[3], published_tokens=1000)
+    items = [("fragmentation", 2**30, 100), ("attention-kernel", -2**30, -50), ("published-is-a-run", 2**31, 300)]
+    short = alst.miss_item(row, items, 800)  # 20 % short: what would lengthen it
+    assert short.startswith("fragmentation: +1.0 GiB") and short.endswith("error after it -10.0 %")
+    assert alst.miss_item(row, items, 1500).startswith("attention-kernel: -1.0 GiB")  # a modelling item first
+    assert alst.miss_item(row, items[::2], 1500).startswith("published-is-a-run: the published length fits with 2.0")
+    assert alst.miss_item(row, items[1:2], 800) == "none sized"
