@@ -142,8 +142,8 @@ def row_system(row: str, cap_bytes: int) -> tuple[str, dict]:
 
 
 def row_note(result: dict) -> str:
-    """What the table says of a row's search beyond its lengths: for `PLANNER_ROW`, the plan chosen at the longest
-    length that fitted and at the first that did not ("" for the other rows)."""
+    """What the table says of a row's search beyond its lengths: for `PLANNER_ROW`, the plan chosen (and its
+    predicted peak) at the longest length that fitted and at the first that did not ("" for the other rows)."""
     plans = result.get("plans") or {}
     said = [f"{what} {s}: {plans[s]}" for what, s in (("plan at", result.get("max_seq_len")),
                                                          ("at", result.get("first_failure"))) if s in plans]
@@ -151,10 +151,14 @@ def row_note(result: dict) -> str:
 
 
 def _planned(system) -> str | None:
-    """The memory plan the planner chose for ``system`` (None: it did not plan)."""
+    """The memory plan the planner chose for ``system`` and the peak it predicted for it, which the probe's
+    measured peak stands beside in the table (None: it did not plan)."""
     compiled = getattr(system, "compiled", None)
     plan = compiled.report.memory_plan if compiled is not None else None
-    return plan["candidates"][plan["chosen"]]["plan"] if plan else None
+    if not plan:
+        return None
+    chosen = plan["candidates"][plan["chosen"]]
+    return f"{chosen['plan']} (predicted {chosen['peak_bytes'] / 2**20:.2f} MiB)"
 
 
 def _probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> tuple[float, str | None]:
