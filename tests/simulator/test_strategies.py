@@ -84,7 +84,7 @@ def test_strategies_hybrid_family_degrees_and_rank_layout(u, r):
 
 def test_strategies_the_ranks_a_strategy_runs_on_are_declared_by_it():
     listed = STRATEGIES["autosp-hybrid-2x2"]  # the measured table's hybrid: the registry's own, from either name
-    assert hybrid(2, 2) is listed and listed.tables == ("measured-cpu",) and hybrid(2, 4).tables == ()
+    assert hybrid(2, 2) is listed and listed.tables == ("measured-cpu", "memory-cap") and hybrid(2, 4).tables == ()
     assert [listed.min_ranks, hybrid(2, 4).min_ranks, STRATEGIES["autosp"].min_ranks] == [4, 8, 1]
     assert [listed.cannot_run_on(n) for n in (2, 3, 4)] == ["needs 4 ranks", "needs 4 ranks", None]
     assert "exactly 4 ranks" in listed.cannot_run_on(8)  # the measured tables split one sequence over every rank
