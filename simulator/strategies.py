@@ -58,11 +58,13 @@ REWRITES = ("ring", "zero3")
 """Rewrites of a traced workload (:mod:`simulator.workload_rewrites`): ``ring``: the Ulysses
 trace with each attention split into peer-to-peer ring steps and online-softmax merges (the hand-written ring
 baseline); ``zero3``: the single-device trace with per-layer parameter all-gathers and gradient reduce-scatters."""
-TABLES = ("measured-cpu", "paper-scale")
-"""The tables a strategy can be listed in: measured on CPU gloo ranks, simulated at paper scale."""
-# Options that change what the pass computes: a pass without the field must refuse the strategy, unless the value
-# is what such a pass does anyway (before strategies existed, the pass only did Ulysses).
-_REQUIRED_OPTIONS = frozenset({"strategy", "ulysses_size", "ring_size"})
+TABLES = ("measured-cpu", "memory-cap", "paper-scale")
+"""The tables a strategy can be listed in: measured on CPU gloo ranks (step time; the longest length under a
+memory cap), simulated at paper scale."""
+# Options that change what the pass computes (memory_plan: what the system is): a pass without the field must
+# refuse the strategy, unless the value is what such a pass does anyway (before strategies existed, the pass only
+# did Ulysses).
+_REQUIRED_OPTIONS = frozenset({"strategy", "ulysses_size", "ring_size", "memory_plan"})
 _IMPLICIT_OPTIONS = {"strategy": "ulysses"}
 
 
@@ -159,6 +161,12 @@ class Strategy:
             return f"splits a sequence over exactly {self.min_ranks} ranks, not {ranks}"
         return None
 
+    @property
+    def memory_planned(self) -> bool:
+        """Its memory options are the memory planner's choice (``memory_plan="auto"``): running it needs a
+        ``target_memory`` (and the job's ``plan_setup``), which the table running it passes."""
+        return dict(self.options).get("memory_plan") == "auto"
+
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"{self.name}: implementation must be one of {IMPLEMENTATIONS}")
@@ -232,7 +240,7 @@ def _options(**kw: Any) -> tuple[tuple[str, Any], ...]:
 
 
 _SP, _ZERO1 = WorkloadRecipe(trace_sequence_parallel=True), 1
-_BOTH, _MEASURED = ("measured-cpu", "paper-scale"), ("measured-cpu",)
+_BOTH, _MEASURED = ("measured-cpu", "memory-cap", "paper-scale"), ("measured-cpu", "memory-cap")
 _HAND = _options(strategy="ulysses", checkpointing="none", overlap_communication=False)
 
 
@@ -282,6 +290,13 @@ _FIXED: tuple[Strategy, ...] = (
              implementation="autosp", sequence_parallel="auto", zero_stage=_ZERO1, workload=_SP,
              options=_options(strategy="auto")),
     _hybrid(2, 2, tables=_MEASURED),
+    # AutoSP under its memory planner: at each length the planner chooses the memory options (checkpointing, SAC
+    # budget, tiled loss and MLP, activation offload) fastest within the table's cap (Note [The planner's
+    # memory-cap row] in experiments/cpu/memory_cap.py); never simulated as a system of its own.
+    Strategy(name="autosp+planner", description="AutoSP (this pass) under its memory planner (memory_plan='auto', "
+             "the table's cap as target_memory)", implementation="autosp", sequence_parallel="ulysses",
+             zero_stage=_ZERO1, workload=None, options=_options(strategy="ulysses", memory_plan="auto"),
+             tables=("memory-cap",)),
 )
 
 _HYBRID = re.compile(r"autosp-hybrid-([1-9][0-9]*)x([1-9][0-9]*)")

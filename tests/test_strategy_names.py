@@ -86,11 +86,7 @@ def test_strategy_names_in_the_placeholders_of_the_write_up():
         parts = arg.split(":")
         named += [v for c, _, v in (kv.partition("=") for kv in parts[1].split(",")) if c == "system"]
         named += parts[3:5] if kind == "compare" else []
-    from experiments.cpu.memory_cap import (
-        PLANNER_ROW,  # AutoSP under its memory planner: a row, not a strategy
-    )
-
-    assert "ring" in named and sorted(set(named) - set(STRATEGIES) - {PLANNER_ROW}) == []
+    assert "ring" in named and sorted(set(named) - set(STRATEGIES)) == []
 
 
 def test_strategy_names_one_spelling_per_system():

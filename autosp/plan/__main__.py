@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "simulate each, print each one's step time and peak, choose the fastest that fits "
                         "(default: %(default)s)")
     p.add_argument("--memory-plan", default="none", choices=("none", "auto"),
-                   help="auto: choose checkpointing, SAC budget, tiled loss and tiled MLP by predicting every candidate plan, "
+                   help="auto: choose checkpointing (per-layer among them), SAC budget, tiled loss and tiled MLP by "
+                        "predicting every candidate plan, "
                         "print the candidate table and the chosen autosp.compile options (default: %(default)s)")
     p.add_argument("--objective", default="fastest", choices=OBJECTIVES,
                    help="with --memory-plan auto: the fastest step that fits at --seq-len, or the longest length "

@@ -45,6 +45,7 @@ def _checkpointing_plans() -> list[tuple[str, dict]]:
                       {"checkpointing": "sac"} if budget is None else {"checkpointing": "sac",
                                                                         "sac_memory_budget": budget}))
     plans.append(("full", {"checkpointing": "full"}))
+    plans.append(("layer", {"checkpointing": "layer"}))  # what hand-written per-layer checkpointing runs
     return plans
 
 
@@ -82,9 +83,11 @@ def candidate_plans(*, loss_chunk_tokens: int | None = None, checkpointing: Sequ
                     mlp_chunk_tokens: Sequence[int | None] = (None,),
                     activation_offload: Sequence[str] = ("off", "on"),
                     fixed: Mapping | None = None) -> tuple[MemoryPlan, ...]:
-    """The candidates: checkpointing in {none, sac x `SAC_BUDGETS`, full} (or the names of ``checkpointing``) x tiled
-    loss in ``tiled_loss`` x tiled MLP in ``tiled_mlp`` ("on" once per chunk size of ``mlp_chunk_tokens``; None: one
-    chunk's input-projection outputs within 64 MiB, autosp.passes.dynamo.tiled_mlp.MLP_CHUNK_BYTES).  The tiled loss
+    """The candidates: checkpointing in {none, sac x `SAC_BUDGETS`, full, layer} (or the names of ``checkpointing``;
+    "layer" is per-layer checkpointing as hand-written baselines run it: the residual stream kept, everything else
+    recomputed, the all-to-alls included) x tiled loss in ``tiled_loss`` x tiled MLP in ``tiled_mlp`` ("on" once
+    per chunk size of ``mlp_chunk_tokens``; None: one chunk's input-projection outputs within 64 MiB,
+    autosp.passes.dynamo.tiled_mlp.MLP_CHUNK_BYTES).  The tiled loss
     runs with ``return_logits=False`` (else a Hugging Face model's returned logits are materialised anyway) and
     ``loss_chunk_tokens`` (default None: one chunk's fp32 logits within 64 MiB,
     autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES); each of these with activation offload in

@@ -20,22 +20,25 @@ import torch
 import torch.distributed as dist
 
 from experiments.cpu.measure import _measured_step, _quiet_rank, _sample
+from simulator.strategies import STRATEGIES
 
 log = logging.getLogger(__name__)
 
 
 # Note [The planner's memory-cap row]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Beside the systems of the registry, the table has a row `PLANNER_ROW`: AutoSP compiled with
+# Beside the other systems of the table, `PLANNER_ROW` (a strategy of the registry whose options have
+# ``memory_plan="auto"``, `simulator.strategies.Strategy.memory_planned`) is AutoSP compiled with
 # ``memory_plan="auto", target_memory=cap_bytes`` (autosp/plan/auto.py), so at each probed length the planner
-# chooses checkpointing, SAC budget, tiled loss, tiled MLP and activation offload (all its candidates) as the
-# fastest plan it predicts to fit the cap; the probe then measures the plan it chose, like any other system.  The
-# planner is told what the probe runs (`PLANNER_SETUP`: plain torch, no optimizer state), and on the cpu-gloo
-# preset its peak is tensor memory (a CPU process: no device reserve), what PeakMemory measures.  A length at
-# which it predicts that no plan fits is a failed probe (`NO_PLAN_PEAK`: where that bounds the bracket the search
-# takes its middle).  The measured peak is not monotone in the length across plans (a longer probe may get a leaner
-# plan: 14.6 MiB at 2,944 tokens, 13.5 at 3,328 in the default run), which the search assumes, so within its probe
-# budget the row's length can be a lower bound (the table says so).
+# chooses checkpointing (per-layer checkpointing, "layer", among them: what ulysses+ckpt runs), SAC budget, tiled
+# loss, tiled MLP and activation offload (all its candidates) as the fastest plan it predicts to fit the cap; the
+# probe then measures the plan it chose, like any other system.  The planner is told what the probe runs
+# (`PLANNER_SETUP`: plain torch, no optimizer state), and on the cpu-gloo preset its peak is tensor memory (a CPU
+# process: no device reserve), what PeakMemory measures.  A length at which it predicts that no plan fits is a
+# failed probe (`NO_PLAN_PEAK`: where that bounds the bracket the search takes its middle).  Its measured peak
+# need not grow with the length (a longer probe may get a leaner plan), which the search assumes: the search then
+# brackets above the longest length that fitted, ignoring failures below it, and the table calls the row's length
+# a lower bound (Note [Memory-cap search]).
 
 # Note [Memory-cap search]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -52,18 +55,22 @@ log = logging.getLogger(__name__)
 # ``granularity`` and kept strictly between the longest length that fitted and the shortest that did not.  It stops when those two are
 # ``granularity`` apart, at ``max_len``, or after ``max_probes`` probes (bounded run time); the
 # answer is always a length that was measured to fit.  Monotone growth of peak memory with length,
-# true for every system here, is what makes the bracket valid.
+# true for every system of fixed options here, is what makes the bracket valid.  A system whose options change
+# with the length (`PLANNER_ROW`) may fail at a length below one that fits: such a failure is kept out of the
+# bracket (the search goes on above the longest fit) and the result names it (``below_fit``), so that the
+# table says the length is a lower bound.
 
 
 def next_probe(probes: list[tuple[int, int]], cap_bytes: int, *, granularity: int, max_len: int) -> int | None:
     """The next length to probe given ``probes`` [(seq_len, peak_bytes)], or None when the search is done.
 
-    A pure function (see Note [Memory-cap search]); lengths are multiples of ``granularity``.
+    A pure function (see Note [Memory-cap search]); lengths are multiples of ``granularity``.  Failures below the
+    longest fitting length (peaks not monotone in the length) bound nothing.
     """
     peak = dict(probes)
-    fits = [s for s, p in probes if p <= cap_bytes]
-    fails = [s for s, p in probes if p > cap_bytes]
+    fits = sorted(s for s, p in probes if p <= cap_bytes)
     lo = max(fits, default=0)
+    fails = sorted(s for s, p in probes if p > cap_bytes and s > lo)
     hi = min(fails, default=max_len + granularity)
     if hi - lo <= granularity or (not fails and lo >= max_len):
         return None
@@ -71,15 +78,26 @@ def next_probe(probes: list[tuple[int, int]], cap_bytes: int, *, granularity: in
         slope = (peak[hi] - peak[lo]) / (hi - lo)
         guess = lo + (cap_bytes - peak[lo]) / slope if 0 < slope < math.inf else (lo + hi) / 2
         guess = min(max(guess, lo + (hi - lo) / 4), hi - (hi - lo) / 4)
-    elif len(probes) == 1:
-        (s0, p0), = probes
-        guess = s0 * cap_bytes / max(p0, 1)
+    elif len(fits or fails) == 1:  # one point: the line through it and the origin
+        s0 = (fits or fails)[0]
+        guess = s0 * cap_bytes / max(peak[s0], 1)
     else:  # all fit (extrapolate from the two longest) or all fail (from the two shortest)
-        (s0, p0), (s1, p1) = sorted(probes)[-2:] if not fails else sorted(probes)[:2]
+        s0, s1 = fits[-2:] if not fails else fails[:2]
+        p0, p1 = peak[s0], peak[s1]
         slope = (p1 - p0) / (s1 - s0)
         guess = s1 + (cap_bytes - p1) / slope if 0 < slope < math.inf else (2 * s1 if not fails else s0 / 2)
     length = int(guess // granularity) * granularity
     return max(lo + granularity, min(length, hi - granularity, max_len))
+
+
+def search_result(probes: list[tuple[int, float]], cap_bytes: int) -> dict:
+    """What a search found from its ``probes``: ``max_seq_len`` (the longest length measured to fit, 0 if none),
+    ``first_failure`` (the shortest failing length above it, None if none) and ``below_fit`` (failing lengths below
+    it: the peak is not monotone in the length, so ``max_seq_len`` is a lower bound of the longest that fits)."""
+    fit = max((s for s, p in probes if p <= cap_bytes), default=0)
+    fails = sorted(s for s, p in probes if p > cap_bytes)
+    return {"max_seq_len": fit, "first_failure": next((s for s in fails if s > fit), None),
+            "below_fit": [s for s in fails if s < fit]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,8 +123,8 @@ class MemoryCapSpec:
     """Further size overrides for the preset (e.g. ``{"kv_heads": 4}``)."""
 
 
-PLANNER_ROW = "autosp+planner"
-"""The row of AutoSP under its memory planner (Note [The planner's memory-cap row])."""
+PLANNER_ROW = next(name for name in STRATEGIES.table("memory-cap") if STRATEGIES[name].memory_planned)
+"""The row of AutoSP under its memory planner, a strategy of the registry (Note [The planner's memory-cap row])."""
 PLANNER_SETUP = {"zero_stage": 0, "optimizer": "sgd"}
 """``plan_setup`` of `PLANNER_ROW`: what every probe runs (the model's own fp32 parameters and ``param.grad``, no
 DeepSpeed wrapper, no optimizer state), for the planner's memory ledger."""
@@ -116,15 +134,16 @@ NO_PLAN_PEAK = float("inf")
 
 def row_system(row: str, cap_bytes: int) -> tuple[str, dict]:
     """The `experiments.baselines.build_system` name and extra options of memory-cap row ``row``: a system of the
-    registry as it is, or `PLANNER_ROW` (AutoSP with ``memory_plan="auto"`` under ``cap_bytes``)."""
-    if row == PLANNER_ROW:
-        return "autosp", {"memory_plan": "auto", "target_memory": int(cap_bytes), "plan_setup": dict(PLANNER_SETUP)}
+    registry as it is, and for one whose memory options the planner chooses (`PLANNER_ROW`) the target
+    (``cap_bytes``) and `PLANNER_SETUP`."""
+    if STRATEGIES[row].memory_planned:
+        return row, {"target_memory": int(cap_bytes), "plan_setup": dict(PLANNER_SETUP)}
     return row, {}
 
 
 def row_note(result: dict) -> str:
-    """What the table says of a row's search beyond its lengths: for `PLANNER_ROW`, the plan chosen at the longest
-    length that fitted and at the first that did not ("" for the other rows)."""
+    """What the table says of a row's search beyond its lengths: for `PLANNER_ROW`, the plan chosen (and its
+    predicted peak) at the longest length that fitted and at the first that did not ("" for the other rows)."""
     plans = result.get("plans") or {}
     said = [f"{what} {s}: {plans[s]}" for what, s in (("plan at", result.get("max_seq_len")),
                                                          ("at", result.get("first_failure"))) if s in plans]
@@ -132,10 +151,14 @@ def row_note(result: dict) -> str:
 
 
 def _planned(system) -> str | None:
-    """The memory plan the planner chose for ``system`` (None: it did not plan)."""
+    """The memory plan the planner chose for ``system`` and the peak it predicted for it, which the probe's
+    measured peak stands beside in the table (None: it did not plan)."""
     compiled = getattr(system, "compiled", None)
     plan = compiled.report.memory_plan if compiled is not None else None
-    return plan["candidates"][plan["chosen"]]["plan"] if plan else None
+    if not plan:
+        return None
+    chosen = plan["candidates"][plan["chosen"]]
+    return f"{chosen['plan']} (predicted {chosen['peak_bytes'] / 2**20:.2f} MiB)"
 
 
 def _probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> tuple[float, str | None]:
@@ -152,7 +175,7 @@ def _probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> tu
     try:
         system.step(ids, labels)
     except AutoSPError as err:  # every rank raises it (the decision is broadcast)
-        if options.get("memory_plan") == "auto" and "found no plan" in str(err):
+        if STRATEGIES[name].memory_planned and "found no plan" in str(err):
             log.info("memory cap %s at %d tokens: %s", name, seq_len, err)
             return NO_PLAN_PEAK, "no plan fits"
         raise
@@ -189,11 +212,9 @@ def max_seq_len_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
         except BaselineUnsupported as err:
             results[name] = {"unsupported": str(err), "probes": probes}
             continue
-        fit = max((s for s, p in probes if p <= spec.cap_bytes), default=0)
-        fail = min((s for s, p in probes if p > spec.cap_bytes), default=None)
-        results[name] = {"max_seq_len": fit, "first_failure": fail, "probes": probes, "plans": plans,
-                         "search_s": time.perf_counter() - start_s}
-        log.info("memory cap %s: %d tokens fit (%d probes)", name, fit, len(probes))
+        found = search_result(probes, spec.cap_bytes)
+        results[name] = {**found, "probes": probes, "plans": plans, "search_s": time.perf_counter() - start_s}
+        log.info("memory cap %s: %d tokens fit (%d probes)", name, found["max_seq_len"], len(probes))
     return {"rank": rank, "systems": results, "spec": asdict(spec)}
 
 

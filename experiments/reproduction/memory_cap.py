@@ -11,7 +11,6 @@ from experiments.reproduction.common import (
     COLLECTIVE_TIMEOUT_S,
     CPU_MODEL,
     CPU_MODEL_OPTIONS,
-    MEASURED,
     MEASUREMENT_TIMEOUT_S,
 )
 from experiments.reproduction.run import RunConfig, Runner
@@ -19,9 +18,13 @@ from experiments.reproduction.table import Table
 from experiments.tables import bar_plot
 from simulator.strategies import STRATEGIES
 
+SYSTEMS = STRATEGIES.table("memory-cap")
+"""The rows: the measured systems and AutoSP under its memory planner (Note [The planner's memory-cap row] in
+experiments/cpu/memory_cap.py)."""
+
 
 def build(run: RunConfig, runner: Runner) -> list[dict]:
-    from experiments.cpu.memory_cap import PLANNER_ROW, max_seq_len_on_rank, row_note
+    from experiments.cpu.memory_cap import max_seq_len_on_rank, row_note
     from experiments.launch import run_on_ranks
 
     rows = []
@@ -30,14 +33,14 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
                 "cap_bytes": int(run.memory_cap_mib * 2**20), "start": run.cap_start,
                 "granularity": run.cap_granularity, "max_probes": run.cap_probes, "max_len": run.cap_max_len}
         # a system that cannot split one sequence over this many ranks (a hybrid on too few): a row saying why
-        cannot = {name: STRATEGIES[name].cannot_run_on(ranks) for name in MEASURED}
+        cannot = {name: STRATEGIES[name].cannot_run_on(ranks) for name in SYSTEMS}
         results = {name: run_on_ranks(max_seq_len_on_rank, ranks, {**spec, "systems": [name]},
                                       timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
                                       )[0]["systems"][name]
-                   for name in (*MEASURED, PLANNER_ROW) if not cannot.get(name)}  # each in its own processes
-        for name in (*MEASURED, PLANNER_ROW):
+                   for name in SYSTEMS if not cannot[name]}  # each system in its own processes
+        for name in SYSTEMS:
             row = {"system": name, "ranks": ranks, "cap_mib": f"{run.memory_cap_mib:g}"}
-            if cannot.get(name):
+            if cannot[name]:
                 rows.append({**row, "max_seq_len": "", "first_failure": "", "probes_tokens_mib": "",
                              "search_s": "", "note": cannot[name]})
                 continue
@@ -48,7 +51,11 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
                              "search_s": "", "note": f"unsupported: {r['unsupported']}"})
                 continue
             fit, fail = r["max_seq_len"], r["first_failure"]
-            if fail is None and fit >= run.cap_max_len:
+            below = r.get("below_fit") or []
+            if below:  # Note [Memory-cap search]: the peak is not monotone in the length
+                note = (f"failed at {', '.join(map(str, below))} below the {fit} that fitted (its peak is not "
+                        "monotone in the length): a lower bound")
+            elif fail is None and fit >= run.cap_max_len:
                 note = f"fits up to the search limit ({run.cap_max_len} tokens)"
             elif fail is None or fail - fit > run.cap_granularity:
                 note = f"probe budget ({run.cap_probes}) spent: a lower bound"

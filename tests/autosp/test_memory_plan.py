@@ -7,8 +7,8 @@ One gloo launch (2 ranks, SP 2) trains Hugging Face Llama and Qwen2 (1 layer, hi
 checkpointing, no tiling; predicted here independently), so the plan must use one; the loss and every gradient
 equal a single-device full-sequence run, and the choice is the fastest candidate that fits by the candidates' own
 predictions (no option set is hard-coded).  Qwen2 passes ``tiled_mlp="on"`` explicitly: it wins over the plan,
-which chooses the rest (its 20 candidates have the tiled MLP on at its default chunk and at the planner's chunk for
-the target; Llama's 20 have it off and on; each also with activation offload, priced on the cpu-gloo preset's
+which chooses the rest (its 24 candidates have the tiled MLP on at its default chunk and at the planner's chunk for
+the target; Llama's 24 have it off and on; each also with activation offload, priced on the cpu-gloo preset's
 measured host-memory link).  In the same
 launch Llama compiles with ``strategy="auto"`` (candidates: Ulysses and the ring over 2 ranks, on the cpu-gloo
 preset): both ranks compile the candidate the planner names, the fastest that fits by the candidates' own
@@ -33,10 +33,10 @@ SEQ_LEN, SP, ROWS = 64, 2, 2
 SIZES = {"layers": 1, "hidden": 32, "vocab": 2048}
 PLAIN = {"checkpointing": "none", "tiled_loss": "off", "tiled_mlp": "off"}
 CASES = [  # Qwen2's tiled MLP passed explicitly: it wins over the plan, which chooses the rest
-    {"model": "hf-llama", "explicit": {}, "baseline": PLAIN, "candidates": 5 * 2 * 2},
+    {"model": "hf-llama", "explicit": {}, "baseline": PLAIN, "candidates": 6 * 2 * 2},
     # Qwen2: the tiled MLP at its default chunk (the fixed "on") and at the planner's chunk for the target
     {"model": "hf-qwen2", "explicit": {"tiled_mlp": "on"}, "baseline": {**PLAIN, "tiled_mlp": "on"},
-     "candidates": 5 * 2 * 2},
+     "candidates": 6 * 2 * 2},
 ]
 """``baseline``: the candidate with no technique the plan may choose, whose peak the target is one byte under."""
 STRATEGY_CASE = {"model": "hf-llama", "compile": {"strategy": "auto", "plan_seq_len": SEQ_LEN}}

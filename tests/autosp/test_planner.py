@@ -115,7 +115,7 @@ def test_trace_reuse_gives_every_checkpointing_plan_its_own_program(tmp_path, cl
     # On this model sac@0.5 and sac@0.2 keep what plain SAC keeps (its FLOP limit recomputes the matmuls they add).
     assert {frozenset(v) for v in programs.values()} == {
         frozenset({("none", None)}), frozenset({("sac", None), ("sac", 0.5), ("sac", 0.2)}),
-        frozenset({("full", None)})}, programs
+        frozenset({("full", None)}), frozenset({("layer", None)})}, programs
 
 
 def _train_with(rank, world, options):
@@ -139,7 +139,8 @@ def test_candidates_cover_every_setting_and_fixed_options_win():
                  p.options["tiled_mlp"], p.options.get("mlp_chunk_tokens"), p.options.get("activation_offload", "off"))
                 for p in plans]
     # tiled MLP off, on (default chunk), on (64 tokens); activation offload off (the default, unnamed) and on
-    assert len(set(settings)) == len(plans) == 5 * 2 * 3 * 2
+    assert len(set(settings)) == len(plans) == 6 * 2 * 3 * 2
+    assert {s[0] for s in settings} == {"none", "sac", "full", "layer"}
     assert {s[3:5] for s in settings} == {("off", None), ("on", None), ("on", 64)}
     assert {s[5] for s in settings} == {"off", "on"}
     assert all(p.name.endswith(", offload") == (p.options.get("activation_offload") == "on") for p in plans)
@@ -147,7 +148,7 @@ def test_candidates_cover_every_setting_and_fixed_options_win():
     assert len({p.name for p in plans}) == len(plans) and "sac@0.5, tiled loss on, tiled mlp on/64" in \
         {p.name for p in plans}
     fixed = candidate_plans(fixed={"checkpointing": "full", "tiled_mlp": "on", "activation_offload": "off"})
-    assert [p.options for p in fixed] == [  # 40 candidates collapse to the two tiled-loss settings
+    assert [p.options for p in fixed] == [  # 48 candidates collapse to the two tiled-loss settings
         {"checkpointing": "full", "tiled_loss": "off", "tiled_mlp": "on", "activation_offload": "off"},
         {"checkpointing": "full", "tiled_loss": "on", "return_logits": False, "tiled_mlp": "on",
          "activation_offload": "off"}]

@@ -164,7 +164,7 @@ def test_reproduce_memory_cap_table_finds_a_length_for_every_system(quick_result
     from experiments.cpu.memory_cap import PLANNER_ROW
 
     rows = _rows(quick_results / "memory-cap.csv")
-    assert {r["system"] for r in rows} == MEASURED | {PLANNER_ROW}  # and AutoSP under its memory planner
+    assert {r["system"] for r in rows} == MEASURED | {"autosp+planner"} and PLANNER_ROW == "autosp+planner"
     planned = next(r for r in rows if r["system"] == PLANNER_ROW)
     assert f"plan at {planned['max_seq_len']}: " in planned["note"] or planned["max_seq_len"] == "0", planned
     for r in _ran(rows):
@@ -526,6 +526,31 @@ def test_memory_cap_search_finds_the_longest_fitting_length_in_few_probes(peak, 
         assert len(probes) <= 8, probes
     assert max(s for s, p in probes if p <= 10_000_000) == answer
     assert min(s for s, p in probes if p > 10_000_000) == answer + 256
+
+
+def test_memory_cap_search_goes_on_above_a_failure_below_the_longest_fit_and_calls_it_a_lower_bound():
+    """A system whose options change with the length (the planner's row) may fail below a length that fits: that
+    failure bounds nothing, the search brackets above the longest fit, and the result names it (Note [Memory-cap
+    search])."""
+    from experiments.cpu.memory_cap import next_probe, search_result
+
+    cap = 10_000_000
+
+    def peak(s):  # a leaner plan from 3,200 tokens on: 3,072 fails, 3,328 fits, the cap is at 3,913
+        return 4_000_000 + 2_400 * s if s < 3200 else 1_000_000 + 2_300 * s
+
+    probes = [(2048, peak(2048)), (3072, peak(3072)), (3328, peak(3328))]
+    assert [s for s, p in probes if p > cap] == [3072]
+    length = next_probe(probes, cap, granularity=256, max_len=65536)
+    assert length is not None and length > 3328  # the failure at 3,072 bounds nothing
+    while length is not None:
+        probes.append((length, peak(length)))
+        length = next_probe(probes, cap, granularity=256, max_len=65536)
+        assert len(probes) <= 8, probes
+    found = search_result(probes, cap)
+    assert found == {"max_seq_len": 3840, "first_failure": 4096, "below_fit": [3072]}
+    assert search_result([(512, 1), (1024, cap + 1)], cap) == {"max_seq_len": 512, "first_failure": 1024,
+                                                                "below_fit": []}
 
 
 def test_headroom_at_the_published_length_and_the_summary_of_the_table():

@@ -49,6 +49,12 @@ def test_strategies_tables_list_the_systems_in_registry_order():
         "autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp", "autosp-ring",
         "autosp-hybrid-2x2")
     assert STRATEGIES.table("paper-scale") == ("autosp", "ulysses", "ulysses+ckpt", "ring", "zero3")
+    # the memory-cap table: the measured systems and AutoSP under its memory planner, a declared strategy
+    assert STRATEGIES.table("memory-cap") == (*STRATEGIES.table("measured-cpu"), "autosp+planner")
+    assert [n for n in STRATEGIES if STRATEGIES[n].memory_planned] == ["autosp+planner"]
+    assert STRATEGIES["autosp+planner"].compile_options == {"strategy": "ulysses", "memory_plan": "auto"}
+    with pytest.raises(ValueError, match="memory_plan"):  # a pass without the planner cannot run it
+        STRATEGIES["autosp+planner"].options_for(PASS_TODAY)
     with pytest.raises(ValueError, match="paper-scale"):
         STRATEGIES.table("simulated")
     for name in STRATEGIES.table("paper-scale"):  # every simulated system says how its workload is built
@@ -78,7 +84,7 @@ def test_strategies_hybrid_family_degrees_and_rank_layout(u, r):
 
 def test_strategies_the_ranks_a_strategy_runs_on_are_declared_by_it():
     listed = STRATEGIES["autosp-hybrid-2x2"]  # the measured table's hybrid: the registry's own, from either name
-    assert hybrid(2, 2) is listed and listed.tables == ("measured-cpu",) and hybrid(2, 4).tables == ()
+    assert hybrid(2, 2) is listed and listed.tables == ("measured-cpu", "memory-cap") and hybrid(2, 4).tables == ()
     assert [listed.min_ranks, hybrid(2, 4).min_ranks, STRATEGIES["autosp"].min_ranks] == [4, 8, 1]
     assert [listed.cannot_run_on(n) for n in (2, 3, 4)] == ["needs 4 ranks", "needs 4 ranks", None]
     assert "exactly 4 ranks" in listed.cannot_run_on(8)  # the measured tables split one sequence over every rank
@@ -135,7 +141,7 @@ def test_strategies_workload_recipes():
         recipe = STRATEGIES[name].workload  # exported from what the pass emits, not rewritten
         assert recipe.trace_sequence_parallel and recipe.rewrite is None and recipe.gradient_step == "deepspeed"
     assert STRATEGIES["deepspeed-autosp"].workload is None
-    assert set(REWRITES) == {"ring", "zero3"} and set(TABLES) == {"measured-cpu", "paper-scale"}
+    assert set(REWRITES) == {"ring", "zero3"} and set(TABLES) == {"measured-cpu", "memory-cap", "paper-scale"}
     with pytest.raises(ValueError, match="rewrite"):
         WorkloadRecipe(trace_sequence_parallel=True, rewrite="ring_attention")
     with pytest.raises(ValueError, match="hybrid"):
