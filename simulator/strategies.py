@@ -267,7 +267,7 @@ _FIXED: tuple[Strategy, ...] = (
              options=_HAND, tables=_BOTH, published=True),
     Strategy(name="ulysses+ckpt", description="hand-written Ulysses with per-layer activation checkpointing",
              implementation="hand-written", sequence_parallel="ulysses", zero_stage=_ZERO1, workload=_SP,
-             options=_options(strategy="ulysses", checkpointing="full", overlap_communication=False), tables=_BOTH),
+             options=_options(strategy="ulysses", checkpointing="layer", overlap_communication=False), tables=_BOTH),
     Strategy(name="ring", description="hand-written zig-zag ring attention (fused chunks, fp32 online softmax)",
              implementation="hand-written", sequence_parallel="ring", zero_stage=_ZERO1,
              workload=WorkloadRecipe(trace_sequence_parallel=True, rewrite="ring"), options=_HAND, tables=_BOTH,

@@ -86,8 +86,8 @@ def build_system(
     elif kind == ("hand-written", "ulysses"):
         from experiments.baselines.ulysses import UlyssesSystem as cls
 
-        # Note [Ulysses with per-layer checkpointing] in experiments/paper_scale/baselines.py: "full" stands for it
-        if strategy.compile_options.get("checkpointing") == "full":
+        # Note [Ulysses with per-layer checkpointing] in experiments/paper_scale/baselines.py: "layer" is what it runs
+        if strategy.compile_options.get("checkpointing") == "layer":
             options = {"activation_checkpointing": True, **options}
     elif kind == ("hand-written", "ring"):
         from experiments.baselines.ring import RingSystem as cls

@@ -18,7 +18,7 @@ Each is derived from a graph the real compiler produces for the same model:
   ledger under ZeRO 1, see experiments.paper_scale.config).
 - ``ulysses+ckpt``: hand-written Ulysses with per-layer activation checkpointing,
   as Ulysses is run for long sequences in practice.  Traced like ``ulysses`` but
-  with ``checkpointing="full"``; see Note [Ulysses with per-layer checkpointing].
+  with ``checkpointing="layer"``; see Note [Ulysses with per-layer checkpointing].
 - ``ring``: that same Ulysses trace, rewritten: no all-to-alls, each
   attention split into 8 chunks between peer-to-peer K,V (and dK,dV) transfers
   around the ring (see Note [Ring attention as a rewrite of the Ulysses trace] in
@@ -40,17 +40,13 @@ Note [Ulysses with per-layer checkpointing]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A hand-written per-layer checkpoint (``torch.utils.checkpoint`` around each decoder
 layer) keeps each layer's input and reruns the whole layer forward in backward,
-its four all-to-alls included.  The closest program the real compiler emits is
-AutoSP's ``checkpointing="full"`` on the Ulysses trace (blocking all-to-alls): it
-recomputes every op in backward, attention included, except that collectives are
-never recomputed and the tensors that cross layers (residual stream, rotary
-tables) are kept.  So this model differs from the hand-written program in two
-known directions: it keeps the four all-to-all outputs of every layer (q, k, v in
-head-sharded layout and the attention output in sequence-sharded layout: about
-(2 + 2·kv_heads/heads)× the layer input's bytes more per layer), which makes its
-peak memory higher and its longest sequence shorter than the real baseline's; and it
-does not resend those all-to-alls in backward, which makes its step faster than the
-real baseline's (by four blocking all-to-alls per layer).  The CPU measurement
-(``ulysses+ckpt`` in the measured-cpu and memory-cap tables) runs the real
-per-layer checkpoint.
+its four all-to-alls included.  AutoSP's ``checkpointing="layer"`` on the Ulysses
+trace (blocking all-to-alls) is that program: the residual stream between layers
+is kept and everything else of a layer is recomputed in backward, the all-to-alls
+included (see the option's description in autosp/config.py).  An earlier model used
+``checkpointing="full"``, which never recomputes a collective and so kept the four
+all-to-all outputs of every layer (about (2 + 2·kv_heads/heads)× the layer input's
+bytes more per layer): a weaker baseline than the one people run.  The CPU
+measurement (``ulysses+ckpt`` in the measured-cpu and memory-cap tables) runs the
+real per-layer checkpoint.
 """

@@ -466,8 +466,13 @@ def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces()
     assert zero3.step_time_s > ulysses.step_time_s  # each rank computes the whole sequence
     ckpt = simulate_step("ulysses+ckpt", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert ckpt.static == ulysses.static
-    assert ckpt.peak_memory_bytes < ulysses.peak_memory_bytes  # per-layer recomputation keeps less
+    # Per-layer checkpointing ("layer") leaves what runs outside the layers (output projection, loss) alone: at 4,096
+    # tokens that sets the peak, so it keeps no less; at 16,384 the layers' activations dominate and it keeps less.
+    assert ckpt.peak_memory_bytes <= ulysses.peak_memory_bytes
     assert ckpt.step_time_s > ulysses.step_time_s  # ... and recomputes the forward in backward
+    longer = {name: simulate_step(name, "llama-3.2-3b", 16384, cache=cache, layers="extrapolated")
+              for name in ("ulysses", "ulysses+ckpt")}
+    assert longer["ulysses+ckpt"].peak_memory_bytes < longer["ulysses"].peak_memory_bytes
     autosp = simulate_step("autosp", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert autosp.static == ulysses.static
     assert set(STRATEGIES.table("paper-scale")) == {"autosp", "zero3", "ring", "ulysses", "ulysses+ckpt"}
