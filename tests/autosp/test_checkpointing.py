@@ -115,6 +115,10 @@ def test_checkpointing_layer_recomputes_the_all_to_alls_and_keeps_only_the_resid
     saved = _saved(forward, backward)
     assert not any(n.target is A2A for n in saved.values())
     assert "_log_softmax" in saved  # outside the decoder layers (the loss) kept, as autograd keeps it
+    # The last layer's output, read by the final norm outside the layers, is kept (Note [The last layer's output]):
+    # its backward does not recompute the last layer first (whose down projection its own backward never reads).
+    final_norm_input = _base([n for n in forward.graph.nodes if packet_name(n.target) == "pow"][-1].args[0])
+    assert final_norm_input.name in saved and final_norm_input.name not in recomputed
     assert _saved_bytes(forward, backward) < _saved_bytes(*_graphs("full")[:2])
     assert plan.kept_across_attention and plan.recomputed
 
@@ -128,3 +132,37 @@ def test_checkpointing_settings_order_the_saved_bytes():
     full = _saved_bytes(*_graphs("full")[:2])
     assert none > sac_auto >= sac_zero_budget >= full
     assert sac_zero_budget < 0.7 * none
+
+
+def test_aot_eager_graphs_free_each_input_at_its_last_reader():
+    """Note [Boxed graphs free their inputs] (autosp/backend.py): a saved tensor dies at its last reader in the
+    backward, not when the backward returns (as it did with the graph called on the list still held)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autosp.backend import _boxed_runner
+
+    def f(a, b):
+        s = a.sum()  # the last reader of a
+        return (b * s,)
+
+    graph = torch.fx.symbolic_trace(f)
+
+    def a_alive_at_mul(run) -> bool:
+        args = [torch.ones(1024), torch.ones(8)]
+        a, seen = weakref.ref(args[0]), []
+
+        class Watch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.mul.Tensor:
+                    seen.append(a() is not None)
+                return func(*args, **(kwargs or {}))
+
+        with Watch():
+            out = run(args)
+        assert torch.equal(out[0], torch.full((8,), 1024.0))
+        return seen == [True]
+
+    assert not a_alive_at_mul(_boxed_runner(graph))
+    assert a_alive_at_mul(lambda args: graph.forward(*args))  # the list held through the call

@@ -198,6 +198,7 @@ def test_traced_graphs_hold_no_tokens_by_vocab_tensor():
 
 def test_export_prices_the_tiled_loss_as_chunked_matmuls():
     from autosp.export import export_workload
+    from autosp.plan.auto import LOSS_SCRATCH_ROWS  # the planner's chunk rule counts the same scratch
 
     seq_len, vocab, sp_size, width, chunk = 256, 4096, 2, 64, 32
     rows = seq_len // sp_size
@@ -211,7 +212,7 @@ def test_export_prices_the_tiled_loss_as_chunked_matmuls():
     assert (tiled["backward"].op_class, tiled["backward"].flops) == ("matmul", 3 * matmul)  # recompute, dh, dW
     for op in tiled.values():  # one chunk's scratch, allocated and freed by the op itself
         scratch = [t for t in op.allocates if t in op.frees]
-        assert [program.tensors[t] for t in scratch] == [2 * chunk * vocab * 4]
+        assert [program.tensors[t] for t in scratch] == [LOSS_SCRATCH_ROWS * chunk * vocab * 4] == [2 * chunk * vocab * 4]
     assert max(program.tensors.values()) < rows * vocab * 4
 
 
