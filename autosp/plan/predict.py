@@ -304,7 +304,7 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts:
     depth = hf.num_hidden_layers
     exported = export_workload(graphs, name=f"{source.spec}/L={depth}/S={seq_len}", sp_size=setup.sp_size,
                                parameter_bytes=facts.parameter_bytes,
-                               saved_freed_at_last_use=setup.compiler == "inductor",
+                               saved_freed_at_last_use=True,  # Note [Boxed graphs free their inputs], backend.py
                                attention_kept_fraction=facts.attention_kept_fraction)
     modules = module_parameters(graphs, facts.forward_graph)
     world = setup.world_size
