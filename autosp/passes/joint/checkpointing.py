@@ -33,17 +33,7 @@ partitioner still chooses the cut (what is actually saved) and orders the
 recomputation just before its use.  The other settings use the same tags:
 "none" bans every recomputation, "full" recomputes every op except collectives
 and the attention-boundary tensors (per-layer checkpointing), "default" leaves the partitioner's heuristics alone (collectives banned).
-"long-context" is the rule of Note [The last layer's output]
-Under "layer" a layer's outputs are kept, as torch.utils.checkpoint keeps a checkpointed block's outputs: those
-read by the next layer cross its attention (kept above), and the last layer's output, read by the final norm
-outside the layers, is kept too.  Recomputed, it made the final norm's backward wait for the last layer's whole
-recomputation (its tiled MLP's forward included, whose result the layer's own backward never reads): an extra MLP
-forward per step, and the final norm's gradients live beside the recomputed layer's activations, at the peak.
-Measured on CPU (PeakMemory; hf-llama hidden 64, 2 layers, 6,144 tokens on 2 gloo ranks, layer checkpointing,
-tiled loss and MLP) that peak held the last layer's recomputation, its output and three hidden-sized gradients of
-the final norm at once.
-
-Note [The long-context rule of the AutoSP research fork].
+"long-context" is the rule of Note [The long-context rule of the AutoSP research fork].
 "layer" is per-layer checkpointing as ``torch.utils.checkpoint`` around each decoder layer runs it (Hugging Face's
 ``gradient_checkpointing_enable``, the hand-written baselines of ALST): what runs outside the decoder layers (the
 blocks of a module list, by the nodes' ``nn_module_stack``: embedding, final norm, output head, loss) is kept as
@@ -53,6 +43,16 @@ all-to-all of a layer runs again in its backward (a second trip over the network
 avoid), and so is the attention (the other settings keep its output: its kernel carries PyTorch's
 ``nondeterministic_seeded`` tag, for its dropout, which AutoSP refuses, so recomputing it is exact). Every rank
 runs the same program, so the recomputed collectives match across ranks.
+
+Note [The last layer's output]
+Under "layer" a layer's outputs are kept, as torch.utils.checkpoint keeps a checkpointed block's outputs: those
+read by the next layer cross its attention (kept above), and the last layer's output, read by the final norm
+outside the layers, is kept too.  Recomputed, it made the final norm's backward wait for the last layer's whole
+recomputation (its tiled MLP's forward included, whose result the layer's own backward never reads): an extra MLP
+forward per step, and the final norm's gradients live beside the recomputed layer's activations, at the peak.
+Measured on CPU (PeakMemory; hf-llama hidden 64, 2 layers, 6,144 tokens on 2 gloo ranks, layer checkpointing,
+tiled loss and MLP) that peak held the last layer's recomputation, its output and three hidden-sized gradients of
+the final norm at once.
 
 Note [The long-context rule of the AutoSP research fork]
 The published AutoSP figures were made with the authors' research fork of DeepSpeed 0.16.3
