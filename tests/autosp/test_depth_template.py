@@ -74,7 +74,10 @@ def test_extrapolated_prediction_is_within_tolerance_of_the_full_depth(model):
     full = predict(model, SETUP, cluster)
     fast = predict(model, TrainingSetup(**{**SETUP.__dict__, "depth": "extrapolated"}), cluster)
     assert full.step.extrapolated_from is None and fast.step.extrapolated_from == (1, 2)
-    # measured: activations -2.8 %, peak -0.01 %, step +1.4 % (at this toy size the fixed costs weigh most)
-    assert fast.step.dynamic_memory_bytes == pytest.approx(full.step.dynamic_memory_bytes, rel=0.05)
+    # measured: activations +6.7 %, peak +0.01 %, step +1.4 % (at this toy size the fixed costs weigh most); the
+    # activations were -2.8 % while aot_eager was priced holding the saved tensors to the end of the backward, before
+    # Note [Boxed graphs free their inputs] (autosp/backend.py): freed at their last reader, the peak is not linear
+    # in the depth the way the held tensors were
+    assert fast.step.dynamic_memory_bytes == pytest.approx(full.step.dynamic_memory_bytes, rel=0.08)
     assert fast.peak_bytes == pytest.approx(full.peak_bytes, rel=0.01)
     assert fast.step.step_time_s == pytest.approx(full.step.step_time_s, rel=0.03)
