@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 # failed probe (`NO_PLAN_PEAK`: where that bounds the bracket the search takes its middle).  Its measured peak
 # need not grow with the length (a longer probe may get a leaner plan), which the search assumes: the search then
 # brackets above the longest length that fitted, ignoring failures below it, and the table calls the row's length
-# a lower bound (Note [Memory-cap search]).
+# a lower bound (Note [Memory-cap search]).  The table compares the row with `REFERENCE_ROW` (ulysses+ckpt): their
+# longest lengths, and their step times measured side by side at the reference's longest length (`step_times_on_rank`,
+# column ``step_s_at_reference``).
 
 # Note [Memory-cap search]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -125,6 +127,9 @@ class MemoryCapSpec:
 
 PLANNER_ROW = next(name for name in STRATEGIES.table("memory-cap") if STRATEGIES[name].memory_planned)
 """The row of AutoSP under its memory planner, a strategy of the registry (Note [The planner's memory-cap row])."""
+REFERENCE_ROW = "ulysses+ckpt"
+"""The row `PLANNER_ROW` is compared with (issue: the planner's longest length against it, and the two rows' step
+times side by side at its longest length, `step_times_on_rank`)."""
 PLANNER_SETUP = {"zero_stage": 0, "optimizer": "sgd"}
 """``plan_setup`` of `PLANNER_ROW`: what every probe runs (the model's own fp32 parameters and ``param.grad``, no
 DeepSpeed wrapper, no optimizer state), for the planner's memory ledger."""

@@ -23,8 +23,23 @@ SYSTEMS = STRATEGIES.table("memory-cap")
 experiments/cpu/memory_cap.py)."""
 
 
+def _step_times(ranks: int, spec: dict, results: dict, steps: int) -> dict:
+    """Median step seconds of `REFERENCE_ROW` and `PLANNER_ROW` measured side by side (interleaved, one gloo run)
+    at the reference's longest length ({} when either found none): {"seq_len": ..., row: seconds}."""
+    from experiments.cpu.memory_cap import PLANNER_ROW, REFERENCE_ROW, step_times_on_rank
+    from experiments.launch import run_on_ranks
+
+    pair = (REFERENCE_ROW, PLANNER_ROW)
+    length = (results.get(REFERENCE_ROW) or {}).get("max_seq_len")
+    if not length or not all((results.get(name) or {}).get("max_seq_len") for name in pair):
+        return {}
+    timed = run_on_ranks(step_times_on_rank, ranks, {**spec, "systems": list(pair)}, length, steps,
+                         timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S)[0]
+    return {"seq_len": length, **{name: timed[name]["median_step_s"] for name in pair}}
+
+
 def build(run: RunConfig, runner: Runner) -> list[dict]:
-    from experiments.cpu.memory_cap import max_seq_len_on_rank, row_note
+    from experiments.cpu.memory_cap import PLANNER_ROW, REFERENCE_ROW, max_seq_len_on_rank, row_note
     from experiments.launch import run_on_ranks
 
     rows = []
@@ -38,17 +53,18 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
                                       timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
                                       )[0]["systems"][name]
                    for name in SYSTEMS if not cannot[name]}  # each system in its own processes
+        timed = _step_times(ranks, spec, results, run.cpu_steps)
         for name in SYSTEMS:
             row = {"system": name, "ranks": ranks, "cap_mib": f"{run.memory_cap_mib:g}"}
             if cannot[name]:
                 rows.append({**row, "max_seq_len": "", "first_failure": "", "probes_tokens_mib": "",
-                             "search_s": "", "note": cannot[name]})
+                             "search_s": "", "step_s_at_reference": "", "note": cannot[name]})
                 continue
             r = results[name]
             probes = ", ".join(f"{s}:{p / 2**20:.1f}" for s, p in r["probes"])
             if "unsupported" in r:
                 rows.append({**row, "max_seq_len": "", "first_failure": "", "probes_tokens_mib": probes,
-                             "search_s": "", "note": f"unsupported: {r['unsupported']}"})
+                             "search_s": "", "step_s_at_reference": "", "note": f"unsupported: {r['unsupported']}"})
                 continue
             fit, fail = r["max_seq_len"], r["first_failure"]
             below = r.get("below_fit") or []
@@ -61,9 +77,16 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
                 note = f"probe budget ({run.cap_probes}) spent: a lower bound"
             else:
                 note = ""
+            step = timed.get(name)
+            if step is not None and name == PLANNER_ROW:  # Note [The planner's memory-cap row]
+                reference = REFERENCE_ROW
+                note = (f"{note}; " if note else "") + (
+                    f"{r['max_seq_len'] / results[reference]['max_seq_len']:.2f}x {reference}'s length; step at "
+                    f"its {timed['seq_len']} tokens {step / timed[reference]:.2f}x its (side by side)")
             note = "; ".join(filter(None, (note, row_note(r))))
             rows.append({**row, "max_seq_len": r["max_seq_len"], "first_failure": r["first_failure"] or "",
-                         "probes_tokens_mib": probes, "search_s": f"{r['search_s']:.0f}", "note": note})
+                         "probes_tokens_mib": probes, "search_s": f"{r['search_s']:.0f}",
+                         "step_s_at_reference": f"{step:.3f}" if step is not None else "", "note": note})
     return rows
 
 

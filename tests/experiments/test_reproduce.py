@@ -318,22 +318,30 @@ def test_measured_cpu_runs_a_system_only_on_the_ranks_it_declares_and_says_why_e
 
 def test_memory_cap_searches_a_system_only_on_the_ranks_it_declares_and_says_why_elsewhere(tmp_path, monkeypatch):
     import experiments.launch
-    from experiments.cpu.memory_cap import PLANNER_ROW
+    from experiments.cpu.memory_cap import PLANNER_ROW, REFERENCE_ROW
     from experiments.reproduce import run_config
     from experiments.reproduction import Runner, memory_cap
 
-    launched = []
+    launched, timed = [], []
 
-    def fake_run_on_ranks(fn, ranks, spec, **kw):
+    def fake_run_on_ranks(fn, ranks, spec, *args, **kw):
+        if fn.__name__ == "step_times_on_rank":  # the reference and the planner row, side by side
+            timed.append((spec["systems"], *args))
+            return [{name: {"median_step_s": seconds} for name, seconds in zip(spec["systems"], (2.0, 1.5))}] * ranks
         (name,) = spec["systems"]
         launched.append(name)
         return [{"systems": {name: {"probes": [(512, 2**20)], "max_seq_len": 512, "first_failure": 1024,
                                     "search_s": 1.0}}}] * ranks
 
     monkeypatch.setattr(experiments.launch, "run_on_ranks", fake_run_on_ranks)
-    rows = memory_cap.build(run_config(["--quick", "--out", str(tmp_path)]), Runner(cache=None))  # on 2 ranks
+    run = run_config(["--quick", "--out", str(tmp_path)])
+    rows = memory_cap.build(run, Runner(cache=None))  # on 2 ranks
     assert launched == [s for s in (*MEASURED_ORDER, PLANNER_ROW) if s not in NEEDS_4_RANKS]
     assert [r["system"] for r in rows] == [*MEASURED_ORDER, PLANNER_ROW] and _ran(rows)
+    assert timed == [([REFERENCE_ROW, PLANNER_ROW], 512, run.cpu_steps)]
+    steps = {r["system"]: r["step_s_at_reference"] for r in rows if r["step_s_at_reference"]}
+    assert steps == {REFERENCE_ROW: "2.000", PLANNER_ROW: "1.500"}
+    assert "1.00x ulysses+ckpt's length; step at its 512 tokens 0.75x its" in rows[-1]["note"], rows[-1]
 
 
 def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_redo(tmp_path):
