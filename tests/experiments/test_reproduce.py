@@ -327,7 +327,8 @@ def test_memory_cap_searches_a_system_only_on_the_ranks_it_declares_and_says_why
     def fake_run_on_ranks(fn, ranks, spec, *args, **kw):
         if fn.__name__ == "step_times_on_rank":  # the reference and the planner row, side by side
             timed.append((spec["systems"], *args))
-            return [{name: {"median_step_s": seconds} for name, seconds in zip(spec["systems"], (2.0, 1.5))}] * ranks
+            return [{name: {"median_step_s": seconds} for name, seconds in
+                     zip(spec["systems"], (2.0, 1.5), strict=True)}] * ranks
         (name,) = spec["systems"]
         launched.append(name)
         return [{"systems": {name: {"probes": [(512, 2**20)], "max_seq_len": 512, "first_failure": 1024,
