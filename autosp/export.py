@@ -172,7 +172,7 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
     caller's (a forward graph's; the rest it saves for the backward), which live to the forward's end or, with
     ``outputs_held``, to the end of the step (Note [Outputs and tangents in the export])."""
     root: dict[fx.Node, int | None] = {}  # node -> tensor id it aliases (None: static or untracked)
-    parts: dict[fx.Node, tuple[int | None, ...]] = {}  # a multi-output node -> its elements' tensor ids
+    parts: dict[fx.Node, tuple] = {}  # a multi-output node -> its elements' tensor ids (nested as its value)
     last_use: dict[int, int] = {}
     node_op: dict[fx.Node, int] = {}
     first_op = len(em.ops)
@@ -182,15 +182,15 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
         """``node`` ran as op ``op_id``: its inputs are last used there so far, its output from there on."""
         node_op[node] = op_id
         last_use.update({t: op_id for t in inputs if t is not None})
-        for tid in (root.get(node), *parts.get(node, ())):  # an element nobody reads is freed at the op itself
+        for tid in (root.get(node), *_flat(parts.get(node, ()))):  # an element nobody reads: freed by the op
             if tid is not None:
                 last_use.setdefault(tid, op_id)
 
     def read_by(node: fx.Node) -> list[int | None]:
         """The tensor ids ``node`` reads: a getitem one element of a multi-output node, others whole nodes."""
         if node.target is operator.getitem and node.args[0] in parts:
-            return [parts[node.args[0]][node.args[1]]]
-        return [t for a in node.all_input_nodes for t in (parts[a] if a in parts else (root.get(a),))]
+            return _flat((parts[node.args[0]][node.args[1]],))
+        return [t for a in node.all_input_nodes for t in (_flat(parts[a]) if a in parts else (root.get(a),))]
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -227,7 +227,14 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
         inputs = read_by(node)
         op_id = len(em.ops)
         scores = 0
-        if packet in VIEWS or node.target.__module__ == "_operator":
+        if node.target is operator.getitem and node.args[0] in parts:  # element i (a tuple itself: nested)
+            element = parts[node.args[0]][node.args[1]]
+            root[node] = None if isinstance(element, tuple) else element
+            if isinstance(element, tuple):
+                parts[node] = element
+            kind, op_class, flops, allocates = "compute", "other", 0, ()
+            read = written = 0
+        elif packet in VIEWS or node.target.__module__ == "_operator":
             root[node] = next((t for t in inputs if t is not None), None)
             kind, op_class, flops, allocates = "compute", "other", 0, ()
             read = written = 0
@@ -236,8 +243,8 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
             written = nbytes_of(value)
             root[node] = None
             if isinstance(value, (tuple, list)):  # one tensor per element (Note [Tensor lifetimes in the export])
-                parts[node] = tuple(_new_tensor(em, n) if n else None for n in map(nbytes_of, value))
-                allocates = tuple(t for t in parts[node] if t is not None)
+                parts[node] = _element_tensors(em, value)
+                allocates = tuple(t for t in _flat(parts[node]) if t is not None)
             else:
                 root[node] = _new_tensor(em, written) if written else None
                 allocates = () if root[node] is None else (root[node],)
@@ -300,6 +307,16 @@ def _new_tensor(em: _Emitter, nbytes: int) -> int:
     tid = len(em.tensors)
     em.tensors[tid] = int(nbytes)
     return tid
+
+
+def _element_tensors(em: _Emitter, value) -> tuple:
+    """A new tensor id per tensor of a tuple-valued op's output (None for a non-tensor, a tuple for a tuple)."""
+    return tuple(_element_tensors(em, v) if isinstance(v, (tuple, list))
+                 else _new_tensor(em, nbytes_of(v)) if nbytes_of(v) else None for v in value)
+
+
+def _flat(elements) -> list[int | None]:
+    return [t for e in elements for t in (_flat(e) if isinstance(e, tuple) else (e,))]
 
 
 def _value_of(node: fx.Node):
