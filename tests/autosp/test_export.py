@@ -185,8 +185,8 @@ def test_export_prices_the_backward_tangents_and_frees_unheld_outputs_after_the_
 
 def test_export_matches_the_measured_peak_of_a_model_with_unread_outputs():
     """The Hugging Face Llama returns logits and its KV cache beside the loss: the backward takes a zero-filled
-    tangent for each (Note [Outputs and tangents in the export]); under per-layer checkpointing the recomputed
-    attention is a higher-order op whose outputs only its getitems describe.  The simulated peak of the export is
+    tangent for each (Note [Outputs and tangents in the export]); under per-layer checkpointing the attention runs
+    inside an RNG wrapper, a higher-order op whose outputs only its getitems describe.  The simulated peak of the export is
     the peak PeakMemory measures on the same step, with the caller dropping the outputs or holding them."""
     from experiments.cpu.measure import _register_rng_ops_for
     from experiments.cpu.peak_memory import PeakMemory
@@ -213,6 +213,10 @@ def test_export_matches_the_measured_peak_of_a_model_with_unread_outputs():
             loss_bytes = loss_of(out).nbytes
             del out
     parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    # the attention that runs under an RNG wrapper (forward, and recomputed in backward) is priced as attention
+    ops = export_workload(compiled.report.aot_graphs, name="hf", sp_size=WORLD, parameter_bytes=0).ranks[0].ops
+    wrapped = [op for op in ops if "rng_state" in op.name]
+    assert len(wrapped) == 2 * LAYERS and all(op.op_class == "attention" and op.flops > 0 for op in wrapped)
     predicted = {held: simulate(export_workload(
         compiled.report.aot_graphs, name="hf", sp_size=WORLD, parameter_bytes=parameter_bytes,
         optimizer_bytes_per_parameter_byte=0.0, saved_freed_at_last_use=False, outputs_held=held),
