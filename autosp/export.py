@@ -13,7 +13,9 @@ tuple: attention's output and log-sum-exp, its backward's dq, dk, dv, layer norm
 output, mean and rstd, the tiled loss's backward's hidden-state and weight gradients)
 allocates one tensor per element, each freed on its own: ``getitem(node, i)`` is
 element i, an element nobody reads is freed by the op itself, and a None or
-non-tensor element allocates nothing.  (Priced as one tensor of the summed size,
+non-tensor element allocates nothing; an element that is a tuple is split the same way,
+and a higher-order op without a ``val`` (per-layer checkpointing's RNG wrapper around
+attention) takes its elements from its getitems.  (Priced as one tensor of the summed size,
 every element would live as long as the longest-lived one, and a rewrite freeing the
 op's returned gradients at the op, `simulator.training_step.release_gradients`, would
 free the others with them.)  Forward outputs that the backward graph
@@ -33,7 +35,8 @@ outputs less the backward's saved placeholders).  Two rules follow.
   output the backward does not read is freed at the forward's last op.  A caller that keeps the object
   (``out = model(...); out.loss.backward()``) holds them to the end of the step: ``outputs_held=True``, under
   which they are never freed.  An output the backward reads (also saved) lives as a saved tensor, or to the end
-  of the step if held.
+  of the step if held.  (The loss, which the caller keeps to call backward on, is dropped with the others: a
+  scalar.)
 - A tangent is a real tensor: the gradient of the loss (a scalar one) and, for every output the loss does not
   read, a zero-filled gradient autograd makes before the backward graph runs.  Each tangent placeholder is a
   tensor allocated by the backward's first op and freed at its last use, or at the backward's end where the runtime
