@@ -467,8 +467,11 @@ def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces()
     ckpt = simulate_step("ulysses+ckpt", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert ckpt.static == ulysses.static
     # Per-layer checkpointing ("layer") leaves what runs outside the layers (output projection, loss) alone: at 4,096
-    # tokens that sets the peak, so it keeps no less; at 16,384 the layers' activations dominate and it keeps less.
-    assert ckpt.peak_memory_bytes <= ulysses.peak_memory_bytes
+    # tokens that sets the peak, so it keeps no less (beyond the RNG state it saves per layer for the recomputation:
+    # the traced CPU generator's); at 16,384 the layers' activations dominate and it keeps less.
+    import torch
+
+    assert ckpt.peak_memory_bytes <= ulysses.peak_memory_bytes + model.num_layers * torch.get_rng_state().nbytes
     assert ckpt.step_time_s > ulysses.step_time_s  # ... and recomputes the forward in backward
     longer = {name: simulate_step(name, "llama-3.2-3b", 16384, cache=cache, layers="extrapolated")
               for name in ("ulysses", "ulysses+ckpt")}
