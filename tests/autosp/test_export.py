@@ -225,3 +225,22 @@ def test_export_matches_the_measured_peak_of_a_model_with_unread_outputs():
         assert predicted[held] == pytest.approx(measured[held], rel=0.01), held
     # Dropping the outputs, the caller still holds the loss it calls backward on; the export drops it too (a scalar)
     assert predicted[True] - predicted[False] == measured[True] - measured[False] + loss_bytes > loss_bytes
+
+
+def test_export_prices_the_tiled_mlp_backward_as_the_memory_its_kernel_holds():
+    """The tiled MLP's backward over three chunks (96 rows, 32 per chunk), run on real tensors: PeakMemory's peak
+    inside the kernel is its outputs plus the one-chunk scratch the export allocates and frees with the op
+    (`autosp.costs.workspace_bytes`); a chunk's value kept into the next chunk would be measured above it."""
+    from autosp.costs import TILED_MLP, nbytes_of, workspace_bytes
+    from autosp.export import trace_fake_step
+    from experiments.cpu.peak_memory import PeakMemory
+
+    torch._dynamo.reset()
+    compiled, _ = trace_fake_step(lambda: build_model("hf-llama", layers=1, vocab=320), seq_len=192, sp_size=2,
+                                  vocab_size=320, dtype=torch.float32, tiled_mlp="on", mlp_chunk_tokens=32)
+    node = next(n for n in dict(compiled.report.aot_graphs)["backward"].graph.nodes if n.target is TILED_MLP[1])
+    torch.manual_seed(0)
+    args = [torch.randn(a.meta["val"].shape) if isinstance(a, torch.fx.Node) else a for a in node.args]
+    with PeakMemory(keep_breakdown=False) as pm:
+        node.target(*args)
+    assert pm.peak_bytes == nbytes_of(node.meta["val"]) + workspace_bytes(node)
