@@ -286,10 +286,11 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
     from torch import fx
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from autosp.api import compile as autosp_compile
-    from autosp.backend import make_backend
+    from autosp.backend import JointCaptured, make_backend
     from autosp.inputs import prepare_inputs
     from autosp.pipeline import passes_for
 
@@ -318,7 +319,7 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
             try:  # as autosp.export.trace_fake_step compiles its one model
                 compiled.append(autosp_compile(model, sp_size=setup.sp_size, compiler="aot_eager",
                                                **{"check_same_sample": False, **(options or {}), **strategy}))
-                compiled[-1]._ctx.capture_joint = True
+                compiled[-1]._ctx.capture_joint = compiled[-1]._ctx.joint_only = True
             except AutoSPError as err:
                 found[i] = err
                 compiled.append(None)
@@ -337,18 +338,24 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
                     shard = [local[r] if r else x for r, x in zip(roles, example_inputs, strict=True)]
                     if [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in shard] != shapes:
                         raise AutoSPError("its shard has other shapes than the shared Dynamo capture's")
-                    with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns
+                    # Lazy graph modules (torch's own switch, scoped to this block): nothing compiled here is
+                    # called, so no graph's Python code is generated.
+                    with warnings.catch_warnings(), _use_lazy_graph_module(True):
                         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-                        graph = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-                    make_backend(m._ctx, m.config, passes=passes_for(m.config))(graph, shard)
+                        graph = _make_graph_module(gm, copy.deepcopy(gm.graph))
+                        try:
+                            make_backend(m._ctx, m.config, passes=passes_for(m.config))(graph, shard)
+                        except JointCaptured:
+                            pass
 
                 m.__dict__["_compiled"] = compile_from_capture
                 try:
                     m(**inputs)
-                    found[i] = (m._ctx.report.joint_capture, _TraceFacts(
-                        parameter_bytes=parameter_bytes, forward_graph=m._ctx.report.forward_graphs[-1],
-                        attention_kept_fraction=m._ctx.report.attention_kept_fraction, compiled_with=m.config,
-                        num_fwd_outputs=m._ctx.report.num_fwd_outputs))
+                    report = m._ctx.report
+                    found[i] = (report.joint_capture, _TraceFacts(
+                        parameter_bytes=parameter_bytes, forward_graph=report.forward_graphs[-1],
+                        attention_kept_fraction=report.attention_kept_fraction, compiled_with=m.config,
+                        num_fwd_outputs=report.joint_capture.partition_kwargs["num_fwd_outputs"]))
                 except AutoSPError as err:
                     found[i] = err
             raise _EveryStrategyCaptured
@@ -581,7 +588,6 @@ class TraceReuse:
         self.traces += 1
         for strategy, answer in zip(self.strategies, found, strict=True):
             self.joint_graphs += isinstance(answer, tuple)
-            self.partitions += isinstance(answer, tuple)  # each compile's own partition
             key = (source.spec, repr(setup), repr(config), seq_len, layers, self._group({**base, **strategy}))
             self._captures[key] = (*answer, False) if isinstance(answer, tuple) else answer
 
@@ -659,7 +665,7 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
     autosp/plan/depth.py); `DepthExtrapolationError` where that does not hold."""
     import copy
 
-    from torch import fx
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
     from autosp.joint_template import partition_at
     from autosp.plan.depth import FullDepthTagger
@@ -685,9 +691,11 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
         pattern = patterns.pop(0)
         for layers in (2, 1):
             capture, facts, rewrites_here = captured[layers]
-            with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
+            # deep-copying the graph's pytree codegen warns about a deprecated spelling; the copy is partitioned,
+            # never called, so its Python code is not generated (torch's lazy graph modules)
+            with warnings.catch_warnings(), _use_lazy_graph_module(True):
                 warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-                graph = fx.GraphModule(capture.graph, copy.deepcopy(capture.graph.graph))
+                graph = _make_graph_module(capture.graph, copy.deepcopy(capture.graph.graph))
             sac = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
             report = partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern))
             if reuse is not None:
