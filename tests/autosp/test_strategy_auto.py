@@ -10,6 +10,7 @@ chosen.  The candidates of other head counts and SP degrees are checked without 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -130,3 +131,32 @@ def test_strategy_auto_chooses_ring_when_heads_do_not_divide_over_the_ranks(llam
     assert by_name["autosp-ring"]["step_time_s"] > 0 and by_name["autosp-ring"]["fits"]
     assert answer["chosen"] == "autosp-ring" and answer["options"] == {"strategy": "ring"}
     assert answer["prediction"]["setup"]["sp_size"] == 3
+
+
+def test_strategy_auto_shares_one_dynamo_capture_and_decides_as_separate_traces(tmp_path):
+    """Note [One Dynamo capture for every strategy] in autosp/plan/predict.py: a four-layer Llama (shallow traces of
+    1 and 2 layers, SAC deciding for the full depth) on SP 4: the shared capture's joint graphs are each strategy's
+    own trace's but for the process groups' names, and the decision and every prediction are the same numbers."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA, "num_hidden_layers": 4}))
+    setup = TrainingSetup(seq_len=4 * SEQ, sp_size=4, zero_stage=2)
+    cluster = load_cluster(CLUSTER, world_size=setup.world_size)
+    shared, separate = TraceReuse([]), TraceReuse([])
+    fast = choose_strategy(str(path), setup, cluster, reuse=shared)
+    slow = choose_strategy(str(path), setup, cluster, reuse=separate, share_capture=False)
+    assert (shared.traces, separate.traces) == (2, 2 * 3)  # 1 and 2 layers; three strategies traced alone
+    assert fast.chosen == slow.chosen
+    assert all(c.prediction.step.extrapolated_from == (1, 2) for c in fast.candidates)
+    for a, b in zip(fast.candidates, slow.candidates, strict=True):
+        assert (a.system, a.prediction.step.step_time_s, a.prediction.peak_bytes) == \
+            (b.system, b.prediction.step.step_time_s, b.prediction.peak_bytes)
+
+    def code(capture):  # a process group's name is a hash of the order the groups were made in
+        return re.sub(r"'[0-9a-f]{40}'", "'group'", capture.graph.code)
+
+    assert shared._captures.keys() == separate._captures.keys() and len(shared._captures) == 2 * 3
+    for key, (capture, facts, _) in shared._captures.items():
+        other, other_facts, _ = separate._captures[key]
+        assert code(capture) == code(other) and capture.inputs == other.inputs
+        assert (facts.parameter_bytes, facts.num_fwd_outputs, facts.compiled_with) == \
+            (other_facts.parameter_bytes, other_facts.num_fwd_outputs, other_facts.compiled_with)
