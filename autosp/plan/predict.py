@@ -667,7 +667,7 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
 
     from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
-    from autosp.joint_template import partition_at
+    from autosp.joint_template import partition_at, propagate_fake
     from autosp.plan.depth import FullDepthTagger
 
     captured = {}
@@ -686,6 +686,8 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
                            memory_budget=budget)
     values: dict[str, dict[int, tuple]] = {}
     start = time.perf_counter()
+    # One fake-tensor propagation per joint graph: each pattern partitions a copy, which holds its metadata.
+    propagated = {layers: propagate_fake(captured[layers][0]) for layers in (2, 1)}
     patterns = ["every"]
     while patterns:
         pattern = patterns.pop(0)
@@ -697,7 +699,8 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
                 warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
                 graph = _make_graph_module(capture.graph, copy.deepcopy(capture.graph.graph))
             sac = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
-            report = partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern))
+            report = partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern),
+                                  propagated=propagated[layers])
             if reuse is not None:
                 reuse.partitions += 1
             traced = _steps(source, setup, report, facts, seq_len=seq_len, layers=layers, config=config,
