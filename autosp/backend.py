@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 JointGraphPass = Callable[[fx.Graph], None]
 
 
+class JointCaptured(Exception):  # noqa: N818 - a signal, not an error
+    """Raised out of a compile with ``TraceContext.joint_only`` once its joint graph is captured."""
+
+
 def rewrite_inference(graph: fx.GraphModule, config: AutoSPConfig) -> fx.GraphModule:
     """The rewrites of a forward compiled without a backward (no partition: nothing is saved for backward, so
     activation offload has nothing to move): the overlap pass (``overlap_communication``)."""
@@ -158,7 +162,7 @@ def _boxed_runner(graph: fx.GraphModule):
 
 def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, report: CompileReport,
                tag_joint: JointGraphPass, variants: Sequence[tuple[str, float | None]] = (),
-               capture_seq_len: int | None = None):
+               capture_seq_len: int | None = None, joint_only: bool = False):
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(kind: str, *, inference: bool = False):
@@ -174,6 +178,8 @@ def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repo
         report.joint_graphs += 1
         if capture_seq_len is not None:  # Note [The joint graph at another length] in autosp/joint_template.py
             report.joint_capture = capture_joint(joint, joint_inputs, kwargs, seq_len=capture_seq_len)
+            if joint_only:
+                raise JointCaptured
         return partition_joint(joint, joint_inputs, kwargs, config=config, report=report, variants=variants,
                                tag_joint=tag_joint)
 
@@ -265,7 +271,8 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
                           "partition_fn: trace with compiler='aot_eager'")
     if ctx.checkpointing_variants or ctx.capture_joint:
         generate = functools.partial(_aot_eager, variants=ctx.checkpointing_variants,
-                                     capture_seq_len=ctx.layout.seq_len if ctx.capture_joint else None)
+                                     capture_seq_len=ctx.layout.seq_len if ctx.capture_joint else None,
+                                     joint_only=ctx.capture_joint and ctx.joint_only)
     else:
         generate = CODE_GENERATORS[config.compiler]
     program = generate(gm, example_inputs, config=config, report=ctx.report, tag_joint=tag_joint)

@@ -165,6 +165,10 @@ class TraceContext:
     setting, into ``report.variant_graphs`` (the planner's trace reuse; aot_eager only)."""
     capture_joint: bool = False
     """Keep a copy of the joint graph in ``report.joint_capture`` (trace reuse across lengths; aot_eager only)."""
+    joint_only: bool = False
+    """With ``capture_joint``: stop the compile once the joint graph is captured (`autosp.backend.JointCaptured`
+    raised out of it: no partition, no program), for the planner's captures that need the joint graph only (Note
+    [One Dynamo capture for every strategy] in autosp/plan/predict.py)."""
     report: CompileReport = field(default_factory=CompileReport)
     memory_plan: dict | None = None
     """The memory plan the model compiled with (``memory_plan="auto"``), what ``report.memory_plan`` shows."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import torch
 from torch import fx
@@ -91,8 +92,24 @@ RING_ATTENTION = ("ring_attention", "ring_attention_backward")
 the whole sequence's keys (group_size times the local ones)."""
 
 
+RNG_WRAPPERS = {"run_and_save_rng_state": 0, "run_with_rng_state": 1}
+"""Higher-order ops that run one op under a saved RNG state (per-layer checkpointing's attention, forward and
+recomputed) -> the position of that op among their arguments (its own arguments follow it)."""
+
+
+def _wrapped(node: fx.Node):
+    """The call an RNG wrapper runs, as a node-like (target, args, kwargs) that `schema_arg` reads; else ``node``."""
+    index = RNG_WRAPPERS.get(packet_name(node.target)) if node.op == "call_function" else None
+    if index is None or len(node.args) <= index:
+        return node
+    return SimpleNamespace(op="call_function", target=node.args[index], args=node.args[index + 1:],
+                           kwargs=node.kwargs)
+
+
 def _attention_shapes(node: fx.Node):
-    """(q shape, k shape, causal, backward, flex) of an attention node, None for any other node."""
+    """(q shape, k shape, causal, backward, flex) of an attention node (or an RNG wrapper running one), None for
+    any other node."""
+    node = _wrapped(node)
     packet = packet_name(node.target)
     if packet in RING_ATTENTION and getattr(node.target, "namespace", None) == "autosp_testbed":
         backward = packet == RING_ATTENTION[1]

@@ -8,11 +8,39 @@ its group and message size, and every tensor's size and lifetime.
 Note [Tensor lifetimes in the export]
 A node's output is allocated when the node runs and freed after its last user.
 Views (view, transpose, slice, expand...) allocate nothing: they extend the
-lifetime of the tensor they alias.  Forward outputs that the backward graph
+lifetime of the tensor they alias.  An op with several outputs (``meta["val"]`` a
+tuple: attention's output and log-sum-exp, its backward's dq, dk, dv, layer norm's
+output, mean and rstd, the tiled loss's backward's hidden-state and weight gradients)
+allocates one tensor per element, each freed on its own: ``getitem(node, i)`` is
+element i, an element nobody reads is freed by the op itself, and a None or
+non-tensor element allocates nothing; an element that is a tuple is split the same way,
+and a higher-order op without a ``val`` (per-layer checkpointing's RNG wrapper around
+attention) takes its elements from its getitems.  (Priced as one tensor of the summed size,
+every element would live as long as the longest-lived one, and a rewrite freeing the
+op's returned gradients at the op, `simulator.training_step.release_gradients`, would
+free the others with them.)  Forward outputs that the backward graph
 reads (saved activations: AOTAutograd names the backward placeholder after the
 forward node) live until their last use in backward, or to the end of the
 backward where the runtime holds the backward's arguments that long (``aot_eager``).
 Parameters, gradients and optimizer state are static memory, not tensors.
+
+Note [Outputs and tangents in the export]
+AOTAutograd's forward graph returns the model's outputs first (mutated inputs, then what the model returns: the
+loss and, for a Hugging Face model, the logits and the KV cache under ``use_cache``), then the tensors it saves
+for the backward; the backward takes those saved tensors as placeholders (named after the forward nodes), then
+one ``tangents_*`` placeholder per differentiable output (`user_outputs` counts the outputs as the forward's
+outputs less the backward's saved placeholders).  Two rules follow.
+- The model's outputs belong to the caller.  ``model(...).loss.backward()`` (the Trainer, autosp.train, the
+  measured systems of experiments/) drops the output object once the loss is taken, before the backward runs: an
+  output the backward does not read is freed at the forward's last op.  A caller that keeps the object
+  (``out = model(...); out.loss.backward()``) holds them to the end of the step: ``outputs_held=True``, under
+  which they are never freed.  An output the backward reads (also saved) lives as a saved tensor, or to the end
+  of the step if held.  (The loss, which the caller keeps to call backward on, is dropped with the others: a
+  scalar.)
+- A tangent is a real tensor: the gradient of the loss (a scalar one) and, for every output the loss does not
+  read, a zero-filled gradient autograd makes before the backward graph runs.  Each tangent placeholder is a
+  tensor allocated by the backward's first op and freed at its last use, or at the backward's end where the runtime
+  holds the backward's arguments (``saved_freed_at_last_use=False``, as for saved tensors).
 
 Note [Ring attention in the export]
 A ring attention node (strategy="ring", Note [Ring attention] in autosp/ring_attention.py) is one op to
@@ -61,7 +89,9 @@ halved under causal masking; elementwise ops one FLOP per output element.  An op
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +123,8 @@ _ASYNC_PHASES = {"all_to_all_start": "collective_start", "all_to_all_wait": "col
 """The overlap pass's split all-to-all (see autosp.passes.partitioned.overlap)."""
 _HOST_COPIES = dict(zip(ACTIVATION_OFFLOAD[:2], ("to_host", "from_host"), strict=True))
 """Activation offload's copies -> simulator collective kind (Note [Activation offload in the export])."""
+_TANGENT = "tangents_"
+"""AOTAutograd's name for a backward graph's placeholders that take the gradients of the forward's outputs."""
 
 
 @dataclass
@@ -118,6 +150,8 @@ class _Emitter:
         self.frees_at: dict[int, list[int]] = {}
         self.collectives = 0
         self.started: dict[fx.Node, Collective] = {}
+        self.held: set[int] = set()
+        """The caller's outputs it holds to the end of the step (Note [Outputs and tangents in the export])."""
 
     def program(self, static: StaticMemory) -> RankProgram:
         ops = [
@@ -133,57 +167,93 @@ def _op_fields(op: Op) -> dict:
 
 
 def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, int], *,
-                inputs_freed_at_last_use: bool = True) -> None:
+                inputs_freed_at_last_use: bool = True, user_outputs: int = 0, outputs_held: bool = False) -> None:
     """Append ``gm``'s ops; ``live`` maps node names of tensors carried across graphs to tensor ids.
 
     ``inputs_freed_at_last_use=False``: the graph's inputs stay alive until its last op (see Note
-    [Tensor lifetimes in the export])."""
+    [Tensor lifetimes in the export]).  ``user_outputs``: how many of the graph's outputs, first, are the
+    caller's (a forward graph's; the rest it saves for the backward), which live to the forward's end or, with
+    ``outputs_held``, to the end of the step (Note [Outputs and tangents in the export])."""
     root: dict[fx.Node, int | None] = {}  # node -> tensor id it aliases (None: static or untracked)
+    parts: dict[fx.Node, tuple] = {}  # a multi-output node -> its elements' tensor ids (nested as its value)
     last_use: dict[int, int] = {}
     node_op: dict[fx.Node, int] = {}
+    first_op = len(em.ops)
+    tangents: list[int] = []  # allocated by autograd at the start of this (backward) graph
 
     def used_by(node: fx.Node, op_id: int, inputs: list[int | None]) -> None:
         """``node`` ran as op ``op_id``: its inputs are last used there so far, its output from there on."""
         node_op[node] = op_id
         last_use.update({t: op_id for t in inputs if t is not None})
-        if root.get(node) is not None:
-            last_use.setdefault(root[node], op_id)
+        for tid in (root.get(node), *_flat(parts.get(node, ()))):  # an element nobody reads: freed by the op
+            if tid is not None:
+                last_use.setdefault(tid, op_id)
+
+    def read_by(node: fx.Node) -> list[int | None]:
+        """The tensor ids ``node`` reads: a getitem one element of a multi-output node, others whole nodes."""
+        if node.target is operator.getitem and node.args[0] in parts:
+            return _flat((parts[node.args[0]][node.args[1]],))
+        return [t for a in node.all_input_nodes for t in (_flat(parts[a]) if a in parts else (root.get(a),))]
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             root[node] = live.get(node.name)
+            if root[node] is None and node.name.startswith(_TANGENT):  # Note [Outputs and tangents in the export]
+                written = nbytes_of(node.meta.get("val"))
+                if written:
+                    root[node] = _new_tensor(em, written)
+                    tangents.append(root[node])
             continue
         if node.op == "output":
-            for arg in node.all_input_nodes:
+            outputs = _output_nodes(node)
+            carried = outputs[user_outputs:]
+            carried_ids = {root.get(a) for a in carried} - {None}
+            for arg in carried:  # saved for the backward (a forward graph), or returned (a backward graph)
                 tid = root.get(arg)
                 if tid is not None:
                     live[arg.name] = tid
                     last_use.pop(tid, None)  # carried into backward: freed there
+            for arg in outputs[:user_outputs]:  # the caller's
+                tid = root.get(arg)
+                if tid is None or tid in carried_ids:
+                    continue
+                if outputs_held:
+                    em.held.add(tid)
+                    last_use.pop(tid, None)
+                elif em.ops:
+                    last_use[tid] = em.ops[-1].id
             continue
         if node.op != "call_function":
             continue
         packet = packet_name(node.target)
         deps = tuple(sorted({node_op[a] for a in node.all_input_nodes if a in node_op}))
-        inputs = [root.get(a) for a in node.all_input_nodes]
+        inputs = read_by(node)
         op_id = len(em.ops)
         scores = 0
-        if packet in VIEWS or node.target.__module__ == "_operator":
+        if node.target is operator.getitem and node.args[0] in parts:  # element i (a tuple itself: nested)
+            element = parts[node.args[0]][node.args[1]]
+            root[node] = None if isinstance(element, tuple) else element
+            if isinstance(element, tuple):
+                parts[node] = element
+            kind, op_class, flops, allocates = "compute", "other", 0, ()
+            read = written = 0
+        elif packet in VIEWS or node.target.__module__ == "_operator":
             root[node] = next((t for t in inputs if t is not None), None)
             kind, op_class, flops, allocates = "compute", "other", 0, ()
             read = written = 0
         else:
-            written = nbytes_of(node.meta.get("val"))
-            allocates = ()
+            value = _value_of(node)
+            written = nbytes_of(value)
             root[node] = None
-            if written:
-                tid = len(em.tensors)
-                em.tensors[tid] = written
-                root[node] = tid
-                allocates = (tid,)
+            if isinstance(value, (tuple, list)):  # one tensor per element (Note [Tensor lifetimes in the export])
+                parts[node] = _element_tensors(em, value)
+                allocates = tuple(t for t in _flat(parts[node]) if t is not None)
+            else:
+                root[node] = _new_tensor(em, written) if written else None
+                allocates = () if root[node] is None else (root[node],)
             scratch = workspace_bytes(node)
             if scratch:  # allocated and freed by this op (the tiled loss's chunk)
-                tid = len(em.tensors)
-                em.tensors[tid] = scratch
+                tid = _new_tensor(em, scratch)
                 allocates += (tid,)
                 em.frees_at.setdefault(op_id, []).append(tid)
             read = sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes)
@@ -223,11 +293,62 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                          attention_scores=scores, deps=deps,
                          allocates=allocates, collective=collective))
         used_by(node, op_id, inputs)
+    if tangents and len(em.ops) > first_op:  # made by autograd before the graph runs: live from its first op on
+        start = em.ops[first_op]
+        em.ops[first_op] = dataclasses.replace(start, allocates=(*tangents, *start.allocates))
+        for tid in tangents:
+            last_use.setdefault(tid, start.id)
     if not inputs_freed_at_last_use and em.ops:
         inputs = {root[n] for n in gm.graph.nodes if n.op == "placeholder" and root.get(n) is not None}
         last_use.update({tid: em.ops[-1].id for tid in inputs if tid in last_use})
     for tid, op_id in last_use.items():
-        em.frees_at.setdefault(op_id, []).append(tid)
+        if tid not in em.held:
+            em.frees_at.setdefault(op_id, []).append(tid)
+
+
+def _new_tensor(em: _Emitter, nbytes: int) -> int:
+    tid = len(em.tensors)
+    em.tensors[tid] = int(nbytes)
+    return tid
+
+
+def _element_tensors(em: _Emitter, value) -> tuple:
+    """A new tensor id per tensor of a tuple-valued op's output (None for a non-tensor, a tuple for a tuple)."""
+    return tuple(_element_tensors(em, v) if isinstance(v, (tuple, list))
+                 else _new_tensor(em, nbytes_of(v)) if nbytes_of(v) else None for v in value)
+
+
+def _flat(elements) -> list[int | None]:
+    return [t for e in elements for t in (_flat(e) if isinstance(e, tuple) else (e,))]
+
+
+def _value_of(node: fx.Node):
+    """``node.meta["val"]``; for a node without one whose users are all getitems (a higher-order op such as the
+    ``run_with_rng_state`` wrapping a recomputed attention), the tuple its getitems take apart."""
+    value = node.meta.get("val")
+    if value is None and node.users and all(u.target is operator.getitem for u in node.users):
+        elements = [None] * (1 + max(int(u.args[1]) for u in node.users))
+        for user in node.users:
+            elements[int(user.args[1])] = user.meta.get("val")
+        return tuple(elements)
+    return value
+
+
+def _output_nodes(output: fx.Node) -> list[fx.Node | None]:
+    """The values a graph's output node returns, in order (None for a constant or a None gradient)."""
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    return [v if isinstance(v, fx.Node) else None for v in values]
+
+
+def user_outputs(forward: fx.GraphModule, backward: fx.GraphModule) -> int:
+    """How many of the forward graph's outputs, first, are the model's (returned to the caller, mutated inputs
+    included); the rest are saved for the backward, which takes each as a placeholder before its tangents."""
+    returned = _output_nodes(next(n for n in forward.graph.nodes if n.op == "output"))
+    saved = [n for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith(_TANGENT)]
+    if len(saved) > len(returned):
+        raise AutoSPError(f"the backward graph takes {len(saved)} saved values but the forward returns only "
+                          f"{len(returned)}: pass the forward and backward graphs of one compile")
+    return len(returned) - len(saved)
 
 
 def _ring_nodes(graphs) -> list[fx.Node]:
@@ -273,9 +394,7 @@ def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], o
         return op_id
 
     def tensor(nbytes: int) -> int:
-        tid = len(em.tensors)
-        em.tensors[tid] = int(nbytes)
-        return tid
+        return _new_tensor(em, nbytes)
 
     def shift(tag: str, step: int, nbytes: int, after: int) -> tuple[int, int, int]:
         """``batch_isend_irecv``: send the block in hand to the next rank, receive the previous rank's into a new
@@ -386,6 +505,7 @@ def export_workload(
     saved_freed_at_last_use: bool = True,
     attention_kept_fraction: float | None = None,
     document_ids: torch.Tensor | None = None,
+    outputs_held: bool = False,
 ) -> Workload:
     """One Workload of world ``sp_size`` from the latest forward and backward graphs: symmetric (rank 0's
     program) for a Ulysses program, one program per rank for a ring or hybrid program
@@ -404,6 +524,10 @@ def export_workload(
     ``document_ids``: a ring or hybrid program over packed documents, the traced batch's document ids
     (`CompileReport.document_ids`): the chunk pairs no query reads are left out, as the op skips them; None
     prices every pair the causal ring computes.
+    ``outputs_held``: the caller keeps the model's outputs (a Hugging Face model's logits and KV cache) to the
+    end of the step (``out = model(...); out.loss.backward()``) rather than dropping them after the forward
+    (``model(...).loss.backward()``, the Trainer's and the measured systems' way); Note [Outputs and tangents in the
+    export].
     """
     graphs = dict(aot_graphs)
     if "forward" not in graphs or "backward" not in graphs:
@@ -430,7 +554,8 @@ def export_workload(
                       document_ids=document_ids if ring else None,
                       named_groups=dict.fromkeys(ulysses_names, "ulysses") if hybrid else None)
         live: dict[str, int] = {}
-        _emit_graph(graphs["forward"], "forward", em, live)
+        _emit_graph(graphs["forward"], "forward", em, live, outputs_held=outputs_held,
+                    user_outputs=user_outputs(graphs["forward"], graphs["backward"]))
         _emit_graph(graphs["backward"], "backward", em, live, inputs_freed_at_last_use=saved_freed_at_last_use)
         programs[rank] = em.program(static)
     log.info("exported %d ops (%d collectives), %d tensors%s", len(em.ops), em.collectives, len(em.tensors),

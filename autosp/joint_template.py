@@ -154,19 +154,12 @@ def joint_at(first: JointCapture, second: JointCapture, seq_len: int) -> JointCa
     return JointCapture(seq_len=seq_len, graph=module, inputs=inputs, partition_kwargs=first.partition_kwargs)
 
 
-def partition_at(capture: JointCapture, config: AutoSPConfig, variants: Sequence[tuple[str, float | None]] = (),
-                 tag_joint: Callable[[fx.Graph], None] | None = None):
-    """What the backend makes from the joint graph of ``capture`` (a `autosp.context.CompileReport` with its
-    ``aot_graphs``, and with ``variants``, (checkpointing, sac_memory_budget) pairs, each variant's partition as
-    checkpointing variants of a trace have them): fake tensors of its shapes propagated, then
-    `autosp.backend.partition_joint` (the checkpointing tags of ``config``, or ``tag_joint``'s, the min-cut
-    partitioner, the pair's rewrites; Note [The joint graph at another length])."""
+def propagate_fake(capture: JointCapture) -> tuple:
+    """Fake tensors of ``capture``'s shapes propagated through its joint graph (each node's ``val`` and
+    ``tensor_meta``): (fake mode, inputs), for `partition_at`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
-    from autosp.backend import partition_joint
-    from autosp.context import CompileReport
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
@@ -175,6 +168,21 @@ def partition_at(capture: JointCapture, config: AutoSPConfig, variants: Sequence
     for node in capture.graph.graph.nodes:
         if isinstance(node.meta.get("val"), torch.Tensor):
             node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+    return mode, inputs
+
+
+def partition_at(capture: JointCapture, config: AutoSPConfig, variants: Sequence[tuple[str, float | None]] = (),
+                 tag_joint: Callable[[fx.Graph], None] | None = None, propagated: tuple | None = None):
+    """What the backend makes from the joint graph of ``capture`` (a `autosp.context.CompileReport` with its
+    ``aot_graphs``, and with ``variants``, (checkpointing, sac_memory_budget) pairs, each variant's partition as
+    checkpointing variants of a trace have them): fake tensors of its shapes propagated (`propagate_fake`;
+    ``propagated``: its answer for a graph whose nodes' metadata it already holds, a copy of the one propagated),
+    then `autosp.backend.partition_joint` (the checkpointing tags of ``config``, or ``tag_joint``'s, the min-cut
+    partitioner, the pair's rewrites; Note [The joint graph at another length])."""
+    from autosp.backend import partition_joint
+    from autosp.context import CompileReport
+
+    mode, inputs = propagate_fake(capture) if propagated is None else propagated
     report = CompileReport()
     # Lazy graph modules (torch's own switch, scoped to this block): the partitioned graphs are exported, never
     # called, so their Python code is not generated.

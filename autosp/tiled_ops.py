@@ -442,7 +442,7 @@ def tiled_mlp_backward(grad_out: torch.Tensor, x: torch.Tensor, w_in0: torch.Ten
                 grad_x[start:stop].addmm_(grad, w)
             elif grad_x is not None:
                 torch.mm(grad, w, out=grad_x[start:stop])
-        del grad_inputs
+        del grad_inputs, grad  # the loop variable would keep the last gradient into the next chunk
     return (grad_x if grad_x is not None else x.new_empty(0),  # distinct empties: outputs may not alias
             *(t.to(p.dtype) if t is not None else x.new_empty(0) for p, t in zip(params, totals, strict=True)))
 

@@ -3,7 +3,9 @@ longest length, the last with and without re-sizing the joint graph across lengt
 (`autosp.plan.predict.TraceReuse`, docs/design.md "Trace reuse"). The decisions predict their candidates at depth
 ``extrapolated`` (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py); ``--compare``
 also takes each decision at full depth and prints both side by side: the choice, and each candidate's step time
-and peak with the difference. Prints wall and CPU times (the CPU time is steadier on a shared machine), traces,
+and peak with the difference ("=": the same number); ``--separate-traces`` also takes ``strategy="auto"`` with each
+candidate traced on its own (Note [One Dynamo capture for every strategy] in autosp/plan/predict.py), side by side
+the same way. Prints wall and CPU times (the CPU time is steadier on a shared machine), traces,
 re-sized lengths and where the time went (summed from the planner's log: tracing, re-sizing, simulating). Not a
 test: it takes minutes on a CPU.
 
@@ -57,6 +59,9 @@ def build_parser():
                         help="the depth the decisions predict at (default: theirs, extrapolated)")
     parser.add_argument("--compare", action="store_true",
                         help="also decide at full depth and print both decisions and predictions side by side")
+    parser.add_argument("--separate-traces", action="store_true",
+                        help="strategy-auto: also decide with each candidate traced on its own (no shared Dynamo "
+                             "capture, as before it) and print both side by side")
     return parser
 
 
@@ -70,15 +75,19 @@ def _rows(decision) -> tuple[str | None, dict[str, tuple[float, float]]]:
                              for c in decision.candidates if c.prediction}
 
 
-def _compare(fast, full) -> str:
+def _compare(fast, full, label: str = "full depth") -> str:
     chosen, rows = _rows(fast)
     chosen_full, rows_full = _rows(full)
-    out = [f"  chosen: {chosen} (full depth: {chosen_full}; {'same' if chosen == chosen_full else 'DIFFERENT'})",
-           f"  {'candidate':40s} {'step s':>9s} {'full':>9s} {'diff':>7s} {'peak GiB':>9s} {'full':>9s} {'diff':>7s}"]
+    short = label.split()[0]
+    out = [f"  chosen: {chosen} ({label}: {chosen_full}; {'same' if chosen == chosen_full else 'DIFFERENT'})",
+           f"  {'candidate':40s} {'step s':>9s} {short:>9s} {'diff':>7s} {'peak GiB':>9s} {short:>9s} {'diff':>7s}"]
+    def diff(a: float, b: float) -> str:  # "=": the same float
+        return f"{'=':>7s}" if a == b else f"{100 * (a / b - 1):+6.2f}%"
+
     for name, (step, peak) in rows.items():
         step_full, peak_full = rows_full.get(name, (float("nan"), float("nan")))
-        out.append(f"  {name:40s} {step:9.4f} {step_full:9.4f} {100 * (step / step_full - 1):+6.2f}% "
-                   f"{peak:9.3f} {peak_full:9.3f} {100 * (peak / peak_full - 1):+6.2f}%")
+        out.append(f"  {name:40s} {step:9.4f} {step_full:9.4f} {diff(step, step_full)} "
+                   f"{peak:9.3f} {peak_full:9.3f} {diff(peak, peak_full)}")
     return "\n".join(out)
 
 
@@ -99,17 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()  # warm-up: the first trace of a process pays for imports and first compiles
     predict(args.model, TrainingSetup(seq_len=args.seq_len, sp_size=args.sp_size, depth="extrapolated"), cluster)
     sys.stdout.write(f"{'warm-up':15s} {time.perf_counter() - start:7.1f} s  (1 and 2 layers traced)\n")
-    runs = [(what, setup) for what in args.only]
+    runs = [(what, setup, True) for what in args.only]
     if args.compare:
         full = dataclasses.replace(setup, depth="full")
-        runs = [run for what in args.only for run in ((what, setup), (what, full))]
+        runs = [run for what in args.only for run in ((what, setup, True), (what, full, True))]
+    if args.separate_traces and "strategy-auto" in args.only:
+        at = next(i for i, run in enumerate(runs) if run[0] == "strategy-auto")
+        runs.insert(at + 1, ("strategy-auto", setup, False))
     decided = {}
-    for what, setup in runs:
+    for what, setup, shared in runs:
         handler.seconds = dict.fromkeys(handler.PATTERNS, 0.0)
         start, cpu = time.perf_counter(), time.process_time()
         if what == "strategy-auto":
             reuse = TraceReuse([])
-            report = choose_strategy(args.model, setup, cluster, reuse=reuse)
+            report = choose_strategy(args.model, setup, cluster, reuse=reuse, share_capture=shared)
             counts, answer = f"{reuse.traces} traces", f"chose {report.chosen}"
         else:
             longest = what.startswith("longest")
@@ -122,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                       + (f", max length {chosen.max_seq_len} over lengths {lengths}" if longest and chosen else ""))
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         spent = ", ".join(f"{k} {v:.1f} s" for k, v in handler.seconds.items())
-        label = f"{what} ({'full depth' if setup.depth == 'full' else 'extrapolated'})"
-        sys.stdout.write(f"{label:30s} {seconds:7.1f} s wall, {cpu:7.1f} s CPU  ({counts}; {spent}); {answer}\n")
+        label = f"{what} ({'full depth' if setup.depth == 'full' else 'extrapolated'}" + (
+            "" if shared else ", separate traces") + ")"
+        sys.stdout.write(f"{label:48s} {seconds:7.1f} s wall, {cpu:7.1f} s CPU  ({counts}; {spent}); {answer}\n")
         if what in decided and not what.startswith("longest"):
-            sys.stdout.write(_compare(decided[what], report) + "\n")
+            other = "full depth" if setup.depth == "full" else "separate traces"
+            sys.stdout.write(_compare(decided[what], report, other) + "\n")
         decided.setdefault(what, report)
         sys.stdout.flush()
     return 0

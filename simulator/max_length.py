@@ -98,6 +98,17 @@ def extrapolate_depth(at_depth: Callable[[int], tuple[float, int]], layers: int,
     return t1 + extra * (t2 - t1), int(m1 + extra * (m2 - m1))
 
 
+def extrapolate_or_trace_full(at_depth: Callable[[int], tuple[float, int]], layers: int, depths: tuple[int, int],
+                              *, what: str = "step") -> tuple[float, int, tuple[int, int]]:
+    """`extrapolate_depth`, or where it refuses, ``at_depth(layers)``: the full depth traced (logged, naming
+    ``what``).  Also returns the depths the figure came from (equal: traced whole)."""
+    try:
+        return (*extrapolate_depth(at_depth, layers, depths), depths)
+    except DepthExtrapolationError as exc:
+        log.warning("%s: %s; tracing all %d layers", what, exc, layers)
+        return (*at_depth(layers), (layers, layers))
+
+
 def ledger_peak(config: TrainingConfig, dynamic_memory_bytes: int, which: str = "nominal") -> int:
     """Per-rank peak inside backward: the ledger's static memory for ``config`` plus ``dynamic_memory_bytes`` of
     simulated activations (which also get the ledger's allocator rounding and fragmentation band); ``which`` is

@@ -23,6 +23,16 @@ def module_name(node: fx.Node) -> str:
     return "<model>"
 
 
+def layer_of(node: fx.Node) -> int | None:
+    """The index of the decoder layer ``node`` runs in: the block of a module list (``model.layers.3``,
+    ``transformer.h.3``) in its ``nn_module_stack``; None outside the layers or without a module stack."""
+    for entry in (node.meta.get("nn_module_stack") or {}).values():
+        last = str(entry[0]).rsplit(".", 1)[-1]
+        if last.isdigit():
+            return int(last)
+    return None
+
+
 def source_location(node: fx.Node) -> str:
     """' (file.py:123)' for the user code that produced ``node``, from Dynamo's recorded stack trace."""
     frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")

@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 
 from torch import fx
 
+from autosp.passes.graph_utils import layer_of
 from autosp.passes.joint.checkpointing import Candidate, choose_recomputation, tag_recomputation
 from simulator.max_length import DepthExtrapolationError
 
@@ -54,16 +55,6 @@ full depth])."""
 
 _NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")
 """torch.fx's rule for a node name: a base and a counter (none for the first)."""
-
-
-def layer_of(node: fx.Node) -> int | None:
-    """The index of the decoder layer (a block of a module list, by ``nn_module_stack``) ``node`` runs in; None
-    outside the layers."""
-    for entry in (node.meta.get("nn_module_stack") or {}).values():
-        last = str(entry[0]).rsplit(".", 1)[-1]
-        if last.isdigit():
-            return int(last)
-    return None
 
 
 def _named(name: str, layers: int, deltas: Mapping[str, int]) -> str:

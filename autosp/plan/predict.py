@@ -250,6 +250,131 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
     return found if variants else found[checkpointing_variant(options)]
 
 
+STRATEGY_OPTIONS = ("strategy", "ulysses_size", "ring_size")
+"""The `autosp.compile` options that select a sequence-parallel strategy: they act in the Dynamo-stage passes, after
+Dynamo's capture, so strategies share that capture (`trace_strategies`)."""
+
+
+class _EveryStrategyCaptured(Exception):
+    """Raised out of Dynamo's backend call once every strategy's joint graph is captured (`trace_strategies`)."""
+
+
+# Note [One Dynamo capture for every strategy]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A strategy enters the program in the Dynamo-stage passes (autosp/passes/dynamo, run by the backend on the graph
+# Dynamo hands it), not before: Dynamo's capture is the model's code on one rank's shard, which depends on the
+# shard's shapes only, the same for Ulysses, the ring and every hybrid (the zig-zag layout changes which tokens a
+# rank holds, not how many).  So `trace_strategies` captures once per depth and length: the first strategy's compiled
+# model is called on the sample, its backend receives Dynamo's graph, and inside that call each strategy's compiled
+# model is called on the same sample (its forward shards the sample and records the layout, as for its own trace)
+# with its program compiled by its own backend (`autosp.backend.make_backend`: the passes, AOTAutograd's joint
+# graph, captured, and its partition) from a copy of that graph.  Nothing then runs: the shallow traces of a decision
+# need the joint graphs only (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py).  A
+# strategy whose shard has other shapes is refused (its own trace).  The joint graphs equal those of separate traces
+# but for the process groups' names (tests/autosp/test_strategy_auto.py).
+
+
+def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
+                     strategies: Sequence[Mapping], options: Mapping | None = None) -> list:
+    """For each of ``strategies`` (`STRATEGY_OPTIONS` of `autosp.compile`, on top of ``options``), (joint graph,
+    `_TraceFacts`) of ``layers`` layers at ``seq_len`` tokens from one Dynamo capture (Note [One Dynamo capture for
+    every strategy]), or the `AutoSPError` that refused it."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autosp.api import compile as autosp_compile
+    from autosp.backend import JointCaptured, make_backend
+    from autosp.inputs import prepare_inputs
+    from autosp.pipeline import passes_for
+
+    hf = source.config(seq_len=seq_len, num_layers=layers)
+    dtype = _torch_dtype(setup.dtype)
+    start = time.perf_counter()
+    log.info("tracing %s: %d layers, %s x %d tokens over %d SP ranks, one Dynamo capture for %d strategies",
+             source.spec, hf.num_hidden_layers, setup.micro_batch, seq_len, setup.sp_size, len(strategies))
+    torch._dynamo.reset()  # as trace_step: the planner owns the compiled functions of its process
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=setup.sp_size)
+    try:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        previous = torch.get_default_dtype()
+        with fake_mode:
+            torch.set_default_dtype(dtype)
+            try:
+                model = source.build(hf, dtype)
+            finally:
+                torch.set_default_dtype(previous)
+            ids = torch.randint(0, hf.vocab_size, (setup.micro_batch, seq_len))
+            inputs = prepare_inputs(ids, labels=ids)
+        parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        found: list = [None] * len(strategies)
+        compiled = []
+        for i, strategy in enumerate(strategies):
+            try:  # as autosp.export.trace_fake_step compiles its one model
+                compiled.append(autosp_compile(model, sp_size=setup.sp_size, compiler="aot_eager",
+                                               **{"check_same_sample": False, **(options or {}), **strategy}))
+                compiled[-1]._ctx.capture_joint = compiled[-1]._ctx.joint_only = True
+            except AutoSPError as err:
+                found[i] = err
+                compiled.append(None)
+        first = next((m for m in compiled if m is not None), None)
+        if first is None:
+            return found
+
+        def capture_every_strategy(gm: fx.GraphModule, example_inputs):
+            roles = [first._ctx.input_roles.get(id(x)) for x in example_inputs]
+            shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in example_inputs]
+            for i, m in enumerate(compiled):
+                if m is None:
+                    continue
+
+                def compile_from_capture(m=m, **local):
+                    shard = [local[r] if r else x for r, x in zip(roles, example_inputs, strict=True)]
+                    if [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in shard] != shapes:
+                        raise AutoSPError("its shard has other shapes than the shared Dynamo capture's")
+                    # Lazy graph modules (torch's own switch, scoped to this block): nothing compiled here is
+                    # called, so no graph's Python code is generated.
+                    with warnings.catch_warnings(), _use_lazy_graph_module(True):
+                        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+                        graph = _make_graph_module(gm, copy.deepcopy(gm.graph))
+                        try:
+                            make_backend(m._ctx, m.config, passes=passes_for(m.config))(graph, shard)
+                        except JointCaptured:
+                            pass
+
+                m.__dict__["_compiled"] = compile_from_capture
+                try:
+                    m(**inputs)
+                    report = m._ctx.report
+                    found[i] = (report.joint_capture, _TraceFacts(
+                        parameter_bytes=parameter_bytes, forward_graph=report.forward_graphs[-1],
+                        attention_kept_fraction=report.attention_kept_fraction, compiled_with=m.config,
+                        num_fwd_outputs=report.joint_capture.partition_kwargs["num_fwd_outputs"]))
+                except AutoSPError as err:
+                    found[i] = err
+            raise _EveryStrategyCaptured
+
+        first.__dict__["_compiled"] = torch.compile(model, backend=capture_every_strategy, fullgraph=True,
+                                                    dynamic=False)
+        with fake_mode:
+            try:
+                first(**inputs)
+            except torch._dynamo.exc.BackendCompilerFailed as err:
+                if not isinstance(err.inner_exception, _EveryStrategyCaptured):
+                    raise
+    finally:
+        dist.destroy_process_group()
+    log.info("traced in %.1f s: one Dynamo capture, %d joint graph(s)", time.perf_counter() - start,
+             sum(isinstance(f, tuple) for f in found))
+    return found
+
+
 def resized_steps(length_class, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
                   config: TrainingConfig, options: Mapping | None = None,
                   variants: tuple[tuple[str, float | None], ...] = (),
@@ -354,6 +479,9 @@ class TraceReuse:
         self._offloaded: dict[int, Traced] = {}
         self._simulated: dict[tuple[int, int], tuple] = {}
         self._captures: dict[tuple, tuple] = {}
+        self.strategies: tuple[dict, ...] = ()
+        """Option sets (`STRATEGY_OPTIONS`) whose shallow traces share one Dynamo capture per depth and length
+        (`trace_strategies`; `choose_strategy` sets them)."""
         self.traces = 0
         """Fake-tensor traces (Dynamo captures) taken."""
         self.resized = 0
@@ -422,10 +550,16 @@ class TraceReuse:
         """(joint graph, `_TraceFacts`, ``rewrites_here``) of the shallow trace of ``options`` at ``seq_len`` and
         ``layers`` (traced if not yet; re-sized from its length class's two joint graphs when its program was),
         for SAC's full-depth tags (`_shallow_sac_step`)."""
-        self.trace(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
         key = (source.spec, repr(setup), repr(config), seq_len, layers, self._group(options))
+        if key not in self._captures and self._shares_capture(options):
+            self._capture_strategies(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
+        if key not in self._captures:
+            self.trace(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
         if key in self._captures:
-            return self._captures[key]
+            found = self._captures[key]
+            if isinstance(found, AutoSPError):
+                raise found
+            return found
         from autosp.joint_template import joint_at
 
         lengths = self.length_classes.get(key[:3] + key[4:])
@@ -435,6 +569,27 @@ class TraceReuse:
             raise DepthExtrapolationError(f"no joint graph of the {layers}-layer program at {seq_len} tokens")
         offloads = any(self._group(p) == key[-1] and self._variant(p)[1] for p in self._plans)
         return capture, lengths.facts, offloads
+
+    def _shares_capture(self, options: Mapping | None) -> bool:
+        """Whether the shallow trace of ``options`` is one of `strategies`' shared capture: a strategy of them, no
+        length classes, and no other plan of its group (no checkpointing variants, no offload rewrites)."""
+        options = dict(options or {})
+        strategy = {k: v for k, v in options.items() if k in STRATEGY_OPTIONS}
+        return (not self.resize_lengths and strategy in self.strategies
+                and not any(self._group(p) == self._group(options) for p in self._plans))
+
+    def _capture_strategies(self, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int,
+                            config: TrainingConfig, options: Mapping | None) -> None:
+        """`trace_strategies` for every strategy of `strategies` on top of ``options``' other options: their
+        captures (or refusals) kept as `captured` answers them."""
+        base = {k: v for k, v in (options or {}).items() if k not in STRATEGY_OPTIONS}
+        found = trace_strategies(source, setup, seq_len=seq_len, layers=layers, strategies=self.strategies,
+                                 options=base)
+        self.traces += 1
+        for strategy, answer in zip(self.strategies, found, strict=True):
+            self.joint_graphs += isinstance(answer, tuple)
+            key = (source.spec, repr(setup), repr(config), seq_len, layers, self._group({**base, **strategy}))
+            self._captures[key] = (*answer, False) if isinstance(answer, tuple) else answer
 
     def same_program(self, options: Mapping, other: Mapping) -> bool:
         """Whether ``options`` and ``other`` traced to the same program at every length and depth traced for both
@@ -510,9 +665,9 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
     autosp/plan/depth.py); `DepthExtrapolationError` where that does not hold."""
     import copy
 
-    from torch import fx
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
-    from autosp.joint_template import partition_at
+    from autosp.joint_template import partition_at, propagate_fake
     from autosp.plan.depth import FullDepthTagger
 
     captured = {}
@@ -531,16 +686,21 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
                            memory_budget=budget)
     values: dict[str, dict[int, tuple]] = {}
     start = time.perf_counter()
+    # One fake-tensor propagation per joint graph: each pattern partitions a copy, which holds its metadata.
+    propagated = {layers: propagate_fake(captured[layers][0]) for layers in (2, 1)}
     patterns = ["every"]
     while patterns:
         pattern = patterns.pop(0)
         for layers in (2, 1):
             capture, facts, rewrites_here = captured[layers]
-            with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
+            # deep-copying the graph's pytree codegen warns about a deprecated spelling; the copy is partitioned,
+            # never called, so its Python code is not generated (torch's lazy graph modules)
+            with warnings.catch_warnings(), _use_lazy_graph_module(True):
                 warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-                graph = fx.GraphModule(capture.graph, copy.deepcopy(capture.graph.graph))
+                graph = _make_graph_module(capture.graph, copy.deepcopy(capture.graph.graph))
             sac = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
-            report = partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern))
+            report = partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern),
+                                  propagated=propagated[layers])
             if reuse is not None:
                 reuse.partitions += 1
             traced = _steps(source, setup, report, facts, seq_len=seq_len, layers=layers, config=config,
@@ -931,12 +1091,14 @@ def strategy_candidates(model: str, setup: TrainingSetup) -> list[tuple[Strategy
 
 def choose_strategy(model: str, setup: TrainingSetup, cluster: Cluster, *, options: Mapping | None = None,
                     capacity_bytes: int | None = None, reuse: TraceReuse | None = None,
-                    progress: Callable[[str], None] | None = None) -> StrategyDecision:
+                    progress: Callable[[str], None] | None = None, share_capture: bool = True) -> StrategyDecision:
     """``strategy="auto"``: predict ``setup`` under every candidate strategy and degree the pass compiles
     (`strategy_candidates`; each traced with that strategy, exported from what its pass emits and simulated on
     ``cluster``: `predict`), and choose the fastest whose peak fits ``capacity_bytes`` (default: the device's
     memory); ties go to the earlier candidate.  ``options``: further `autosp.compile` options (not the strategy
-    or its degrees); ``reuse``: traces shared with other calls (`TraceReuse`)."""
+    or its degrees); ``reuse``: traces shared with other calls (`TraceReuse`); ``share_capture``: the candidates'
+    shallow traces share one Dynamo capture per depth (Note [One Dynamo capture for every strategy]; False: each
+    traced on its own, for comparison)."""
     start = time.perf_counter()
     setup.check()
     setup = dataclasses.replace(setup, depth=setup.depth or DECIDING_DEPTH)
@@ -947,8 +1109,12 @@ def choose_strategy(model: str, setup: TrainingSetup, cluster: Cluster, *, optio
     if fixed:
         raise AutoSPError(f"strategy 'auto' chooses the strategy and its degrees; do not pass {', '.join(fixed)} too")
     capacity = int(cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes)
+    found = strategy_candidates(model, setup)
+    reuse = TraceReuse([]) if reuse is None else reuse
+    # Note [One Dynamo capture for every strategy]: the runnable candidates' shallow traces share Dynamo's capture
+    reuse.strategies = tuple(dict(s.compile_options) for s, why in found if why is None) if share_capture else ()
     candidates = []
-    for strategy, why in strategy_candidates(model, setup):
+    for strategy, why in found:
         prediction = None
         if why is None:
             try:

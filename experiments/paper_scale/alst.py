@@ -91,7 +91,13 @@ from experiments.paper_scale.fork import CAUSAL_ATTENTION
 from experiments.paper_scale.simulate import PLAIN, ModelVariant, TraceCache, trace_workload
 from simulator import Cluster, simulate
 from simulator.ledger import TrainingConfig, memory_ledger
-from simulator.max_length import ModelStep, extrapolate_depth, ledger_host_peak, ledger_peak
+from simulator.max_length import (
+    ModelStep,
+    extrapolate_depth,
+    extrapolate_or_trace_full,
+    ledger_host_peak,
+    ledger_peak,
+)
 from simulator.max_length import max_length as search_max_length
 from simulator.strategies import WorkloadRecipe
 from simulator.training_step import add_training_step, host_optimizer_time_s
@@ -355,7 +361,8 @@ def model_step(row: BreakdownRow, seq_len: int, *, model: PaperModel, cluster: C
 
     depths = (model.num_layers, model.num_layers) if layers == "full" else (
         (1, 2) if "depths-1-2" in row.switched else DEPTHS)
-    time_s, dynamic = extrapolate_depth(lambda d: at(d)[:2], model.num_layers, depths)
+    time_s, dynamic, depths = extrapolate_or_trace_full(lambda d: at(d)[:2], model.num_layers, depths,
+                                                        what=f"{row.name} at {seq_len} tokens")
     _, host = extrapolate_depth(lambda d: (0.0, at(d)[2]), model.num_layers, depths)
     return ModelStep(seq_len=seq_len, step_time_s=time_s + host_optimizer_time_s(training_config(row, model)),
                      dynamic_memory_bytes=dynamic, host_dynamic_memory_bytes=host,

@@ -60,7 +60,7 @@ from experiments.models import PAPER_MODELS, PaperModel
 from experiments.paper_scale.config import PAPER_CONFIG, PaperConfig, peak_memory_bytes, training_config
 from experiments.paper_scale.fork import build_llama, sdpa_backends, ulysses_kernel
 from simulator import Cluster, simulate
-from simulator.max_length import BANDS, DepthExtrapolationError, ModelStep, extrapolate_depth
+from simulator.max_length import BANDS, ModelStep, extrapolate_or_trace_full
 from simulator.max_length import MaxLength as BandedMaxLength
 from simulator.max_length import max_length as search_with_band
 from simulator.strategies import STRATEGIES, Strategy
@@ -395,13 +395,8 @@ def extrapolate_layers(system: str, model_name: str, seq_len: int, per_layers: C
     """The full model's step from ``per_layers(L)`` = (step time, dynamic memory) of L = ``depths`` layers (see
     Note [Depth extrapolation] in simulator/max_length.py; equal depths: the full model traced directly) and the full model's ledger."""
     model = PAPER_MODELS[model_name]
-    try:
-        step_time_s, dynamic = extrapolate_depth(per_layers, model.num_layers, depths)
-    except DepthExtrapolationError as exc:
-        log.warning("%s %s at %d tokens: %s; tracing all %d layers", system, model_name, seq_len, exc,
-                    model.num_layers)
-        depths = (model.num_layers, model.num_layers)
-        step_time_s, dynamic = per_layers(model.num_layers)
+    step_time_s, dynamic, depths = extrapolate_or_trace_full(per_layers, model.num_layers, depths,
+                                                             what=f"{system} {model_name} at {seq_len} tokens")
     static = tuple(peak_memory_bytes(model, system, 0, which, config) for which in BANDS)
     peak = tuple(peak_memory_bytes(model, system, dynamic, which, config) for which in BANDS)
     return SimulatedStep(model=model_name, system=system, seq_len=seq_len, sp_size=sp_size,

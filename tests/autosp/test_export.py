@@ -120,3 +120,127 @@ def test_export_activation_offload_moves_saved_activations_to_the_host_pool(aot_
     assert host == moved.offloaded_bytes and no_host == 0
     assert 0 < off - on <= moved.offloaded_bytes
     assert simulate(workload, Cluster.from_preset(preset)).host_peak_memory_bytes == moved.offloaded_bytes
+
+
+def _tuple_ops_step():
+    """Hand-made AOT graphs: a forward whose multi-output ops' elements die at different times, and the backward
+    of its one output (a tangent the size of the output, read by the backward's only op)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aten = torch.ops.aten
+
+    def forward(x):
+        out, _mean, _rstd = aten.native_layer_norm(x, [8], None, None, 1e-5)  # mean and rstd: nobody reads them
+        a = out * 2
+        var, mean = aten.var_mean(a, [1], correction=0)
+        b = a + var.unsqueeze(-1)  # var's last reader
+        c = b * 3
+        return (c + mean.unsqueeze(-1),)  # mean's last reader
+
+    def backward(tangents_1):
+        return (tangents_1 * 2,)
+
+    x = torch.randn(4, 8)
+    graphs = make_fx(forward)(x), make_fx(backward)(x)
+    for gm in graphs:  # as AOTAutograd's graphs: no getitem of an element nobody reads
+        gm.graph.eliminate_dead_code()
+    return graphs
+
+
+def test_export_prices_each_element_of_a_multi_output_op_as_its_own_tensor():
+    """Note [Tensor lifetimes in the export]: native_layer_norm's output, mean and rstd and var_mean's two
+    outputs are a tensor each; an element nobody reads is freed by its op, the others after their last reader."""
+    forward, backward = _tuple_ops_step()
+    program = export_workload([("forward", forward), ("backward", backward)], name="tuples", sp_size=1,
+                              parameter_bytes=0).ranks[0]
+    by_name = {op.name.split(".", 1)[1]: op for op in program.ops if op.phase == "forward"}
+    freed_by = {t: name for name, op in by_name.items() for t in op.frees}
+    norm, stats = by_name["native_layer_norm"], by_name["var_mean"]
+    assert [program.tensors[t] for t in norm.allocates] == [4 * 8 * 4, 4 * 4, 4 * 4]
+    assert [program.tensors[t] for t in stats.allocates] == [4 * 4, 4 * 4]
+    out, mean, rstd = norm.allocates
+    var, mean_of_a = stats.allocates
+    assert (freed_by[mean], freed_by[rstd], freed_by[out]) == ("native_layer_norm", "native_layer_norm", "mul")
+    assert (freed_by[var], freed_by[mean_of_a]) == ("add", "add_1")
+
+
+def test_export_prices_the_backward_tangents_and_frees_unheld_outputs_after_the_forward():
+    """Note [Outputs and tangents in the export], on the hand-made step: the forward's output (the caller's, not
+    saved) is freed by the forward's last op, or never with ``outputs_held``; the backward's tangent is a tensor of
+    the output's size allocated by the backward's first op and freed by its last reader."""
+    forward, backward = _tuple_ops_step()
+    graphs = [("forward", forward), ("backward", backward)]
+    dropped, held = (export_workload(graphs, name="tuples", sp_size=1, parameter_bytes=0, outputs_held=h).ranks[0]
+                     for h in (False, True))
+    ops = dropped.ops
+    last_forward = max(i for i, op in enumerate(ops) if op.phase == "forward")
+    output = ops[last_forward].allocates[0]
+    assert output in ops[last_forward].frees
+    assert all(output not in op.frees for op in held.ops)
+    first_backward = ops[last_forward + 1]
+    tangent = first_backward.allocates[0]
+    assert dropped.tensors[tangent] == dropped.tensors[output] == 4 * 8 * 4
+    assert tangent in first_backward.frees  # its only reader
+
+
+def test_export_matches_the_measured_peak_of_a_model_with_unread_outputs():
+    """The Hugging Face Llama returns logits and its KV cache beside the loss: the backward takes a zero-filled
+    tangent for each (Note [Outputs and tangents in the export]); under per-layer checkpointing the attention runs
+    inside an RNG wrapper, a higher-order op whose outputs only its getitems describe.  The simulated peak of the export is
+    the peak PeakMemory measures on the same step, with the caller dropping the outputs or holding them."""
+    from experiments.cpu.measure import _register_rng_ops_for
+    from experiments.cpu.peak_memory import PeakMemory
+    from tests.autosp.cases import loss_of
+
+    torch.manual_seed(0)
+    model = build_model("hf-llama", layers=LAYERS, hidden=64, kv_heads=4)
+    _register_rng_ops_for(PeakMemory)
+    measured = {}
+    with fake_process_group(WORLD, rank=0):
+        compiled = autosp.compile(model, sp_size=WORLD, compiler="aot_eager", checkpointing="layer")
+        ids, labels = (t[:1] for t in make_sample(1024, vocab_size(model), seed=0))
+        inputs = autosp.prepare_inputs(ids, labels=labels)
+        loss_of(compiled(**inputs)).backward()
+        params = list(model.parameters())
+        for held in (False, True):
+            model.zero_grad(set_to_none=False)
+            with PeakMemory(static=params + [p.grad for p in params], keep_breakdown=False) as pm:
+                out = compiled(**inputs)
+                if not held:
+                    out = loss_of(out)
+                loss_of(out).backward()
+            measured[held] = pm.peak_bytes
+            loss_bytes = loss_of(out).nbytes
+            del out
+    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    # the attention that runs under an RNG wrapper (forward, and recomputed in backward) is priced as attention
+    ops = export_workload(compiled.report.aot_graphs, name="hf", sp_size=WORLD, parameter_bytes=0).ranks[0].ops
+    wrapped = [op for op in ops if "rng_state" in op.name]
+    assert len(wrapped) == 2 * LAYERS and all(op.op_class == "attention" and op.flops > 0 for op in wrapped)
+    predicted = {held: simulate(export_workload(
+        compiled.report.aot_graphs, name="hf", sp_size=WORLD, parameter_bytes=parameter_bytes,
+        optimizer_bytes_per_parameter_byte=0.0, saved_freed_at_last_use=False, outputs_held=held),
+        Cluster.from_preset("cpu-gloo")).ranks[0].peak_memory_bytes for held in (False, True)}
+    for held in (False, True):
+        assert predicted[held] == pytest.approx(measured[held], rel=0.01), held
+    # Dropping the outputs, the caller still holds the loss it calls backward on; the export drops it too (a scalar)
+    assert predicted[True] - predicted[False] == measured[True] - measured[False] + loss_bytes > loss_bytes
+
+
+def test_export_prices_the_tiled_mlp_backward_as_the_memory_its_kernel_holds():
+    """The tiled MLP's backward over three chunks (96 rows, 32 per chunk), run on real tensors: PeakMemory's peak
+    inside the kernel is its outputs plus the one-chunk scratch the export allocates and frees with the op
+    (`autosp.costs.workspace_bytes`); a chunk's value kept into the next chunk would be measured above it."""
+    from autosp.costs import TILED_MLP, nbytes_of, workspace_bytes
+    from autosp.export import trace_fake_step
+    from experiments.cpu.peak_memory import PeakMemory
+
+    torch._dynamo.reset()
+    compiled, _ = trace_fake_step(lambda: build_model("hf-llama", layers=1, vocab=320), seq_len=192, sp_size=2,
+                                  vocab_size=320, dtype=torch.float32, tiled_mlp="on", mlp_chunk_tokens=32)
+    node = next(n for n in dict(compiled.report.aot_graphs)["backward"].graph.nodes if n.target is TILED_MLP[1])
+    torch.manual_seed(0)
+    args = [torch.randn(a.meta["val"].shape) if isinstance(a, torch.fx.Node) else a for a in node.args]
+    with PeakMemory(keep_breakdown=False) as pm:
+        node.target(*args)
+    assert pm.peak_bytes == nbytes_of(node.meta["val"]) + workspace_bytes(node)

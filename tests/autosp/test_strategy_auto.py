@@ -9,19 +9,25 @@ chosen.  The candidates of other head counts and SP degrees are checked without 
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
+import re
 
 import pytest
 
 from autosp.errors import AutoSPError
 from autosp.plan import TrainingSetup, load_cluster
 from autosp.plan.__main__ import build_parser, main
+from autosp.plan.model_source import ModelSource
 from autosp.plan.predict import (
     AUTO_STRATEGIES,
     STRATEGY_CHOICES,
     TraceReuse,
+    _Captured,
     choose_strategy,
     strategy_candidates,
+    trace_step,
 )
 from simulator.strategies import SEQUENCE_PARALLEL
 from simulator.workload import COMPILED_STRATEGIES
@@ -130,3 +136,33 @@ def test_strategy_auto_chooses_ring_when_heads_do_not_divide_over_the_ranks(llam
     assert by_name["autosp-ring"]["step_time_s"] > 0 and by_name["autosp-ring"]["fits"]
     assert answer["chosen"] == "autosp-ring" and answer["options"] == {"strategy": "ring"}
     assert answer["prediction"]["setup"]["sp_size"] == 3
+
+
+def test_strategy_auto_shares_one_dynamo_capture_with_each_strategys_own_joint_graph(tmp_path):
+    """Note [One Dynamo capture for every strategy] in autosp/plan/predict.py: a four-layer Llama (shallow traces of
+    1 and 2 layers, SAC deciding for the full depth) on SP 4 takes one Dynamo capture per depth for its three
+    candidates, and each candidate's joint graph (two layers) and trace facts are those of its own trace but for
+    the process groups' names: the rest of the decision is the same code on the same graphs (experiments/bench_planner.py
+    --separate-traces compares the decisions at 8B)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA, "num_hidden_layers": 4}))
+    setup = TrainingSetup(seq_len=4 * SEQ, sp_size=4, zero_stage=2)
+    cluster, shared = load_cluster(CLUSTER, world_size=setup.world_size), TraceReuse([])
+    decision = choose_strategy(str(path), setup, cluster, reuse=shared)
+    assert shared.traces == 2 and len(shared._captures) == 2 * 3  # 1 and 2 layers, three strategies each
+    assert all(c.prediction.step.extrapolated_from == (1, 2) for c in decision.candidates)
+
+    def code(capture):  # a process group's name is a hash of the order the groups were made in
+        return re.sub(r"'[0-9a-f]{40}'", "'group'", capture.graph.code)
+
+    source = ModelSource(str(path))
+    config = setup.training_config(source.parameter_numels(source.config(seq_len=setup.seq_len)))
+    for (_, _, _, seq_len, layers, group), (capture, facts, _) in shared._captures.items():
+        if layers == 1:  # the two-layer graphs: the one-layer ones are captured the same way
+            continue
+        own = _Captured()
+        trace_step(source, dataclasses.replace(setup, depth="extrapolated"), seq_len=seq_len, layers=layers,
+                   config=config, options=dict((k, ast.literal_eval(v)) for k, v in group), capture_into=own)
+        assert code(capture) == code(own.capture) and capture.inputs == own.capture.inputs
+        assert (facts.parameter_bytes, facts.num_fwd_outputs, facts.compiled_with) == \
+            (own.facts.parameter_bytes, own.facts.num_fwd_outputs, own.facts.compiled_with)

@@ -18,10 +18,10 @@ from simulator.strategies import STRATEGIES
 pytestmark = pytest.mark.timeout(1800)  # the first test to use quick_results pays for the whole quick run
 
 
-QUICK_MODELS = ("llama-3.2-3b", "llama-3.1-8b")
-"""The paper models the quick run simulates: two of the three (the paper's placeholders read Llama-3.1-8B, the
-iteration model; a second model keeps the summary across models honest), so that ``--models`` is exercised and
-the suite's time stays within budget (the full run does all three)."""
+QUICK_MODELS = ("llama-3.1-8b",)
+"""The paper model the quick run simulates: one of the three (the paper's placeholders read Llama-3.1-8B, the
+iteration model), so that ``--models`` is exercised and the suite's time stays within budget (the full run does
+all three)."""
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_reproduce_max_seq_len_table_has_every_system_of_the_models_asked_for(qu
     run = json.loads((quick_results / "run.json").read_text())
     summary = run["max_seq_len_summary"]
     published = [r for r in published_figures() if r["figure"] == "max_seq_len" and r["model"] in QUICK_MODELS]
-    assert summary["compared"] == len(published) == len(errors) == 8
+    assert summary["compared"] == len(published) == len(errors) == 4
     assert summary["median_abs_error_pct"] == pytest.approx(statistics.median(errors), abs=0.6)
     text = (quick_results / "max-seq-len.md").read_text()
     assert text.count("|") > 20 and "Median |error|" in text and "NOT the stated configuration" in text
@@ -476,8 +476,11 @@ def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces()
     ckpt = simulate_step("ulysses+ckpt", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert ckpt.static == ulysses.static
     # Per-layer checkpointing ("layer") leaves what runs outside the layers (output projection, loss) alone: at 4,096
-    # tokens that sets the peak, so it keeps no less; at 16,384 the layers' activations dominate and it keeps less.
-    assert ckpt.peak_memory_bytes <= ulysses.peak_memory_bytes
+    # tokens that sets the peak, so it keeps no less (beyond the RNG state it saves per layer for the recomputation:
+    # the traced CPU generator's); at 16,384 the layers' activations dominate and it keeps less.
+    import torch
+
+    assert ckpt.peak_memory_bytes <= ulysses.peak_memory_bytes + model.num_layers * torch.get_rng_state().nbytes
     assert ckpt.step_time_s > ulysses.step_time_s  # ... and recomputes the forward in backward
     longer = {name: simulate_step(name, "llama-3.2-3b", 16384, cache=cache, layers="extrapolated")
               for name in ("ulysses", "ulysses+ckpt")}

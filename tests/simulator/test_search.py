@@ -156,3 +156,18 @@ def test_depth_extrapolation_refuses_traces_that_shrink_with_the_depth(shallow, 
 
     with pytest.raises(DepthExtrapolationError, match="trace the full depth"):
         extrapolate_depth({1: shallow, 2: deeper}.__getitem__, 32, (1, 2))
+
+
+def test_a_refused_extrapolation_falls_back_to_the_full_depth_and_says_so(caplog):
+    from simulator.max_length import extrapolate_or_trace_full
+
+    traced = []
+
+    def at_depth(d):
+        traced.append(d)
+        return {2: (1.0, 5000), 3: (1.5, 4000), 32: (9.0, 70_000)}[d]  # 3 layers hold less than 2: refused
+
+    assert extrapolate_or_trace_full(at_depth, 32, (2, 3), what="row x") == (9.0, 70_000, (32, 32))
+    assert traced == [2, 3, 32] and "row x" in caplog.text and "tracing all 32 layers" in caplog.text
+    straight = {1: (1.0, 1000), 2: (1.5, 1300)}.__getitem__
+    assert extrapolate_or_trace_full(straight, 32, (1, 2)) == (16.5, 10300, (1, 2))

@@ -88,6 +88,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp.costs import VIEWS, classify, nbytes_of, packet_name
+from autosp.passes.graph_utils import layer_of
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +159,9 @@ def _in_layer(node: fx.Node) -> bool:
     """Whether ``node`` runs inside one block of a module list (a decoder layer: ``model.layers.3``,
     ``transformer.h.3``), what ``gradient_checkpointing_enable`` checkpoints; a collective the passes inserted (no
     module) sits around an attention, inside its layer."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
+    if not node.meta.get("nn_module_stack"):
         return _is_collective(node)
-    return any(str(entry[0]).rsplit(".", 1)[-1].isdigit() for entry in stack.values())
+    return layer_of(node) is not None
 
 
 def _is_random(node: fx.Node) -> bool:
