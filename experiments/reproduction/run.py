@@ -17,7 +17,7 @@ PRESETS: dict[str, dict] = {
     # contention (--cpu-ranks 2 4 on a machine with 4 or more cores; the hybrid autosp-hybrid-2x2 runs only there)
     "default": {"granularity": 1024, "zero3_granularity": 1024, "search_probes": 10, "cpu_ranks": (2,),
                 "cpu_seq_len": 1024, "cpu_steps": 8, "memory_cap_mib": 16.0, "cap_granularity": 128,
-                "cap_probes": 5, "layers": "full"},
+                "cap_probes": 8, "layers": "full"},
     # zero3 fits about 10K tokens: the quick preset's 8K-token steps would be too coarse for it
     "quick": {"granularity": 8192, "zero3_granularity": 2048, "search_probes": 6, "cpu_ranks": (2,),
               "cpu_seq_len": 256, "cpu_steps": 3, "memory_cap_mib": 8.0, "cap_granularity": 256, "cap_probes": 2,
