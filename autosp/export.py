@@ -89,6 +89,7 @@ halved under causal masking; elementwise ops one FLOP per output element.  An op
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -690,21 +691,47 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     in autosp/joint_template.py).
     The process must not have a process group of its own.
     """
-    import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from autosp.api import compile as autosp_compile
-    from autosp.inputs import prepare_inputs
 
-    if dist.is_initialized():
-        raise RuntimeError("trace_fake_step needs a process without a process group (it creates a fake one)")
     positions = None
     if document_lengths is not None:  # real values (a few integers per token), outside the fake mode
         positions = torch.cat([torch.arange(int(n)) for n in document_lengths])[None].expand(micro_batch, -1)
         if positions.shape[1] != seq_len:
             raise ValueError(f"document_lengths sum to {positions.shape[1]} tokens, not seq_len={seq_len}")
+    with fake_training_sample(build_model, seq_len=seq_len, sp_size=sp_size, vocab_size=vocab_size, rank=rank,
+                              dtype=dtype, micro_batch=micro_batch, position_ids=positions) as (fake_mode, model,
+                                                                                                inputs):
+        # The fake group's collectives carry no data, so the same-sample check (autosp.guards.check_same_sample)
+        # would compare fake tensors by value; the trace has one sample by construction.
+        compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **{"check_same_sample": False, **options})
+        compiled._ctx.checkpointing_variants = tuple(checkpointing_variants)
+        compiled._ctx.capture_joint = capture_joint
+        # The step runs in the fake mode too: a graph's factory ops (the zeros a loss backward fills, a
+        # [S, vocab] buffer) would otherwise allocate real memory, gigabytes at paper scale.
+        with fake_mode:
+            out = compiled(**inputs)
+            (out if isinstance(out, torch.Tensor) else out.loss).backward()
+        parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return compiled, parameter_bytes
+
+
+@contextlib.contextmanager
+def fake_training_sample(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
+                         dtype: torch.dtype = torch.bfloat16, micro_batch: int = 1, position_ids=None):
+    """A fake process group of ``sp_size`` ranks (this process ``rank``) for the block, and in a FakeTensorMode
+    ``build_model()`` (parameters of ``dtype``, no storage) with one sample of ``micro_batch`` rows of
+    ``seq_len`` random tokens (labels the tokens, ``position_ids`` if given): yields (fake mode, model, inputs)
+    for `trace_fake_step` and the planner's shared capture (`autosp.plan.predict.trace_strategies`).  The process
+    must not have a process group of its own."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autosp.inputs import prepare_inputs
+
+    if dist.is_initialized():
+        raise RuntimeError("tracing on fake tensors needs a process without a process group (it creates a fake one)")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=sp_size)
     try:
         previous = torch.get_default_dtype()
@@ -717,18 +744,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
             finally:
                 torch.set_default_dtype(previous)
             ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
-            inputs = prepare_inputs(ids, labels=ids, position_ids=positions)
-        # The fake group's collectives carry no data, so the same-sample check (autosp.guards.check_same_sample)
-        # would compare fake tensors by value; the trace has one sample by construction.
-        compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **{"check_same_sample": False, **options})
-        compiled._ctx.checkpointing_variants = tuple(checkpointing_variants)
-        compiled._ctx.capture_joint = capture_joint
-        # The step runs in the fake mode too: a graph's factory ops (the zeros a loss backward fills, a
-        # [S, vocab] buffer) would otherwise allocate real memory, gigabytes at paper scale.
-        with fake_mode:
-            out = compiled(**inputs)
-            (out if isinstance(out, torch.Tensor) else out.loss).backward()
-        parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            inputs = prepare_inputs(ids, labels=ids, position_ids=position_ids)
+        yield fake_mode, model, inputs
     finally:
         dist.destroy_process_group()
-    return compiled, parameter_bytes

@@ -282,16 +282,12 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
     import copy
 
     import torch
-    import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
     from torch import fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from autosp.api import compile as autosp_compile
     from autosp.backend import JointCaptured, make_backend
-    from autosp.inputs import prepare_inputs
+    from autosp.export import fake_training_sample
     from autosp.pipeline import passes_for
 
     hf = source.config(seq_len=seq_len, num_layers=layers)
@@ -300,18 +296,9 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
     log.info("tracing %s: %d layers, %s x %d tokens over %d SP ranks, one Dynamo capture for %d strategies",
              source.spec, hf.num_hidden_layers, setup.micro_batch, seq_len, setup.sp_size, len(strategies))
     torch._dynamo.reset()  # as trace_step: the planner owns the compiled functions of its process
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=setup.sp_size)
-    try:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        previous = torch.get_default_dtype()
-        with fake_mode:
-            torch.set_default_dtype(dtype)
-            try:
-                model = source.build(hf, dtype)
-            finally:
-                torch.set_default_dtype(previous)
-            ids = torch.randint(0, hf.vocab_size, (setup.micro_batch, seq_len))
-            inputs = prepare_inputs(ids, labels=ids)
+    with fake_training_sample(lambda: source.build(hf, dtype), seq_len=seq_len, sp_size=setup.sp_size,
+                              vocab_size=hf.vocab_size, dtype=dtype, micro_batch=setup.micro_batch) as (
+            fake_mode, model, inputs):
         parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         found: list = [None] * len(strategies)
         compiled = []
@@ -368,8 +355,6 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
             except torch._dynamo.exc.BackendCompilerFailed as err:
                 if not isinstance(err.inner_exception, _EveryStrategyCaptured):
                     raise
-    finally:
-        dist.destroy_process_group()
     log.info("traced in %.1f s: one Dynamo capture, %d joint graph(s)", time.perf_counter() - start,
              sum(isinstance(f, tuple) for f in found))
     return found
