@@ -211,6 +211,11 @@ def _tiled_mlp_scratch(node: fx.Node) -> int:
     return scratch
 
 
+LOSS_SCRATCH_ROWS = 2
+"""fp32 [chunk, vocab] buffers one chunk of the tiled loss allocates (`workspace_bytes`; the planner's chunk rule,
+autosp/plan/auto.py, reads it)."""
+
+
 def workspace_bytes(node: fx.Node) -> int:
     """Bytes an op allocates and frees while it runs, beyond its outputs.  The tiled loss: two fp32
     [chunk, vocab] buffers (the chunk's logits and the softmax's temporary in forward; the probabilities and
@@ -222,7 +227,7 @@ def workspace_bytes(node: fx.Node) -> int:
     if node.target not in TILED_LOSS:
         return 0
     rows, width, vocab, chunk = _tiled_loss_dims(node)
-    scratch = 2 * min(rows, chunk) * vocab * 4
+    scratch = LOSS_SCRATCH_ROWS * min(rows, chunk) * vocab * 4
     if node.target is TILED_LOSS[1] and schema_arg(node, "weight").meta["val"].dtype != torch.float32 and (
             schema_arg(node, "weight_grad")):
         scratch += min(rows, vocab) * width * 4

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from autosp.config import AutoSPConfig
+from autosp.costs import LOSS_SCRATCH_ROWS
 from autosp.errors import AutoSPError
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def chunk_tokens(target: int, row_bytes: int, default_bytes: int, scratch_bytes:
     A rule, not a search: the export prices a tiled op by its matmuls, the same for any chunk, and its scratch by
     one chunk, so among chunk sizes the smallest would always win; the rule keeps chunks large (fewer, larger
     matmuls on the device) while their scratch stays a small share of the target.  The scratch is what one chunk
-    really allocates (`LOSS_SCRATCH_ROWS`, `MLP_SCRATCH_ROWS`), not only the buffers the default budget names:
+    really allocates (`autosp.costs.LOSS_SCRATCH_ROWS`, `MLP_SCRATCH_ROWS`), not only the buffers the default budget names:
     counting those alone, the tiled MLP's chunk took a quarter of the target (Note [Chunk scratch in the rule])."""
     row_bytes = max(1, row_bytes)
     scratch_bytes = max(1, scratch_bytes or row_bytes)
@@ -72,8 +73,6 @@ def chunk_tokens(target: int, row_bytes: int, default_bytes: int, scratch_bytes:
 # is smaller than it could be, never larger).  The rule first counted the input projections' outputs only (what
 # `MLP_CHUNK_BYTES` counts), a quarter of the tiled MLP's backward scratch: on the CPU memory-cap table (16 MiB per
 # rank) a 1,024-token chunk then held 4 MiB, measured, at the peak inside the MLP's backward.
-LOSS_SCRATCH_ROWS = 2
-"""fp32 [chunk, vocab] buffers one chunk of the tiled loss allocates (`autosp.costs.workspace_bytes`)."""
 MLP_SCRATCH_ROWS = 8
 """[chunk, intermediate] values one chunk of a gated tiled MLP allocates in backward (`autosp.costs`)."""
 
