@@ -177,7 +177,8 @@ def _aot_eager(gm: fx.GraphModule, example_inputs, *, config: AutoSPConfig, repo
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         report.joint_graphs += 1
         if capture_seq_len is not None:  # Note [The joint graph at another length] in autosp/joint_template.py
-            report.joint_capture = capture_joint(joint, joint_inputs, kwargs, seq_len=capture_seq_len)
+            report.joint_capture = capture_joint(joint, joint_inputs, kwargs, seq_len=capture_seq_len,
+                                                 copy_graph=not joint_only)
             if joint_only:
                 raise JointCaptured
         return partition_joint(joint, joint_inputs, kwargs, config=config, report=report, variants=variants,

@@ -144,7 +144,13 @@ class _Emitter:
     document_ids: torch.Tensor | None = None
     """A ring over packed documents: the traced batch's document ids, [B, S] (see `export_workload`)."""
 
+    node_costs: dict | None = None
+    """What `_node_costs` found for each node, shared by the emitters of one export's ranks (their programs differ
+    in the ring's ops only)."""
+
     def __post_init__(self):
+        if self.node_costs is None:
+            self.node_costs = {}
         self.ops: list[Op] = []
         self.tensors: dict[int, int] = {}
         self.host_tensors: set[int] = set()
@@ -155,10 +161,10 @@ class _Emitter:
         """The caller's outputs it holds to the end of the step (Note [Outputs and tangents in the export])."""
 
     def program(self, static: StaticMemory) -> RankProgram:
-        ops = [
-            Op(**{**_op_fields(op), "frees": tuple(sorted(set(op.frees) | set(self.frees_at.get(op.id, []))))})
-            for op in self.ops
-        ]
+        ops = []
+        for op in self.ops:  # an op whose frees are already as they would be built stays as it is
+            frees = tuple(sorted(set(op.frees) | set(self.frees_at.get(op.id, ()))))
+            ops.append(op if frees == op.frees else Op(**{**_op_fields(op), "frees": frees}))
         return RankProgram(ops=tuple(ops), tensors=dict(self.tensors), static_memory=static,
                            host_tensors=frozenset(self.host_tensors))
 
@@ -243,8 +249,10 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
             kind, op_class, flops, allocates = "compute", "other", 0, ()
             read = written = 0
         else:
-            value = _value_of(node)
-            written = nbytes_of(value)
+            costs = em.node_costs.get(node)
+            if costs is None:
+                costs = em.node_costs[node] = _node_costs(node, packet, em.masked_fraction)
+            value, written, scratch, read, ours, computed = costs
             root[node] = None
             if isinstance(value, (tuple, list)):  # one tensor per element (Note [Tensor lifetimes in the export])
                 parts[node] = _element_tensors(em, value)
@@ -252,13 +260,10 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
             else:
                 root[node] = _new_tensor(em, written) if written else None
                 allocates = () if root[node] is None else (root[node],)
-            scratch = workspace_bytes(node)
             if scratch:  # allocated and freed by this op (the tiled loss's chunk)
                 tid = _new_tensor(em, scratch)
                 allocates += (tid,)
                 em.frees_at.setdefault(op_id, []).append(tid)
-            read = sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes)
-            ours = getattr(node.target, "namespace", None) == "autosp_testbed"
             if ours and packet in RING_ATTENTION:  # its steps and transfers (Note [Ring attention in the export])
                 used_by(node, _emit_ring(node, phase, em, deps, allocates), inputs)
                 continue
@@ -276,8 +281,7 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                     em.host_tensors.update(allocates)
             else:
                 kind = "compute"
-                op_class, flops = classify(node, masked_fraction=em.masked_fraction)
-                scores = attention_scores_of(node, masked_fraction=em.masked_fraction)
+                op_class, flops, scores = computed
         collective = None
         if kind in ("collective", "collective_start"):
             em.collectives += 1
@@ -305,6 +309,19 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
     for tid, op_id in last_use.items():
         if tid not in em.held:
             em.frees_at.setdefault(op_id, []).append(tid)
+
+
+def _node_costs(node: fx.Node, packet: str, masked_fraction: float | None) -> tuple:
+    """What `_emit_graph` reads of a node that allocates, the same on every rank: (value, bytes written, scratch
+    bytes, bytes read, an autosp_testbed op, (class, FLOPs, attention scores) of a compute op, None for ours)."""
+    value = _value_of(node)
+    ours = getattr(node.target, "namespace", None) == "autosp_testbed"
+    special = ours and (packet in RING_ATTENTION or packet in _COLLECTIVES or packet in _ASYNC_PHASES
+                        or packet in ACTIVATION_OFFLOAD)
+    computed = None if special else (*classify(node, masked_fraction=masked_fraction),
+                                     attention_scores_of(node, masked_fraction=masked_fraction))
+    return (value, nbytes_of(value), workspace_bytes(node),
+            sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes), ours, computed)
 
 
 def _new_tensor(em: _Emitter, nbytes: int) -> int:
@@ -549,9 +566,10 @@ def export_workload(
                           f"sp_size={sp_size}; pass the sp_size the program was compiled with")
     u = sp_size // sizes[0] if hybrid else 1
     everyone = [list(range(sp_size))]
-    programs = {}
+    programs, node_costs = {}, {}
     for rank in range(sp_size) if ring else (0,):  # a ring's neighbours are absolute ranks: a program per rank
         em = _Emitter(group="sp", masked_fraction=attention_kept_fraction, rank=rank, ulysses_size=u,
+                      node_costs=node_costs,
                       document_ids=document_ids if ring else None,
                       named_groups=dict.fromkeys(ulysses_names, "ulysses") if hybrid else None)
         live: dict[str, int] = {}

@@ -39,6 +39,7 @@ from typing import TypeVar
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
@@ -66,16 +67,34 @@ class JointCapture:
     graph: fx.GraphModule
     inputs: tuple[InputSpec, ...]
     partition_kwargs: dict
+    traced: tuple | None = field(default=None, compare=False, repr=False)
+    """(fake mode, inputs) of the trace whose fake tensors the graph's nodes hold (`capture_joint`: the joint
+    trace's own, Note [The trace's fake tensors]); None for a graph without them (`joint_at`)."""
 
 
-def capture_joint(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, seq_len: int) -> JointCapture:
-    """A copy of ``joint`` (before it is tagged) and the specs of its inputs."""
-    with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-        graph = fx.GraphModule(joint, copy.deepcopy(joint.graph))
-    specs = tuple(InputSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-                  for t in pytree.tree_leaves(joint_inputs) if isinstance(t, torch.Tensor))
-    return JointCapture(seq_len=seq_len, graph=graph, inputs=specs, partition_kwargs=dict(partition_kwargs))
+def capture_joint(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, seq_len: int,
+                  copy_graph: bool = True) -> JointCapture:
+    """A copy of ``joint`` (before it is tagged) and the specs of its inputs; ``copy_graph=False``: ``joint``
+    itself, for a compile that stops at the capture (``TraceContext.joint_only``: nothing tags it after)."""
+    graph = joint
+    if copy_graph:
+        with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+            graph = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+    tensors = [t for t in pytree.tree_leaves(joint_inputs) if isinstance(t, torch.Tensor)]
+    specs = tuple(InputSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors)
+    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
+    traced = (next(iter(modes.values())), tensors) if len(modes) == 1 and len(tensors) == len(
+        [t for t in tensors if isinstance(t, FakeTensor)]) and _holds_fake_values(graph) else None
+    return JointCapture(seq_len=seq_len, graph=graph, inputs=specs, partition_kwargs=dict(partition_kwargs),
+                        traced=traced)
+
+
+def _holds_fake_values(graph: fx.GraphModule) -> bool:
+    """Whether every node of ``graph`` but its output holds a ``val`` and every tensor value its ``tensor_meta``
+    (what `propagate_fake` sets)."""
+    return all("val" in n.meta and (not isinstance(n.meta["val"], torch.Tensor) or "tensor_meta" in n.meta)
+               for n in graph.graph.nodes if n.op != "output")
 
 
 class _NoTemplate(Exception):
@@ -157,6 +176,8 @@ def joint_at(first: JointCapture, second: JointCapture, seq_len: int) -> JointCa
 def propagate_fake(capture: JointCapture) -> tuple:
     """Fake tensors of ``capture``'s shapes propagated through its joint graph (each node's ``val`` and
     ``tensor_meta``): (fake mode, inputs), for `partition_at`."""
+    if capture.traced is not None:  # Note [The trace's fake tensors]
+        return capture.traced
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     from torch.fx.passes.shape_prop import _extract_tensor_metadata

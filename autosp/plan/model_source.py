@@ -48,7 +48,17 @@ class ModelSource:
 
     def parameter_numels(self, config) -> tuple[int, ...]:
         """Element count of every trainable parameter tensor in module order (tied weights once), from a model
-        built on the meta device (no memory)."""
+        built on the meta device (no memory); built once per configuration (`_NUMELS`: a decision asks for the
+        same few, a shallow trace's at every candidate and length)."""
+        try:
+            key = config.to_json_string(use_diff=False)
+        except (TypeError, ValueError):  # a field JSON cannot write: built every time
+            return self._built_numels(config)
+        if key not in _NUMELS:
+            _NUMELS[key] = self._built_numels(config)
+        return _NUMELS[key]
+
+    def _built_numels(self, config) -> tuple[int, ...]:
         import transformers
 
         with torch.device("meta"):
@@ -58,3 +68,8 @@ class ModelSource:
                 raise AutoSPError(f"--model {self.spec}: transformers has no causal-LM class for model_type "
                                   f"{getattr(config, 'model_type', '?')!r} ({exc})") from None
         return tuple(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+_NUMELS: dict[str, tuple[int, ...]] = {}
+"""`ModelSource.parameter_numels` by the configuration's config.json text (every field: the model class and its
+sizes)."""
