@@ -83,18 +83,26 @@ def capture_joint(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *
             graph = fx.GraphModule(joint, copy.deepcopy(joint.graph))
     tensors = [t for t in pytree.tree_leaves(joint_inputs) if isinstance(t, torch.Tensor)]
     specs = tuple(InputSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors)
-    modes = {id(t.fake_mode): t.fake_mode for t in tensors if isinstance(t, FakeTensor)}
-    traced = (next(iter(modes.values())), tensors) if len(modes) == 1 and len(tensors) == len(
-        [t for t in tensors if isinstance(t, FakeTensor)]) and _holds_fake_values(graph) else None
+    traced = _trace_fake_tensors(graph, tensors)
     return JointCapture(seq_len=seq_len, graph=graph, inputs=specs, partition_kwargs=dict(partition_kwargs),
                         traced=traced)
 
 
-def _holds_fake_values(graph: fx.GraphModule) -> bool:
-    """Whether every node of ``graph`` but its output holds a ``val`` and every tensor value its ``tensor_meta``
-    (what `propagate_fake` sets)."""
-    return all("val" in n.meta and (not isinstance(n.meta["val"], torch.Tensor) or "tensor_meta" in n.meta)
-               for n in graph.graph.nodes if n.op != "output")
+def _trace_fake_tensors(graph: fx.GraphModule, inputs: list) -> tuple | None:
+    """(fake mode, inputs) of the joint trace when ``inputs`` are its fake tensors and every node of ``graph`` holds
+    its ``val`` (each tensor value given its ``tensor_meta`` where it has none, as `propagate_fake` would: the
+    constants'); else None (Note [The trace's fake tensors])."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    modes = {id(t.fake_mode): t.fake_mode for t in inputs if isinstance(t, FakeTensor)}
+    nodes = [n for n in graph.graph.nodes if n.op != "output"]
+    if len(modes) != 1 or not all(isinstance(t, FakeTensor) for t in inputs) or \
+            not all("val" in n.meta for n in nodes):
+        return None
+    for node in nodes:
+        if isinstance(node.meta["val"], torch.Tensor) and "tensor_meta" not in node.meta:
+            node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+    return next(iter(modes.values())), inputs
 
 
 class _NoTemplate(Exception):
