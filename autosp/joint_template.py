@@ -90,8 +90,8 @@ def capture_joint(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *
 
 def _trace_fake_tensors(graph: fx.GraphModule, inputs: list) -> tuple | None:
     """(fake mode, inputs) of the joint trace when ``inputs`` are its fake tensors and every node of ``graph`` holds
-    its ``val`` (each tensor value given its ``tensor_meta`` where it has none, as `propagate_fake` would: the
-    constants'); else None (Note [The trace's fake tensors])."""
+    its ``val`` (each tensor value given its ``tensor_meta`` where it has none, and the output the values it returns,
+    as `propagate_fake` would: the constants'); else None (Note [The trace's fake tensors])."""
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
     modes = {id(t.fake_mode): t.fake_mode for t in inputs if isinstance(t, FakeTensor)}
@@ -102,6 +102,9 @@ def _trace_fake_tensors(graph: fx.GraphModule, inputs: list) -> tuple | None:
     for node in nodes:
         if isinstance(node.meta["val"], torch.Tensor) and "tensor_meta" not in node.meta:
             node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+    output = graph.graph.output_node()
+    if "val" not in output.meta:  # the values it returns, as the propagation records them
+        output.meta["val"] = fx.node.map_arg(output.args[0], lambda n: n.meta["val"])
     return next(iter(modes.values())), inputs
 
 
@@ -181,9 +184,24 @@ def joint_at(first: JointCapture, second: JointCapture, seq_len: int) -> JointCa
     return JointCapture(seq_len=seq_len, graph=module, inputs=inputs, partition_kwargs=first.partition_kwargs)
 
 
+# Note [The trace's fake tensors]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A joint graph re-sized by `joint_at` holds no tensor metadata, so `partition_at` propagates fake tensors of the
+# new shapes through it first (`propagate_fake`).  A joint graph captured from a trace (`capture_joint`) already
+# holds them: AOTAutograd's joint trace ran on fake tensors of one fake mode and left each node's ``val`` (and
+# ``tensor_meta``, but for the constants' ``get_attr`` nodes, which get theirs from their ``val`` as the
+# propagation would give it), the values the same kernels give on the same inputs (but for ``requires_grad``: the
+# trace's parameters require grad, as in the backend's own partition, the propagated ones do not; the min-cut reads
+# it only to match graphs across real ranks).  So the capture keeps that mode
+# and its inputs (`JointCapture.traced`) and `propagate_fake` hands them back instead of propagating again: the
+# planner's shallow traces partition every captured joint graph (each strategy's, each depth's) this way
+# (`autosp.plan.predict._shallow_sac_step`), and the predictions are the same floats as with the propagation.
+
+
 def propagate_fake(capture: JointCapture) -> tuple:
     """Fake tensors of ``capture``'s shapes propagated through its joint graph (each node's ``val`` and
-    ``tensor_meta``): (fake mode, inputs), for `partition_at`."""
+    ``tensor_meta``): (fake mode, inputs), for `partition_at`; the trace's own for a graph captured from a trace
+    (Note [The trace's fake tensors])."""
     if capture.traced is not None:  # Note [The trace's fake tensors]
         return capture.traced
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -671,7 +671,8 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
                            memory_budget=budget)
     values: dict[str, dict[int, tuple]] = {}
     start = time.perf_counter()
-    # One fake-tensor propagation per joint graph: each pattern partitions a copy, which holds its metadata.
+    # The fake tensors of each joint graph, once (the trace's own: Note [The trace's fake tensors] in
+    # autosp/joint_template.py): each pattern partitions a copy, which holds its metadata.
     propagated = {layers: propagate_fake(captured[layers][0]) for layers in (2, 1)}
     patterns = ["every"]
     while patterns:

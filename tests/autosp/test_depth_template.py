@@ -9,11 +9,16 @@ six-layer graph itself, and the extrapolated prediction is within a stated toler
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 
 import pytest
+import torch
+from torch.utils import _pytree as pytree
 
-from autosp.joint_template import partition_at
+from autosp.export import export_workload
+from autosp.joint_template import partition_at, propagate_fake
 from autosp.passes.joint.checkpointing import choose_recomputation, tag_recomputation
 from autosp.plan import TrainingSetup, load_cluster, predict
 from autosp.plan.depth import FullDepthTagger, _matmuls, _split
@@ -67,6 +72,38 @@ def test_sac_decision_from_two_layers_is_the_full_models(model):
     assert (decision.per_layer, decision.outside) == (seen["per_layer"], seen["outside"])
     # the budget ends inside a tie: layers differ, so two programs bracket the full one
     assert decision.every != decision.some and 0 < decision.share < 1
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_traced_joint_graph_partitions_on_its_traces_fake_tensors_as_on_propagated_ones(model, layers):
+    """Note [The trace's fake tensors] in autosp/joint_template.py: a capture keeps its trace's fake mode and
+    inputs, and `propagate_fake` hands them back; every node's value equals a fresh propagation's, and the
+    partition (SAC) exports to the same workload."""
+    captured = _capture(model, layers)
+    capture, config = captured.capture, captured.facts.compiled_with
+    assert capture.traced is not None and propagate_fake(capture) is capture.traced
+
+    def copied():  # node metadata copied per node (shallow), as the planner's per-pattern copies are
+        return dataclasses.replace(capture, graph=torch.fx.GraphModule(capture.graph,
+                                                                       copy.deepcopy(capture.graph.graph)))
+
+    fresh = dataclasses.replace(copied(), traced=None)
+    propagate_fake(fresh)
+    def described(value):  # a tensor's shape, strides and dtype; other values as they are
+        return pytree.tree_map(lambda v: (v.shape, v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v, value)
+
+    for ours, theirs in zip(capture.graph.graph.nodes, fresh.graph.graph.nodes, strict=True):
+        assert described(ours.meta.get("val")) == described(theirs.meta.get("val")), ours.name
+        if isinstance(ours.meta.get("val"), torch.Tensor):
+            # requires_grad aside: the trace's parameters require grad (Note [The trace's fake tensors])
+            assert ours.meta["tensor_meta"]._replace(requires_grad=False) == \
+                theirs.meta["tensor_meta"]._replace(requires_grad=False), ours.name
+
+    def exported(joint):  # the trace's own SAC tags
+        report = partition_at(joint, config, propagated=propagate_fake(joint))
+        return export_workload(report.aot_graphs, name="traced", sp_size=SETUP.sp_size, parameter_bytes=0)
+
+    assert exported(copied()) == exported(fresh)
 
 
 def test_extrapolated_prediction_is_within_tolerance_of_the_full_depth(model):

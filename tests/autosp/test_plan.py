@@ -322,3 +322,18 @@ def test_simulator_cli_reports_the_same_memory_definition_or_says_what_it_leaves
     result = json.loads((tmp_path / "b" / "result.json").read_text())
     activations = max(r["peak_memory_bytes"] - r["static_memory_bytes"] for r in result["ranks"])
     assert f"{ledger_peak(config, activations) / 2**30:.2f} GiB" in out and "device reserve included" in out
+
+
+def test_parameter_counts_are_built_once_per_configuration_and_equal_the_built_models():
+    """`ModelSource.parameter_numels` keeps each configuration's counts (`_NUMELS`): what it returns, first or
+    again, is what a model built for that configuration holds, for every depth and length asked."""
+    from autosp.plan import model_source
+    from autosp.plan.model_source import ModelSource
+
+    source = ModelSource("llama-3.2-1b")
+    configs = [source.config(seq_len=s, num_layers=n) for s, n in ((4096, 1), (4096, 2), (8192, 2), (4096, None))]
+    built = [source._built_numels(c) for c in configs]
+    assert len({len(b) for b in built}) == 3 and built[1] == built[2]  # the depth changes them, the length not
+    for _ in range(2):  # first built, then kept
+        assert [source.parameter_numels(c) for c in configs] == built
+    assert sum(key in model_source._NUMELS for key in (c.to_json_string(use_diff=False) for c in configs)) == 4

@@ -38,7 +38,8 @@ CASES = {  # name: (preset, heads, kv heads, ranks, options of the ring trace)
 
 @functools.cache
 def _traced(case: str, strategy: str):
-    """(exported workload, module map) of ``case`` traced with ``strategy`` (each traced once per session)."""
+    """(exported workload, module map, the graphs and their parameter bytes) of ``case`` traced with ``strategy``
+    (each traced once per session)."""
     preset, _, _, sp_size, options = CASES[case]
     torch._dynamo.reset()
     compiled, parameter_bytes = trace_fake_step(lambda: build_model(preset, layers=1, vocab=VOCAB), seq_len=SEQ,
@@ -46,12 +47,35 @@ def _traced(case: str, strategy: str):
                                                 **(options if strategy == "ring" else COMPARED))
     graphs = compiled.report.aot_graphs
     return (export_workload(graphs, name=f"{case}/{strategy}", sp_size=sp_size, parameter_bytes=parameter_bytes),
-            module_parameters(graphs, compiled.report.forward_graphs[-1]))
+            module_parameters(graphs, compiled.report.forward_graphs[-1]), (graphs, parameter_bytes))
 
 
 @pytest.fixture(params=list(CASES))
 def ring(request):
     return request.param, _traced(request.param, "ring")[0]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][3] > 2])
+def test_ring_export_prices_each_node_once_for_every_rank_as_each_rank_alone_would(case, monkeypatch):
+    """`autosp.export._node_costs` is found once per node and shared by the ranks' emitters (their programs differ
+    in the ring's ops only): the workload equals the one whose every rank prices every node itself."""
+    from autosp import export
+
+    exported, _, (graphs, parameter_bytes) = _traced(case, "ring")
+    calls = []
+    monkeypatch.setattr(export, "_node_costs", lambda *a, found=export._node_costs: calls.append(a) or found(*a))
+    shared = export_workload(graphs, name=f"{case}/ring", sp_size=CASES[case][3], parameter_bytes=parameter_bytes)
+    once = len(calls)
+
+    class OwnCosts(export._Emitter):
+        def __post_init__(self):
+            self.node_costs = None  # a dict of its own
+            super().__post_init__()
+
+    monkeypatch.setattr(export, "_Emitter", OwnCosts)
+    alone = export_workload(graphs, name=f"{case}/ring", sp_size=CASES[case][3], parameter_bytes=parameter_bytes)
+    assert shared == alone == exported and len(shared.ranks) == CASES[case][3]
+    assert len(calls) == once * (1 + CASES[case][3])  # each rank alone prices every node again
 
 
 def _transfers(program, phase: str, kind: str, tag: str) -> dict[str, list]:
