@@ -100,11 +100,11 @@ class ProgramGuard:
         ctx, assumed = self.ctx, self.assumptions
         refuse_padding(list(assumed.padding_refusals), ctx.layout, ctx.sp_size)
         if assumed.plain_positions and not positions_are_plain(ctx.full_inputs.get("position_ids")):
-            # Compiled by Inductor for plain positions: the model compiles this batch with aot_eager instead
-            # (Note [Code generator per batch] in autosp/api.py).
+            # Compiled as causal attention for plain positions: the model runs this batch through its document
+            # program instead (Note [Document program] in autosp/api.py).
             raise DocumentAttentionUnavailable(
-                "this program was compiled by Inductor for one unpacked sequence per row, and this batch packs "
-                "documents (position ids restart)")
+                "this program was compiled as causal attention for one unpacked sequence per row, and this batch "
+                "packs documents (position ids restart)")
         outputs = self.program(*args)
         ctx.program_outputs = outputs  # the gradient reduction finds the program's backward from these
         if assumed.labels_passed or not any(isinstance(p, Shard) for p in assumed.output_placements):

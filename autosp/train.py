@@ -195,6 +195,10 @@ def hf_config(args: argparse.Namespace):
     if args.num_layers:
         config.num_hidden_layers = args.num_layers
     config._attn_implementation = "sdpa"  # AutoSP rewrites scaled_dot_product_attention
+    # A KV cache serves generation, not training: without it a step holds no cache to its end.  Hugging Face then
+    # builds its mask from the position ids, which compiles as causal attention on plain positions (Note [Document
+    # program] in autosp/api.py).
+    config.use_cache = False
     return config
 
 

@@ -67,8 +67,8 @@ def test_attention_of_a_packed_batch_is_priced_by_the_scores_its_mask_keeps():
 
 
 def test_inductor_compiles_a_packed_batch_with_aot_eager_and_says_why(caplog):
-    """Note [Code generator per batch] in autosp/api.py, on a shape-only trace: the packed batch's program is
-    aot_eager's, with its document mask, and the warning names the reason."""
+    """Note [Document program] in autosp/api.py, on a shape-only trace: the packed batch's program is the document
+    program's (aot_eager), with its document mask, and the warning names the reason."""
     from experiments.models import build_model
 
     def build():
@@ -83,6 +83,7 @@ def test_inductor_compiles_a_packed_batch_with_aot_eager_and_says_why(caplog):
         compiled, _ = trace_fake_step(build, seq_len=256, sp_size=2, vocab_size=256, dtype=torch.float32,
                                       compiler="inductor", document_lengths=[100, 156])
     (program,) = compiled.programs
-    assert program.compiler == "aot_eager" and "flex_attention" in program.why_compiler
+    assert program.compiler == "aot_eager" and program.documents and "flex_attention" in program.why_documents
     assert [(m.by_position, m.padding) for m in compiled.report.document_masks] == [(True, False)]
-    assert "with aot_eager instead of Inductor" in caplog.text and "packed documents" in caplog.text
+    assert "document program (aot_eager) instead of its inductor program" in caplog.text
+    assert "packed documents" in caplog.text

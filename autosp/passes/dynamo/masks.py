@@ -39,7 +39,11 @@ A mask is a function of the inputs it reads, so the pass learns which function:
    `document_attention` over document ids computed in the graph from the
    all-gathered position ids and padding mask (a few integers per token, every
    step, so each batch is masked by its own layout).  In a checkpointed layer the
-   mask operand of the higher-order op is replaced by the document ids.
+   mask operand of the higher-order op is replaced by the document ids.  A rule
+   that separates documents by position only, traced on plain positions, is the
+   causal mask as long as the positions stay plain: it becomes ``is_causal=True``
+   too, checked on every call, and a packed batch goes to the model's document
+   program (Note [Document program] in autosp/api.py).
 
 The sequence-sharding analysis then runs `document_attention` through the
 Ulysses rule like SDPA (autosp.passes.dynamo.attention).  Under strategy="ring"
@@ -449,11 +453,10 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
         changed = True
         if ctx.strategy in ZIGZAG_STRATEGIES and not (seq_len is None or rule.plain_causal(seq_len)):
             _check_ring_rule(rule, ctx, where)  # the ring applies the ids itself, under any code generator
-        elif not ctx.document_attention_compiles and not (seq_len is None or rule.plain_causal(seq_len)):
-            # The compiled model catches this and compiles the batch with aot_eager (Note [Code generator per
-            # batch] in autosp/api.py).
-            rule = _without_document_attention(rule, ctx, where, "AutoSP applies it with flex_attention, which "
-                                               "Inductor does not compile yet", error=DocumentAttentionUnavailable)
+        elif not ctx.documents_program and not (seq_len is None or rule.plain_causal(seq_len)):
+            # Plain positions: causal SDPA, checked on every call; a batch this program cannot run goes to the
+            # model's document program (Note [Document program] in autosp/api.py).
+            rule = _without_document_attention(rule, ctx, where)
         if seq_len is None or rule.plain_causal(seq_len):
             call["attn_mask"], call["is_causal"] = None, True
             q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
@@ -506,18 +509,21 @@ def _check_ring_rule(rule: MaskRule, ctx: TraceContext, where: str) -> None:
                                               "of the sequence needs none)" if rule.padding else ""))
 
 
-def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str, why: str,
-                                error: type[AutoSPError] = AutoSPError) -> MaskRule:
-    """Where `document_attention` is not available (under Inductor, whose flex_attention lowering does not compile
-    it yet): a rule that only separates documents by position is the causal
-    mask while the positions are 0..S-1 in every row, which the compiled model then checks on every call; anything
-    else raises ``error``, saying ``why``."""
+def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str) -> MaskRule:
+    """In a model's own program (not its document program, Note [Document program] in autosp/api.py): a rule that
+    only separates documents by position is the causal mask while the positions are 0..S-1 in every row, which the
+    program then checks on every call (autosp.guards.ProgramGuard).  Any other rule is kept where the code
+    generator compiles `document_attention` (aot_eager) and raises `DocumentAttentionUnavailable` where it does not
+    (Inductor), so that the compiled model runs the batch through its document program."""
     plain = positions_are_plain(ctx.full_inputs.get("position_ids"))
     if rule.by_position and not rule.padding and rule.window is None and rule.chunk is None and plain:
         ctx.report.requires_plain_positions = True
         return MaskRule(by_position=False, padding=False, window=None)
-    raise error(f"module {where} attends with a mask over packed documents, chunks, padding or a sliding "
-                f"window ({rule}); {why}")
+    if ctx.document_attention_compiles:
+        return rule
+    raise DocumentAttentionUnavailable(f"module {where} attends with a mask over packed documents, chunks, padding "
+                                       f"or a sliding window ({rule}); AutoSP applies it with flex_attention, which "
+                                       "Inductor does not compile yet")
 
 
 def _drop_unused_operands(gm: fx.GraphModule) -> None:
