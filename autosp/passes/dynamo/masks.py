@@ -57,6 +57,7 @@ chunks and windows are refused here).
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -460,6 +461,9 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
         if seq_len is None or rule.plain_causal(seq_len):
             call["attn_mask"], call["is_causal"] = None, True
             q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
+            grouped = None if call["enable_gqa"] else _unrepeated_kv(k, v)
+            if grouped is not None:  # Note [Key and value heads repeated for a mask]
+                (k, v), call["enable_gqa"] = grouped, True
             node.args, node.kwargs = (q, k, v), dict(call)
             ctx.report.causal_masks_replaced += 1
             log.info("attention in %s: the mask built from the inputs is causal; using is_causal=True", where)
@@ -493,6 +497,57 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
             body.recompile()
         gm.recompile()
     return gm
+
+
+# Note [Key and value heads repeated for a mask]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Hugging Face lets SDPA group the query heads of grouped-query attention (``enable_gqa``) only when it passes no
+# mask; with a mask (the one it builds from the position ids when no KV cache is passed) it repeats the key and
+# value heads itself, ``x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)``, so that the
+# all-to-alls move, and backward keeps, H heads of keys and values instead of Hkv.  Where the mask becomes the
+# causal mask, the attention reads the unrepeated heads with ``enable_gqa=True`` instead: query head i reads key
+# and value head i // n either way, so the result is the same, without the copies (the Ulysses rule then ships
+# the Hkv heads as for a model that passed no mask, Note [GQA head replication] in
+# autosp/passes/dynamo/attention.py).
+
+
+def _unrepeated_kv(key, value) -> tuple[fx.Node, fx.Node] | None:
+    """The key and value before Hugging Face's repeat of their heads (Note [Key and value heads repeated for a
+    mask]), when both are repeated by the same factor; None otherwise."""
+    sources = [_repeat_source(key), _repeat_source(value)]
+    if None in sources:
+        return None
+    (key_source, key_repeat), (value_source, value_repeat) = sources
+    return (key_source, value_source) if key_repeat == value_repeat else None
+
+
+def _repeat_source(node) -> tuple[fx.Node, int] | None:
+    """(x, n) when ``node`` is ``x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)``, checked on the
+    traced shapes; None otherwise."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "reshape"):
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, fx.Node) and expand.op == "call_method" and expand.target == "expand"
+            and len(expand.users) == 1):
+        return None
+    index = expand.args[0]
+    if not (isinstance(index, fx.Node) and index.op == "call_function" and index.target is operator.getitem
+            and len(index.users) == 1):
+        return None
+    source, key = index.args
+    whole = slice(None, None, None)
+    if not isinstance(source, fx.Node) or key != (whole, whole, None, whole, whole):
+        return None
+    shapes = [fake_value(n) for n in (source, expand, node)]
+    if not all(isinstance(t, torch.Tensor) for t in shapes):
+        return None
+    x, expanded, out = (tuple(t.shape) for t in shapes)
+    if len(x) != 4 or len(expanded) != 5 or expanded[:2] != x[:2] or expanded[3:] != x[2:]:
+        return None
+    n = expanded[2]
+    if out != (x[0], x[1] * n, x[2], x[3]):
+        return None
+    return source, n
 
 
 def _check_ring_rule(rule: MaskRule, ctx: TraceContext, where: str) -> None:
