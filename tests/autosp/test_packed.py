@@ -173,6 +173,7 @@ def _mixed_batches(rank, world, spec):
                       "rules": [(m.by_position, m.padding, m.window) for m in report.document_masks],
                       "plain_positions": report.requires_plain_positions,
                       "causal": report.causal_masks_replaced,
+                      "heads": [(site.num_heads, site.num_kv_heads) for site in report.attention_sites],
                       "document_attention_nodes": sum(n.target is document_attention
                                                       for n in report.forward_graphs[-1].graph.nodes)})
     return results, steps
@@ -183,7 +184,7 @@ def test_plain_rows_compile_causal_sdpa_and_packed_rows_run_on_the_document_prog
     Traced on plain rows it compiles causal SDPA (no document attention in the graph, positions checked on every
     call); a packed batch of the same shapes is refused by that check and runs, exact, on the document program
     (traced on the packed positions: document attention); plain rows then run the first program again, packed rows
-    the document program without a new compile."""
+    the document program without a new compile.  The first program's attention reads the unrepeated kv heads."""
     kinds = ["plain", "packed", "plain", "packed"]
     per_rank = run_on_ranks(_mixed_batches, 2, {"model": "hf-llama", "kinds": kinds, "compiler": "aot_eager"},
                             timeout_s=600)
@@ -194,6 +195,9 @@ def test_plain_rows_compile_causal_sdpa_and_packed_rows_run_on_the_document_prog
         assert first["programs"] == [own] and not first["documents"]
         assert first["plain_positions"] and first["causal"] == 1 and first["rules"] == []
         assert first["document_attention_nodes"] == 0
+        # Llama's 8 query heads read 2 kv heads: HF's repeat of them for its mask is undone (Note [Key and value
+        # heads repeated for a mask] in autosp/passes/dynamo/masks.py)
+        assert first["heads"] == [(8, 2)]
         assert packed["programs"] == [own, documents] and packed["documents"]
         assert not packed["plain_positions"] and packed["rules"] == [(True, False, None)]
         assert packed["document_attention_nodes"] == 1
