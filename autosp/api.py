@@ -19,6 +19,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autosp.backend import make_backend
 from autosp.config import MEMORY_PLAN_OPTIONS, AutoSPConfig
@@ -82,11 +83,11 @@ def _accepts(forward, name: str) -> bool:
 # themselves (the mask pass's `_check_ring_rule`): their programs never assume plain positions.
 
 
-def _batch_kind(local: dict, full_inputs: dict) -> tuple:
+def _batch_kind(local: dict, full_inputs: dict, positions_plain: bool) -> tuple:
     """What decides whether the model's own program can run a batch (Note [Document program]): the shard's shapes,
     whether the positions are 0..S-1 in every row, and whether a padding mask is passed."""
     shapes = tuple((k, tuple(v.shape)) for k, v in sorted(local.items()) if isinstance(v, torch.Tensor))
-    return shapes, positions_are_plain(full_inputs.get("position_ids")), full_inputs.get("attention_mask") is not None
+    return shapes, positions_plain, full_inputs.get("attention_mask") is not None
 
 
 def _describe(kind: tuple) -> str:
@@ -195,10 +196,13 @@ class SequenceParallelModel(nn.Module):
         ctx.labels_passed = local.get("labels") is not None
         ctx.positions_passed = "position_ids" in local
         ctx.full_inputs = {k: kwargs.get(k) for k in ("position_ids", "attention_mask")}
+        positions = kwargs.get("position_ids")  # values where they have some (Note [Document program])
+        ctx.positions_plain = (batch.plain_positions if isinstance(positions, FakeTensor)
+                               else positions_are_plain(positions))
         ctx.input_roles = {id(local[k]): k for k in ("input_ids", "labels", "position_ids", "attention_mask")
                            if local.get(k) is not None}
         # Note [Document program]: no per-step check until some kind of batch went there.
-        kind = _batch_kind(local, ctx.full_inputs) if self._document_batches else None
+        kind = _batch_kind(local, ctx.full_inputs, ctx.positions_plain) if self._document_batches else None
         try:
             if kind is not None and kind in self._document_batches:
                 out = self._run(self._document_program(), local)
@@ -206,7 +210,7 @@ class SequenceParallelModel(nn.Module):
                 try:
                     out = self._run(self._compiled, local)
                 except DocumentAttentionUnavailable as why:  # Note [Document program]
-                    kind = _batch_kind(local, ctx.full_inputs)
+                    kind = _batch_kind(local, ctx.full_inputs, ctx.positions_plain)
                     self._document_batches.add(kind)
                     log.warning("AutoSP runs this batch (%d rows of %d tokens%s) through the model's document "
                                 "program (aot_eager) instead of its %s program: %s", ctx.batch_size, layout.seq_len,

@@ -152,6 +152,9 @@ class TraceContext:
     full_inputs: dict[str, object] = field(default_factory=dict)
     """The call's full-length position_ids and attention_mask (the same on every rank; None when not passed),
     while it is traced: what the mask pass checks the model's mask against."""
+    positions_plain: bool = False
+    """The call's position ids are 0..S-1 in every row: checked on their values, or, in a shape-only trace (fake
+    tensors, no values), generated so by `prepare_inputs` (Note [Document program] in autosp.api)."""
     document_attention_compiles: bool = True
     """Whether the backend compiles `autosp.document_attention` (not Inductor yet; see the mask pass); set by
     the backend from its code generator."""

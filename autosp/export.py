@@ -720,7 +720,7 @@ def fake_training_sample(build_model, *, seq_len: int, sp_size: int, vocab_size:
                          dtype: torch.dtype = torch.bfloat16, micro_batch: int = 1, position_ids=None):
     """A fake process group of ``sp_size`` ranks (this process ``rank``) for the block, and in a FakeTensorMode
     ``build_model()`` (parameters of ``dtype``, no storage) with one sample of ``micro_batch`` rows of
-    ``seq_len`` random tokens (labels the tokens, ``position_ids`` if given, else real plain positions): yields (fake mode, model, inputs)
+    ``seq_len`` random tokens (labels the tokens, ``position_ids`` if given): yields (fake mode, model, inputs)
     for `trace_fake_step` and the planner's shared capture (`autosp.plan.predict.trace_strategies`).  The process
     must not have a process group of its own."""
     import torch.distributed as dist
@@ -744,9 +744,6 @@ def fake_training_sample(build_model, *, seq_len: int, sp_size: int, vocab_size:
             finally:
                 torch.set_default_dtype(previous)
             ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
-        if position_ids is None:  # real values, as a training step's: a trace knows its positions are plain
-            position_ids = torch.arange(seq_len)[None].expand(micro_batch, -1)  # (Note [Document program])
-        with fake_mode:
             inputs = prepare_inputs(ids, labels=ids, position_ids=position_ids)
         yield fake_mode, model, inputs
     finally:

@@ -37,7 +37,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autosp.context import TraceContext, refuse_padding
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
-from autosp.inputs import in_sequence_order, positions_are_plain
+from autosp.inputs import in_sequence_order
 from autosp.passes.dynamo.placements import Shard
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class ProgramGuard:
     def __call__(self, *args):
         ctx, assumed = self.ctx, self.assumptions
         refuse_padding(list(assumed.padding_refusals), ctx.layout, ctx.sp_size)
-        if assumed.plain_positions and not positions_are_plain(ctx.full_inputs.get("position_ids")):
+        if assumed.plain_positions and not ctx.positions_plain:
             # Compiled as causal attention for plain positions: the model runs this batch through its document
             # program instead (Note [Document program] in autosp/api.py).
             raise DocumentAttentionUnavailable(

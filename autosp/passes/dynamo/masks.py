@@ -68,7 +68,7 @@ from autosp.config import ZIGZAG_STRATEGIES
 from autosp.context import TraceContext
 from autosp.document_attention import document_attention, document_ids, kept_fraction
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
-from autosp.inputs import gathered_in_sequence_order, pad_end, positions_are_plain
+from autosp.inputs import gathered_in_sequence_order, pad_end
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
 from autosp.passes.dynamo.mask_probes import IndexFlow, ShiftedProgram, gap_indices, probe_offsets
 from autosp.passes.dynamo.rules import higher_order_body
@@ -570,7 +570,7 @@ def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str) -
     program then checks on every call (autosp.guards.ProgramGuard).  Any other rule is kept where the code
     generator compiles `document_attention` (aot_eager) and raises `DocumentAttentionUnavailable` where it does not
     (Inductor), so that the compiled model runs the batch through its document program."""
-    plain = positions_are_plain(ctx.full_inputs.get("position_ids"))
+    plain = ctx.positions_plain
     if rule.by_position and not rule.padding and rule.window is None and rule.chunk is None and plain:
         ctx.report.requires_plain_positions = True
         return MaskRule(by_position=False, padding=False, window=None)
