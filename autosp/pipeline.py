@@ -40,17 +40,16 @@ def passes_for(config: AutoSPConfig) -> tuple[Pass, ...]:
     """The Dynamo-stage passes of one compile.  The tiled loss (Note [Tiled loss pass]) and the tiled MLP (Note
     [Tiled MLP pass]) run after the loss rule (the tiled loss tiles the local loss sum that rule leaves) and
     before the analysis, which classifies their ops like any other.  Without sequence parallelism (sp_size=1)
-    only the mask pass (a mask built from plain positions is the causal mask there too, Note [Document program] in
-    autosp/api.py) and the tiling passes, when enabled, run."""
+    only the tiling passes run, when enabled."""
     tiled: tuple[Pass, ...] = ()
     if config.tiled_loss != "off":
         tiled += (make_tiled_loss_pass(config.tiled_loss, config.loss_chunk_tokens, config.return_logits),)
     if config.tiled_mlp != "off":
         tiled += (make_tiled_mlp_pass(config.tiled_mlp, config.mlp_chunk_tokens),)
-    if config.sp_size == 1:
-        return (tag_sequence_inputs_pass, attention_mask_pass, *tiled, eliminate_dead_code_pass)
     if not tiled:
-        return SEQUENCE_PARALLEL_PASSES
+        return () if config.sp_size == 1 else SEQUENCE_PARALLEL_PASSES
+    if config.sp_size == 1:
+        return (tag_sequence_inputs_pass, *tiled, eliminate_dead_code_pass)
     at = SEQUENCE_PARALLEL_PASSES.index(exact_causal_lm_loss_pass) + 1
     return SEQUENCE_PARALLEL_PASSES[:at] + tiled + SEQUENCE_PARALLEL_PASSES[at:]
 
