@@ -19,6 +19,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autosp.backend import make_backend
 from autosp.config import MEMORY_PLAN_OPTIONS, AutoSPConfig
@@ -56,30 +57,37 @@ def _accepts(forward, name: str) -> bool:
 # The cost is one compile per distinct length; the step time of every program is that of static shapes.
 
 
-# Note [Code generator per batch]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Inductor, the default code generator, does not compile `autosp.document_attention` yet (the flex_attention
-# call that applies a mask over the whole sequence: packed documents, padding, a sliding window or chunks
-# shorter than the sequence).  Those batches are not refused: the mask pass raises
-# `DocumentAttentionUnavailable` while tracing them, and so does a program Inductor compiled for plain
-# positions when a packed batch of the same shapes reaches it (autosp.guards.ProgramGuard, before any
-# collective runs); the compiled model catches it and runs that batch through a second wrapper of the same
-# module compiled by aot_eager, logging a warning that names the reason.  A batch of plain sequences keeps
-# Inductor's program (causal SDPA).  torch.compile keeps the two wrappers' programs apart (its guards match
-# the backend), and both count towards ``max_programs``; `SequenceParallelModel.programs` lists which code
-# generator compiled each program and why.  Once a kind of batch (its shard shapes, whether its positions are
-# plain, whether it carries a padding mask) went to aot_eager, later batches of that kind go there directly,
-# so Inductor does not trace them again; aot_eager's program is exact for every batch, so this routing can
-# cost speed, never exactness.  aot_eager's flex_attention runs the reference implementation, which scores
-# every pair densely: fine on CPU and at test lengths, slow at long context on a GPU, which is where
-# Inductor's flex_attention lowering would be the next step.
+# Note [Document program]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A compiled model holds its own program (its configured code generator) and, built on the first batch that needs
+# it, a document program: a second wrapper of the same module compiled by aot_eager, which applies every mask it
+# learns over the whole sequence with `autosp.document_attention` (flex_attention: packed documents, padding, a
+# sliding window, chunks shorter than the sequence).  One rule for every code generator: in the model's own program
+# a mask that separates documents by position only (Hugging Face's packed-sequence mask, built from the position ids
+# when no KV cache is passed), traced while the positions are 0..S-1 in every row, is the causal mask and compiles
+# as causal SDPA, exact only while the positions stay plain: autosp.guards.ProgramGuard checks them on every call,
+# before any collective.  A batch that the own program cannot run raises `DocumentAttentionUnavailable`: a packed
+# batch reaching the causal program (the guard), or, under Inductor, which does not compile document_attention yet,
+# any batch whose trace needs a document mask (the mask pass).  The compiled model catches it and runs the batch
+# through the document program, logging a warning that names the reason; under aot_eager a program traced from a
+# packed (or padded, windowed) first batch applies document attention itself, exact for plain rows too.
+# torch.compile keeps the two wrappers' programs apart (its guards match the backend), and both count towards
+# ``max_programs``; `SequenceParallelModel.programs` names each program's code generator and marks the document
+# program's (``documents``, ``why_documents``).  Once a kind of batch (its shard shapes, whether its positions are
+# plain, whether it carries a padding mask) went to the document program, later batches of that kind go there
+# directly, so the own program does not trace or refuse them again.  The document program is exact for every batch,
+# so this routing can cost speed, never exactness.  What it saves: aot_eager's flex_attention is the reference
+# implementation, which scores every pair densely (O(S^2) memory that the planner's memory measurement does not
+# see); plain rows keep causal SDPA under every code generator, and packed rows at long context on a GPU want
+# Inductor's flex_attention lowering, the next step.  strategy="ring" and "hybrid" apply packed documents
+# themselves (the mask pass's `_check_ring_rule`): their programs never assume plain positions.
 
 
-def _batch_kind(local: dict, full_inputs: dict) -> tuple:
-    """What decides whether Inductor's program can run a batch: the shard's shapes, whether the positions are
-    0..S-1 in every row, and whether a padding mask is passed."""
+def _batch_kind(local: dict, full_inputs: dict, positions_plain: bool) -> tuple:
+    """What decides whether the model's own program can run a batch (Note [Document program]): the shard's shapes,
+    whether the positions are 0..S-1 in every row, and whether a padding mask is passed."""
     shapes = tuple((k, tuple(v.shape)) for k, v in sorted(local.items()) if isinstance(v, torch.Tensor))
-    return shapes, positions_are_plain(full_inputs.get("position_ids")), full_inputs.get("attention_mask") is not None
+    return shapes, positions_plain, full_inputs.get("attention_mask") is not None
 
 
 def _describe(kind: tuple) -> str:
@@ -110,10 +118,10 @@ class SequenceParallelModel(nn.Module):
         self._explicit_options = dict(explicit_options or {})
         self._warned_past_plan = False
         self.__dict__["_compiled"] = None if config.memory_plan == "auto" else self._compile(config)
-        # Inductor only: the same module compiled by aot_eager, for batches whose masks Inductor cannot compile
-        # (Note [Code generator per batch]); built on the first such batch.
-        self.__dict__["_compiled_aot_eager"] = None
-        self._aot_eager_batches: set[tuple] = set()
+        # The same module compiled by aot_eager with document attention, for the batches the own program cannot
+        # run (Note [Document program]); built on the first such batch.
+        self.__dict__["_compiled_documents"] = None
+        self._document_batches: set[tuple] = set()
         self._accepts_positions = _accepts(module.forward, "position_ids")
         self._accepts_attention_mask = _accepts(module.forward, "attention_mask")
         self._ctx.sliding_window = sliding_window_layers(module)
@@ -188,26 +196,31 @@ class SequenceParallelModel(nn.Module):
         ctx.labels_passed = local.get("labels") is not None
         ctx.positions_passed = "position_ids" in local
         ctx.full_inputs = {k: kwargs.get(k) for k in ("position_ids", "attention_mask")}
+        positions = kwargs.get("position_ids")  # values where they have some (Note [Document program])
+        ctx.positions_plain = (batch.plain_positions if isinstance(positions, FakeTensor)
+                               else positions_are_plain(positions))
         ctx.input_roles = {id(local[k]): k for k in ("input_ids", "labels", "position_ids", "attention_mask")
                            if local.get(k) is not None}
-        # Only Inductor refuses some batches (Note [Code generator per batch]): no per-step check otherwise.
-        kind = _batch_kind(local, ctx.full_inputs) if self.config.compiler == "inductor" else None
+        # Note [Document program]: no per-step check until some kind of batch went there.
+        kind = _batch_kind(local, ctx.full_inputs, ctx.positions_plain) if self._document_batches else None
         try:
-            if kind is not None and kind in self._aot_eager_batches:
-                out = self._run(self._aot_eager_program(), local)
+            if kind is not None and kind in self._document_batches:
+                out = self._run(self._document_program(), local)
             else:
                 try:
                     out = self._run(self._compiled, local)
-                except DocumentAttentionUnavailable as why:  # Note [Code generator per batch]
-                    self._aot_eager_batches.add(kind)
-                    log.warning("AutoSP compiles this batch (%d rows of %d tokens%s) with aot_eager instead of "
-                                "Inductor: %s", ctx.batch_size, layout.seq_len, _describe(kind), why)
-                    ctx.why_compiler = str(why)
-                    out = self._run(self._aot_eager_program(), local)
+                except DocumentAttentionUnavailable as why:  # Note [Document program]
+                    kind = _batch_kind(local, ctx.full_inputs, ctx.positions_plain)
+                    self._document_batches.add(kind)
+                    log.warning("AutoSP runs this batch (%d rows of %d tokens%s) through the model's document "
+                                "program (aot_eager) instead of its %s program: %s", ctx.batch_size, layout.seq_len,
+                                _describe(kind), self.config.compiler, why)
+                    ctx.why_documents = str(why)
+                    out = self._run(self._document_program(), local)
             self._gradients.attach(ctx.program_outputs)
             return out
         finally:
-            ctx.input_roles, ctx.full_inputs, ctx.program_outputs, ctx.why_compiler = {}, {}, (), ""
+            ctx.input_roles, ctx.full_inputs, ctx.program_outputs, ctx.why_documents = {}, {}, (), ""
 
     def _compile(self, config: AutoSPConfig):
         # sp_size=1: no sequence-parallel passes (only the tiled loss and MLP, when enabled), but the same
@@ -227,13 +240,14 @@ class SequenceParallelModel(nn.Module):
         self._ctx.memory_plan = decision
         self.__dict__["_compiled"] = self._compile(self.config)
 
-    def _aot_eager_program(self):
-        if self._compiled_aot_eager is None:
+    def _document_program(self):
+        """The model's document program (Note [Document program]), compiled on first use."""
+        if self._compiled_documents is None:
             config = dataclasses.replace(self.config, compiler="aot_eager")
-            backend = make_backend(self._ctx, config, passes=passes_for(config))
-            self.__dict__["_compiled_aot_eager"] = torch.compile(self.module, backend=backend, fullgraph=True,
+            backend = make_backend(self._ctx, config, passes=passes_for(config), documents=True)
+            self.__dict__["_compiled_documents"] = torch.compile(self.module, backend=backend, fullgraph=True,
                                                                  dynamic=False)
-        return self._compiled_aot_eager
+        return self._compiled_documents
 
     def _run(self, compiled, local: dict):
         """Call one compiled wrapper of the module, translating torch.compile's errors into AutoSP's."""

@@ -241,7 +241,7 @@ CODE_GENERATORS = {"aot_eager": _aot_eager, "inductor": _inductor}
 
 
 def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, config: AutoSPConfig,
-                   passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES):
+                   passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES, documents: bool = False):
     if len(ctx.programs) >= config.max_programs:
         raise AutoSPError(
             f"this model already holds max_programs={config.max_programs} compiled programs (one per distinct "
@@ -250,6 +250,7 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
             "a multiple of N), or raise max_programs")
     start = time.perf_counter()
     ctx.document_attention_compiles = config.compiler != "inductor"  # read by the mask pass
+    ctx.documents_program = documents  # Note [Document program] in autosp/api.py
     ctx.report = CompileReport()  # the report describes the latest compile (a recompile starts it afresh)
     gm = run_passes(gm, example_inputs, ctx=ctx, passes=passes)
     ctx.report.forward_graphs.append(gm)
@@ -277,21 +278,25 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
     else:
         generate = CODE_GENERATORS[config.compiler]
     program = generate(gm, example_inputs, config=config, report=ctx.report, tag_joint=tag_joint)
-    _record_program(ctx, config.compiler, time.perf_counter() - start)
+    _record_program(ctx, config.compiler, time.perf_counter() - start, documents)
     return ProgramGuard(program, ctx)  # its assumptions checked on every call (autosp.guards)
 
 
-def _record_program(ctx: TraceContext, compiler: str, seconds: float) -> None:
+def _record_program(ctx: TraceContext, compiler: str, seconds: float, documents: bool) -> None:
     layout = ctx.layout
     program = CompiledProgram(seq_len=layout.seq_len if layout else 0,
                               local_seq_len=layout.local_seq_len if layout else 0, batch_size=ctx.batch_size,
-                              seconds=seconds, compiler=compiler, why_compiler=ctx.why_compiler)
+                              seconds=seconds, compiler=compiler, documents=documents,
+                              why_documents=ctx.why_documents if documents else "")
     ctx.programs.append(program)
-    log.info("AutoSP compiled program %d of this model: %d tokens (%d per rank), batch %d, with %s in %.1f s",
-             len(ctx.programs), program.seq_len, program.local_seq_len, program.batch_size, compiler, seconds)
+    log.info("AutoSP compiled program %d of this model%s: %d tokens (%d per rank), batch %d, with %s in %.1f s",
+             len(ctx.programs), " (its document program)" if documents else "", program.seq_len,
+             program.local_seq_len, program.batch_size, compiler, seconds)
 
 
-def make_backend(ctx: TraceContext, config: AutoSPConfig, *, passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES):
+def make_backend(ctx: TraceContext, config: AutoSPConfig, *, passes: Sequence[Pass] = SEQUENCE_PARALLEL_PASSES,
+                 documents: bool = False):
     """The backend of one compiled model; ``passes=()`` compiles without sequence parallelism (sp_size=1) but
-    still through AOTAutograd with the configured checkpointing, recording the graphs in the report."""
-    return functools.partial(autosp_backend, ctx=ctx, config=config, passes=passes)
+    still through AOTAutograd with the configured checkpointing, recording the graphs in the report.
+    ``documents``: the backend of the model's document program (Note [Document program] in autosp/api.py)."""
+    return functools.partial(autosp_backend, ctx=ctx, config=config, passes=passes, documents=documents)

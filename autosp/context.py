@@ -118,10 +118,12 @@ class CompiledProgram:
     seconds: float
     """Wall time of the compile (the AutoSP passes and code generation of forward and, for Inductor, backward)."""
     compiler: str = "inductor"
-    """The code generator that compiled it: the configured one, or aot_eager where the batch needs a mask
-    the configured one cannot compile (Note [Code generator per batch] in autosp.api)."""
-    why_compiler: str = ""
-    """Why the program uses another code generator than the configured one ("" when it does not)."""
+    """The code generator that compiled it: the configured one, or aot_eager for the model's document program."""
+    documents: bool = False
+    """A program of the model's document program (Note [Document program] in autosp.api), compiled for a batch the
+    model's own program could not run (packed documents, padding, a window or chunks)."""
+    why_documents: str = ""
+    """Why its batch went to the document program ("" for the model's own programs)."""
 
 
 @dataclass
@@ -150,12 +152,19 @@ class TraceContext:
     full_inputs: dict[str, object] = field(default_factory=dict)
     """The call's full-length position_ids and attention_mask (the same on every rank; None when not passed),
     while it is traced: what the mask pass checks the model's mask against."""
+    positions_plain: bool = False
+    """The call's position ids are 0..S-1 in every row: checked on their values, or, in a shape-only trace (fake
+    tensors, no values), generated so by `prepare_inputs` (Note [Document program] in autosp.api)."""
     document_attention_compiles: bool = True
     """Whether the backend compiles `autosp.document_attention` (not Inductor yet; see the mask pass); set by
     the backend from its code generator."""
-    why_compiler: str = ""
-    """Why the call runs under aot_eager although the model was compiled with Inductor ("" when it does not):
-    Note [Code generator per batch] in autosp.api."""
+    documents_program: bool = False
+    """Whether the program being traced is the model's document program, which applies every mask it learns
+    (otherwise a mask over documents by position, traced on plain positions, compiles as causal attention checked
+    on every call); set by the backend.  Note [Document program] in autosp.api."""
+    why_documents: str = ""
+    """Why the call runs on the model's document program ("" when it does not): Note [Document program] in
+    autosp.api."""
     sliding_window: object = None
     """autosp.guards.SlidingWindow of the model's config, or None."""
     input_roles: dict[int, str] = field(default_factory=dict)

@@ -12,7 +12,8 @@ class AutoSPError(ValueError):
 
 class DocumentAttentionUnavailable(AutoSPError):
     """The batch needs a mask over the whole sequence (packed documents, padding, a window or chunks) that the
-    program's code generator cannot compile (Inductor does not compile `autosp.document_attention` yet).
+    program cannot apply: its code generator does not compile `autosp.document_attention` (Inductor, not yet), or
+    it was compiled as causal attention for plain positions.
 
-    Not a refusal the user sees: the compiled model catches it and compiles that batch's program with
-    aot_eager instead, saying so (Note [Code generator per batch] in autosp/api.py)."""
+    Not a refusal the user sees: the compiled model catches it and runs that batch through its document program
+    (compiled by aot_eager), saying so (Note [Document program] in autosp/api.py)."""

@@ -37,7 +37,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autosp.context import TraceContext, refuse_padding
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
-from autosp.inputs import in_sequence_order, positions_are_plain
+from autosp.inputs import in_sequence_order
 from autosp.passes.dynamo.placements import Shard
 
 log = logging.getLogger(__name__)
@@ -99,12 +99,12 @@ class ProgramGuard:
     def __call__(self, *args):
         ctx, assumed = self.ctx, self.assumptions
         refuse_padding(list(assumed.padding_refusals), ctx.layout, ctx.sp_size)
-        if assumed.plain_positions and not positions_are_plain(ctx.full_inputs.get("position_ids")):
-            # Compiled by Inductor for plain positions: the model compiles this batch with aot_eager instead
-            # (Note [Code generator per batch] in autosp/api.py).
+        if assumed.plain_positions and not ctx.positions_plain:
+            # Compiled as causal attention for plain positions: the model runs this batch through its document
+            # program instead (Note [Document program] in autosp/api.py).
             raise DocumentAttentionUnavailable(
-                "this program was compiled by Inductor for one unpacked sequence per row, and this batch packs "
-                "documents (position ids restart)")
+                "this program was compiled as causal attention for one unpacked sequence per row, and this batch "
+                "packs documents (position ids restart)")
         outputs = self.program(*args)
         ctx.program_outputs = outputs  # the gradient reduction finds the program's backward from these
         if assumed.labels_passed or not any(isinstance(p, Shard) for p in assumed.output_placements):

@@ -30,6 +30,9 @@ class PreparedBatch:
     """Marker that the keyword arguments came from `prepare_inputs`, with the full sequence length."""
 
     seq_len: int
+    plain_positions: bool = False
+    """`prepare_inputs` made the position ids 0..S-1 itself: what a shape-only trace, whose positions have no
+    values, knows of them (Note [Document program] in autosp/api.py)."""
 
 
 def _check_token_tensor(name: str, t: torch.Tensor, shape: torch.Size | None) -> None:
@@ -98,6 +101,7 @@ def prepare_inputs(
         if position_ids is not None:
             raise AutoSPError("pass either position_ids or document_lengths, not both")
         position_ids = _positions_from_lengths(document_lengths, input_ids)
+    generated = position_ids is None
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[SEQ_DIM], device=input_ids.device)[None].expand_as(input_ids)
     else:
@@ -105,7 +109,8 @@ def prepare_inputs(
         if position_ids.shape != input_ids.shape:
             raise AutoSPError(f"position_ids shape {tuple(position_ids.shape)} must equal input_ids shape "
                               f"{tuple(input_ids.shape)}")
-    kwargs = {"input_ids": input_ids, "position_ids": position_ids, PREPARED_KEY: PreparedBatch(input_ids.shape[1])}
+    kwargs = {"input_ids": input_ids, "position_ids": position_ids,
+              PREPARED_KEY: PreparedBatch(input_ids.shape[1], plain_positions=generated)}
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
             raise AutoSPError(

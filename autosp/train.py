@@ -195,6 +195,10 @@ def hf_config(args: argparse.Namespace):
     if args.num_layers:
         config.num_hidden_layers = args.num_layers
     config._attn_implementation = "sdpa"  # AutoSP rewrites scaled_dot_product_attention
+    # Hugging Face's default use_cache=True is kept: without a cache Hugging Face builds its mask from the position
+    # ids, which compiles as causal attention on plain positions (Note [Document program] in autosp/api.py), but
+    # learning that mask probes (P + 1) blocks of L x L tokens (Note [Mask probes at other offsets] in
+    # autosp/passes/dynamo/mask_probes.py): 24 GB at 65,536 tokens a rank, out of reach at long context.
     return config
 
 

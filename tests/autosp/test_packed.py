@@ -78,7 +78,8 @@ def _cases(rank, world, cases):
         autosp.sync_gradients(compiled)
         results.append({"loss": out.detach(), "ref_loss": loss.detach(), "grads": named_grads(candidate),
                         "ref_grads": named_grads(reference),
-                        "rules": [(m.by_position, m.padding, m.window) for m in compiled.report.document_masks]})
+                        "rules": [(m.by_position, m.padding, m.window) for m in compiled.report.document_masks],
+                        "plain_positions": compiled.report.requires_plain_positions})
     return results
 
 
@@ -100,10 +101,14 @@ family's rules are the same at 2 and 4 ranks; the suite's time is spent where th
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_packed_documents_exact(ranks):
-    results = run_on_ranks(_cases, ranks, _PACKED + _RING if ranks == 2 else _PACKED_4, timeout_s=900)
+    cases = _PACKED + _RING if ranks == 2 else _PACKED_4
+    results = run_on_ranks(_cases, ranks, cases, timeout_s=900)
     _check(results, FP32_TOL)
-    # HF's packed-sequence mask, learnt as documents by position and applied in every layer
-    assert all(r["rules"] == [(True, False, None)] * 2 for r in results[0])
+    for case, r in zip(cases, results[0], strict=True):
+        if case["documents"] == "one document":  # plain positions: causal SDPA, checked on every call
+            assert r["rules"] == [] and r["plain_positions"]  # (Note [Document program] in autosp/api.py)
+        else:  # HF's packed-sequence mask, learnt as documents by position and applied in every layer
+            assert r["rules"] == [(True, False, None)] * 2 and not r["plain_positions"]
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -132,10 +137,12 @@ def _batch(kind: str, ids: torch.Tensor, labels: torch.Tensor) -> dict:
     return {"labels": labels}
 
 
-def _default_compiler_on_mixed_batches(rank, world, spec):
-    """One model compiled with the default options (Inductor) trained on ``spec["kinds"]`` in turn, each step
-    compared with the same model run on one device; returns the comparisons and the programs compiled."""
+def _mixed_batches(rank, world, spec):
+    """One model compiled with ``spec["compiler"]`` (default Inductor) trained on ``spec["kinds"]`` in turn, each
+    step compared with the same model run on one device; returns the comparisons and, per step, the programs
+    compiled so far, whether the step ran on the document program and what the latest compile did."""
     import autosp
+    from autosp.document_attention import document_attention
     from experiments.models import build_model
 
     torch._dynamo.reset()
@@ -143,8 +150,11 @@ def _default_compiler_on_mixed_batches(rank, world, spec):
     reference = build_model(spec["model"], layers=1)  # one layer: Inductor's cold compile is the cost here
     reference.config.use_cache = False
     candidate = copy.deepcopy(reference)
-    compiled = autosp.compile(candidate, sp_size=world)
-    results, programs_after = [], []
+    compiled = autosp.compile(candidate, sp_size=world, **({"compiler": spec["compiler"]} if "compiler" in spec else {}))
+    documents_calls = []
+    document_program = compiled._document_program
+    compiled._document_program = lambda: documents_calls.append(1) or document_program()
+    results, steps = [], []
     for step, kind in enumerate(spec["kinds"]):
         ids, labels = make_sample(SEQ_LEN, 256, seed=step)
         batch = _batch(kind, ids, labels)
@@ -152,25 +162,62 @@ def _default_compiler_on_mixed_batches(rank, world, spec):
         candidate.zero_grad(set_to_none=True)
         loss = loss_of(reference(input_ids=ids, **batch))
         loss.backward()
+        before = len(documents_calls)
         out = loss_of(compiled(**autosp.prepare_inputs(ids, **batch)))
         out.backward()
         results.append({"loss": out.detach(), "ref_loss": loss.detach(), "grads": named_grads(candidate),
                         "ref_grads": named_grads(reference)})
-        programs_after.append([(p.compiler, bool(p.why_compiler)) for p in compiled.programs])
-    return results, programs_after
+        report = compiled.report
+        steps.append({"programs": [(p.compiler, p.documents, bool(p.why_documents)) for p in compiled.programs],
+                      "documents": len(documents_calls) > before,
+                      "rules": [(m.by_position, m.padding, m.window) for m in report.document_masks],
+                      "plain_positions": report.requires_plain_positions,
+                      "causal": report.causal_masks_replaced,
+                      "heads": [(site.num_heads, site.num_kv_heads) for site in report.attention_sites],
+                      "document_attention_nodes": sum(n.target is document_attention
+                                                      for n in report.forward_graphs[-1].graph.nodes)})
+    return results, steps
+
+
+def test_plain_rows_compile_causal_sdpa_and_packed_rows_run_on_the_document_program():
+    """Note [Document program] under aot_eager: HF Llama with use_cache=False builds its mask from the positions.
+    Traced on plain rows it compiles causal SDPA (no document attention in the graph, positions checked on every
+    call); a packed batch of the same shapes is refused by that check and runs, exact, on the document program
+    (traced on the packed positions: document attention); plain rows then run the first program again, packed rows
+    the document program without a new compile.  The first program's attention reads the unrepeated kv heads."""
+    kinds = ["plain", "packed", "plain", "packed"]
+    per_rank = run_on_ranks(_mixed_batches, 2, {"model": "hf-llama", "kinds": kinds, "compiler": "aot_eager"},
+                            timeout_s=600)
+    _check([results for results, _ in per_rank], FP32_TOL)
+    own, documents = ("aot_eager", False, False), ("aot_eager", True, True)
+    for _, steps in per_rank:
+        first, packed = steps[0], steps[1]
+        assert first["programs"] == [own] and not first["documents"]
+        assert first["plain_positions"] and first["causal"] == 1 and first["rules"] == []
+        assert first["document_attention_nodes"] == 0
+        # Llama's 8 query heads read 2 kv heads: HF's repeat of them for its mask is undone (Note [Key and value
+        # heads repeated for a mask] in autosp/passes/dynamo/masks.py)
+        assert first["heads"] == [(8, 2)]
+        assert packed["programs"] == [own, documents] and packed["documents"]
+        assert not packed["plain_positions"] and packed["rules"] == [(True, False, None)]
+        assert packed["document_attention_nodes"] == 1
+        assert [s["documents"] for s in steps] == [False, True, False, True]
+        assert all(s["programs"] == [own, documents] for s in steps[2:])  # nothing compiled again
 
 
 @pytest.mark.inductor
 @pytest.mark.slow
 def test_default_compiler_trains_packed_and_padded_batches_through_aot_eager():
-    """Note [Code generator per batch]: plain rows keep Inductor's program; packed and padded batches of the
-    same length (which Inductor cannot compile yet) get aot_eager programs, stated, and every step is exact."""
+    """Note [Document program]: plain rows keep Inductor's program; packed and padded batches of the same length
+    (which Inductor cannot compile yet) run on the document program (aot_eager), stated, and every step is exact."""
     kinds = ["plain", "packed", "padded", "plain", "packed", "padded"]
-    per_rank = run_on_ranks(_default_compiler_on_mixed_batches, 2, {"model": "hf-llama", "kinds": kinds},
+    per_rank = run_on_ranks(_mixed_batches, 2, {"model": "hf-llama", "kinds": kinds},
                             timeout_s=900, collective_timeout_s=600)
     _check([results for results, _ in per_rank], FP32_TOL)
-    inductor, fallback = ("inductor", False), ("aot_eager", True)
-    for _, programs in per_rank:
+    inductor, fallback = ("inductor", False, False), ("aot_eager", True, True)
+    for _, steps in per_rank:
+        programs = [s["programs"] for s in steps]
+        assert [s["documents"] for s in steps] == [False, True, True, False, True, True]
         # a packed batch reaches Inductor's program (same shapes), is turned back before it runs, and compiles
         # with aot_eager; the padded batch (a mask input) is refused by the mask pass while Inductor traces it;
         # the second round compiles nothing

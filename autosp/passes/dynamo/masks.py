@@ -39,7 +39,11 @@ A mask is a function of the inputs it reads, so the pass learns which function:
    `document_attention` over document ids computed in the graph from the
    all-gathered position ids and padding mask (a few integers per token, every
    step, so each batch is masked by its own layout).  In a checkpointed layer the
-   mask operand of the higher-order op is replaced by the document ids.
+   mask operand of the higher-order op is replaced by the document ids.  A rule
+   that separates documents by position only, traced on plain positions, is the
+   causal mask as long as the positions stay plain: it becomes ``is_causal=True``
+   too, checked on every call, and a packed batch goes to the model's document
+   program (Note [Document program] in autosp/api.py).
 
 The sequence-sharding analysis then runs `document_attention` through the
 Ulysses rule like SDPA (autosp.passes.dynamo.attention).  Under strategy="ring"
@@ -53,6 +57,7 @@ chunks and windows are refused here).
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +68,7 @@ from autosp.config import ZIGZAG_STRATEGIES
 from autosp.context import TraceContext
 from autosp.document_attention import document_attention, document_ids, kept_fraction
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
-from autosp.inputs import gathered_in_sequence_order, pad_end, positions_are_plain
+from autosp.inputs import gathered_in_sequence_order, pad_end
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
 from autosp.passes.dynamo.mask_probes import IndexFlow, ShiftedProgram, gap_indices, probe_offsets
 from autosp.passes.dynamo.rules import higher_order_body
@@ -449,14 +454,16 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
         changed = True
         if ctx.strategy in ZIGZAG_STRATEGIES and not (seq_len is None or rule.plain_causal(seq_len)):
             _check_ring_rule(rule, ctx, where)  # the ring applies the ids itself, under any code generator
-        elif not ctx.document_attention_compiles and not (seq_len is None or rule.plain_causal(seq_len)):
-            # The compiled model catches this and compiles the batch with aot_eager (Note [Code generator per
-            # batch] in autosp/api.py).
-            rule = _without_document_attention(rule, ctx, where, "AutoSP applies it with flex_attention, which "
-                                               "Inductor does not compile yet", error=DocumentAttentionUnavailable)
+        elif not ctx.documents_program and not (seq_len is None or rule.plain_causal(seq_len)):
+            # Plain positions: causal SDPA, checked on every call; a batch this program cannot run goes to the
+            # model's document program (Note [Document program] in autosp/api.py).
+            rule = _without_document_attention(rule, ctx, where)
         if seq_len is None or rule.plain_causal(seq_len):
             call["attn_mask"], call["is_causal"] = None, True
             q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
+            grouped = None if call["enable_gqa"] else _unrepeated_kv(k, v)
+            if grouped is not None:  # Note [Key and value heads repeated for a mask]
+                (k, v), call["enable_gqa"] = grouped, True
             node.args, node.kwargs = (q, k, v), dict(call)
             ctx.report.causal_masks_replaced += 1
             log.info("attention in %s: the mask built from the inputs is causal; using is_causal=True", where)
@@ -492,6 +499,57 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
     return gm
 
 
+# Note [Key and value heads repeated for a mask]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Hugging Face lets SDPA group the query heads of grouped-query attention (``enable_gqa``) only when it passes no
+# mask; with a mask (the one it builds from the position ids when no KV cache is passed) it repeats the key and
+# value heads itself, ``x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)``, so that the
+# all-to-alls move, and backward keeps, H heads of keys and values instead of Hkv.  Where the mask becomes the
+# causal mask, the attention reads the unrepeated heads with ``enable_gqa=True`` instead: query head i reads key
+# and value head i // n either way, so the result is the same, without the copies (the Ulysses rule then ships
+# the Hkv heads as for a model that passed no mask, Note [GQA head replication] in
+# autosp/passes/dynamo/attention.py).
+
+
+def _unrepeated_kv(key, value) -> tuple[fx.Node, fx.Node] | None:
+    """The key and value before Hugging Face's repeat of their heads (Note [Key and value heads repeated for a
+    mask]), when both are repeated by the same factor; None otherwise."""
+    sources = [_repeat_source(key), _repeat_source(value)]
+    if None in sources:
+        return None
+    (key_source, key_repeat), (value_source, value_repeat) = sources
+    return (key_source, value_source) if key_repeat == value_repeat else None
+
+
+def _repeat_source(node) -> tuple[fx.Node, int] | None:
+    """(x, n) when ``node`` is ``x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)``, checked on the
+    traced shapes; None otherwise."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "reshape"):
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, fx.Node) and expand.op == "call_method" and expand.target == "expand"
+            and len(expand.users) == 1):
+        return None
+    index = expand.args[0]
+    if not (isinstance(index, fx.Node) and index.op == "call_function" and index.target is operator.getitem
+            and len(index.users) == 1):
+        return None
+    source, key = index.args
+    whole = slice(None, None, None)
+    if not isinstance(source, fx.Node) or key != (whole, whole, None, whole, whole):
+        return None
+    shapes = [fake_value(n) for n in (source, expand, node)]
+    if not all(isinstance(t, torch.Tensor) for t in shapes):
+        return None
+    x, expanded, out = (tuple(t.shape) for t in shapes)
+    if len(x) != 4 or len(expanded) != 5 or expanded[:2] != x[:2] or expanded[3:] != x[2:]:
+        return None
+    n = expanded[2]
+    if out != (x[0], x[1] * n, x[2], x[3]):
+        return None
+    return source, n
+
+
 def _check_ring_rule(rule: MaskRule, ctx: TraceContext, where: str) -> None:
     """strategy="ring" and "hybrid" apply packed documents (Note [Ring attention] in autosp/ring_attention.py);
     padding masks, chunks and sliding windows are refused.  (The padding AutoSP adds at the end of the sequence
@@ -506,18 +564,21 @@ def _check_ring_rule(rule: MaskRule, ctx: TraceContext, where: str) -> None:
                                               "of the sequence needs none)" if rule.padding else ""))
 
 
-def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str, why: str,
-                                error: type[AutoSPError] = AutoSPError) -> MaskRule:
-    """Where `document_attention` is not available (under Inductor, whose flex_attention lowering does not compile
-    it yet): a rule that only separates documents by position is the causal
-    mask while the positions are 0..S-1 in every row, which the compiled model then checks on every call; anything
-    else raises ``error``, saying ``why``."""
-    plain = positions_are_plain(ctx.full_inputs.get("position_ids"))
+def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str) -> MaskRule:
+    """In a model's own program (not its document program, Note [Document program] in autosp/api.py): a rule that
+    only separates documents by position is the causal mask while the positions are 0..S-1 in every row, which the
+    program then checks on every call (autosp.guards.ProgramGuard).  Any other rule is kept where the code
+    generator compiles `document_attention` (aot_eager) and raises `DocumentAttentionUnavailable` where it does not
+    (Inductor), so that the compiled model runs the batch through its document program."""
+    plain = ctx.positions_plain
     if rule.by_position and not rule.padding and rule.window is None and rule.chunk is None and plain:
         ctx.report.requires_plain_positions = True
         return MaskRule(by_position=False, padding=False, window=None)
-    raise error(f"module {where} attends with a mask over packed documents, chunks, padding or a sliding "
-                f"window ({rule}); {why}")
+    if ctx.document_attention_compiles:
+        return rule
+    raise DocumentAttentionUnavailable(f"module {where} attends with a mask over packed documents, chunks, padding "
+                                       f"or a sliding window ({rule}); AutoSP applies it with flex_attention, which "
+                                       "Inductor does not compile yet")
 
 
 def _drop_unused_operands(gm: fx.GraphModule) -> None:
