@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,8 @@ class ModelSource:
 
     spec: str
     """A preset name of `autosp.train.PRESETS` or the path of a config.json (or of its folder)."""
+    _numels: dict[str, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """`parameter_numels` by the configuration's config.json text (every field: the model class and its sizes)."""
 
     def config(self, *, seq_len: int, num_layers: int | None = None):
         """The Hugging Face config (``attn_implementation="sdpa"``, position embeddings for ``seq_len`` tokens)."""
@@ -48,15 +50,15 @@ class ModelSource:
 
     def parameter_numels(self, config) -> tuple[int, ...]:
         """Element count of every trainable parameter tensor in module order (tied weights once), from a model
-        built on the meta device (no memory); built once per configuration (`_NUMELS`: a decision asks for the
-        same few, a shallow trace's at every candidate and length)."""
+        built on the meta device (no memory); built once per configuration by this source (a decision, which shares
+        one source through `autosp.plan.predict.TraceReuse`, asks for the same few at every candidate and length)."""
         try:
             key = config.to_json_string(use_diff=False)
         except (TypeError, ValueError):  # a field JSON cannot write: built every time
             return self._built_numels(config)
-        if key not in _NUMELS:
-            _NUMELS[key] = self._built_numels(config)
-        return _NUMELS[key]
+        if key not in self._numels:
+            self._numels[key] = self._built_numels(config)
+        return self._numels[key]
 
     def _built_numels(self, config) -> tuple[int, ...]:
         import transformers
@@ -69,7 +71,3 @@ class ModelSource:
                                   f"{getattr(config, 'model_type', '?')!r} ({exc})") from None
         return tuple(p.numel() for p in model.parameters() if p.requires_grad)
 
-
-_NUMELS: dict[str, tuple[int, ...]] = {}
-"""`ModelSource.parameter_numels` by the configuration's config.json text (every field: the model class and its
-sizes)."""

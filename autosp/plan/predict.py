@@ -464,6 +464,7 @@ class TraceReuse:
         self._offloaded: dict[int, Traced] = {}
         self._simulated: dict[tuple[int, int], tuple] = {}
         self._captures: dict[tuple, tuple] = {}
+        self._sources: dict[str, ModelSource] = {}
         self.strategies: tuple[dict, ...] = ()
         """Option sets (`STRATEGY_OPTIONS`) whose shallow traces share one Dynamo capture per depth and length
         (`trace_strategies`; `choose_strategy` sets them)."""
@@ -474,6 +475,12 @@ class TraceReuse:
         self.joint_graphs = 0
         self.partitions = 0
         self.simulations = 0
+
+    def source(self, model: str) -> ModelSource:
+        """The one `ModelSource` of ``model`` for this decision's predictions (it keeps the parameter counts)."""
+        if model not in self._sources:
+            self._sources[model] = ModelSource(model)
+        return self._sources[model]
 
     @staticmethod
     def _group(options: Mapping | None) -> tuple:
@@ -897,7 +904,7 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     cluster's device memory); ``reuse``: traces shared with other plans' predictions (`TraceReuse`)."""
     start = time.perf_counter()
     setup.check()
-    source = ModelSource(model)
+    source = ModelSource(model) if reuse is None else reuse.source(model)
     hf = source.config(seq_len=setup.seq_len)
     numels = source.parameter_numels(hf)
     # a node without a GPU architecture (cpu-gloo) runs CPU processes: the ledger counts their tensors only

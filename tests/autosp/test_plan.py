@@ -325,9 +325,8 @@ def test_simulator_cli_reports_the_same_memory_definition_or_says_what_it_leaves
 
 
 def test_parameter_counts_are_built_once_per_configuration_and_equal_the_built_models():
-    """`ModelSource.parameter_numels` keeps each configuration's counts (`_NUMELS`): what it returns, first or
-    again, is what a model built for that configuration holds, for every depth and length asked."""
-    from autosp.plan import model_source
+    """`ModelSource.parameter_numels` keeps each configuration's counts: what it returns, first or again, is what a
+    model built for that configuration holds, for every depth and length asked."""
     from autosp.plan.model_source import ModelSource
 
     source = ModelSource("llama-3.2-1b")
@@ -336,4 +335,4 @@ def test_parameter_counts_are_built_once_per_configuration_and_equal_the_built_m
     assert len({len(b) for b in built}) == 3 and built[1] == built[2]  # the depth changes them, the length not
     for _ in range(2):  # first built, then kept
         assert [source.parameter_numels(c) for c in configs] == built
-    assert sum(key in model_source._NUMELS for key in (c.to_json_string(use_diff=False) for c in configs)) == 4
+    assert sum(key in source._numels for key in (c.to_json_string(use_diff=False) for c in configs)) == 4
