@@ -186,9 +186,11 @@ def main(argv: list[str] | None = None) -> int:
             answer = choose_strategy(args.model, setup, cluster, capacity_bytes=target, options=options,
                                      progress=lambda s: log.info("step at %s", s))
         elif args.memory_plan == "auto":
-            from autosp.plan.planner import candidate_plans, plan_memory
+            from autosp.plan.planner import candidates_for, plan_memory
 
-            plans = candidate_plans(activation_offload=("off", "on") if offload in (None, "auto") else (offload,))
+            # the candidates autosp.compile(memory_plan="auto") tries, chunks sized for the same target
+            plans = candidates_for(args.model, setup, cluster.device.memory_bytes if target is None else target,
+                                   activation_offload=("off", "on") if offload in (None, "auto") else (offload,))
             answer = plan_memory(args.model, setup, cluster, objective=args.objective, target_memory=target,
                                  plans=plans, max_length_high=args.max_length_high, granularity=args.granularity,
                                  max_probes=args.max_probes)

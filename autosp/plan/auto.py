@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from autosp.config import AutoSPConfig
-from autosp.costs import LOSS_SCRATCH_ROWS
 from autosp.errors import AutoSPError
 
 log = logging.getLogger(__name__)
@@ -41,42 +40,6 @@ GPU_PRESETS = (("GH200", "gh200"), ("H200", "h200-sxm"), ("H100", "h100-sxm"), (
                ("MI250", "mi250"))
 """A GPU's name (a substring of ``torch.cuda.get_device_name``) -> the hardware preset the plan is predicted on."""
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-CHUNK_SHARE = 16
-"""One chunk of a tiled op may hold at most 1/CHUNK_SHARE of ``target_memory`` (see `chunk_tokens`)."""
-
-
-def chunk_tokens(target: int, row_bytes: int, default_bytes: int, scratch_bytes: int | None = None) -> int | None:
-    """Tokens per chunk of a tiled op whose chunk holds ``row_bytes`` per token (what its ``default_bytes``
-    budget counts) and allocates ``scratch_bytes`` per token while it runs (default ``row_bytes``): the passes'
-    default (None, a chunk of ``default_bytes``) unless one chunk's scratch then exceeds ``target / CHUNK_SHARE``,
-    else as many tokens as keep it there.
-
-    A rule, not a search: the export prices a tiled op by its matmuls, the same for any chunk, and its scratch by
-    one chunk, so among chunk sizes the smallest would always win; the rule keeps chunks large (fewer, larger
-    matmuls on the device) while their scratch stays a small share of the target.  The scratch is what one chunk
-    really allocates (`autosp.costs.LOSS_SCRATCH_ROWS`, `MLP_SCRATCH_ROWS`), not only the buffers the default budget names:
-    counting those alone, the tiled MLP's chunk took a quarter of the target (Note [Chunk scratch in the rule])."""
-    row_bytes = max(1, row_bytes)
-    scratch_bytes = max(1, scratch_bytes or row_bytes)
-    cap = target // CHUNK_SHARE // scratch_bytes
-    if default_bytes // row_bytes <= cap:
-        return None
-    return max(1, cap)
-
-
-# Note [Chunk scratch in the rule]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# `chunk_tokens` bounds what one chunk of a tiled op allocates while it runs, which `autosp.costs.workspace_bytes`
-# prices: the tiled loss two fp32 [chunk, vocab] buffers (`LOSS_SCRATCH_ROWS`), the tiled MLP in backward
-# (2k + 2 + steps) [chunk, intermediate] values for k input projections and an activation expression of ``steps``
-# steps: 8 for a gated MLP's act(gate) * up (`MLP_SCRATCH_ROWS`; GPT-2's single projection needs fewer, so its chunk
-# is smaller than it could be, never larger).  The rule first counted the input projections' outputs only (what
-# `MLP_CHUNK_BYTES` counts), a quarter of the tiled MLP's backward scratch: on the CPU memory-cap table (16 MiB per
-# rank) a 1,024-token chunk then held 4 MiB, measured, at the peak inside the MLP's backward.
-MLP_SCRATCH_ROWS = 8
-"""[chunk, intermediate] values one chunk of a gated tiled MLP allocates in backward (`autosp.costs`)."""
-
-
 def hf_config_of(module: torch.nn.Module, planning: str = "memory_plan='auto'") -> dict:
     """The Hugging Face config of ``module`` as config.json fields; refused for a module the planner would not
     rebuild as it is (no config, or a class other than the causal LM of its config).  ``planning``: the option that
@@ -156,9 +119,7 @@ def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int,
     """What the planner process needs: the model's config, the training setup, the cluster, the target and the
     candidates (`autosp.plan.candidate_plans`, with the explicitly passed options and the model's strategy
     fixed)."""
-    from autosp.passes.dynamo.tiled_loss import LOSS_CHUNK_BYTES
-    from autosp.passes.dynamo.tiled_mlp import MLP_CHUNK_BYTES
-    from autosp.plan.planner import candidate_plans
+    from autosp.plan.planner import sized_candidate_plans
 
     device = _device_of(module)
     dtype = next((p.dtype for p in module.parameters()), torch.float32)
@@ -166,13 +127,9 @@ def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int,
     if target is None:
         target = torch.cuda.get_device_properties(device).total_memory
     setup = _setup(module, config, seq_len=seq_len, micro_batch=micro_batch, world_size=world_size)
-    hf, itemsize = hf_config_of(module), torch.empty((), dtype=dtype).element_size()
-    intermediate = hf.get("intermediate_size") or hf.get("n_inner") or 4 * hf.get("n_embd", hf.get("hidden_size", 0))
-    plans = candidate_plans(  # two input projections (gated MLPs), fp32 logits
-        loss_chunk_tokens=chunk_tokens(target, 4 * hf["vocab_size"], LOSS_CHUNK_BYTES,
-                                       LOSS_SCRATCH_ROWS * 4 * hf["vocab_size"]),
-        mlp_chunk_tokens=(chunk_tokens(target, 2 * intermediate * itemsize, MLP_CHUNK_BYTES,
-                                       MLP_SCRATCH_ROWS * intermediate * itemsize),),
+    hf = hf_config_of(module)
+    plans = sized_candidate_plans(
+        hf, itemsize=torch.empty((), dtype=dtype).element_size(), target_memory=target,
         fixed={**explicit, **({"strategy": config.strategy} if config.strategy != "ulysses" else {})})
     return {"decide": "memory", "model": f"{type(module).__name__}", "model_config": hf, "setup": setup,
             "cluster": config.plan_cluster or default_cluster(device), "target_memory": int(target),

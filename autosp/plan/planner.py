@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from autosp.costs import LOSS_SCRATCH_ROWS
 from autosp.errors import AutoSPError
 from autosp.plan.predict import DECIDING_DEPTH, Prediction, TraceReuse, TrainingSetup, predict
 from simulator.cluster import Cluster
@@ -118,6 +119,71 @@ def candidate_plans(*, loss_chunk_tokens: int | None = None, checkpointing: Sequ
                         seen.add(key)
                         plans.append(MemoryPlan(plan_name(options), options))
     return tuple(plans)
+
+
+
+def sized_candidate_plans(model_config: Mapping, *, itemsize: int, target_memory: int,
+                          **choices) -> tuple[MemoryPlan, ...]:
+    """`candidate_plans` (``choices``: its keyword arguments but the chunk sizes) with the tiled ops' chunks sized
+    for ``target_memory`` bytes per rank by `chunk_tokens`: the candidates both ``autosp.compile(...,
+    memory_plan="auto")`` and ``python -m autosp.plan --memory-plan auto`` predict.  ``model_config``: the Hugging
+    Face config as a dict; ``itemsize``: bytes per element of the model's dtype (the MLP's intermediates; the
+    logits are fp32)."""
+    from autosp.passes.dynamo.tiled_loss import LOSS_CHUNK_BYTES
+    from autosp.passes.dynamo.tiled_mlp import MLP_CHUNK_BYTES
+
+    vocab = int(model_config["vocab_size"])
+    intermediate = int(model_config.get("intermediate_size") or model_config.get("n_inner")
+                       or 4 * model_config.get("n_embd", model_config.get("hidden_size", 0)))
+    return candidate_plans(  # two input projections (gated MLPs), fp32 logits
+        loss_chunk_tokens=chunk_tokens(target_memory, 4 * vocab, LOSS_CHUNK_BYTES, LOSS_SCRATCH_ROWS * 4 * vocab),
+        mlp_chunk_tokens=(chunk_tokens(target_memory, 2 * intermediate * itemsize, MLP_CHUNK_BYTES,
+                                       MLP_SCRATCH_ROWS * intermediate * itemsize),), **choices)
+
+
+def candidates_for(model: str, setup: TrainingSetup, target_memory: int, **choices) -> tuple[MemoryPlan, ...]:
+    """`sized_candidate_plans` of ``model`` (a preset of `autosp.train` or a config.json, as `predict` takes it)
+    in ``setup``'s dtype: `plan_memory`'s default candidates and the CLI's."""
+    from autosp.plan.model_source import ModelSource
+
+    return sized_candidate_plans(ModelSource(model).config(seq_len=setup.seq_len).to_dict(),
+                                 itemsize=setup.torch_dtype.itemsize, target_memory=target_memory, **choices)
+
+
+CHUNK_SHARE = 16
+"""One chunk of a tiled op may hold at most 1/CHUNK_SHARE of ``target_memory`` (see `chunk_tokens`)."""
+
+
+def chunk_tokens(target: int, row_bytes: int, default_bytes: int, scratch_bytes: int | None = None) -> int | None:
+    """Tokens per chunk of a tiled op whose chunk holds ``row_bytes`` per token (what its ``default_bytes``
+    budget counts) and allocates ``scratch_bytes`` per token while it runs (default ``row_bytes``): the passes'
+    default (None, a chunk of ``default_bytes``) unless one chunk's scratch then exceeds ``target / CHUNK_SHARE``,
+    else as many tokens as keep it there.
+
+    A rule, not a search: the export prices a tiled op by its matmuls, the same for any chunk, and its scratch by
+    one chunk, so among chunk sizes the smallest would always win; the rule keeps chunks large (fewer, larger
+    matmuls on the device) while their scratch stays a small share of the target.  The scratch is what one chunk
+    really allocates (`autosp.costs.LOSS_SCRATCH_ROWS`, `MLP_SCRATCH_ROWS`), not only the buffers the default budget names:
+    counting those alone, the tiled MLP's chunk took a quarter of the target (Note [Chunk scratch in the rule])."""
+    row_bytes = max(1, row_bytes)
+    scratch_bytes = max(1, scratch_bytes or row_bytes)
+    cap = target // CHUNK_SHARE // scratch_bytes
+    if default_bytes // row_bytes <= cap:
+        return None
+    return max(1, cap)
+
+
+# Note [Chunk scratch in the rule]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# `chunk_tokens` bounds what one chunk of a tiled op allocates while it runs, which `autosp.costs.workspace_bytes`
+# prices: the tiled loss two fp32 [chunk, vocab] buffers (`LOSS_SCRATCH_ROWS`), the tiled MLP in backward
+# (2k + 2 + steps) [chunk, intermediate] values for k input projections and an activation expression of ``steps``
+# steps: 8 for a gated MLP's act(gate) * up (`MLP_SCRATCH_ROWS`; GPT-2's single projection needs fewer, so its chunk
+# is smaller than it could be, never larger).  The rule first counted the input projections' outputs only (what
+# `MLP_CHUNK_BYTES` counts), a quarter of the tiled MLP's backward scratch: on the CPU memory-cap table (16 MiB per
+# rank) a 1,024-token chunk then held 4 MiB, measured, at the peak inside the MLP's backward.
+MLP_SCRATCH_ROWS = 8
+"""[chunk, intermediate] values one chunk of a gated tiled MLP allocates in backward (`autosp.costs`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,8 +335,8 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
                 target_memory: int | None = None, plans: Sequence[MemoryPlan] | None = None,
                 max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
                 reuse_traces: bool = True, resize_lengths: bool = True) -> PlanReport:
-    """Predict every plan of ``plans`` (default `candidate_plans`) for ``setup`` on ``cluster`` and choose one:
-    ``"fastest"``: the fastest step at ``setup.seq_len`` whose peak fits ``target_memory`` (bytes per rank; default:
+    """Predict every plan of ``plans`` (default: `candidates_for` the model and target) for ``setup`` on
+    ``cluster`` and choose one: ``"fastest"``: the fastest step at ``setup.seq_len`` whose peak fits ``target_memory`` (bytes per rank; default:
     the device's memory), ties by the lower peak; ``"longest"``: the longest length that fits (the max-length search
     of `predict`, starting at ``setup.seq_len``), ties by the faster step at that length.  ``reuse_traces``: plans
     differing only in checkpointing share one trace and plans with the same program one simulation (`TraceReuse`);
@@ -283,7 +349,7 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     setup = dataclasses.replace(setup, depth=setup.depth or DECIDING_DEPTH)
     start = time.perf_counter()
     target = int(cluster.device.memory_bytes if target_memory is None else target_memory)
-    plans = tuple(plans or candidate_plans())
+    plans = tuple(plans or candidates_for(model, setup, target))
     # Only the max-length search asks for several lengths.
     reuse = TraceReuse([p.options for p in plans], resize_lengths=resize_lengths and objective == "longest") \
         if reuse_traces else None

@@ -85,6 +85,11 @@ class TrainingSetup:
     the decisions among candidates (`autosp.plan.plan_memory`, `choose_strategy`), `DECIDING_DEPTH`."""
 
     @property
+    def torch_dtype(self):
+        """``dtype`` as a torch dtype."""
+        return _torch_dtype(self.dtype)
+
+    @property
     def world_size(self) -> int:
         return self.sp_size * self.dp_size
 

@@ -242,3 +242,41 @@ def test_planner_resizes_lengths_inside_its_traced_range_and_predicts_what_trace
     # Outside the traced range: traced (the range widens).
     fast.trace(source, SETUP, seq_len=128, layers=None, config=config, options=plans[0])
     assert (fast.traces, fast.resized, lengths.lengths) == (4, 1, [32, 96, 64, 128])
+
+
+@pytest.mark.parametrize("target_mib", [1, 64 * 1024])
+def test_the_cli_and_the_compile_plan_the_same_candidates(model, monkeypatch, target_mib):
+    """``python -m autosp.plan --memory-plan auto`` and ``autosp.compile(memory_plan="auto")`` (`plan_request`)
+    predict the same candidates for one model and target: the tiled ops' chunks sized for the target by
+    `chunk_tokens` (1 MiB: a few tokens per chunk; 64 GiB: the passes' default chunks, unnamed)."""
+    import transformers
+
+    from autosp.config import AutoSPConfig
+    from autosp.errors import AutoSPError
+    from autosp.plan import planner
+    from autosp.plan.__main__ import main
+    from autosp.plan.auto import plan_request
+
+    target = target_mib * 2**20
+    asked = {}
+
+    def planned(*args, plans, **kwargs):  # the CLI's candidates, then stop before predicting any
+        asked["plans"] = plans
+        raise AutoSPError("stopped by the test")
+
+    monkeypatch.setattr(planner, "plan_memory", planned)
+    assert main(["--model", model, "--cluster", "h100-sxm", "--seq-len", "128", "--sp-size", "2", "--dtype", "fp32",
+                 "--memory-plan", "auto", "--target-memory", str(target / 2**30), "-q"]) == 2
+    module = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**{k: v for k, v in CONFIG.items() if k != "architectures"}))
+    config = AutoSPConfig.from_options(sp_size=2, compiler="aot_eager", options={
+        "memory_plan": "auto", "target_memory": target, "plan_cluster": "h100-sxm"})
+    request = plan_request(module, config, seq_len=128, micro_batch=1, world_size=2, explicit={})
+    cli = [[p.name, dict(p.options)] for p in asked["plans"]]
+    assert cli == request["plans"]
+    assert [p.options for p in planner.candidates_for(model, SETUP, target)] == [o for _, o in cli]
+    chunks = {o.get(k) for _, o in cli for k in ("loss_chunk_tokens", "mlp_chunk_tokens")}
+    # the rule: one chunk's scratch within 1/16 of the target (64 KiB of 1 MiB): the loss's two fp32 rows of 4,096
+    # logits are 32 KiB a token (2 tokens), the MLP's 8 fp32 rows of 64 are 2 KiB (32 tokens); at 64 GiB the passes'
+    # default chunks (None: unnamed); None also for the candidates without tiling
+    assert chunks == ({None} if target_mib > 1 else {None, 2, 32})
