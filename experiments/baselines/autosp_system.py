@@ -44,6 +44,13 @@ class AutoSPSystem:
         compiler: str = "aot_eager", **options,
     ):
         self.model = model
+        config = getattr(model, "config", None)
+        if getattr(config, "use_cache", False):
+            # Trained without a KV cache, as every baseline calls the model (`adapters.local_logits`) and as
+            # AutoSPTrainer sets it: a cache would hold every layer's keys and values to the end of the step, in
+            # AutoSP's memory and not in the baselines'.  The model config says so (not a call argument), so that
+            # memory_plan="auto", which rebuilds the model from its config, plans what runs.
+            config.use_cache = False
         self.compiled = autosp.compile(model, sp_size=sp_size, process_group=process_group, compiler=compiler,
                                        **options)
 

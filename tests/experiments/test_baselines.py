@@ -92,6 +92,13 @@ def test_baselines_hand_written_systems_match_single_device_on_hugging_face_llam
     _check_exact(run_on_ranks(_run_systems, 2, "hf-llama", 32, systems, timeout_s=300))
 
 
+@pytest.mark.parametrize("model", ["hf-llama", "hf-qwen2"])
+def test_baselines_autosp_runs_hugging_face_models_without_a_kv_cache_exactly(model):
+    """The AutoSP system trains with ``use_cache=False`` as the baselines call the model (its mask is then learnt
+    from the position ids and compiled as causal attention, Note [Attention masks built from the inputs])."""
+    _check_exact(run_on_ranks(_run_systems, 2, model, 32, [("autosp", {})], timeout_s=300))
+
+
 def test_baselines_zero3_matches_single_device():
     _check_exact(run_on_ranks(_run_systems, 2, "plain-llama", 32, [("zero3", {})], timeout_s=300))
 
