@@ -37,6 +37,7 @@ from simulator.replicas import data_parallel_replicas
 from simulator.result import Result
 from simulator.strategies import SEQUENCE_PARALLEL, STRATEGIES, Strategy, sp_candidates
 from simulator.training_step import (
+    GradientReady,
     add_training_step,
     gradients_from_modules,
     host_optimizer_time_s,
@@ -144,6 +145,10 @@ class Traced:
     them out: `trace_step`'s ``rewrites_here``)."""
     rebuild: Callable[..., Traced] | None = field(default=None, compare=False, repr=False)
     """``rebuild(graphs, offload=True)``: the step of ``graphs`` with activation offload on (`TraceReuse`)."""
+    gradients: Mapping[int, tuple[GradientReady, ...]] = field(default_factory=dict, compare=False, repr=False)
+    """Per rank of ``backward``: the ops that produce the parameters' gradients, which the training step reduces
+    (`simulator.training_step.add_training_step`; `simulator.depth_unroll.unroll_depth` carries them to a deeper
+    program)."""
 
 
 OFFLOAD_OPTION = "activation_offload"
@@ -427,7 +432,7 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts:
     # A shallower trace (depth extrapolation) reduces and updates only its own layers' parameters.
     step_config = config if layers is None else dataclasses.replace(config, parameter_numels=source.parameter_numels(hf))
     step = add_training_step(backward, gradients, step_config, group="dp", group_instances=[list(range(world))])
-    return Traced(layers=depth, backward=backward, step=step)
+    return Traced(layers=depth, backward=backward, step=step, gradients={r: tuple(g) for r, g in gradients.items()})
 
 
 class _Captured:
