@@ -36,7 +36,7 @@ the backward ones; attention ops per phase not a multiple of K; units of one pha
 class, FLOPs, bytes, collective, allocation sizes or counts of deps and frees (its signature); a reference
 between units more than one position apart; a copy that would free a tensor of a fixed segment (it would be freed
 once per copy); and a reference from a fixed segment or a kept unit that would land on a copy of another unit than
-the trace's.  tests/simulator/test_depth_unroll.py compares unrolled programs with traced ones, op for op.
+the trace's.  tests/autosp/test_depth_unroll.py compares unrolled programs with traced ones, op for op.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ from simulator.max_length import DepthExtrapolationError
 from simulator.training_step import GradientReady
 from simulator.workload import Op, RankProgram, StaticMemory, Workload
 
-UNROLL_LAYERS = 5
-"""The fewest traced layers `unroll_depth` takes: a source unit whose neighbours are middle layers' units."""
+UNROLL_LAYERS = 6
+"""The fewest traced layers `unroll_depth` takes: the source units' neighbours up to two positions away are middle
+layers' units (Note [Unrolling a traced workload to the model's depth])."""
 
 HEAD, FORWARD, MIDDLE, BACKWARD, TAIL = "head", "forward", "middle", "backward", "tail"
 _UNITS = (FORWARD, BACKWARD)
@@ -221,6 +222,11 @@ def _every(qs: set[int]) -> bool:
     return {_SOURCE - 1, _SOURCE, _SOURCE + 1} <= qs
 
 
+def _special(t: _Template, c: tuple, q: int) -> bool:
+    """Whether position ``q`` of container ``c`` is not a middle layer's (it differs from the source's)."""
+    return t.classes[(c, q)] != t.classes[(c, _SOURCE)]
+
+
 def _refs(t: _Template, i: int, found: list[tuple[int, int | None]], *, deps: bool) -> tuple:
     """Op ``i``'s references to ``found`` ((op, slot) pairs) in `_Template`'s terms, each once."""
     refs, spread, at = [], {}, t.label.get(i)
@@ -240,9 +246,7 @@ def _refs(t: _Template, i: int, found: list[tuple[int, int | None]], *, deps: bo
             refs.append(("every", tuple(sorted(qs)), *item))
             continue
         for q, (y, slot) in sorted(qs.items()):
-            if at is not None and abs(q - at[1]) > 1:
-                if item[0][0] != "unit" or q == _SOURCE:
-                    raise _refuse(f"op {t.program.ops[i].name!r} reads an op {abs(q - at[1])} layers away")
+            if at is not None and abs(q - at[1]) > 1 and _special(t, item[0], q):
                 refs.append(("fixed", y) if deps else ("fixed", y, slot))  # a far op of a unit placed once
                 continue
             refs.append(("pos", item[0], q, *item[1:]))
@@ -358,13 +362,11 @@ class _Builder:
         c, p, j, slot = (*ref[1:], None)[:4]
         if q is not None:
             at = q + p - t.label[i][1]
-        elif p != _SOURCE:  # a fixed op reads a kept unit's one image
+        elif _special(t, c, p):  # a fixed op reads a unit placed once
             at = p if p < _SOURCE else p + self.extra
-        else:  # or the copy nearest it: the middle counts its layers from the last, the head and tail from the first
+        else:  # or a middle layer's: the middle counts its layers from the last, the head and tail from the first
             at = p + self.extra if t.segments[t.segment_of[i]].kind == MIDDLE else p
-        if (c, at) not in self.instances or (
-                t.classes[(c, self.template_position(at))] != t.classes[(c, p)] if copy
-                else self.template_position(at) != p):
+        if (c, at) not in self.instances or t.classes[(c, self.template_position(at))] != t.classes[(c, p)]:
             raise _refuse(f"op {t.program.ops[i].name!r} reads an item of layer position {p} that has no "
                           f"counterpart at {self.layers} layers")
         return [self._target(c, at, j, slot, tensor)]
