@@ -9,34 +9,37 @@ backward in reverse, and the ops after.  `unroll_depth` builds the program of L 
 whatever depends on the whole depth (how far the host link lags the backward under activation offload: the
 reloads in flight, the device peak) is simulated, not extrapolated.
 
-Where the layers are cut.  A layer's ops are not labelled in the workload, and the passes put some of a layer's
-ops among its neighbour's (activation offload copies a tensor out after its last forward reader, which may be the
-next layer's residual add, and reloads it ahead of the attention before its first backward reader: Note
-[Activation offload] in autosp/passes/partitioned/offload.py).  The cuts are at the attention ops, the first
-attention op of each layer (every ``n / K``-th of the phase's ``n``): the K - 1 forward units run from one layer's
-attention to the next one's, the K - 1 backward units likewise in the backward's order, so that forward unit t and
-backward unit K - 2 - t cover the same layers (layer t's second half, layer t + 1's first half), at position t.
-The ops before the first forward attention (the head: embedding, rotary tables, layer 0's first half), those from
-the last forward attention to the first backward one (the middle) and those after the last backward attention
-(the tail: layer 0's first half backward, the embedding's backward) are fixed segments, placed once; the head and
-tail sit at position -1, the middle at K - 1 (L - 1 in the result).
+Where the layers are cut.  The workload does not label a layer's ops, and the passes put some of a layer's ops
+among its neighbours' (activation offload copies a tensor out after its last forward reader and reloads it ahead of
+the attention before its first backward reader: Note [Activation offload] in autosp/passes/partitioned/offload.py).
+The cuts are right after each layer's last attention op (the ``n / K``-th of a phase's ``n``): the K - 1 forward
+units run from one layer's attention to the next one's, the K - 1 backward units likewise in the backward's order,
+and forward unit t and backward unit K - 2 - t sit at layer position t.  What is before the first forward cut (the
+head), between the last forward cut and the first backward one (the middle) and after the last backward cut (the
+tail) is fixed, placed once.  Fixed segments still hold per-layer items, found by what they read: a run of ops,
+one group per position (the offload, at the forward's end, of each layer's attention output, which the
+partitioner's trailing ``detach`` keeps until then), and a fixed op's allocations, one group per position (the
+zero tangents of each layer's KV-cache outputs, which the backward's first op allocates); each is expanded to every
+position.  A reference (an op's ``deps``, each freed tensor's allocating op, a wait's start) is read as (container,
+position, index): relative to the reader's position where the reader has one, else the head and tail count
+positions from the first layer and the middle from the last; items read at every layer's position (the forward's
+last op frees every layer's KV-cache outputs) are expanded; a far read of a unit that differs from the middle
+layers' (the first backward unit reloads the rotary tables every layer reads) is a read of its one image.
 
-What is replicated.  Unit 1 of each phase (the source) has units on both sides, in the forward and in the backward
-(hence K >= 4), so its references to its neighbours are a middle layer's.  The result keeps units 0 and K - 2 of
-the trace at positions 0 and L - 2 and puts L - K + 1 copies of the source between them.  Every reference (an
-op's ``deps``, and each freed tensor's allocating op) is read as (unit kind, position offset, index in the unit)
-or as a fixed op, and re-aimed from each copy at the unit the same offset away, so copy p reads copy p - 1's
-tensors and frees what copy p - 1 allocated where the trace's unit 1 freed unit 0's.  Tensors get fresh ids in
+What is replicated.  The units of position 1 (the source), whose references reach the middle layers' units two
+positions either way (a reload is issued two layers ahead of its last reader), hence K >= 6: the first forward
+unit and the first and last backward units differ from the rest.  The result keeps the trace's other positions at
+the ends (0, and K - 2 - j at L - 2 - j) and L - K + 1 copies of the source between them; a reference lands on the
+same offset, and must find there a unit whose ops have the same signatures (kind, class, FLOPs, bytes,
+collective, allocation sizes, counts of deps and frees) as the trace's target.  Tensors get fresh ids in
 allocation order and ops ids in program order, as the export numbers them; a copy's collective keys and op names
-get ``@p``.
+get ``@position``.
 
-Where the trace does not have this structure the result would be quietly wrong, so `unroll_depth` refuses
-(`simulator.max_length.DepthExtrapolationError`, and callers trace the full depth): the forward ops not all before
-the backward ones; attention ops per phase not a multiple of K; units of one phase that differ in any op's kind,
-class, FLOPs, bytes, collective, allocation sizes or counts of deps and frees (its signature); a reference
-between units more than one position apart; a copy that would free a tensor of a fixed segment (it would be freed
-once per copy); and a reference from a fixed segment or a kept unit that would land on a copy of another unit than
-the trace's.  tests/autosp/test_depth_unroll.py compares unrolled programs with traced ones, op for op.
+Where the trace lacks this structure the result would be quietly wrong, so `unroll_depth` refuses
+(`simulator.max_length.DepthExtrapolationError`, and the planner traces the full depth, logged): the forward ops
+not all before the backward ones; attention ops per phase not a multiple of K; a reference that finds no unit of the
+same signatures at its offset; a source op that would free a fixed tensor or read every position (once per copy).
+tests/autosp/test_depth_unroll.py compares unrolled programs with traced ones, op for op, and their simulations.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ class _Template:
     A position's items are in containers: ``("unit", kind)`` (a unit's ops), ``("run", segment)`` (a fixed
     segment's ops that belong to one layer each) and ``("slots", op)`` (a fixed op's allocations that belong to one
     layer each); an item's label is (container, position, index).  A reference is ``("fixed", op[, slot])``,
-    ``("pos", container, position, index[, slot])`` or ``("all", container, index[, slot])`` (every position)."""
+    ``("pos", container, position, index[, slot])`` or ``("every", positions, container, index[, slot])``."""
 
     program: RankProgram
     layers: int
@@ -338,12 +341,12 @@ class _Builder:
             self.fixed_at[i] = n
             self.fixed_tensor.update({(i, x): fresh[x] for x in range(len(op.allocates)) if not slots})
         copy = q is not None and self.template_position(q) == _SOURCE
-        frees = sorted(x for r in t.frees[i] for x in self._resolve(r, i, q, copy, tensor=True))
-        deps = sorted({x for r in t.deps[i] for x in self._resolve(r, i, q, copy, tensor=False)})
+        frees = sorted(x for r in t.frees[i] for x in self._resolve(r, i, q, tensor=True))
+        deps = sorted({x for r in t.deps[i] for x in self._resolve(r, i, q, tensor=False)})
         renamed = copy and q != _SOURCE
         collective = op.collective
         if i in t.started:  # a wait takes its start's key
-            collective = self.ops[self._resolve(t.started[i][0], i, q, copy, tensor=False)[0]].collective
+            collective = self.ops[self._resolve(t.started[i][0], i, q, tensor=False)[0]].collective
         elif renamed and collective is not None:
             collective = dataclasses.replace(collective, key=f"{collective.key}@{q}")
         self.ops.append(dataclasses.replace(op, id=n, name=f"{op.name}@{q}" if renamed else op.name,
@@ -351,7 +354,7 @@ class _Builder:
                                             collective=collective))
         self.images.setdefault(i, []).append(n)
 
-    def _resolve(self, ref: tuple, i: int, q: int | None, copy: bool, *, tensor: bool) -> list[int]:
+    def _resolve(self, ref: tuple, i: int, q: int | None, *, tensor: bool) -> list[int]:
         t = self.t
         if ref[0] == "fixed":
             return [self.fixed_tensor[ref[1:]] if tensor else self.fixed_at[ref[1]]]
