@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 
 import pytest
 
@@ -116,3 +117,45 @@ def test_a_trace_without_the_layer_structure_is_refused(tmp_path_factory):
     broken = dataclasses.replace(shallow.backward, ranks={0: dataclasses.replace(program, ops=tuple(ops))})
     with pytest.raises(DepthExtrapolationError, match="attention ops"):
         unroll_depth(broken, traced_layers=UNROLL_LAYERS, layers=LAYERS)
+
+
+def test_sac_tagged_as_the_full_model_unrolls_to_the_traced_full_depth(tmp_path):
+    """Under SAC (the planner's default) the six-layer trace takes the full model's decision (Note [Shallow traces
+    checkpointed for the full depth] in autosp/plan/depth.py); the eight-layer trace tagged with the same pattern is
+    what each of the planner's bracketing programs stands for, and the unrolled program equals it."""
+    import copy
+
+    from autosp.joint_template import partition_at, propagate_fake
+    from autosp.plan.depth import EVERY, FullDepthTagger
+    from autosp.plan.predict import _Captured, _steps
+
+    source = ModelSource(_model(tmp_path, LLAMA))
+    training = SETUP.training_config(source.parameter_numels(source.config(seq_len=SETUP.seq_len)))
+    options = {"activation_offload": "on"}
+    captured = {}
+    for layers in (2, UNROLL_LAYERS, LAYERS):
+        into = _Captured()
+        trace_step(source, SETUP, seq_len=SETUP.seq_len, layers=layers, config=training, options=options,
+                   capture_into=into)
+        captured[layers] = into
+    tags = FullDepthTagger(model_layers=LAYERS, recompute_limit=captured[2].facts.compiled_with.sac_recompute_limit,
+                           memory_budget=None)
+
+    def program(layers: int):
+        capture, facts = captured[layers].capture, captured[layers].facts
+        with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+            joint = dataclasses.replace(capture, graph=copy.deepcopy(capture.graph))
+        report = partition_at(joint, facts.compiled_with, tag_joint=tags.tagger(EVERY),
+                              propagated=propagate_fake(capture))
+        return _steps(source, SETUP, report, facts, seq_len=SETUP.seq_len, layers=layers, config=training,
+                      options=options, rewrites_here=False)[("sac", None)]
+
+    program(2)  # decides for the full depth
+    shallow, full = program(UNROLL_LAYERS), program(LAYERS)
+    assert full.backward.program(0).host_tensors
+    unrolled, gradients = unroll_depth(shallow.backward, traced_layers=UNROLL_LAYERS, layers=LAYERS,
+                                       gradients=shallow.gradients)
+    assert _canonical(unrolled) == _canonical(full.backward)
+    assert unrolled.program(0).tensors == full.backward.program(0).tensors
+    assert sorted(map(dataclasses.astuple, gradients[0])) == sorted(map(dataclasses.astuple, full.gradients[0]))
