@@ -16,9 +16,9 @@ import warnings
 
 import pytest
 
-from autosp.plan import TrainingSetup, load_cluster, predict
+from autosp.plan import TrainingSetup, load_cluster
 from autosp.plan.model_source import ModelSource
-from autosp.plan.predict import trace_step
+from autosp.plan.predict import _simulated, simulate_step, trace_step
 from simulator.depth_unroll import UNROLL_LAYERS, unroll_depth
 from simulator.engine import simulate
 from simulator.max_length import DepthExtrapolationError
@@ -94,18 +94,17 @@ def test_unrolled_program_and_step_equal_the_traced_full_depth(tmp_path_factory,
     assert [r.peak_memory_bytes for r in a.ranks] == [r.peak_memory_bytes for r in b.ranks]
 
 
-def test_the_planner_unrolls_activation_offload_and_predicts_the_full_depth(tmp_path):
-    """`autosp.plan.predict.simulate_step` under ``depth="extrapolated"``: unrolled, not traced at eight layers, and
-    the same prediction as the full trace."""
-    model = _model(tmp_path, LLAMA)
+def test_the_planner_unrolls_activation_offload_and_predicts_the_full_depth(tmp_path_factory):
+    """`autosp.plan.predict.simulate_step` under ``depth="extrapolated"``: unrolled from six layers, not traced at
+    eight, and the same step time and device and host activations as the eight-layer trace simulated."""
+    source, training, _, full = _traced(tmp_path_factory, LLAMA, "none")
     cluster = load_cluster("h100-sxm", world_size=SETUP.world_size)
-    options = {"activation_offload": "on", "checkpointing": "none"}
-    full = predict(model, SETUP, cluster, options=options)
-    fast = predict(model, dataclasses.replace(SETUP, depth="extrapolated"), cluster, options=options)
-    assert (full.step.unrolled_from, fast.step.unrolled_from) == (None, UNROLL_LAYERS)
-    assert (fast.step.step_time_s, fast.step.dynamic_memory_bytes, fast.step.host_dynamic_memory_bytes) == (
-        full.step.step_time_s, full.step.dynamic_memory_bytes, full.step.host_dynamic_memory_bytes)
-    assert (fast.peak_bytes, fast.host_peak_bytes) == (full.peak_bytes, full.host_peak_bytes)
+    fast = simulate_step(source, dataclasses.replace(SETUP, depth="extrapolated"), cluster, training, LAYERS,
+                         SETUP.seq_len, {"activation_offload": "on", "checkpointing": "none"})
+    step_s, _, dynamic, _, host = _simulated(full, SETUP, cluster, None)
+    assert fast.unrolled_from == UNROLL_LAYERS and fast.extrapolated_from is None
+    assert (fast.step_time_s, fast.dynamic_memory_bytes, fast.host_dynamic_memory_bytes) == (step_s, dynamic, host)
+    assert host > 0
 
 
 def test_a_trace_without_the_layer_structure_is_refused(tmp_path_factory):
