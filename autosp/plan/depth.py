@@ -30,11 +30,17 @@ step little, how many bytes does).  The planner falls back to tracing every laye
 graphs do not have the structure this assumes (`DepthExtrapolationError`) or a line falls with the depth.
 experiments/bench_planner.py --compare measures the decisions and predictions against full-depth traces.
 
-Activation offload is not extrapolated (its plans are traced at full depth, logged): a reload's device buffer is
-allocated when its copy is issued, and how many reloads are in flight at once depends on how far the host link
-lags the backward over the whole depth, which a line through 1 and 2 layers does not see (Llama-3.1-8B, 8 ranks,
-131,072 tokens: 39.41 GiB extrapolated against 42.62 GiB traced for SAC with offload, -7.5 %; the plan without
-offload is within 1.6 %).
+Activation offload is not extrapolated by a line: a reload's device buffer is allocated when its copy is issued,
+and how many reloads are in flight at once depends on how far the host link lags the backward over the whole
+depth, which a line through 1 and 2 layers does not see (Llama-3.1-8B, 8 ranks, 131,072 tokens: 39.41 GiB
+extrapolated against 42.62 GiB traced for SAC with offload, -7.5 %).  Its plans are traced at
+`simulator.depth_unroll.UNROLL_LAYERS` (six) layers, the trace's middle layer replicated to the full depth, and that
+whole program simulated (Note [Unrolling a traced workload to the model's depth] in simulator/depth_unroll.py;
+`autosp.plan.predict._unrolled_step`): the host link's lag over the whole depth is simulated, not extrapolated.  Under
+SAC the six-layer joint graph takes the full model's decision from the two-layer one as above, ``every`` and
+``some`` are each unrolled and simulated, and mixed by `FullDepthSAC.share`.  A model of at most six layers is traced
+whole; where the trace lacks the structure the unrolling needs (`DepthExtrapolationError`) the full depth is
+traced, logged.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from simulator.replicas import data_parallel_replicas
 from simulator.result import Result
 from simulator.strategies import SEQUENCE_PARALLEL, STRATEGIES, Strategy, sp_candidates
 from simulator.training_step import (
+    GradientReady,
     add_training_step,
     gradients_from_modules,
     host_optimizer_time_s,
@@ -149,6 +150,10 @@ class Traced:
     them out: `trace_step`'s ``rewrites_here``)."""
     rebuild: Callable[..., Traced] | None = field(default=None, compare=False, repr=False)
     """``rebuild(graphs, offload=True)``: the step of ``graphs`` with activation offload on (`TraceReuse`)."""
+    gradients: Mapping[int, tuple[GradientReady, ...]] = field(default_factory=dict, compare=False, repr=False)
+    """Per rank of ``backward``: the ops that produce the parameters' gradients, which the training step reduces
+    (`simulator.training_step.add_training_step`; `simulator.depth_unroll.unroll_depth` carries them to a deeper
+    program)."""
 
 
 OFFLOAD_OPTION = "activation_offload"
@@ -432,7 +437,7 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts:
     # A shallower trace (depth extrapolation) reduces and updates only its own layers' parameters.
     step_config = config if layers is None else dataclasses.replace(config, parameter_numels=source.parameter_numels(hf))
     step = add_training_step(backward, gradients, step_config, group="dp", group_instances=[list(range(world))])
-    return Traced(layers=depth, backward=backward, step=step)
+    return Traced(layers=depth, backward=backward, step=step, gradients={r: tuple(g) for r, g in gradients.items()})
 
 
 class _Captured:
@@ -621,6 +626,9 @@ class StepPrediction(ModelStep):
     simulated: Result | None = field(default=None, compare=False, repr=False)
     """The simulator's result of the traced training step (with depth extrapolation: of the deeper trace), for
     `simulator.plots` (timeline, memory over time)."""
+    unrolled_from: int | None = None
+    """The traced depth whose middle layer was replicated to the full depth, which was then simulated whole (Note
+    [Unrolling a traced workload to the model's depth] in simulator/depth_unroll.py); None: not unrolled."""
 
 
 def _simulated(traced: Traced, setup: TrainingSetup, cluster: Cluster,
@@ -719,6 +727,90 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
                           simulated=values["every"][2][3], extrapolated_from=(1, 2))
 
 
+def _unrolled_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, config: TrainingConfig,
+                   model_layers: int, seq_len: int, options: Mapping | None,
+                   reuse: TraceReuse | None) -> StepPrediction:
+    """The step of ``model_layers`` layers with activation offload from a trace of `UNROLL_LAYERS` layers whose
+    middle layer is replicated to the full depth, then simulated whole (Note [Unrolling a traced workload to the
+    model's depth] in simulator/depth_unroll.py); under SAC the trace is tagged with the full model's decision
+    (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py), each of its bracketing programs
+    unrolled and simulated, and the two mixed.  `DepthExtrapolationError` where that does not hold."""
+    import copy
+
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+
+    from autosp.joint_template import partition_at, propagate_fake
+    from autosp.plan.depth import EVERY, SOME, FullDepthTagger
+    from simulator.depth_unroll import UNROLL_LAYERS, unroll_depth
+
+    start = time.perf_counter()
+    checkpointing, budget = checkpointing_variant(options)
+    hf = source.config(seq_len=seq_len)
+    programs: dict[str, Traced] = {}
+    share = 0.0
+    if checkpointing != "sac":
+        programs[EVERY] = (trace_step(source, setup, seq_len=seq_len, layers=UNROLL_LAYERS, config=config,
+                                      options=options) if reuse is None else
+                           reuse.trace(source, setup, seq_len=seq_len, layers=UNROLL_LAYERS, config=config,
+                                       options=options))
+    else:
+        captured = {}
+        for layers in (2, UNROLL_LAYERS):
+            if reuse is not None:
+                captured[layers] = reuse.captured(source, setup, seq_len=seq_len, layers=layers, config=config,
+                                                  options=options)
+            else:
+                into = _Captured()
+                trace_step(source, setup, seq_len=seq_len, layers=layers, config=config, options=options,
+                           capture_into=into)
+                captured[layers] = (into.capture, into.facts, False)
+        tags = FullDepthTagger(model_layers=model_layers,
+                               recompute_limit=captured[2][1].compiled_with.sac_recompute_limit, memory_budget=budget)
+
+        def partitioned(layers: int, pattern: str):
+            capture, facts, _ = captured[layers]
+            # a copy is partitioned, never called (lazy graph modules); deep-copying its pytree codegen warns
+            with warnings.catch_warnings(), _use_lazy_graph_module(True):
+                warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+                graph = _make_graph_module(capture.graph, copy.deepcopy(capture.graph.graph))
+            sac = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
+            if reuse is not None:
+                reuse.partitions += 1
+            return partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern),
+                                propagated=propagate_fake(capture))
+
+        partitioned(2, EVERY)  # the two-layer graph decides for the full depth (`FullDepthTagger`)
+        for pattern in tags.decision.patterns:
+            _, facts, rewrites_here = captured[UNROLL_LAYERS]
+            traced = _steps(source, setup, partitioned(UNROLL_LAYERS, pattern), facts, seq_len=seq_len,
+                            layers=UNROLL_LAYERS, config=config, options=options,
+                            rewrites_here=rewrites_here)[(checkpointing, budget)]
+            if rewrites_here:
+                traced = traced.rebuild(traced.graphs, offload=True)
+            programs[pattern] = traced
+        share = tags.decision.share
+    values = {}
+    for pattern, traced in programs.items():
+        static = traced.backward.program(0).static_memory
+        full = sum(source.parameter_numels(hf)) * _torch_dtype(setup.dtype).itemsize
+        static = dataclasses.replace(static, **{f: getattr(static, f) * full // static.parameter_bytes
+                                                for f in ("parameter_bytes", "gradient_bytes", "optimizer_bytes")})
+        backward, gradients = unroll_depth(traced.backward, traced_layers=UNROLL_LAYERS, layers=model_layers,
+                                           gradients=traced.gradients, static_memory=static,
+                                           name=f"{source.spec}/L={model_layers}/S={seq_len}")
+        step = add_training_step(backward, gradients, config, group="dp",
+                                 group_instances=[list(range(setup.world_size))])
+        values[pattern] = _simulated(Traced(layers=model_layers, backward=backward, step=step), setup, cluster,
+                                     reuse)
+    mixed = [sum((share if p == SOME else 1 - share if len(values) > 1 else 1) * v[i] for p, v in values.items())
+             for i in (0, 1, 2, 4)]
+    log.info("activation offload at %d layers from %d, middle layer replicated (%d program(s)) in %.1f s",
+             model_layers, UNROLL_LAYERS, len(values), time.perf_counter() - start)
+    return StepPrediction(seq_len=seq_len, step_time_s=mixed[0], micro_step_time_s=mixed[1],
+                          dynamic_memory_bytes=int(mixed[2]), host_dynamic_memory_bytes=int(mixed[3]),
+                          simulated=values[EVERY][3], unrolled_from=UNROLL_LAYERS)
+
+
 def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, config: TrainingConfig,
                   model_layers: int, seq_len: int, options: Mapping | None = None,
                   reuse: TraceReuse | None = None) -> StepPrediction:
@@ -730,10 +822,15 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
     shallow = setup.depth == "extrapolated" and model_layers > 3  # 1 + 2 traced layers: no fewer than the model's
     if shallow and (options or {}).get(OFFLOAD_OPTION) == "on":
-        # Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py: activation offload
-        log.warning("%d tokens, activation offload: the device peak depends on the reloads in flight over the "
-                    "host link, which a line through 1 and 2 layers does not see; tracing all %d layers", seq_len,
-                    model_layers)
+        # Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py: activation offload is
+        # unrolled, not extrapolated (a model no deeper than the unrolled trace is traced whole)
+        from simulator.depth_unroll import UNROLL_LAYERS
+
+        if model_layers > UNROLL_LAYERS:
+            try:
+                return _unrolled_step(source, setup, cluster, config, model_layers, seq_len, options, reuse)
+            except DepthExtrapolationError as exc:
+                log.warning("%d tokens, activation offload: %s; tracing all %d layers", seq_len, exc, model_layers)
         shallow = False
     if shallow and checkpointing_variant(options)[0] == "sac":
         try:
@@ -960,6 +1057,10 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
                              "step_time_s": t.step_time_s} for t in found_ml.nominal.trials],
                  "lengths_simulated": sorted(steps)}
     notes = []
+    if at.unrolled_from:
+        notes.append(f"activation offload at full depth from a trace of {at.unrolled_from} layers, its middle layer "
+                     "replicated and the whole depth simulated (Note [Unrolling a traced workload to the model's "
+                     "depth] in simulator/depth_unroll.py)")
     if at.extrapolated_from:
         notes.append("depth extrapolated from 1 and 2 layers, SAC deciding as for the full model (Note [Shallow "
                      "traces checkpointed for the full depth] in autosp/plan/depth.py)")
