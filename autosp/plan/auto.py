@@ -10,9 +10,11 @@ job's compiled code.  The decision is broadcast to every rank, so all compile th
 (docs/design.md, "Memory planner").
 
 ``strategy="auto"`` goes the same way (`decide_strategy`), once, inside ``autosp.compile`` (the strategy decides
-the process groups it builds, so there is no first batch to wait for: ``plan_seq_len`` is required): the planner
-process runs `autosp.plan.predict.choose_strategy` for the model's config, ``plan_seq_len`` tokens and the cluster,
-and every rank compiles the candidate it chose (docs/design.md, "Choosing a strategy").
+the process groups it builds, so there is no first batch to wait for: ``plan_seq_len`` is required), but its
+candidates are spread over the ranks: each rank's planner process predicts its share
+(`autosp.plan.predict.predict_strategies`) for the model's config, ``plan_seq_len`` tokens and the cluster, and every
+rank applies the one rule (`autosp.plan.predict.strategy_choice`) to all the rows and compiles the candidate it
+chooses (Note [Candidates spread over the ranks]; docs/design.md, "Choosing a strategy").
 """
 
 from __future__ import annotations
@@ -308,8 +310,9 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     `strategy_request`) broadcast, each rank's share of the candidates of ``model_config`` (the model's Hugging Face
     config) predicted in its planner process, the rows all-gathered and `autosp.plan.predict.strategy_choice` applied;
     (the report, the request).  Each candidate's row names the ``rank`` that predicted it (None: refused without
-    predicting); ``planner_seconds``: each rank's planner process (0 where it ran none).  An error on any rank is
-    every rank's `AutoSPError`."""
+    predicting); ``planner_seconds``: each rank's planner process, from its start to its answer (0 where it ran
+    none), ``predict_seconds`` the part of it spent predicting (after its imports).  An error on any rank is every
+    rank's `AutoSPError`."""
     from autosp.plan.predict import StrategyCandidate, TrainingSetup, strategy_candidates, strategy_choice
 
     what = _OPTION["strategy"]
@@ -325,7 +328,10 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     def predicted() -> dict:
         listed[:] = strategy_candidates(model_config, TrainingSetup(**request["setup"]))
         share = strategy_share([s.name for s, why in listed if why is None], rank, ranks)
-        return run_planner({**request, "predict": share}) if share else {"candidates": [], "seconds": 0.0}
+        if not share:
+            return {"candidates": [], "seconds": 0.0, "process_seconds": 0.0}
+        start = time.perf_counter()
+        return {**run_planner({**request, "predict": share}), "process_seconds": time.perf_counter() - start}
 
     answer = _answered(what, f"rank {rank}", predicted)
     answers = [None] * ranks
@@ -345,7 +351,8 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     if missing:
         raise AutoSPError(f"{what}: no rank predicted {', '.join(missing)}")
     report = strategy_choice([rows[s.name] for s, _ in listed], answers[0]["capacity_bytes"])
-    return {**report, "planner_seconds": [a["seconds"] for a in answers]}, request
+    return {**report, "planner_seconds": [a["process_seconds"] for a in answers],
+            "predict_seconds": [a["seconds"] for a in answers]}, request
 
 
 def decide_strategy(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGroup | None, *,

@@ -271,7 +271,9 @@ class _EveryStrategyCaptured(Exception):
 # graph, captured, and its partition) from a copy of that graph.  Nothing then runs: the shallow traces of a decision
 # need the joint graphs only (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py).  A
 # strategy whose shard has other shapes is refused (its own trace).  The joint graphs equal those of separate traces
-# but for the process groups' names (tests/autosp/test_strategy_auto.py).
+# but for the process groups' names (tests/autosp/test_strategy_auto.py).  In the compiled model each rank's planner
+# process captures once for the strategies it predicts (`predict_strategies`' ``only``; Note [Candidates spread over
+# the ranks] in autosp/plan/auto.py), with the same numbers.
 
 
 def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
