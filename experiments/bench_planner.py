@@ -126,7 +126,7 @@ def _ranks_table(world: int, results: list[dict], one_process) -> str:
                "the process from its start to its answer, predicting: after its imports)")
     out.append(f"  wall here {max(f['wall'] for f in results):.1f} s ({world} rank(s) sharing this machine's cores); "
                f"slowest rank's CPU {slowest:.1f} s: on a training node, where each rank has its own cores, that "
-               "is the wall time (not measured here)")
+               "is about the wall time (not measured here)")
     out.append(_compare(report, one_process, "one process"))
     same = all(results[0]["report"]["candidates"] == f["report"]["candidates"] for f in results)
     out.append(f"  every rank's decision the same rows: {'yes' if same else 'NO'}")
