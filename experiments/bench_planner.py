@@ -120,7 +120,7 @@ def _ranks_table(world: int, results: list[dict], one_process) -> str:
     for r, found in enumerate(results):
         out.append(f"  {r:4d} {', '.join(by_rank[r]) or '-':36s} {found['wall']:7.1f} "
                    f"{found['cpu'] + found['planner_cpu']:7.1f} {found['cpu']:8.1f} {found['planner_cpu']:11.1f} "
-                   f"{report['planner_seconds'][r]:12.1f} {report['predict_seconds'][r]:10.1f}")
+                   f"{report['planner_seconds_by_rank'][r]:12.1f} {report['predict_seconds_by_rank'][r]:10.1f}")
     slowest = max(f["cpu"] + f["planner_cpu"] for f in results)
     out.append("  (wall: the rank's call from a barrier; CPU: the rank's own and its planner process's; planner wall: "
                "the process from its start to its answer, predicting: after its imports)")

@@ -310,9 +310,9 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     `strategy_request`) broadcast, each rank's share of the candidates of ``model_config`` (the model's Hugging Face
     config) predicted in its planner process, the rows all-gathered and `autosp.plan.predict.strategy_choice` applied;
     (the report, the request).  Each candidate's row names the ``rank`` that predicted it (None: refused without
-    predicting); ``planner_seconds``: each rank's planner process, from its start to its answer (0 where it ran
-    none), ``predict_seconds`` the part of it spent predicting (after its imports).  An error on any rank is every
-    rank's `AutoSPError`."""
+    predicting); ``planner_seconds_by_rank``: each rank's planner process, from its start to its answer (0 where it
+    ran none; ``planner_seconds`` the longest), ``predict_seconds_by_rank`` the part of it spent predicting (after its
+    imports).  An error on any rank is every rank's `AutoSPError`."""
     from autosp.plan.predict import StrategyCandidate, TrainingSetup, strategy_candidates, strategy_choice
 
     what = _OPTION["strategy"]
@@ -351,8 +351,9 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     if missing:
         raise AutoSPError(f"{what}: no rank predicted {', '.join(missing)}")
     report = strategy_choice([rows[s.name] for s, _ in listed], answers[0]["capacity_bytes"])
-    return {**report, "planner_seconds": [a["process_seconds"] for a in answers],
-            "predict_seconds": [a["seconds"] for a in answers]}, request
+    by_rank = [a["process_seconds"] for a in answers]
+    return {**report, "planner_seconds": max(by_rank), "planner_seconds_by_rank": by_rank,
+            "predict_seconds_by_rank": [a["seconds"] for a in answers]}, request
 
 
 def decide_strategy(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGroup | None, *,
@@ -361,7 +362,8 @@ def decide_strategy(module: torch.nn.Module, config: AutoSPConfig, group: dist.P
     candidates are predicted on the group's ranks, `strategy_on_ranks`): ``options`` (``strategy``, and a hybrid's
     ``ulysses_size`` and ``ring_size``) and the decision for ``report.strategy_plan`` (``chosen``: a registry name,
     ``reason``, ``candidates``: each one's system, options, fits, peak_bytes, step_time_s, refused and the rank that
-    predicted it; ``setup``, ``cluster``, ``capacity_bytes``, ``seconds``, ``planner_seconds`` per rank)."""
+    predicted it; ``setup``, ``cluster``, ``capacity_bytes``, ``seconds``, ``planner_seconds``: the slowest rank's
+    planner process, and each rank's, `strategy_on_ranks`)."""
     start = time.perf_counter()
     group = group or dist.group.WORLD
     if group is None:
@@ -411,11 +413,11 @@ def main(argv: list[str] | None = None) -> int:
             model.write_text(json.dumps(request["model_config"]))
             setup = TrainingSetup(**request["setup"])
             cluster = load_cluster(request["cluster"], world_size=setup.world_size)
-            if deciding == "strategy":  # the candidates this rank predicts (`decide_strategy`)
-                start = time.perf_counter()
+            if deciding == "strategy":  # the candidates this rank predicts (`strategy_on_ranks`; None: all)
+                start, only = time.perf_counter(), request.get("predict")
                 found, capacity = predict_strategies(str(model), setup, cluster, options=request["options"],
-                                                     capacity_bytes=request["target_memory"], only=request["predict"])
-                found = [c for c in found if c.system in request["predict"]]
+                                                     capacity_bytes=request["target_memory"], only=only)
+                found = [c for c in found if only is None or c.system in only]
                 answer = {"candidates": [c.to_dict() for c in found], "capacity_bytes": capacity,
                           "seconds": time.perf_counter() - start,
                           "text": "\n\n".join(f"strategy {c.system}:\n{c.prediction.format()}" if c.prediction

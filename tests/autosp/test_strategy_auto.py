@@ -224,7 +224,8 @@ def test_strategy_auto_spread_over_ranks_decides_as_one_process(decided):
         assert rows == expected["candidates"]  # the same floats: step_time_s, peak_bytes, fits
         assert {k: report[k] for k in ("chosen", "reason", "options", "capacity_bytes")} == \
             {k: expected[k] for k in ("chosen", "reason", "options", "capacity_bytes")}
-        assert len(report["planner_seconds"]) == 2  # each rank's planner process, its prediction inside it
-        assert all(0 < p < w for p, w in zip(report["predict_seconds"], report["planner_seconds"], strict=True))
+        by_rank = report["planner_seconds_by_rank"]  # each rank's planner process, its prediction inside it
+        assert len(by_rank) == 2 and report["planner_seconds"] == max(by_rank)
+        assert all(0 < p < w for p, w in zip(report["predict_seconds_by_rank"], by_rank, strict=True))
         assert raised == ["strategy='auto': planning failed on rank 1: RuntimeError: planner broke on 1",
                           "planner broke on 0"]
