@@ -4,7 +4,9 @@ auto``).
 
 A one-layer Llama config (4 heads, 2 key/value heads) on one simulated H100 node: SP 4, where Ulysses, the hybrid
 2 x 2 and the ring run, and SP 3, where Ulysses cannot (4 heads over 3 ranks), no hybrid exists and the ring is
-chosen.  The candidates of other head counts and SP degrees are checked without tracing.
+chosen.  The candidates of other head counts and SP degrees are checked without tracing.  Two gloo ranks take the
+SP-4 decision with the candidates spread over them, as ``autosp.compile(strategy="auto")`` does
+(`autosp.plan.auto.strategy_on_ranks`), and get the one-process decision's rows.
 """
 
 from __future__ import annotations
