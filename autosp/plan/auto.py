@@ -296,7 +296,7 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
 # all-gathered and every rank applies the one rule, `autosp.plan.predict.strategy_choice`, to the same rows in
 # candidate order: the same decision everywhere, ties to the earlier candidate.  An error on any rank (building,
 # planning, a failed planner process) is every rank's `AutoSPError`, the first rank's by rank order.  With one rank
-# (or one candidate per group) it is the one-process decision in one planner process.
+# it is the one-process decision in one planner process.
 
 
 def strategy_share(names: Sequence[str], rank: int, ranks: int) -> list[str]:
@@ -350,7 +350,8 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     missing = [s.name for s, _ in listed if s.name not in rows]
     if missing:
         raise AutoSPError(f"{what}: no rank predicted {', '.join(missing)}")
-    report = strategy_choice([rows[s.name] for s, _ in listed], answers[0]["capacity_bytes"])
+    capacity = next(a["capacity_bytes"] for a in answers if "capacity_bytes" in a)  # rank 0 always predicts one
+    report = strategy_choice([rows[s.name] for s, _ in listed], capacity)
     by_rank = [a["process_seconds"] for a in answers]
     return {**report, "planner_seconds": max(by_rank), "planner_seconds_by_rank": by_rank,
             "predict_seconds_by_rank": [a["seconds"] for a in answers]}, request
