@@ -97,8 +97,9 @@ class CompileReport:
     strategy_plan: dict | None = None
     """With ``strategy="auto"``: the planner's decision (autosp.plan.auto.decide_strategy): ``chosen`` (the
     registry name, e.g. ``autosp-hybrid-2x4``), ``options`` (the strategy and degrees the model compiled with),
-    ``reason``, ``candidates`` (each: strategy, system, options, fits, peak_bytes, step_time_s, refused),
-    ``setup``, ``cluster``, ``capacity_bytes`` and ``seconds``.  None when not chosen."""
+    ``reason``, ``candidates`` (each: strategy, system, options, fits, peak_bytes, step_time_s, refused, and the
+    rank that predicted it), ``setup``, ``cluster``, ``capacity_bytes``, ``seconds`` and ``planner_seconds``
+    (`autosp.plan.auto.strategy_on_ranks`).  None when not chosen."""
 
     @property
     def all_attention_causal(self) -> bool:

@@ -5,7 +5,12 @@ longest length, the last with and without re-sizing the joint graph across lengt
 also takes each decision at full depth and prints both side by side: the choice, and each candidate's step time
 and peak with the difference ("=": the same number); ``--separate-traces`` also takes ``strategy="auto"`` with each
 candidate traced on its own (Note [One Dynamo capture for every strategy] in autosp/plan/predict.py), side by side
-the same way. Prints wall and CPU times (the CPU time is steadier on a shared machine), traces,
+the same way; ``--ranks N ...`` also takes it the way ``autosp.compile(strategy="auto")`` does, on N gloo ranks
+this script starts (`autosp.plan.auto.decide_strategy`: the candidates spread over the ranks, each rank's share
+predicted in its own cold planner process, Note [Candidates spread over the ranks] in autosp/plan/auto.py; N = 1 is
+one cold planner process predicting every candidate) and prints each rank's wall and CPU time (its own and its
+planner process's), and each candidate's step time and peak beside the one-process decision's. Prints wall and CPU
+times (the CPU time is steadier on a shared machine), traces,
 re-sized lengths and where the time went (summed from the planner's log: tracing, re-sizing, simulating). Not a
 test: it takes minutes on a CPU.
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import resource
 import sys
 import time
 
@@ -62,11 +68,76 @@ def build_parser():
     parser.add_argument("--separate-traces", action="store_true",
                         help="strategy-auto: also decide with each candidate traced on its own (no shared Dynamo "
                              "capture, as before it) and print both side by side")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[],
+                        help="strategy-auto: also decide on this many gloo ranks, as autosp.compile(strategy='auto') "
+                             "does (each rank's planner process cold), and compare with the one-process decision")
     return parser
 
 
+def _on_ranks(rank: int, world: int, model: str, seq_len: int, sp_size: int, cluster: str,
+              depth: str | None) -> dict:
+    """One rank of ``--ranks``: ``strategy="auto"`` for a meta-device model of ``model`` (no weights), timed from a
+    barrier: `decide_strategy` when the group is the job's SP group (``world == sp_size``), else its collective
+    (`strategy_on_ranks`) with the request of the ``sp_size``-rank job."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from autosp.config import AutoSPConfig
+    from autosp.plan import auto
+    from autosp.plan.model_source import ModelSource
+
+    hf = ModelSource(model).config(seq_len=seq_len)
+    with torch.device("meta"):
+        module = transformers.AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
+    config = AutoSPConfig(sp_size=sp_size, strategy="auto", plan_seq_len=seq_len, plan_cluster=cluster,
+                          plan_setup=None if depth is None else {"depth": depth})
+    dist.barrier()
+    start, cpu, children = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    if world == sp_size:
+        report = auto.decide_strategy(module, config, dist.group.WORLD, explicit={})
+    else:
+        def request():
+            made = auto.strategy_request(module, config, world_size=sp_size, explicit={})
+            return {**made, "setup": {**made["setup"], "sp_size": sp_size, "dp_size": 1}}
+
+        report, _ = auto.strategy_on_ranks(dist.group.WORLD, request, module.config, torch.device("meta"))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    planner = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+    return {"wall": wall, "cpu": cpu, "planner_cpu": planner, "report": report}
+
+
+def _ranks_table(world: int, results: list[dict], one_process) -> str:
+    """The ``--ranks`` lines of one group size: per rank its candidates, wall and CPU; the decision and each
+    candidate's step time and peak beside the one-process decision's."""
+    report = results[0]["report"]
+    by_rank = {r: [c["system"] for c in report["candidates"] if c["rank"] == r] for r in range(world)}
+    out = [f"strategy-auto on {world} gloo rank(s), the collective autosp.compile(strategy='auto') runs (cold planner "
+           "process per rank that predicts):",
+           f"  {'rank':>4s} {'predicts':36s} {'wall s':>7s} {'CPU s':>7s} {'rank CPU':>8s} {'planner CPU':>11s} "
+           f"{'planner wall':>12s} {'predicting':>10s}"]
+    for r, found in enumerate(results):
+        out.append(f"  {r:4d} {', '.join(by_rank[r]) or '-':36s} {found['wall']:7.1f} "
+                   f"{found['cpu'] + found['planner_cpu']:7.1f} {found['cpu']:8.1f} {found['planner_cpu']:11.1f} "
+                   f"{report['planner_seconds_by_rank'][r]:12.1f} {report['predict_seconds_by_rank'][r]:10.1f}")
+    slowest = max(f["cpu"] + f["planner_cpu"] for f in results)
+    out.append("  (wall: the rank's call from a barrier; CPU: the rank's own and its planner process's; planner wall: "
+               "the process from its start to its answer, predicting: after its imports)")
+    out.append(f"  wall here {max(f['wall'] for f in results):.1f} s ({world} rank(s) sharing this machine's cores); "
+               f"slowest rank's CPU {slowest:.1f} s: on a training node, where each rank has its own cores, that "
+               "is about the wall time (not measured here)")
+    out.append(_compare(report, one_process, "one process"))
+    same = all(results[0]["report"]["candidates"] == f["report"]["candidates"] for f in results)
+    out.append(f"  every rank's decision the same rows: {'yes' if same else 'NO'}")
+    return "\n".join(out)
+
+
 def _rows(decision) -> tuple[str | None, dict[str, tuple[float, float]]]:
-    """(chosen, candidate -> (step s, peak GiB)) of a PlanReport or a StrategyDecision."""
+    """(chosen, candidate -> (step s, peak GiB)) of a PlanReport, a StrategyDecision or ``report.strategy_plan``."""
+    if isinstance(decision, dict):
+        return decision["chosen"], {c["system"]: (c["step_time_s"], c["peak_bytes"] / 2**30)
+                                    for c in decision["candidates"] if c["step_time_s"] is not None}
     if hasattr(decision, "objective"):
         chosen = decision.candidates[decision.chosen].plan.name if decision.chosen is not None else None
         return chosen, {c.plan.name: (c.prediction.step.step_time_s, c.prediction.peak_bytes / 2**30)
@@ -142,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(_compare(decided[what], report, other) + "\n")
         decided.setdefault(what, report)
         sys.stdout.flush()
+    if args.ranks and "strategy-auto" in decided:
+        from experiments.launch import run_on_ranks
+
+        for world in args.ranks:
+            results = run_on_ranks(_on_ranks, world, args.model, args.seq_len, args.sp_size, args.cluster,
+                                   args.depth, timeout_s=3600, collective_timeout_s=1800)
+            sys.stdout.write(_ranks_table(world, results, decided["strategy-auto"]) + "\n")
+            sys.stdout.flush()
     return 0
 
 

@@ -10,9 +10,11 @@ job's compiled code.  The decision is broadcast to every rank, so all compile th
 (docs/design.md, "Memory planner").
 
 ``strategy="auto"`` goes the same way (`decide_strategy`), once, inside ``autosp.compile`` (the strategy decides
-the process groups it builds, so there is no first batch to wait for: ``plan_seq_len`` is required): the planner
-process runs `autosp.plan.predict.choose_strategy` for the model's config, ``plan_seq_len`` tokens and the cluster,
-and every rank compiles the candidate it chose (docs/design.md, "Choosing a strategy").
+the process groups it builds, so there is no first batch to wait for: ``plan_seq_len`` is required), but its
+candidates are spread over the ranks: each rank's planner process predicts its share
+(`autosp.plan.predict.predict_strategies`) for the model's config, ``plan_seq_len`` tokens and the cluster, and every
+rank applies the one rule (`autosp.plan.predict.strategy_choice`) to all the rows and compiles the candidate it
+chooses (Note [Candidates spread over the ranks]; docs/design.md, "Choosing a strategy").
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -174,26 +176,35 @@ _OPTION = {"memory": "memory_plan='auto'", "strategy": "strategy='auto'"}
 """A request's ``decide`` -> the `autosp.compile` option that asked, for messages."""
 
 
+def _answered(what: str, where: str, answer) -> dict:
+    """``answer()``, or ``{"error": why}`` when it raises (an `AutoSPError`'s message as it is, anything else named
+    with ``where``): every rank must reach the collective after it, and raise the same error there."""
+    try:
+        return answer()
+    except AutoSPError as err:
+        return {"error": str(err)}
+    except Exception as err:
+        log.exception("%s: planning failed", what)
+        return {"error": f"{what}: planning failed on {where}: {type(err).__name__}: {err}"}
+
+
 def _planned_on_rank0(group: dist.ProcessGroup, device: torch.device, what: str, request) -> dict:
     """Rank 0 of ``group`` builds the request (``request()``) and runs the planner on it (`run_planner`); every rank
     gets its answer with the request under ``"request"`` (a collective).  An error anywhere is every rank's
     `AutoSPError`.  ``what``: the option asking, for messages."""
     answer = [None]
     if dist.get_rank(group) == 0:
-        try:
+        def planned():
             made = request()
-            answer[0] = {**run_planner(made), "request": made}
-        except AutoSPError as err:
-            answer[0] = {"error": str(err)}
-        except Exception as err:  # every rank must leave the broadcast below, and with the same error
-            log.exception("%s: planning failed", what)
-            answer[0] = {"error": f"{what}: planning failed on rank 0: {type(err).__name__}: {err}"}
+            return {**run_planner(made), "request": made}
+
+        answer[0] = _answered(what, "rank 0", planned)
     dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0), group=group,
                                device=device if device.type == "cuda" else None)
     found = answer[0]
     if "error" in found:
         raise AutoSPError(found["error"])
-    if dist.get_rank(group) == 0:
+    if dist.get_rank(group) == 0 and "text" in found:
         log.info("%s", found["text"])
     return found
 
@@ -228,29 +239,104 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
     return decision
 
 
+# Note [Candidates spread over the ranks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``strategy="auto"`` is a collective over the process group, whose P ranks wait for the decision anyway, and its
+# candidates are few and independent (each one's prediction is its own trace, export and simulation).  So
+# `decide_strategy` spreads them: rank 0 builds the request and broadcasts it, every rank lists the candidates from
+# its model's config (`autosp.plan.predict.strategy_candidates`), and rank r predicts the runnable candidates r,
+# r + P, ... (`strategy_share`) in its own planner process (`run_planner`; a rank without one starts none).  The
+# Dynamo capture is then per rank: each rank's process shares one capture among the strategies it predicts (Note
+# [One Dynamo capture for every strategy] in autosp/plan/predict.py), which equals the one-process capture but for
+# the process groups' names, so each candidate's step time and peak are the same floats as in one process
+# (tests/autosp/test_strategy_auto.py; experiments/bench_planner.py --ranks compares them at 8B).  The rows are
+# all-gathered and every rank applies the one rule, `autosp.plan.predict.strategy_choice`, to the same rows in
+# candidate order: the same decision everywhere, ties to the earlier candidate.  An error on any rank (building,
+# planning, a failed planner process) is every rank's `AutoSPError`, the first rank's by rank order.  With one rank
+# it is the one-process decision in one planner process.
+
+
+def strategy_share(names: Sequence[str], rank: int, ranks: int) -> list[str]:
+    """Of the runnable candidates ``names`` (in candidate order), those rank ``rank`` of ``ranks`` predicts: every
+    ``ranks``-th from the ``rank``-th (Note [Candidates spread over the ranks])."""
+    return list(names[rank::ranks])
+
+
+def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: torch.device) -> tuple[dict, dict]:
+    """The collective of `decide_strategy` (Note [Candidates spread over the ranks]): rank 0's ``request()`` (a
+    `strategy_request`) broadcast, each rank's share of the candidates of ``model_config`` (the model's Hugging Face
+    config) predicted in its planner process, the rows all-gathered and `autosp.plan.predict.strategy_choice` applied;
+    (the report, the request).  Each candidate's row names the ``rank`` that predicted it (None: refused without
+    predicting); ``planner_seconds_by_rank``: each rank's planner process, from its start to its answer (0 where it
+    ran none; ``planner_seconds`` the longest), ``predict_seconds_by_rank`` the part of it spent predicting (after its
+    imports).  An error on any rank is every rank's `AutoSPError`."""
+    from autosp.plan.predict import StrategyCandidate, TrainingSetup, strategy_candidates, strategy_choice
+
+    what = _OPTION["strategy"]
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    device = device if device.type == "cuda" else None
+    made = [_answered(what, "rank 0", lambda: {"request": request()}) if rank == 0 else None]
+    dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group, device=device)
+    if "error" in made[0]:
+        raise AutoSPError(made[0]["error"])
+    request = made[0]["request"]
+    listed = []
+
+    def predicted() -> dict:
+        listed[:] = strategy_candidates(model_config, TrainingSetup(**request["setup"]))
+        share = strategy_share([s.name for s, why in listed if why is None], rank, ranks)
+        if not share:
+            return {"candidates": [], "seconds": 0.0, "process_seconds": 0.0}
+        start = time.perf_counter()
+        return {**run_planner({**request, "predict": share}), "process_seconds": time.perf_counter() - start}
+
+    answer = _answered(what, f"rank {rank}", predicted)
+    answers = [None] * ranks
+    dist.all_gather_object(answers, answer, group=group)
+    failed = next((a["error"] for a in answers if "error" in a), None)
+    if failed is not None:
+        raise AutoSPError(failed)
+    if answer.get("text"):
+        log.info("%s", answer["text"])
+    rows = {c["system"]: {**c, "rank": r} for r, a in enumerate(answers) for c in a["candidates"]}
+    for strategy, why in listed:
+        if why is not None:
+            rows[strategy.name] = {**StrategyCandidate(strategy=strategy.sequence_parallel, system=strategy.name,
+                                                       options=strategy.compile_options, prediction=None,
+                                                       refused=why).to_dict(), "rank": None}
+    missing = [s.name for s, _ in listed if s.name not in rows]
+    if missing:
+        raise AutoSPError(f"{what}: no rank predicted {', '.join(missing)}")
+    capacity = next(a["capacity_bytes"] for a in answers if "capacity_bytes" in a)  # rank 0 always predicts one
+    report = strategy_choice([rows[s.name] for s, _ in listed], capacity)
+    by_rank = [a["process_seconds"] for a in answers]
+    return {**report, "planner_seconds": max(by_rank), "planner_seconds_by_rank": by_rank,
+            "predict_seconds_by_rank": [a["seconds"] for a in answers]}, request
+
+
 def decide_strategy(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGroup | None, *,
                     explicit: Mapping) -> dict:
-    """``strategy="auto"``: the strategy this process group compiles (a collective inside ``autosp.compile``):
-    ``options`` (``strategy``, and a hybrid's ``ulysses_size`` and ``ring_size``) and the decision for
-    ``report.strategy_plan`` (``chosen``: a registry name, ``reason``, ``candidates``: each one's system, options,
-    fits, peak_bytes, step_time_s, refused; ``setup``, ``cluster``, ``capacity_bytes``, ``seconds``)."""
+    """``strategy="auto"``: the strategy this process group compiles (a collective inside ``autosp.compile``; the
+    candidates are predicted on the group's ranks, `strategy_on_ranks`): ``options`` (``strategy``, and a hybrid's
+    ``ulysses_size`` and ``ring_size``) and the decision for ``report.strategy_plan`` (``chosen``: a registry name,
+    ``reason``, ``candidates``: each one's system, options, fits, peak_bytes, step_time_s, refused and the rank that
+    predicted it; ``setup``, ``cluster``, ``capacity_bytes``, ``seconds``, ``planner_seconds``: the slowest rank's
+    planner process, and each rank's, `strategy_on_ranks`)."""
     start = time.perf_counter()
     group = group or dist.group.WORLD
     if group is None:
         raise AutoSPError("strategy='auto' decides with the process group: call torch.distributed."
                           "init_process_group before autosp.compile")
-    found = _planned_on_rank0(group, _device_of(module), _OPTION["strategy"], lambda: strategy_request(
-        module, config, world_size=dist.get_world_size(group), explicit=explicit))
-    report, request = found["report"], found["request"]
+    report, request = strategy_on_ranks(group, lambda: strategy_request(
+        module, config, world_size=dist.get_world_size(group), explicit=explicit),
+        getattr(module, "config", None), _device_of(module))
     if report["chosen"] is None:
         first = next((c["refused"] for c in report["candidates"] if c["refused"]), None)
         raise AutoSPError(f"strategy='auto' found no strategy for {request['model']} at {config.plan_seq_len} "
                           f"tokens: {report['reason']}" + (f" (first refusal: {first})" if first else "")
                           + "; raise target_memory, use more SP ranks or a shorter plan_seq_len, or pass a strategy")
-    report.pop("prediction", None)  # the chosen candidate's full prediction stays in the planner's log
     decision = {**report, "model": request["model"], "cluster": request["cluster"], "setup": request["setup"],
-                "explicit": dict(explicit), "seconds": time.perf_counter() - start,
-                "planner_seconds": report["seconds"]}
+                "explicit": dict(explicit), "seconds": time.perf_counter() - start}
     log.info("strategy auto at %d tokens on %s: %s %s (%s)", config.plan_seq_len, request["cluster"],
              report["chosen"], report["options"], report["reason"])
     return decision
@@ -272,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m autosp.plan.auto REQUEST.json OUT.json`` (run by `run_planner`)."""
     from autosp.plan.cluster_file import load_cluster
     from autosp.plan.planner import MemoryPlan, plan_memory
-    from autosp.plan.predict import TrainingSetup, choose_strategy
+    from autosp.plan.predict import TrainingSetup, predict_strategies
 
     args = build_parser().parse_args(argv)
     request_path, out_path = args.request, args.out
@@ -285,14 +371,21 @@ def main(argv: list[str] | None = None) -> int:
             model.write_text(json.dumps(request["model_config"]))
             setup = TrainingSetup(**request["setup"])
             cluster = load_cluster(request["cluster"], world_size=setup.world_size)
-            if deciding == "strategy":
-                report = choose_strategy(str(model), setup, cluster, options=request["options"],
-                                         capacity_bytes=request["target_memory"])
+            if deciding == "strategy":  # the candidates this rank predicts (`strategy_on_ranks`; None: all)
+                start, only = time.perf_counter(), request.get("predict")
+                found, capacity = predict_strategies(str(model), setup, cluster, options=request["options"],
+                                                     capacity_bytes=request["target_memory"], only=only)
+                found = [c for c in found if only is None or c.system in only]
+                answer = {"candidates": [c.to_dict() for c in found], "capacity_bytes": capacity,
+                          "seconds": time.perf_counter() - start,
+                          "text": "\n\n".join(f"strategy {c.system}:\n{c.prediction.format()}" if c.prediction
+                                              else f"strategy {c.system}: refused ({c.refused})" for c in found
+                                              ).replace(str(model), request["model"])}
             else:
                 report = plan_memory(str(model), setup, cluster, target_memory=request["target_memory"],
                                      plans=[MemoryPlan(name, options) for name, options in request["plans"]])
-        answer = {"report": {**report.to_dict(), "model": request["model"]},
-                  "text": report.format().replace(str(model), request["model"])}
+                answer = {"report": {**report.to_dict(), "model": request["model"]},
+                          "text": report.format().replace(str(model), request["model"])}
     except AutoSPError as err:
         answer = {"error": f"{_OPTION[deciding]}: {err}"}
     Path(out_path).write_text(json.dumps(answer, default=str))

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autosp.errors import AutoSPError
@@ -281,7 +281,9 @@ class _EveryStrategyCaptured(Exception):
 # graph, captured, and its partition) from a copy of that graph.  Nothing then runs: the shallow traces of a decision
 # need the joint graphs only (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py).  A
 # strategy whose shard has other shapes is refused (its own trace).  The joint graphs equal those of separate traces
-# but for the process groups' names (tests/autosp/test_strategy_auto.py).
+# but for the process groups' names (tests/autosp/test_strategy_auto.py).  In the compiled model each rank's planner
+# process captures once for the strategies it predicts (`predict_strategies`' ``only``; Note [Candidates spread over
+# the ranks] in autosp/plan/auto.py), with the same numbers.
 
 
 def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
@@ -1173,12 +1175,13 @@ class StrategyDecision:
         return "\n".join(out)
 
 
-def strategy_candidates(model: str, setup: TrainingSetup) -> list[tuple[Strategy, str | None]]:
+def strategy_candidates(model, setup: TrainingSetup) -> list[tuple[Strategy, str | None]]:
     """(registry entry, why it cannot run) for every candidate of ``strategy="auto"``: Ulysses (refused when the
     heads do not divide over ``setup.sp_size``), then the registry's `simulator.strategies.sp_candidates` for the
     model's heads and ``setup.sp_size`` (every hybrid ``U x R`` whose Ulysses degree divides the heads, then the
-    ring)."""
-    hf = ModelSource(model).config(seq_len=setup.seq_len)
+    ring).  ``model``: a preset or config.json (`ModelSource`), or a Hugging Face config object (what the job's
+    ranks hold: `autosp.plan.auto.decide_strategy`)."""
+    hf = ModelSource(model).config(seq_len=setup.seq_len) if isinstance(model, str) else model
     heads = int(hf.num_attention_heads)
     kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
     runnable = sp_candidates(setup.sp_size, heads=heads, kv_heads=kv_heads)
@@ -1188,17 +1191,41 @@ def strategy_candidates(model: str, setup: TrainingSetup) -> list[tuple[Strategy
     return found + [(s, None) for s in runnable if s.sequence_parallel in AUTO_STRATEGIES]
 
 
-def choose_strategy(model: str, setup: TrainingSetup, cluster: Cluster, *, options: Mapping | None = None,
-                    capacity_bytes: int | None = None, reuse: TraceReuse | None = None,
-                    progress: Callable[[str], None] | None = None, share_capture: bool = True) -> StrategyDecision:
-    """``strategy="auto"``: predict ``setup`` under every candidate strategy and degree the pass compiles
-    (`strategy_candidates`; each traced with that strategy, exported from what its pass emits and simulated on
-    ``cluster``: `predict`), and choose the fastest whose peak fits ``capacity_bytes`` (default: the device's
-    memory); ties go to the earlier candidate.  ``options``: further `autosp.compile` options (not the strategy
-    or its degrees); ``reuse``: traces shared with other calls (`TraceReuse`); ``share_capture``: the candidates'
-    shallow traces share one Dynamo capture per depth (Note [One Dynamo capture for every strategy]; False: each
-    traced on its own, for comparison)."""
-    start = time.perf_counter()
+def strategy_choice(candidates: Sequence[Mapping], capacity_bytes: int) -> dict:
+    """The rule of ``strategy="auto"`` on the candidates' rows (`StrategyCandidate.to_dict`, in the order of
+    `strategy_candidates`): the fastest candidate that fits (``fits``: its peak within ``capacity_bytes`` and its
+    host peak within the host's) is chosen, ties to the earlier candidate.  The answer has the keys of
+    `StrategyDecision.to_dict` but ``seconds`` and ``prediction``: ``strategy`` ("auto"), ``chosen`` (a registry name
+    or None), ``reason``, ``options`` (the chosen row's), ``capacity_bytes`` and ``candidates`` (the rows).  One rule
+    for the decision taken in one process (`choose_strategy`) and the one whose candidates were predicted on the
+    process group's ranks (`autosp.plan.auto.decide_strategy`, Note [Candidates spread over the ranks] in
+    autosp/plan/auto.py)."""
+    rows = [dict(c) for c in candidates]
+    fitting = [c for c in rows if c["fits"]]
+    if fitting:
+        best = min(fitting, key=lambda c: c["step_time_s"])  # min keeps the first of equal times
+        others = [c for c in rows if c["step_time_s"] is not None and c is not best]
+        reason = f"the fastest that fits ({best['step_time_s'] * 1e3:.3f} ms per step" + "".join(
+            f"; {c['system']} {c['step_time_s'] * 1e3:.3f} ms"
+            + ("" if c["fits"] else f", peak {c['peak_bytes'] / 2**30:.3f} GiB does not fit") for c in others) + ")"
+        chosen = best
+    else:
+        chosen = None
+        reason = f"no strategy fits {capacity_bytes / 2**30:.3f} GiB per rank" + "".join(
+            f"; {c['system']} peaks at {c['peak_bytes'] / 2**30:.3f} GiB" for c in rows if c["peak_bytes"] is not None)
+    return {"strategy": "auto", "chosen": None if chosen is None else chosen["system"], "reason": reason,
+            "options": None if chosen is None else dict(chosen["options"]), "capacity_bytes": int(capacity_bytes),
+            "candidates": rows}
+
+
+def predict_strategies(model: str, setup: TrainingSetup, cluster: Cluster, *, options: Mapping | None = None,
+                       capacity_bytes: int | None = None, reuse: TraceReuse | None = None,
+                       progress: Callable[[str], None] | None = None, share_capture: bool = True,
+                       only: Collection[str] | None = None) -> tuple[list[StrategyCandidate], int]:
+    """Every candidate of `strategy_candidates` predicted (traced with its strategy, exported from what its pass
+    emits and simulated on ``cluster``: `predict`), or why it cannot run, and the capacity a rank has
+    (``capacity_bytes``, default: the device's memory); ``only``: the registry names of the runnable candidates to
+    predict (the others are left out of the answer; refused ones are listed).  The arguments as `choose_strategy`'s."""
     setup.check()
     setup = dataclasses.replace(setup, depth=setup.depth or DECIDING_DEPTH)
     if setup.sp_size < 2:
@@ -1208,7 +1235,8 @@ def choose_strategy(model: str, setup: TrainingSetup, cluster: Cluster, *, optio
     if fixed:
         raise AutoSPError(f"strategy 'auto' chooses the strategy and its degrees; do not pass {', '.join(fixed)} too")
     capacity = int(cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes)
-    found = strategy_candidates(model, setup)
+    found = [(s, why) for s, why in strategy_candidates(model, setup)
+             if only is None or why is not None or s.name in only]
     reuse = TraceReuse([]) if reuse is None else reuse
     # Note [One Dynamo capture for every strategy]: the runnable candidates' shallow traces share Dynamo's capture
     reuse.strategies = tuple(dict(s.compile_options) for s, why in found if why is None) if share_capture else ()
@@ -1229,19 +1257,23 @@ def choose_strategy(model: str, setup: TrainingSetup, cluster: Cluster, *, optio
             log.info("strategy %s: step %.6f s, peak %.3f GiB per rank (%s)", strategy.name,
                      prediction.step.step_time_s, prediction.peak_bytes / 2**30,
                      "fits" if prediction.fits else "does not fit")
-    fitting = [c for c in candidates if c.fits]
-    if fitting:
-        best = min(fitting, key=lambda c: c.prediction.step.step_time_s)  # min keeps the first of equal times
-        others = [c for c in candidates if c.prediction is not None and c is not best]
-        reason = f"the fastest that fits ({best.prediction.step.step_time_s * 1e3:.3f} ms per step" + "".join(
-            f"; {c.system} {c.prediction.step.step_time_s * 1e3:.3f} ms"
-            + ("" if c.fits else f", peak {c.prediction.peak_bytes / 2**30:.3f} GiB does not fit") for c in others) + ")"
-        chosen = best.system
-    else:
-        chosen = None
-        reason = f"no strategy fits {capacity / 2**30:.3f} GiB per rank" + "".join(
-            f"; {c.system} peaks at {c.prediction.peak_bytes / 2**30:.3f} GiB" for c in candidates
-            if c.prediction is not None)
-    log.info("strategy auto chose %s: %s", chosen, reason)
-    return StrategyDecision(candidates=tuple(candidates), chosen=chosen, reason=reason, capacity_bytes=capacity,
-                            seconds=time.perf_counter() - start)
+    return candidates, capacity
+
+
+def choose_strategy(model: str, setup: TrainingSetup, cluster: Cluster, *, options: Mapping | None = None,
+                    capacity_bytes: int | None = None, reuse: TraceReuse | None = None,
+                    progress: Callable[[str], None] | None = None, share_capture: bool = True) -> StrategyDecision:
+    """``strategy="auto"``: predict ``setup`` under every candidate strategy and degree the pass compiles
+    (`predict_strategies`: `strategy_candidates`, each traced with that strategy, exported from what its pass emits
+    and simulated on ``cluster``), and choose by `strategy_choice`: the fastest whose peak fits ``capacity_bytes``
+    (default: the device's memory); ties go to the earlier candidate.  ``options``: further `autosp.compile` options
+    (not the strategy or its degrees); ``reuse``: traces shared with other calls (`TraceReuse`); ``share_capture``:
+    the candidates' shallow traces share one Dynamo capture per depth (Note [One Dynamo capture for every
+    strategy]; False: each traced on its own, for comparison)."""
+    start = time.perf_counter()
+    candidates, capacity = predict_strategies(model, setup, cluster, options=options, capacity_bytes=capacity_bytes,
+                                              reuse=reuse, progress=progress, share_capture=share_capture)
+    choice = strategy_choice([c.to_dict() for c in candidates], capacity)
+    log.info("strategy auto chose %s: %s", choice["chosen"], choice["reason"])
+    return StrategyDecision(candidates=tuple(candidates), chosen=choice["chosen"], reason=choice["reason"],
+                            capacity_bytes=capacity, seconds=time.perf_counter() - start)

@@ -4,7 +4,9 @@ auto``).
 
 A one-layer Llama config (4 heads, 2 key/value heads) on one simulated H100 node: SP 4, where Ulysses, the hybrid
 2 x 2 and the ring run, and SP 3, where Ulysses cannot (4 heads over 3 ranks), no hybrid exists and the ring is
-chosen.  The candidates of other head counts and SP degrees are checked without tracing.
+chosen.  The candidates of other head counts and SP degrees are checked without tracing.  Two gloo ranks take the
+SP-4 decision with the candidates spread over them, as ``autosp.compile(strategy="auto")`` does
+(`autosp.plan.auto.strategy_on_ranks`), and get the one-process decision's rows.
 """
 
 from __future__ import annotations
@@ -166,3 +168,66 @@ def test_strategy_auto_shares_one_dynamo_capture_with_each_strategys_own_joint_g
         assert code(capture) == code(own.capture) and capture.inputs == own.capture.inputs
         assert (facts.parameter_bytes, facts.num_fwd_outputs, facts.compiled_with) == \
             (own.facts.parameter_bytes, own.facts.num_fwd_outputs, own.facts.compiled_with)
+
+
+def _spread_on_ranks(rank, world, failing):
+    """`autosp.plan.auto.strategy_on_ranks` for the SP-4 decision of `decided` (a meta-device Llama of ``LLAMA``,
+    bf16) on ``world`` gloo ranks; then, for each of ``failing`` ((rank, exception class name)), the same call with
+    that rank's planner raising and every other rank's answering at once: what each call raised."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from autosp.config import AutoSPConfig
+    from autosp.plan import auto
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).to(torch.bfloat16)
+    config = AutoSPConfig(sp_size=2, strategy="auto", plan_seq_len=SEQ, plan_cluster=CLUSTER,
+                          plan_setup={"zero_stage": 2})
+
+    def request():  # the SP-4 job's request, decided by this smaller group (more candidates than ranks)
+        made = auto.strategy_request(model, config, world_size=4, explicit={})
+        return {**made, "setup": {**made["setup"], "sp_size": 4, "dp_size": 1}}
+
+    report, _ = auto.strategy_on_ranks(dist.group.WORLD, request, model.config, torch.device("meta"))
+    raised = []
+    for bad_rank, kind in failing:
+        def planner(asked, bad_rank=bad_rank, kind=kind):
+            if rank == bad_rank:
+                raise {"AutoSPError": AutoSPError, "RuntimeError": RuntimeError}[kind](f"planner broke on {rank}")
+            return {"candidates": [], "capacity_bytes": 1, "seconds": 0.0}
+
+        auto.run_planner, real = planner, auto.run_planner
+        try:
+            auto.strategy_on_ranks(dist.group.WORLD, request, model.config, torch.device("meta"))
+            raised.append(None)
+        except AutoSPError as err:
+            raised.append(str(err))
+        finally:
+            auto.run_planner = real
+    return report, raised
+
+
+def test_strategy_auto_spread_over_ranks_decides_as_one_process(decided):
+    """Note [Candidates spread over the ranks] in autosp/plan/auto.py: two gloo ranks decide the SP-4 candidates of
+    `decided` (rank 0 predicts Ulysses and the ring, rank 1 the hybrid, each in its own planner process with its own
+    Dynamo capture): every rank holds the one-process decision, each candidate's step time and peak the same floats;
+    an error on either rank (an `AutoSPError` or any other exception) is every rank's `AutoSPError`."""
+    from tests.harness import run_on_ranks
+
+    _, _, _, one = decided
+    failing = [(1, "RuntimeError"), (0, "AutoSPError")]
+    results = run_on_ranks(_spread_on_ranks, 2, failing, timeout_s=600, collective_timeout_s=300)
+    expected = one.to_dict()
+    for report, raised in results:
+        rows = report["candidates"]
+        assert [r.pop("rank") for r in rows] == [0, 1, 0]  # autosp, autosp-hybrid-2x2, autosp-ring
+        assert rows == expected["candidates"]  # the same floats: step_time_s, peak_bytes, fits
+        assert {k: report[k] for k in ("chosen", "reason", "options", "capacity_bytes")} == \
+            {k: expected[k] for k in ("chosen", "reason", "options", "capacity_bytes")}
+        by_rank = report["planner_seconds_by_rank"]  # each rank's planner process, its prediction inside it
+        assert len(by_rank) == 2 and report["planner_seconds"] == max(by_rank)
+        assert all(0 < p < w for p, w in zip(report["predict_seconds_by_rank"], by_rank, strict=True))
+        assert raised == ["strategy='auto': planning failed on rank 1: RuntimeError: planner broke on 1",
+                          "planner broke on 0"]
