@@ -16,9 +16,10 @@ The cuts are right after each layer's last attention op (the ``n / K``-th of a p
 units run from one layer's attention to the next one's, the K - 1 backward units likewise in the backward's order,
 and forward unit t and backward unit K - 2 - t sit at layer position t.  What is before the first forward cut (the
 head), between the last forward cut and the first backward one (the middle) and after the last backward cut (the
-tail) is fixed, placed once.  Fixed segments still hold per-layer items, found by what they read: a run of ops,
-one group per position (the offload, at the forward's end, of each layer's attention output, which the
-partitioner's trailing ``detach`` keeps until then), and a fixed op's allocations, one group per position (the
+tail) is fixed, placed once.  Fixed segments may still hold per-layer items, found by what they read: a run of
+ops, one group per position (a pass that copies each layer's tensor out at the forward's end; the offload pass did
+so with attention outputs until it stopped counting the partitioner's trailing ``detach`` as a reader), and a
+fixed op's allocations, one group per position (the
 zero tangents of each layer's KV-cache outputs, which the backward's first op allocates); each is expanded to every
 position.  A reference (an op's ``deps``, each freed tensor's allocating op, a wait's start) is read as (container,
 position, index): relative to the reader's position where the reader has one, else the head and tail count

@@ -133,10 +133,16 @@ def test_activation_offload_forward_saves_host_copies_and_backward_waits_before_
     offloads = [n for n in forward if n.target is OFFLOAD]
     assert plan.count == len(offloads) > 0 and plan.offloaded_bytes > 0 and plan.segments == 3
     saved = forward[-1].args[0]
+    calls = [n for n in forward if n.op == "call_function"]
+    cut = attention_segments(calls)  # the cut the pass makes in backward, here in forward: after each attention
+    last_attention = max(forward.index(a) for a, b in zip(calls, calls[1:], strict=False) if cut[b] > cut[a])
     for host in offloads:
         (x,) = host.args
         assert host in saved and x not in saved  # the copy is saved in place of x, which dies in forward
         assert all(forward.index(u) < forward.index(host) for u in x.users if u is not host)  # after the last use
+        # in the first layer (the second's are read before the backward's first attention and stay): no view made
+        # only to be saved, such as the partitioner's trailing detach, holds a storage to the forward's end
+        assert forward.index(host) < last_attention, (x.name, forward.index(host), last_attention)
     reloads = [n for n in backward if n.target is RELOAD]
     assert len(reloads) == len(offloads)
     segments = attention_segments([n for n in backward if n.op == "call_function"])

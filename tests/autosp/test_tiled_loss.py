@@ -197,8 +197,8 @@ def test_traced_graphs_hold_no_tokens_by_vocab_tensor():
 
 
 def test_export_prices_the_tiled_loss_as_chunked_matmuls():
-    from autosp.export import export_workload
     from autosp.costs import LOSS_SCRATCH_ROWS  # the planner's chunk rule counts the same scratch
+    from autosp.export import export_workload
 
     seq_len, vocab, sp_size, width, chunk = 256, 4096, 2, 64, 32
     rows = seq_len // sp_size

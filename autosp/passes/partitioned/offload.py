@@ -15,7 +15,8 @@ parameter or a view of one: those live on anyway), floating point (integer and b
 masks, small and often read by guards), at least ``OFFLOAD_MIN_BYTES`` (below that a copy costs more to issue
 than it frees), not aliased by a user output of the forward (that one lives on in the caller), and read by the
 backward after its first attention (see the prefetch rule).  For each, the forward gets ``offload_to_host(x)`` of
-the storage's owner x right after the last forward reader of any of its aliases, and every saved alias's output
+the storage's owner x right after the last forward reader of any of its aliases (a view of it is no reader: the
+partitioner's trailing ``detach`` of a saved tensor, read only by the output, is dropped), and every saved alias's output
 slot returns that one host copy, so the storage dies in forward (Note [Activation offload ops] in
 autosp/ops.py); the backward reloads it once and replays each saved alias's view ops on the reloaded tensor.
 Offloading a view while another alias kept its storage alive would free nothing and add a device copy in
@@ -177,7 +178,10 @@ def offload_saved_activations(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd
             continue
         # forward: copy the storage to host after the last reader of any of its aliases; every saved alias's slot
         # returns that copy, so the storage dies in forward
-        readers = [u for a in aliases[root] for u in a.users if u is not fw_output]
+        # (a view of the same storage is not a reader: the partitioner's trailing ``detach`` of a saved tensor,
+        # read only by the output, would otherwise hold the storage to the forward's end)
+        readers = [u for a in aliases[root] for u in a.users
+                   if u is not fw_output and not (_is_alias(u) and _root(u) is root)]
         after = max(readers, key=fw_order.__getitem__) if readers else root
         with fw.graph.inserting_after(after):
             host = fw.graph.call_function(OFFLOAD, (root,))
@@ -204,6 +208,12 @@ def offload_saved_activations(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd
                     value.meta["val"] = value_meta
                 placeholder.replace_all_uses_with(value, delete_user_cb=lambda user, r=reloaded: user is not r)
                 placeholder.meta["val"] = host.meta["val"]
+        # the forward's views of the storage that only the output read (its saved aliases) are dead now: erased, so
+        # that none runs after the copy and keeps the storage alive (after the replay above, which reads them)
+        fw_output.args = (tuple(outputs),)
+        for view in sorted(aliases[root], key=fw_order.__getitem__, reverse=True):
+            if view is not root and not view.users:
+                fw.graph.erase_node(view)
         offloaded.append(root.name)
         offloaded_bytes += nbytes
     fw_output.args = (tuple(outputs),)
