@@ -12,10 +12,7 @@ launch imports torch, transformers' model modules and autosp once (`PRELOAD`), a
 every rank is a fork of it, so a launch does not pay those imports again (about
 4 s of CPU per rank on a 2-core machine).  Nothing runs in the server before the
 fork (no thread pool, no process group), so each rank starts as clean as a spawned
-one; with ``AUTOSP_LAUNCH_WARMUP=1`` in the launching process's environment (the
-test suite sets it) the server also compiles a tiny model once first
-(`experiments.launch_warmup`), so each rank's first compile starts warm.  The
-parent's environment at the time of the launch is passed to the rank.  It is called as ``fn(rank, world_size,
+one; the parent's environment at the time of the launch is passed to the rank.  It is called as ``fn(rank, world_size,
 *args)`` after ``torch.distributed`` has been initialised with gloo, and its
 return value must be picklable.  The parent collects results over a queue and
 enforces an overall deadline (``timeout_s``): if any rank raises, the others are
@@ -43,16 +40,6 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
            "transformers.models.mistral.modeling_mistral", "autosp")
 """Modules the forkserver imports before it forks any rank (a hint: one that fails to import is skipped)."""
-
-
-WARMUP_ENV = "AUTOSP_LAUNCH_WARMUP"
-"""Set to ``1`` in the launching process's environment to preload `experiments.launch_warmup` into the rank server
-(importing that module runs the warm-up, so only the server may import it)."""
-
-
-def preload_modules() -> list[str]:
-    """`PRELOAD`, and the compiler warm-up when the launching process's environment asks for it (`WARMUP_ENV`)."""
-    return [*PRELOAD, *(["experiments.launch_warmup"] if os.environ.get(WARMUP_ENV) == "1" else [])]
 
 
 class RankFailure(RuntimeError):
@@ -108,7 +95,7 @@ def run_on_ranks(
     ``timeout_s`` seconds.
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(preload_modules())  # read when the server starts (the first launch of this process)
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first launch of this process)
     results = ctx.Queue()
     port = _free_port()
     # A forked rank inherits the server's environment, not this process's: pass this one's along.

@@ -9,9 +9,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_ROOT / ".torch_extensions"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Ranks forked by experiments.launch start with a warm compiler (experiments/launch_warmup.py): the suite's
-# thousands of rank compiles each skip 2-3 CPU-s of one-off work; no test reads a cold first-step time.
-os.environ.setdefault("AUTOSP_LAUNCH_WARMUP", "1")
 
 
 import pytest  # noqa: E402

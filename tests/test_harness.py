@@ -81,27 +81,3 @@ def test_fake_process_group_rejects_bad_sizes():
     with pytest.raises(ValueError, match="world size"):
         with fake_process_group(65):
             pass
-
-
-
-
-def _rank_state(rank, world):
-    import sys
-
-    from torch._dynamo.utils import counters
-
-    warmup = sys.modules.get("experiments.launch_warmup")
-    return {"warmed": warmup is not None and warmup.WARMED, "threads": torch.get_num_threads(),
-            "counters": {k: dict(v) for k, v in counters.items() if v}}
-
-
-def test_ranks_forked_from_the_warmed_server_start_warm_with_a_fresh_process_state(monkeypatch):
-    # The suite warms the rank server's compiler (tests/conftest.py, experiments/launch_warmup.py): the warm-up must
-    # have succeeded, and a rank must still start with no Dynamo tallies and one intra-op thread.
-    from experiments.launch import PRELOAD, WARMUP_ENV, preload_modules
-
-    assert run_on_ranks(_rank_state, 2) == [{"warmed": True, "threads": 1, "counters": {}}] * 2
-    monkeypatch.setenv(WARMUP_ENV, "0")
-    assert preload_modules() == list(PRELOAD)
-    monkeypatch.setenv(WARMUP_ENV, "1")
-    assert preload_modules() == [*PRELOAD, "experiments.launch_warmup"]
