@@ -8,7 +8,7 @@ local port.
 
 The function must be importable by name (defined at module level) because ranks
 are started with the ``forkserver`` method: a server process started on the first
-launch imports torch, transformers' model modules and autosp once (`PRELOAD`), and
+launch imports torch, its compiler, transformers' model modules and autosp once (`PRELOAD`), and
 every rank is a fork of it, so a launch does not pay those imports again (about
 4 s of CPU per rank on a 2-core machine).  Nothing runs in the server before the
 fork (no thread pool, no process group), so each rank starts as clean as a spawned
@@ -36,10 +36,17 @@ from typing import Any
 
 _POLL_S = 0.05
 _GRACE_S = 3.0
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "transformers",
-           "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
-           "transformers.models.mistral.modeling_mistral", "autosp")
-"""Modules the forkserver imports before it forks any rank (a hint: one that fails to import is skipped)."""
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "transformers", "autosp",
+           *(f"transformers.models.{family}.modeling_{family}"
+             for family in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2")),
+           # what a rank's first compile imports besides (found with python -X importtime): AOTAutograd's min-cut
+           # partitioner imports the compiler's pattern matcher, Dynamo its debugging helpers; about 1.5 s of CPU
+           # per rank (a 2-layer Hugging Face Llama's first compile on a 2-core machine: 7.7 CPU-s before, 5.3
+           # after; a compile in a warm process takes about 4)
+           "torch._inductor.pattern_matcher", "torch._dynamo.repro.after_dynamo", "torch._inductor.debug",
+           "torch._inductor.compile_fx", "torch.export._trace", "torch.distributed.tensor.experimental._func_map")
+"""Modules the forkserver imports before it forks any rank (a hint: one that fails to import is skipped).  Imports
+only: they start no thread and leave no tensor behind."""
 
 
 class RankFailure(RuntimeError):
