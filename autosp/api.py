@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import logging
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -99,7 +100,7 @@ class SequenceParallelModel(nn.Module):
     """A model compiled for sequence parallelism; call it with ``**autosp.prepare_inputs(...)``."""
 
     def __init__(self, module: nn.Module, config: AutoSPConfig, groups: SequenceParallelGroups,
-                 explicit_options: dict | None = None, strategy_plan: dict | None = None):
+                 explicit_options: dict | None = None, strategy_plan: dict | None = None, planner=None):
         super().__init__()
         self.module = module
         self.config = config
@@ -118,6 +119,16 @@ class SequenceParallelModel(nn.Module):
         self._explicit_options = dict(explicit_options or {})
         self._warned_past_plan = False
         self.__dict__["_compiled"] = None if config.memory_plan == "auto" else self._compile(config)
+        # Rank 0's planner process, started now so that its imports are made by the first call (Note [Planner
+        # process started ahead] in autosp/plan/process.py); ended unasked if the model goes first.
+        self.__dict__["_planner"] = planner
+        if config.memory_plan == "auto" and planner is None and dist.is_initialized() and groups.group is not None \
+                and dist.get_rank(groups.group) == 0:
+            from autosp.plan.process import PlannerProcess
+
+            self.__dict__["_planner"] = PlannerProcess()
+        if self._planner is not None:
+            weakref.finalize(self, self._planner.close)
         # The same module compiled by aot_eager with document attention, for the batches the own program cannot
         # run (Note [Document program]); built on the first such batch.
         self.__dict__["_compiled_documents"] = None
@@ -234,8 +245,13 @@ class SequenceParallelModel(nn.Module):
         """memory_plan="auto": choose the memory options with the planner (a collective), then compile."""
         from autosp.plan.auto import decide
 
-        decision = decide(self.module, self.config, self.groups.group, seq_len=seq_len, micro_batch=rows,
-                          explicit=self._explicit_options, device=device)
+        planner, self.__dict__["_planner"] = self._planner, None
+        try:
+            decision = decide(self.module, self.config, self.groups.group, seq_len=seq_len, micro_batch=rows,
+                              explicit=self._explicit_options, device=device, planner=planner)
+        finally:
+            if planner is not None:
+                planner.close()  # unless it answered (a failure before the request)
         self.config = dataclasses.replace(self.config, **decision["options"])
         self._ctx.memory_plan = decision
         self.__dict__["_compiled"] = self._compile(self.config)
@@ -287,6 +303,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     sp_size: int,
     process_group: dist.ProcessGroup | None = None,
     compiler: str = "inductor",
+    planner=None,
     **options,
 ) -> SequenceParallelModel:
     """Compile ``model`` for sequence parallelism over ``sp_size`` ranks (Ulysses, ``strategy="ring"``,
@@ -296,8 +313,16 @@ def compile(  # noqa: A001 - mirrors torch.compile
     ``process_group`` (default: the world) is split into SP groups of ``sp_size``
     contiguous ranks; the groups are data-parallel replicas.  ``options`` are the
     other fields of `AutoSPConfig`.  Every rank of the group must call this.
+
+    ``planner``: this rank's planner process for ``strategy="auto"`` or ``memory_plan="auto"``, started by the
+    script before it loaded its model (``autosp.plan.start_planner()``), so that its imports are not waited for
+    (Note [Planner process started ahead] in autosp/plan/process.py).
     """
     config = AutoSPConfig.from_options(sp_size=sp_size, compiler=compiler, options=options)
+    if planner is not None and config.memory_plan != "auto" and config.strategy != "auto":
+        planner.close()
+        raise AutoSPError("planner= is the planner process of strategy='auto' or memory_plan='auto', and this "
+                          "compile plans nothing: drop it, or ask for one of them")
     explicit = {k: v for k, v in options.items() if k in MEMORY_PLAN_OPTIONS}
     if config.memory_plan == "auto" or config.strategy == "auto":
         from autosp.plan.auto import check_plannable
@@ -307,7 +332,12 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if config.strategy == "auto":  # the planner chooses; every rank compiles its choice (autosp.plan.auto)
         from autosp.plan.auto import decide_strategy
 
-        strategy_plan = decide_strategy(model, config, process_group, explicit=explicit)
+        try:
+            strategy_plan = decide_strategy(model, config, process_group, explicit=explicit, planner=planner)
+        finally:
+            if planner is not None:
+                planner.close()  # unless it answered (a failure before the request)
+        planner = None  # memory_plan="auto" starts its own
         planned = {"plan_seq_len": None, "plan_cluster": None, "target_memory": None, "plan_setup": None}
         config = dataclasses.replace(config, **strategy_plan["options"], **planned)
     groups = build_groups(sp_size, process_group,
@@ -315,7 +345,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if sp_size == 1:
         warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
                       "(the checkpointing, tiled_loss and tiled_mlp options still apply)", stacklevel=2)
-    return SequenceParallelModel(model, config, groups, explicit_options=explicit, strategy_plan=strategy_plan)
+    return SequenceParallelModel(model, config, groups, explicit_options=explicit, strategy_plan=strategy_plan,
+                                 planner=planner if config.memory_plan == "auto" else None)
 
 
 def sync_gradients(model: SequenceParallelModel) -> None:

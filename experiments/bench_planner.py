@@ -71,14 +71,19 @@ def build_parser():
     parser.add_argument("--ranks", type=int, nargs="+", default=[],
                         help="strategy-auto: also decide on this many gloo ranks, as autosp.compile(strategy='auto') "
                              "does (each rank's planner process cold), and compare with the one-process decision")
+    parser.add_argument("--planner-ahead", action="store_true",
+                        help="--ranks: each rank starts its planner process before the decision and waits for its "
+                             "imports, as a script that calls autosp.plan.start_planner() before loading its model")
     return parser
 
 
 def _on_ranks(rank: int, world: int, model: str, seq_len: int, sp_size: int, cluster: str,
-              depth: str | None) -> dict:
+              depth: str | None, ahead: bool = False) -> dict:
     """One rank of ``--ranks``: ``strategy="auto"`` for a meta-device model of ``model`` (no weights), timed from a
     barrier: `decide_strategy` when the group is the job's SP group (``world == sp_size``), else its collective
-    (`strategy_on_ranks`) with the request of the ``sp_size``-rank job."""
+    (`strategy_on_ranks`) with the request of the ``sp_size``-rank job.  ``ahead``: the rank's planner process is
+    started before the barrier and ready (its imports made) when the timing starts (Note [Planner process started
+    ahead] in autosp/plan/process.py)."""
     import torch
     import torch.distributed as dist
     import transformers
@@ -92,20 +97,22 @@ def _on_ranks(rank: int, world: int, model: str, seq_len: int, sp_size: int, clu
         module = transformers.AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
     config = AutoSPConfig(sp_size=sp_size, strategy="auto", plan_seq_len=seq_len, plan_cluster=cluster,
                           plan_setup=None if depth is None else {"depth": depth})
+    planner = auto.PlannerProcess() if ahead else None
+    ready_s = planner.wait_ready() if ahead else None
     dist.barrier()
     start, cpu, children = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     if world == sp_size:
-        report = auto.decide_strategy(module, config, dist.group.WORLD, explicit={})
+        report = auto.decide_strategy(module, config, dist.group.WORLD, explicit={}, planner=planner)
     else:
         def request():
             made = auto.strategy_request(module, config, world_size=sp_size, explicit={})
             return {**made, "setup": {**made["setup"], "sp_size": sp_size, "dp_size": 1}}
 
-        report, _ = auto.strategy_on_ranks(dist.group.WORLD, request, module.config, torch.device("meta"))
+        report, _ = auto.strategy_on_ranks(dist.group.WORLD, request, module.config, torch.device("meta"), planner)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     planner = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
-    return {"wall": wall, "cpu": cpu, "planner_cpu": planner, "report": report}
+    return {"wall": wall, "cpu": cpu, "planner_cpu": planner, "report": report, "ready_s": ready_s}
 
 
 def _ranks_table(world: int, results: list[dict], one_process) -> str:
@@ -113,8 +120,10 @@ def _ranks_table(world: int, results: list[dict], one_process) -> str:
     candidate's step time and peak beside the one-process decision's."""
     report = results[0]["report"]
     by_rank = {r: [c["system"] for c in report["candidates"] if c["rank"] == r] for r in range(world)}
-    out = [f"strategy-auto on {world} gloo rank(s), the collective autosp.compile(strategy='auto') runs (cold planner "
-           "process per rank that predicts):",
+    ahead = results[0]["ready_s"] is not None
+    how = ("planner process per rank started ahead, timed once its imports were made (slowest: "
+           f"{max(f['ready_s'] for f in results):.1f} s)" if ahead else "cold planner process per rank that predicts")
+    out = [f"strategy-auto on {world} gloo rank(s), the collective autosp.compile(strategy='auto') runs ({how}):",
            f"  {'rank':>4s} {'predicts':36s} {'wall s':>7s} {'CPU s':>7s} {'rank CPU':>8s} {'planner CPU':>11s} "
            f"{'planner wall':>12s} {'predicting':>10s}"]
     for r, found in enumerate(results):
@@ -122,11 +131,14 @@ def _ranks_table(world: int, results: list[dict], one_process) -> str:
                    f"{found['cpu'] + found['planner_cpu']:7.1f} {found['cpu']:8.1f} {found['planner_cpu']:11.1f} "
                    f"{report['planner_seconds_by_rank'][r]:12.1f} {report['predict_seconds_by_rank'][r]:10.1f}")
     slowest = max(f["cpu"] + f["planner_cpu"] for f in results)
-    out.append("  (wall: the rank's call from a barrier; CPU: the rank's own and its planner process's; planner wall: "
-               "the process from its start to its answer, predicting: after its imports)")
+    out.append("  (wall: the rank's call from a barrier; CPU: the rank's own and its planner process's"
+               + (", the planner's imports included although made before the barrier" if ahead else "")
+               + "; planner wall: the request to the answer, predicting: the process's time after its imports)")
     out.append(f"  wall here {max(f['wall'] for f in results):.1f} s ({world} rank(s) sharing this machine's cores); "
                f"slowest rank's CPU {slowest:.1f} s: on a training node, where each rank has its own cores, that "
-               "is about the wall time (not measured here)")
+               "is about the wall time (not measured here)"
+               + (f"; slowest rank's predicting {max(report['predict_seconds_by_rank']):.1f} s, what a rank waits "
+                  "for once its process was started ahead" if ahead else ""))
     out.append(_compare(report, one_process, "one process"))
     same = all(results[0]["report"]["candidates"] == f["report"]["candidates"] for f in results)
     out.append(f"  every rank's decision the same rows: {'yes' if same else 'NO'}")
@@ -218,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for world in args.ranks:
             results = run_on_ranks(_on_ranks, world, args.model, args.seq_len, args.sp_size, args.cluster,
-                                   args.depth, timeout_s=3600, collective_timeout_s=1800)
+                                   args.depth, args.planner_ahead, timeout_s=3600, collective_timeout_s=1800)
             sys.stdout.write(_ranks_table(world, results, decided["strategy-auto"]) + "\n")
             sys.stdout.flush()
     return 0

@@ -38,15 +38,11 @@ _POLL_S = 0.05
 _GRACE_S = 3.0
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "transformers", "autosp",
            *(f"transformers.models.{family}.modeling_{family}"
-             for family in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2")),
-           # what a rank's first compile imports besides (found with python -X importtime): AOTAutograd's min-cut
-           # partitioner imports the compiler's pattern matcher, Dynamo its debugging helpers; about 1.5 s of CPU
-           # per rank (a 2-layer Hugging Face Llama's first compile on a 2-core machine: 7.7 CPU-s before, 5.3
-           # after; a compile in a warm process takes about 4)
-           "torch._inductor.pattern_matcher", "torch._dynamo.repro.after_dynamo", "torch._inductor.debug",
-           "torch._inductor.compile_fx", "torch.export._trace", "torch.distributed.tensor.experimental._func_map")
-"""Modules the forkserver imports before it forks any rank (a hint: one that fails to import is skipped).  Imports
-only: they start no thread and leave no tensor behind."""
+             for family in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2")))
+"""Modules the forkserver imports before it forks any rank, with what a rank's first compile imports besides
+(`autosp.plan.process.COMPILE_IMPORTS`: a 2-layer Hugging Face Llama's first compile on a 2-core machine, 7.7 CPU-s
+without them, 5.3 with; about 4 in a warm process).  A hint: one that fails to import is skipped.  Imports only:
+they start no thread and leave no tensor behind."""
 
 
 class RankFailure(RuntimeError):
@@ -102,7 +98,10 @@ def run_on_ranks(
     ``timeout_s`` seconds.
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first launch of this process)
+    from autosp.plan.process import COMPILE_IMPORTS
+
+    # read when the server starts (the first launch of this process)
+    ctx.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, *COMPILE_IMPORTS))))
     results = ctx.Queue()
     port = _free_port()
     # A forked rank inherits the server's environment, not this process's: pass this one's along.

@@ -8,7 +8,8 @@ is the model a name or a config.json stands for (the model ``python -m autosp.tr
 `plan_memory` predicts every candidate memory plan (checkpointing, SAC budget, tiled loss, tiled MLP) and chooses
 one; `choose_options` returns the chosen plan's `autosp.compile` options; `choose_strategy` predicts every strategy
 and hybrid degree and chooses one; `autosp.plan.auto` runs them for a compiled model (``autosp.compile(...,
-memory_plan="auto")``, ``autosp.compile(..., strategy="auto")``).  It is the one package of autosp that uses
+memory_plan="auto")``, ``autosp.compile(..., strategy="auto")``) in a planner process, which `start_planner`
+starts ahead of the request (autosp/plan/process.py).  It is the one package of autosp that uses
 the simulator beyond its workload schema (docs/design.md, "Import direction").
 """
 
@@ -24,7 +25,8 @@ from autosp.plan.predict import (
     peak_by_category,
     predict,
 )
+from autosp.plan.process import PlannerProcess, start_planner
 
-__all__ = ["MemoryPlan", "ModelSource", "PlanReport", "Prediction", "StepPrediction", "StrategyDecision",
-           "TrainingSetup", "candidate_plans", "choose_options", "choose_strategy", "cluster_from_dict",
-           "cluster_names", "load_cluster", "peak_by_category", "plan_memory", "predict"]
+__all__ = ["MemoryPlan", "ModelSource", "PlanReport", "PlannerProcess", "Prediction", "StepPrediction",
+           "StrategyDecision", "TrainingSetup", "candidate_plans", "choose_options", "choose_strategy", "cluster_from_dict",
+           "cluster_names", "load_cluster", "peak_by_category", "plan_memory", "predict", "start_planner"]

@@ -6,15 +6,18 @@ On its first call (`autosp.api.SequenceParallelModel`) the model learns what the
 group then runs the planner (`autosp.plan.plan_memory`, objective "fastest") for the Hugging Face config of the
 model in a fresh Python process (``python -m autosp.plan.auto REQUEST OUT``): the planner traces on a fake process
 group of its own, which cannot exist beside the job's, and resets Dynamo between traces, which must not touch the
-job's compiled code.  The decision is broadcast to every rank, so all compile the same program
-(docs/design.md, "Memory planner").
+job's compiled code.  That process was started when the model was compiled, so its imports are made by the first
+call (Note [Planner process started ahead] in autosp/plan/process.py).  The decision is broadcast to every rank,
+so all compile the same program (docs/design.md, "Memory planner").
 
 ``strategy="auto"`` goes the same way (`decide_strategy`), once, inside ``autosp.compile`` (the strategy decides
 the process groups it builds, so there is no first batch to wait for: ``plan_seq_len`` is required), but its
 candidates are spread over the ranks: each rank's planner process predicts its share
 (`autosp.plan.predict.predict_strategies`) for the model's config, ``plan_seq_len`` tokens and the cluster, and every
 rank applies the one rule (`autosp.plan.predict.strategy_choice`) to all the rows and compiles the candidate it
-chooses (Note [Candidates spread over the ranks]; docs/design.md, "Choosing a strategy").
+chooses (Note [Candidates spread over the ranks]; docs/design.md, "Choosing a strategy").  A script that starts
+its planner process before it loads its model (``autosp.plan.start_planner()``, passed as ``planner=``) takes the
+process's imports off the decision.
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from autosp.config import AutoSPConfig
 from autosp.errors import AutoSPError
+from autosp.plan.process import COMPILE_IMPORTS, PlannerProcess, import_ahead
 
 log = logging.getLogger(__name__)
 
@@ -154,22 +156,14 @@ def strategy_request(module: torch.nn.Module, config: AutoSPConfig, *, world_siz
             "target_memory": None if target is None else int(target), "options": dict(explicit)}
 
 
-def run_planner(request: dict) -> dict:
-    """Run ``python -m autosp.plan.auto`` on ``request``: {"report": PlanReport.to_dict(), "text": its table} or
-    {"error": why}."""
-    root = str(Path(__file__).resolve().parents[2])  # the folder holding the autosp and simulator packages
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))),
-           "CUDA_VISIBLE_DEVICES": ""}  # the planner traces on fake tensors only
-    with tempfile.TemporaryDirectory(prefix="autosp-plan-") as folder:
-        request_path, out_path = Path(folder, "request.json"), Path(folder, "plan.json")
-        request_path.write_text(json.dumps(request))
-        done = subprocess.run([sys.executable, "-m", "autosp.plan.auto", str(request_path), str(out_path)],
-                              env=env, capture_output=True, text=True)
-        log.debug("planner output:\n%s", done.stderr)
-        if done.returncode != 0 or not out_path.is_file():
-            raise AutoSPError(f"{_OPTION[request['decide']]}: the planner process failed (exit {done.returncode}):\n"
-                              f"{done.stderr[-4000:]}")
-        return json.loads(out_path.read_text())
+def run_planner(request: dict, process: PlannerProcess | None = None) -> dict:
+    """The planner's answer to ``request`` (``python -m autosp.plan.auto``): {"report": PlanReport.to_dict(), "text":
+    its table}, {"candidates": ...} or {"error": why}; from ``process`` when one was started ahead, else from a
+    process started now (Note [Planner process started ahead] in autosp/plan/process.py)."""
+    try:
+        return (process or PlannerProcess()).answer(request)
+    except AutoSPError as err:
+        raise AutoSPError(f"{_OPTION[request['decide']]}: {err}") from None
 
 
 _OPTION = {"memory": "memory_plan='auto'", "strategy": "strategy='auto'"}
@@ -188,15 +182,18 @@ def _answered(what: str, where: str, answer) -> dict:
         return {"error": f"{what}: planning failed on {where}: {type(err).__name__}: {err}"}
 
 
-def _planned_on_rank0(group: dist.ProcessGroup, device: torch.device, what: str, request) -> dict:
-    """Rank 0 of ``group`` builds the request (``request()``) and runs the planner on it (`run_planner`); every rank
-    gets its answer with the request under ``"request"`` (a collective).  An error anywhere is every rank's
-    `AutoSPError`.  ``what``: the option asking, for messages."""
+def _planned_on_rank0(group: dist.ProcessGroup, device: torch.device, what: str, request,
+                      planner: PlannerProcess | None = None) -> dict:
+    """Rank 0 of ``group`` builds the request (``request()``) and runs the planner on it (`run_planner`, in
+    ``planner`` where it was started ahead); every rank gets its answer with the request under ``"request"`` (a
+    collective).  An error anywhere is every rank's `AutoSPError`.  ``what``: the option asking, for messages."""
     answer = [None]
+    if dist.get_rank(group) != 0 and planner is not None:
+        planner.close()
     if dist.get_rank(group) == 0:
         def planned():
             made = request()
-            return {**run_planner(made), "request": made}
+            return {**run_planner(made, planner), "request": made}
 
         answer[0] = _answered(what, "rank 0", planned)
     dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0), group=group,
@@ -210,16 +207,17 @@ def _planned_on_rank0(group: dist.ProcessGroup, device: torch.device, what: str,
 
 
 def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGroup, *, seq_len: int,
-           micro_batch: int, explicit: Mapping, device: torch.device) -> dict:
+           micro_batch: int, explicit: Mapping, device: torch.device, planner: PlannerProcess | None = None) -> dict:
     """The memory plan of this process group (a collective: every rank calls it with its first batch): the
-    options to compile with and the decision for ``report.memory_plan``."""
+    options to compile with and the decision for ``report.memory_plan``.  ``planner``: rank 0's planner process,
+    started when the model was compiled (Note [Planner process started ahead] in autosp/plan/process.py)."""
     start = time.perf_counter()
     sizes = torch.tensor([config.plan_seq_len or seq_len, micro_batch], device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
     seq_len, micro_batch = (int(v) for v in sizes.tolist())
     found = _planned_on_rank0(group, device, _OPTION["memory"], lambda: plan_request(
         module, config, seq_len=seq_len, micro_batch=micro_batch, world_size=dist.get_world_size(group),
-        explicit=explicit))
+        explicit=explicit), planner)
     report, request = found["report"], found["request"]
     refused = [c["refused"] for c in report["candidates"] if c["refused"] is not None]
     if report["chosen"] is None and len(refused) == len(report["candidates"]):
@@ -262,14 +260,17 @@ def strategy_share(names: Sequence[str], rank: int, ranks: int) -> list[str]:
     return list(names[rank::ranks])
 
 
-def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: torch.device) -> tuple[dict, dict]:
+def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: torch.device,
+                      planner: PlannerProcess | None = None) -> tuple[dict, dict]:
     """The collective of `decide_strategy` (Note [Candidates spread over the ranks]): rank 0's ``request()`` (a
     `strategy_request`) broadcast, each rank's share of the candidates of ``model_config`` (the model's Hugging Face
-    config) predicted in its planner process, the rows all-gathered and `autosp.plan.predict.strategy_choice` applied;
-    (the report, the request).  Each candidate's row names the ``rank`` that predicted it (None: refused without
-    predicting); ``planner_seconds_by_rank``: each rank's planner process, from its start to its answer (0 where it
-    ran none; ``planner_seconds`` the longest), ``predict_seconds_by_rank`` the part of it spent predicting (after its
-    imports).  An error on any rank is every rank's `AutoSPError`."""
+    config) predicted in its planner process (``planner`` where it was started ahead; a rank with no share closes
+    it unused), the rows all-gathered and `autosp.plan.predict.strategy_choice` applied; (the report, the request).
+    Each candidate's row names the ``rank`` that predicted it (None: refused without predicting);
+    ``planner_seconds_by_rank``: each rank's wait for its planner process, from the request to the answer (its
+    imports included unless it was started ahead; 0 where it ran none; ``planner_seconds`` the longest),
+    ``predict_seconds_by_rank`` the part of it spent predicting (after its imports).  An error on any rank is every
+    rank's `AutoSPError`."""
     from autosp.plan.predict import StrategyCandidate, TrainingSetup, strategy_candidates, strategy_choice
 
     what = _OPTION["strategy"]
@@ -286,9 +287,11 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
         listed[:] = strategy_candidates(model_config, TrainingSetup(**request["setup"]))
         share = strategy_share([s.name for s, why in listed if why is None], rank, ranks)
         if not share:
+            if planner is not None:
+                planner.close()
             return {"candidates": [], "seconds": 0.0, "process_seconds": 0.0}
         start = time.perf_counter()
-        return {**run_planner({**request, "predict": share}), "process_seconds": time.perf_counter() - start}
+        return {**run_planner({**request, "predict": share}, planner), "process_seconds": time.perf_counter() - start}
 
     answer = _answered(what, f"rank {rank}", predicted)
     answers = [None] * ranks
@@ -315,13 +318,14 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
 
 
 def decide_strategy(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGroup | None, *,
-                    explicit: Mapping) -> dict:
+                    explicit: Mapping, planner: PlannerProcess | None = None) -> dict:
     """``strategy="auto"``: the strategy this process group compiles (a collective inside ``autosp.compile``; the
     candidates are predicted on the group's ranks, `strategy_on_ranks`): ``options`` (``strategy``, and a hybrid's
     ``ulysses_size`` and ``ring_size``) and the decision for ``report.strategy_plan`` (``chosen``: a registry name,
     ``reason``, ``candidates``: each one's system, options, fits, peak_bytes, step_time_s, refused and the rank that
     predicted it; ``setup``, ``cluster``, ``capacity_bytes``, ``seconds``, ``planner_seconds``: the slowest rank's
-    planner process, and each rank's, `strategy_on_ranks`)."""
+    planner process, and each rank's, `strategy_on_ranks`).  ``planner``: this rank's planner process, when the
+    script started it ahead (Note [Planner process started ahead] in autosp/plan/process.py)."""
     start = time.perf_counter()
     group = group or dist.group.WORLD
     if group is None:
@@ -329,7 +333,7 @@ def decide_strategy(module: torch.nn.Module, config: AutoSPConfig, group: dist.P
                           "init_process_group before autosp.compile")
     report, request = strategy_on_ranks(group, lambda: strategy_request(
         module, config, world_size=dist.get_world_size(group), explicit=explicit),
-        getattr(module, "config", None), _device_of(module))
+        getattr(module, "config", None), _device_of(module), planner)
     if report["chosen"] is None:
         first = next((c["refused"] for c in report["candidates"] if c["refused"]), None)
         raise AutoSPError(f"strategy='auto' found no strategy for {request['model']} at {config.plan_seq_len} "
@@ -349,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "runs this in a fresh\nprocess on rank 0 (no process group, no compiled code of the job): plan "
                     "the request's candidates and write\nthe decision. For planning by hand use python -m "
                     "autosp.plan --memory-plan auto or --strategy auto.", formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("request", type=Path, help="the request (JSON: model config, setup, cluster, target, candidates)")
+    p.add_argument("request", type=Path, help="the request (JSON: model config, setup, cluster, target, candidates); "
+                                              "-: make the imports, print ready, then read it from the standard input")
     p.add_argument("out", type=Path, help="where to write the decision (JSON: the plan report and its table)")
     return p
 
@@ -363,7 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     request_path, out_path = args.request, args.out
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    request = json.loads(Path(request_path).read_text())
+    if str(request_path) == "-":  # started ahead (Note [Planner process started ahead] in autosp/plan/process.py)
+        import_ahead(COMPILE_IMPORTS)
+        sys.stdout.write("ready\n")  # the protocol of PlannerProcess.wait_ready, not a message
+        sys.stdout.flush()
+        request = json.loads(sys.stdin.read())
+    else:
+        request = json.loads(Path(request_path).read_text())
     deciding = request.get("decide", "memory")
     try:
         with tempfile.TemporaryDirectory(prefix="autosp-plan-model-") as folder:

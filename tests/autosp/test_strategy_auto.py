@@ -179,7 +179,7 @@ def _spread_on_ranks(rank, world, failing):
     import transformers
 
     from autosp.config import AutoSPConfig
-    from autosp.plan import auto
+    from autosp.plan import auto, start_planner
 
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).to(torch.bfloat16)
@@ -190,10 +190,14 @@ def _spread_on_ranks(rank, world, failing):
         made = auto.strategy_request(model, config, world_size=4, explicit={})
         return {**made, "setup": {**made["setup"], "sp_size": 4, "dp_size": 1}}
 
-    report, _ = auto.strategy_on_ranks(dist.group.WORLD, request, model.config, torch.device("meta"))
+    # Rank 0's planner process started ahead and ready before the request (autosp.plan.start_planner), rank 1's
+    # started at the request: the same rows either way.
+    ahead = start_planner() if rank == 0 else None
+    ready_s = ahead.wait_ready() if ahead is not None else None
+    report, _ = auto.strategy_on_ranks(dist.group.WORLD, request, model.config, torch.device("meta"), ahead)
     raised = []
     for bad_rank, kind in failing:
-        def planner(asked, bad_rank=bad_rank, kind=kind):
+        def planner(asked, process=None, *, bad_rank=bad_rank, kind=kind):
             if rank == bad_rank:
                 raise {"AutoSPError": AutoSPError, "RuntimeError": RuntimeError}[kind](f"planner broke on {rank}")
             return {"candidates": [], "capacity_bytes": 1, "seconds": 0.0}
@@ -206,13 +210,13 @@ def _spread_on_ranks(rank, world, failing):
             raised.append(str(err))
         finally:
             auto.run_planner = real
-    return report, raised
+    return report, raised, ready_s
 
 
 def test_strategy_auto_spread_over_ranks_decides_as_one_process(decided):
     """Note [Candidates spread over the ranks] in autosp/plan/auto.py: two gloo ranks decide the SP-4 candidates of
     `decided` (rank 0 predicts Ulysses and the ring, rank 1 the hybrid, each in its own planner process with its own
-    Dynamo capture): every rank holds the one-process decision, each candidate's step time and peak the same floats;
+    Dynamo capture; rank 0's started ahead, Note [Planner process started ahead] in autosp/plan/process.py): every rank holds the one-process decision, each candidate's step time and peak the same floats;
     an error on either rank (an `AutoSPError` or any other exception) is every rank's `AutoSPError`."""
     from tests.harness import run_on_ranks
 
@@ -220,7 +224,8 @@ def test_strategy_auto_spread_over_ranks_decides_as_one_process(decided):
     failing = [(1, "RuntimeError"), (0, "AutoSPError")]
     results = run_on_ranks(_spread_on_ranks, 2, failing, timeout_s=600, collective_timeout_s=300)
     expected = one.to_dict()
-    for report, raised in results:
+    assert results[0][2] > 0 and results[1][2] is None  # rank 0's process made its imports before it was asked
+    for report, raised, _ in results:
         rows = report["candidates"]
         assert [r.pop("rank") for r in rows] == [0, 1, 0]  # autosp, autosp-hybrid-2x2, autosp-ring
         assert rows == expected["candidates"]  # the same floats: step_time_s, peak_bytes, fits

@@ -1,0 +1,133 @@
+"""The planner's own process (``python -m autosp.plan.auto``), started ahead of its request.
+
+Note [Planner process started ahead]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A compiled model's planner runs in a fresh Python process (autosp/plan/auto.py says why), and a fresh process
+spends its first seconds importing torch, its compiler and transformers: 6.6 CPU-s on a 2-core machine, about as
+long as predicting one strategy candidate then takes, and none of it depends on what is asked.  So a
+`PlannerProcess` is started before its request is known: ``python -m autosp.plan.auto - OUT`` makes those imports
+(`COMPILE_IMPORTS` and the planner's own modules), prints ``ready`` and waits for the request on its standard
+input; `PlannerProcess.answer` sends it and waits for the decision, which the process writes to OUT.
+
+- ``autosp.compile(..., memory_plan="auto")`` starts one on rank 0 of each SP group when it compiles: the plan
+  waits for the first batch, and the imports run meanwhile (while the script builds its optimizer, its engine,
+  its data).
+- ``strategy="auto"`` decides inside ``autosp.compile``, so there is nothing to overlap unless the script starts
+  the process itself, before it loads its model: ``planner = autosp.plan.start_planner()``, then
+  ``autosp.compile(model, ..., strategy="auto", planner=planner)`` (every rank; a rank with no candidate to
+  predict closes its own).
+- A process answers one request.  One that is never asked exits when `close` is called (the compiled model does
+  it when it is collected), or when its standard input closes, at the latest when the job's process ends.
+
+Without a process started ahead, `run_planner` starts one at the request, exactly as before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from autosp.errors import AutoSPError
+
+log = logging.getLogger(__name__)
+
+COMPILE_IMPORTS = ("torch", "torch.distributed", "torch._dynamo", "transformers", "torch._inductor.pattern_matcher",
+                   "torch._dynamo.repro.after_dynamo", "torch._inductor.debug", "torch._inductor.compile_fx",
+                   "torch.export._trace", "torch.distributed.tensor.experimental._func_map")
+"""What a fresh process's first ``torch.compile`` of a Hugging Face model imports (found with ``python -X
+importtime``): AOTAutograd's min-cut partitioner imports the compiler's pattern matcher (about 1 s of CPU), Dynamo
+its debugging helpers.  The planner process imports them ahead (Note [Planner process started ahead]), and so does
+the rank server of the project's launcher (experiments/launch.py)."""
+
+
+def import_ahead(names) -> None:
+    """Import ``names`` now, to take their import time off a later compile; one that fails is skipped (the compile
+    imports what it needs itself)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 - a hint only
+            log.debug("%s not imported ahead: %s", name, err)
+
+
+class PlannerProcess:
+    """One planner process, started now and asked later (Note [Planner process started ahead])."""
+
+    def __init__(self):
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding the autosp and simulator packages
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))),
+               "CUDA_VISIBLE_DEVICES": ""}  # the planner traces on fake tensors only
+        self._folder = tempfile.TemporaryDirectory(prefix="autosp-plan-")
+        self._out = Path(self._folder.name, "plan.json")
+        self._log = Path(self._folder.name, "planner.log").open("w+")
+        self.started = time.perf_counter()
+        self.ready_seconds: float | None = None
+        """Seconds from the start to the end of the imports (set by `wait_ready`)."""
+        self._process = subprocess.Popen([sys.executable, "-m", "autosp.plan.auto", "-", str(self._out)], env=env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.pid = self._process.pid
+
+    def wait_ready(self) -> float:
+        """Wait until the process has made its imports; the seconds since it started."""
+        if self.ready_seconds is None:
+            if self._process is None or self._process.stdout.readline().strip() != "ready":
+                raise AutoSPError(f"the planner process did not start:\n{self._output()}")
+            self.ready_seconds = time.perf_counter() - self.started
+        return self.ready_seconds
+
+    def answer(self, request: dict) -> dict:
+        """Send ``request`` (`autosp.plan.auto.plan_request` or `strategy_request`) and wait for the decision:
+        {"report": ..., "text": ...}, {"candidates": ...} or {"error": why}.  The process ends with it."""
+        if self._process is None:
+            raise AutoSPError("this planner process was closed or has answered already: start another with "
+                              "autosp.plan.start_planner()")
+        process, self._process = self._process, None
+        try:
+            process.communicate(json.dumps(request))
+            output = self._output()
+            log.debug("planner output:\n%s", output)
+            if process.returncode != 0 or not self._out.is_file():
+                raise AutoSPError(f"the planner process failed (exit {process.returncode}):\n{output[-4000:]}")
+            return json.loads(self._out.read_text())
+        finally:
+            self._cleanup()
+
+    def close(self) -> None:
+        """End the process unasked (nothing happens if it has answered)."""
+        if self._process is not None:
+            process, self._process = self._process, None
+            process.kill()
+            process.communicate()
+            self._cleanup()
+
+    def _output(self) -> str:
+        self._log.seek(0)
+        return self._log.read()
+
+    def _cleanup(self) -> None:
+        self._log.close()
+        self._folder.cleanup()
+
+    def __enter__(self) -> PlannerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_planner() -> PlannerProcess:
+    """Start a planner process now, for ``autosp.compile(..., strategy="auto", planner=...)`` later: its imports
+    then overlap the script's own work (Note [Planner process started ahead])."""
+    return PlannerProcess()
+
+
+def run_planner(request: dict, process: PlannerProcess | None = None) -> dict:
+    """The planner's answer to ``request``, from ``process`` (started ahead) or from a process started now."""
+    return (process or PlannerProcess()).answer(request)

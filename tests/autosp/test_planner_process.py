@@ -1,0 +1,55 @@
+"""The planner process started ahead of its request (Note [Planner process started ahead] in
+autosp/plan/process.py): it makes its imports first, answers one request, and ends unasked when closed; a compile
+that plans nothing refuses one.  The decisions it takes equal those of a process started at the request
+(tests/autosp/test_strategy_auto.py, tests/autosp/test_memory_plan.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import autosp
+from autosp.errors import AutoSPError
+from autosp.plan import start_planner
+from autosp.plan.auto import run_planner
+
+
+def _ended(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_planner_started_ahead_imports_first_then_answers_one_request():
+    planner = start_planner()
+    assert planner.wait_ready() > 0 and planner.wait_ready() == planner.ready_seconds  # imports made, once
+    request = {"decide": "strategy", "model": "tiny", "model_config": {"model_type": "llama"},
+               "setup": {"seq_len": 64, "sp_size": 2}, "cluster": "no-such-cluster", "target_memory": None,
+               "options": {}}
+    answer = run_planner(request, planner)  # the process's own refusal comes back as the answer
+    assert "no-such-cluster" in answer["error"] and answer["error"].startswith("strategy='auto': ")
+    assert _ended(planner.pid)
+    with pytest.raises(AutoSPError, match="answered already"):
+        planner.answer(request)
+
+
+def test_planner_closed_unasked_ends_and_a_failed_process_names_its_output():
+    planner = start_planner()
+    planner.close()
+    assert _ended(planner.pid)
+    with pytest.raises(AutoSPError, match="closed or has answered"):
+        planner.answer({"decide": "memory"})
+    with pytest.raises(AutoSPError, match=r"memory_plan='auto': the planner process failed \(exit 1\)"):
+        run_planner({"decide": "memory"})  # no model config: the process raises KeyError
+
+
+def test_compile_that_plans_nothing_refuses_a_planner():
+    planner = start_planner()
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(AutoSPError, match="plans nothing"):
+        autosp.compile(model, sp_size=1, planner=planner)
+    assert _ended(planner.pid)
