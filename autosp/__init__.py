@@ -7,7 +7,8 @@ loss and gradients those of the full sequence, and export the resulting
 collective schedule for the simulator.  Entry points: `compile`,
 `prepare_inputs`, `sync_gradients`; with DeepSpeed, `deepspeed_initialize`
 (and `sequence_parallel_sampler` for data loading); with the Hugging Face Trainer,
-`AutoSPTrainer` (autosp.integrations.hf, imported on first use: it needs accelerate).
+`AutoSPTrainer` (autosp.integrations.hf, imported on first use: it needs accelerate); for
+``strategy="auto"``, `start_planner` (autosp.plan.process, imported on first use).
 """
 
 from autosp import ops, tiled_ops  # noqa: F401 - register the autosp_testbed:: custom ops
@@ -28,6 +29,7 @@ __all__ = [
     "deepspeed_initialize",
     "prepare_inputs",
     "sequence_parallel_sampler",
+    "start_planner",
     "sync_gradients",
 ]
 
@@ -38,4 +40,10 @@ def __getattr__(name: str):
         from autosp.integrations.hf import AutoSPTrainer
 
         return AutoSPTrainer
+    # The planner's process, started ahead of strategy="auto" (autosp/plan/process.py): the planner package
+    # imports the simulator, which a plain compile does not need.
+    if name == "start_planner":
+        from autosp.plan.process import start_planner
+
+        return start_planner
     raise AttributeError(f"module 'autosp' has no attribute {name!r}")

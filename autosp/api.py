@@ -315,7 +315,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     other fields of `AutoSPConfig`.  Every rank of the group must call this.
 
     ``planner``: this rank's planner process for ``strategy="auto"`` or ``memory_plan="auto"``, started by the
-    script before it loaded its model (``autosp.plan.start_planner()``), so that its imports are not waited for
+    script before it loaded its model (``autosp.start_planner()``), so that its imports are not waited for
     (Note [Planner process started ahead] in autosp/plan/process.py).
     """
     config = AutoSPConfig.from_options(sp_size=sp_size, compiler=compiler, options=options)

@@ -16,7 +16,7 @@ candidates are spread over the ranks: each rank's planner process predicts its s
 (`autosp.plan.predict.predict_strategies`) for the model's config, ``plan_seq_len`` tokens and the cluster, and every
 rank applies the one rule (`autosp.plan.predict.strategy_choice`) to all the rows and compiles the candidate it
 chooses (Note [Candidates spread over the ranks]; docs/design.md, "Choosing a strategy").  A script that starts
-its planner process before it loads its model (``autosp.plan.start_planner()``, passed as ``planner=``) takes the
+its planner process before it loads its model (``autosp.start_planner()``, passed as ``planner=``) takes the
 process's imports off the decision.
 """
 

@@ -13,7 +13,7 @@ input; `PlannerProcess.answer` sends it and waits for the decision, which the pr
   waits for the first batch, and the imports run meanwhile (while the script builds its optimizer, its engine,
   its data).
 - ``strategy="auto"`` decides inside ``autosp.compile``, so there is nothing to overlap unless the script starts
-  the process itself, before it loads its model: ``planner = autosp.plan.start_planner()``, then
+  the process itself, before it loads its model: ``planner = autosp.start_planner()``, then
   ``autosp.compile(model, ..., strategy="auto", planner=planner)`` (every rank; a rank with no candidate to
   predict closes its own).
 - A process answers one request.  One that is never asked exits when `close` is called (the compiled model does
@@ -87,7 +87,7 @@ class PlannerProcess:
         {"report": ..., "text": ...}, {"candidates": ...} or {"error": why}.  The process ends with it."""
         if self._process is None:
             raise AutoSPError("this planner process was closed or has answered already: start another with "
-                              "autosp.plan.start_planner()")
+                              "autosp.start_planner()")
         process, self._process = self._process, None
         try:
             process.communicate(json.dumps(request))
