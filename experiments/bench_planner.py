@@ -73,7 +73,7 @@ def build_parser():
                              "does (each rank's planner process cold), and compare with the one-process decision")
     parser.add_argument("--planner-ahead", action="store_true",
                         help="--ranks: each rank starts its planner process before the decision and waits for its "
-                             "imports, as a script that calls autosp.plan.start_planner() before loading its model")
+                             "imports, as a script that calls autosp.start_planner() before loading its model")
     return parser
 
 
@@ -89,7 +89,7 @@ def _on_ranks(rank: int, world: int, model: str, seq_len: int, sp_size: int, clu
     import transformers
 
     from autosp.config import AutoSPConfig
-    from autosp.plan import auto
+    from autosp.plan import auto, start_planner
     from autosp.plan.model_source import ModelSource
 
     hf = ModelSource(model).config(seq_len=seq_len)
@@ -97,7 +97,7 @@ def _on_ranks(rank: int, world: int, model: str, seq_len: int, sp_size: int, clu
         module = transformers.AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
     config = AutoSPConfig(sp_size=sp_size, strategy="auto", plan_seq_len=seq_len, plan_cluster=cluster,
                           plan_setup=None if depth is None else {"depth": depth})
-    planner = auto.PlannerProcess() if ahead else None
+    planner = start_planner() if ahead else None
     ready_s = planner.wait_ready() if ahead else None
     dist.barrier()
     start, cpu, children = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -346,6 +347,33 @@ def decide_strategy(module: torch.nn.Module, config: AutoSPConfig, group: dist.P
     return decision
 
 
+WARM_UP_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                 "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "vocab_size": 256, "max_position_embeddings": 256, "tie_word_embeddings": False}
+"""The model a planner process started ahead predicts while it waits for its request (`warm_up`)."""
+
+
+def warm_up() -> None:
+    """Predict a tiny Llama's step in this process (thrown away), so that the request's first trace does not pay
+    the first-use costs of Dynamo and AOTAutograd in a fresh process (caches of source lines, trace rules and
+    fake-tensor dispatch; about 3 s of a decision at 8B), none of which changes what a later trace computes.
+    Only in a process started ahead, whose wait it fills (Note [Planner process started ahead] in
+    autosp/plan/process.py); a failure here is logged and left to the request's own trace."""
+    from autosp.plan.cluster_file import load_cluster
+    from autosp.plan.predict import TrainingSetup, predict
+
+    start = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="autosp-plan-warm-up-") as folder:
+            model = Path(folder, "config.json")
+            model.write_text(json.dumps(WARM_UP_MODEL))
+            setup = TrainingSetup(seq_len=64, sp_size=2, depth="full")
+            predict(str(model), setup, load_cluster("h100-sxm", world_size=setup.world_size))
+    except Exception as err:  # noqa: BLE001 - a warm-up only
+        log.info("planner warm-up failed (the request's trace pays the first-use costs): %s", err)
+    log.info("planner warmed up in %.1f s", time.perf_counter() - start)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m autosp.plan.auto",
@@ -356,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("request", type=Path, help="the request (JSON: model config, setup, cluster, target, candidates); "
                                               "-: make the imports, print ready, then read it from the standard input")
     p.add_argument("out", type=Path, help="where to write the decision (JSON: the plan report and its table)")
+    p.add_argument("--warm-up", action="store_true",
+                   help="with -: predict a tiny model before saying ready (the first-use costs of Dynamo)")
     return p
 
 
@@ -370,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if str(request_path) == "-":  # started ahead (Note [Planner process started ahead] in autosp/plan/process.py)
         import_ahead(COMPILE_IMPORTS)
+        if args.warm_up:
+            warm_up()
         sys.stdout.write("ready\n")  # the protocol of PlannerProcess.wait_ready, not a message
         sys.stdout.flush()
         request = json.loads(sys.stdin.read())
@@ -404,4 +436,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The answer is written: end without the interpreter's teardown of torch (1.8 s measured after a warm-up),
+    # which the job would wait for (`PlannerProcess.answer` returns once the process has exited).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
