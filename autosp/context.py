@@ -92,7 +92,9 @@ class CompileReport:
     compiled with), ``explicit`` (options passed to autosp.compile, which won over the plan), ``setup`` (seq_len,
     micro_batch, ... planned for), ``cluster``, ``target_memory_bytes``, ``chosen`` (an index into
     ``candidates``), ``reason``, ``candidates`` (each: plan, options, fits, peak_bytes, peak_by_category_bytes,
-    step_time_s, refused), ``traces`` and ``seconds``.  None when not planned."""
+    step_time_s, refused), ``traces``, ``seconds``, ``planner_seconds`` (the planner process's own) and
+    ``planner_started_before_s`` (how long before the first call's request rank 0's planner process was started,
+    at compile: Note [Planner process started ahead] in autosp/plan/process.py).  None when not planned."""
 
     strategy_plan: dict | None = None
     """With ``strategy="auto"``: the planner's decision (autosp.plan.auto.decide_strategy): ``chosen`` (the

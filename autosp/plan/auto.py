@@ -160,9 +160,11 @@ def strategy_request(module: torch.nn.Module, config: AutoSPConfig, *, world_siz
 def run_planner(request: dict, process: PlannerProcess | None = None) -> dict:
     """The planner's answer to ``request`` (``python -m autosp.plan.auto``): {"report": PlanReport.to_dict(), "text":
     its table}, {"candidates": ...} or {"error": why}; from ``process`` when one was started ahead, else from a
-    process started now (Note [Planner process started ahead] in autosp/plan/process.py)."""
+    process started now (Note [Planner process started ahead] in autosp/plan/process.py).  ``started_before_s``:
+    how long before the request ``process`` was started (None: started at the request)."""
+    ahead = None if process is None else time.perf_counter() - process.started
     try:
-        return (process or PlannerProcess()).answer(request)
+        return {**(process or PlannerProcess()).answer(request), "started_before_s": ahead}
     except AutoSPError as err:
         raise AutoSPError(f"{_OPTION[request['decide']]}: {err}") from None
 
@@ -231,7 +233,7 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
     options = dict(report["options"])
     decision = {**report, "model": request["model"], "cluster": request["cluster"], "setup": request["setup"],
                 "explicit": dict(explicit), "options": options, "seconds": time.perf_counter() - start,
-                "planner_seconds": report["seconds"]}
+                "planner_seconds": report["seconds"], "planner_started_before_s": found["started_before_s"]}
     log.info("memory plan at %d tokens x %d rows: %s (%s)%s", seq_len, micro_batch,
              report["candidates"][report["chosen"]]["plan"], report["reason"],
              f"; explicit options win over the plan: {dict(explicit)}" if explicit else "")
@@ -270,8 +272,9 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     Each candidate's row names the ``rank`` that predicted it (None: refused without predicting);
     ``planner_seconds_by_rank``: each rank's wait for its planner process, from the request to the answer (its
     imports included unless it was started ahead; 0 where it ran none; ``planner_seconds`` the longest),
-    ``predict_seconds_by_rank`` the part of it spent predicting (after its imports).  An error on any rank is every
-    rank's `AutoSPError`."""
+    ``predict_seconds_by_rank`` the part of it spent predicting (after its imports),
+    ``planner_started_before_s_by_rank`` how long before the request its process was started (None: at the
+    request, or no process).  An error on any rank is every rank's `AutoSPError`."""
     from autosp.plan.predict import StrategyCandidate, TrainingSetup, strategy_candidates, strategy_choice
 
     what = _OPTION["strategy"]
@@ -315,7 +318,8 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     report = strategy_choice([rows[s.name] for s, _ in listed], capacity)
     by_rank = [a["process_seconds"] for a in answers]
     return {**report, "planner_seconds": max(by_rank), "planner_seconds_by_rank": by_rank,
-            "predict_seconds_by_rank": [a["seconds"] for a in answers]}, request
+            "predict_seconds_by_rank": [a["seconds"] for a in answers],
+            "planner_started_before_s_by_rank": [a.get("started_before_s") for a in answers]}, request
 
 
 def decide_strategy(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGroup | None, *,

@@ -104,6 +104,7 @@ def test_auto_strategy_trains_exactly_with_the_planners_choice(trained):
     _check([[r] for r in trained[2]], FP32_TOL)
     first, other = trained[2]
     plan = first["strategy_plan"]
+    assert plan["planner_started_before_s_by_rank"] == [None, None]  # each rank's process started at its request
     same = ("chosen", "options", "candidates", "setup", "cluster")  # not "seconds": each rank's own wait
     assert {k: plan[k] for k in same} == {k: other["strategy_plan"][k] for k in same}, "the ranks differ"
     assert other["config"]["strategy"] == first["config"]["strategy"]
@@ -120,6 +121,8 @@ def test_auto_strategy_trains_exactly_with_the_planners_choice(trained):
 
 def test_auto_plan_trains_exactly(trained):
     _check(trained[1], FP32_TOL)
+    for per_rank in trained[1]:  # rank 0's planner process was started when the model was compiled
+        assert all(r["plan"]["planner_started_before_s"] > 0 for r in per_rank)
 
 
 def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
