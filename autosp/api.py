@@ -327,7 +327,12 @@ def compile(  # noqa: A001 - mirrors torch.compile
     if config.memory_plan == "auto" or config.strategy == "auto":
         from autosp.plan.auto import check_plannable
 
-        check_plannable(model, config)
+        try:
+            check_plannable(model, config)
+        except AutoSPError:
+            if planner is not None:
+                planner.close()
+            raise
     strategy_plan = None
     if config.strategy == "auto":  # the planner chooses; every rank compiles its choice (autosp.plan.auto)
         from autosp.plan.auto import decide_strategy
