@@ -111,8 +111,8 @@ def _on_ranks(rank: int, world: int, model: str, seq_len: int, sp_size: int, clu
         report, _ = auto.strategy_on_ranks(dist.group.WORLD, request, module.config, torch.device("meta"), planner)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    planner = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
-    return {"wall": wall, "cpu": cpu, "planner_cpu": planner, "report": report, "ready_s": ready_s}
+    planner_cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+    return {"wall": wall, "cpu": cpu, "planner_cpu": planner_cpu, "report": report, "ready_s": ready_s}
 
 
 def _ranks_table(world: int, results: list[dict], one_process) -> str:

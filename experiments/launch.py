@@ -36,13 +36,13 @@ from typing import Any
 
 _POLL_S = 0.05
 _GRACE_S = 3.0
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "transformers", "autosp",
-           *(f"transformers.models.{family}.modeling_{family}"
-             for family in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2")))
-"""Modules the forkserver imports before it forks any rank, with what a rank's first compile imports besides
-(`autosp.plan.process.COMPILE_IMPORTS`: a 2-layer Hugging Face Llama's first compile on a 2-core machine, 7.7 CPU-s
-without them, 5.3 with; about 4 in a warm process).  A hint: one that fails to import is skipped.  Imports only:
-they start no thread and leave no tensor behind."""
+PRELOAD = ("autosp", *(f"transformers.models.{family}.modeling_{family}"
+                       for family in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2")))
+"""Modules the forkserver imports before it forks any rank: autosp and every model family's modeling module, then
+what a fresh process's first compile imports (`autosp.plan.process.COMPILE_IMPORTS`: torch, its compiler and
+transformers; a 2-layer Hugging Face Llama's first compile on a 2-core machine, 7.7 CPU-s without the compiler's
+modules, 5.3 with; about 4 in a warm process).  A hint: one that fails to import is skipped.  Imports only: they
+start no thread and leave no tensor behind."""
 
 
 class RankFailure(RuntimeError):
