@@ -26,6 +26,9 @@ MEMORY_PLAN = ("off", "auto")
 MEMORY_PLAN_OPTIONS = ("checkpointing", "sac_memory_budget", "tiled_loss", "loss_chunk_tokens", "tiled_mlp",
                        "mlp_chunk_tokens", "return_logits", "activation_offload")
 """The options ``memory_plan="auto"`` chooses (autosp.plan.planner.candidate_plans); one passed explicitly wins."""
+PLAN_TIMEOUT_S = 540.0
+"""The default ``plan_timeout_s``: torch's default NCCL collective timeout (10 minutes) less a minute, so that a
+stuck planner process is every rank's error with its stacks, never a collective timeout without them."""
 PLAN_SETUP = ("zero_stage", "optimizer", "grad_accum", "offload", "depth", "micro_batch")
 """The `autosp.plan.TrainingSetup` fields ``plan_setup`` may set (the rest come from the job itself; ``micro_batch``,
 the rows per batch, from the first batch under memory_plan="auto", else 1 under strategy="auto", which decides
@@ -145,6 +148,11 @@ class AutoSPConfig:
     plan_setup: dict | None = None
     """Training settings the model cannot see, for the planner's memory ledger: any of ``PLAN_SETUP`` (e.g.
     {"zero_stage": 2, "optimizer": "adamw"}); None: `autosp.plan.TrainingSetup`'s defaults."""
+    plan_timeout_s: float = PLAN_TIMEOUT_S
+    """Seconds a rank waits for its planner process (memory_plan="auto", strategy="auto") before the process is
+    stopped and every rank raises an `AutoSPError` holding its output and Python stacks.  The other ranks wait in a
+    collective meanwhile, so keep it under the process group's timeout (torch's defaults: 10 minutes with NCCL, 30
+    with gloo); the default is the NCCL one less a minute's margin."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_size, int) or self.sp_size < 1:
@@ -233,6 +241,7 @@ class AutoSPConfig:
         planning = {"target_memory": self.target_memory, "plan_seq_len": self.plan_seq_len,
                     "plan_cluster": self.plan_cluster, "plan_setup": self.plan_setup}
         given = [name for name, value in planning.items() if value is not None]
+        given += ["plan_timeout_s"] if self.plan_timeout_s != PLAN_TIMEOUT_S else []
         if self.memory_plan == "off" and self.strategy != "auto" and given:
             raise AutoSPError(f"{', '.join(given)} take(s) effect only with the planner: pass memory_plan='auto' or "
                               "strategy='auto' too (or leave them out)")
@@ -256,6 +265,9 @@ class AutoSPConfig:
         if self.plan_cluster is not None and not isinstance(self.plan_cluster, str):
             raise AutoSPError(f"plan_cluster must be a preset name or the path of a cluster file, got "
                               f"{self.plan_cluster!r}")
+        if isinstance(self.plan_timeout_s, bool) or not isinstance(self.plan_timeout_s, (int, float)) \
+                or not self.plan_timeout_s > 0:
+            raise AutoSPError(f"plan_timeout_s must be a positive number of seconds, got {self.plan_timeout_s!r}")
         if self.plan_setup is not None:
             unknown = sorted(set(self.plan_setup) - set(PLAN_SETUP)) if isinstance(self.plan_setup, dict) else None
             if unknown is None or unknown:

@@ -157,14 +157,15 @@ def strategy_request(module: torch.nn.Module, config: AutoSPConfig, *, world_siz
             "target_memory": None if target is None else int(target), "options": dict(explicit)}
 
 
-def run_planner(request: dict, process: PlannerProcess | None = None) -> dict:
+def run_planner(request: dict, process: PlannerProcess | None = None, *, timeout_s: float | None = None) -> dict:
     """The planner's answer to ``request`` (``python -m autosp.plan.auto``): {"report": PlanReport.to_dict(), "text":
     its table}, {"candidates": ...} or {"error": why}; from ``process`` when one was started ahead, else from a
     process started now (Note [Planner process started ahead] in autosp/plan/process.py).  ``started_before_s``:
-    how long before the request ``process`` was started (None: started at the request)."""
+    how long before the request ``process`` was started (None: started at the request).  ``timeout_s``: the
+    longest wait for the answer (`PlannerProcess.answer`; the config's ``plan_timeout_s``)."""
     ahead = None if process is None else time.perf_counter() - process.started
     try:
-        return {**(process or PlannerProcess()).answer(request), "started_before_s": ahead}
+        return {**(process or PlannerProcess()).answer(request, timeout_s), "started_before_s": ahead}
     except AutoSPError as err:
         raise AutoSPError(f"{_OPTION[request['decide']]}: {err}") from None
 
@@ -186,17 +187,18 @@ def _answered(what: str, where: str, answer) -> dict:
 
 
 def _planned_on_rank0(group: dist.ProcessGroup, device: torch.device, what: str, request,
-                      planner: PlannerProcess | None = None) -> dict:
+                      planner: PlannerProcess | None = None, timeout_s: float | None = None) -> dict:
     """Rank 0 of ``group`` builds the request (``request()``) and runs the planner on it (`run_planner`, in
     ``planner`` where it was started ahead); every rank gets its answer with the request under ``"request"`` (a
-    collective).  An error anywhere is every rank's `AutoSPError`.  ``what``: the option asking, for messages."""
+    collective).  An error anywhere is every rank's `AutoSPError`.  ``what``: the option asking, for messages;
+    ``timeout_s``: rank 0's longest wait for its planner process (`run_planner`)."""
     answer = [None]
     if dist.get_rank(group) != 0 and planner is not None:
         planner.close()
     if dist.get_rank(group) == 0:
         def planned():
             made = request()
-            return {**run_planner(made, planner), "request": made}
+            return {**run_planner(made, planner, timeout_s=timeout_s), "request": made}
 
         answer[0] = _answered(what, "rank 0", planned)
     dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0), group=group,
@@ -220,7 +222,7 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
     seq_len, micro_batch = (int(v) for v in sizes.tolist())
     found = _planned_on_rank0(group, device, _OPTION["memory"], lambda: plan_request(
         module, config, seq_len=seq_len, micro_batch=micro_batch, world_size=dist.get_world_size(group),
-        explicit=explicit), planner)
+        explicit=explicit), planner, config.plan_timeout_s)
     report, request = found["report"], found["request"]
     refused = [c["refused"] for c in report["candidates"] if c["refused"] is not None]
     if report["chosen"] is None and len(refused) == len(report["candidates"]):
@@ -264,7 +266,7 @@ def strategy_share(names: Sequence[str], rank: int, ranks: int) -> list[str]:
 
 
 def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: torch.device,
-                      planner: PlannerProcess | None = None) -> tuple[dict, dict]:
+                      planner: PlannerProcess | None = None, timeout_s: float | None = None) -> tuple[dict, dict]:
     """The collective of `decide_strategy` (Note [Candidates spread over the ranks]): rank 0's ``request()`` (a
     `strategy_request`) broadcast, each rank's share of the candidates of ``model_config`` (the model's Hugging Face
     config) predicted in its planner process (``planner`` where it was started ahead; a rank with no share closes
@@ -274,7 +276,8 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     imports included unless it was started ahead; 0 where it ran none; ``planner_seconds`` the longest),
     ``predict_seconds_by_rank`` the part of it spent predicting (after its imports),
     ``planner_started_before_s_by_rank`` how long before the request its process was started (None: at the
-    request, or no process).  An error on any rank is every rank's `AutoSPError`."""
+    request, or no process).  ``timeout_s``: each rank's longest wait for its planner process (`run_planner`).  An
+    error on any rank is every rank's `AutoSPError`."""
     from autosp.plan.predict import StrategyCandidate, TrainingSetup, strategy_candidates, strategy_choice
 
     what = _OPTION["strategy"]
@@ -295,7 +298,8 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
                 planner.close()
             return {"candidates": [], "seconds": 0.0, "process_seconds": 0.0}
         start = time.perf_counter()
-        return {**run_planner({**request, "predict": share}, planner), "process_seconds": time.perf_counter() - start}
+        return {**run_planner({**request, "predict": share}, planner, timeout_s=timeout_s),
+                "process_seconds": time.perf_counter() - start}
 
     answer = _answered(what, f"rank {rank}", predicted)
     answers = [None] * ranks
@@ -338,7 +342,7 @@ def decide_strategy(module: torch.nn.Module, config: AutoSPConfig, group: dist.P
                           "init_process_group before autosp.compile")
     report, request = strategy_on_ranks(group, lambda: strategy_request(
         module, config, world_size=dist.get_world_size(group), explicit=explicit),
-        getattr(module, "config", None), _device_of(module), planner)
+        getattr(module, "config", None), _device_of(module), planner, config.plan_timeout_s)
     if report["chosen"] is None:
         first = next((c["refused"] for c in report["candidates"] if c["refused"]), None)
         raise AutoSPError(f"strategy='auto' found no strategy for {request['model']} at {config.plan_seq_len} "
@@ -408,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             warm_up()
         sys.stdout.write("ready\n")  # the protocol of PlannerProcess.wait_ready, not a message
         sys.stdout.flush()
-        request = json.loads(sys.stdin.read())
+        # One line, not the stream to its end: a process the job forks later (a DataLoader worker) holds a copy of
+        # the pipe's writing end, so the end of the stream may never come.
+        request = json.loads(sys.stdin.readline())
     else:
         request = json.loads(Path(request_path).read_text())
     deciding = request.get("decide", "memory")

@@ -6,8 +6,9 @@ A compiled model's planner runs in a fresh Python process (autosp/plan/auto.py s
 spends its first seconds importing torch, its compiler and transformers: 6.6 CPU-s on a 2-core machine, about as
 long as predicting one strategy candidate then takes, and none of it depends on what is asked.  So a
 `PlannerProcess` is started before its request is known: ``python -m autosp.plan.auto - OUT`` makes those imports
-(`COMPILE_IMPORTS` and the planner's own modules), prints ``ready`` and waits for the request on its standard
-input; `PlannerProcess.answer` sends it and waits for the decision, which the process writes to OUT before it
+(`COMPILE_IMPORTS` and the planner's own modules), prints ``ready`` and waits for the request, one line of JSON, on
+its standard input (a line, not the stream to its end: a DataLoader worker the job forks meanwhile holds a copy of
+the pipe, whose end then never comes); `PlannerProcess.answer` sends it and waits for the decision, which the process writes to OUT before it
 ends without the interpreter's teardown (1.8 s once torch is loaded).  With ``--warm-up`` it first predicts a tiny
 Llama (`autosp.plan.auto.warm_up`), which pays a fresh process's first-use costs of Dynamo and AOTAutograd
 (about 3 s of an 8B candidate's prediction) before the request; `start_planner` asks for it, since a script
@@ -30,6 +31,11 @@ s, the hybrid 2 x 4 11.1 s before the teardown change; every candidate's step ti
   it when it is collected), or when its standard input closes, at the latest when the job's process ends.
 
 Without a process started ahead, `autosp.plan.auto.run_planner` starts one at the request.
+
+A process that gives no answer within the config's ``plan_timeout_s`` is aborted (SIGABRT; it runs with ``-X
+faulthandler``, so it first prints every thread's Python stack) and the error holds its output: the other ranks wait
+in a collective meanwhile, and a planner stuck past the process group's timeout would otherwise end the job with a
+collective timeout on those ranks and no word of where the planner stood.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,6 +62,12 @@ COMPILE_IMPORTS = ("torch", "torch.distributed", "torch._dynamo", "transformers"
 importtime``): AOTAutograd's min-cut partitioner imports the compiler's pattern matcher (about 1 s of CPU), Dynamo
 its debugging helpers.  The planner process imports them ahead (Note [Planner process started ahead]), and so does
 the rank server of the project's launcher (experiments/launch.py)."""
+
+
+_ABORT_GRACE_S = 10.0
+"""Seconds an aborted planner process has to print its stacks before it is killed."""
+_SHOWN_CHARS = 8000
+"""The end of a failed planner process's output that its error shows."""
 
 
 def import_ahead(names) -> None:
@@ -82,7 +95,9 @@ class PlannerProcess:
         self.started = time.perf_counter()
         self.ready_seconds: float | None = None
         """Seconds from the start to the end of the imports (set by `wait_ready`)."""
-        command = [sys.executable, "-m", "autosp.plan.auto", "-", str(self._out), *(["--warm-up"] if warm_up else [])]
+        # -X faulthandler: the process prints every thread's Python stack when `answer` aborts it at its timeout
+        command = [sys.executable, "-X", "faulthandler", "-m", "autosp.plan.auto", "-", str(self._out),
+                   *(["--warm-up"] if warm_up else [])]
         self._process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=self._log, text=True)
         self.pid = self._process.pid
@@ -95,19 +110,32 @@ class PlannerProcess:
             self.ready_seconds = time.perf_counter() - self.started
         return self.ready_seconds
 
-    def answer(self, request: dict) -> dict:
+    def answer(self, request: dict, timeout_s: float | None = None) -> dict:
         """Send ``request`` (`autosp.plan.auto.plan_request` or `strategy_request`) and wait for the decision:
-        {"report": ..., "text": ...}, {"candidates": ...} or {"error": why}.  The process ends with it."""
+        {"report": ..., "text": ...}, {"candidates": ...} or {"error": why}.  The process ends with it.  After
+        ``timeout_s`` seconds without an answer the process is aborted and the error holds its output, ending with
+        every thread's Python stack (where it was stuck); None: wait as long as it takes."""
         if self._process is None:
             raise AutoSPError("this planner process was closed or has answered already: start another with "
                               "autosp.start_planner()")
         process, self._process = self._process, None
         try:
-            process.communicate(json.dumps(request))
+            try:
+                process.communicate(json.dumps(request) + "\n", timeout=timeout_s)  # one line: the request
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGABRT)  # the faulthandler prints the stacks, then the process ends
+                try:
+                    process.communicate(timeout=_ABORT_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.communicate()
+                raise AutoSPError(f"the planner process gave no answer within {timeout_s:g} s (plan_timeout_s) and "
+                                  f"was stopped; its output and stacks:\n{self._output()[-_SHOWN_CHARS:]}") from None
             output = self._output()
             log.debug("planner output:\n%s", output)
             if process.returncode != 0 or not self._out.is_file():
-                raise AutoSPError(f"the planner process failed (exit {process.returncode}):\n{output[-4000:]}")
+                raise AutoSPError(f"the planner process failed (exit {process.returncode}):\n"
+                                  f"{output[-_SHOWN_CHARS:]}")
             return json.loads(self._out.read_text())
         finally:
             self._cleanup()

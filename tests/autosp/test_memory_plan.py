@@ -12,7 +12,8 @@ the target; Llama's 24 have it off and on; each also with activation offload, pr
 measured host-memory link).  In the same
 launch Llama compiles with ``strategy="auto"`` (candidates: Ulysses and the ring over 2 ranks, on the cpu-gloo
 preset): both ranks compile the candidate the planner names, the fastest that fits by the candidates' own
-predictions, and train exactly.
+predictions, and train exactly.  Last, a memory plan whose planner process cannot answer within its
+``plan_timeout_s`` (half a second: it is still importing torch) is every rank's error, with the process's stacks.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ CASES = [  # Qwen2's tiled MLP passed explicitly: it wins over the plan, which c
 ]
 """``baseline``: the candidate with no technique the plan may choose, whose peak the target is one byte under."""
 STRATEGY_CASE = {"model": "hf-llama", "compile": {"strategy": "auto", "plan_seq_len": SEQ_LEN}}
+STUCK_CASE = {"model": "hf-llama", "stuck": True,
+              "compile": {"memory_plan": "auto", "target_memory": 2**40, "plan_timeout_s": 0.5}}
+"""A planner process asked for its answer within half a second of its start, while it imports torch."""
 TILED_OPS = {"tiled_loss": "linear_cross_entropy", "tiled_mlp": "tiled_mlp"}
 
 
@@ -74,6 +78,13 @@ def _auto_cases(rank, world, cases):
         ref_loss.backward()
         del messages[:]
         compiled = autosp.compile(candidate, sp_size=SP, compiler="aot_eager", **case["compile"])
+        if case.get("stuck"):
+            try:
+                compiled(**autosp.prepare_inputs(ids, labels=labels))
+                results.append({"error": None})
+            except AutoSPError as err:
+                results.append({"error": str(err)})
+            continue
         out = compiled(**autosp.prepare_inputs(ids, labels=labels))
         loss_of(out).backward()
         graphs = dict(compiled.report.aot_graphs)
@@ -95,9 +106,12 @@ def trained(tmp_path_factory):
         peak = _baseline_peak(case["model"], case["baseline"], folder)
         cases.append({**case, "target": peak - 1, "baseline_peak": peak,
                       "compile": {"memory_plan": "auto", "target_memory": peak - 1, **case["explicit"]}})
-    # the planner process runs while the other rank waits in a collective: allow it minutes on a loaded machine
-    results = run_on_ranks(_auto_cases, 2, [*cases, STRATEGY_CASE], timeout_s=600, collective_timeout_s=300)
-    return cases, [per_rank[:-1] for per_rank in results], [per_rank[-1] for per_rank in results]
+    # The planner process runs while the other rank waits in a collective: the collective's timeout is above the
+    # planner's default plan_timeout_s, so a stuck planner is every rank's error with its stacks.
+    results = run_on_ranks(_auto_cases, 2, [*cases, STRATEGY_CASE, STUCK_CASE], timeout_s=900,
+                           collective_timeout_s=600)
+    return (cases, [per_rank[:-2] for per_rank in results], [per_rank[-2] for per_rank in results],
+            [per_rank[-1] for per_rank in results])
 
 
 def test_auto_strategy_trains_exactly_with_the_planners_choice(trained):
@@ -126,7 +140,7 @@ def test_auto_plan_trains_exactly(trained):
 
 
 def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
-    cases, results, _ = trained
+    cases, results = trained[:2]
     for case, r, other in zip(cases, results[0], results[1], strict=True):
         plan, where = r["plan"], case["model"]
         assert plan["options"] == other["plan"]["options"], f"{where}: the ranks compiled different plans"
@@ -162,6 +176,14 @@ def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
         assert any("explicit options win over the plan" in m for m in r["log"]) == bool(case["explicit"]), r["log"]
 
 
+def test_a_planner_without_an_answer_in_plan_timeout_s_is_every_ranks_error_with_its_stacks(trained):
+    first, other = trained[3]
+    assert first["error"] is not None and first["error"] == other["error"], trained[3]
+    assert first["error"].startswith("memory_plan='auto': the planner process gave no answer within 0.5 s "
+                                     "(plan_timeout_s)"), first["error"]
+    assert "Fatal Python error: Aborted" in first["error"] and 'File "' in first["error"], first["error"]
+
+
 def test_memory_plan_refusals_name_what_to_change():
     import autosp
     from experiments.models import build_model
@@ -175,6 +197,8 @@ def test_memory_plan_refusals_name_what_to_change():
         autosp.compile(model, sp_size=2, memory_plan="on")
     with pytest.raises(AutoSPError, match="plan_seq_len=63 is not a multiple of sp_size=2"):
         autosp.compile(model, sp_size=2, memory_plan="auto", target_memory=2**20, plan_seq_len=63)
+    with pytest.raises(AutoSPError, match="plan_timeout_s must be a positive number of seconds"):
+        autosp.compile(model, sp_size=2, memory_plan="auto", target_memory=2**20, plan_timeout_s=0)
     with pytest.raises(AutoSPError, match="plan_setup must be a dict of"):
         autosp.compile(model, sp_size=2, memory_plan="auto", target_memory=2**20, plan_setup={"zero": 2})
     with pytest.raises(AutoSPError, match="ZeRO 3"):

@@ -1,11 +1,14 @@
 """The planner process started ahead of its request (Note [Planner process started ahead] in
-autosp/plan/process.py): it makes its imports first, answers one request, and ends unasked when closed; a compile
-that plans nothing refuses one.  The decisions it takes equal those of a process started at the request
+autosp/plan/process.py): it makes its imports first, answers one request, and ends unasked when closed; one with no
+answer within its timeout is stopped and its error shows where it stood; a process forked after it (a DataLoader
+worker) does not keep it from its request; a compile that plans nothing refuses one.  The decisions it takes equal those of a process started at the request
 (tests/autosp/test_strategy_auto.py, tests/autosp/test_memory_plan.py)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -14,6 +17,11 @@ import autosp
 from autosp.errors import AutoSPError
 from autosp.plan import start_planner
 from autosp.plan.auto import run_planner
+from autosp.plan.process import PlannerProcess
+
+REFUSED = {"decide": "strategy", "model": "tiny", "model_config": {"model_type": "llama"},
+           "setup": {"seq_len": 64, "sp_size": 2}, "cluster": "no-such-cluster", "target_memory": None, "options": {}}
+"""A request the process refuses at once (an unknown cluster): its answer is the refusal."""
 
 
 def _ended(pid: int) -> bool:
@@ -27,14 +35,11 @@ def _ended(pid: int) -> bool:
 def test_planner_started_ahead_imports_first_then_answers_one_request():
     planner = start_planner()
     assert planner.wait_ready() > 0 and planner.wait_ready() == planner.ready_seconds  # imports made, once
-    request = {"decide": "strategy", "model": "tiny", "model_config": {"model_type": "llama"},
-               "setup": {"seq_len": 64, "sp_size": 2}, "cluster": "no-such-cluster", "target_memory": None,
-               "options": {}}
-    answer = run_planner(request, planner)  # the process's own refusal comes back as the answer
+    answer = run_planner(REFUSED, planner)  # the process's own refusal comes back as the answer
     assert "no-such-cluster" in answer["error"] and answer["error"].startswith("strategy='auto': ")
     assert _ended(planner.pid)
     with pytest.raises(AutoSPError, match="answered already"):
-        planner.answer(request)
+        planner.answer(REFUSED)
 
 
 def test_planner_closed_unasked_ends_and_a_failed_process_names_its_output():
@@ -52,4 +57,29 @@ def test_compile_that_plans_nothing_refuses_a_planner():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(AutoSPError, match="plans nothing"):
         autosp.compile(model, sp_size=1, planner=planner)
+    assert _ended(planner.pid)
+
+
+def test_planner_without_an_answer_in_its_timeout_is_stopped_with_its_stacks():
+    planner = PlannerProcess()  # asked at once: still importing torch (seconds) when the timeout comes
+    with pytest.raises(AutoSPError, match=r"gave no answer within 0.5 s \(plan_timeout_s\)") as raised:
+        run_planner(REFUSED, planner, timeout_s=0.5)
+    message = str(raised.value)
+    assert message.startswith("strategy='auto': ") and "Fatal Python error: Aborted" in message, message
+    assert 'File "' in message and "most recent call first" in message, message  # the Python stack it stood in
+    assert _ended(planner.pid)
+
+
+def test_planner_answers_while_a_process_forked_after_it_holds_its_pipe():
+    planner = PlannerProcess()
+    worker = os.fork()  # as a DataLoader worker forked after the compile: a copy of every pipe's ends
+    if worker == 0:
+        time.sleep(120)
+        os._exit(0)
+    try:  # the request is a line, so the forked copy of its pipe's writing end does not hold it back
+        answer = run_planner(REFUSED, planner, timeout_s=90)
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        os.waitpid(worker, 0)
+    assert "no-such-cluster" in answer["error"]
     assert _ended(planner.pid)

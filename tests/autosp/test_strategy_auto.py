@@ -197,7 +197,7 @@ def _spread_on_ranks(rank, world, failing):
     report, _ = auto.strategy_on_ranks(dist.group.WORLD, request, model.config, torch.device("meta"), ahead)
     raised = []
     for bad_rank, kind in failing:
-        def planner(asked, process=None, *, bad_rank=bad_rank, kind=kind):
+        def planner(asked, process=None, *, timeout_s=None, bad_rank=bad_rank, kind=kind):
             if rank == bad_rank:
                 raise {"AutoSPError": AutoSPError, "RuntimeError": RuntimeError}[kind](f"planner broke on {rank}")
             return {"candidates": [], "capacity_bytes": 1, "seconds": 0.0}
