@@ -23,7 +23,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from autosp.backend import make_backend
-from autosp.config import MEMORY_PLAN_OPTIONS, AutoSPConfig
+from autosp.config import MEMORY_PLAN_OPTIONS, PLAN_TIMEOUT_S, AutoSPConfig
 from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.diagnostics import graph_break_error, install_output_capture_hooks
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
@@ -251,7 +251,7 @@ class SequenceParallelModel(nn.Module):
                               explicit=self._explicit_options, device=device, planner=planner)
         finally:
             if planner is not None:
-                planner.close()  # unless it answered (a failure before the request)
+                planner.close()  # a no-op once it answered; ends one that did not (another rank's, a failure)
         self.config = dataclasses.replace(self.config, **decision["options"])
         self._ctx.memory_plan = decision
         self.__dict__["_compiled"] = self._compile(self.config)
@@ -319,39 +319,37 @@ def compile(  # noqa: A001 - mirrors torch.compile
     (Note [Planner process started ahead] in autosp/plan/process.py).
     """
     config = AutoSPConfig.from_options(sp_size=sp_size, compiler=compiler, options=options)
-    if planner is not None and config.memory_plan != "auto" and config.strategy != "auto":
-        planner.close()
-        raise AutoSPError("planner= is the planner process of strategy='auto' or memory_plan='auto', and this "
-                          "compile plans nothing: drop it, or ask for one of them")
-    explicit = {k: v for k, v in options.items() if k in MEMORY_PLAN_OPTIONS}
-    if config.memory_plan == "auto" or config.strategy == "auto":
-        from autosp.plan.auto import check_plannable
+    owned = planner  # closed on the way out (a no-op once it answered) unless the compiled model takes it over
+    try:
+        if planner is not None and config.memory_plan != "auto" and config.strategy != "auto":
+            raise AutoSPError("planner= is the planner process of strategy='auto' or memory_plan='auto', and this "
+                              "compile plans nothing: drop it, or ask for one of them")
+        explicit = {k: v for k, v in options.items() if k in MEMORY_PLAN_OPTIONS}
+        if config.memory_plan == "auto" or config.strategy == "auto":
+            from autosp.plan.auto import check_plannable
 
-        try:
             check_plannable(model, config)
-        except AutoSPError:
-            if planner is not None:
-                planner.close()
-            raise
-    strategy_plan = None
-    if config.strategy == "auto":  # the planner chooses; every rank compiles its choice (autosp.plan.auto)
-        from autosp.plan.auto import decide_strategy
+        strategy_plan = None
+        if config.strategy == "auto":  # the planner chooses; every rank compiles its choice (autosp.plan.auto)
+            from autosp.plan.auto import decide_strategy
 
-        try:
             strategy_plan = decide_strategy(model, config, process_group, explicit=explicit, planner=planner)
-        finally:
-            if planner is not None:
-                planner.close()  # unless it answered (a failure before the request)
-        planner = None  # memory_plan="auto" starts its own
-        planned = {"plan_seq_len": None, "plan_cluster": None, "target_memory": None, "plan_setup": None}
-        config = dataclasses.replace(config, **strategy_plan["options"], **planned)
-    groups = build_groups(sp_size, process_group,
-                          ulysses_size=config.ulysses_size if config.strategy == "hybrid" else None)
-    if sp_size == 1:
-        warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
-                      "(the checkpointing, tiled_loss and tiled_mlp options still apply)", stacklevel=2)
-    return SequenceParallelModel(model, config, groups, explicit_options=explicit, strategy_plan=strategy_plan,
-                                 planner=planner if config.memory_plan == "auto" else None)
+            planned = {"plan_seq_len": None, "plan_cluster": None, "target_memory": None, "plan_setup": None,
+                       "plan_timeout_s": PLAN_TIMEOUT_S}
+            config = dataclasses.replace(config, **strategy_plan["options"], **planned)
+        groups = build_groups(sp_size, process_group,
+                              ulysses_size=config.ulysses_size if config.strategy == "hybrid" else None)
+        if sp_size == 1:
+            warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
+                          "(the checkpointing, tiled_loss and tiled_mlp options still apply)", stacklevel=2)
+        handed = planner if config.memory_plan == "auto" else None  # strategy="auto" never plans the memory too
+        compiled = SequenceParallelModel(model, config, groups, explicit_options=explicit,
+                                         strategy_plan=strategy_plan, planner=handed)
+        owned = None if handed is not None else owned
+        return compiled
+    finally:
+        if owned is not None:
+            owned.close()
 
 
 def sync_gradients(model: SequenceParallelModel) -> None:

@@ -112,6 +112,8 @@ def _on_ranks(rank: int, world: int, model: str, seq_len: int, sp_size: int, clu
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     planner_cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+    if planner is not None:  # unasked on a rank with no candidate (a no-op once it answered): not timed
+        planner.close()
     return {"wall": wall, "cpu": cpu, "planner_cpu": planner_cpu, "report": report, "ready_s": ready_s}
 
 

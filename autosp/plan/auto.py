@@ -193,8 +193,6 @@ def _planned_on_rank0(group: dist.ProcessGroup, device: torch.device, what: str,
     collective).  An error anywhere is every rank's `AutoSPError`.  ``what``: the option asking, for messages;
     ``timeout_s``: rank 0's longest wait for its planner process (`run_planner`)."""
     answer = [None]
-    if dist.get_rank(group) != 0 and planner is not None:
-        planner.close()
     if dist.get_rank(group) == 0:
         def planned():
             made = request()
@@ -269,8 +267,8 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
                       planner: PlannerProcess | None = None, timeout_s: float | None = None) -> tuple[dict, dict]:
     """The collective of `decide_strategy` (Note [Candidates spread over the ranks]): rank 0's ``request()`` (a
     `strategy_request`) broadcast, each rank's share of the candidates of ``model_config`` (the model's Hugging Face
-    config) predicted in its planner process (``planner`` where it was started ahead; a rank with no share closes
-    it unused), the rows all-gathered and `autosp.plan.predict.strategy_choice` applied; (the report, the request).
+    config) predicted in its planner process (``planner`` where it was started ahead; the caller closes it, a
+    no-op once it answered), the rows all-gathered and `autosp.plan.predict.strategy_choice` applied; (the report, the request).
     Each candidate's row names the ``rank`` that predicted it (None: refused without predicting);
     ``planner_seconds_by_rank``: each rank's wait for its planner process, from the request to the answer (its
     imports included unless it was started ahead; 0 where it ran none; ``planner_seconds`` the longest),
@@ -293,9 +291,7 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     def predicted() -> dict:
         listed[:] = strategy_candidates(model_config, TrainingSetup(**request["setup"]))
         share = strategy_share([s.name for s, why in listed if why is None], rank, ranks)
-        if not share:
-            if planner is not None:
-                planner.close()
+        if not share:  # the caller closes this rank's planner process, unasked
             return {"candidates": [], "seconds": 0.0, "process_seconds": 0.0}
         start = time.perf_counter()
         return {**run_planner({**request, "predict": share}, planner, timeout_s=timeout_s),

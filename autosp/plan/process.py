@@ -25,8 +25,8 @@ s, the hybrid 2 x 4 11.1 s before the teardown change; every candidate's step ti
   its data).
 - ``strategy="auto"`` decides inside ``autosp.compile``, so there is nothing to overlap unless the script starts
   the process itself, before it loads its model: ``planner = autosp.start_planner()``, then
-  ``autosp.compile(model, ..., strategy="auto", planner=planner)`` (every rank; a rank with no candidate to
-  predict closes its own).
+  ``autosp.compile(model, ..., strategy="auto", planner=planner)`` (every rank; `autosp.compile` closes a
+  rank's process unasked when the rank has no candidate to predict).
 - A process answers one request.  One that is never asked exits when `close` is called (the compiled model does
   it when it is collected), or when its standard input closes, at the latest when the job's process ends.
 
@@ -130,7 +130,9 @@ class PlannerProcess:
                     process.kill()
                     process.communicate()
                 raise AutoSPError(f"the planner process gave no answer within {timeout_s:g} s (plan_timeout_s) and "
-                                  f"was stopped; its output and stacks:\n{self._output()[-_SHOWN_CHARS:]}") from None
+                                  "was stopped; if its output shows it still at work, raise plan_timeout_s and the "
+                                  "process group's timeout (init_process_group(timeout=...)) with it; its output "
+                                  f"and stacks:\n{self._output()[-_SHOWN_CHARS:]}") from None
             output = self._output()
             log.debug("planner output:\n%s", output)
             if process.returncode != 0 or not self._out.is_file():

@@ -52,11 +52,15 @@ def test_planner_closed_unasked_ends_and_a_failed_process_names_its_output():
         run_planner({"decide": "memory"})  # no model config: the process raises KeyError
 
 
-def test_compile_that_plans_nothing_refuses_a_planner():
-    planner = start_planner()
+def test_compile_that_plans_nothing_or_cannot_plan_closes_its_planner():
+    planner = PlannerProcess()
     model = torch.nn.Linear(4, 4)
     with pytest.raises(AutoSPError, match="plans nothing"):
         autosp.compile(model, sp_size=1, planner=planner)
+    assert _ended(planner.pid)
+    planner = PlannerProcess()  # refused before any planning (no Hugging Face config): closed on the way out
+    with pytest.raises(AutoSPError, match="strategy='auto' plans for a Hugging Face model"):
+        autosp.compile(model, sp_size=2, strategy="auto", plan_seq_len=64, planner=planner)
     assert _ended(planner.pid)
 
 
