@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import autosp
+from autosp.config import ACCEPTED_STRATEGIES
 from autosp.errors import AutoSPError
 
 log = logging.getLogger("autosp.train")
@@ -57,7 +58,7 @@ PRESETS: dict[str, LlamaSize] = {
 }
 
 
-FLAG_DEFAULTS = {"zero_stage": 0, "micro_batch_size": 1, "compiler": "inductor"}
+FLAG_DEFAULTS = {"zero_stage": 0, "micro_batch_size": 1, "compiler": "inductor", "strategy": "ulysses"}
 """Defaults of the flags a ``--deepspeed-config`` file can also set: an explicit flag wins over the file, the
 file wins over these defaults (`merge_config` logs each conflict)."""
 
@@ -122,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate, unless the DeepSpeed config names an optimizer (default: %(default)s)")
     p.add_argument("--compiler", choices=("inductor", "aot_eager"),
                    help=f"torch.compile backend AutoSP hands its graphs to (default: {FLAG_DEFAULTS['compiler']})")
+    p.add_argument("--strategy", choices=ACCEPTED_STRATEGIES,
+                   help="how a sequence is split over its SP ranks: ulysses (attention heads), ring (zig-zag "
+                        "ring attention), hybrid (Ulysses inside groups of --ulysses-size ranks, ring across them) "
+                        "or auto (the planner simulates each on this job's model and length and the fastest that "
+                        "fits is compiled; its process starts before the model is built) (default: "
+                        f"{FLAG_DEFAULTS['strategy']})")
+    p.add_argument("--ulysses-size", type=int, help="with --strategy hybrid: ranks of each Ulysses group, a divisor "
+                                                    "of the SP size and of the attention heads")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="parameter and compute dtype (default: bf16 on GPUs, "
                                                              "fp32 on CPU)")
     p.add_argument("--deepspeed-config", metavar="JSON", type=_json_file,
@@ -139,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps <= args.warmup_steps:
         p.error(f"--steps ({args.steps}) must exceed --warmup-steps ({args.warmup_steps}) to measure tokens/s")
-    for flag in ("seq_len", "steps", "log_interval", "sp_size", "micro_batch_size", "num_layers"):
+    for flag in ("seq_len", "steps", "log_interval", "sp_size", "micro_batch_size", "num_layers", "ulysses_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} {value}: give a positive number")
@@ -147,7 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--zero-stage {args.zero_stage}: ZeRO stage {args.zero_stage} does not compose with AutoSP; "
                 "use 0, 1 or 2 (ZeRO 2 already partitions gradients and optimizer state)")
     # Which of FLAG_DEFAULTS were typed (they win over --deepspeed-config); the rest take their defaults.
-    args.explicit = {name for name in (*FLAG_DEFAULTS, "dtype", "sp_size") if getattr(args, name) is not None}
+    args.explicit = {name for name in (*FLAG_DEFAULTS, "dtype", "sp_size", "ulysses_size")
+                     if getattr(args, name) is not None}
     for name, default in FLAG_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -220,6 +230,8 @@ CONFIG_FLAGS = {
     ("sequence_parallel_size",): "sp_size",
     ("zero_optimization", "stage"): "zero_stage",
     ("autosp", "compiler"): "compiler",
+    ("autosp", "strategy"): "strategy",
+    ("autosp", "ulysses_size"): "ulysses_size",
     ("bf16", "enabled"): "dtype",
 }
 """The entries of the generated DeepSpeed config that come from a flag (key path -> argparse dest)."""
@@ -260,7 +272,8 @@ def ds_config(args: argparse.Namespace, sp_size: int, dtype: torch.dtype) -> dic
         "sequence_parallel_size": sp_size,
         "zero_optimization": {"stage": args.zero_stage},
         "compile": {"deepcompile": True, "passes": ["autosp"]},
-        "autosp": {"compiler": args.compiler},
+        "autosp": {"compiler": args.compiler, "strategy": args.strategy,
+                   **({} if args.ulysses_size is None else {"ulysses_size": args.ulysses_size})},
         "gradient_clipping": 1.0,
         "bf16": {"enabled": dtype == torch.bfloat16},
         "steps_per_print": 10**9,
@@ -298,18 +311,29 @@ def train(args: argparse.Namespace) -> dict | None:
     # The values in effect (a --deepspeed-config entry may have replaced a flag's default).
     dtype = torch.bfloat16 if (config_dict.get("bf16") or {}).get("enabled") else torch.float32
     zero_stage = int((config_dict.get("zero_optimization") or {}).get("stage", 0))
-    compiler = (config_dict.get("autosp") or {}).get("compiler", FLAG_DEFAULTS["compiler"])
+    section = config_dict.setdefault("autosp", {})
+    compiler = section.get("compiler", FLAG_DEFAULTS["compiler"])
     micro_batch = int(config_dict["train_micro_batch_size_per_gpu"])
+    planner = None
+    if section.get("strategy") == "auto":
+        section.setdefault("plan_seq_len", args.seq_len)  # the planner prices the length this job trains at
+        # Started before the model is built, so that the decision does not wait for its imports (Note [Planner
+        # process started ahead] in autosp/plan/process.py); autosp.compile closes it once it has answered.
+        planner = autosp.start_planner()
     torch.manual_seed(args.seed)
     config = hf_config(args)
     model = build_model(config, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     # A torch optimizer unless --deepspeed-config names one (refused on CPU if it would JIT-build ops).
     optimizer = None if "optimizer" in config_dict else torch.optim.AdamW(model.parameters(), lr=args.lr)
-    engine, *_ = autosp.deepspeed_initialize(model=model, optimizer=optimizer, config=config_dict)
-    groups = engine.module.groups
-    log.info("model %s: %.3g B parameters, %d layers; world %d = SP %d x DP %d; seq %d; ZeRO %d; %s; %s on %s",
-             args.model, n_params / 1e9, config.num_hidden_layers, world, groups.sp_size, groups.dp_size,
+    engine, *_ = autosp.deepspeed_initialize(model=model, optimizer=optimizer, config=config_dict, planner=planner)
+    groups, compiled = engine.module.groups, engine.module.config
+    decision = engine.module.report.strategy_plan
+    strategy = compiled.strategy + (f" {compiled.ulysses_size}x{compiled.sp_size // compiled.ulysses_size}"
+                                    if compiled.strategy == "hybrid" else "")
+    log.info("model %s: %.3g B parameters, %d layers; world %d = SP %d x DP %d (%s%s); seq %d; ZeRO %d; %s; %s on "
+             "%s", args.model, n_params / 1e9, config.num_hidden_layers, world, groups.sp_size, groups.dp_size,
+             strategy, "" if decision is None else f", chosen by strategy='auto' as {decision['chosen']}",
              args.seq_len, zero_stage, compiler, str(dtype).removeprefix("torch."), device.type)
 
     tokens_per_step = groups.dp_size * micro_batch * args.seq_len  # each sequence counted once
@@ -338,6 +362,10 @@ def train(args: argparse.Namespace) -> dict | None:
         "model": args.model, "parameters": n_params, "layers": config.num_hidden_layers, "world_size": world,
         "sp_size": groups.sp_size, "dp_size": groups.dp_size, "seq_len": args.seq_len,
         "micro_batch_size": micro_batch, "zero_stage": zero_stage, "compiler": compiler,
+        "strategy": compiled.strategy, "ulysses_size": compiled.ulysses_size if compiled.strategy == "hybrid" else None,
+        "strategy_decision": None if decision is None else {
+            k: decision[k] for k in ("chosen", "reason", "candidates", "seconds", "planner_seconds",
+                                     "planner_started_before_s_by_rank")},
         "dtype": str(dtype).removeprefix("torch."), "device": device.type, "steps": args.steps,
         "losses": losses, "tokens_per_step": tokens_per_step,
         "step_time_s": measured_s / measured_steps, "tokens_per_s": tokens_per_step * measured_steps / measured_s,

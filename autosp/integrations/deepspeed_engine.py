@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from autosp.api import SequenceParallelModel
+from autosp.api import compile as compile_model
 from autosp.config import AutoSPConfig
 from autosp.errors import AutoSPError
-from autosp.groups import SequenceParallelGroups, build_groups
 
 log = logging.getLogger(__name__)
 
@@ -222,14 +222,14 @@ def _sp_size(ds_config: dict, sp_size: int | None) -> int:
     return size
 
 
-def _check_data_parallel_size(ds_config: dict, groups: SequenceParallelGroups) -> None:
+def _check_data_parallel_size(ds_config: dict, dp_size: int) -> None:
     # With both sizes in the config DeepSpeed builds its own device mesh; AutoSP's groups are
     # the single source of truth, so the entry is checked and removed.
     dp = ds_config.pop("data_parallel_size", None)
-    if dp is not None and int(dp) != groups.dp_size:
+    if dp is not None and int(dp) != dp_size:
         raise AutoSPError(
             f"data_parallel_size={dp} in the DeepSpeed config, but world / sequence_parallel_size = "
-            f"{groups.dp_size}; drop data_parallel_size or make it {groups.dp_size}"
+            f"{dp_size}; drop data_parallel_size or make it {dp_size}"
         )
 
 
@@ -240,6 +240,7 @@ def deepspeed_initialize(
     optimizer: Any = None,
     sp_size: int | None = None,
     compiler: str | None = None,
+    planner: Any = None,
     **kwargs: Any,
 ) -> tuple:
     """``deepspeed.initialize`` with AutoSP sequence parallelism; returns what it returns.
@@ -247,7 +248,10 @@ def deepspeed_initialize(
     ``model`` is the unmodified single-device model and ``config`` a DeepSpeed config
     (dict or JSON path) with ``"sequence_parallel_size"`` (or pass ``sp_size``).  An
     optional ``"autosp"`` section holds `AutoSPConfig` options; ``compiler`` overrides
-    its ``compiler``.  Other keyword arguments (``lr_scheduler``, ``training_data``,
+    its ``compiler``.  The model is compiled by `autosp.compile` (so ``strategy`` ``"ring"``,
+    ``"hybrid"`` with ``ulysses_size``, and ``"auto"`` with ``plan_seq_len`` work as there);
+    ``planner`` is its ``planner=`` (a process from ``autosp.start_planner()``, started before
+    the model was loaded).  Other keyword arguments (``lr_scheduler``, ``training_data``,
     ``model_parameters``, ...) go to ``deepspeed.initialize``; ``training_data`` gets a
     loader in which all ranks of an SP group see the same samples.
 
@@ -270,8 +274,8 @@ def deepspeed_initialize(
     options = dict(ds_config.pop(AUTOSP_SECTION, None) or {})
     if compiler is not None:
         options["compiler"] = compiler
-    options.setdefault("compiler", "inductor")
-    autosp_config = AutoSPConfig.from_options(sp_size=size, compiler=options.pop("compiler"), options=options)
+    compiler = options.pop("compiler", "inductor")
+    AutoSPConfig.from_options(sp_size=size, compiler=compiler, options=options)  # a bad option refused early
 
     import deepspeed.comm as ds_comm
 
@@ -282,15 +286,18 @@ def deepspeed_initialize(
             "DeepSpeed needs the LOCAL_RANK environment variable (this rank's index on its node); launch with "
             "torchrun or the deepspeed launcher, or set LOCAL_RANK in each process before deepspeed_initialize"
         )
-    groups = build_groups(size)  # checks that sequence_parallel_size divides the world
-    _check_data_parallel_size(ds_config, groups)
     if not ds_comm.is_initialized():
         # Make deepspeed.comm wrap the user's process group (and its backend: gloo on CPU).
         ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
-    sp_model = SequenceParallelModel(model, autosp_config, groups)
+    # The one way a model is compiled: the strategy decided (strategy="auto") and its groups built (a hybrid's
+    # Ulysses and ring groups too) as autosp.compile does; it checks that sequence_parallel_size divides the world.
+    if dist.get_world_size() % size == 0:  # else autosp.compile says what to change
+        _check_data_parallel_size(ds_config, dist.get_world_size() // size)
+    sp_model = compile_model(model, sp_size=size, compiler=compiler, planner=planner, **options)
+    groups = sp_model.groups
     log.info(
-        "AutoSP + DeepSpeed: sp_size=%d x data-parallel replicas=%d, ZeRO stage %d, compiler=%s",
-        groups.sp_size, groups.dp_size, _zero_stage(ds_config), autosp_config.compiler,
+        "AutoSP + DeepSpeed: sp_size=%d x data-parallel replicas=%d, ZeRO stage %d, strategy=%s, compiler=%s",
+        groups.sp_size, groups.dp_size, _zero_stage(ds_config), sp_model.config.strategy, sp_model.config.compiler,
     )
     return deepspeed.initialize(
         model=sp_model, optimizer=optimizer, config=ds_config, mpu=SequenceParallelMPU(sp_model), **kwargs

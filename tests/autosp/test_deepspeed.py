@@ -37,7 +37,7 @@ def _make_optimizer(kind: str, params):
     raise ValueError(kind)
 
 
-def _ds_config(*, zero_stage: int, sp_size: int, clip: float | None, gas: int = 1) -> dict:
+def _ds_config(*, zero_stage: int, sp_size: int, clip: float | None, gas: int = 1, strategy: dict | None = None) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": gas,
@@ -46,7 +46,7 @@ def _ds_config(*, zero_stage: int, sp_size: int, clip: float | None, gas: int = 
         "zero_allow_untested_optimizer": True,  # torch SGD under ZeRO
         "gradient_clipping": clip or 0.0,
         "compile": {"deepcompile": True, "passes": ["autosp"]},  # DeepSpeed's spelling, served by AutoSP
-        "autosp": {"compiler": "aot_eager"},
+        "autosp": {"compiler": "aot_eager", **(strategy or {})},
         "steps_per_print": 10**9,
     }
 
@@ -73,7 +73,7 @@ def _plain_deepspeed(model, sp_size, optimizer, config):
 
 
 def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model="hf-llama", data=False, gas=1,
-                plain=False):
+                plain=False, strategy=None):
     import autosp
     from experiments.models import build_model, vocab_size
 
@@ -86,7 +86,7 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
 
     ref_opt = _make_optimizer(optimizer, reference.parameters())
     dataset = torch.utils.data.TensorDataset(torch.arange(16)) if data else None
-    config = _ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip, gas=gas)
+    config = _ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip, gas=gas, strategy=strategy)
     if plain:
         engine, _, loader, _ = _plain_deepspeed(candidate, sp_size, _make_optimizer(optimizer, candidate.parameters()),
                                                 config)
@@ -96,6 +96,7 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
             training_data=dataset,
         )
     assert engine.module.groups.sp_size == sp_size and engine.module.module is candidate
+    assert engine.module.config.strategy == (strategy or {}).get("strategy", "ulysses")
     assert engine.module.reduces_gradients == plain  # reduced exactly once: by the model or by the engine
 
     out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": [], "ref_norm": []}
@@ -171,6 +172,13 @@ ZERO_CASES = [
 ]
 
 
+STRATEGY_CASES = [  # the compiled ring through autosp.deepspeed_initialize (autosp.compile's strategies)
+    {"zero_stage": 1, "optimizer": "adam", "strategy": {"strategy": "ring"}},
+]
+HYBRID_CASE = {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP, "sp_size": 4,
+               "strategy": {"strategy": "hybrid", "ulysses_size": 2}}
+
+
 PLAIN_CASES = [  # deepspeed.initialize without AutoSP's mpu
     {"zero_stage": 0, "optimizer": "sgd", "clip": CLIP, "plain": True},
     {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP, "gas": 2, "plain": True},
@@ -180,7 +188,7 @@ PLAIN_CASES = [  # deepspeed.initialize without AutoSP's mpu
 def test_deepspeed_zero_0_1_2_two_ranks_match_single_device():
     # The plain engines first: an engine given an mpu records it in DeepSpeed's process-wide groups, which a
     # later engine in the same process would read.
-    cases = [{**c, "sp_size": 2} for c in PLAIN_CASES + ZERO_CASES]
+    cases = [{**c, "sp_size": 2} for c in PLAIN_CASES + ZERO_CASES + STRATEGY_CASES]
     results = run_on_ranks(_cases_on_rank, 2, cases, timeout_s=500)
     _check(results, cases)
     _check_data(results, 2)
@@ -188,7 +196,7 @@ def test_deepspeed_zero_0_1_2_two_ranks_match_single_device():
 
 @pytest.mark.slow
 def test_deepspeed_zero_0_1_2_sequence_times_data_parallel_match_single_device():
-    cases = [{**c, "sp_size": 2} for c in ZERO_CASES]
+    cases = [{**c, "sp_size": 2} for c in ZERO_CASES] + [HYBRID_CASE]  # the hybrid: Ulysses 2 x ring 2, SP 4
     results = run_on_ranks(_cases_on_rank, 4, cases, timeout_s=600)
     _check(results, cases)
     _check_data(results, 2)

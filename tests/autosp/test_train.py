@@ -56,6 +56,27 @@ def test_train_torchrun_two_cpu_ranks_trains_and_reports(tmp_path):
     assert summary["losses"][0] == pytest.approx(_single_device_first_loss(seq_len), rel=1e-5)
 
 
+def test_train_strategy_auto_decides_with_planners_started_before_the_model_and_trains_exactly(tmp_path):
+    """``--strategy auto``: every rank starts its planner process before it builds the model, the SP-2 candidates
+    (Ulysses and the ring) are predicted one per rank, the choice is compiled, and the first loss is still the
+    single-device loss."""
+    seq_len = 64
+    torchrun = os.path.join(sysconfig.get_path("scripts"), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "autosp.train", "--model", "tiny-llama",
+           "--seq-len", str(seq_len), "--steps", "2", "--compiler", "aot_eager", "--strategy", "auto"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    decision = summary["strategy_decision"]
+    rows = {c["system"]: c for c in decision["candidates"]}
+    assert set(rows) == {"autosp", "autosp-ring"} and {c["rank"] for c in rows.values()} == {0, 1}
+    fastest = min((c for c in rows.values() if c["fits"]), key=lambda c: c["step_time_s"])
+    assert decision["chosen"] == fastest["system"] and summary["strategy"] == fastest["strategy"]
+    assert all(ahead > 0 for ahead in decision["planner_started_before_s_by_rank"])
+    assert f"chosen by strategy='auto' as {decision['chosen']}" in proc.stderr
+    assert summary["losses"][0] == pytest.approx(_single_device_first_loss(seq_len), rel=1e-5)
+
+
 def test_train_unsupported_zero_stage_exits_with_the_reason():
     cmd = [sys.executable, "-m", "autosp.train", "--model", "tiny-llama", "--seq-len", "16", "--steps", "2",
            "--zero-stage", "3", "--compiler", "aot_eager"]
@@ -76,7 +97,7 @@ def test_train_deepspeed_config_merges_deeply_and_typed_flags_win(tmp_path, capl
     with caplog.at_level("INFO", logger="autosp.train"):
         config = train.ds_config(train.parse_args(base), 2, torch.float32)
     assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
-    assert config["autosp"] == {"compiler": "aot_eager"} and config["gradient_clipping"] == 0.5
+    assert config["autosp"] == {"compiler": "aot_eager", "strategy": "ulysses"} and config["gradient_clipping"] == 0.5
     assert config["train_micro_batch_size_per_gpu"] == 2 and config["wall_clock_breakdown"] is True
     assert config["compile"] == {"deepcompile": True, "passes": ["autosp"]}  # generated, not in the file
     assert config["sequence_parallel_size"] == 2 and config["bf16"] == {"enabled": False}
@@ -89,7 +110,8 @@ def test_train_deepspeed_config_merges_deeply_and_typed_flags_win(tmp_path, capl
         config = train.ds_config(train.parse_args([*base, "--zero-stage", "1", "--compiler", "inductor",
                                                    "--micro-batch-size", "1"]), 2, torch.float32)
     assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1000}
-    assert config["autosp"] == {"compiler": "inductor"} and config["train_micro_batch_size_per_gpu"] == 1
+    assert config["autosp"] == {"compiler": "inductor", "strategy": "ulysses"}
+    assert config["train_micro_batch_size_per_gpu"] == 1
     assert "--zero-stage on the command line (1) wins over 2" in caplog.text
     assert "--compiler on the command line ('inductor') wins over 'aot_eager'" in caplog.text
     # The same value in both is no conflict; a section replacing a scalar (or the reverse) is the file's.
