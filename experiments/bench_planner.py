@@ -127,19 +127,22 @@ def _ranks_table(world: int, results: list[dict], one_process) -> str:
            f"{max(f['ready_s'] for f in results):.1f} s)" if ahead else "cold planner process per rank that predicts")
     out = [f"strategy-auto on {world} gloo rank(s), the collective autosp.compile(strategy='auto') runs ({how}):",
            f"  {'rank':>4s} {'predicts':36s} {'wall s':>7s} {'CPU s':>7s} {'rank CPU':>8s} {'planner CPU':>11s} "
-           f"{'planner wall':>12s} {'predicting':>10s}"]
+           f"{'planner wall':>12s} {'predicting':>10s} {'its CPU':>7s}"]
     for r, found in enumerate(results):
         out.append(f"  {r:4d} {', '.join(by_rank[r]) or '-':36s} {found['wall']:7.1f} "
                    f"{found['cpu'] + found['planner_cpu']:7.1f} {found['cpu']:8.1f} {found['planner_cpu']:11.1f} "
-                   f"{report['planner_seconds_by_rank'][r]:12.1f} {report['predict_seconds_by_rank'][r]:10.1f}")
+                   f"{report['planner_seconds_by_rank'][r]:12.1f} {report['predict_seconds_by_rank'][r]:10.1f} "
+                   f"{report['predict_cpu_seconds_by_rank'][r]:7.1f}")
     slowest = max(f["cpu"] + f["planner_cpu"] for f in results)
     out.append("  (wall: the rank's call from a barrier; CPU: the rank's own and its planner process's"
                + (", the planner's imports included although made before the barrier" if ahead else "")
-               + "; planner wall: the request to the answer, predicting: the process's time after its imports)")
+               + "; planner wall: the request to the answer, predicting: the process's time after its imports, "
+               "its CPU: the process's CPU time in it)")
     out.append(f"  wall here {max(f['wall'] for f in results):.1f} s ({world} rank(s) sharing this machine's cores); "
                f"slowest rank's CPU {slowest:.1f} s: on a training node, where each rank has its own cores, that "
                "is about the wall time (not measured here)"
-               + (f"; slowest rank's predicting {max(report['predict_seconds_by_rank']):.1f} s, what a rank waits "
+               + (f"; slowest rank's predicting {max(report['predict_seconds_by_rank']):.1f} s here, "
+                  f"{max(report['predict_cpu_seconds_by_rank']):.1f} s of CPU: what a rank with its own cores waits "
                   "for once its process was started ahead" if ahead else ""))
     out.append(_compare(report, one_process, "one process"))
     same = all(results[0]["report"]["candidates"] == f["report"]["candidates"] for f in results)

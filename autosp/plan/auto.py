@@ -272,7 +272,8 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     Each candidate's row names the ``rank`` that predicted it (None: refused without predicting);
     ``planner_seconds_by_rank``: each rank's wait for its planner process, from the request to the answer (its
     imports included unless it was started ahead; 0 where it ran none; ``planner_seconds`` the longest),
-    ``predict_seconds_by_rank`` the part of it spent predicting (after its imports),
+    ``predict_seconds_by_rank`` the part of it spent predicting (after its imports; ``predict_cpu_seconds_by_rank``
+    the process's CPU time in that part, which on a rank with its own cores is about the same),
     ``planner_started_before_s_by_rank`` how long before the request its process was started (None: at the
     request, or no process).  ``timeout_s``: each rank's longest wait for its planner process (`run_planner`).  An
     error on any rank is every rank's `AutoSPError`."""
@@ -292,7 +293,7 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
         listed[:] = strategy_candidates(model_config, TrainingSetup(**request["setup"]))
         share = strategy_share([s.name for s, why in listed if why is None], rank, ranks)
         if not share:  # the caller closes this rank's planner process, unasked
-            return {"candidates": [], "seconds": 0.0, "process_seconds": 0.0}
+            return {"candidates": [], "seconds": 0.0, "cpu_seconds": 0.0, "process_seconds": 0.0}
         start = time.perf_counter()
         return {**run_planner({**request, "predict": share}, planner, timeout_s=timeout_s),
                 "process_seconds": time.perf_counter() - start}
@@ -319,6 +320,7 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     by_rank = [a["process_seconds"] for a in answers]
     return {**report, "planner_seconds": max(by_rank), "planner_seconds_by_rank": by_rank,
             "predict_seconds_by_rank": [a["seconds"] for a in answers],
+            "predict_cpu_seconds_by_rank": [a["cpu_seconds"] for a in answers],
             "planner_started_before_s_by_rank": [a.get("started_before_s") for a in answers]}, request
 
 
@@ -421,12 +423,12 @@ def main(argv: list[str] | None = None) -> int:
             setup = TrainingSetup(**request["setup"])
             cluster = load_cluster(request["cluster"], world_size=setup.world_size)
             if deciding == "strategy":  # the candidates this rank predicts (`strategy_on_ranks`; None: all)
-                start, only = time.perf_counter(), request.get("predict")
+                start, cpu, only = time.perf_counter(), time.process_time(), request.get("predict")
                 found, capacity = predict_strategies(str(model), setup, cluster, options=request["options"],
                                                      capacity_bytes=request["target_memory"], only=only)
                 found = [c for c in found if only is None or c.system in only]
                 answer = {"candidates": [c.to_dict() for c in found], "capacity_bytes": capacity,
-                          "seconds": time.perf_counter() - start,
+                          "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
                           "text": "\n\n".join(f"strategy {c.system}:\n{c.prediction.format()}" if c.prediction
                                               else f"strategy {c.system}: refused ({c.refused})" for c in found
                                               ).replace(str(model), request["model"])}

@@ -200,7 +200,7 @@ def _spread_on_ranks(rank, world, failing):
         def planner(asked, process=None, *, timeout_s=None, bad_rank=bad_rank, kind=kind):
             if rank == bad_rank:
                 raise {"AutoSPError": AutoSPError, "RuntimeError": RuntimeError}[kind](f"planner broke on {rank}")
-            return {"candidates": [], "capacity_bytes": 1, "seconds": 0.0}
+            return {"candidates": [], "capacity_bytes": 1, "seconds": 0.0, "cpu_seconds": 0.0}
 
         auto.run_planner, real = planner, auto.run_planner
         try:
@@ -236,5 +236,6 @@ def test_strategy_auto_spread_over_ranks_decides_as_one_process(decided):
         by_rank = report["planner_seconds_by_rank"]  # each rank's planner process, its prediction inside it
         assert len(by_rank) == 2 and report["planner_seconds"] == max(by_rank)
         assert all(0 < p < w for p, w in zip(report["predict_seconds_by_rank"], by_rank, strict=True))
+        assert all(0 < c for c in report["predict_cpu_seconds_by_rank"])
         assert raised == ["strategy='auto': planning failed on rank 1: RuntimeError: planner broke on 1",
                           "planner broke on 0"]
