@@ -364,7 +364,7 @@ def train(args: argparse.Namespace) -> dict | None:
         "micro_batch_size": micro_batch, "zero_stage": zero_stage, "compiler": compiler,
         "strategy": compiled.strategy, "ulysses_size": compiled.ulysses_size if compiled.strategy == "hybrid" else None,
         "strategy_decision": None if decision is None else {
-            k: decision[k] for k in ("chosen", "reason", "candidates", "seconds", "planner_seconds",
+            k: decision[k] for k in ("chosen", "reason", "candidates", "setup", "seconds", "planner_seconds",
                                      "planner_started_before_s_by_rank")},
         "dtype": str(dtype).removeprefix("torch."), "device": device.type, "steps": args.steps,
         "losses": losses, "tokens_per_step": tokens_per_step,

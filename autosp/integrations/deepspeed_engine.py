@@ -24,6 +24,7 @@ import logging
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -31,6 +32,7 @@ from autosp.api import SequenceParallelModel
 from autosp.api import compile as compile_model
 from autosp.config import AutoSPConfig
 from autosp.errors import AutoSPError
+from simulator.training_config import OPTIMIZER_STATES
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +184,30 @@ def _zero_stage(ds_config: dict) -> int:
     return stage
 
 
+def _planned_setup(ds_config: dict, optimizer: Any) -> dict:
+    """The `autosp.plan.TrainingSetup` fields this DeepSpeed job fixes, for ``plan_setup`` (the ones it cannot tell
+    are left to the planner's defaults): the ZeRO stage, the micro-batch, the accumulation steps, optimizer offload
+    and the optimizer's kind (from the config's ``"optimizer"`` entry, else the torch optimizer passed)."""
+    zero = ds_config.get("zero_optimization") or {}
+    offload = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+    setup = {"zero_stage": _zero_stage(ds_config), "offload": "optimizer" if offload in ("cpu", "nvme") else "none"}
+    for field, key in (("micro_batch", "train_micro_batch_size_per_gpu"), ("grad_accum", "gradient_accumulation_steps")):
+        if isinstance(ds_config.get(key), int):  # not an unresolved "auto"
+            setup[field] = ds_config[key]
+    entry = ds_config.get("optimizer")
+    if entry is not None:
+        kind, momentum = str(entry.get("type", "")).lower(), (entry.get("params") or {}).get("momentum", 0)
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        kind, momentum = type(optimizer).__name__.lower(), optimizer.defaults.get("momentum", 0)
+    else:
+        kind, momentum = "", 0
+    if kind == "sgd" and momentum:
+        kind = "sgd_momentum"
+    if kind in OPTIMIZER_STATES:
+        setup["optimizer"] = kind
+    return setup
+
+
 def _take_compile_section(ds_config: dict) -> None:
     """Accept DeepSpeed's spelling ``"compile": {"deepcompile": true, "passes": ["autosp"]}``.
 
@@ -275,6 +301,8 @@ def deepspeed_initialize(
     if compiler is not None:
         options["compiler"] = compiler
     compiler = options.pop("compiler", "inductor")
+    if "auto" in (options.get("memory_plan"), options.get("strategy")):  # what the job runs is what is priced
+        options["plan_setup"] = {**_planned_setup(ds_config, optimizer), **(options.get("plan_setup") or {})}
     AutoSPConfig.from_options(sp_size=size, compiler=compiler, options=options)  # a bad option refused early
 
     import deepspeed.comm as ds_comm

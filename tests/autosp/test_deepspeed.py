@@ -215,6 +215,24 @@ def _model():
     return build_model("plain-llama")
 
 
+@pytest.mark.parametrize(("entry", "optimizer", "expected"), [
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "gradient_accumulation_steps": 4},
+     "adamw", {"zero_stage": 2, "offload": "optimizer", "micro_batch": 2, "grad_accum": 4, "optimizer": "adamw"}),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}, None,
+     {"zero_stage": 0, "offload": "none", "micro_batch": 2, "grad_accum": 1, "optimizer": "sgd_momentum"}),
+    ({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": "auto"}, "sgd",
+     {"zero_stage": 1, "offload": "none", "micro_batch": 2, "optimizer": "sgd"}),  # an unresolved "auto" is left out
+    ({}, "lbfgs", {"zero_stage": 0, "offload": "none", "micro_batch": 2, "grad_accum": 1}),  # unknown: the default
+])
+def test_deepspeed_config_is_what_the_planner_prices(entry, optimizer, expected):
+    from autosp.integrations.deepspeed_engine import _planned_setup
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    torch_optimizer = {"adamw": lambda: torch.optim.AdamW(params), "sgd": lambda: torch.optim.SGD(params, lr=0.1),
+                       "lbfgs": lambda: torch.optim.LBFGS(params), None: lambda: None}[optimizer]()
+    assert _planned_setup(_config(**entry), torch_optimizer) == expected
+
+
 def test_deepspeed_zero_3_is_refused_naming_the_stages_that_work():
     import autosp
 

@@ -63,7 +63,8 @@ def test_train_strategy_auto_decides_with_planners_started_before_the_model_and_
     seq_len = 64
     torchrun = os.path.join(sysconfig.get_path("scripts"), "torchrun")
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "autosp.train", "--model", "tiny-llama",
-           "--seq-len", str(seq_len), "--steps", "2", "--compiler", "aot_eager", "--strategy", "auto"]
+           "--seq-len", str(seq_len), "--steps", "2", "--compiler", "aot_eager", "--strategy", "auto",
+           "--zero-stage", "2"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -73,6 +74,10 @@ def test_train_strategy_auto_decides_with_planners_started_before_the_model_and_
     fastest = min((c for c in rows.values() if c["fits"]), key=lambda c: c["step_time_s"])
     assert decision["chosen"] == fastest["system"] and summary["strategy"] == fastest["strategy"]
     assert all(ahead > 0 for ahead in decision["planner_started_before_s_by_rank"])
+    # The planner priced the job the DeepSpeed config describes (autosp.train builds it; AdamW on the ranks).
+    assert {k: decision["setup"][k] for k in ("seq_len", "zero_stage", "micro_batch", "grad_accum", "offload",
+                                              "optimizer")} == {"seq_len": seq_len, "zero_stage": 2, "micro_batch": 1,
+                                                                "grad_accum": 1, "offload": "none", "optimizer": "adamw"}
     assert f"chosen by strategy='auto' as {decision['chosen']}" in proc.stderr
     assert summary["losses"][0] == pytest.approx(_single_device_first_loss(seq_len), rel=1e-5)
 
