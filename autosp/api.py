@@ -23,7 +23,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from autosp.backend import make_backend
-from autosp.config import MEMORY_PLAN_OPTIONS, PLAN_TIMEOUT_S, AutoSPConfig
+from autosp.config import MEMORY_PLAN_OPTIONS, PLANNING_OPTIONS, AutoSPConfig
 from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.diagnostics import graph_break_error, install_output_capture_hooks
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
@@ -334,8 +334,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
             from autosp.plan.auto import decide_strategy
 
             strategy_plan = decide_strategy(model, config, process_group, explicit=explicit, planner=planner)
-            planned = {"plan_seq_len": None, "plan_cluster": None, "target_memory": None, "plan_setup": None,
-                       "plan_timeout_s": PLAN_TIMEOUT_S}
+            planned = {f.name: f.default for f in dataclasses.fields(config) if f.name in PLANNING_OPTIONS}
             config = dataclasses.replace(config, **strategy_plan["options"], **planned)
         groups = build_groups(sp_size, process_group,
                               ulysses_size=config.ulysses_size if config.strategy == "hybrid" else None)
@@ -345,7 +344,8 @@ def compile(  # noqa: A001 - mirrors torch.compile
         handed = planner if config.memory_plan == "auto" else None  # strategy="auto" never plans the memory too
         compiled = SequenceParallelModel(model, config, groups, explicit_options=explicit,
                                          strategy_plan=strategy_plan, planner=handed)
-        owned = None if handed is not None else owned
+        if handed is not None:
+            owned = None  # the compiled model closes it after its plan
         return compiled
     finally:
         if owned is not None:

@@ -29,6 +29,9 @@ MEMORY_PLAN_OPTIONS = ("checkpointing", "sac_memory_budget", "tiled_loss", "loss
 PLAN_TIMEOUT_S = 540.0
 """The default ``plan_timeout_s``: torch's default NCCL collective timeout (10 minutes) less a minute, so that a
 stuck planner process is every rank's error with its stacks, never a collective timeout without them."""
+PLANNING_OPTIONS = ("target_memory", "plan_seq_len", "plan_cluster", "plan_setup", "plan_timeout_s")
+"""The options only the planner reads (``memory_plan="auto"``, ``strategy="auto"``): refused where nothing is
+planned, and reset to their defaults once ``strategy="auto"`` has decided."""
 PLAN_SETUP = ("zero_stage", "optimizer", "grad_accum", "offload", "depth", "micro_batch")
 """The `autosp.plan.TrainingSetup` fields ``plan_setup`` may set (the rest come from the job itself; ``micro_batch``,
 the rows per batch, from the first batch under memory_plan="auto", else 1 under strategy="auto", which decides
@@ -238,10 +241,8 @@ class AutoSPConfig:
     def _check_memory_plan(self) -> None:
         if self.memory_plan not in MEMORY_PLAN:
             raise AutoSPError(f"memory_plan must be one of {MEMORY_PLAN}, got {self.memory_plan!r}")
-        planning = {"target_memory": self.target_memory, "plan_seq_len": self.plan_seq_len,
-                    "plan_cluster": self.plan_cluster, "plan_setup": self.plan_setup}
-        given = [name for name, value in planning.items() if value is not None]
-        given += ["plan_timeout_s"] if self.plan_timeout_s != PLAN_TIMEOUT_S else []
+        defaults = {f.name: f.default for f in fields(self) if f.name in PLANNING_OPTIONS}
+        given = [name for name, default in defaults.items() if getattr(self, name) != default]
         if self.memory_plan == "off" and self.strategy != "auto" and given:
             raise AutoSPError(f"{', '.join(given)} take(s) effect only with the planner: pass memory_plan='auto' or "
                               "strategy='auto' too (or leave them out)")
@@ -255,7 +256,7 @@ class AutoSPConfig:
             raise AutoSPError("strategy='auto' chooses the strategy before compiling, for one sequence length: pass "
                               "plan_seq_len= the (padded) tokens per sample the job trains at")
         for name in ("target_memory", "plan_seq_len"):
-            value = planning[name]
+            value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 unit = "bytes per rank" if name == "target_memory" else "tokens"
                 raise AutoSPError(f"{name} must be None or a positive integer ({unit}), got {value!r}")

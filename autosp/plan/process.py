@@ -44,6 +44,7 @@ import importlib
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -102,10 +103,15 @@ class PlannerProcess:
                                          stderr=self._log, text=True)
         self.pid = self._process.pid
 
-    def wait_ready(self) -> float:
-        """Wait until the process has made its imports; the seconds since it started."""
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        """Wait until the process has made its imports; the seconds since it started.  After ``timeout_s`` seconds
+        (None: as long as it takes) an `AutoSPError` with its output so far; the process goes on (close it)."""
         if self.ready_seconds is None:
-            if self._process is None or self._process.stdout.readline().strip() != "ready":
+            stdout = None if self._process is None else self._process.stdout
+            if stdout is not None and timeout_s is not None and not select.select([stdout], [], [], timeout_s)[0]:
+                raise AutoSPError(f"the planner process was not ready within {timeout_s:g} s; its output so far:\n"
+                                  f"{self._output()[-_SHOWN_CHARS:]}")
+            if stdout is None or stdout.readline().strip() != "ready":
                 raise AutoSPError(f"the planner process did not start:\n{self._output()}")
             self.ready_seconds = time.perf_counter() - self.started
         return self.ready_seconds

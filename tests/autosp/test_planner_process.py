@@ -34,7 +34,10 @@ def _ended(pid: int) -> bool:
 
 def test_planner_started_ahead_imports_first_then_answers_one_request():
     planner = start_planner()
-    assert planner.wait_ready() > 0 and planner.wait_ready() == planner.ready_seconds  # imports made, once
+    with pytest.raises(AutoSPError, match=r"not ready within 0.01 s"):  # still importing torch
+        planner.wait_ready(timeout_s=0.01)
+    assert planner.ready_seconds is None
+    assert planner.wait_ready(timeout_s=300) > 0 and planner.wait_ready() == planner.ready_seconds  # imports made, once
     answer = run_planner(REFUSED, planner)  # the process's own refusal comes back as the answer
     assert "no-such-cluster" in answer["error"] and answer["error"].startswith("strategy='auto': ")
     assert _ended(planner.pid)
