@@ -68,7 +68,8 @@ the rank server of the project's launcher (experiments/launch.py)."""
 _ABORT_GRACE_S = 10.0
 """Seconds an aborted planner process has to print its stacks before it is killed."""
 _SHOWN_CHARS = 8000
-"""The end of a failed planner process's output that its error shows."""
+"""How much of a failed planner process's output its error shows: the end, or for an aborted one the head of its
+stacks (`_with_stacks`)."""
 
 
 def import_ahead(names) -> None:
@@ -138,7 +139,7 @@ class PlannerProcess:
                 raise AutoSPError(f"the planner process gave no answer within {timeout_s:g} s (plan_timeout_s) and "
                                   "was stopped; if its output shows it still at work, raise plan_timeout_s and the "
                                   "process group's timeout (init_process_group(timeout=...)) with it; its output "
-                                  f"and stacks:\n{self._output()[-_SHOWN_CHARS:]}") from None
+                                  f"and stacks:\n{_with_stacks(self._output())}") from None
             output = self._output()
             log.debug("planner output:\n%s", output)
             if process.returncode != 0 or not self._out.is_file():
@@ -169,6 +170,16 @@ class PlannerProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _with_stacks(output: str) -> str:
+    """An aborted process's output, shortened to its last log lines and the head of the stacks the faulthandler
+    printed (innermost frame first), where the process was; an import chain alone can be longer than the limit."""
+    fatal = output.rfind("Fatal Python error")
+    if fatal < 0:
+        return output[-_SHOWN_CHARS:]
+    before = output[max(0, fatal - _SHOWN_CHARS // 4):fatal]
+    return before + output[fatal:fatal + _SHOWN_CHARS - len(before)]
 
 
 def start_planner() -> PlannerProcess:

@@ -77,6 +77,17 @@ def test_planner_without_an_answer_in_its_timeout_is_stopped_with_its_stacks():
     assert _ended(planner.pid)
 
 
+def test_an_aborted_planners_error_keeps_the_head_of_its_stacks_however_long_they_are():
+    from autosp.plan.process import _SHOWN_CHARS, _with_stacks
+
+    log = "".join(f"INFO planner line {i}\n" for i in range(2000))
+    stacks = "Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n  File \"inner.py\", line 7\n"
+    frames = "".join(f'  File "<frozen importlib._bootstrap>", line {i} in _find_and_load\n' for i in range(2000))
+    shown = _with_stacks(log + stacks + frames)
+    assert len(shown) <= _SHOWN_CHARS and stacks in shown and "INFO planner line 1999\n" in shown
+    assert _with_stacks(log) == log[-_SHOWN_CHARS:]  # no stacks: the end of the output
+
+
 def test_planner_answers_while_a_process_forked_after_it_holds_its_pipe():
     planner = PlannerProcess()
     worker = os.fork()  # as a DataLoader worker forked after the compile: a copy of every pipe's ends
