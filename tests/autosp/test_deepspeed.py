@@ -128,6 +128,9 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
                 out["grads"].append({n: _full_grad(p) for n, p in candidate.named_parameters()})
             engine.step()  # steps the optimizer at the boundary only
 
+    plan = engine.module.report.memory_plan
+    if plan is not None:
+        out["plan_setup"] = {k: plan["setup"][k] for k in ("zero_stage", "micro_batch", "grad_accum", "optimizer")}
     out["params"] = {n: p.detach().clone() for n, p in candidate.named_parameters()}
     out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
     return out
@@ -154,6 +157,9 @@ def _check(results, cases):
             for name, param in r["params"].items():
                 torch.testing.assert_close(param, r["ref_params"][name], **FP32_TOL,
                                            msg=lambda m, w=f"{where} param {name}": f"{w}: {m}")
+            if (case.get("strategy") or {}).get("memory_plan") == "auto":  # planned for the job DeepSpeed runs
+                assert r["plan_setup"] == {"zero_stage": case["zero_stage"], "micro_batch": 2,
+                                           "grad_accum": case.get("gas", 1), "optimizer": case["optimizer"]}, where
 
 
 def _check_data(results, sp_size):
@@ -174,6 +180,8 @@ ZERO_CASES = [
 
 STRATEGY_CASES = [  # the compiled ring through autosp.deepspeed_initialize (autosp.compile's strategies)
     {"zero_stage": 1, "optimizer": "adam", "strategy": {"strategy": "ring"}},
+    # the memory planner under ZeRO 2, pricing the DeepSpeed config's setup (target: any plan fits this model)
+    {"zero_stage": 2, "optimizer": "adam", "strategy": {"memory_plan": "auto", "target_memory": 2**30}},
 ]
 HYBRID_CASE = {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP, "sp_size": 4,
                "strategy": {"strategy": "hybrid", "ulysses_size": 2}}
