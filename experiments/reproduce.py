@@ -26,6 +26,7 @@ from experiments.reproduction import BY_NAME, RECORDS, TABLES, RunConfig, Runner
 from experiments.reproduction.common import (
     CPU_MODEL,
     CPU_MODEL_OPTIONS,
+    CPU_SYSTEMS,
     DISAGREEMENT,
     PAPER_CLUSTER,
     PAPER_RANKS,
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-ranks", type=int, nargs="+", default=None, metavar="N",
                         help="gloo rank counts of the measured-cpu table, e.g. 2 4 (when absent: the preset's, "
                              "below; give no more ranks than CPU cores, or the step times measure the sharing)")
+    parser.add_argument("--cpu-systems", nargs="+", default=None, choices=CPU_SYSTEMS,
+                        help="the systems the measured-cpu and memory-cap tables measure (all when absent; ulysses "
+                             "is always among them: measured-cpu's ratios are to it)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="worker processes for the simulated tables (1: none; the default is the CPU count, "
                              "at most 2: %(default)s here)")
@@ -129,7 +133,9 @@ def run_config(argv: list[str]) -> RunConfig:
     return RunConfig.from_preset("quick" if args.quick else "default", memory_cap_mib=args.memory_cap_mib,
                                  cpu_ranks=args.cpu_ranks, out=args.out, tables=selected(args.only),
                                  only=args.only, models=None if args.models is None else tuple(args.models),
-                                 iteration_model=args.iteration_model, jobs=args.jobs)
+                                 iteration_model=args.iteration_model, jobs=args.jobs,
+                                 cpu_systems=None if args.cpu_systems is None else
+                                 tuple(dict.fromkeys(("ulysses", *args.cpu_systems))))
 
 
 def run_tables(run: RunConfig, runner: Runner, building: list[Table], command: str) -> tuple[dict, dict]:

@@ -51,7 +51,7 @@ class Cli:
 
 CLIS = (
     Cli("experiments.reproduce", typos=(("--only", "max-seq-lenn"), ("--models", "llama-3.1-8b", "llama-9b"),
-                                        ("--iteration-model", "llama-9b"))),
+                                        ("--iteration-model", "llama-9b"), ("--cpu-systems", "ulyses"))),
     Cli("experiments.paper"),
     Cli("experiments.calibrate_cpu", aliases=("experiments.calibration.calibrate_cpu",)),
     Cli("experiments.validate_simulator", aliases=("experiments.calibration.validate_simulator",),

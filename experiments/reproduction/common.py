@@ -45,6 +45,8 @@ UNPUBLISHED = tuple(s for s in SIMULATED if not STRATEGIES[s].published)
 """Simulated beside the published systems, with no published figure."""
 MEASURED = STRATEGIES.table("measured-cpu")
 """The systems of the measured CPU tables."""
+CPU_SYSTEMS = tuple(dict.fromkeys((*MEASURED, *STRATEGIES.table("memory-cap"))))
+"""Every system a CPU-measured table (measured-cpu, memory-cap) has a row for: what ``--cpu-systems`` chooses from."""
 TRACE_GROUPS = STRATEGIES.trace_groups(SIMULATED)
 """Systems simulated by one task: ring attention rewrites the Ulysses traces, so they share a task (a cache).
 AutoSP first (first in the registry): its selective checkpointing is re-sized from the joint graphs of two traces,

@@ -30,19 +30,19 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
     from experiments.cpu.measure import measure_on_rank
     from experiments.launch import run_on_ranks
 
-    rows = []
+    rows, systems = [], run.measured(MEASURED)
     for ranks in tqdm(run.cpu_ranks, desc="measured-cpu (gloo ranks per run)", file=sys.stderr):
         spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS, "seq_len": run.cpu_seq_len,
                 "steps": run.cpu_steps, "compiler": "aot_eager"}
         # A system that cannot split one sequence over this many ranks (a hybrid on too few) gets a row saying why.
-        cannot = {name: STRATEGIES[name].cannot_run_on(ranks) for name in MEASURED}
+        cannot = {name: STRATEGIES[name].cannot_run_on(ranks) for name in systems}
         # Each system in its own processes: a fresh compile state and its own graph-break/recompile counts.
         by_system = {name: [r["systems"][name] for r in run_on_ranks(
             measure_on_rank, ranks, {**spec, "systems": [name]}, timeout_s=MEASUREMENT_TIMEOUT_S,
-            collective_timeout_s=COLLECTIVE_TIMEOUT_S)] for name in MEASURED if not cannot[name]}
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S)] for name in systems if not cannot[name]}
         ulysses = by_system["ulysses"]
         ulysses_s = max(r["median_step_s"] for r in ulysses) if "median_step_s" in ulysses[0] else None
-        for name in MEASURED:
+        for name in systems:
             row = {"system": name, "ranks": ranks, "seq_len": run.cpu_seq_len}
             if cannot[name]:
                 rows.append({**row, **BLANK, "note": cannot[name]})

@@ -42,19 +42,19 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
     from experiments.cpu.memory_cap import PLANNER_ROW, REFERENCE_ROW, max_seq_len_on_rank, row_note
     from experiments.launch import run_on_ranks
 
-    rows = []
+    rows, systems = [], run.measured(SYSTEMS)
     for ranks in tqdm(run.cap_ranks, desc="memory-cap (search per gloo run)", file=sys.stderr):
         spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS,
                 "cap_bytes": int(run.memory_cap_mib * 2**20), "start": run.cap_start,
                 "granularity": run.cap_granularity, "max_probes": run.cap_probes, "max_len": run.cap_max_len}
         # a system that cannot split one sequence over this many ranks (a hybrid on too few): a row saying why
-        cannot = {name: STRATEGIES[name].cannot_run_on(ranks) for name in SYSTEMS}
+        cannot = {name: STRATEGIES[name].cannot_run_on(ranks) for name in systems}
         results = {name: run_on_ranks(max_seq_len_on_rank, ranks, {**spec, "systems": [name]},
                                       timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
                                       )[0]["systems"][name]
-                   for name in SYSTEMS if not cannot[name]}  # each system in its own processes
+                   for name in systems if not cannot[name]}  # each system in its own processes
         timed = _step_times(ranks, spec, results, run.cpu_steps)
-        for name in SYSTEMS:
+        for name in systems:
             row = {"system": name, "ranks": ranks, "cap_mib": f"{run.memory_cap_mib:g}"}
             if cannot[name]:
                 rows.append({**row, "max_seq_len": "", "first_failure": "", "probes_tokens_mib": "",

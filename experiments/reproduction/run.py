@@ -71,6 +71,9 @@ class RunConfig:
     cap_max_len: int
     step_layers: int
     step_seq_len: int
+    cpu_systems: tuple[str, ...] | None = None
+    """The systems the CPU-measured tables (measured-cpu, memory-cap) measure (``--cpu-systems``); None: each
+    table's every system (`simulator.strategies.STRATEGIES`)."""
 
     @classmethod
     def from_preset(cls, preset: str, *, memory_cap_mib: float | None = None,
@@ -87,6 +90,10 @@ class RunConfig:
     def settings(self) -> dict:
         """The preset's settings as this run applies them (run.json records them), in `PRESETS`' order."""
         return {key: getattr(self, key) for key in (*PRESETS[self.preset], *SHARED)}
+
+    def measured(self, systems: tuple[str, ...]) -> tuple[str, ...]:
+        """The rows of a CPU-measured table of ``systems`` that this run measures, in the table's order."""
+        return tuple(s for s in systems if self.cpu_systems is None or s in self.cpu_systems)
 
     def granularities(self, systems: tuple[str, ...]) -> dict[str, int]:
         """The max-seq-len search granularity of each system (ZeRO-3 has its own)."""

@@ -24,11 +24,19 @@ iteration model), so that ``--models`` is exercised and the suite's time stays w
 all three)."""
 
 
+QUICK_CPU_SYSTEMS = ("autosp", "ulysses", "ulysses+ckpt", "deepspeed-autosp", "autosp-ring", "autosp+planner")
+"""The CPU-measured rows the quick run measures (``--cpu-systems``): those the write-up's sentences and the tables'
+claims read (AutoSP, the reference and the tuned baseline, DeepSpeed's AutoSP, the planner) and the compiled ring.
+The other systems' exactness is tested on their own (tests/experiments/test_baselines.py), and each table's rows of
+every system without processes (test_measured_cpu_runs_a_system_only_on_the_ranks_it_declares...)."""
+QUICK_ARGV = ["--quick", "--models", *QUICK_MODELS, "--cpu-systems", *QUICK_CPU_SYSTEMS]
+
+
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    proc = subprocess.run([sys.executable, "-m", "experiments.reproduce", "--quick", "--out", str(out),
-                           "--models", *QUICK_MODELS], capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run([sys.executable, "-m", "experiments.reproduce", *QUICK_ARGV, "--out", str(out)],
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -121,8 +129,6 @@ def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
     assert step.step_time_s > 0 and step.peak_memory_bytes > step.static_memory_bytes
 
 
-MEASURED = {"autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp",
-            "autosp-ring", "autosp-hybrid-2x2"}
 MEASURED_ORDER = STRATEGIES.table("measured-cpu")
 NEEDS_4_RANKS = {"autosp-hybrid-2x2"}
 """Listed, but on the quick run's 2 ranks a row that says why it did not run."""
@@ -138,11 +144,10 @@ def _ran(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_reproduce_measured_cpu_table_has_every_system_with_finite_numbers(quick_results):
+def test_reproduce_measured_cpu_table_has_every_system_asked_for_with_finite_numbers(quick_results):
     rows = _rows(quick_results / "measured-cpu.csv")
-    assert {r["system"] for r in rows} == MEASURED
+    assert [r["system"] for r in rows] == [s for s in MEASURED_ORDER if s in QUICK_CPU_SYSTEMS]
     assert {int(r["ranks"]) for r in rows} == {2}
-    rows = _ran(rows)
     for r in rows:
         for column in ("first_step_s", "median_step_ms", "ratio_to_ulysses", "loss_error", "grad_max_rel_error",
                        "peak_mib"):
@@ -160,14 +165,14 @@ def test_reproduce_measured_cpu_table_has_every_system_with_finite_numbers(quick
 
 
 @pytest.mark.slow
-def test_reproduce_memory_cap_table_finds_a_length_for_every_system(quick_results):
+def test_reproduce_memory_cap_table_finds_a_length_for_every_system_asked_for(quick_results):
     from experiments.cpu.memory_cap import PLANNER_ROW
 
     rows = _rows(quick_results / "memory-cap.csv")
-    assert {r["system"] for r in rows} == MEASURED | {"autosp+planner"} and PLANNER_ROW == "autosp+planner"
+    assert [r["system"] for r in rows] == [s for s in (*MEASURED_ORDER, PLANNER_ROW) if s in QUICK_CPU_SYSTEMS]
     planned = next(r for r in rows if r["system"] == PLANNER_ROW)
     assert f"plan at {planned['max_seq_len']}: " in planned["note"] or planned["max_seq_len"] == "0", planned
-    for r in _ran(rows):
+    for r in rows:
         probes = [p.split(":") for p in r["probes_tokens_mib"].split(", ")]
         cap = float(r["cap_mib"])
         fits = [int(s) for s, mib in probes if float(mib) <= cap]
@@ -191,9 +196,8 @@ def test_paper_builds_from_quick_results_with_every_placeholder_filled(quick_res
 @pytest.mark.slow
 def test_reproduce_run_json_records_the_command_line_and_what_the_step_shows(quick_results):
     run = json.loads((quick_results / "run.json").read_text())
-    assert run["argv"] == ["--quick", "--out", str(quick_results), "--models", *QUICK_MODELS]
-    assert run["command"] == f"python -m experiments.reproduce --quick --out {quick_results} --models " + \
-        " ".join(QUICK_MODELS)
+    assert run["argv"] == [*QUICK_ARGV, "--out", str(quick_results)]
+    assert run["command"] == "python -m experiments.reproduce " + " ".join([*QUICK_ARGV, "--out", str(quick_results)])
     assert set(run["tables"]) == {"max-seq-len", "throughput", "measured-cpu", "memory-cap"}
     assert {t["command"] for t in run["tables"].values()} == {run["command"]}
     assert run["simulated_step"]["model"] == run["iteration_model"]
@@ -314,6 +318,27 @@ def test_measured_cpu_runs_a_system_only_on_the_ranks_it_declares_and_says_why_e
     closing = measured_cpu.TABLE.footer(rows, None)  # the ratios, one line per rank count
     assert len(closing) == 2 and "`autosp-hybrid-2x2` (needs 4 ranks)" in closing[0]
     assert f"`autosp-hybrid-2x2` {hybrid_4['ratio_to_ulysses']}x" in closing[1] and "`ulysses` 1.00x" in closing[1]
+
+
+def test_cpu_systems_chooses_the_rows_of_the_measured_tables_with_ulysses_always_among_them(tmp_path, monkeypatch):
+    import experiments.launch
+    from experiments.reproduce import run_config
+    from experiments.reproduction import Runner, measured_cpu
+
+    launched = []
+
+    def fake_run_on_ranks(fn, ranks, spec, **kw):
+        launched.extend(spec["systems"])
+        return [{"systems": {name: {"median_step_s": 0.1, "first_step_s": 1.0, "loss": 1.0, "loss_error": 0.0,
+                                    "grad_max_rel_error": 1e-7, "peak_memory_bytes": 2**20}
+                             for name in spec["systems"]}}] * ranks
+
+    monkeypatch.setattr(experiments.launch, "run_on_ranks", fake_run_on_ranks)
+    run = run_config(["--quick", "--out", str(tmp_path), "--cpu-systems", "ring", "autosp"])
+    assert run.cpu_systems == ("ulysses", "ring", "autosp")
+    rows = measured_cpu.build(run, Runner(cache=None))
+    assert [r["system"] for r in rows] == launched == [s for s in MEASURED_ORDER if s in ("autosp", "ulysses", "ring")]
+    assert run_config(["--quick", "--out", str(tmp_path)]).cpu_systems is None
 
 
 def test_memory_cap_searches_a_system_only_on_the_ranks_it_declares_and_says_why_elsewhere(tmp_path, monkeypatch):
