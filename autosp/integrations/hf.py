@@ -49,6 +49,24 @@ log = logging.getLogger(__name__)
 _TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
+_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd"}
+"""The Trainer's ``optim`` values whose state the planner's ledger counts exactly (`autosp.plan.TrainingSetup`'s
+``optimizer``); for the others the planner keeps its default (AdamW's two fp32 states per parameter)."""
+
+
+def planned_setup(args: transformers.TrainingArguments) -> dict:
+    """The `autosp.plan.TrainingSetup` fields a Trainer job fixes, for ``plan_setup`` under ``memory_plan="auto"``
+    or ``strategy="auto"``: no ZeRO (`AutoSPTrainer` refuses the Trainer's DeepSpeed and FSDP, so every rank holds
+    its optimizer's whole state), the per-device batch, the accumulation steps and the optimizer where known."""
+    optim = getattr(args.optim, "value", args.optim)
+    kind = _OPTIMIZERS.get(optim)
+    if kind == "sgd":  # the Trainer passes optim_args "momentum=0.9,..." to torch's SGD
+        given = dict(m.split("=", 1) for m in (args.optim_args or "").replace(" ", "").split(",") if "=" in m)
+        kind = "sgd_momentum" if float(given.get("momentum", 0)) else "sgd"
+    return {"zero_stage": 0, "micro_batch": args.per_device_train_batch_size,
+            "grad_accum": args.gradient_accumulation_steps, **({"optimizer": kind} if kind else {})}
+
+
 class _EpochLoader(DataLoader):
     """A DataLoader whose ``set_epoch`` reaches its sampler (the Trainer calls it each epoch)."""
 
@@ -87,7 +105,10 @@ class AutoSPTrainer(transformers.Trainer):
     def sp_model(self) -> SequenceParallelModel:
         """The AutoSP-compiled model (built on first use, on every rank)."""
         if self._sp_model is None:
-            self._sp_model = autosp.compile(self.model, sp_size=self._sp_size, **self._autosp_options)
+            options = dict(self._autosp_options)
+            if "auto" in (options.get("memory_plan"), options.get("strategy")):  # the planner prices this job
+                options["plan_setup"] = {**planned_setup(self.args), **(options.get("plan_setup") or {})}
+            self._sp_model = autosp.compile(self.model, sp_size=self._sp_size, **options)
         return self._sp_model
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:

@@ -117,3 +117,21 @@ def test_hf_trainer_sequence_times_data_parallel_trains_like_single_device(tmp_p
     results = run_on_ranks(_train, 4, str(tmp_path), 2, timeout_s=600)
     assert results[0]["order"] != results[2]["order"], "data-parallel replicas read the same samples"
     _check(results, sp_size=2)
+
+
+@pytest.mark.parametrize(("arguments", "expected"), [
+    ({}, {"zero_stage": 0, "micro_batch": 8, "grad_accum": 1, "optimizer": "adamw"}),
+    ({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "optim": "sgd"},
+     {"zero_stage": 0, "micro_batch": 2, "grad_accum": 4, "optimizer": "sgd"}),
+    ({"optim": "sgd", "optim_args": "momentum=0.9, nesterov=true"},
+     {"zero_stage": 0, "micro_batch": 8, "grad_accum": 1, "optimizer": "sgd_momentum"}),
+    ({"optim": "adafactor"}, {"zero_stage": 0, "micro_batch": 8, "grad_accum": 1}),  # the planner's default
+])
+def test_hf_trainer_job_is_what_the_planner_prices(tmp_path, arguments, expected):
+    """Under memory_plan or strategy "auto" the Trainer's own settings fill plan_setup (no ZeRO: every rank holds
+    its optimizer's whole state)."""
+    import transformers
+
+    from autosp.integrations.hf import planned_setup
+
+    assert planned_setup(transformers.TrainingArguments(output_dir=str(tmp_path), **arguments)) == expected
