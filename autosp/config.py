@@ -150,7 +150,9 @@ class AutoSPConfig:
     cpu-gloo on CPU, the preset of the GPU's name."""
     plan_setup: dict | None = None
     """Training settings the model cannot see, for the planner's memory ledger: any of ``PLAN_SETUP`` (e.g.
-    {"zero_stage": 2, "optimizer": "adamw"}); None: `autosp.plan.TrainingSetup`'s defaults."""
+    {"zero_stage": 2, "optimizer": "adamw"}); the others: no ZeRO (a plain training loop holds its optimizer's whole
+    state on every rank) and `autosp.plan.TrainingSetup`'s defaults.  `autosp.deepspeed_initialize` and
+    `AutoSPTrainer` fill it from their configs (keys given here win)."""
     plan_timeout_s: float = PLAN_TIMEOUT_S
     """Seconds a rank waits for its planner process (memory_plan="auto", strategy="auto") before the process is
     stopped and every rank raises an `AutoSPError` holding its output and Python stacks.  The other ranks wait in a

@@ -112,10 +112,13 @@ def default_cluster(device: torch.device) -> str:
 
 def _setup(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int, micro_batch: int,
            world_size: int) -> dict:
-    """The `autosp.plan.TrainingSetup` fields of this job (``plan_setup`` wins)."""
+    """The `autosp.plan.TrainingSetup` fields of this job (``plan_setup`` wins).  No ZeRO unless ``plan_setup`` says
+    so: a job compiled by `autosp.compile` alone holds its optimizer's whole state on every rank, as a plain training
+    loop does (the planner's own default, ZeRO 1, would count an eighth of it on 8 ranks and could choose a plan that
+    does not fit); `autosp.deepspeed_initialize` and `AutoSPTrainer` fill ``plan_setup`` from their configs."""
     dtype = next((p.dtype for p in module.parameters()), torch.float32)
     return {"seq_len": seq_len, "sp_size": config.sp_size, "dp_size": world_size // config.sp_size,
-            "micro_batch": micro_batch, "dtype": DTYPES[dtype], "compiler": config.compiler,
+            "micro_batch": micro_batch, "dtype": DTYPES[dtype], "compiler": config.compiler, "zero_stage": 0,
             **(config.plan_setup or {})}
 
 

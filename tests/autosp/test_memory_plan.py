@@ -54,7 +54,8 @@ def _baseline_peak(model: str, options: dict, folder) -> int:
 
     path = folder / f"{model}.json"
     path.write_text(build_model(model, **SIZES).config.to_json_string(use_diff=False))
-    setup = TrainingSetup(seq_len=SEQ_LEN, sp_size=SP, micro_batch=ROWS, dtype="fp32", compiler="aot_eager")
+    setup = TrainingSetup(seq_len=SEQ_LEN, sp_size=SP, micro_batch=ROWS, dtype="fp32", compiler="aot_eager",
+                          zero_stage=0)  # what autosp.compile prices a plain job at
     return predict(str(path), setup, load_cluster("cpu-gloo", world_size=SP), options=options).peak_bytes
 
 
@@ -171,6 +172,7 @@ def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
         assert baseline["peak_bytes"] == case["baseline_peak"] and not baseline["fits"], where
         assert chosen["options"] != case["baseline"]  # so the plan chose a memory technique
         assert plan["setup"]["seq_len"] == SEQ_LEN and plan["setup"]["micro_batch"] == ROWS
+        assert plan["setup"]["zero_stage"] == 0  # a plain job: no ZeRO unless plan_setup says so
         assert plan["explicit"] == case["explicit"]
         assert any(m.startswith("memory plan at 64 tokens x 2 rows") for m in r["log"]), r["log"]
         assert any("explicit options win over the plan" in m for m in r["log"]) == bool(case["explicit"]), r["log"]
