@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from autosp.errors import AutoSPError
@@ -36,6 +37,15 @@ PLAN_SETUP = ("zero_stage", "optimizer", "grad_accum", "offload", "depth", "micr
 """The `autosp.plan.TrainingSetup` fields ``plan_setup`` may set (the rest come from the job itself; ``micro_batch``,
 the rows per batch, from the first batch under memory_plan="auto", else 1 under strategy="auto", which decides
 before any batch)."""
+
+
+def with_job_setup(options: dict, job_setup: Callable[[], dict]) -> dict:
+    """``options`` of `autosp.compile` whose ``plan_setup`` defaults to what a training framework knows of the job
+    (``job_setup()``: its ZeRO stage, batch, optimizer, ...; called only when ``memory_plan`` or ``strategy`` is
+    "auto"); the keys the user gave win.  The DeepSpeed and Trainer integrations pass their configs through it."""
+    if "auto" not in (options.get("memory_plan"), options.get("strategy")):
+        return dict(options)
+    return {**options, "plan_setup": {**job_setup(), **(options.get("plan_setup") or {})}}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,7 @@ from torch import nn
 
 from autosp.api import SequenceParallelModel
 from autosp.api import compile as compile_model
-from autosp.config import AutoSPConfig
+from autosp.config import AutoSPConfig, with_job_setup
 from autosp.errors import AutoSPError
 from simulator.training_config import OPTIMIZER_STATES
 
@@ -301,8 +301,7 @@ def deepspeed_initialize(
     if compiler is not None:
         options["compiler"] = compiler
     compiler = options.pop("compiler", "inductor")
-    if "auto" in (options.get("memory_plan"), options.get("strategy")):  # what the job runs is what is priced
-        options["plan_setup"] = {**_planned_setup(ds_config, optimizer), **(options.get("plan_setup") or {})}
+    options = with_job_setup(options, lambda: _planned_setup(ds_config, optimizer))  # what is priced is what runs
     AutoSPConfig.from_options(sp_size=size, compiler=compiler, options=options)  # a bad option refused early
 
     import deepspeed.comm as ds_comm

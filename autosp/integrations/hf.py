@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader
 
 import autosp
 from autosp.api import SequenceParallelModel
+from autosp.config import with_job_setup
 from autosp.errors import AutoSPError
 
 log = logging.getLogger(__name__)
@@ -105,9 +106,7 @@ class AutoSPTrainer(transformers.Trainer):
     def sp_model(self) -> SequenceParallelModel:
         """The AutoSP-compiled model (built on first use, on every rank)."""
         if self._sp_model is None:
-            options = dict(self._autosp_options)
-            if "auto" in (options.get("memory_plan"), options.get("strategy")):  # the planner prices this job
-                options["plan_setup"] = {**planned_setup(self.args), **(options.get("plan_setup") or {})}
+            options = with_job_setup(self._autosp_options, lambda: planned_setup(self.args))  # priced as it runs
             self._sp_model = autosp.compile(self.model, sp_size=self._sp_size, **options)
         return self._sp_model
 
