@@ -32,7 +32,6 @@ from autosp.api import SequenceParallelModel
 from autosp.api import compile as compile_model
 from autosp.config import AutoSPConfig, with_job_setup
 from autosp.errors import AutoSPError
-from simulator.training_config import OPTIMIZER_STATES
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +202,9 @@ def _planned_setup(ds_config: dict, optimizer: Any) -> dict:
         kind, momentum = "", 0
     if kind == "sgd" and momentum:
         kind = "sgd_momentum"
-    if kind in OPTIMIZER_STATES:
+    from autosp.plan.predict import OPTIMIZERS  # the planner's ledger (called only when something is planned)
+
+    if kind in OPTIMIZERS:
         setup["optimizer"] = kind
     return setup
 
