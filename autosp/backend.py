@@ -250,6 +250,7 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
             "a multiple of N), or raise max_programs")
     start = time.perf_counter()
     ctx.document_attention_compiles = config.compiler != "inductor"  # read by the mask pass
+    ctx.mask_probe_tokens = config.mask_probe_tokens
     ctx.documents_program = documents  # Note [Document program] in autosp/api.py
     ctx.report = CompileReport()  # the report describes the latest compile (a recompile starts it afresh)
     gm = run_passes(gm, example_inputs, ctx=ctx, passes=passes)

@@ -30,6 +30,9 @@ MEMORY_PLAN_OPTIONS = ("checkpointing", "sac_memory_budget", "tiled_loss", "loss
 PLAN_TIMEOUT_S = 540.0
 """The default ``plan_timeout_s``: torch's default NCCL collective timeout (10 minutes) less a minute, so that a
 stuck planner process is every rank's error with its stacks, never a collective timeout without them."""
+MASK_PROBE_TOKENS = 512
+"""The default ``mask_probe_tokens``: a probe block of 2^18 booleans, checked at 7,200 offsets of a 3.7M-token
+sequence in seconds (Note [Mask programs probed on shorter blocks] in autosp/passes/dynamo/mask_probes.py)."""
 PLANNING_OPTIONS = ("target_memory", "plan_seq_len", "plan_cluster", "plan_setup", "plan_timeout_s")
 """The options only the planner reads (``memory_plan="auto"``, ``strategy="auto"``): refused where nothing is
 planned, and reset to their defaults once ``strategy="auto"`` has decided."""
@@ -163,6 +166,11 @@ class AutoSPConfig:
     {"zero_stage": 2, "optimizer": "adamw"}); the others: no ZeRO (a plain training loop holds its optimizer's whole
     state on every rank) and `autosp.plan.TrainingSetup`'s defaults.  `autosp.deepspeed_initialize` and
     `AutoSPTrainer` fill it from their configs (keys given here win)."""
+    mask_probe_tokens: int = MASK_PROBE_TOKENS
+    """Tokens per block on which an attention mask the model builds from its inputs is learnt (Note [Mask programs
+    probed on shorter blocks] in autosp/passes/dynamo/mask_probes.py): shards longer than this have their mask
+    program resized to such blocks, so that learning it costs O(S x this) instead of O(S x shard).  The rule then
+    holds on pairs of tokens fewer than this apart at every offset, and on the traced batch."""
     plan_timeout_s: float = PLAN_TIMEOUT_S
     """Seconds a rank waits for its planner process (memory_plan="auto", strategy="auto") before the process is
     stopped and every rank raises an `AutoSPError` holding its output and Python stacks.  The other ranks wait in a
@@ -281,6 +289,9 @@ class AutoSPConfig:
         if isinstance(self.plan_timeout_s, bool) or not isinstance(self.plan_timeout_s, (int, float)) \
                 or not self.plan_timeout_s > 0:
             raise AutoSPError(f"plan_timeout_s must be a positive number of seconds, got {self.plan_timeout_s!r}")
+        if isinstance(self.mask_probe_tokens, bool) or not isinstance(self.mask_probe_tokens, int) \
+                or self.mask_probe_tokens < 4:
+            raise AutoSPError(f"mask_probe_tokens must be an integer of at least 4, got {self.mask_probe_tokens!r}")
         if self.plan_setup is not None:
             unknown = sorted(set(self.plan_setup) - set(PLAN_SETUP)) if isinstance(self.plan_setup, dict) else None
             if unknown is None or unknown:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autosp.config import MASK_PROBE_TOKENS
 from autosp.errors import AutoSPError
 from autosp.inputs import ShardLayout
 
@@ -72,6 +73,10 @@ class CompileReport:
     """Attention masks recognised as the plain causal mask (Note [Attention masks built from the inputs])."""
     document_masks: list[object] = field(default_factory=list)
     """autosp.passes.dynamo.masks.MaskRule of every attention given a mask over the whole sequence."""
+    mask_probe_blocks: list[tuple[str, int, int]] = field(default_factory=list)
+    """(module, tokens per probe block, tokens per shard) of every attention mask learnt from the inputs: a block
+    shorter than the shard when the mask program was resized (Note [Mask programs probed on shorter blocks] in
+    autosp/passes/dynamo/mask_probes.py)."""
     requires_plain_positions: bool = False
     """The program assumed one unpacked sequence per row (position ids 0..S-1): checked on every call."""
     padding_refusals: list[str] = field(default_factory=list)
@@ -170,6 +175,8 @@ class TraceContext:
     autosp.api."""
     sliding_window: object = None
     """autosp.guards.SlidingWindow of the model's config, or None."""
+    mask_probe_tokens: int = MASK_PROBE_TOKENS
+    """AutoSPConfig.mask_probe_tokens of the compile; set by the backend, read by the mask pass."""
     input_roles: dict[int, str] = field(default_factory=dict)
     """id() of each local input tensor -> its role ("input_ids", "labels", "position_ids", "attention_mask")."""
     checkpointing_variants: tuple[tuple[str, float | None], ...] = ()

@@ -79,6 +79,7 @@ def _cases(rank, world, cases):
         results.append({"loss": out.detach(), "ref_loss": loss.detach(), "grads": named_grads(candidate),
                         "ref_grads": named_grads(reference),
                         "rules": [(m.by_position, m.padding, m.window) for m in compiled.report.document_masks],
+                        "probe_blocks": compiled.report.mask_probe_blocks,
                         "plain_positions": compiled.report.requires_plain_positions})
     return results
 

@@ -133,6 +133,13 @@ class IndexFlow:
             elif self._keeps_shift(node, shifted, derived):
                 shifted.add(node)
 
+    def moved(self, mapping: dict[fx.Node, fx.Node]) -> IndexFlow:
+        """The same flow over a copy of its program (`resized_program`'s node map)."""
+        moved = object.__new__(IndexFlow)
+        moved.token = {mapping[n]: step for n, step in self.token.items()}
+        moved.indices = {mapping[n]: {mapping[i] for i in used} for n, used in self.indices.items()}
+        return moved
+
     @staticmethod
     def _refuse_unshiftable(node: fx.Node, length: int, where: str) -> None:
         op = _op(node)
@@ -195,3 +202,163 @@ def probe_offsets(length: int, seq_len: int) -> list[int]:
     if offsets[-1] != seq_len - length:
         offsets.append(seq_len - length)
     return offsets
+
+
+# Note [Mask programs probed on shorter blocks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A probe of the mask program as traced is an [L, L] block: at long context (65,536 tokens a rank: 4.3e9 booleans
+# a block, over P + 1 offsets and P blocks of the real batch) learning the mask costs more than the step.  What the
+# probes ask (which pairs of tokens may attend) does not need blocks as long as the shard: the program is run
+# *resized* to blocks of B tokens (``AutoSPConfig.mask_probe_tokens``), at offsets stepping by B - 1 over the whole
+# sequence, so its cost is O(S * B) instead of O(S * L).
+#
+# The traced program has the length in it as integers (``arange(L)``, ``expand(.., L, L)``, ``x[:, :L]``).  Each
+# integer equal to L is classified by what it does, not by the op's name: the op is run again on the traced fake
+# tensors with that one integer changed; when the output's shape changes (or the op refuses the new size) it is a
+# size, and becomes B.  An integer equal to L that changes only values (a chunk or a window of exactly L tokens, a
+# bound compared with indices) cannot be told from a constant, so the program is not resized (probed at L, as
+# before, with a warning).  The resized program is then run on probe inputs of B tokens and every node's shape must
+# be its traced shape with each L made B and nothing else changed; otherwise it is not resized either.  B is picked
+# so that it equals no integer or dimension of the program (a coincidence would make that check blind).
+#
+# What the rule claims is then learnt from B-token blocks: pairs of tokens less than B apart at every offset
+# (every chunk border, every window shorter than B), and the real batch is checked on B-token blocks stepping by
+# B - 1 (every pair of neighbours, every pair less than B apart), not on each rank's whole block.  A window the
+# configuration names is probed on blocks longer than it (`autosp.passes.dynamo.masks`).
+
+
+class NotResizable(Exception):
+    """The mask program cannot be resized soundly; the message says which node and why."""
+
+
+def _replace_length(tree, length: int, value: int, only: int | None, seen: list[int]):
+    """``tree`` (an fx argument structure) with the integers equal to ``length`` replaced by ``value``: all of them,
+    or the ``only``-th in traversal order; ``seen[0]`` counts them."""
+    if isinstance(tree, bool) or isinstance(tree, fx.Node):
+        return tree
+    if isinstance(tree, int):
+        if tree != length:
+            return tree
+        seen[0] += 1
+        return value if only is None or only == seen[0] - 1 else tree
+    if isinstance(tree, slice):
+        return slice(*(_replace_length(x, length, value, only, seen) for x in (tree.start, tree.stop, tree.step)))
+    if isinstance(tree, torch.Size):
+        return torch.Size(_replace_length(list(tree), length, value, only, seen))
+    if isinstance(tree, tuple):
+        return tuple(_replace_length(x, length, value, only, seen) for x in tree)
+    if isinstance(tree, list):
+        return [_replace_length(x, length, value, only, seen) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _replace_length(x, length, value, only, seen) for k, x in tree.items()}
+    return tree
+
+
+def _ints_of(tree, found: set[int]) -> None:
+    if isinstance(tree, bool) or isinstance(tree, fx.Node):
+        return
+    if isinstance(tree, int):
+        found.add(tree)
+    elif isinstance(tree, slice):
+        _ints_of((tree.start, tree.stop, tree.step), found)
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            _ints_of(x, found)
+    elif isinstance(tree, dict):
+        _ints_of(list(tree.values()), found)
+
+
+def _call(node: fx.Node, args, kwargs):
+    if node.op == "call_method":
+        self_arg, *rest = args
+        return getattr(self_arg, node.target)(*rest, **kwargs)
+    return node.target(*args, **kwargs)
+
+
+def _output_shape(value) -> object:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else value
+
+
+def _is_size(node: fx.Node, occurrence: int, length: int) -> bool:
+    """Whether the ``occurrence``-th integer equal to ``length`` among ``node``'s arguments sets a size: the op run
+    on the traced fake tensors with it changed gives another shape, or refuses it where the traced arguments run
+    (`NotResizable` when those do not run here either)."""
+    traced = fake_value(node)
+    fake_mode = getattr(traced, "fake_mode", None)
+    if fake_mode is None:
+        raise NotResizable(f"{_op(node)} {node.name} uses the integer {length} (the shard's length) and has no "
+                           "traced tensor to try another on")
+
+    def run(args, kwargs):
+        args, kwargs = fx.node.map_arg((args, kwargs), fake_value)
+        with fake_mode:
+            return _output_shape(_call(node, args, kwargs))
+
+    try:
+        before = run(node.args, dict(node.kwargs))
+    except Exception as err:  # noqa: BLE001 - cannot be tried here: not resized
+        raise NotResizable(f"{_op(node)} {node.name} does not run on its traced fake tensors ({err})") from err
+    try:
+        after = run(*_replace_length((node.args, dict(node.kwargs)), length, length - 1, occurrence, [0]))
+    except Exception:  # noqa: BLE001 - the op refuses the other size: the integer is a size
+        return True
+    return after != before
+
+
+def probe_length(length: int, wanted: int, module: fx.GraphModule) -> int:
+    """A block length of at least ``wanted`` tokens (at most ``length``) that equals no integer or dimension of the
+    program (Note [Mask programs probed on shorter blocks])."""
+    taken: set[int] = set()
+    for node in module.graph.nodes:
+        _ints_of((node.args, dict(node.kwargs)), taken)
+        value = fake_value(node)
+        if isinstance(value, torch.Tensor):
+            taken.update(int(d) for d in value.shape)
+    block = wanted
+    while block in taken or block - 1 in taken:
+        block += 1
+    return min(block, length)
+
+
+def resized_program(module: fx.GraphModule, length: int, block: int, inputs: list[torch.Tensor]
+                    ) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """The mask program traced at ``length`` tokens, resized to ``block`` tokens, and the map from its nodes to the
+    resized ones; raises `NotResizable` (Note [Mask programs probed on shorter blocks]).  ``inputs``: the program's
+    inputs at ``block`` tokens, on which the resized shapes are checked."""
+    graph = fx.Graph()
+    mapping: dict[fx.Node, fx.Node] = {}
+    for node in module.graph.nodes:
+        copied = graph.node_copy(node, lambda n: mapping[n])
+        mapping[node] = copied
+        if node.op not in ("call_function", "call_method"):
+            continue
+        count = [0]
+        _replace_length((node.args, dict(node.kwargs)), length, block, None, count)
+        for occurrence in range(count[0]):
+            if not _is_size(node, occurrence, length):
+                raise NotResizable(f"{_op(node)} {node.name} uses the integer {length} (the shard's length) as a "
+                                   "value, which could be a constant of the model as well")
+        copied.args, copied.kwargs = _replace_length((copied.args, dict(copied.kwargs)), length, block, None, [0])
+    resized = fx.GraphModule(module, graph)
+    shapes: dict[fx.Node, object] = {}
+
+    class _Shapes(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            out = super().run_node(n)
+            shapes[n] = _output_shape(out)
+            return out
+
+    try:
+        with torch.no_grad():
+            _Shapes(resized).run(*inputs)
+    except Exception as err:  # noqa: BLE001 - a program that does not run resized is probed as traced
+        raise NotResizable(f"it does not run on {block} tokens ({err})") from err
+    for node, copied in mapping.items():
+        traced = fake_value(node)
+        if node.op == "output" or not isinstance(traced, torch.Tensor):
+            continue
+        expected = tuple(block if d == length else int(d) for d in traced.shape)
+        if shapes.get(copied) != expected:
+            raise NotResizable(f"{_op(node)} {node.name} has shape {shapes.get(copied)} on {block} tokens where "
+                               f"its traced shape {tuple(traced.shape)} would give {expected}")
+    return resized, mapping

@@ -70,7 +70,15 @@ from autosp.document_attention import document_attention, document_ids, kept_fra
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
 from autosp.inputs import gathered_in_sequence_order, pad_end
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
-from autosp.passes.dynamo.mask_probes import IndexFlow, ShiftedProgram, gap_indices, probe_offsets
+from autosp.passes.dynamo.mask_probes import (
+    IndexFlow,
+    NotResizable,
+    ShiftedProgram,
+    gap_indices,
+    probe_length,
+    probe_offsets,
+    resized_program,
+)
 from autosp.passes.dynamo.rules import higher_order_body
 from autosp.passes.dynamo.tag_inputs import ROLE
 from autosp.passes.graph_utils import bind, fake_value, infer_fake_value, module_name
@@ -178,7 +186,8 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
         allowed = mask == 0
     while allowed.dim() < 4:  # SDPA broadcasts a mask from the right: [L, L] -> [1, 1, L, L]
         allowed = allowed[None]
-    if allowed.dim() != 4 or allowed.shape[-1] != allowed.shape[-2] or not bool((allowed == allowed[:, :1]).all()):
+    if allowed.dim() != 4 or allowed.shape[-1] != allowed.shape[-2] or (
+            allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all())):
         return None
     return allowed[:, 0]  # [B or 1, L, L]
 
@@ -214,20 +223,23 @@ _PROBE_NAMES = {"plain": "plain positions", "ahead": "positions one ahead of the
                 "padded": "a padding mask (padded)", "packed+padded": "a padding mask (packed+padded)"}
 
 
-def _borders(plain: dict[int, torch.Tensor], length: int) -> tuple[int | None, int | None]:
-    """(window, chunk) read off the plain-position probes at every offset: a chunk starts at every token that
-    cannot read its predecessor (the first such index is the chunk size), a window is the most keys any row
-    reads, when fewer than a shard's and a chunk's."""
-    borders = {offset: (~got[0].diagonal(-1)).nonzero().flatten() + 1 for offset, got in plain.items()}
-    # In a causal mask within chunks and a window the widest rows are the last and those before a chunk border.
-    widest = max(int(got[0, rows].sum(-1).max()) for offset, got in plain.items()
-                 for rows in [torch.cat([borders[offset] - 1, torch.tensor([length - 1])])])
+def _border_rows(got: torch.Tensor, offset: int, length: int) -> tuple[int | None, int]:
+    """What `_borders` reads of the plain-position probe at ``offset``: the first token index that cannot read its
+    predecessor (None: every token can), and the most keys a row reads (in a causal mask within chunks and a window
+    the widest rows are the last and those before a chunk border)."""
+    found = (~got[0].diagonal(-1)).nonzero().flatten() + 1
+    rows = torch.cat([found - 1, torch.tensor([length - 1])])
+    return (offset + int(found[0]) if len(found) else None), int(got[0, rows].sum(-1).max())
+
+
+def _borders(first_start: int | None, widest: int, length: int) -> tuple[int | None, int | None]:
+    """(window, chunk) over the plain-position probes at every offset, from the first token that cannot read its
+    predecessor and the widest row of any (`_border_rows`): a chunk starts at every token that cannot read its
+    predecessor (the first such index is the chunk size), a window is the most keys any row reads, when fewer than
+    a block's and a chunk's."""
     if widest <= 1:
         return 1, None
-    starts = [offset + int(i) for offset, found in borders.items() for i in found]
-    chunk = min(starts) if starts else None
-    window = widest if widest < min(length, chunk or length) else None
-    return window, chunk
+    return (widest if widest < min(length, first_start or length) else None), first_start
 
 
 class _MaskLearner:
@@ -260,6 +272,24 @@ class _MaskLearner:
         flow = IndexFlow(module, length, where)  # Note [Mask probes at other offsets]
         layout = self.ctx.layout
         seq_len = layout.padded_seq_len if layout is not None else length * self.ctx.sp_size
+        resized, resized_flow, block = self._probed_program(module, flow, roles, examples, batch, length, where)
+        if block < length:
+            try:
+                rule = self._learn_on(resized, resized_flow, where, roles, examples, batch, block, seq_len)
+            except AutoSPError as err:  # e.g. a window longer than the block, built in the graph: seen on the shard
+                log.warning("attention mask of %s: not learnt on blocks of %d tokens (%s); probing the shard's %d "
+                            "tokens", where, block, err, length)
+            else:
+                self.ctx.report.mask_probe_blocks.append((where, block, length))
+                return rule
+        rule = self._learn_on(module, flow, where, roles, examples, batch, length, seq_len)
+        self.ctx.report.mask_probe_blocks.append((where, length, length))
+        return rule
+
+    def _learn_on(self, module: fx.GraphModule, flow: IndexFlow, where: str, roles: list, examples: list, batch: int,
+                  block: int, seq_len: int) -> MaskRule:
+        """Steps 2-4 of the Note on ``module`` (the traced mask program, or the program resized to ``block``
+        tokens)."""
 
         def evaluate(values: dict[str, torch.Tensor], offset: int) -> torch.Tensor:
             args = [values[r].to(e.dtype) for r, e in zip(roles, examples, strict=True)]
@@ -274,24 +304,24 @@ class _MaskLearner:
                                   f"{roles}, not a mask; {_FIX}")
             return allowed
 
-        offsets = probe_offsets(length, seq_len)
-        probes = {offset: _probe_inputs(batch, length, offset) for offset in offsets}
-        results: dict[tuple[str, int], torch.Tensor] = {}
+        offsets = probe_offsets(block, seq_len)
+        first: dict[str, torch.Tensor] = {}
+        """Results at the first offset, which several rules are tried on (the others are evaluated as checked:
+        at long context there are thousands of offsets, Note [Mask programs probed on shorter blocks])."""
 
         def check(name: str, rule: MaskRule) -> None:
             # Packed and padded probes at offset 0 alone unless the rule has chunks (which depend on the offset).
             for offset in offsets if name in ("plain", "ahead") or rule.chunk is not None else offsets[:1]:
-                if (name, offset) not in results:
-                    results[name, offset] = evaluate(probes[offset][name], offset)
-                self._check(where, _PROBE_NAMES[name], results[name, offset], rule, probes[offset][name], offset)
+                values = _probe_inputs(batch, block, offset)[name]
+                if offset == offsets[0] and name not in first:
+                    first[name] = evaluate(values, offset)
+                got = first[name] if offset == offsets[0] else evaluate(values, offset)
+                self._check(where, _PROBE_NAMES[name], got, rule, values, offset)
 
-        plain = {offset: evaluate(probes[offset]["plain"], offset) for offset in offsets}
-        results.update({("plain", offset): got for offset, got in plain.items()})
-        window, chunk = _borders(plain, length)
-        rule = MaskRule(by_position=False, padding=False, window=window, chunk=chunk)
-        check("plain", rule)
+        rule = self._plain_rule(where, evaluate, batch, block, offsets)
+        window = rule.window
         if "position_ids" in roles:
-            if chunk is not None:  # chunks counted by index or by position: positions one ahead tell
+            if rule.chunk is not None:  # chunks counted by index or by position: positions one ahead tell
                 rule = self._chunk_source(rule, where, check)
             if not self._matches(check, "packed", rule):
                 rule = MaskRule(True, False, window, rule.chunk, rule.chunk_by_position)
@@ -301,9 +331,54 @@ class _MaskLearner:
             check("padded", rule)
             check("packed+padded", rule)
         if flow.token and not flow.indices and not rule.by_position:
-            self._check_gaps(where, rule, evaluate, batch, length, seq_len)
-        rule = self._configured_window(rule, where, length)
-        self._check_real(where, rule, evaluate)
+            self._check_gaps(where, rule, evaluate, batch, block, seq_len)
+        rule = self._configured_window(rule, where, block)
+        self._check_real(where, rule, evaluate, block)
+        return rule
+
+    def _probed_program(self, module: fx.GraphModule, flow: IndexFlow, roles: list[str], examples: list, batch: int,
+                        length: int, where: str) -> tuple[fx.GraphModule, IndexFlow, int]:
+        """(program, flow, block length) the probes run: the traced program, or at long context the program
+        resized to shorter blocks (Note [Mask programs probed on shorter blocks] in mask_probes.py)."""
+        configured = self.ctx.sliding_window
+        wanted = self.ctx.mask_probe_tokens
+        if configured is not None and (self.ctx.layout is None or configured.window < self.ctx.layout.padded_seq_len):
+            wanted = max(wanted, configured.window + 1)  # a window the configuration names shows on the probes
+        if length <= wanted:
+            return module, flow, length
+        block = probe_length(length, wanted, module)
+        plain = _probe_inputs(batch, block, 0)["plain"]
+        try:
+            resized, mapping = resized_program(module, length, block,
+                                               [plain[r].to(e.dtype) for r, e in zip(roles, examples, strict=True)])
+        except NotResizable as why:
+            log.warning("attention mask of %s: probed on blocks of the shard's %d tokens, not %d (%s; Note [Mask "
+                        "programs probed on shorter blocks]): %.1f GB of booleans a probe", where, length, block, why,
+                        batch * length * length / 1e9)
+            return module, flow, length
+        log.info("attention mask of %s: probed on blocks of %d tokens (shards of %d)", where, block, length)
+        return resized, flow.moved(mapping), block
+
+    def _plain_rule(self, where: str, evaluate, batch: int, block: int, offsets: list[int]) -> MaskRule:
+        """The window and chunks of the plain-position probes at every offset (`_borders`), each probe checked
+        against the rule: in one pass while the rule read so far stays the rule (it changes at the first chunk
+        border and where a row is wider than any before), the probes checked against an earlier rule again."""
+        first_start, widest, checked = None, 0, {}
+        rule = None
+        for offset in offsets:
+            values = _probe_inputs(batch, block, offset)["plain"]
+            got = evaluate(values, offset)
+            start, wide = _border_rows(got, offset, block)
+            first_start = start if first_start is None else first_start if start is None else min(first_start, start)
+            widest = max(widest, wide)
+            window, chunk = _borders(first_start, widest, block)
+            rule = MaskRule(by_position=False, padding=False, window=window, chunk=chunk)
+            checked[offset] = (rule, self._matches(self._check, where, _PROBE_NAMES["plain"], got, rule, values,
+                                                   offset))
+        for offset, (seen, passed) in checked.items():
+            if seen != rule or not passed:  # raises for a probe that is not the final rule
+                values = _probe_inputs(batch, block, offset)["plain"]
+                self._check(where, _PROBE_NAMES["plain"], evaluate(values, offset), rule, values, offset)
         return rule
 
     @staticmethod
@@ -327,9 +402,9 @@ class _MaskLearner:
                     f"sliding_window, or use shards longer than the window (a smaller sp_size); {_FIX}")
 
     @staticmethod
-    def _matches(check, name: str, rule: MaskRule) -> bool:
+    def _matches(check, *args) -> bool:
         try:
-            check(name, rule)
+            check(*args)
         except AutoSPError:
             return False
         return True
@@ -364,8 +439,10 @@ class _MaskLearner:
                 f"(shards of more than {configured.window} tokens) or sequences of at most {configured.window} tokens")
         return MaskRule(rule.by_position, rule.padding, configured.window, rule.chunk, rule.chunk_by_position)
 
-    def _check_real(self, where: str, rule: MaskRule, evaluate) -> None:
-        """The learnt rule against the traced batch, on every rank's block (the same outcome on every rank)."""
+    def _check_real(self, where: str, rule: MaskRule, evaluate, block: int) -> None:
+        """The learnt rule against the traced batch (the same outcome on every rank): on every rank's block, or on
+        blocks of ``block`` tokens stepping by block - 1 when the program was resized (Note [Mask programs probed on
+        shorter blocks] in mask_probes.py)."""
         full = self.ctx.full_inputs
         # A contiguous block of the real batch: under the zig-zag layout (ring, hybrid) this rank's own tokens
         # are two chunks, on which the model's mask would see a document boundary that is not in the batch.
@@ -380,17 +457,19 @@ class _MaskLearner:
         if self.ctx.strategy in ZIGZAG_STRATEGIES:  # the ring skips chunk pairs by these ids; so does its export
             self.ctx.report.document_ids = documents
         length = layout.local_seq_len
-        for start in range(0, layout.padded_seq_len, length):
-            # Rank start // length's block, cut as shard_batch cuts the inputs (autosp.inputs.shard_tokens).
-            block = slice(start, start + length)
-            local = {"position_ids": padded_positions[:, block],
-                     "attention_mask": (torch.ones_like(padded_positions[:, block]) if padded_mask is None
-                                        else padded_mask[:, block])}
+        # Rank start // length's block, cut as shard_batch cuts the inputs (autosp.inputs.shard_tokens).
+        starts = (range(0, layout.padded_seq_len, length) if block == length
+                  else probe_offsets(block, layout.padded_seq_len))
+        for start in starts:
+            cut = slice(start, start + block)
+            local = {"position_ids": padded_positions[:, cut],
+                     "attention_mask": (torch.ones_like(padded_positions[:, cut]) if padded_mask is None
+                                        else padded_mask[:, cut])}
             got = evaluate(local, start)
-            expected = expected_block(documents, start, length, rule.window)
+            expected = expected_block(documents, start, block, rule.window)
             if not torch.equal(got.expand_as(expected), expected):
                 raise AutoSPError(f"module {where} attends with a mask that, on this batch's tokens {start}.."
-                                  f"{start + length - 1}, differs from the rule learnt from probes ({rule}); {_FIX}")
+                                  f"{start + block - 1}, differs from the rule learnt from probes ({rule}); {_FIX}")
 
 
 _FIX = ("AutoSP applies causal attention within documents, chunks, padding masks and sliding windows over the whole "
