@@ -62,6 +62,7 @@ CLIS = (
         typos=(("--model", "hf-lama"), ("--paper-scale", "llama-9b"))),
     Cli("experiments.bench_planner", typos=(("--only", "longst"), ("--depth", "ful"))),
     Cli("experiments.cpu.bench_packed", typos=(("--compiler", "inductr"),)),
+    Cli("experiments.cpu.bench_mask_probes", typos=(("--sp-sise", "8"),)),
     Cli("experiments.cpu.bench_same_sample", typos=(("--compiler", "inductr"),)),
     Cli("experiments.cpu.bench_lengths", typos=(("--compiler", "inductr"), ("--model", "hf-lama"))),
     Cli("experiments.cpu.bench_strategies", typos=(("--compiler", "inductr"), ("--systems", "autosp-rng"))),

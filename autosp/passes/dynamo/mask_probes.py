@@ -213,9 +213,9 @@ def probe_offsets(length: int, seq_len: int) -> list[int]:
 # sequence, so its cost is O(S * B) instead of O(S * L).
 #
 # The traced program has the length in it as integers (``arange(L)``, ``expand(.., L, L)``, ``x[:, :L]``).  Each
-# integer equal to L is classified by what it does, not by the op's name: the op is run again on the traced fake
-# tensors with that one integer changed; when the output's shape changes (or the op refuses the new size) it is a
-# size, and becomes B.  An integer equal to L that changes only values (a chunk or a window of exactly L tokens, a
+# integer equal to L is classified by what it does, not by the op's name: the op is run again on meta tensors of
+# its traced shapes with that one integer changed; when the output's shape changes (or the op refuses the new size
+# where it ran with the traced one) it is a size, and becomes B.  An integer equal to L that changes only values (a chunk or a window of exactly L tokens, a
 # bound compared with indices) cannot be told from a constant, so the program is not resized (probed at L, as
 # before, with a warning).  The resized program is then run on probe inputs of B tokens and every node's shape must
 # be its traced shape with each L made B and nothing else changed; otherwise it is not resized either.  B is picked
@@ -224,7 +224,12 @@ def probe_offsets(length: int, seq_len: int) -> list[int]:
 # What the rule claims is then learnt from B-token blocks: pairs of tokens less than B apart at every offset
 # (every chunk border, every window shorter than B), and the real batch is checked on B-token blocks stepping by
 # B - 1 (every pair of neighbours, every pair less than B apart), not on each rank's whole block.  A window the
-# configuration names is probed on blocks longer than it (`autosp.passes.dynamo.masks`).
+# configuration names is probed on blocks longer than it, and a mask the short blocks refuse (a window longer than
+# B built in the graph, which the gap probes see) is learnt again on the shard before it is refused
+# (`autosp.passes.dynamo.masks`).  What stays the learnt rule's, as pairs further than a shard apart did before:
+# pairs further than B apart in a mask the gap probes cannot reach (one that indexes its inputs at token indices or
+# separates documents by position), i.e. a window longer than B that is built in the graph of such a mask and
+# named by no configuration.
 
 
 class NotResizable(Exception):
@@ -279,30 +284,51 @@ def _output_shape(value) -> object:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else value
 
 
+def _on_meta(tree):
+    """An fx argument structure with its nodes' traced tensors as meta tensors and every device the meta device:
+    an op's shapes without its data, and without the fake mode's logging of an op that refuses its arguments."""
+    meta = torch.device("meta")
+
+    def convert(x):
+        value = fake_value(x) if isinstance(x, fx.Node) else x
+        if isinstance(value, torch.Tensor):
+            return torch.empty(tuple(value.shape), dtype=value.dtype, device=meta)
+        if isinstance(value, torch.device):
+            return meta
+        if isinstance(value, (tuple, list)):
+            return type(value)(convert(v) for v in value) if type(value) in (tuple, list) else value
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        return value
+
+    return convert(tree)
+
+
 def _is_size(node: fx.Node, occurrence: int, length: int) -> bool:
     """Whether the ``occurrence``-th integer equal to ``length`` among ``node``'s arguments sets a size: the op run
-    on the traced fake tensors with it changed gives another shape, or refuses it where the traced arguments run
-    (`NotResizable` when those do not run here either)."""
-    traced = fake_value(node)
-    fake_mode = getattr(traced, "fake_mode", None)
-    if fake_mode is None:
-        raise NotResizable(f"{_op(node)} {node.name} uses the integer {length} (the shard's length) and has no "
-                           "traced tensor to try another on")
+    on meta tensors of its traced shapes with it changed gives another shape, or refuses it where the traced
+    arguments run (`NotResizable` when those do not run here either)."""
 
     def run(args, kwargs):
-        args, kwargs = fx.node.map_arg((args, kwargs), fake_value)
-        with fake_mode:
-            return _output_shape(_call(node, args, kwargs))
+        args, kwargs = _on_meta((args, kwargs))
+        if node.op == "call_function" and node.target in _FACTORIES:
+            kwargs["device"] = torch.device("meta")
+        return _output_shape(_call(node, args, kwargs))
 
     try:
         before = run(node.args, dict(node.kwargs))
     except Exception as err:  # noqa: BLE001 - cannot be tried here: not resized
-        raise NotResizable(f"{_op(node)} {node.name} does not run on its traced fake tensors ({err})") from err
+        raise NotResizable(f"{_op(node)} {node.name} does not run on meta tensors of its traced shapes ({err})") from err
     try:
         after = run(*_replace_length((node.args, dict(node.kwargs)), length, length - 1, occurrence, [0]))
     except Exception:  # noqa: BLE001 - the op refuses the other size: the integer is a size
         return True
     return after != before
+
+
+_FACTORIES = {torch.arange, torch.ones, torch.zeros, torch.full, torch.empty, torch.linspace, torch.tensor,
+              torch.eye, torch.tril_indices, torch.triu_indices, torch.randn, torch.rand}
+"""Ops that allocate a tensor of their own: tried on the meta device (a size of L x L would allocate it)."""
 
 
 def probe_length(length: int, wanted: int, module: fx.GraphModule) -> int:
