@@ -22,6 +22,7 @@ from tests.autosp.soundness_models import VOCAB
 from tests.autosp.test_chunked_attention import SEQ_LEN, ChunkedLM
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.autosp.test_packed import DOCUMENTS, _cases, _model, _positions
+from tests.autosp.test_packed import SEQ_LEN as HF_SEQ_LEN
 from tests.harness import fake_process_group, run_on_ranks
 
 SHORT = 4
@@ -84,8 +85,6 @@ def _batch(case: dict, ids: torch.Tensor, labels: torch.Tensor) -> dict:
 
 def _hf(world: int, name: str, window: int | None, case: dict, options: dict) -> tuple:
     import autosp
-
-    from tests.autosp.test_packed import SEQ_LEN as HF_SEQ_LEN
 
     def run():
         torch._dynamo.reset()
