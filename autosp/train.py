@@ -205,10 +205,11 @@ def hf_config(args: argparse.Namespace):
     if args.num_layers:
         config.num_hidden_layers = args.num_layers
     config._attn_implementation = "sdpa"  # AutoSP rewrites scaled_dot_product_attention
-    # Hugging Face's default use_cache=True is kept: without a cache Hugging Face builds its mask from the position
-    # ids, which compiles as causal attention on plain positions (Note [Document program] in autosp/api.py), but
-    # learning that mask probes (P + 1) blocks of L x L tokens (Note [Mask probes at other offsets] in
-    # autosp/passes/dynamo/mask_probes.py): 24 GB at 65,536 tokens a rank, out of reach at long context.
+    # Hugging Face's default use_cache=True is kept, though it holds every layer's keys and values to the end of the
+    # step: the planner reads this config too, and its recorded predictions were made with it.  Without a cache
+    # Hugging Face builds its mask from the position ids, which compiles as causal attention on plain positions
+    # (Note [Document program] in autosp/api.py) and is learnt on short blocks at long context (Note [Mask
+    # programs probed on shorter blocks] in autosp/passes/dynamo/mask_probes.py: 23 s at 3.7M tokens on 8 ranks).
     return config
 
 
