@@ -103,7 +103,8 @@ EXACT = [  # (chunk, spelling, the learnt rule's chunk: None is the plain causal
 ]
 
 
-def _run(rank, world, cases):
+def _run(rank, world, cases, options=None):
+    """Each (chunk, spelling) case compiled with ``options`` on ``world`` ranks, beside one device."""
     import autosp
 
     results = []
@@ -115,13 +116,14 @@ def _run(rank, world, cases):
         ids, labels = make_sample(SEQ_LEN, VOCAB, seed=3)
         loss = reference(ids, labels, torch.arange(SEQ_LEN).expand_as(ids))
         loss.backward()
-        compiled = autosp.compile(candidate, sp_size=world, compiler="aot_eager")
+        compiled = autosp.compile(candidate, sp_size=world, compiler="aot_eager", **(options or {}))
         out = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
         out.backward()
         results.append({"loss": out.detach(), "ref_loss": loss.detach(), "grads": named_grads(candidate),
                         "ref_grads": named_grads(reference),
                         "chunks": [m.chunk for m in compiled.report.document_masks],
-                        "causal": compiled.report.causal_masks_replaced})
+                        "causal": compiled.report.causal_masks_replaced,
+                        "probe_blocks": compiled.report.mask_probe_blocks})
     return results
 
 

@@ -11,18 +11,17 @@ context is measured by ``python -m experiments.cpu.bench_mask_probes``, not here
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
 import torch
 
-from tests.autosp.cases import loss_of, make_sample, named_grads
+from tests.autosp.cases import make_sample
 from tests.autosp.soundness_models import VOCAB
-from tests.autosp.test_chunked_attention import SEQ_LEN, ChunkedLM
+from tests.autosp.test_chunked_attention import SEQ_LEN, ChunkedLM, _run
 from tests.autosp.test_equivalence import FP32_TOL, _check
-from tests.autosp.test_packed import DOCUMENTS, _cases, _model, _positions
 from tests.autosp.test_packed import SEQ_LEN as HF_SEQ_LEN
+from tests.autosp.test_packed import _cases, _model, case_inputs
 from tests.harness import fake_process_group, run_on_ranks
 
 SHORT = 4
@@ -70,19 +69,6 @@ def _chunked(world: int, chunk: int, spelling: str, options: dict) -> tuple:
         return _outcome(run)
 
 
-def _batch(case: dict, ids: torch.Tensor, labels: torch.Tensor) -> dict:
-    extra = {}
-    if "documents" in case:
-        extra["position_ids"] = _positions(DOCUMENTS[case["documents"]], ids.shape[0])
-    for side in ("right_padding", "left_padding"):
-        if side in case:
-            mask = torch.ones_like(ids)
-            for row, pad in enumerate(case[side]):
-                mask[row, slice(ids.shape[1] - pad, None) if side == "right_padding" else slice(0, pad)] = 0
-            extra["attention_mask"] = mask
-    return extra
-
-
 def _hf(world: int, name: str, window: int | None, case: dict, options: dict) -> tuple:
     import autosp
 
@@ -90,7 +76,7 @@ def _hf(world: int, name: str, window: int | None, case: dict, options: dict) ->
         torch._dynamo.reset()
         ids, labels = make_sample(HF_SEQ_LEN, 256, seed=11)
         compiled = autosp.compile(_model(name, window), sp_size=world, compiler="aot_eager", **options)
-        compiled(**autosp.prepare_inputs(ids, labels=labels, **_batch(case, ids, labels)))
+        compiled(**autosp.prepare_inputs(ids, labels=labels, **case_inputs(case, ids, labels)))
         return compiled
 
     with fake_process_group(world, rank=world - 1):
@@ -143,33 +129,15 @@ def test_length_used_as_a_value_is_probed_as_traced(caplog):
 
 
 def _exact(rank, world, cases):
-    import autosp
-
-    results = []
-    for chunk, spelling in cases:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        reference = ChunkedLM(chunk, spelling)
-        candidate = copy.deepcopy(reference)
-        ids, labels = make_sample(SEQ_LEN, VOCAB, seed=3)
-        loss = reference(ids, labels, torch.arange(SEQ_LEN).expand_as(ids))
-        loss.backward()
-        compiled = autosp.compile(candidate, sp_size=world, compiler="aot_eager", mask_probe_tokens=SHORT)
-        out = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
-        out.backward()
-        assert [block < shard for _, block, shard in compiled.report.mask_probe_blocks] == [True]
-        results.append({"loss": out.detach(), "ref_loss": loss.detach(), "grads": named_grads(candidate),
-                        "ref_grads": named_grads(reference)})
-    return results + _cases(rank, world, [{"model": "hf-llama", "documents": "three documents",
-                                           "options": {"mask_probe_tokens": SHORT}},
-                                          {"model": "hf-qwen2", "right_padding": [21, 3],
-                                           "options": {"mask_probe_tokens": SHORT}},
-                                          {"model": "hf-mistral-window", "window": 6,
-                                           "documents": "three documents", "options": {"mask_probe_tokens": SHORT}}])
+    return _run(rank, world, cases, {"mask_probe_tokens": SHORT}) + _cases(rank, world, [
+        {"model": "hf-llama", "documents": "three documents", "options": {"mask_probe_tokens": SHORT}},
+        {"model": "hf-qwen2", "right_padding": [21, 3], "options": {"mask_probe_tokens": SHORT}},
+        {"model": "hf-mistral-window", "window": 6, "documents": "three documents",
+         "options": {"mask_probe_tokens": SHORT}}])
 
 
 def test_masks_learnt_on_short_blocks_exact_two_ranks():
     results = run_on_ranks(_exact, 2, [(12, "arange"), (8, "hf"), (24, "positions")], timeout_s=600)
     _check(results, FP32_TOL)
-    for r in results[0][3:]:  # the Hugging Face cases: every layer's mask learnt on blocks shorter than its shard
+    for r in results[0]:  # every layer's mask learnt on blocks shorter than its shard
         assert r["probe_blocks"] and all(block < shard for _, block, shard in r["probe_blocks"]), r["probe_blocks"]

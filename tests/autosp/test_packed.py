@@ -49,6 +49,23 @@ def _positions(lengths: list[int], batch: int) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths]).expand(batch, -1).clone()
 
 
+def case_inputs(case: dict, ids: torch.Tensor, labels: torch.Tensor) -> dict:
+    """A case's position ids (``documents``) and padding mask (``right_padding`` / ``left_padding``: padded tokens
+    per row, their labels ignored in place)."""
+    extra = {}
+    if "documents" in case:
+        extra["position_ids"] = _positions(DOCUMENTS[case["documents"]], ids.shape[0])
+    for side in ("right_padding", "left_padding"):
+        if side in case:
+            mask = torch.ones_like(ids)
+            for row, pad in enumerate(case[side]):
+                span = slice(SEQ_LEN - pad, SEQ_LEN) if side == "right_padding" else slice(0, pad)
+                mask[row, span] = 0
+                labels[row, span] = -100
+            extra["attention_mask"] = mask
+    return extra
+
+
 def _cases(rank, world, cases):
     """Each case compiled with its ``options`` (default: Ulysses) over all ``world`` ranks."""
     import autosp
@@ -59,17 +76,7 @@ def _cases(rank, world, cases):
         reference = _model(case["model"], case.get("window"), case.get("layers"))
         candidate = copy.deepcopy(reference)
         ids, labels = make_sample(SEQ_LEN, 256, seed=11)
-        extra = {}
-        if "documents" in case:
-            extra["position_ids"] = _positions(DOCUMENTS[case["documents"]], ids.shape[0])
-        for side in ("right_padding", "left_padding"):
-            if side in case:
-                mask = torch.ones_like(ids)
-                for row, pad in enumerate(case[side]):
-                    span = slice(SEQ_LEN - pad, SEQ_LEN) if side == "right_padding" else slice(0, pad)
-                    mask[row, span] = 0
-                    labels[row, span] = -100
-                extra["attention_mask"] = mask
+        extra = case_inputs(case, ids, labels)
         loss = loss_of(reference(input_ids=ids, labels=labels, **extra))
         loss.backward()
         compiled = autosp.compile(candidate, sp_size=world, compiler="aot_eager", **case.get("options", {}))
