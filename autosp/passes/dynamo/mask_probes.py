@@ -34,6 +34,8 @@ followed by L/2 tokens further on, at every distance up to the sequence's length
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -165,23 +167,40 @@ class IndexFlow:
         return False
 
 
-class ShiftedProgram(fx.Interpreter):
+class ShiftedProgram:
     """A mask subgraph run with its token aranges shifted by ``shift`` (see the Note): an offset, or one per token
-    (a gap probe: no index into the inputs may then read them)."""
+    (a gap probe: no index into the inputs may then read them).  Built once as a graph of its own, whose last input
+    is the shift: each token index source is followed by ``+ step * shift``, each index into the probe inputs
+    preceded by ``- shift`` (thousands of probes at long context run it as generated code, not node by node)."""
 
-    def __init__(self, module: fx.GraphModule, flow: IndexFlow, shift: int | torch.Tensor):
-        super().__init__(module)
-        self.flow, self.shift = flow, shift
+    def __init__(self, module: fx.GraphModule, flow: IndexFlow):
+        graph = fx.Graph()
+        mapping: dict[fx.Node, fx.Node] = {}
+        nodes = list(module.graph.nodes)
+        for node in [n for n in nodes if n.op == "placeholder"]:
+            mapping[node] = graph.node_copy(node)
+        shift = graph.placeholder("shift")  # after the program's own inputs
+        for node in [n for n in nodes if n.op != "placeholder"]:
+            mapping[node] = graph.node_copy(node, lambda n: mapping[n])
+        shifted: dict[fx.Node, fx.Node] = {}
+        for token, step in flow.token.items():
+            source = mapping[token]
+            with graph.inserting_after(source):
+                scaled = graph.call_function(operator.mul, (shift, step))
+            with graph.inserting_after(scaled):
+                moved = graph.call_function(operator.add, (source, scaled))
+            source.replace_all_uses_with(moved, delete_user_cb=lambda user, moved=moved: user is not moved)
+            shifted[source] = moved
+        for node, used in flow.indices.items():
+            target = mapping[node]
+            for index in {shifted.get(mapping[x], mapping[x]) for x in used}:
+                with graph.inserting_before(target):
+                    back = graph.call_function(operator.sub, (index, shift))
+                target.replace_input_with(index, back)
+        self.module = fx.GraphModule(module, graph)
 
-    def run_node(self, n: fx.Node):
-        if n in self.flow.token:
-            return super().run_node(n) + self.flow.token[n] * self.shift
-        indices = self.flow.indices.get(n)
-        if not indices or isinstance(self.shift, int) and not self.shift:
-            return super().run_node(n)
-        load = lambda x: self.env[x] - self.shift if x in indices else self.env[x]  # noqa: E731
-        args, kwargs = fx.node.map_arg(n.args, load), fx.node.map_arg(n.kwargs, load)
-        return getattr(self, n.op)(n.target, args, kwargs)
+    def run(self, args: list, shift: int | torch.Tensor):
+        return self.module(*args, shift)
 
 
 def gap_indices(length: int, seq_len: int) -> list[torch.Tensor]:

@@ -291,11 +291,13 @@ class _MaskLearner:
         """Steps 2-4 of the Note on ``module`` (the traced mask program, or the program resized to ``block``
         tokens)."""
 
-        def evaluate(values: dict[str, torch.Tensor], offset: int) -> torch.Tensor:
+        program = ShiftedProgram(module, flow)
+
+        def evaluate(values: dict[str, torch.Tensor], offset: int | torch.Tensor) -> torch.Tensor:
             args = [values[r].to(e.dtype) for r, e in zip(roles, examples, strict=True)]
             try:
                 with torch.no_grad():
-                    allowed = _allowed(ShiftedProgram(module, flow, offset).run(*args))
+                    allowed = _allowed(program.run(args, offset))
             except Exception as err:  # noqa: BLE001 - a mask we cannot evaluate is refused below
                 raise AutoSPError(f"module {where} attends with a mask built from {roles} that AutoSP could not "
                                   f"evaluate on probe inputs ({err}); {_FIX}") from err
