@@ -209,7 +209,7 @@ def hf_config(args: argparse.Namespace):
     # step: the planner reads this config too, and its recorded predictions were made with it.  Without a cache
     # Hugging Face builds its mask from the position ids, which compiles as causal attention on plain positions
     # (Note [Document program] in autosp/api.py) and is learnt on short blocks at long context (Note [Mask
-    # programs probed on shorter blocks] in autosp/passes/dynamo/mask_probes.py: 23 s at 3.7M tokens on 8 ranks).
+    # programs probed on shorter blocks] in autosp/passes/dynamo/mask_probes.py: 16 s at 3.7M tokens on 8 ranks).
     return config
 
 
