@@ -170,7 +170,9 @@ class AutoSPConfig:
     """Tokens per block on which an attention mask the model builds from its inputs is learnt (Note [Mask programs
     probed on shorter blocks] in autosp/passes/dynamo/mask_probes.py): shards longer than this have their mask
     program resized to such blocks, so that learning it costs O(S x this) instead of O(S x shard).  The rule then
-    holds on pairs of tokens fewer than this apart at every offset, and on the traced batch."""
+    holds on pairs of tokens fewer than this apart at every offset, and on the traced batch.  A mask whose program
+    cannot be resized is learnt on the shard itself only on shards of at most 64 times this (else refused, saying
+    what to change): raise it to the shard's length to probe a longer shard anyway."""
     plan_timeout_s: float = PLAN_TIMEOUT_S
     """Seconds a rank waits for its planner process (memory_plan="auto", strategy="auto") before the process is
     stopped and every rank raises an `AutoSPError` holding its output and Python stacks.  The other ranks wait in a

@@ -141,3 +141,41 @@ def test_masks_learnt_on_short_blocks_exact_two_ranks():
     _check(results, FP32_TOL)
     for r in results[0]:  # every layer's mask learnt on blocks shorter than its shard
         assert r["probe_blocks"] and all(block < shard for _, block, shard in r["probe_blocks"]), r["probe_blocks"]
+
+
+class LongChunkedLM(ChunkedLM):
+    """`ChunkedLM` with learned positions for ``seq_len`` tokens."""
+
+    def __init__(self, chunk: int, spelling: str, seq_len: int):
+        super().__init__(chunk, spelling)
+        self.pos = torch.nn.Embedding(seq_len, self.embed.embedding_dim)
+
+
+@pytest.mark.parametrize(("world", "spelling", "why"), [
+    (2, "arange", "cannot be resized"), (4, "arange", "cannot be resized"),
+    (2, "window", f"not learnt on blocks of {SHORT} tokens")])
+def test_shard_too_long_to_probe_is_refused_unless_asked(world, spelling, why):
+    """A mask that would be learnt on the shard's own block -- a program that cannot be resized (chunks of exactly a
+    shard) or one the short blocks refuse (a window of 6 built in the graph, `RETRIED`) -- on shards longer than
+    64 x mask_probe_tokens: refused with what to change; learnt on the shard when mask_probe_tokens is raised to the
+    shard's length."""
+    import autosp
+
+    shard = 64 * SHORT + 4
+    seq_len, chunk = shard * world, shard if spelling == "arange" else 6
+
+    def outcome(options):
+        ids, labels = make_sample(seq_len, VOCAB, seed=3)
+        with fake_process_group(world, rank=world - 1):
+            torch._dynamo.reset()
+            compiled = autosp.compile(LongChunkedLM(chunk, spelling, seq_len), sp_size=world, compiler="aot_eager",
+                                      **options)
+            compiled(**autosp.prepare_inputs(ids, labels=labels))
+            return compiled.report
+
+    with pytest.raises(autosp.AutoSPError, match=rf"{why}.*limit of {64 * SHORT} tokens.*mask_probe_tokens={shard}"):
+        outcome({"mask_probe_tokens": SHORT})
+    report = outcome({"mask_probe_tokens": shard})
+    assert [(m.chunk, m.window) for m in report.document_masks] == [
+        (chunk, None) if spelling == "arange" else (None, chunk)]
+    assert [(block, length) for _, block, length in report.mask_probe_blocks] == [(shard, shard)]

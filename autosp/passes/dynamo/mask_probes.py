@@ -249,6 +249,18 @@ def probe_offsets(length: int, seq_len: int) -> list[int]:
 # pairs further than B apart in a mask the gap probes cannot reach (one that indexes its inputs at token indices or
 # separates documents by position), i.e. a window longer than B that is built in the graph of such a mask and
 # named by no configuration.
+#
+# A mask learnt on the shard's own block (a program that is not resized, or one the short blocks refuse) costs
+# what it did before: O(S * L) time and a few [L, L] blocks at once.  That is seconds on shards of thousands of
+# tokens and out of reach on shards of hundreds of thousands (210 GB of booleans a probe at 458,752 tokens), where
+# a rank would run out of memory or compile for hours instead of saying why.  So it is done only on shards of at
+# most ``SHARD_PROBE_BLOCKS`` x ``mask_probe_tokens`` tokens (32,768 by default: 1 GiB of booleans a probe) and
+# refused beyond, naming what kept the program from being resized; a user who wants it anyway raises
+# ``mask_probe_tokens`` to the shard's length.
+
+SHARD_PROBE_BLOCKS = 64
+"""A mask is learnt on the shard's own block only when the shard has at most this many times ``mask_probe_tokens``
+tokens (Note [Mask programs probed on shorter blocks])."""
 
 
 class NotResizable(Exception):

@@ -71,6 +71,7 @@ from autosp.errors import AutoSPError, DocumentAttentionUnavailable
 from autosp.inputs import gathered_in_sequence_order, pad_end
 from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
 from autosp.passes.dynamo.mask_probes import (
+    SHARD_PROBE_BLOCKS,
     IndexFlow,
     NotResizable,
     ShiftedProgram,
@@ -277,6 +278,7 @@ class _MaskLearner:
             try:
                 rule = self._learn_on(resized, resized_flow, where, roles, examples, batch, block, seq_len)
             except AutoSPError as err:  # e.g. a window longer than the block, built in the graph: seen on the shard
+                self._check_shard_probes(where, length, batch, f"not learnt on blocks of {block} tokens: {err}")
                 log.warning("attention mask of %s: not learnt on blocks of %d tokens (%s); probing the shard's %d "
                             "tokens", where, block, err, length)
             else:
@@ -354,12 +356,25 @@ class _MaskLearner:
             resized, mapping = resized_program(module, length, block,
                                                [plain[r].to(e.dtype) for r, e in zip(roles, examples, strict=True)])
         except NotResizable as why:
+            self._check_shard_probes(where, length, batch, f"its program cannot be resized: {why}")
             log.warning("attention mask of %s: probed on blocks of the shard's %d tokens, not %d (%s; Note [Mask "
                         "programs probed on shorter blocks]): %.1f GB of booleans a probe", where, length, block, why,
                         batch * length * length / 1e9)
             return module, flow, length
         log.info("attention mask of %s: probed on blocks of %d tokens (shards of %d)", where, block, length)
         return resized, flow.moved(mapping), block
+
+    def _check_shard_probes(self, where: str, length: int, batch: int, why: str) -> None:
+        """Refuse to learn a mask on a shard too long to probe (Note [Mask programs probed on shorter blocks])."""
+        limit = SHARD_PROBE_BLOCKS * self.ctx.mask_probe_tokens
+        if length > limit:
+            raise AutoSPError(
+                f"module {where} attends with a mask AutoSP would have to learn on blocks of the shard's {length} "
+                f"tokens ({why}): {batch * length * length / 1e9:.1f} GB of booleans a probe, over the limit of "
+                f"{limit} tokens ({SHARD_PROBE_BLOCKS} x mask_probe_tokens; Note [Mask programs probed on shorter "
+                f"blocks]). Build the mask from arange(seq_len) or the position ids so that its sizes follow the "
+                f"sequence, use more ranks (shorter shards), or pass mask_probe_tokens={length} to probe the shard "
+                "anyway")
 
     def _plain_rule(self, where: str, evaluate, batch: int, block: int, offsets: list[int]) -> MaskRule:
         """The window and chunks of the plain-position probes at every offset (`_borders`), each probe checked
