@@ -192,7 +192,7 @@ def hf_config(args: argparse.Namespace):
         config = transformers.LlamaConfig(
             vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
             num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, tie_word_embeddings=s.tie_embeddings,
-            rope_theta=s.rope_theta, max_position_embeddings=max(args.seq_len, 8192),
+            rope_theta=s.rope_theta, max_position_embeddings=max(args.seq_len, 8192), use_cache=False,
         )
     else:
         path = os.path.join(args.model, "config.json") if os.path.isdir(args.model) else args.model
@@ -205,11 +205,13 @@ def hf_config(args: argparse.Namespace):
     if args.num_layers:
         config.num_hidden_layers = args.num_layers
     config._attn_implementation = "sdpa"  # AutoSP rewrites scaled_dot_product_attention
-    # Hugging Face's default use_cache=True is kept, though it holds every layer's keys and values to the end of the
-    # step: the planner reads this config too, and its recorded predictions were made with it.  Without a cache
-    # Hugging Face builds its mask from the position ids, which compiles as causal attention on plain positions
-    # (Note [Document program] in autosp/api.py) and is learnt on short blocks at long context (Note [Mask
-    # programs probed on shorter blocks] in autosp/passes/dynamo/mask_probes.py: 16 s at 3.7M tokens on 8 ranks).
+    # A preset is trained without a KV cache (use_cache=False above), as AutoSPTrainer and ALST train: a cache serves
+    # generation, and in a training step it holds every layer's keys and values to the end of the step (128 KiB a
+    # token a rank at 8B).  A config.json keeps its own use_cache: the planner prices the job that config runs, and
+    # autosp.compile(memory_plan="auto") passes the job's config as it is.  Without a cache Hugging Face builds its
+    # mask from the position ids, which compiles as causal attention on plain positions (Note [Document program] in
+    # autosp/api.py) and is learnt on short blocks at long context (Note [Mask programs probed on shorter blocks]
+    # in autosp/passes/dynamo/mask_probes.py: 16 s at 3.7M tokens on 8 ranks).
     return config
 
 

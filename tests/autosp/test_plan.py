@@ -336,3 +336,24 @@ def test_parameter_counts_are_built_once_per_configuration_and_equal_the_built_m
     for _ in range(2):  # first built, then kept
         assert [source.parameter_numels(c) for c in configs] == built
     assert sum(key in source._numels for key in (c.to_json_string(use_diff=False) for c in configs)) == 4
+
+
+def test_presets_are_predicted_without_a_kv_cache_and_a_config_json_as_it_says(tmp_path):
+    """A preset is traced without a KV cache (as ``python -m autosp.train`` and a Trainer train it); a config.json
+    keeps its ``use_cache``, and the cache it keeps (every layer's keys and values of this rank's tokens, to the end
+    of the step) is exactly what it adds to the predicted activation peak here."""
+    from autosp.plan.model_source import ModelSource
+
+    assert ModelSource("llama-3.1-8b").config(seq_len=1024).use_cache is False
+    cluster = load_cluster("a100-80gb-sxm", world_size=2)
+    setup = TrainingSetup(seq_len=512, sp_size=2, zero_stage=0)
+    peaks = {}
+    for use_cache in (True, False):
+        path = tmp_path / f"cache-{use_cache}.json"
+        path.write_text(json.dumps({**QWEN2, "use_cache": use_cache}))
+        assert ModelSource(str(path)).config(seq_len=512).use_cache is use_cache
+        lines = predict(str(path), setup, cluster).lines
+        peaks[use_cache] = sum(ln.bytes for ln in lines if ln.category == "activations")
+    # each layer's K and V of this rank's 256 tokens: 2 KV heads of 16 (hidden 64 over 4 heads), bf16
+    cache = QWEN2["num_hidden_layers"] * 2 * 2 * 16 * 256 * 2
+    assert peaks[True] - peaks[False] == cache, peaks
