@@ -182,6 +182,10 @@ class TraceContext:
     checkpointing_variants: tuple[tuple[str, float | None], ...] = ()
     """(checkpointing, sac_memory_budget) pairs to partition the same joint graph with besides the compile's own
     setting, into ``report.variant_graphs`` (the planner's trace reuse; aot_eager only)."""
+    mask_rules: dict | None = None
+    """Mask rules learnt by earlier shape-only traces of one planner decision, shared with this one (`autosp.plan.
+    predict.TraceReuse`; Note [Mask rules shared between a decision's traces] in autosp/passes/dynamo/masks.py);
+    None: every mask is learnt."""
     capture_joint: bool = False
     """Keep a copy of the joint graph in ``report.joint_capture`` (trace reuse across lengths; aot_eager only)."""
     joint_only: bool = False

@@ -691,7 +691,8 @@ def module_parameters(aot_graphs: list[tuple[str, fx.GraphModule]], dynamo_graph
 
 def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
                     dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", document_lengths=None,
-                    micro_batch: int = 1, checkpointing_variants=(), capture_joint: bool = False, **options):
+                    micro_batch: int = 1, checkpointing_variants=(), capture_joint: bool = False,
+                    mask_rules: dict | None = None, **options):
     """Compile and run one training step of ``build_model()`` on fake tensors and a fake group.
 
     Paper-scale graphs without paper-scale memory: the model is built inside a
@@ -707,6 +708,8 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     partitions, into ``report.variant_graphs`` (docs/design.md, "Trace reuse"; aot_eager only).
     ``capture_joint``: keep the joint graph in ``report.joint_capture`` (Note [The joint graph at another length]
     in autosp/joint_template.py).
+    ``mask_rules``: mask rules shared with the other traces of one planner decision (Note [Mask rules shared between
+    a decision's traces] in autosp/passes/dynamo/masks.py).
     The process must not have a process group of its own.
     """
     from autosp.api import compile as autosp_compile
@@ -724,6 +727,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
         compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **{"check_same_sample": False, **options})
         compiled._ctx.checkpointing_variants = tuple(checkpointing_variants)
         compiled._ctx.capture_joint = capture_joint
+        compiled._ctx.mask_rules = mask_rules
         # The step runs in the fake mode too: a graph's factory ops (the zeros a loss backward fills, a
         # [S, vocab] buffer) would otherwise allocate real memory, gigabytes at paper scale.
         with fake_mode:

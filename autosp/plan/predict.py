@@ -215,7 +215,8 @@ class _TraceFacts:
 def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
                config: TrainingConfig, options: Mapping | None = None,
                variants: tuple[tuple[str, float | None], ...] = (),
-               rewrites_here: bool = False, capture_into=None) -> Traced | dict[tuple, Traced]:
+               rewrites_here: bool = False, capture_into=None, mask_rules: dict | None = None
+               ) -> Traced | dict[tuple, Traced]:
     """Trace ``layers`` decoder layers (None: all) at ``seq_len`` tokens and build the whole step of ``setup``
     (``config``: the ledger's configuration of the whole model; ``options``: `autosp.compile` options, e.g. the
     memory plan's checkpointing and tiled loss).  With ``variants`` ((checkpointing, sac_memory_budget) pairs) the
@@ -224,7 +225,8 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
     ``rewrites_here``: the trace leaves out the partitioned-graph rewrites (activation offload, overlap), which
     `partitioned_rewrites` then applies to copies, so that one trace also builds the step with activation offload
     (`Traced.rebuild` on `Traced.graphs`, as partitioned).  ``capture_into``: a
-    `autosp.joint_template.LengthClass` that keeps the trace's joint graph (`resized_steps`)."""
+    `autosp.joint_template.LengthClass` that keeps the trace's joint graph (`resized_steps`).  ``mask_rules``: the
+    decision's shared mask rules (`TraceReuse.mask_rules`)."""
     import torch
 
     from autosp.export import trace_fake_step
@@ -246,7 +248,8 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
         compiled, parameter_bytes = trace_fake_step(lambda: source.build(hf, dtype), seq_len=seq_len,
                                                     sp_size=setup.sp_size, vocab_size=hf.vocab_size, dtype=dtype,
                                                     micro_batch=setup.micro_batch, checkpointing_variants=variants,
-                                                    capture_joint=capture_into is not None, **traced_options)
+                                                    capture_joint=capture_into is not None,
+                                                    mask_rules=mask_rules, **traced_options)
     report = compiled.report
     log.info("traced in %.1f s: %d joint graph(s), %d partition(s)", time.perf_counter() - start,
              report.joint_graphs, report.partitions)
@@ -287,10 +290,12 @@ class _EveryStrategyCaptured(Exception):
 
 
 def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
-                     strategies: Sequence[Mapping], options: Mapping | None = None) -> list:
+                     strategies: Sequence[Mapping], options: Mapping | None = None,
+                     mask_rules: dict | None = None) -> list:
     """For each of ``strategies`` (`STRATEGY_OPTIONS` of `autosp.compile`, on top of ``options``), (joint graph,
     `_TraceFacts`) of ``layers`` layers at ``seq_len`` tokens from one Dynamo capture (Note [One Dynamo capture for
-    every strategy]), or the `AutoSPError` that refused it."""
+    every strategy]), or the `AutoSPError` that refused it.  ``mask_rules``: the decision's shared mask rules
+    (`TraceReuse.mask_rules`; a strategy changes no rule of a shape-only trace, only the check of a real batch)."""
     import copy
 
     import torch
@@ -319,6 +324,7 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
                 compiled.append(autosp_compile(model, sp_size=setup.sp_size, compiler="aot_eager",
                                                **{"check_same_sample": False, **(options or {}), **strategy}))
                 compiled[-1]._ctx.capture_joint = compiled[-1]._ctx.joint_only = True
+                compiled[-1]._ctx.mask_rules = mask_rules
             except AutoSPError as err:
                 found[i] = err
                 compiled.append(None)
@@ -480,6 +486,9 @@ class TraceReuse:
         self.strategies: tuple[dict, ...] = ()
         """Option sets (`STRATEGY_OPTIONS`) whose shallow traces share one Dynamo capture per depth and length
         (`trace_strategies`; `choose_strategy` sets them)."""
+        self.mask_rules: dict = {}
+        """Attention-mask rules learnt by this decision's shape-only traces, taken by its later traces of the same
+        mask program (Note [Mask rules shared between a decision's traces] in autosp/passes/dynamo/masks.py)."""
         self.traces = 0
         """Fake-tensor traces (Dynamo captures) taken."""
         self.resized = 0
@@ -523,7 +532,7 @@ class TraceReuse:
                 # A shallow trace keeps its joint graph for SAC's full-depth tags (`captured`).
                 into = _Captured(lengths if capture else None) if layers is not None else \
                     (lengths if capture else None)
-                found = trace_step(source, setup, capture_into=into, **asked)
+                found = trace_step(source, setup, capture_into=into, mask_rules=self.mask_rules, **asked)
                 if layers is not None:
                     self._captures[key] = (into.capture, into.facts, offloads)
                 self.traces += 1
@@ -588,7 +597,7 @@ class TraceReuse:
         captures (or refusals) kept as `captured` answers them."""
         base = {k: v for k, v in (options or {}).items() if k not in STRATEGY_OPTIONS}
         found = trace_strategies(source, setup, seq_len=seq_len, layers=layers, strategies=self.strategies,
-                                 options=base)
+                                 options=base, mask_rules=self.mask_rules)
         self.traces += 1
         for strategy, answer in zip(self.strategies, found, strict=True):
             self.joint_graphs += isinstance(answer, tuple)

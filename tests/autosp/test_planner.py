@@ -280,3 +280,55 @@ def test_the_cli_and_the_compile_plan_the_same_candidates(model, monkeypatch, ta
     # logits are 32 KiB a token (2 tokens), the MLP's 8 fp32 rows of 64 are 2 KiB (32 tokens); at 64 GiB the passes'
     # default chunks (None: unnamed); None also for the candidates without tiling
     assert chunks == ({None} if target_mib > 1 else {None, 2, 32})
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+         "max_position_embeddings": 4096, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+@pytest.mark.parametrize(("config", "options"), [
+    ({**CONFIG, "use_cache": False}, {}), ({**LLAMA, "use_cache": False}, {"mask_probe_tokens": 16})],
+    ids=["qwen2", "llama-short-blocks"])
+def test_a_decision_learns_each_mask_once_and_predicts_what_learning_it_every_trace_predicts(
+        tmp_path, cluster, caplog, config, options):
+    """Note [Mask rules shared between a decision's traces]: the traces of one decision (here two option groups,
+    full depth) learn the mask of a ``use_cache=False`` model once, and every candidate's prediction equals the
+    prediction of a decision whose traces each learn it."""
+    import logging
+
+    from autosp.plan.predict import TraceReuse
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    plans = [{**options, "checkpointing": "sac"},
+             {**options, "checkpointing": "full", "tiled_loss": "on", "loss_chunk_tokens": 16, "return_logits": False}]
+    shared, alone = TraceReuse(plans), TraceReuse(plans)
+    alone.mask_rules = None
+    with caplog.at_level(logging.INFO, logger="autosp.passes.dynamo.masks"):
+        found = [predict(str(path), SETUP, cluster, options=p, reuse=shared) for p in plans]
+    reused = caplog.text.count("the rule an earlier trace learnt")
+    expected = [predict(str(path), SETUP, cluster, options=p, reuse=alone) for p in plans]
+    assert shared.traces == 2 and len(shared.mask_rules) == 1 and reused == 1, (shared.traces, shared.mask_rules)
+    assert [(p.peak_bytes, p.step.step_time_s, p.by_category) for p in found] == [
+        (p.peak_bytes, p.step.step_time_s, p.by_category) for p in expected]
+
+
+def test_a_trace_with_values_learns_its_own_mask(tmp_path):
+    """A trace whose batch has values (packed documents: real position ids) checks its own batch and shares no
+    rule (Note [Mask rules shared between a decision's traces])."""
+    import torch
+    import transformers
+
+    from autosp.export import trace_fake_step
+
+    shared = {}
+    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA.items() if k not in ("architectures", "model_type")},
+                                      use_cache=False)
+    config._attn_implementation = "sdpa"
+    for lengths in (None, [40, 88]):
+        compiled, _ = trace_fake_step(lambda: transformers.LlamaForCausalLM(config), seq_len=128, sp_size=2,
+                                      vocab_size=256, dtype=torch.float32, document_lengths=lengths,
+                                      mask_rules=shared)
+        assert compiled.report.mask_probe_blocks, "no mask was learnt"
+        assert len(shared) == 1  # the shape-only trace's rule; the packed trace learnt and kept its own

@@ -52,6 +52,23 @@ layout permutes: they are put back in sequence order before the ids are computed
 and the rule passes the ids to ring attention (Note [Ring attention] in
 autosp/ring_attention.py), which takes documents by position only (padding,
 chunks and windows are refused here).
+
+Note [Mask rules shared between a decision's traces]
+A planner decision traces the same model many times at one length (each
+Dynamo-stage option set at two depths and an unrolling depth: twelve traces for
+`python -m autosp.plan --memory-plan auto`), and every trace learns the same
+mask from the same program: at 3.7M tokens on 8 ranks about 7 s of each trace.
+Those traces are shape-only (no values in the batch's positions or padding mask,
+so step 4 has nothing to check), and there the rule is a function of what the
+pass reads: the mask program's code (its ops and every constant; a mask program
+reads no parameter or buffer, `_mask_program`), its inputs' roles, shapes and
+dtypes, the mask's shape, the layout, the SP degree, ``mask_probe_tokens`` and
+the configured window (`_MaskLearner._program_key`).  With
+``TraceContext.mask_rules`` (a dict the planner's `autosp.plan.predict.TraceReuse`
+passes to each of its traces) a rule, or the refusal, learnt for one key is
+taken by every later trace with the same key.  A trace with values (a compile of
+a real job, or a trace with packed documents) never shares: step 4 runs on its
+own batch.
 """
 
 from __future__ import annotations
@@ -269,6 +286,37 @@ class _MaskLearner:
             return None
         examples = [fake_value(n) for n in inputs]
         shape = fake_value(mask).shape  # [B or 1, heads or 1, L, L]
+        shared = self.ctx.mask_rules
+        if shared is None or not self._shape_only():
+            return self._learn_program(module, roles, examples, shape, where)
+        key = self._program_key(module, roles, examples, shape, where)
+        if key in shared:
+            log.info("attention mask of %s: the rule an earlier trace learnt from the same program (Note [Mask rules "
+                     "shared between a decision's traces])", where)
+            rule, blocks = shared[key]
+            if isinstance(rule, AutoSPError):
+                raise rule
+            self.ctx.report.mask_probe_blocks.append(blocks)
+            return rule
+        try:
+            rule = self._learn_program(module, roles, examples, shape, where)
+        except AutoSPError as err:
+            shared[key] = (err, None)
+            raise
+        shared[key] = (rule, self.ctx.report.mask_probe_blocks[-1])
+        return rule
+
+    def _program_key(self, module: fx.GraphModule, roles: list[str], examples: list, shape, where: str) -> tuple:
+        """What a learnt rule depends on in a shape-only trace (Note [Mask rules shared between a decision's
+        traces]): the program's code (its ops and every constant: a mask program reads no parameter or buffer,
+        `_mask_program`), its inputs' roles, shapes and dtypes, the mask's shape, the layout and the settings."""
+        layout = self.ctx.layout
+        return (where, module.code, tuple(roles), tuple((tuple(e.shape), e.dtype) for e in examples), tuple(shape),
+                None if layout is None else (layout.seq_len, layout.padded_seq_len, layout.local_seq_len),
+                self.ctx.sp_size, self.ctx.mask_probe_tokens, repr(self.ctx.sliding_window))
+
+    def _learn_program(self, module: fx.GraphModule, roles: list[str], examples: list, shape, where: str
+                       ) -> MaskRule:
         batch, length = (examples[0].shape[0] if examples else shape[0]), shape[-1]
         flow = IndexFlow(module, length, where)  # Note [Mask probes at other offsets]
         layout = self.ctx.layout
@@ -456,16 +504,20 @@ class _MaskLearner:
                 f"(shards of more than {configured.window} tokens) or sequences of at most {configured.window} tokens")
         return MaskRule(rule.by_position, rule.padding, configured.window, rule.chunk, rule.chunk_by_position)
 
+    def _shape_only(self) -> bool:
+        """A shape-only trace (the planner's): no layout, or the batch's positions or padding mask are fake."""
+        return self.ctx.layout is None or any(isinstance(self.ctx.full_inputs.get(r), FakeTensor) for r in MASK_INPUTS)
+
     def _check_real(self, where: str, rule: MaskRule, evaluate, block: int) -> None:
         """The learnt rule against the traced batch (the same outcome on every rank): on every rank's block, or on
         blocks of ``block`` tokens stepping by block - 1 when the program was resized (Note [Mask programs probed on
         shorter blocks] in mask_probes.py)."""
+        if self._shape_only():
+            return  # no values to check against
         full = self.ctx.full_inputs
         # A contiguous block of the real batch: under the zig-zag layout (ring, hybrid) this rank's own tokens
         # are two chunks, on which the model's mask would see a document boundary that is not in the batch.
-        layout = self.ctx.layout.window() if self.ctx.layout is not None else None
-        if layout is None or any(isinstance(full.get(r), FakeTensor) for r in MASK_INPUTS):
-            return  # a shape-only trace: no values to check against
+        layout = self.ctx.layout.window()
         positions, padding = full.get("position_ids"), full.get("attention_mask")
         padded_positions = pad_end(positions, layout.pad_tokens, None)
         padded_mask = None if padding is None else pad_end(padding, layout.pad_tokens, 0)
