@@ -778,6 +778,10 @@ def _unrolled_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, 
         tags = FullDepthTagger(model_layers=model_layers,
                                recompute_limit=captured[2][1].compiled_with.sac_recompute_limit, memory_budget=budget)
 
+        # The fake tensors of each joint graph, once and before any copy, which takes its nodes' metadata (a capture
+        # re-sized to this length, not traced at it, has none until then), as `_shallow_sac_step` does.
+        propagated = {layers: propagate_fake(captured[layers][0]) for layers in captured}
+
         def partitioned(layers: int, pattern: str):
             capture, facts, _ = captured[layers]
             # a copy is partitioned, never called (lazy graph modules); deep-copying its pytree codegen warns
@@ -788,7 +792,7 @@ def _unrolled_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, 
             if reuse is not None:
                 reuse.partitions += 1
             return partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern),
-                                propagated=propagate_fake(capture))
+                                propagated=propagated[layers])
 
         partitioned(2, EVERY)  # the two-layer graph decides for the full depth (`FullDepthTagger`)
         for pattern in tags.decision.patterns:

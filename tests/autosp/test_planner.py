@@ -244,6 +244,37 @@ def test_planner_resizes_lengths_inside_its_traced_range_and_predicts_what_trace
     assert (fast.traces, fast.resized, lengths.lengths) == (4, 1, [32, 96, 64, 128])
 
 
+def test_sac_with_offload_unrolled_from_a_resized_joint_graph_predicts_what_traces_predict(tmp_path, cluster):
+    """An 8-layer model at depth ``extrapolated``: SAC with activation offload is unrolled from a 6-layer program
+    partitioned with the full model's tags (`autosp.plan.predict._unrolled_step`).  At a length built from re-sized
+    joint graphs (no trace at it, so no fake tensors until the planner propagates them) the prediction equals that
+    of traces at that length."""
+    import dataclasses
+
+    from autosp.plan.model_source import ModelSource
+    from autosp.plan.predict import TraceReuse, simulate_step
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "num_hidden_layers": 8, "hidden_size": 64, "intermediate_size": 256,
+                                "vocab_size": 256}))
+    source = ModelSource(str(path))
+    setup = dataclasses.replace(SETUP, depth="extrapolated")
+    hf = source.config(seq_len=setup.seq_len)
+    config = setup.training_config(source.parameter_numels(hf))
+    plan = {"checkpointing": "sac", "activation_offload": "on"}
+    fast, slow = TraceReuse([plan], resize_lengths=True), TraceReuse([plan])
+
+    def predicted(reuse: TraceReuse, seq_len: int):
+        return simulate_step(source, setup, cluster, config, hf.num_hidden_layers, seq_len, plan, reuse)
+
+    for n in (32, 96, 64):  # two captures per depth, then the check
+        predicted(fast, n)
+    resized = fast.resized
+    got = predicted(fast, 48)
+    assert fast.resized > resized and got.host_dynamic_memory_bytes > 0
+    assert got == predicted(slow, 48)
+
+
 @pytest.mark.parametrize("target_mib", [1, 64 * 1024])
 def test_the_cli_and_the_compile_plan_the_same_candidates(model, monkeypatch, target_mib):
     """``python -m autosp.plan --memory-plan auto`` and ``autosp.compile(memory_plan="auto")`` (`plan_request`)
