@@ -144,6 +144,10 @@ ITEMS: dict[str, str] = {
     "published-is-a-run": "the published figure is a length ALST ran, not a searched maximum (commented-out lengths "
                           "in an earlier recipe, commit 115740a9, mark 2.5M 'close to oom' and 3M 'oom'): the true "
                           "maximum is at or above it",
+    "planner-depth": "the planner's depth: extrapolated from 1- and 2-layer traces with SAC deciding as for the full "
+                     "model (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py), offload "
+                     "plans unrolled from a 6-layer trace (simulator/depth_unroll.py); its own ZeRO 2 ledger, not the "
+                     "ZeRO-3 rewrite",
     "depth-extrapolated": "depth extrapolated from 2- and 3-layer traces (`DEPTHS`; Note [Depth extrapolation] in "
                           "simulator/max_length.py): exact in the depth for per-layer checkpointing, not for SAC",
 }
@@ -501,6 +505,22 @@ def miss_item(row: BreakdownRow, items: Sequence[tuple[str, int, int]], simulate
             f"({100 * tokens / row.published_tokens:+.1f} %); error after it {left:+.1f} %")
 
 
+COLUMNS = ("system", "row", "sp_size", "zero_stage", "checkpointing", "tiled_loss", "tiled_mlp", "activation_offload",
+           "simulated_tokens", "band_tokens", "stopped", "published_tokens", "error_pct", "within_tolerance",
+           "simulated_step_s", "published_iteration_s", "simulated_tflops", "published_tflops", "host_peak_gib",
+           "peak_at_published_gib", "simulated_step_at_published_s", "largest_ledger_lines_gib", "miss_item", "depth",
+           "items", "source")
+"""The table's columns, one per key of every row."""
+
+
+def _row(**fields) -> dict:
+    """A table row: ``fields``, every other column empty."""
+    unknown = set(fields) - set(COLUMNS)
+    if unknown:
+        raise KeyError(f"not columns of the alst table: {sorted(unknown)}")
+    return {**dict.fromkeys(COLUMNS, ""), **fields}
+
+
 def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers: str = "extrapolated",
                cache: TraceCache | None = None, search: Search | None = None) -> dict:
     """One table row: the simulated longest length of ``row`` (nominal ledger, and its band), its step time,
@@ -518,17 +538,14 @@ def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers
                               granularity=search.granularity, start=search.start, max_probes=search.max_probes,
                               host_capacity_bytes=host_capacity)
     best = found.nominal.max_seq_len
-    out = {"system": row.system, "row": row.name, "sp_size": row.sp_size, "zero_stage": row.zero_stage,
-           "checkpointing": row.checkpointing, "tiled_loss": row.tiled_loss, "tiled_mlp": row.tiled_mlp,
-           "activation_offload": row.offload, "simulated_tokens": best or "",
-           "band_tokens": f"{found.high_memory.display()} - {found.low_memory.display()}",
-           "stopped": found.nominal.stopped, "published_tokens": row.published_tokens or "",
-           "error_pct": "", "within_tolerance": "", "simulated_step_s": "", "published_iteration_s":
-           row.published_iteration_s or "", "simulated_tflops": "", "published_tflops": row.published_tflops or "",
-           "host_peak_gib": "", "peak_at_published_gib": "", "simulated_step_at_published_s": "",
-           "largest_ledger_lines_gib": "", "miss_item": "",
-           "depth": layers, "items": " ".join(row.items + (("depth-extrapolated",) if layers != "full" else ())),
-           "source": row.source}
+    out = _row(system=row.system, row=row.name, sp_size=row.sp_size, zero_stage=row.zero_stage,
+               checkpointing=row.checkpointing, tiled_loss=row.tiled_loss, tiled_mlp=row.tiled_mlp,
+               activation_offload=row.offload, simulated_tokens=best or "",
+               band_tokens=f"{found.high_memory.display()} - {found.low_memory.display()}",
+               stopped=found.nominal.stopped, published_tokens=row.published_tokens or "",
+               published_iteration_s=row.published_iteration_s or "", published_tflops=row.published_tflops or "",
+               depth=layers, items=" ".join(row.items + (("depth-extrapolated",) if layers != "full" else ())),
+               source=row.source)
     if best:
         at_best = step(best)
         out.update(simulated_step_s=_figures(at_best.step_time_s),
@@ -556,19 +573,85 @@ def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers
     return out
 
 
+PLANNER_ROW = "planner: memory_plan='auto', ZeRO 2 + optimizer offload"
+PLANNER_ZERO_STAGE = 2
+"""The planner row's ZeRO stage: AutoSP composes with ZeRO 2, not with ALST's ZeRO 3 (`autosp.plan.TrainingSetup`
+refuses it); optimizer offload as ALST ran it."""
+
+
+def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "extrapolated",
+                search: Search | None = None, plans: Sequence | None = None, seq_len: int | None = None) -> dict:
+    """AutoSP's memory planner on ALST's machine with no AutoSP setting (`autosp.plan.plan_memory`, the code
+    ``autosp.compile(memory_plan="auto")`` runs; every candidate of `autosp.plan.candidates_for`, or ``plans``):
+    objective ``fastest`` at ALST's longest published length (``seq_len``; its step beside ALST's iteration there)
+    and objective ``longest`` from there (the longest length, its plan and step).  The model is traced as ALST
+    calls it (no KV cache) from ``model``'s config; ZeRO `PLANNER_ZERO_STAGE` with optimizer offload."""
+    import json
+    import tempfile
+
+    from autosp.plan import TrainingSetup, load_cluster, plan_memory
+
+    everything = ALST_ROWS[-1]
+    at = seq_len or everything.published_tokens - everything.published_tokens % RANKS
+    search = search or default_search(AUTOSP_ROWS[0])
+    setup = TrainingSetup(seq_len=at, sp_size=RANKS, zero_stage=PLANNER_ZERO_STAGE, offload="optimizer",
+                          depth="full" if layers == "full" else "extrapolated")
+    machine = load_cluster(cluster, world_size=RANKS)
+    config = json.loads(model.hf_config().to_json_string(use_diff=False))
+    config.update(use_cache=False)  # as ALST calls the model (`TRAINING`)
+    with tempfile.TemporaryDirectory(prefix="alst-planner-") as folder:
+        path = pathlib.Path(folder, "config.json")
+        path.write_text(json.dumps(config))
+        fastest = plan_memory(str(path), setup, machine, objective="fastest", plans=plans)
+        longest = plan_memory(str(path), setup, machine, objective="longest", plans=plans, granularity=search.granularity,
+                              max_length_high=search.high, max_probes=search.max_probes)
+    out = _row(system="autosp", row=PLANNER_ROW, sp_size=RANKS, zero_stage=PLANNER_ZERO_STAGE,
+               published_tokens=everything.published_tokens, published_iteration_s=everything.published_iteration_s,
+               published_tflops=everything.published_tflops, depth=layers,
+               items=" ".join(("host-memory",) + (("planner-depth",) if layers != "full" else ())),
+               source=f"autosp.plan.plan_memory, {len(longest.candidates)} candidates: objective fastest at {at:,} "
+                      f"tokens chose {_chosen_name(fastest)}; objective longest chose {_chosen_name(longest)}")
+    if fastest.chosen is not None:
+        chosen = fastest.candidates[fastest.chosen].prediction
+        out.update(peak_at_published_gib=round(chosen.peak_bytes / 2**30, 1),
+                   simulated_step_at_published_s=_figures(chosen.step.step_time_s))
+    if longest.chosen is not None:
+        chosen = longest.candidates[longest.chosen]
+        options, found = chosen.plan.options, chosen.prediction.max_length
+        best = found["max_seq_len"]
+        out.update(checkpointing=options.get("checkpointing", "sac"), tiled_loss=options.get("tiled_loss") == "on",
+                   tiled_mlp=options.get("tiled_mlp") == "on", activation_offload=options.get("activation_offload") == "on",
+                   simulated_tokens=best, band_tokens=" - ".join(found["band"]), stopped=found["stopped"],
+                   error_pct=round(100 * (best / everything.published_tokens - 1), 1),
+                   simulated_step_s=_figures(found["step_time_s"]),
+                   simulated_tflops=_figures(tflops_per_gpu(best, found["step_time_s"], RANKS, model)),
+                   host_peak_gib=round((found["host_peak_bytes"] or 0) / 2**30, 1))
+    log.info("autosp %s: %s tokens (fastest at %s: %s)", PLANNER_ROW, out["simulated_tokens"], at,
+             out["simulated_step_at_published_s"])
+    return out
+
+
+def _chosen_name(report) -> str:
+    return report.candidates[report.chosen].plan.name if report.chosen is not None else "nothing (none fits)"
+
+
 def alst_rows(*, layers: str = "extrapolated", cache: TraceCache | None = None,
               rows: Sequence[BreakdownRow] | None = None, searches: Mapping[str, Search] | None = None,
-              cluster: str = CLUSTER, model: PaperModel | None = None) -> list[dict]:
+              cluster: str = CLUSTER, model: PaperModel | None = None, planner: bool | None = None) -> list[dict]:
     """The breakdown table: ALST's rows (:data:`ALST_ROWS`) then AutoSP's (:data:`AUTOSP_ROWS` and
-    `autosp_zero2_row`), or ``rows``; ``searches`` overrides a row's search settings by row name; ``layers``:
+    `autosp_zero2_row`), or ``rows``, then the planner's (`planner_row`; ``planner``: default only without
+    ``rows``); ``searches`` overrides a row's search settings by row name; ``layers``:
     ``full`` or ``extrapolated`` depth (Note [Depth extrapolation] in simulator/max_length.py); ``model``:
     Llama-3.1-8B unless given (tests pass a small one)."""
     model = model or PAPER_MODELS[MODEL]
     cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
     machine = Cluster.from_preset(cluster)
     chosen = rows if rows is not None else (*ALST_ROWS, *AUTOSP_ROWS, autosp_zero2_row())
-    return [row_result(row, model=model, cluster=machine, layers=layers, cache=cache,
-                       search=(searches or {}).get(row.name)) for row in chosen]
+    out = [row_result(row, model=model, cluster=machine, layers=layers, cache=cache,
+                      search=(searches or {}).get(row.name)) for row in chosen]
+    if planner if planner is not None else rows is None:
+        out.append(planner_row(model=model, cluster=cluster, layers=layers, search=(searches or {}).get(PLANNER_ROW)))
+    return out
 
 
 def footer(rows: Sequence[dict]) -> list[str]:
@@ -594,6 +677,13 @@ def footer(rows: Sequence[dict]) -> list[str]:
         lines += ["", f"Longest simulated: ALST's configuration {best['alst']:,} tokens, AutoSP's techniques "
                   f"{best['autosp']:,} ({best['autosp'] / best['alst']:.2f}x). AutoSP rows at ZeRO 3 price the AutoSP "
                   "program under ALST's ZeRO setting (AutoSP refuses ZeRO 3 today); the ZeRO 2 row is what it runs."]
+    for r in rows:
+        if r["row"] == PLANNER_ROW:
+            longest = f"{r['simulated_tokens']:,} tokens" if r["simulated_tokens"] else "nothing fits"
+            lines += ["", f"The planner (no AutoSP setting; ZeRO {r['zero_stage']} with optimizer offload): "
+                      f"{r['source']}. Step at ALST's longest published length: "
+                      f"{r['simulated_step_at_published_s'] or 'does not fit'} s simulated against "
+                      f"{r['published_iteration_s']} s published; longest {longest}."]
     return lines
 
 
