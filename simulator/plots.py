@@ -3,13 +3,16 @@
 matplotlib is imported lazily inside the functions, with the non-interactive Agg backend, so importing the
 simulator never needs it and headless machines can render. :func:`plot_timeline` draws one row per stream of each
 simulated rank (kernels coloured by phase, transfers per group, stalls and peer waits in grey);
-:func:`plot_memory` draws each simulated rank's total memory with the device capacity and any OOM point.
+:func:`plot_memory` draws each simulated rank's total memory with the device capacity and any OOM point;
+:func:`plot_memory_by_category` stacks the memory ledger's categories along the step of the rank that peaks highest.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
+from simulator.ledger import CATEGORIES, LedgerLine
 from simulator.result import Result
 from simulator.schedule import BLOCKING, COMPUTE, COMPUTE_STREAM, WAIT
 
@@ -97,6 +100,66 @@ def plot_memory(result: Result, path: str | os.PathLike[str], *, max_ranks: int 
     ax.set_ylabel("memory (GiB)")
     ax.set_title(f"{result.workload_name}: peak {result.peak_memory_bytes / gib:.2f} GiB")
     ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def memory_by_category(result: Result, lines: Sequence[LedgerLine], pool: str = "device"
+                       ) -> tuple[list[float], dict[str, list[float]]]:
+    """Memory per ledger category along the simulated step, in bytes, for ``pool``'s lines of ``lines`` (the
+    ledger inside backward whose ``activations`` line is this step's, as `autosp.plan.predict.Prediction.lines`
+    are): (times in seconds, {category: bytes at each time}).  Every category but the activations holds its ledger
+    bytes through the step (as the ledger counts them inside backward); the activations are what the simulated
+    rank that peaks highest holds above its static floor at each moment (device), or has offloaded (host).  So at
+    the activation peak the stack's top is the sum of the pool's lines, the predicted peak (docs/design.md, "One
+    memory definition")."""
+    timelines = {r: result.timelines[r] for r in sorted(result.timelines)}
+    if pool == "device":
+        rank = max(timelines, key=lambda r: timelines[r].memory.peak_bytes - timelines[r].memory.static_bytes)
+        memory = timelines[rank].memory
+        floor = memory.static_bytes
+    else:
+        hosts = {r: tl.host_memory for r, tl in timelines.items() if tl.host_memory is not None}
+        rank = max(hosts, key=lambda r: hosts[r].peak_bytes - hosts[r].static_bytes) if hosts else None
+        memory = hosts[rank] if rank is not None else None
+        floor = memory.static_bytes if memory is not None else 0
+    times = [0.0, result.step_time_s] if memory is None else [*map(float, memory.times_s), result.step_time_s]
+    dynamic = [0.0, 0.0] if memory is None else [float(b) - floor for b in memory.total_bytes]
+    if memory is not None:
+        dynamic.append(dynamic[-1])
+    held: dict[str, float] = {}
+    for line in lines:
+        if line.pool == pool and line.category != "activations":
+            held[line.category] = held.get(line.category, 0.0) + line.bytes
+    out = {c: [held[c]] * len(times) for c in CATEGORIES if held.get(c)}
+    out["activations"] = dynamic
+    return times, out
+
+
+def plot_memory_by_category(result: Result, lines: Sequence[LedgerLine], path: str | os.PathLike[str]) -> None:
+    """Write a PNG of memory per ledger category along the simulated step (`memory_by_category`), stacked, in GiB:
+    the device against its capacity, and the host pool below it when the step offloads anything."""
+    plt = _pyplot()
+    pools = ["device"] + (["host"] if any(ln.pool == "host" for ln in lines) or result.host_peak_memory_bytes else [])
+    fig, axes = plt.subplots(len(pools), 1, figsize=(10, 3.5 * len(pools)), squeeze=False)
+    gib = 2.0**30
+    colours = dict(zip(CATEGORIES, plt.get_cmap("tab10").colors, strict=False))
+    for ax, pool in zip(axes[:, 0], pools, strict=True):
+        times, stacks = memory_by_category(result, lines, pool)
+        ax.stackplot([t * 1e3 for t in times], *([b / gib for b in series] for series in stacks.values()),
+                     labels=list(stacks), colors=[colours[c] for c in stacks], step="post")
+        peak = max(sum(series[i] for series in stacks.values()) for i in range(len(times))) / gib
+        of = ""
+        if pool == "device":
+            capacity = result.ranks[0].memory_capacity_bytes / gib
+            of = f" of {capacity:.1f}"
+            if peak >= capacity / 2:  # else the line would flatten the stack
+                ax.axhline(capacity, color="red", linestyle="--", label=f"capacity {capacity:.1f} GiB")
+        ax.set_title(f"{result.workload_name}: {pool} memory per category, peak {peak:.2f}{of} GiB")
+        ax.set_xlabel("time (ms)")
+        ax.set_ylabel("memory (GiB)")
+        ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -212,6 +212,18 @@ NOTEBOOKS = {
             "`prediction.format()` prints above is the memory ledger of the training configuration "
             "(communication buffers, CUDA context and allocator reserve included) with this step's peak above its "
             "floor as the activations line (docs/design.md, \"One memory definition\")."),
+        new_code_cell(
+            "from simulator.plots import plot_memory_by_category\n\n"
+            'plot_memory_by_category(result, prediction.lines, folder / "categories.png")\n'
+            'display(Image(filename=str(folder / "categories.png")))'),
+        new_markdown_cell(
+            "The same step per category of the memory ledger (`simulator.plots.memory_by_category`): the "
+            "parameters, gradients, optimizer state, communication buffers, runtime (CUDA context, NCCL, "
+            "workspaces) and allocator lines held through the step as the ledger counts them inside backward, and "
+            "on top the activations the simulated step holds at each moment. The highest top is the predicted "
+            "peak. With `memory_plan` options such as `activation_offload=\"on\"` in the prediction "
+            "(`predict(..., options=...)`) or optimizer offload in the setup, a second panel shows the host pool: "
+            "the offloaded optimizer state and the activations in host memory along the step."),
     ],
     "max_sequence_length.ipynb": [
         new_markdown_cell(

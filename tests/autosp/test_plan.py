@@ -357,3 +357,22 @@ def test_presets_are_predicted_without_a_kv_cache_and_a_config_json_as_it_says(t
     # each layer's K and V of this rank's 256 tokens: 2 KV heads of 16 (hidden 64 over 4 heads), bf16
     cache = QWEN2["num_hidden_layers"] * 2 * 2 * 16 * 256 * 2
     assert peaks[True] - peaks[False] == cache, peaks
+
+
+def test_memory_per_category_along_the_step_tops_out_at_the_predicted_peaks(tmp_path, qwen2_config):
+    """`simulator.plots.memory_by_category` of a prediction with activation offload: every ledger category held
+    through the step, the activations following the simulated step; the stack's highest top is the predicted
+    device peak, and on the host the predicted host peak."""
+    from simulator.plots import memory_by_category, plot_memory_by_category
+
+    setup = TrainingSetup(seq_len=256, sp_size=2, zero_stage=2, offload="optimizer")
+    prediction = predict(str(qwen2_config), setup, load_cluster("h100-sxm", world_size=2),
+                         options={"activation_offload": "on"})
+    result = prediction.step.simulated
+    for pool, peak in (("device", prediction.peak_bytes), ("host", prediction.host_peak_bytes)):
+        times, stacks = memory_by_category(result, prediction.lines, pool)
+        assert all(len(series) == len(times) for series in stacks.values())
+        assert max(map(sum, zip(*stacks.values(), strict=True))) == peak, pool
+        assert max(stacks["activations"]) > 0 and min(stacks["activations"]) >= 0
+    plot_memory_by_category(result, prediction.lines, tmp_path / "categories.png")
+    assert (tmp_path / "categories.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
