@@ -114,16 +114,9 @@ def memory_by_category(result: Result, lines: Sequence[LedgerLine], pool: str = 
     rank that peaks highest holds above its static floor at each moment (device), or has offloaded (host).  So at
     the activation peak the stack's top is the sum of the pool's lines, the predicted peak (docs/design.md, "One
     memory definition")."""
-    timelines = {r: result.timelines[r] for r in sorted(result.timelines)}
-    if pool == "device":
-        rank = max(timelines, key=lambda r: timelines[r].memory.peak_bytes - timelines[r].memory.static_bytes)
-        memory = timelines[rank].memory
-        floor = memory.static_bytes
-    else:
-        hosts = {r: tl.host_memory for r, tl in timelines.items() if tl.host_memory is not None}
-        rank = max(hosts, key=lambda r: hosts[r].peak_bytes - hosts[r].static_bytes) if hosts else None
-        memory = hosts[rank] if rank is not None else None
-        floor = memory.static_bytes if memory is not None else 0
+    reports = [tl.memory if pool == "device" else tl.host_memory for tl in result.timelines.values()]
+    memory = max((m for m in reports if m is not None), key=lambda m: m.peak_bytes - m.static_bytes, default=None)
+    floor = memory.static_bytes if memory is not None else 0
     times = [0.0, result.step_time_s] if memory is None else [*map(float, memory.times_s), result.step_time_s]
     dynamic = [0.0, 0.0] if memory is None else [float(b) - floor for b in memory.total_bytes]
     if memory is not None:

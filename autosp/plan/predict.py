@@ -673,17 +673,36 @@ def _extrapolated(values: Mapping[int, tuple], model_layers: int) -> tuple[float
     return step_s, micro_s, dynamic, host
 
 
+def _partition_copy(capture, facts: _TraceFacts, propagated: tuple, *, checkpointing: str, budget: float | None,
+                    tag_joint) -> object:
+    """`autosp.joint_template.partition_at` of a copy of ``capture``'s joint graph under ``checkpointing`` and
+    ``budget`` with ``tag_joint``'s recomputation tags, so that each pattern partitions its own copy.
+    ``propagated``: `propagate_fake` of ``capture``, taken before any copy: the copy takes its nodes' metadata, which
+    a capture re-sized to this length (not traced at it) has only once propagated."""
+    import copy
+
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+
+    from autosp.joint_template import partition_at
+
+    # the copy is partitioned, never called, so its Python code is not generated (torch's lazy graph modules);
+    # deep-copying the graph's pytree codegen warns about a deprecated spelling
+    with warnings.catch_warnings(), _use_lazy_graph_module(True):
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        graph = _make_graph_module(capture.graph, copy.deepcopy(capture.graph.graph))
+    sac = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
+    return partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tag_joint, propagated=propagated)
+
+
 def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, config: TrainingConfig,
                       model_layers: int, seq_len: int, options: Mapping | None,
                       reuse: TraceReuse | None) -> StepPrediction:
     """The step of ``model_layers`` layers under SAC from traces of 1 and 2 layers whose joint graphs are tagged
     with the full model's SAC decision (Note [Shallow traces checkpointed for the full depth] in
     autosp/plan/depth.py); `DepthExtrapolationError` where that does not hold."""
-    import copy
 
-    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
-    from autosp.joint_template import partition_at, propagate_fake
+    from autosp.joint_template import propagate_fake
     from autosp.plan.depth import FullDepthTagger
 
     captured = {}
@@ -703,21 +722,15 @@ def _shallow_sac_step(source: ModelSource, setup: TrainingSetup, cluster: Cluste
     values: dict[str, dict[int, tuple]] = {}
     start = time.perf_counter()
     # The fake tensors of each joint graph, once (the trace's own: Note [The trace's fake tensors] in
-    # autosp/joint_template.py): each pattern partitions a copy, which holds its metadata.
+    # autosp/joint_template.py), before any copy (`_partition_copy`).
     propagated = {layers: propagate_fake(captured[layers][0]) for layers in (2, 1)}
     patterns = ["every"]
     while patterns:
         pattern = patterns.pop(0)
         for layers in (2, 1):
             capture, facts, rewrites_here = captured[layers]
-            # deep-copying the graph's pytree codegen warns about a deprecated spelling; the copy is partitioned,
-            # never called, so its Python code is not generated (torch's lazy graph modules)
-            with warnings.catch_warnings(), _use_lazy_graph_module(True):
-                warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-                graph = _make_graph_module(capture.graph, copy.deepcopy(capture.graph.graph))
-            sac = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
-            report = partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern),
-                                  propagated=propagated[layers])
+            report = _partition_copy(capture, facts, propagated[layers], checkpointing=checkpointing, budget=budget,
+                                     tag_joint=tags.tagger(pattern))
             if reuse is not None:
                 reuse.partitions += 1
             traced = _steps(source, setup, report, facts, seq_len=seq_len, layers=layers, config=config,
@@ -746,11 +759,9 @@ def _unrolled_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, 
     model's depth] in simulator/depth_unroll.py); under SAC the trace is tagged with the full model's decision
     (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py), each of its bracketing programs
     unrolled and simulated, and the two mixed.  `DepthExtrapolationError` where that does not hold."""
-    import copy
 
-    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
-    from autosp.joint_template import partition_at, propagate_fake
+    from autosp.joint_template import propagate_fake
     from autosp.plan.depth import EVERY, SOME, FullDepthTagger
     from simulator.depth_unroll import UNROLL_LAYERS, unroll_depth
 
@@ -778,21 +789,15 @@ def _unrolled_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, 
         tags = FullDepthTagger(model_layers=model_layers,
                                recompute_limit=captured[2][1].compiled_with.sac_recompute_limit, memory_budget=budget)
 
-        # The fake tensors of each joint graph, once and before any copy, which takes its nodes' metadata (a capture
-        # re-sized to this length, not traced at it, has none until then), as `_shallow_sac_step` does.
+        # The fake tensors of each joint graph, once, before any copy (`_partition_copy`).
         propagated = {layers: propagate_fake(captured[layers][0]) for layers in captured}
 
         def partitioned(layers: int, pattern: str):
             capture, facts, _ = captured[layers]
-            # a copy is partitioned, never called (lazy graph modules); deep-copying its pytree codegen warns
-            with warnings.catch_warnings(), _use_lazy_graph_module(True):
-                warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-                graph = _make_graph_module(capture.graph, copy.deepcopy(capture.graph.graph))
-            sac = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
             if reuse is not None:
                 reuse.partitions += 1
-            return partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tags.tagger(pattern),
-                                propagated=propagated[layers])
+            return _partition_copy(capture, facts, propagated[layers], checkpointing=checkpointing, budget=budget,
+                                   tag_joint=tags.tagger(pattern))
 
         partitioned(2, EVERY)  # the two-layer graph decides for the full depth (`FullDepthTagger`)
         for pattern in tags.decision.patterns:

@@ -655,7 +655,9 @@ def alst_rows(*, layers: str = "extrapolated", cache: TraceCache | None = None,
     chosen = rows if rows is not None else (*ALST_ROWS, *AUTOSP_ROWS, autosp_zero2_row())
     out = [row_result(row, model=model, cluster=machine, layers=layers, cache=cache,
                       search=(searches or {}).get(row.name)) for row in chosen]
-    if planner if planner is not None else rows is None:
+    if planner is None:
+        planner = rows is None
+    if planner:
         out.append(planner_row(model=model, cluster=cluster, layers=layers, search=(searches or {}).get(PLANNER_ROW)))
     return out
 
