@@ -321,13 +321,14 @@ def compile(  # noqa: A001 - mirrors torch.compile
     config = AutoSPConfig.from_options(sp_size=sp_size, compiler=compiler, options=options)
     owned = planner  # closed on the way out (a no-op once it answered) unless the compiled model takes it over
     try:
+        from autosp.plan.auto import check_plannable, resolve_memory_plan
+
+        config = resolve_memory_plan(model, config)  # Note [The default memory plan] in autosp/plan/auto.py
         if planner is not None and config.memory_plan != "auto" and config.strategy != "auto":
             raise AutoSPError("planner= is the planner process of strategy='auto' or memory_plan='auto', and this "
                               "compile plans nothing: drop it, or ask for one of them")
         explicit = {k: v for k, v in options.items() if k in MEMORY_PLAN_OPTIONS}
         if config.memory_plan == "auto" or config.strategy == "auto":
-            from autosp.plan.auto import check_plannable
-
             check_plannable(model, config)
         strategy_plan = None
         if config.strategy == "auto":  # the planner chooses; every rank compiles its choice (autosp.plan.auto)

@@ -44,9 +44,9 @@ before any batch)."""
 
 def with_job_setup(options: dict, job_setup: Callable[[], dict]) -> dict:
     """``options`` of `autosp.compile` whose ``plan_setup`` defaults to what a training framework knows of the job
-    (``job_setup()``: its ZeRO stage, batch, optimizer, ...; called only when ``memory_plan`` or ``strategy`` is
-    "auto"); the keys the user gave win.  The DeepSpeed and Trainer integrations pass their configs through it."""
-    if "auto" not in (options.get("memory_plan"), options.get("strategy")):
+    (``job_setup()``: its ZeRO stage, batch, optimizer, ...; called unless ``memory_plan="off"`` without
+    ``strategy="auto"``: the default plans where it can); the keys the user gave win.  The DeepSpeed and Trainer integrations pass their configs through it."""
+    if options.get("memory_plan") == "off" and options.get("strategy") != "auto":
         return dict(options)
     return {**options, "plan_setup": {**job_setup(), **(options.get("plan_setup") or {})}}
 
@@ -146,11 +146,14 @@ class AutoSPConfig:
     their backward use, asynchronously (Note [Activation offload] in autosp/passes/partitioned/offload.py; exact: the
     values are copied, never changed): "on", "off", or "auto" (the memory planner decides; only with
     memory_plan="auto"; a plan that does not set it leaves it off)."""
-    memory_plan: str = "off"
+    memory_plan: str | None = None
     """"auto": before its first program compiles, the model runs the memory planner (autosp.plan.plan_memory) for
     itself at its first batch's length (or ``plan_seq_len``) and compiles with the fastest candidate's checkpointing, SAC budget, tiled
     loss and tiled MLP that fits ``target_memory`` (options passed explicitly win; docs/design.md, "Memory
-    planner"); the decision and every candidate are in ``report.memory_plan``.  "off": the options as given."""
+    planner"); the decision and every candidate are in ``report.memory_plan``.  "off": the options as given.
+    None (the default): "auto" wherever the planner can plan the compile (a Hugging Face causal LM in fp32 or
+    bf16 with a memory size to plan for: a GPU's, or ``target_memory``), else "off", saying why in the log
+    (`autosp.plan.auto.resolve_memory_plan`); ``compiled.config.memory_plan`` shows which."""
     target_memory: int | None = None
     """Bytes per rank the plan must fit (the planner's peak: the memory ledger plus the simulated activations);
     None: the GPU's memory (memory_plan="auto" requires it on CPU; strategy="auto" then takes the cluster preset's
@@ -220,7 +223,7 @@ class AutoSPConfig:
                               f"{self.mlp_chunk_tokens!r}")
         if self.activation_offload not in ACTIVATION_OFFLOAD:
             raise AutoSPError(f"activation_offload must be one of {ACTIVATION_OFFLOAD}, got {self.activation_offload!r}")
-        if self.activation_offload == "auto" and self.memory_plan != "auto":
+        if self.activation_offload == "auto" and self.memory_plan == "off":
             raise AutoSPError("activation_offload='auto' lets the memory planner decide: pass memory_plan='auto' (and "
                               "target_memory) too, or choose activation_offload='on' or 'off' yourself")
         self._check_memory_plan()
@@ -261,8 +264,9 @@ class AutoSPConfig:
         object.__setattr__(self, "ring_size", ring)
 
     def _check_memory_plan(self) -> None:
-        if self.memory_plan not in MEMORY_PLAN:
-            raise AutoSPError(f"memory_plan must be one of {MEMORY_PLAN}, got {self.memory_plan!r}")
+        if self.memory_plan is not None and self.memory_plan not in MEMORY_PLAN:
+            raise AutoSPError(f"memory_plan must be one of {MEMORY_PLAN} (or None, the default: planned where it "
+                              f"can be), got {self.memory_plan!r}")
         defaults = {f.name: f.default for f in fields(self) if f.name in PLANNING_OPTIONS}
         given = [name for name, default in defaults.items() if getattr(self, name) != default]
         if self.memory_plan == "off" and self.strategy != "auto" and given:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
-from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES
+from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES, MEMORY_PLANNED_STRATEGIES
 from simulator.workload_rewrites import ModuleParameters, ring_workload, zero3_workload
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ memory cap), simulated at paper scale."""
 # refuse the strategy, unless the value is what such a pass does anyway (before strategies existed, the pass only
 # did Ulysses).
 _REQUIRED_OPTIONS = frozenset({"strategy", "ulysses_size", "ring_size", "memory_plan"})
-_IMPLICIT_OPTIONS = {"strategy": "ulysses"}
+_IMPLICIT_OPTIONS = {"strategy": "ulysses", "memory_plan": "off"}
 
 
 class UnknownStrategyError(ValueError, KeyError):
@@ -163,9 +163,13 @@ class Strategy:
 
     @property
     def memory_planned(self) -> bool:
-        """Its memory options are the memory planner's choice (``memory_plan="auto"``): running it needs a
-        ``target_memory`` (and the job's ``plan_setup``), which the table running it passes."""
-        return dict(self.options).get("memory_plan") == "auto"
+        """Its memory options are the memory planner's choice wherever the job gives a memory size: the pass with
+        ``memory_plan="auto"``, or with its default (unset) under a strategy the planner plans (Note [The default
+        memory plan] in autosp/plan/auto.py).  A table that gives memory sizes passes ``target_memory`` (and the
+        job's ``plan_setup``) to such a strategy; the others run it unplanned (no memory size on CPU)."""
+        options = dict(self.options)
+        return (self.implementation == "autosp" and options.get("memory_plan", "auto") == "auto"
+                and options.get("strategy", "ulysses") in MEMORY_PLANNED_STRATEGIES)
 
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:
@@ -256,12 +260,16 @@ def _hybrid(ulysses_size: int, ring_size: int, *, tables: tuple[str, ...] = ()) 
 
 
 _FIXED: tuple[Strategy, ...] = (
-    Strategy(name="autosp", description="AutoSP (this pass): Ulysses, selective activation checkpointing, "
-             "overlapped all-to-alls", implementation="autosp", sequence_parallel="ulysses", zero_stage=_ZERO1,
+    # AutoSP as compiled by default: where the job gives a memory size (the memory-cap table's cap), the memory
+    # planner chooses its memory options (Note [The planner's memory-cap row] in experiments/cpu/memory_cap.py);
+    # elsewhere (no memory size on CPU; simulated as the paper ran it) SAC, as autosp-sac.
+    Strategy(name="autosp", description="AutoSP (this pass) as compiled by default: Ulysses, overlapped "
+             "all-to-alls, selective activation checkpointing or, given a memory size, the memory planner's plan",
+             implementation="autosp", sequence_parallel="ulysses", zero_stage=_ZERO1,
              workload=_SP, options=_options(strategy="ulysses"), tables=_BOTH, published=True),
     Strategy(name="autosp-nosac", description="AutoSP without activation checkpointing", implementation="autosp",
              sequence_parallel="ulysses", zero_stage=_ZERO1, workload=_SP,
-             options=_options(strategy="ulysses", checkpointing="none"), tables=_MEASURED),
+             options=_options(strategy="ulysses", checkpointing="none", memory_plan="off"), tables=_MEASURED),
     Strategy(name="ulysses", description="hand-written DeepSpeed-Ulysses (blocking all-to-alls, no checkpointing)",
              implementation="hand-written", sequence_parallel="ulysses", zero_stage=_ZERO1, workload=_SP,
              options=_HAND, tables=_BOTH, published=True),
@@ -284,19 +292,18 @@ _FIXED: tuple[Strategy, ...] = (
     # so); every other hybrid is the family's (below); "auto" resolves to one of them before compiling
     # (autosp.plan.auto). options_for refuses them on a pass without `strategy`.
     Strategy(name="autosp-ring", description="AutoSP (this pass): zig-zag ring attention", implementation="autosp",
-             sequence_parallel="ring", zero_stage=_ZERO1, workload=_SP, options=_options(strategy="ring"),
-             tables=_MEASURED),
+             sequence_parallel="ring", zero_stage=_ZERO1, workload=_SP,
+             options=_options(strategy="ring", memory_plan="off"), tables=_MEASURED),
     Strategy(name="autosp-auto", description="AutoSP (this pass): the strategy and degrees it simulates fastest",
              implementation="autosp", sequence_parallel="auto", zero_stage=_ZERO1, workload=_SP,
              options=_options(strategy="auto")),
     _hybrid(2, 2, tables=_MEASURED),
-    # AutoSP under its memory planner: at each length the planner chooses the memory options (checkpointing, SAC
-    # budget, tiled loss and MLP, activation offload) fastest within the table's cap (Note [The planner's
-    # memory-cap row] in experiments/cpu/memory_cap.py); never simulated as a system of its own.
-    Strategy(name="autosp+planner", description="AutoSP (this pass) under its memory planner (memory_plan='auto', "
-             "the table's cap as target_memory)", implementation="autosp", sequence_parallel="ulysses",
-             zero_stage=_ZERO1, workload=None, options=_options(strategy="ulysses", memory_plan="auto"),
-             tables=("memory-cap",)),
+    # AutoSP with the memory options as given (SAC), beside the default compile's plan in the memory-cap table:
+    # what the planner adds to SAC alone.
+    Strategy(name="autosp-sac", description="AutoSP (this pass) unplanned: Ulysses, selective activation "
+             "checkpointing, overlapped all-to-alls (memory_plan='off')", implementation="autosp",
+             sequence_parallel="ulysses", zero_stage=_ZERO1, workload=_SP,
+             options=_options(strategy="ulysses", memory_plan="off"), tables=("memory-cap",)),
 )
 
 _HYBRID = re.compile(r"autosp-hybrid-([1-9][0-9]*)x([1-9][0-9]*)")

@@ -67,6 +67,9 @@ ring of K/V passes, or both (all-to-alls inside groups of ``ulysses_size`` conse
 groups). The one declaration of these names: ``autosp.config.STRATEGIES`` and
 ``simulator.strategies.SEQUENCE_PARALLEL`` read them from here (autosp may import only this module of the
 simulator, docs/design.md, "The packages and who may import whom")."""
+MEMORY_PLANNED_STRATEGIES = tuple(s for s in COMPILED_STRATEGIES if s != "hybrid")
+"""The compiled strategies the memory planner plans (``memory_plan="auto"``, and the default wherever a plan can be
+made: Note [The default memory plan] in autosp/plan/auto.py); the hybrid is not planned yet."""
 CHOSEN_STRATEGIES = ("auto",)
 """Strategies of ``simulator.strategies.SEQUENCE_PARALLEL`` that ``autosp.compile(strategy=...)`` accepts but
 resolves, before compiling, to one of ``COMPILED_STRATEGIES`` (and its degrees): ``auto``, the fastest that fits

@@ -23,6 +23,7 @@ process's imports off the decision.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -35,9 +36,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autosp.config import AutoSPConfig
+from autosp.config import PLANNING_OPTIONS, AutoSPConfig
 from autosp.errors import AutoSPError
 from autosp.plan.process import COMPILE_IMPORTS, PlannerProcess, import_ahead
+from simulator.workload import CHOSEN_STRATEGIES, MEMORY_PLANNED_STRATEGIES
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +81,10 @@ def check_plannable(module: torch.nn.Module, config: AutoSPConfig) -> None:
     """What `autosp.compile` refuses before any work when ``memory_plan="auto"`` or ``strategy="auto"``."""
     planning = "strategy='auto'" if config.strategy == "auto" else "memory_plan='auto'"
     hf_config_of(module, planning)
-    if config.strategy == "hybrid":
-        raise AutoSPError("memory_plan='auto' does not plan a strategy='hybrid' program yet; pass the memory options "
-                          "yourself with memory_plan='off', or plan under strategy='ulysses' or 'ring'")
+    if config.strategy not in (*MEMORY_PLANNED_STRATEGIES, *CHOSEN_STRATEGIES):
+        raise AutoSPError(f"memory_plan='auto' does not plan a strategy={config.strategy!r} program yet; pass the "
+                          "memory options yourself with memory_plan='off', or plan under strategy="
+                          f"{' or '.join(map(repr, MEMORY_PLANNED_STRATEGIES))}")
     device = _device_of(module)
     if config.memory_plan == "auto" and config.target_memory is None and device.type != "cuda":
         raise AutoSPError(
@@ -96,6 +99,59 @@ def check_plannable(module: torch.nn.Module, config: AutoSPConfig) -> None:
         from autosp.plan.predict import TrainingSetup
 
         TrainingSetup(seq_len=config.sp_size, sp_size=config.sp_size, **config.plan_setup).check()
+
+
+# Note [The default memory plan]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``memory_plan`` left at its default (None) plans wherever a plan can be made, so that the default compile is
+# the planner's choice (it recomputes less than per-layer checkpointing where memory allows, and tiles and offloads
+# where it does not; docs/design.md, "Memory planner").  A plan needs a Hugging Face causal LM in fp32 or bf16
+# (the planner rebuilds it from its config), a memory size (a GPU's, or ``target_memory``), a strategy the planner
+# plans under (Ulysses or the ring) and, on a GPU, a hardware preset for it: what `check_plannable` asks of
+# ``memory_plan="auto"``.  Where one is missing the model compiles with the options as given ("off", SAC by
+# default, as before) and the log says which was missing.  Asking for a plan (``target_memory``, ``plan_seq_len``,
+# ``plan_cluster`` or ``activation_offload="auto"``) on a compile that cannot be planned is refused, as with
+# ``memory_plan="auto"``; ``strategy="auto"`` decides the strategy and leaves the memory options as given.
+
+ASKS_FOR_A_PLAN = ("target_memory", "plan_seq_len", "plan_cluster")
+"""Options that only make sense if the memory is planned: given with the default ``memory_plan``, a compile that
+cannot be planned is refused instead of compiled unplanned (Note [The default memory plan])."""
+
+
+def resolve_memory_plan(module: torch.nn.Module, config: AutoSPConfig) -> AutoSPConfig:
+    """``config`` with the default ``memory_plan=None`` made "auto" where the compile can be planned, else "off"
+    (Note [The default memory plan]); an explicit value is returned as it is."""
+    if config.memory_plan is not None:
+        return config
+    if config.strategy == "auto":
+        return dataclasses.replace(config, memory_plan="off")
+    reason = _why_not_plannable(module, config)
+    if reason is None:
+        log.info("memory_plan: planned (the default wherever a plan can be made; memory_plan='off' keeps the "
+                 "options as given)")
+        return dataclasses.replace(config, memory_plan="auto")
+    asked = [f"{name}=" for name in ASKS_FOR_A_PLAN if getattr(config, name) is not None]
+    asked += ["activation_offload='auto'"] if config.activation_offload == "auto" else []
+    if asked:
+        raise AutoSPError(f"{', '.join(asked)} ask(s) for a memory plan, and this compile cannot be planned: {reason}")
+    log.info("memory_plan: not planned, compiled with the options as given: %s", reason)
+    unplanned = {f.name: f.default for f in dataclasses.fields(config) if f.name in PLANNING_OPTIONS}
+    return dataclasses.replace(config, memory_plan="off", **unplanned)
+
+
+def _why_not_plannable(module: torch.nn.Module, config: AutoSPConfig) -> str | None:
+    """Why ``memory_plan="auto"`` would be refused for this compile (None: it would plan)."""
+    device = _device_of(module)
+    if config.target_memory is None and device.type != "cuda":
+        return (f"a {device.type} model has no memory size to plan for (pass target_memory=BYTES per rank to plan "
+                "for one)")
+    try:
+        check_plannable(module, dataclasses.replace(config, memory_plan="auto"))
+        if device.type == "cuda" and config.plan_cluster is None:
+            default_cluster(device)
+    except AutoSPError as err:
+        return str(err)
+    return None
 
 
 def default_cluster(device: torch.device) -> str:
@@ -280,7 +336,13 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     ``planner_started_before_s_by_rank`` how long before the request its process was started (None: at the
     request, or no process).  ``timeout_s``: each rank's longest wait for its planner process (`run_planner`).  An
     error on any rank is every rank's `AutoSPError`."""
-    from autosp.plan.predict import StrategyCandidate, TrainingSetup, strategy_candidates, strategy_choice
+    from autosp.plan.predict import (
+        StrategyCandidate,
+        TrainingSetup,
+        strategy_candidates,
+        strategy_choice,
+        strategy_options,
+    )
 
     what = _OPTION["strategy"]
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
@@ -313,7 +375,7 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     for strategy, why in listed:
         if why is not None:
             rows[strategy.name] = {**StrategyCandidate(strategy=strategy.sequence_parallel, system=strategy.name,
-                                                       options=strategy.compile_options, prediction=None,
+                                                       options=strategy_options(strategy), prediction=None,
                                                        refused=why).to_dict(), "rank": None}
     missing = [s.name for s, _ in listed if s.name not in rows]
     if missing:

@@ -268,6 +268,12 @@ STRATEGY_OPTIONS = ("strategy", "ulysses_size", "ring_size")
 Dynamo's capture, so strategies share that capture (`trace_strategies`)."""
 
 
+def strategy_options(strategy: Strategy) -> dict:
+    """The `STRATEGY_OPTIONS` of a registry strategy's compile options (not its other ones, such as
+    ``memory_plan="off"``, which `strategy="auto"` leaves as the job gave them)."""
+    return {k: v for k, v in strategy.compile_options.items() if k in STRATEGY_OPTIONS}
+
+
 class _EveryStrategyCaptured(Exception):
     """Raised out of Dynamo's backend call once every strategy's joint graph is captured (`trace_strategies`)."""
 
@@ -1121,7 +1127,7 @@ class StrategyCandidate:
     ``autosp-hybrid-UxR``; what the decision names."""
     options: dict = field(default_factory=dict)
     """The ``autosp.compile`` options that select it (``strategy``, and a hybrid's ``ulysses_size`` and
-    ``ring_size``): the registry's ``compile_options``."""
+    ``ring_size``): `strategy_options` of the registry's."""
     prediction: Prediction | None
     refused: str | None = None
 
@@ -1257,18 +1263,18 @@ def predict_strategies(model: str, setup: TrainingSetup, cluster: Cluster, *, op
              if only is None or why is not None or s.name in only]
     reuse = TraceReuse([]) if reuse is None else reuse
     # Note [One Dynamo capture for every strategy]: the runnable candidates' shallow traces share Dynamo's capture
-    reuse.strategies = tuple(dict(s.compile_options) for s, why in found if why is None) if share_capture else ()
+    reuse.strategies = tuple(strategy_options(s) for s, why in found if why is None) if share_capture else ()
     candidates = []
     for strategy, why in found:
         prediction = None
         if why is None:
             try:
-                prediction = predict(model, setup, cluster, options={**options, **strategy.compile_options},
+                prediction = predict(model, setup, cluster, options={**options, **strategy_options(strategy)},
                                      capacity_bytes=capacity, reuse=reuse, progress=progress)
             except AutoSPError as err:
                 why = str(err)
         candidates.append(StrategyCandidate(strategy=strategy.sequence_parallel, system=strategy.name,
-                                            options=strategy.compile_options, prediction=prediction, refused=why))
+                                            options=strategy_options(strategy), prediction=prediction, refused=why))
         if prediction is None:
             log.info("strategy %s: refused (%s)", strategy.name, why)
         else:

@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 
 # Note [The planner's memory-cap row]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Beside the other systems of the table, `PLANNER_ROW` (a strategy of the registry whose options have
-# ``memory_plan="auto"``, `simulator.strategies.Strategy.memory_planned`) is AutoSP compiled with
-# ``memory_plan="auto", target_memory=cap_bytes`` (autosp/plan/auto.py), so at each probed length the planner
+# `PLANNER_ROW` is ``autosp``, AutoSP as compiled by default (the registry's strategy whose memory options the planner
+# chooses wherever a memory size is given, `simulator.strategies.Strategy.memory_planned`): the table gives it
+# ``target_memory=cap_bytes``, as a user on a device of that size would have the GPU's memory, so its default
+# ``memory_plan`` plans (Note [The default memory plan] in autosp/plan/auto.py) and at each probed length the planner
 # chooses checkpointing (per-layer checkpointing, "layer", among them: what ulysses+ckpt runs), SAC budget, tiled
 # loss, tiled MLP and activation offload (all its candidates) as the fastest plan it predicts to fit the cap; the
 # probe then measures the plan it chose, like any other system.  The planner is told what the probe runs
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 # brackets above the longest length that fitted, ignoring failures below it, and the table calls the row's length
 # a lower bound (Note [Memory-cap search]).  The table compares the row with `REFERENCE_ROW` (ulysses+ckpt): their
 # longest lengths, and their step times measured side by side at the reference's longest length (`step_times_on_rank`,
-# column ``step_s_at_reference``).
+# column ``step_s_at_reference``).  ``autosp-sac`` is the same pass unplanned (``memory_plan="off"``: SAC alone),
+# what the plan adds to it.
 
 # Note [Memory-cap search]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -126,7 +128,8 @@ class MemoryCapSpec:
 
 
 PLANNER_ROW = next(name for name in STRATEGIES.table("memory-cap") if STRATEGIES[name].memory_planned)
-"""The row of AutoSP under its memory planner, a strategy of the registry (Note [The planner's memory-cap row])."""
+"""The row of AutoSP under its memory planner: ``autosp``, the default compile given the cap (Note [The planner's
+memory-cap row])."""
 REFERENCE_ROW = "ulysses+ckpt"
 """The row `PLANNER_ROW` is compared with (issue: the planner's longest length against it, and the two rows' step
 times side by side at its longest length, `step_times_on_rank`)."""

@@ -19,8 +19,8 @@ from experiments.tables import bar_plot
 from simulator.strategies import STRATEGIES
 
 SYSTEMS = STRATEGIES.table("memory-cap")
-"""The rows: the measured systems and AutoSP under its memory planner (Note [The planner's memory-cap row] in
-experiments/cpu/memory_cap.py)."""
+"""The rows: the measured systems (``autosp``, the default compile, planned for the cap) and ``autosp-sac``, AutoSP
+unplanned (Note [The planner's memory-cap row] in experiments/cpu/memory_cap.py)."""
 
 
 def _step_times(ranks: int, spec: dict, results: dict, steps: int) -> dict:

@@ -137,7 +137,7 @@ def test_hf_trainer_job_is_what_the_planner_prices(tmp_path, arguments, expected
     assert planned_setup(transformers.TrainingArguments(output_dir=str(tmp_path), **arguments)) == expected
 
 
-def test_a_frameworks_job_setup_fills_plan_setup_only_when_something_is_planned():
+def test_a_frameworks_job_setup_fills_plan_setup_unless_nothing_can_be_planned():
     from autosp.config import with_job_setup
 
     def job():
@@ -145,7 +145,9 @@ def test_a_frameworks_job_setup_fills_plan_setup_only_when_something_is_planned(
         return {"zero_stage": 0, "micro_batch": 4}
 
     asked = []
-    assert with_job_setup({"compiler": "aot_eager"}, job) == {"compiler": "aot_eager"} and asked == []
+    assert with_job_setup({"memory_plan": "off"}, job) == {"memory_plan": "off"} and asked == []
+    # The default memory_plan plans where it can (Note [The default memory plan] in autosp/plan/auto.py)
+    assert with_job_setup({"compiler": "aot_eager"}, job)["plan_setup"] == {"zero_stage": 0, "micro_batch": 4}
     planned = with_job_setup({"memory_plan": "auto", "plan_setup": {"micro_batch": 2}}, job)
     assert planned == {"memory_plan": "auto", "plan_setup": {"zero_stage": 0, "micro_batch": 2}}  # the user's win
     assert with_job_setup({"strategy": "auto"}, job)["plan_setup"] == {"zero_stage": 0, "micro_batch": 4}

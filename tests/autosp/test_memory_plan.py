@@ -19,6 +19,7 @@ predictions, and train exactly.  Last, a memory plan whose planner process canno
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -35,9 +36,10 @@ SIZES = {"layers": 1, "hidden": 32, "vocab": 2048}
 PLAIN = {"checkpointing": "none", "tiled_loss": "off", "tiled_mlp": "off"}
 CASES = [  # Qwen2's tiled MLP passed explicitly: it wins over the plan, which chooses the rest
     {"model": "hf-llama", "explicit": {}, "baseline": PLAIN, "candidates": 6 * 2 * 2},
-    # Qwen2: the tiled MLP at its default chunk (the fixed "on") and at the planner's chunk for the target
+    # Qwen2: the tiled MLP at its default chunk (the fixed "on") and at the planner's chunk for the target; planned
+    # by the default memory_plan, given only the target (Note [The default memory plan] in autosp/plan/auto.py)
     {"model": "hf-qwen2", "explicit": {"tiled_mlp": "on"}, "baseline": {**PLAIN, "tiled_mlp": "on"},
-     "candidates": 6 * 2 * 2},
+     "candidates": 6 * 2 * 2, "default_memory_plan": True},
 ]
 """``baseline``: the candidate with no technique the plan may choose, whose peak the target is one byte under."""
 STRATEGY_CASE = {"model": "hf-llama", "compile": {"strategy": "auto", "plan_seq_len": SEQ_LEN}}
@@ -94,7 +96,8 @@ def _auto_cases(rank, world, cases):
                         "ref_grads": named_grads(reference), "plan": compiled.report.memory_plan,
                         "strategy_plan": compiled.report.strategy_plan,
                         "config": {k: getattr(compiled.config, k)
-                                   for k in (*MEMORY_PLAN_OPTIONS, "strategy", "ulysses_size", "ring_size")},
+                                   for k in (*MEMORY_PLAN_OPTIONS, "memory_plan", "strategy", "ulysses_size",
+                                             "ring_size")},
                         "ops": ops, "log": list(messages)})
     return results
 
@@ -106,7 +109,8 @@ def trained(tmp_path_factory):
     for case in CASES:
         peak = _baseline_peak(case["model"], case["baseline"], folder)
         cases.append({**case, "target": peak - 1, "baseline_peak": peak,
-                      "compile": {"memory_plan": "auto", "target_memory": peak - 1, **case["explicit"]}})
+                      "compile": {**({} if case.get("default_memory_plan") else {"memory_plan": "auto"}),
+                                  "target_memory": peak - 1, **case["explicit"]}})
     # The planner process runs while the other rank waits in a collective: the collective's timeout is above the
     # planner's default plan_timeout_s, so a stuck planner is every rank's error with its stacks.
     results = run_on_ranks(_auto_cases, 2, [*cases, STRATEGY_CASE, STUCK_CASE], timeout_s=900,
@@ -138,6 +142,54 @@ def test_auto_plan_trains_exactly(trained):
     _check(trained[1], FP32_TOL)
     for per_rank in trained[1]:  # rank 0's planner process was started when the model was compiled
         assert all(r["plan"]["planner_started_before_s"] > 0 for r in per_rank)
+        assert all(r["config"]["memory_plan"] == "auto" for r in per_rank)  # the default case planned too
+    assert trained[2][0]["config"]["memory_plan"] == "off"  # strategy="auto" leaves the memory options as given
+
+
+def test_default_memory_plan_plans_where_a_plan_can_be_made(caplog, monkeypatch):
+    """memory_plan=None (the default) is "auto" where memory_plan="auto" would plan, else "off" with the reason
+    logged and the planner's options dropped (Note [The default memory plan] in autosp/plan/auto.py).  The GPU
+    cases see a GPU of the given name (this machine has none): what the resolution reads of one."""
+    import autosp.plan.auto as auto
+    from autosp.config import AutoSPConfig
+    from autosp.plan.auto import resolve_memory_plan
+    from experiments.models import build_model
+
+    default = AutoSPConfig(sp_size=2)
+    assert default.memory_plan is None
+    hf = build_model("hf-llama", **SIZES)
+    caplog.set_level(logging.INFO, logger="autosp.plan.auto")
+    assert resolve_memory_plan(hf, dataclasses.replace(default, target_memory=2**20)).memory_plan == "auto"
+
+    def unplanned(model, config, named):
+        caplog.clear()
+        resolved = resolve_memory_plan(model, config)
+        assert resolved.memory_plan == "off", config
+        assert resolved.plan_setup is None and resolved.plan_timeout_s == AutoSPConfig.plan_timeout_s, resolved
+        assert any("memory_plan: not planned" in m and named in m for m in caplog.messages), caplog.messages
+
+    unplanned(hf, dataclasses.replace(default, plan_timeout_s=9.0), "a cpu model has no memory size to plan for")
+    gpu = {"name": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(auto, "_device_of", lambda module: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu["name"])
+    assert resolve_memory_plan(hf, default).memory_plan == "auto"  # a GPU's memory is the target
+    unplanned(build_model("plain-llama", layers=1), dataclasses.replace(default, plan_setup={"zero_stage": 2}),
+              "no Hugging Face config")
+    unplanned(hf, dataclasses.replace(default, plan_setup={"zero_stage": 3}), "ZeRO 3")  # DeepSpeed's ZeRO 3
+    unplanned(build_model("hf-qwen2", **SIZES).half(), default, "fp32 or bf16 parameters")
+    unplanned(hf, dataclasses.replace(default, sp_size=4, strategy="hybrid", ulysses_size=2), "strategy='hybrid'")
+    gpu["name"] = "Tesla T4"
+    unplanned(hf, default, "no hardware preset for the GPU 'Tesla T4'")
+    monkeypatch.undo()
+    # ZeRO 3 asked for on a planned compile: the planner's refusal, not a silent "off"
+    with pytest.raises(AutoSPError, match="ZeRO 3"):
+        resolve_memory_plan(hf, dataclasses.replace(default, target_memory=2**20, plan_setup={"zero_stage": 3}))
+    # strategy="auto" decides the strategy and keeps its planning options; explicit values stay as given
+    auto = dataclasses.replace(default, strategy="auto", plan_seq_len=64)
+    assert resolve_memory_plan(hf, auto) == dataclasses.replace(auto, memory_plan="off")
+    for explicit in ("off", "auto"):
+        config = dataclasses.replace(default, memory_plan=explicit)
+        assert resolve_memory_plan(hf, config) is config
 
 
 def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
@@ -194,7 +246,17 @@ def test_memory_plan_refusals_name_what_to_change():
     with pytest.raises(AutoSPError, match=r"target_memory=BYTES"):
         autosp.compile(model, sp_size=2, memory_plan="auto")
     with pytest.raises(AutoSPError, match="memory_plan='auto' or strategy='auto' too"):
-        autosp.compile(model, sp_size=2, target_memory=2**20)
+        autosp.compile(model, sp_size=2, memory_plan="off", target_memory=2**20)
+    # The default plans wherever it can (Note [The default memory plan]): asking for a plan where none can be made
+    # is refused, saying why; without such an option the compile goes on unplanned.
+    plain = build_model("plain-llama", layers=1)
+    with pytest.raises(AutoSPError, match=r"target_memory= ask\(s\) for a memory plan.*no Hugging Face config"):
+        autosp.compile(plain, sp_size=2, target_memory=2**20)
+    with pytest.raises(AutoSPError, match=r"activation_offload='auto' ask\(s\) for a memory plan.*target_memory="):
+        autosp.compile(model, sp_size=2, activation_offload="auto")
+    with pytest.raises(AutoSPError, match=r"plan_cluster= ask\(s\) for a memory plan.*strategy='hybrid'"):
+        autosp.compile(model, sp_size=4, strategy="hybrid", ulysses_size=2, target_memory=2**20,
+                       plan_cluster="cpu-gloo")
     with pytest.raises(AutoSPError, match="memory_plan must be one of"):
         autosp.compile(model, sp_size=2, memory_plan="on")
     with pytest.raises(AutoSPError, match="plan_seq_len=63 is not a multiple of sp_size=2"):

@@ -24,7 +24,7 @@ iteration model), so that ``--models`` is exercised and the suite's time stays w
 all three)."""
 
 
-QUICK_CPU_SYSTEMS = ("autosp", "ulysses", "ulysses+ckpt", "deepspeed-autosp", "autosp-ring", "autosp+planner")
+QUICK_CPU_SYSTEMS = ("autosp", "ulysses", "ulysses+ckpt", "deepspeed-autosp", "autosp-ring", "autosp-sac")
 """The CPU-measured rows the quick run measures (``--cpu-systems``): those the write-up's sentences and the tables'
 claims read (AutoSP, the reference and the tuned baseline, DeepSpeed's AutoSP, the planner) and the compiled ring.
 The other systems' exactness is tested on their own (tests/experiments/test_baselines.py), and each table's rows of
@@ -169,7 +169,8 @@ def test_reproduce_memory_cap_table_finds_a_length_for_every_system_asked_for(qu
     from experiments.cpu.memory_cap import PLANNER_ROW
 
     rows = _rows(quick_results / "memory-cap.csv")
-    assert [r["system"] for r in rows] == [s for s in (*MEASURED_ORDER, PLANNER_ROW) if s in QUICK_CPU_SYSTEMS]
+    assert PLANNER_ROW == "autosp"  # the default compile, planned for the cap (Note [The default memory plan])
+    assert [r["system"] for r in rows] == [s for s in STRATEGIES.table("memory-cap") if s in QUICK_CPU_SYSTEMS]
     planned = next(r for r in rows if r["system"] == PLANNER_ROW)
     assert f"plan at {planned['max_seq_len']}: " in planned["note"] or planned["max_seq_len"] == "0", planned
     for r in rows:
@@ -362,12 +363,13 @@ def test_memory_cap_searches_a_system_only_on_the_ranks_it_declares_and_says_why
     monkeypatch.setattr(experiments.launch, "run_on_ranks", fake_run_on_ranks)
     run = run_config(["--quick", "--out", str(tmp_path)])
     rows = memory_cap.build(run, Runner(cache=None))  # on 2 ranks
-    assert launched == [s for s in (*MEASURED_ORDER, PLANNER_ROW) if s not in NEEDS_4_RANKS]
-    assert [r["system"] for r in rows] == [*MEASURED_ORDER, PLANNER_ROW] and _ran(rows)
+    assert launched == [s for s in STRATEGIES.table("memory-cap") if s not in NEEDS_4_RANKS]
+    assert [r["system"] for r in rows] == list(STRATEGIES.table("memory-cap")) and _ran(rows)
     assert timed == [([REFERENCE_ROW, PLANNER_ROW], 512, run.cpu_steps)]
     steps = {r["system"]: r["step_s_at_reference"] for r in rows if r["step_s_at_reference"]}
     assert steps == {REFERENCE_ROW: "2.000", PLANNER_ROW: "1.500"}
-    assert "1.00x ulysses+ckpt's length; step at its 512 tokens 0.75x its" in rows[-1]["note"], rows[-1]
+    planned = next(r for r in rows if r["system"] == PLANNER_ROW)
+    assert "1.00x ulysses+ckpt's length; step at its 512 tokens 0.75x its" in planned["note"], planned
 
 
 def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_redo(tmp_path):

@@ -49,12 +49,16 @@ def test_strategies_tables_list_the_systems_in_registry_order():
         "autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp", "autosp-ring",
         "autosp-hybrid-2x2")
     assert STRATEGIES.table("paper-scale") == ("autosp", "ulysses", "ulysses+ckpt", "ring", "zero3")
-    # the memory-cap table: the measured systems and AutoSP under its memory planner, a declared strategy
-    assert STRATEGIES.table("memory-cap") == (*STRATEGIES.table("measured-cpu"), "autosp+planner")
-    assert [n for n in STRATEGIES if STRATEGIES[n].memory_planned] == ["autosp+planner"]
-    assert STRATEGIES["autosp+planner"].compile_options == {"strategy": "ulysses", "memory_plan": "auto"}
-    with pytest.raises(ValueError, match="memory_plan"):  # a pass without the planner cannot run it
-        STRATEGIES["autosp+planner"].options_for(PASS_TODAY)
+    # the memory-cap table: the measured systems and AutoSP unplanned (SAC alone); `autosp` is the default compile,
+    # which plans where the table gives it a memory size; the pass's other rows keep their options (memory_plan off)
+    assert STRATEGIES.table("memory-cap") == (*STRATEGIES.table("measured-cpu"), "autosp-sac")
+    assert [n for n in STRATEGIES if STRATEGIES[n].memory_planned] == ["autosp"]
+    assert STRATEGIES["autosp"].compile_options == {"strategy": "ulysses"}
+    assert STRATEGIES["autosp-sac"].compile_options == {"strategy": "ulysses", "memory_plan": "off"}
+    assert not STRATEGIES["autosp-auto"].memory_planned and not STRATEGIES["autosp-hybrid-4x2"].memory_planned
+    # a pass without the planner runs the unplanned rows as they are (it never plans)
+    assert STRATEGIES["autosp-sac"].options_for(PASS_TODAY) == {}
+    assert STRATEGIES["autosp-ring"].options_for(PASS_WITH_STRATEGIES) == {"strategy": "ring"}
     with pytest.raises(ValueError, match="paper-scale"):
         STRATEGIES.table("simulated")
     for name in STRATEGIES.table("paper-scale"):  # every simulated system says how its workload is built
@@ -128,7 +132,9 @@ def test_strategies_options_for_drop_tuning_options_and_refuse_strategy_options_
     for name in ("autosp-ring", "autosp-auto", "autosp-hybrid-2x4"):
         with pytest.raises(ValueError, match="update autosp"):
             STRATEGIES[name].options_for(PASS_TODAY)
-        assert STRATEGIES[name].options_for(PASS_WITH_STRATEGIES) == STRATEGIES[name].compile_options
+        # memory_plan="off" (autosp-ring's) is what a pass without the planner does anyway
+        assert STRATEGIES[name].options_for(PASS_WITH_STRATEGIES | {"memory_plan"}) == \
+            STRATEGIES[name].compile_options
     assert STRATEGIES["ring"].options_for(PASS_WITH_STRATEGIES) == {
         "strategy": "ulysses", "checkpointing": "none", "overlap_communication": False}  # rewritten afterwards
 
