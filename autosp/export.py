@@ -689,6 +689,13 @@ def module_parameters(aot_graphs: list[tuple[str, fx.GraphModule]], dynamo_graph
     return tuple(sorted(found, key=lambda m: first[m.forward_reads[0]]))
 
 
+FAKE_TRACE_OPTIONS = {"check_same_sample": False, "memory_plan": "off"}
+"""`autosp.compile` options every fake trace compiles with under the options it predicts (which win).  The fake
+group's collectives carry no data, so the same-sample check (autosp.guards.check_same_sample) would compare fake
+tensors by value, and the trace has one sample by construction; and a trace predicts the memory options it is
+given, so it plans nothing itself (Note [The default memory plan] in autosp/plan/auto.py)."""
+
+
 def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
                     dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", document_lengths=None,
                     micro_batch: int = 1, checkpointing_variants=(), capture_joint: bool = False,
@@ -722,9 +729,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     with fake_training_sample(build_model, seq_len=seq_len, sp_size=sp_size, vocab_size=vocab_size, rank=rank,
                               dtype=dtype, micro_batch=micro_batch, position_ids=positions) as (fake_mode, model,
                                                                                                 inputs):
-        # The fake group's collectives carry no data, so the same-sample check (autosp.guards.check_same_sample)
-        # would compare fake tensors by value; the trace has one sample by construction.
-        compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **{"check_same_sample": False, **options})
+        compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **{**FAKE_TRACE_OPTIONS, **options})
         compiled._ctx.checkpointing_variants = tuple(checkpointing_variants)
         compiled._ctx.capture_joint = capture_joint
         compiled._ctx.mask_rules = mask_rules

@@ -310,7 +310,7 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
 
     from autosp.api import compile as autosp_compile
     from autosp.backend import JointCaptured, make_backend
-    from autosp.export import fake_training_sample
+    from autosp.export import FAKE_TRACE_OPTIONS, fake_training_sample
     from autosp.pipeline import passes_for
 
     hf = source.config(seq_len=seq_len, num_layers=layers)
@@ -328,7 +328,7 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
         for i, strategy in enumerate(strategies):
             try:  # as autosp.export.trace_fake_step compiles its one model
                 compiled.append(autosp_compile(model, sp_size=setup.sp_size, compiler="aot_eager",
-                                               **{"check_same_sample": False, **(options or {}), **strategy}))
+                                               **{**FAKE_TRACE_OPTIONS, **(options or {}), **strategy}))
                 compiled[-1]._ctx.capture_joint = compiled[-1]._ctx.joint_only = True
                 compiled[-1]._ctx.mask_rules = mask_rules
             except AutoSPError as err:
