@@ -130,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-plan", default="none", choices=("none", "auto"),
                    help="auto: choose checkpointing (per-layer among them), SAC budget, tiled loss and tiled MLP by "
                         "predicting every candidate plan, "
-                        "print the candidate table and the chosen autosp.compile options (default: %(default)s)")
+                        "print the candidate table and the chosen autosp.compile options: what autosp.compile "
+                        "plans by default on a GPU (or with target_memory); none: predict the options as given, "
+                        "what memory_plan='off' compiles (default: %(default)s)")
     p.add_argument("--objective", default="fastest", choices=OBJECTIVES,
                    help="with --memory-plan auto: the fastest step that fits at --seq-len, or the longest length "
                         "that fits (ties by speed) (default: %(default)s)")
