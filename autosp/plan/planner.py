@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autosp.costs import LOSS_SCRATCH_ROWS
@@ -307,24 +307,28 @@ class PlanReport:
 # without it.  Its predictions can still come out a hair faster (at 8B, 65,536 tokens on h100-sxm: SAC with
 # offload 2.241 s against 2.243 s without): an offload candidate is simulated from a deeper trace unrolled to the
 # model's depth (Note [Unrolling a traced workload to the model's depth] in simulator/depth_unroll.py), its twin
-# extrapolated from 1 and 2 layers, and the two methods differ by that much.  Choosing the fastest, an offload
-# candidate whose twin without offload also fits is therefore left out: offload is chosen only where memory needs
-# it (and the compiled model never moves 17 GiB a rank to host memory for a predicted 0.1 %).
+# extrapolated from 1 and 2 layers, and the two methods differ by that much.  So when the fastest plan is asked
+# for, the candidates without offload are predicted first, and an offload candidate whose twin without offload
+# fits is not predicted at all (listed with the reason): offload is chosen only where memory needs it, the compiled
+# model never moves 17 GiB a rank to host memory for a predicted 0.1 %, and the decision skips the deeper traces
+# and unrolled steps of such candidates (the larger part of a decision's time at 8B, docs/design.md).
+
+NEEDLESS_OFFLOAD = ("not predicted: the same plan fits without activation offload, which only adds copies (Note "
+                    "[Offload only where it is needed] in autosp/plan/planner.py)")
+"""Why a candidate with activation offload is not predicted when the fastest plan is asked for."""
 
 
-def _offload_twin_fits(candidates: Sequence[Candidate], i: int) -> bool:
-    """Whether ``candidates[i]`` offloads activations and the same plan without offload is a candidate that fits."""
-    options = dict(candidates[i].plan.options)
+def _offload_twin_fits(plan: MemoryPlan, predicted: Iterable[Candidate]) -> bool:
+    """Whether ``plan`` offloads activations and the same plan without offload is among ``predicted`` and fits."""
+    options = dict(plan.options)
     if options.get("activation_offload") != "on":
         return False
     twin = {**options, "activation_offload": "off"}
-    return any(c.fits and {"activation_offload": "off", **c.plan.options} == twin for c in candidates)
+    return any(c.fits and {"activation_offload": "off", **c.plan.options} == twin for c in predicted)
 
 
 def _choose_fastest(candidates: Sequence[Candidate], seq_len: int, target: int) -> tuple[int | None, str]:
     fitting = [i for i, c in enumerate(candidates) if c.fits]
-    needless = [i for i in fitting if _offload_twin_fits(candidates, i)]  # Note [Offload only where it is needed]
-    fitting = [i for i in fitting if i not in needless]
     if not fitting:
         least = min((i for i, c in enumerate(candidates) if c.prediction), default=None,
                     key=lambda i: candidates[i].prediction.peak_bytes)
@@ -334,13 +338,14 @@ def _choose_fastest(candidates: Sequence[Candidate], seq_len: int, target: int) 
                       "a shorter sequence or more memory")
     best = min(fitting, key=lambda i: (candidates[i].prediction.step.step_time_s, candidates[i].prediction.peak_bytes))
     c = candidates[best]
-    faster = [x.plan.name for i, x in enumerate(candidates)
-              if i not in needless and x.prediction and x.prediction.step.step_time_s < c.prediction.step.step_time_s]
+    faster = [x.plan.name for x in candidates
+              if x.prediction and x.prediction.step.step_time_s < c.prediction.step.step_time_s]
+    needless = sum(x.refused == NEEDLESS_OFFLOAD for x in candidates)
     return best, (f"fastest of the {len(fitting)} candidates that fit {target / 2**30:.3f} GiB at {seq_len:,} tokens "
                   f"(step {c.prediction.step.step_time_s:.4g} s, peak {c.prediction.peak_bytes / 2**30:.3f} GiB)"
                   + (f"; faster but over the target: {', '.join(faster)}" if faster else "; no candidate is faster")
-                  + (f"; {len(needless)} offload candidate(s) left out: the same plan fits without offload, which "
-                     "only adds copies" if needless else ""))
+                  + (f"; {needless} offload candidate(s) not predicted: the same plan fits without offload"
+                     if needless else ""))
 
 
 def _choose_longest(candidates: Sequence[Candidate], target: int) -> tuple[int | None, str]:
@@ -377,8 +382,15 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     # Only the max-length search asks for several lengths.
     reuse = TraceReuse([p.options for p in plans], resize_lengths=resize_lengths and objective == "longest") \
         if reuse_traces else None
-    candidates, traces = [], 0
-    for plan in plans:
+    found, traces = {}, 0
+    # Note [Offload only where it is needed]: for the fastest plan, the plans without offload are predicted first.
+    order = sorted(range(len(plans)), key=lambda i: objective == "fastest"
+                   and plans[i].options.get("activation_offload") == "on")
+    for index in order:
+        plan, candidates = plans[index], list(found.values())
+        if objective == "fastest" and _offload_twin_fits(plan, candidates):
+            found[index] = Candidate(plan=plan, prediction=None, refused=NEEDLESS_OFFLOAD)
+            continue
         before = reuse.traces if reuse else 0
         try:
             p = predict(model, setup, cluster, options=plan.options, capacity_bytes=target,
@@ -386,7 +398,7 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
                         granularity=granularity, max_probes=max_probes, reuse=reuse)
         except AutoSPError as err:  # the plan does not apply to this model (e.g. a loss the tiling cannot take)
             log.info("memory plan %s refused: %s", plan.name, err)
-            candidates.append(Candidate(plan=plan, prediction=None, refused=str(err)))
+            found[index] = Candidate(plan=plan, prediction=None, refused=str(err))
             continue
         if reuse:
             taken = reuse.traces - before
@@ -396,7 +408,8 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
             lengths = len(p.max_length["lengths_simulated"]) if p.max_length else 1
             taken, same = lengths * (1 if p.step.extrapolated_from is None else 2), None
         traces += taken
-        candidates.append(Candidate(plan=plan, prediction=p, traces=taken, same_program_as=same))
+        found[index] = Candidate(plan=plan, prediction=p, traces=taken, same_program_as=same)
+    candidates = [found[i] for i in range(len(plans))]  # in the plans' order
     traces = reuse.traces if reuse else traces  # with a refused group's traces
     chosen, reason = (_choose_fastest(candidates, setup.seq_len, target) if objective == "fastest"
                       else _choose_longest(candidates, target))

@@ -591,6 +591,7 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
     import tempfile
 
     from autosp.plan import TrainingSetup, load_cluster, plan_memory
+    from autosp.plan.planner import NEEDLESS_OFFLOAD
 
     everything = ALST_ROWS[-1]
     at = seq_len or everything.published_tokens - everything.published_tokens % RANKS
@@ -606,8 +607,10 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
         fastest = plan_memory(str(path), setup, machine, objective="fastest", plans=plans)
         # Only a plan that fits at ``at`` can train longer than ``at`` (a peak grows with the length), so when one
         # fits the longest search needs those alone: the same answer as over every candidate, for a fraction of
-        # the time (each candidate's search traces or re-sizes up to max_probes lengths of an 8B model).
-        fitting = [c.plan for c in fastest.candidates if c.fits]
+        # the time (each candidate's search traces or re-sizes up to max_probes lengths of an 8B model).  An offload
+        # plan the fastest decision did not predict because its twin fits (Note [Offload only where it is needed] in
+        # autosp/plan/planner.py) is searched too: it may train longer than its twin.
+        fitting = [c.plan for c in fastest.candidates if c.fits or c.refused == NEEDLESS_OFFLOAD]
         longest = plan_memory(str(path), setup, machine, objective="longest", plans=fitting or plans,
                               granularity=search.granularity, max_length_high=search.high, max_probes=search.max_probes)
     out = _row(system="autosp", row=PLANNER_ROW, sp_size=RANKS, zero_stage=PLANNER_ZERO_STAGE,

@@ -366,24 +366,34 @@ def test_a_trace_with_values_learns_its_own_mask(tmp_path):
 
 
 def test_fastest_plan_offloads_only_where_the_same_plan_does_not_fit_without_it():
-    """An offload candidate a hair faster than its fitting twin without offload (two prediction methods) is left
-    out; one whose twin is over the target stays (Note [Offload only where it is needed] in autosp/plan/planner.py)."""
+    """An offload candidate whose twin without offload fits is not predicted (two prediction methods put it a hair
+    faster); one whose twin is over the target is (Note [Offload only where it is needed] in
+    autosp/plan/planner.py)."""
     from types import SimpleNamespace
 
-    from autosp.plan.planner import _choose_fastest
+    from autosp.plan.planner import (
+        NEEDLESS_OFFLOAD,
+        Candidate,
+        MemoryPlan,
+        _choose_fastest,
+        _offload_twin_fits,
+    )
 
     def candidate(checkpointing, offload, step_s, peak, fits):
-        options = {"checkpointing": checkpointing, "activation_offload": offload}
-        prediction = SimpleNamespace(step=SimpleNamespace(step_time_s=step_s), peak_bytes=peak, fits=fits)
-        return SimpleNamespace(plan=SimpleNamespace(name=f"{checkpointing}/{offload}", options=options),
-                               prediction=prediction, fits=fits)
+        plan = MemoryPlan(name=f"{checkpointing}/{offload}",
+                          options={"checkpointing": checkpointing, "activation_offload": offload})
+        return Candidate(plan=plan, prediction=SimpleNamespace(step=SimpleNamespace(step_time_s=step_s),
+                                                               peak_bytes=peak, fits=fits))
 
-    sac, sac_offload = candidate("sac", "off", 2.243, 50, True), candidate("sac", "on", 2.241, 35, True)
-    layer, layer_offload = candidate("layer", "off", 2.72, 39, True), candidate("layer", "on", 2.721, 37, True)
-    chosen, why = _choose_fastest([sac, sac_offload, layer, layer_offload], 65536, 80)
-    assert chosen == 0 and "2 offload candidate(s) left out" in why and "sac/on" not in why, why
-    over = candidate("sac", "off", 2.243, 90, False)  # SAC alone over the target: offload is what makes it fit
-    chosen, why = _choose_fastest([over, sac_offload, layer, layer_offload], 65536, 80)
-    assert chosen == 1 and "1 offload candidate(s) left out" in why, why
-    # no twin among the candidates (activation_offload="on" passed explicitly): offload stays
-    assert _choose_fastest([sac_offload], 65536, 80)[0] == 0
+    sac, over = candidate("sac", "off", 2.243, 50, True), candidate("sac", "off", 2.243, 90, False)
+    sac_offload, layer = candidate("sac", "on", 2.241, 35, True), candidate("layer", "off", 2.72, 39, True)
+    assert _offload_twin_fits(sac_offload.plan, [sac, layer])
+    assert not _offload_twin_fits(sac_offload.plan, [over, layer])  # SAC alone over the target: offload needed
+    assert not _offload_twin_fits(sac_offload.plan, [layer])  # no twin (activation_offload="on" passed)
+    assert not _offload_twin_fits(sac.plan, [sac])  # not an offload plan
+    # MemoryPlan options without the key mean offload off
+    assert _offload_twin_fits(sac_offload.plan, [Candidate(plan=MemoryPlan("sac", {"checkpointing": "sac"}),
+                                                           prediction=sac.prediction)])
+    skipped = Candidate(plan=sac_offload.plan, prediction=None, refused=NEEDLESS_OFFLOAD)
+    chosen, why = _choose_fastest([sac, skipped, layer], 65536, 80)
+    assert chosen == 0 and "1 offload candidate(s) not predicted" in why, why
