@@ -262,7 +262,8 @@ class PlanReport:
         for i, c in enumerate(self.candidates):
             mark = "*" if i == self.chosen else " "
             if c.prediction is None:
-                out.append(f"{mark} {c.plan.name:44s} refused: {c.refused}")
+                out.append(f"{mark} {c.plan.name:44s} "
+                           + (c.refused if c.refused == NEEDLESS_OFFLOAD else f"refused: {c.refused}"))
                 continue
             p = c.prediction
             row = f"{mark} {c.plan.name:44s} {'yes' if p.fits else 'no':4s} {p.peak_bytes / gib:9.4f} " + " ".join(
