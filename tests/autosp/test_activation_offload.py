@@ -161,7 +161,10 @@ def test_activation_offload_forward_saves_host_copies_and_backward_waits_before_
 
 def test_activation_offload_auto_needs_the_planner():
     with pytest.raises(AutoSPError, match="memory_plan='auto'"):
-        autosp.AutoSPConfig(sp_size=2, activation_offload="auto")
+        autosp.AutoSPConfig(sp_size=2, activation_offload="auto", memory_plan="off")
+    # with the default memory_plan, a compile that cannot be planned (no memory size on CPU) is refused
+    with pytest.raises(AutoSPError, match=r"activation_offload='auto' ask\(s\) for a memory plan"):
+        autosp.compile(torch.nn.Linear(2, 2), sp_size=2, activation_offload="auto")
     with pytest.raises(AutoSPError, match="activation_offload must be one of"):
         autosp.AutoSPConfig(sp_size=2, activation_offload="yes")
 

@@ -228,8 +228,10 @@ def test_baselines_autosp_nosac_turns_checkpointing_off_where_autosp_has_it():
     fields = {f.name for f in dataclasses.fields(autosp.AutoSPConfig)}
     strategy = {"strategy": "ulysses"} if "strategy" in fields else {}
     assert autosp_options("autosp") == strategy
-    assert autosp_options("autosp-nosac") == {**strategy, **({"checkpointing": "none"} if "checkpointing" in fields
-                                                              else {})}
+    # autosp-nosac is never planned (memory_plan="off", what a pass without the planner does anyway)
+    assert autosp_options("autosp-nosac") == {
+        **strategy, **({"checkpointing": "none"} if "checkpointing" in fields else {}),
+        **({"memory_plan": "off"} if "memory_plan" in fields else {})}
 
 
 def test_baselines_layout_refuses_a_length_it_cannot_split():
