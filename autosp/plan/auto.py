@@ -375,7 +375,8 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     for strategy, why in listed:
         if why is not None:
             rows[strategy.name] = {**StrategyCandidate(strategy=strategy.sequence_parallel, system=strategy.name,
-                                                       options=strategy_options(strategy), prediction=None,
+                                                       options=strategy_options(strategy.compile_options),
+                                                       prediction=None,
                                                        refused=why).to_dict(), "rank": None}
     missing = [s.name for s, _ in listed if s.name not in rows]
     if missing:

@@ -268,10 +268,10 @@ STRATEGY_OPTIONS = ("strategy", "ulysses_size", "ring_size")
 Dynamo's capture, so strategies share that capture (`trace_strategies`)."""
 
 
-def strategy_options(strategy: Strategy) -> dict:
-    """The `STRATEGY_OPTIONS` of a registry strategy's compile options (not its other ones, such as
-    ``memory_plan="off"``, which `strategy="auto"` leaves as the job gave them)."""
-    return {k: v for k, v in strategy.compile_options.items() if k in STRATEGY_OPTIONS}
+def strategy_options(options: Mapping) -> dict:
+    """The `STRATEGY_OPTIONS` of `autosp.compile` options (of a registry strategy's ``compile_options``: not its
+    other ones, such as ``memory_plan="off"``, which `strategy="auto"` leaves as the job gave them)."""
+    return {k: v for k, v in options.items() if k in STRATEGY_OPTIONS}
 
 
 class _EveryStrategyCaptured(Exception):
@@ -593,7 +593,7 @@ class TraceReuse:
         """Whether the shallow trace of ``options`` is one of `strategies`' shared capture: a strategy of them, no
         length classes, and no other plan of its group (no checkpointing variants, no offload rewrites)."""
         options = dict(options or {})
-        strategy = {k: v for k, v in options.items() if k in STRATEGY_OPTIONS}
+        strategy = strategy_options(options)
         return (not self.resize_lengths and strategy in self.strategies
                 and not any(self._group(p) == self._group(options) for p in self._plans))
 
@@ -1263,18 +1263,19 @@ def predict_strategies(model: str, setup: TrainingSetup, cluster: Cluster, *, op
              if only is None or why is not None or s.name in only]
     reuse = TraceReuse([]) if reuse is None else reuse
     # Note [One Dynamo capture for every strategy]: the runnable candidates' shallow traces share Dynamo's capture
-    reuse.strategies = tuple(strategy_options(s) for s, why in found if why is None) if share_capture else ()
+    reuse.strategies = tuple(strategy_options(s.compile_options) for s, why in found if why is None) \
+        if share_capture else ()
     candidates = []
     for strategy, why in found:
-        prediction = None
+        prediction, selected = None, strategy_options(strategy.compile_options)
         if why is None:
             try:
-                prediction = predict(model, setup, cluster, options={**options, **strategy_options(strategy)},
+                prediction = predict(model, setup, cluster, options={**options, **selected},
                                      capacity_bytes=capacity, reuse=reuse, progress=progress)
             except AutoSPError as err:
                 why = str(err)
         candidates.append(StrategyCandidate(strategy=strategy.sequence_parallel, system=strategy.name,
-                                            options=strategy_options(strategy), prediction=prediction, refused=why))
+                                            options=selected, prediction=prediction, refused=why))
         if prediction is None:
             log.info("strategy %s: refused (%s)", strategy.name, why)
         else:
