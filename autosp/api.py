@@ -119,11 +119,12 @@ class SequenceParallelModel(nn.Module):
         self._explicit_options = dict(explicit_options or {})
         self._warned_past_plan = False
         self.__dict__["_compiled"] = None if config.memory_plan == "auto" else self._compile(config)
-        # Rank 0's planner process, started now so that its imports are made by the first call (Note [Planner
-        # process started ahead] in autosp/plan/process.py); ended unasked if the model goes first.
+        # This rank's planner process (the candidates are spread over the ranks: Note [Candidates spread over the
+        # ranks] in autosp/plan/auto.py), started now so that its imports are made by the first call (Note [Planner
+        # process started ahead] in autosp/plan/process.py); ended unasked if the model goes first or the rank has
+        # no share.
         self.__dict__["_planner"] = planner
-        if config.memory_plan == "auto" and planner is None and dist.is_initialized() and groups.group is not None \
-                and dist.get_rank(groups.group) == 0:
+        if config.memory_plan == "auto" and planner is None and dist.is_initialized() and groups.group is not None:
             from autosp.plan.process import PlannerProcess
 
             self.__dict__["_planner"] = PlannerProcess()

@@ -97,9 +97,11 @@ class CompileReport:
     compiled with), ``explicit`` (options passed to autosp.compile, which won over the plan), ``setup`` (seq_len,
     micro_batch, ... planned for), ``cluster``, ``target_memory_bytes``, ``chosen`` (an index into
     ``candidates``), ``reason``, ``candidates`` (each: plan, options, fits, peak_bytes, peak_by_category_bytes,
-    step_time_s, refused), ``traces``, ``seconds``, ``planner_seconds`` (the planner process's own) and
-    ``planner_started_before_s`` (how long before the first call's request rank 0's planner process was started,
-    at compile: Note [Planner process started ahead] in autosp/plan/process.py).  None when not planned."""
+    step_time_s, refused, and the rank that predicted it), ``traces``, ``partitions``, ``seconds`` (the whole
+    decision), ``planner_seconds`` (the slowest rank's wait for its planner process), ``planner_seconds_by_rank``
+    and ``planner_started_before_s_by_rank`` (how long before the first call's request each rank's planner process
+    was started, at compile; None where a rank predicted nothing: `autosp.plan.auto.memory_plan_on_ranks`, Note
+    [Planner process started ahead] in autosp/plan/process.py).  None when not planned."""
 
     strategy_plan: dict | None = None
     """With ``strategy="auto"``: the planner's decision (autosp.plan.auto.decide_strategy): ``chosen`` (the

@@ -3,16 +3,18 @@
 
 On its first call (`autosp.api.SequenceParallelModel`) the model learns what the plan needs: the sequence length
 (``plan_seq_len``, else the longest first batch of the process group) and the rows per batch.  Rank 0 of the process
-group then runs the planner (`autosp.plan.plan_memory`, objective "fastest") for the Hugging Face config of the
-model in a fresh Python process (``python -m autosp.plan.auto REQUEST OUT``): the planner traces on a fake process
-group of its own, which cannot exist beside the job's, and resets Dynamo between traces, which must not touch the
-job's compiled code.  That process was started when the model was compiled, so its imports are made by the first
-call (Note [Planner process started ahead] in autosp/plan/process.py).  The decision is broadcast to every rank,
-so all compile the same program (docs/design.md, "Memory planner").
+group then builds the request, and each rank runs the planner (`autosp.plan.plan_memory`, objective "fastest") on
+its share of the candidates (Note [Candidates spread over the ranks]) for the Hugging Face config of the model in a
+fresh Python process (``python -m autosp.plan.auto REQUEST OUT``): the planner traces on a fake process group of
+its own, which cannot exist beside the job's, and resets Dynamo between traces, which must not touch the job's
+compiled code.  That process was started when the model was compiled, so its imports are made by the first call
+(Note [Planner process started ahead] in autosp/plan/process.py).  Every rank applies the one rule
+(`autosp.plan.planner.choose_plan`) to all the rows, so all compile the same program (docs/design.md, "Memory
+planner").
 
 ``strategy="auto"`` goes the same way (`decide_strategy`), once, inside ``autosp.compile`` (the strategy decides
-the process groups it builds, so there is no first batch to wait for: ``plan_seq_len`` is required), but its
-candidates are spread over the ranks: each rank's planner process predicts its share
+the process groups it builds, so there is no first batch to wait for: ``plan_seq_len`` is required): each rank's
+planner process predicts its share
 (`autosp.plan.predict.predict_strategies`) for the model's config, ``plan_seq_len`` tokens and the cluster, and every
 rank applies the one rule (`autosp.plan.predict.strategy_choice`) to all the rows and compiles the candidate it
 chooses (Note [Candidates spread over the ranks]; docs/design.md, "Choosing a strategy").  A script that starts
@@ -245,42 +247,121 @@ def _answered(what: str, where: str, answer) -> dict:
         return {"error": f"{what}: planning failed on {where}: {type(err).__name__}: {err}"}
 
 
-def _planned_on_rank0(group: dist.ProcessGroup, device: torch.device, what: str, request,
-                      planner: PlannerProcess | None = None, timeout_s: float | None = None) -> dict:
-    """Rank 0 of ``group`` builds the request (``request()``) and runs the planner on it (`run_planner`, in
-    ``planner`` where it was started ahead); every rank gets its answer with the request under ``"request"`` (a
-    collective).  An error anywhere is every rank's `AutoSPError`.  ``what``: the option asking, for messages;
-    ``timeout_s``: rank 0's longest wait for its planner process (`run_planner`)."""
-    answer = [None]
-    if dist.get_rank(group) == 0:
-        def planned():
-            made = request()
-            return {**run_planner(made, planner, timeout_s=timeout_s), "request": made}
+# Note [Candidates spread over the ranks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``memory_plan="auto"`` and ``strategy="auto"`` are collectives over the process group, whose P ranks wait for the
+# decision anyway, and their candidates fall into independent units.  So rank 0 builds the request and broadcasts
+# it, every rank lists the units from it, and rank r predicts units r, r + P, ... (`rank_share`) in its own planner
+# process (`run_planner`; a rank without a share starts none).  The units:
+# - ``memory_plan="auto"`` (`memory_plan_on_ranks`): the candidates' trace groups (`autosp.plan.planner.plan_groups`:
+#   tiled loss x tiled MLP, the plans one trace serves).  A group's checkpointing variants share its traces and
+#   partitions, and its offload candidates are skipped by their twins' predictions (Note [Offload only where it is
+#   needed] in autosp/plan/planner.py), both inside the group, so a rank predicts each candidate as one process
+#   does.  The mask rules a decision learns once (Note [Mask rules shared between a decision's traces] in
+#   autosp/passes/dynamo/masks.py) are learnt once per rank.
+# - ``strategy="auto"`` (`strategy_on_ranks`): the runnable candidates, each its own prediction; each rank's process
+#   shares one Dynamo capture among the strategies it predicts (Note [One Dynamo capture for every strategy] in
+#   autosp/plan/predict.py), which equals the one-process capture but for the process groups' names.
+# So each candidate's step time and peak are the same floats as in one process (tests/autosp/test_strategy_auto.py,
+# tests/autosp/test_memory_plan.py; experiments/bench_planner.py --ranks compares them at 8B).  The rows are
+# all-gathered and every rank applies the one rule (`autosp.plan.planner.choose_plan`,
+# `autosp.plan.predict.strategy_choice`) to the same rows in candidate order: the same decision everywhere, ties to
+# the earlier candidate.  An error on any rank (building, planning, a failed planner process) is every rank's
+# `AutoSPError`, the first rank's by rank order.  With one rank it is the one-process decision in one planner
+# process.
 
-        answer[0] = _answered(what, "rank 0", planned)
-    dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0), group=group,
-                               device=device if device.type == "cuda" else None)
-    found = answer[0]
-    if "error" in found:
-        raise AutoSPError(found["error"])
-    if dist.get_rank(group) == 0 and "text" in found:
-        log.info("%s", found["text"])
-    return found
+
+def rank_share(units: Sequence, rank: int, ranks: int) -> list:
+    """Of ``units`` (in candidate order), those rank ``rank`` of ``ranks`` predicts: every ``ranks``-th from the
+    ``rank``-th (Note [Candidates spread over the ranks])."""
+    return list(units[rank::ranks])
+
+
+def _request_on_ranks(group: dist.ProcessGroup, device: torch.device | None, what: str, request) -> dict:
+    """Rank 0 of ``group`` builds the request (``request()``) and broadcasts it (a collective); an error there is
+    every rank's `AutoSPError`.  ``what``: the option asking, for messages."""
+    made = [_answered(what, "rank 0", lambda: {"request": request()}) if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group, device=device)
+    if "error" in made[0]:
+        raise AutoSPError(made[0]["error"])
+    return made[0]["request"]
+
+
+def _gathered(group: dist.ProcessGroup, answer: dict) -> list[dict]:
+    """Every rank's ``answer`` (a collective), in rank order; an error on any rank is every rank's `AutoSPError`,
+    the first rank's by rank order."""
+    answers = [None] * dist.get_world_size(group)
+    dist.all_gather_object(answers, answer, group=group)
+    failed = next((a["error"] for a in answers if "error" in a), None)
+    if failed is not None:
+        raise AutoSPError(failed)
+    return answers
+
+
+def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device,
+                         planner: PlannerProcess | None = None, timeout_s: float | None = None) -> tuple[dict, dict]:
+    """The collective of `decide` (Note [Candidates spread over the ranks]): rank 0's ``request()`` (a
+    `plan_request`) broadcast, each rank's share of the candidates' trace groups (`autosp.plan.planner.plan_groups`)
+    predicted in its planner process (``planner`` where it was started ahead; the caller closes it, a no-op once it
+    answered), the rows all-gathered in candidate order and `autosp.plan.planner.choose_plan` applied; (the report,
+    the request).  The report is a `PlanReport.to_dict` of the whole decision: each candidate's row names the
+    ``rank`` that predicted it; ``traces`` and ``partitions`` are summed over the ranks, ``seconds`` is the slowest
+    rank's planning; ``planner_seconds_by_rank``: each rank's wait for its planner process, from the request to the
+    answer (0 where it had no share; ``planner_seconds`` the longest), ``planner_started_before_s_by_rank`` how
+    long before the request its process was started (None: at the request, or no share).  ``timeout_s``: each rank's longest wait for
+    its planner process (`run_planner`)."""
+    from autosp.plan.planner import MemoryPlan, choose_plan, plan_groups
+
+    what = _OPTION["memory"]
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    request = _request_on_ranks(group, device if device.type == "cuda" else None, what, request)
+    plans = request["plans"]
+    share = [i for g in rank_share(plan_groups([MemoryPlan(*p) for p in plans]), rank, ranks) for i in g]
+
+    def predicted() -> dict:
+        if not share:  # the caller closes this rank's planner process, unasked
+            return {"report": None, "process_seconds": 0.0}
+        start = time.perf_counter()
+        return {**run_planner({**request, "plans": [plans[i] for i in share]}, planner, timeout_s=timeout_s),
+                "process_seconds": time.perf_counter() - start}
+
+    answer = _answered(what, f"rank {rank}", predicted)
+    answers = _gathered(group, {**answer, "share": share})
+    if answer.get("text"):
+        log.info("%s", answer["text"])
+    rows: list = [None] * len(plans)
+    for r, found in enumerate(answers):
+        for i, row in zip(found["share"], found["report"]["candidates"] if found["report"] else (), strict=True):
+            rows[i] = {**row, "rank": r}
+    reports = [a["report"] for a in answers if a["report"]]
+    missing = [plans[i][0] for i, row in enumerate(rows) if row is None]
+    if missing or not reports:
+        raise AutoSPError(f"{what}: no rank predicted {', '.join(missing) or 'any candidate'}")
+    first = reports[0]
+    chosen, reason = choose_plan(rows, first["objective"], seq_len=first["seq_len"],
+                                 target=first["target_memory_bytes"])
+    by_rank = [a["process_seconds"] for a in answers]
+    return {**first, "candidates": rows, "chosen": chosen, "reason": reason,
+            "options": dict(rows[chosen]["options"]) if chosen is not None else None,
+            "traces": sum(r["traces"] for r in reports), "partitions": sum(r["partitions"] for r in reports),
+            "seconds": max(r["seconds"] for r in reports), "notes": sorted({n for r in reports for n in r["notes"]}),
+            "planner_seconds": max(by_rank), "planner_seconds_by_rank": by_rank,
+            "planner_started_before_s_by_rank": [a.get("started_before_s") for a in answers]}, request
 
 
 def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGroup, *, seq_len: int,
            micro_batch: int, explicit: Mapping, device: torch.device, planner: PlannerProcess | None = None) -> dict:
     """The memory plan of this process group (a collective: every rank calls it with its first batch): the
-    options to compile with and the decision for ``report.memory_plan``.  ``planner``: rank 0's planner process,
-    started when the model was compiled (Note [Planner process started ahead] in autosp/plan/process.py)."""
+    options to compile with and the decision for ``report.memory_plan``.  The candidates are predicted on the
+    group's ranks (`memory_plan_on_ranks`).  ``planner``: this rank's planner process, started when the model was
+    compiled (Note [Planner process started ahead] in autosp/plan/process.py)."""
     start = time.perf_counter()
     sizes = torch.tensor([config.plan_seq_len or seq_len, micro_batch], device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
     seq_len, micro_batch = (int(v) for v in sizes.tolist())
-    found = _planned_on_rank0(group, device, _OPTION["memory"], lambda: plan_request(
+    report, request = memory_plan_on_ranks(group, lambda: plan_request(
         module, config, seq_len=seq_len, micro_batch=micro_batch, world_size=dist.get_world_size(group),
-        explicit=explicit), planner, config.plan_timeout_s)
-    report, request = found["report"], found["request"]
+        explicit=explicit), device, planner, config.plan_timeout_s)
     refused = [c["refused"] for c in report["candidates"] if c["refused"] is not None]
     if report["chosen"] is None and len(refused) == len(report["candidates"]):
         raise AutoSPError(f"memory_plan='auto': the planner could not trace {request['model']} rebuilt from its "
@@ -291,35 +372,11 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
                           f"{request['target_memory']:,} bytes), use more SP ranks or a shorter plan_seq_len")
     options = dict(report["options"])
     decision = {**report, "model": request["model"], "cluster": request["cluster"], "setup": request["setup"],
-                "explicit": dict(explicit), "options": options, "seconds": time.perf_counter() - start,
-                "planner_seconds": report["seconds"], "planner_started_before_s": found["started_before_s"]}
+                "explicit": dict(explicit), "options": options, "seconds": time.perf_counter() - start}
     log.info("memory plan at %d tokens x %d rows: %s (%s)%s", seq_len, micro_batch,
              report["candidates"][report["chosen"]]["plan"], report["reason"],
              f"; explicit options win over the plan: {dict(explicit)}" if explicit else "")
     return decision
-
-
-# Note [Candidates spread over the ranks]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``strategy="auto"`` is a collective over the process group, whose P ranks wait for the decision anyway, and its
-# candidates are few and independent (each one's prediction is its own trace, export and simulation).  So
-# `decide_strategy` spreads them: rank 0 builds the request and broadcasts it, every rank lists the candidates from
-# its model's config (`autosp.plan.predict.strategy_candidates`), and rank r predicts the runnable candidates r,
-# r + P, ... (`strategy_share`) in its own planner process (`run_planner`; a rank without one starts none).  The
-# Dynamo capture is then per rank: each rank's process shares one capture among the strategies it predicts (Note
-# [One Dynamo capture for every strategy] in autosp/plan/predict.py), which equals the one-process capture but for
-# the process groups' names, so each candidate's step time and peak are the same floats as in one process
-# (tests/autosp/test_strategy_auto.py; experiments/bench_planner.py --ranks compares them at 8B).  The rows are
-# all-gathered and every rank applies the one rule, `autosp.plan.predict.strategy_choice`, to the same rows in
-# candidate order: the same decision everywhere, ties to the earlier candidate.  An error on any rank (building,
-# planning, a failed planner process) is every rank's `AutoSPError`, the first rank's by rank order.  With one rank
-# it is the one-process decision in one planner process.
-
-
-def strategy_share(names: Sequence[str], rank: int, ranks: int) -> list[str]:
-    """Of the runnable candidates ``names`` (in candidate order), those rank ``rank`` of ``ranks`` predicts: every
-    ``ranks``-th from the ``rank``-th (Note [Candidates spread over the ranks])."""
-    return list(names[rank::ranks])
 
 
 def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: torch.device,
@@ -346,17 +403,12 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
 
     what = _OPTION["strategy"]
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
-    device = device if device.type == "cuda" else None
-    made = [_answered(what, "rank 0", lambda: {"request": request()}) if rank == 0 else None]
-    dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group, device=device)
-    if "error" in made[0]:
-        raise AutoSPError(made[0]["error"])
-    request = made[0]["request"]
+    request = _request_on_ranks(group, device if device.type == "cuda" else None, what, request)
     listed = []
 
     def predicted() -> dict:
         listed[:] = strategy_candidates(model_config, TrainingSetup(**request["setup"]))
-        share = strategy_share([s.name for s, why in listed if why is None], rank, ranks)
+        share = rank_share([s.name for s, why in listed if why is None], rank, ranks)
         if not share:  # the caller closes this rank's planner process, unasked
             return {"candidates": [], "seconds": 0.0, "cpu_seconds": 0.0, "process_seconds": 0.0}
         start = time.perf_counter()
@@ -364,11 +416,7 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
                 "process_seconds": time.perf_counter() - start}
 
     answer = _answered(what, f"rank {rank}", predicted)
-    answers = [None] * ranks
-    dist.all_gather_object(answers, answer, group=group)
-    failed = next((a["error"] for a in answers if "error" in a), None)
-    if failed is not None:
-        raise AutoSPError(failed)
+    answers = _gathered(group, answer)
     if answer.get("text"):
         log.info("%s", answer["text"])
     rows = {c["system"]: {**c, "rank": r} for r, a in enumerate(answers) for c in a["candidates"]}
@@ -450,8 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m autosp.plan.auto",
         description="The planner of autosp.compile(..., memory_plan='auto') and (..., strategy='auto'), which "
-                    "runs this in a fresh\nprocess on rank 0 (no process group, no compiled code of the job): plan "
-                    "the request's candidates and write\nthe decision. For planning by hand use python -m "
+                    "runs this in a fresh\nprocess on each rank (no process group, no compiled code of the job): plan "
+                    "the request's candidates (the rank's share)\nand write the decision. For planning by hand use python -m "
                     "autosp.plan --memory-plan auto or --strategy auto.", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("request", type=Path, help="the request (JSON: model config, setup, cluster, target, candidates); "
                                               "-: make the imports, print ready, then read it from the standard input")

@@ -214,6 +214,18 @@ class Candidate:
         found = self.prediction.max_length if self.prediction is not None else None
         return found["step_time_s"] if found else None
 
+    def to_dict(self) -> dict:
+        """The candidate's row: what `choose_plan` reads, and the report's table (JSON)."""
+        p = self.prediction
+        return {"plan": self.plan.name, "options": dict(self.plan.options), "refused": self.refused,
+                "fits": self.fits, "traces": self.traces, "same_program_as": self.same_program_as,
+                "peak_bytes": p.peak_bytes if p else None,
+                "peak_by_category_bytes": p.by_category if p else None,
+                "host_peak_bytes": p.host_peak_bytes if p else None,
+                "host_fits": p.host_fits if p else None,
+                "step_time_s": p.step.step_time_s if p else None,
+                "max_seq_len": self.max_seq_len, "max_length_step_time_s": self.max_length_step_time_s}
+
 
 @dataclass(frozen=True, kw_only=True)
 class PlanReport:
@@ -289,15 +301,7 @@ class PlanReport:
             "partitions": self.partitions, "seconds": self.seconds,
             "chosen": self.chosen, "reason": self.reason,
             "options": self.options if self.chosen is not None else None,
-            "candidates": [{"plan": c.plan.name, "options": dict(c.plan.options), "refused": c.refused,
-                            "fits": c.fits, "traces": c.traces, "same_program_as": c.same_program_as,
-                            "peak_bytes": c.prediction.peak_bytes if c.prediction else None,
-                            "peak_by_category_bytes": c.prediction.by_category if c.prediction else None,
-                            "host_peak_bytes": c.prediction.host_peak_bytes if c.prediction else None,
-                            "host_fits": c.prediction.host_fits if c.prediction else None,
-                            "step_time_s": c.prediction.step.step_time_s if c.prediction else None,
-                            "max_seq_len": c.max_seq_len, "max_length_step_time_s": c.max_length_step_time_s}
-                           for c in self.candidates],
+            "candidates": [c.to_dict() for c in self.candidates],
             "notes": list(self.notes),
         }
 
@@ -328,37 +332,59 @@ def _offload_twin_fits(plan: MemoryPlan, predicted: Iterable[Candidate]) -> bool
     return any(c.fits and {"activation_offload": "off", **c.plan.options} == twin for c in predicted)
 
 
-def _choose_fastest(candidates: Sequence[Candidate], seq_len: int, target: int) -> tuple[int | None, str]:
-    fitting = [i for i, c in enumerate(candidates) if c.fits]
+def _choose_fastest(rows: Sequence[Mapping], seq_len: int, target: int) -> tuple[int | None, str]:
+    fitting = [i for i, c in enumerate(rows) if c["fits"]]
     if not fitting:
-        least = min((i for i, c in enumerate(candidates) if c.prediction), default=None,
-                    key=lambda i: candidates[i].prediction.peak_bytes)
-        lowest = f"; the lowest peak is {candidates[least].plan.name}'s, " \
-                 f"{candidates[least].prediction.peak_bytes / 2**30:.3f} GiB" if least is not None else ""
+        least = min((i for i, c in enumerate(rows) if c["peak_bytes"] is not None), default=None,
+                    key=lambda i: rows[i]["peak_bytes"])
+        lowest = f"; the lowest peak is {rows[least]['plan']}'s, " \
+                 f"{rows[least]['peak_bytes'] / 2**30:.3f} GiB" if least is not None else ""
         return None, (f"no candidate fits {target / 2**30:.3f} GiB at {seq_len:,} tokens{lowest}: use more SP ranks, "
                       "a shorter sequence or more memory")
-    best = min(fitting, key=lambda i: (candidates[i].prediction.step.step_time_s, candidates[i].prediction.peak_bytes))
-    c = candidates[best]
-    faster = [x.plan.name for x in candidates
-              if x.prediction and x.prediction.step.step_time_s < c.prediction.step.step_time_s]
-    needless = sum(x.refused == NEEDLESS_OFFLOAD for x in candidates)
+    best = min(fitting, key=lambda i: (rows[i]["step_time_s"], rows[i]["peak_bytes"]))
+    c = rows[best]
+    faster = [x["plan"] for x in rows if x["step_time_s"] is not None and x["step_time_s"] < c["step_time_s"]]
+    needless = sum(x["refused"] == NEEDLESS_OFFLOAD for x in rows)
     return best, (f"fastest of the {len(fitting)} candidates that fit {target / 2**30:.3f} GiB at {seq_len:,} tokens "
-                  f"(step {c.prediction.step.step_time_s:.4g} s, peak {c.prediction.peak_bytes / 2**30:.3f} GiB)"
+                  f"(step {c['step_time_s']:.4g} s, peak {c['peak_bytes'] / 2**30:.3f} GiB)"
                   + (f"; faster but over the target: {', '.join(faster)}" if faster else "; no candidate is faster")
                   + (f"; {needless} offload candidate(s) not predicted: the same plan fits without offload"
                      if needless else ""))
 
 
-def _choose_longest(candidates: Sequence[Candidate], target: int) -> tuple[int | None, str]:
-    found = [i for i, c in enumerate(candidates) if c.max_seq_len]
+def _choose_longest(rows: Sequence[Mapping], target: int) -> tuple[int | None, str]:
+    found = [i for i, c in enumerate(rows) if c["max_seq_len"]]
     if not found:
         return None, f"no candidate fits {target / 2**30:.3f} GiB at any length searched"
-    best = max(found, key=lambda i: (candidates[i].max_seq_len, -candidates[i].max_length_step_time_s))
-    c = candidates[best]
-    tied = [candidates[i].plan.name for i in found if i != best and candidates[i].max_seq_len == c.max_seq_len]
-    return best, (f"longest length that fits {target / 2**30:.3f} GiB: {c.max_seq_len:,} tokens "
-                  f"(step {c.max_length_step_time_s:.4g} s there)"
+    best = max(found, key=lambda i: (rows[i]["max_seq_len"], -rows[i]["max_length_step_time_s"]))
+    c = rows[best]
+    tied = [rows[i]["plan"] for i in found if i != best and rows[i]["max_seq_len"] == c["max_seq_len"]]
+    return best, (f"longest length that fits {target / 2**30:.3f} GiB: {c['max_seq_len']:,} tokens "
+                  f"(step {c['max_length_step_time_s']:.4g} s there)"
                   + (f"; fastest of those reaching it (also: {', '.join(tied)})" if tied else ""))
+
+
+def choose_plan(rows: Sequence[Mapping], objective: str, *, seq_len: int, target: int) -> tuple[int | None, str]:
+    """The planner's one rule: (index of the chosen row or None, why) among candidate rows (`Candidate.to_dict`,
+    in the candidates' order; rows predicted in several processes are merged first, Note [Candidates spread over
+    the ranks] in autosp/plan/auto.py).  ``"fastest"``: the fastest step at ``seq_len`` among the rows that fit
+    ``target`` bytes, ties by the lower peak; ``"longest"``: the longest length that fits, ties by the faster step
+    there."""
+    if objective not in OBJECTIVES:
+        raise AutoSPError(f"objective {objective!r}: choose one of {OBJECTIVES}")
+    return _choose_fastest(rows, seq_len, target) if objective == "fastest" else _choose_longest(rows, target)
+
+
+def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
+    """The indices of ``plans`` by trace group (`autosp.plan.predict.trace_group`: the plans that share traces, and
+    whose offload candidates `plan_memory` skips by their twins' predictions), groups in the order of their first
+    plan: the units a decision can spread over processes without changing a prediction or a skip."""
+    from autosp.plan.predict import trace_group
+
+    groups: dict[tuple, list[int]] = {}
+    for i, plan in enumerate(plans):
+        groups.setdefault(trace_group(plan.options), []).append(i)
+    return list(groups.values())
 
 
 def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",
@@ -412,8 +438,7 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
         found[index] = Candidate(plan=plan, prediction=p, traces=taken, same_program_as=same)
     candidates = [found[i] for i in range(len(plans))]  # in the plans' order
     traces = reuse.traces if reuse else traces  # with a refused group's traces
-    chosen, reason = (_choose_fastest(candidates, setup.seq_len, target) if objective == "fastest"
-                      else _choose_longest(candidates, target))
+    chosen, reason = choose_plan([c.to_dict() for c in candidates], objective, seq_len=setup.seq_len, target=target)
     notes = sorted({n for c in candidates if c.prediction for n in c.prediction.notes})
     report = PlanReport(model=model, objective=objective, seq_len=setup.seq_len, target_memory_bytes=target,
                         candidates=tuple(candidates), chosen=chosen, reason=reason,

@@ -466,6 +466,13 @@ class _Captured:
             self.then.add_capture(capture, config, facts)
 
 
+def trace_group(options: Mapping | None) -> tuple:
+    """The trace group of compile options: the options less `CHECKPOINTING_OPTIONS` and `OFFLOAD_OPTION`, which
+    one trace serves (`TraceReuse`)."""
+    return tuple(sorted((k, repr(v)) for k, v in (options or {}).items()
+                        if k not in CHECKPOINTING_OPTIONS and k != OFFLOAD_OPTION))
+
+
 class TraceReuse:
     """Traces shared between the memory plans of one decision (docs/design.md, "Trace reuse").
 
@@ -510,25 +517,20 @@ class TraceReuse:
         return self._sources[model]
 
     @staticmethod
-    def _group(options: Mapping | None) -> tuple:
-        return tuple(sorted((k, repr(v)) for k, v in (options or {}).items()
-                            if k not in CHECKPOINTING_OPTIONS and k != OFFLOAD_OPTION))
-
-    @staticmethod
     def _variant(options: Mapping | None) -> tuple:
         return checkpointing_variant(options), (options or {}).get(OFFLOAD_OPTION) == "on"
 
     def trace(self, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int | None,
               config: TrainingConfig, options: Mapping | None) -> Traced:
-        group = self._group(options)
+        group = trace_group(options)
         # Everything the traced step depends on: one TraceReuse may serve several setups (ranks, batch, ZeRO).
         key = (source.spec, repr(setup), repr(config), seq_len, layers, group)
         own = checkpointing_variant(options)
         if (*key, own, False) not in self._traced:
             plain = {k: v for k, v in (options or {}).items() if k != OFFLOAD_OPTION}
             variants = tuple(dict.fromkeys(checkpointing_variant(p) for p in self._plans
-                                           if self._group(p) == group and checkpointing_variant(p) != own))
-            offloads = any(self._group(p) == group and self._variant(p)[1] for p in self._plans)
+                                           if trace_group(p) == group and checkpointing_variant(p) != own))
+            offloads = any(trace_group(p) == group and self._variant(p)[1] for p in self._plans)
             asked = dict(seq_len=seq_len, layers=layers, config=config, options=plain, variants=variants,
                          rewrites_here=offloads)
 
@@ -569,7 +571,7 @@ class TraceReuse:
         """(joint graph, `_TraceFacts`, ``rewrites_here``) of the shallow trace of ``options`` at ``seq_len`` and
         ``layers`` (traced if not yet; re-sized from its length class's two joint graphs when its program was),
         for SAC's full-depth tags (`_shallow_sac_step`)."""
-        key = (source.spec, repr(setup), repr(config), seq_len, layers, self._group(options))
+        key = (source.spec, repr(setup), repr(config), seq_len, layers, trace_group(options))
         if key not in self._captures and self._shares_capture(options):
             self._capture_strategies(source, setup, seq_len=seq_len, layers=layers, config=config, options=options)
         if key not in self._captures:
@@ -586,7 +588,7 @@ class TraceReuse:
             else None
         if capture is None:
             raise DepthExtrapolationError(f"no joint graph of the {layers}-layer program at {seq_len} tokens")
-        offloads = any(self._group(p) == key[-1] and self._variant(p)[1] for p in self._plans)
+        offloads = any(trace_group(p) == key[-1] and self._variant(p)[1] for p in self._plans)
         return capture, lengths.facts, offloads
 
     def _shares_capture(self, options: Mapping | None) -> bool:
@@ -595,7 +597,7 @@ class TraceReuse:
         options = dict(options or {})
         strategy = strategy_options(options)
         return (not self.resize_lengths and strategy in self.strategies
-                and not any(self._group(p) == self._group(options) for p in self._plans))
+                and not any(trace_group(p) == trace_group(options) for p in self._plans))
 
     def _capture_strategies(self, source: ModelSource, setup: TrainingSetup, *, seq_len: int, layers: int,
                             config: TrainingConfig, options: Mapping | None) -> None:
@@ -607,14 +609,14 @@ class TraceReuse:
         self.traces += 1
         for strategy, answer in zip(self.strategies, found, strict=True):
             self.joint_graphs += isinstance(answer, tuple)
-            key = (source.spec, repr(setup), repr(config), seq_len, layers, self._group({**base, **strategy}))
+            key = (source.spec, repr(setup), repr(config), seq_len, layers, trace_group({**base, **strategy}))
             self._captures[key] = (*answer, False) if isinstance(answer, tuple) else answer
 
     def same_program(self, options: Mapping, other: Mapping) -> bool:
         """Whether ``options`` and ``other`` traced to the same program at every length and depth traced for both
         (one shared `Traced`: their recomputation tags are equal, and activation offload is on in both or in
         neither)."""
-        mine, theirs = (self._group(options), *self._variant(options)), (self._group(other), *self._variant(other))
+        mine, theirs = (trace_group(options), *self._variant(options)), (trace_group(other), *self._variant(other))
         found = [(traced, self._traced.get((*key[:-3], *theirs))) for key, traced in self._traced.items()
                  if tuple(key[-3:]) == mine]
         return bool(found) and all(a is b for a, b in found)

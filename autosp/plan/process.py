@@ -20,9 +20,9 @@ on 8 ranks): the wait from the request to the answer was 12.0 s for Ulysses in a
 (7.8 s), 8.3 s after a warm-up (ready at 13.1 s), 6.2 s once the teardown was no longer waited for; the ring 8.0
 s, the hybrid 2 x 4 11.1 s before the teardown change; every candidate's step time and peak the same floats.
 
-- ``autosp.compile(..., memory_plan="auto")`` starts one on rank 0 of each SP group when it compiles: the plan
-  waits for the first batch, and the imports run meanwhile (while the script builds its optimizer, its engine,
-  its data).
+- ``autosp.compile(..., memory_plan="auto")`` starts one on every rank when it compiles (each predicts its share
+  of the candidates: Note [Candidates spread over the ranks] in autosp/plan/auto.py): the plan waits for the
+  first batch, and the imports run meanwhile (while the script builds its optimizer, its engine, its data).
 - ``strategy="auto"`` decides inside ``autosp.compile``, so there is nothing to overlap unless the script starts
   the process itself, before it loads its model: ``planner = autosp.start_planner()``, then
   ``autosp.compile(model, ..., strategy="auto", planner=planner)`` (every rank; `autosp.compile` closes a

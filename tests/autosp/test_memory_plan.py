@@ -141,8 +141,8 @@ def test_auto_strategy_trains_exactly_with_the_planners_choice(trained):
 
 def test_auto_plan_trains_exactly(trained):
     _check(trained[1], FP32_TOL)
-    for per_rank in trained[1]:  # rank 0's planner process was started when the model was compiled
-        assert all(r["plan"]["planner_started_before_s"] > 0 for r in per_rank)
+    for per_rank in trained[1]:  # every rank's planner process was started when the model was compiled
+        assert all(s > 0 for r in per_rank for s in r["plan"]["planner_started_before_s_by_rank"])
         assert all(r["config"]["memory_plan"] == "auto" for r in per_rank)  # the default case planned too
     assert trained[2][0]["config"]["memory_plan"] == "off"  # strategy="auto" leaves the memory options as given
 
@@ -235,6 +235,33 @@ def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
         assert plan["explicit"] == case["explicit"]
         assert any(m.startswith("memory plan at 64 tokens x 2 rows") for m in r["log"]), r["log"]
         assert any("explicit options win over the plan" in m for m in r["log"]) == bool(case["explicit"]), r["log"]
+
+
+def test_the_candidates_spread_over_the_ranks_are_predicted_as_one_process_predicts_them(trained, tmp_path):
+    """Each rank predicts its share of the candidates' trace groups (Note [Candidates spread over the ranks] in
+    autosp/plan/auto.py): both ranks predicted some, every rank holds the same rows, and the rows, the choice and
+    the counts equal those of one process planning every candidate (`plan_memory`) for the same request."""
+    from autosp.plan import TrainingSetup, load_cluster
+    from autosp.plan.planner import MemoryPlan, plan_groups, plan_memory
+    from experiments.models import build_model
+
+    cases, results = trained[:2]
+    case, plan, other = cases[0], results[0][0]["plan"], results[1][0]["plan"]  # Llama: 4 trace groups, 2 a rank
+    same = ("candidates", "chosen", "reason", "traces", "partitions")
+    assert {k: plan[k] for k in same} == {k: other[k] for k in same}, "the ranks differ"
+    plans = [MemoryPlan(c["plan"], c["options"]) for c in plan["candidates"]]
+    groups = plan_groups(plans)
+    assert len(groups) == 4 and sorted(i for g in groups for i in g) == list(range(len(plans)))
+    for rank in (0, 1):  # whole groups, alternately
+        assert {plan["candidates"][i]["rank"] for g in groups[rank::2] for i in g} == {rank}
+    assert all(s > 0 for s in plan["planner_seconds_by_rank"])
+    path = tmp_path / "config.json"
+    path.write_text(build_model(case["model"], **SIZES).config.to_json_string(use_diff=False))
+    setup = TrainingSetup(**plan["setup"])
+    alone = plan_memory(str(path), setup, load_cluster(plan["cluster"], world_size=setup.world_size),
+                        target_memory=plan["target_memory_bytes"], plans=plans).to_dict()
+    assert [{k: v for k, v in c.items() if k != "rank"} for c in plan["candidates"]] == alone["candidates"]
+    assert {k: plan[k] for k in same[1:]} == {k: alone[k] for k in same[1:]}
 
 
 def test_a_planner_without_an_answer_in_plan_timeout_s_is_every_ranks_error_with_its_stacks(trained):

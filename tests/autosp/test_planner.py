@@ -375,8 +375,8 @@ def test_fastest_plan_offloads_only_where_the_same_plan_does_not_fit_without_it(
         NEEDLESS_OFFLOAD,
         Candidate,
         MemoryPlan,
-        _choose_fastest,
         _offload_twin_fits,
+        choose_plan,
     )
 
     def candidate(checkpointing, offload, step_s, peak, fits):
@@ -394,6 +394,11 @@ def test_fastest_plan_offloads_only_where_the_same_plan_does_not_fit_without_it(
     # MemoryPlan options without the key mean offload off
     assert _offload_twin_fits(sac_offload.plan, [Candidate(plan=MemoryPlan("sac", {"checkpointing": "sac"}),
                                                            prediction=sac.prediction)])
+    def row(c: Candidate) -> dict:  # the fields of Candidate.to_dict that choose_plan reads
+        p = c.prediction
+        return {"plan": c.plan.name, "refused": c.refused, "fits": c.fits, "peak_bytes": p and p.peak_bytes,
+                "step_time_s": p and p.step.step_time_s}
+
     skipped = Candidate(plan=sac_offload.plan, prediction=None, refused=NEEDLESS_OFFLOAD)
-    chosen, why = _choose_fastest([sac, skipped, layer], 65536, 80)
+    chosen, why = choose_plan([row(sac), row(skipped), row(layer)], "fastest", seq_len=65536, target=80)
     assert chosen == 0 and "1 offload candidate(s) not predicted" in why, why
