@@ -1,12 +1,14 @@
-"""How long the planner takes to decide (issues 20 and 21): a memory plan at one length, ``strategy="auto"`` and the
+"""How long the planner takes to decide (issues 20 and 21): a memory plan at one length (two candidates, or
+``default-plan``: every candidate ``autosp.compile``'s default memory plan predicts), ``strategy="auto"`` and the
 longest length, the last with and without re-sizing the joint graph across lengths
 (`autosp.plan.predict.TraceReuse`, docs/design.md "Trace reuse"). The decisions predict their candidates at depth
 ``extrapolated`` (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py); ``--compare``
 also takes each decision at full depth and prints both side by side: the choice, and each candidate's step time
 and peak with the difference ("=": the same number); ``--separate-traces`` also takes ``strategy="auto"`` with each
 candidate traced on its own (Note [One Dynamo capture for every strategy] in autosp/plan/predict.py), side by side
-the same way; ``--ranks N ...`` also takes it the way ``autosp.compile(strategy="auto")`` does, on N gloo ranks
-this script starts (`autosp.plan.auto.decide_strategy`: the candidates spread over the ranks, each rank's share
+the same way; ``--ranks N ...`` also takes ``strategy-auto`` and ``default-plan`` the way ``autosp.compile`` does,
+on N gloo ranks this script starts (`autosp.plan.auto.strategy_on_ranks`, `memory_plan_on_ranks`: the candidates
+spread over the ranks, each rank's share
 predicted in its own cold planner process, Note [Candidates spread over the ranks] in autosp/plan/auto.py; N = 1 is
 one cold planner process predicting every candidate) and prints each rank's wall and CPU time (its own and its
 planner process's), and each candidate's step time and peak beside the one-process decision's. Prints wall and CPU
@@ -46,7 +48,9 @@ class _Seconds(logging.Handler):
                 self.seconds[what] += float(found.group(1))
 
 
-SCENARIOS = ("longest", "longest-traced", "memory-plan", "strategy-auto")
+SCENARIOS = ("longest", "longest-traced", "memory-plan", "default-plan", "strategy-auto")
+ON_RANKS = ("strategy-auto", "default-plan")
+"""The decisions ``--ranks`` also takes as collectives."""
 
 
 def build_parser():
@@ -60,7 +64,8 @@ def build_parser():
     parser.add_argument("--max-probes", type=int, default=8, help="lengths the max-length search may simulate")
     parser.add_argument("--only", nargs="+", default=list(SCENARIOS), choices=SCENARIOS,
                         help="decisions to time: longest (lengths re-sized), longest-traced (every length traced), "
-                             "memory-plan (one length), strategy-auto (one length)")
+                             "memory-plan (one length, two candidates), default-plan (one length, every candidate "
+                             "of the default memory plan), strategy-auto (one length)")
     parser.add_argument("--depth", default=None, choices=("full", "extrapolated"),
                         help="the depth the decisions predict at (default: theirs, extrapolated)")
     parser.add_argument("--compare", action="store_true",
@@ -69,7 +74,7 @@ def build_parser():
                         help="strategy-auto: also decide with each candidate traced on its own (no shared Dynamo "
                              "capture, as before it) and print both side by side")
     parser.add_argument("--ranks", type=int, nargs="+", default=[],
-                        help="strategy-auto: also decide on this many gloo ranks, as autosp.compile(strategy='auto') "
+                        help="strategy-auto, default-plan: also decide on this many gloo ranks, as autosp.compile "
                              "does (each rank's planner process cold), and compare with the one-process decision")
     parser.add_argument("--planner-ahead", action="store_true",
                         help="--ranks: each rank starts its planner process before the decision and waits for its "
@@ -77,38 +82,48 @@ def build_parser():
     return parser
 
 
-def _on_ranks(rank: int, world: int, model: str, seq_len: int, sp_size: int, cluster: str,
-              depth: str | None, ahead: bool = False) -> dict:
-    """One rank of ``--ranks``: ``strategy="auto"`` for a meta-device model of ``model`` (no weights), timed from a
-    barrier: `decide_strategy` when the group is the job's SP group (``world == sp_size``), else its collective
-    (`strategy_on_ranks`) with the request of the ``sp_size``-rank job.  ``ahead``: the rank's planner process is
-    started before the barrier and ready (its imports made) when the timing starts (Note [Planner process started
-    ahead] in autosp/plan/process.py)."""
+def _on_ranks(rank: int, world: int, what: str, model: str, setup, cluster: str, ahead: bool = False) -> dict:
+    """One rank of ``--ranks``: ``what`` (``strategy-auto`` or ``default-plan``) for a meta-device model of
+    ``model`` (no weights) and the `TrainingSetup` ``setup``, timed from a barrier: the collective
+    (`strategy_on_ranks`, `memory_plan_on_ranks`) with the request of the ``setup.sp_size``-rank job, whose setup is
+    ``setup``.  ``ahead``: the rank's planner process is started before the barrier and ready (its imports made)
+    when the timing starts (Note [Planner process started ahead] in autosp/plan/process.py)."""
+    import dataclasses
+
     import torch
     import torch.distributed as dist
     import transformers
 
     from autosp.config import AutoSPConfig
     from autosp.plan import auto, start_planner
+    from autosp.plan.cluster_file import load_cluster
     from autosp.plan.model_source import ModelSource
 
-    hf = ModelSource(model).config(seq_len=seq_len)
+    hf = ModelSource(model).config(seq_len=setup.seq_len)
     with torch.device("meta"):
-        module = transformers.AutoModelForCausalLM.from_config(hf).to(torch.bfloat16)
-    config = AutoSPConfig(sp_size=sp_size, strategy="auto", plan_seq_len=seq_len, plan_cluster=cluster,
-                          plan_setup=None if depth is None else {"depth": depth})
+        module = transformers.AutoModelForCausalLM.from_config(hf).to(setup.torch_dtype)
+    if what == "strategy-auto":
+        config = AutoSPConfig(sp_size=setup.sp_size, strategy="auto", plan_seq_len=setup.seq_len, plan_cluster=cluster)
+    else:  # the target the one-process decision plans for: the device's memory
+        config = AutoSPConfig(sp_size=setup.sp_size, memory_plan="auto", plan_cluster=cluster,
+                              target_memory=load_cluster(cluster, world_size=setup.world_size).device.memory_bytes)
     planner = start_planner() if ahead else None
     ready_s = planner.wait_ready() if ahead else None
     dist.barrier()
     start, cpu, children = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    if world == sp_size:
-        report = auto.decide_strategy(module, config, dist.group.WORLD, explicit={}, planner=planner)
-    else:
+    fields = dataclasses.asdict(setup)
+    if what == "strategy-auto":
         def request():
-            made = auto.strategy_request(module, config, world_size=sp_size, explicit={})
-            return {**made, "setup": {**made["setup"], "sp_size": sp_size, "dp_size": 1}}
+            return {**auto.strategy_request(module, config, world_size=setup.world_size, explicit={}),
+                    "setup": fields}
 
         report, _ = auto.strategy_on_ranks(dist.group.WORLD, request, module.config, torch.device("meta"), planner)
+    else:
+        def request():
+            return {**auto.plan_request(module, config, seq_len=setup.seq_len, micro_batch=setup.micro_batch,
+                                        world_size=setup.world_size, explicit={}), "setup": fields}
+
+        report, _ = auto.memory_plan_on_ranks(dist.group.WORLD, request, torch.device("meta"), planner)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     planner_cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
@@ -117,15 +132,18 @@ def _on_ranks(rank: int, world: int, model: str, seq_len: int, sp_size: int, clu
     return {"wall": wall, "cpu": cpu, "planner_cpu": planner_cpu, "report": report, "ready_s": ready_s}
 
 
-def _ranks_table(world: int, results: list[dict], one_process) -> str:
+def _ranks_table(what: str, world: int, results: list[dict], one_process) -> str:
     """The ``--ranks`` lines of one group size: per rank its candidates, wall and CPU; the decision and each
     candidate's step time and peak beside the one-process decision's."""
     report = results[0]["report"]
-    by_rank = {r: [c["system"] for c in report["candidates"] if c["rank"] == r] for r in range(world)}
+    name = "system" if what == "strategy-auto" else "plan"
+    by_rank = {r: [c[name] for c in report["candidates"] if c["rank"] == r] for r in range(world)}
+    if what != "strategy-auto":  # a rank's share: its trace groups (plan_groups)
+        by_rank = {r: [f"{len(names)} candidates"] if names else [] for r, names in by_rank.items()}
     ahead = results[0]["ready_s"] is not None
     how = ("planner process per rank started ahead, timed once its imports were made (slowest: "
            f"{max(f['ready_s'] for f in results):.1f} s)" if ahead else "cold planner process per rank that predicts")
-    out = [f"strategy-auto on {world} gloo rank(s), the collective autosp.compile(strategy='auto') runs ({how}):",
+    out = [f"{what} on {world} gloo rank(s), the collective autosp.compile runs ({how}):",
            f"  {'rank':>4s} {'predicts':36s} {'wall s':>7s} {'CPU s':>7s} {'rank CPU':>8s} {'planner CPU':>11s} "
            f"{'planner wall':>12s} {'predicting':>10s} {'its CPU':>7s}"]
     for r, found in enumerate(results):
@@ -152,9 +170,11 @@ def _ranks_table(world: int, results: list[dict], one_process) -> str:
 
 def _rows(decision) -> tuple[str | None, dict[str, tuple[float, float]]]:
     """(chosen, candidate -> (step s, peak GiB)) of a PlanReport, a StrategyDecision or ``report.strategy_plan``."""
-    if isinstance(decision, dict):
-        return decision["chosen"], {c["system"]: (c["step_time_s"], c["peak_bytes"] / 2**30)
-                                    for c in decision["candidates"] if c["step_time_s"] is not None}
+    if isinstance(decision, dict):  # a strategy decision's chosen is its name, a memory plan's an index
+        rows, chosen = decision["candidates"], decision["chosen"]
+        name = "system" if rows and "system" in rows[0] else "plan"
+        return (rows[chosen][name] if isinstance(chosen, int) else chosen), {
+            c[name]: (c["step_time_s"], c["peak_bytes"] / 2**30) for c in rows if c["step_time_s"] is not None}
     if hasattr(decision, "objective"):
         chosen = decision.candidates[decision.chosen].plan.name if decision.chosen is not None else None
         return chosen, {c.plan.name: (c.prediction.step.step_time_s, c.prediction.peak_bytes / 2**30)
@@ -182,7 +202,7 @@ def _compare(fast, full, label: str = "full depth") -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from autosp.plan import TrainingSetup, load_cluster
-    from autosp.plan.planner import candidate_plans, plan_memory
+    from autosp.plan.planner import candidate_plans, candidates_for, plan_memory
     from autosp.plan.predict import TraceReuse, choose_strategy, predict
 
     handler = _Seconds()
@@ -204,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         at = next(i for i, run in enumerate(runs) if run[0] == "strategy-auto")
         runs.insert(at + 1, ("strategy-auto", setup, False))
     decided = {}
+    planned = setup  # the decisions --ranks takes: at the default depth, or --depth
     for what, setup, shared in runs:
         handler.seconds = dict.fromkeys(handler.PATTERNS, 0.0)
         start, cpu = time.perf_counter(), time.process_time()
@@ -214,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             longest = what.startswith("longest")
             report = plan_memory(args.model, setup, cluster, objective="longest" if longest else "fastest",
-                                 plans=plans, max_probes=args.max_probes, resize_lengths=what != "longest-traced")
+                                 plans=candidates_for(args.model, setup, cluster.device.memory_bytes)
+                                 if what == "default-plan" else plans,
+                                 max_probes=args.max_probes, resize_lengths=what != "longest-traced")
             chosen = report.candidates[report.chosen] if report.chosen is not None else None
             lengths = sorted(chosen.prediction.max_length["lengths_simulated"]) if longest and chosen else []
             counts = f"{report.traces} traces, {report.partitions} partitions"
@@ -230,13 +253,13 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(_compare(decided[what], report, other) + "\n")
         decided.setdefault(what, report)
         sys.stdout.flush()
-    if args.ranks and "strategy-auto" in decided:
-        from experiments.launch import run_on_ranks
+    from experiments.launch import run_on_ranks
 
+    for what in (w for w in ON_RANKS if w in decided):
         for world in args.ranks:
-            results = run_on_ranks(_on_ranks, world, args.model, args.seq_len, args.sp_size, args.cluster,
-                                   args.depth, args.planner_ahead, timeout_s=3600, collective_timeout_s=1800)
-            sys.stdout.write(_ranks_table(world, results, decided["strategy-auto"]) + "\n")
+            results = run_on_ranks(_on_ranks, world, what, args.model, planned, args.cluster, args.planner_ahead,
+                                   timeout_s=3600, collective_timeout_s=1800)
+            sys.stdout.write(_ranks_table(what, world, results, decided[what]) + "\n")
             sys.stdout.flush()
     return 0
 

@@ -307,7 +307,8 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
     the request).  The report is a `PlanReport.to_dict` of the whole decision: each candidate's row names the
     ``rank`` that predicted it; ``traces`` and ``partitions`` are summed over the ranks, ``seconds`` is the slowest
     rank's planning; ``planner_seconds_by_rank``: each rank's wait for its planner process, from the request to the
-    answer (0 where it had no share; ``planner_seconds`` the longest), ``planner_started_before_s_by_rank`` how
+    answer (0 where it had no share; ``planner_seconds`` the longest), ``predict_seconds_by_rank`` the part of it
+    spent planning (``predict_cpu_seconds_by_rank`` the process's CPU time in it), ``planner_started_before_s_by_rank`` how
     long before the request its process was started (None: at the request, or no share).  ``timeout_s``: each rank's longest wait for
     its planner process (`run_planner`)."""
     from autosp.plan.planner import MemoryPlan, choose_plan, plan_groups
@@ -346,6 +347,8 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
             "traces": sum(r["traces"] for r in reports), "partitions": sum(r["partitions"] for r in reports),
             "seconds": max(r["seconds"] for r in reports), "notes": sorted({n for r in reports for n in r["notes"]}),
             "planner_seconds": max(by_rank), "planner_seconds_by_rank": by_rank,
+            "predict_seconds_by_rank": [a["report"]["seconds"] if a["report"] else 0.0 for a in answers],
+            "predict_cpu_seconds_by_rank": [a.get("cpu_seconds", 0.0) for a in answers],
             "planner_started_before_s_by_rank": [a.get("started_before_s") for a in answers]}, request
 
 
@@ -547,9 +550,11 @@ def main(argv: list[str] | None = None) -> int:
                                               else f"strategy {c.system}: refused ({c.refused})" for c in found
                                               ).replace(str(model), request["model"])}
             else:
+                cpu = time.process_time()
                 report = plan_memory(str(model), setup, cluster, target_memory=request["target_memory"],
                                      plans=[MemoryPlan(name, options) for name, options in request["plans"]])
                 answer = {"report": {**report.to_dict(), "model": request["model"]},
+                          "cpu_seconds": time.process_time() - cpu,
                           "text": report.format().replace(str(model), request["model"])}
     except AutoSPError as err:
         answer = {"error": f"{_OPTION[deciding]}: {err}"}
