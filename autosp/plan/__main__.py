@@ -46,6 +46,8 @@ examples:
       --offload optimizer
   python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 262144 --sp-size 8 \\
       --activation-offload on
+  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 65536 --sp-size 8 --memory-plan auto \\
+      --workers 4
 """
 
 
@@ -136,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", default="fastest", choices=OBJECTIVES,
                    help="with --memory-plan auto: the fastest step that fits at --seq-len, or the longest length "
                         "that fits (ties by speed) (default: %(default)s)")
+    p.add_argument("--workers", type=_positive, default=1,
+                   help="with --memory-plan auto: processes predicting the candidates side by side, one trace group "
+                        "(tiled loss x tiled MLP) each at a time, with the same predictions and choice; on a "
+                        "machine with that many free cores up to that many times faster for a large model "
+                        "(default: %(default)s)")
     p.add_argument("--target-memory", type=float, default=None, metavar="GiB",
                    help="memory per rank a plan must fit (default: the device's memory)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT",
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                                    activation_offload=("off", "on") if offload in (None, "auto") else (offload,))
             answer = plan_memory(args.model, setup, cluster, objective=args.objective, target_memory=target,
                                  plans=plans, max_length_high=args.max_length_high, granularity=args.granularity,
-                                 max_probes=args.max_probes)
+                                 max_probes=args.max_probes, workers=args.workers)
         else:
             from autosp.plan.predict import TraceReuse
 

@@ -390,7 +390,7 @@ def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
 def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",
                 target_memory: int | None = None, plans: Sequence[MemoryPlan] | None = None,
                 max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
-                reuse_traces: bool = True, resize_lengths: bool = True) -> PlanReport:
+                reuse_traces: bool = True, resize_lengths: bool = True, workers: int = 1) -> PlanReport:
     """Predict every plan of ``plans`` (default: `candidates_for` the model and target) for ``setup`` on
     ``cluster`` and choose one: ``"fastest"``: the fastest step at ``setup.seq_len`` whose peak fits ``target_memory`` (bytes per rank; default:
     the device's memory), ties by the lower peak; ``"longest"``: the longest length that fits (the max-length search
@@ -398,7 +398,9 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     differing only in checkpointing share one trace and plans with the same program one simulation (`TraceReuse`);
     False traces every plan on its own (the same predictions, slower).  ``resize_lengths``: with trace reuse and
     ``objective="longest"``, a group's program at a length inside its traced range is built from a re-sized joint
-    graph (`TraceReuse`)."""
+    graph (`TraceReuse`).  ``workers``: processes predicting the plans' trace groups side by side (`plan_groups`;
+    Note [Candidates spread over the ranks] in autosp/plan/auto.py), with the same predictions and choice as one
+    process; 1: this process alone."""
     if objective not in OBJECTIVES:
         raise AutoSPError(f"objective {objective!r}: choose one of {OBJECTIVES}")
     setup.check()
@@ -406,6 +408,11 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     start = time.perf_counter()
     target = int(cluster.device.memory_bytes if target_memory is None else target_memory)
     plans = tuple(plans or candidates_for(model, setup, target))
+    groups = plan_groups(plans)
+    if workers > 1 and reuse_traces and len(groups) > 1:
+        return _plan_in_workers(model, setup, cluster, groups, plans, workers=workers, start=start, target=target,
+                                objective=objective, max_length_high=max_length_high, granularity=granularity,
+                                max_probes=max_probes, resize_lengths=resize_lengths)
     # Only the max-length search asks for several lengths.
     reuse = TraceReuse([p.options for p in plans], resize_lengths=resize_lengths and objective == "longest") \
         if reuse_traces else None
@@ -446,6 +453,45 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
                         seconds=time.perf_counter() - start, notes=tuple(notes))
     log.info("%s", report.format())
     return report
+
+
+def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, groups: list[list[int]],
+                     plans: Sequence[MemoryPlan], *, workers: int, start: float, target: int, objective: str,
+                     **choices) -> PlanReport:
+    """`plan_memory` with the trace groups ``groups`` of ``plans`` spread over ``workers`` fresh processes (the
+    share of worker w: `autosp.plan.auto.rank_share`), their candidates merged in the plans' order and chosen
+    among by `choose_plan`: the one-process report but for ``seconds`` (this call's) and the counts, summed."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from autosp.plan.auto import rank_share
+
+    workers = min(workers, len(groups))
+    shares = [[i for g in rank_share(groups, w, workers) for i in g] for w in range(workers)]
+    log.info("memory plan for %s: %d candidates in %d trace groups, predicted by %d worker processes", model,
+             len(plans), len(groups), workers)
+    # Fresh processes (spawn): a planner resets Dynamo between traces and must not share a forked torch's state.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        reports = list(pool.map(_plan_share, [(model, setup, cluster, [plans[i] for i in share], objective, target,
+                                                choices) for share in shares]))
+    candidates: list = [None] * len(plans)
+    for share, report in zip(shares, reports, strict=True):
+        for i, candidate in zip(share, report.candidates, strict=True):
+            candidates[i] = candidate
+    chosen, reason = choose_plan([c.to_dict() for c in candidates], objective, seq_len=setup.seq_len, target=target)
+    report = PlanReport(model=model, objective=objective, seq_len=setup.seq_len, target_memory_bytes=target,
+                        candidates=tuple(candidates), chosen=chosen, reason=reason,
+                        traces=sum(r.traces for r in reports), partitions=sum(r.partitions for r in reports),
+                        seconds=time.perf_counter() - start, notes=tuple(sorted({n for r in reports for n in r.notes})))
+    log.info("%s", report.format())
+    return report
+
+
+def _plan_share(asked: tuple) -> PlanReport:
+    """One worker of `_plan_in_workers`: `plan_memory` of its share in this process."""
+    model, setup, cluster, plans, objective, target, choices = asked
+    logging.basicConfig(level=logging.WARNING)  # the parent logs the merged report
+    return plan_memory(model, setup, cluster, objective=objective, target_memory=target, plans=plans, **choices)
 
 
 def choose_options(model: str, sp_size: int, seq_len: int, target_memory: int | None = None, *,

@@ -74,6 +74,18 @@ def test_fastest_plan_is_the_fastest_candidate_that_fits(fastest, table):
     assert fastest.to_dict()["candidates"][fastest.chosen]["fits"] is True
 
 
+def test_workers_predict_and_choose_what_one_process_does(model, cluster, fastest):
+    """``plan_memory(workers=2)`` (``python -m autosp.plan --memory-plan auto --workers 2``): the two trace groups
+    (tiled loss off, on) predicted in two fresh processes give the one-process report: every candidate's row (the
+    same floats), the choice, the reason and the counts; only the wall time differs."""
+    spread = plan_memory(model, SETUP, cluster, objective="fastest", target_memory=fastest.target_memory_bytes,
+                         plans=PLANS, workers=2)
+    one, two = fastest.to_dict(), spread.to_dict()
+    assert one.pop("seconds") > 0 and two.pop("seconds") > 0
+    assert two == one
+    assert spread.format().splitlines()[1:] == fastest.format().splitlines()[1:]  # the first line has the time
+
+
 def test_longest_plan_reaches_every_single_plan_length(model, cluster, table):
     plans = (PLANS[0], PLANS[-1])  # no checkpointing, tiled loss off; full recomputation, tiled loss on
     grid = dict(max_length_high=384, granularity=128, max_probes=2)
