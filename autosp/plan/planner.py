@@ -458,9 +458,10 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
 def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, groups: list[list[int]],
                      plans: Sequence[MemoryPlan], *, workers: int, start: float, target: int, objective: str,
                      **choices) -> PlanReport:
-    """`plan_memory` with the trace groups ``groups`` of ``plans`` spread over ``workers`` fresh processes (the
-    share of worker w: `autosp.plan.auto.rank_share`), their candidates merged in the plans' order and chosen
-    among by `choose_plan`: the one-process report but for ``seconds`` (this call's) and the counts, summed."""
+    """`plan_memory` with the trace groups ``groups`` of ``plans`` spread over ``workers`` processes (the share of
+    worker w: `autosp.plan.auto.rank_share`): this one, whose imports are made, predicts share 0 while ``workers``
+    - 1 fresh processes predict the others; their candidates are merged in the plans' order and chosen among by
+    `choose_plan`: the one-process report but for ``seconds`` (this call's)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -471,9 +472,10 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, groups:
     log.info("memory plan for %s: %d candidates in %d trace groups, predicted by %d worker processes", model,
              len(plans), len(groups), workers)
     # Fresh processes (spawn): a planner resets Dynamo between traces and must not share a forked torch's state.
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        reports = list(pool.map(_plan_share, [(model, setup, cluster, [plans[i] for i in share], objective, target,
-                                                choices) for share in shares]))
+    asked = [(model, setup, cluster, [plans[i] for i in share], objective, target, choices) for share in shares]
+    with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        others = pool.map(_plan_share, asked[1:])  # submitted now, collected after this process's own share
+        reports = [_plan_share(asked[0], here=True), *others]
     candidates: list = [None] * len(plans)
     for share, report in zip(shares, reports, strict=True):
         for i, candidate in zip(share, report.candidates, strict=True):
@@ -487,10 +489,12 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, groups:
     return report
 
 
-def _plan_share(asked: tuple) -> PlanReport:
-    """One worker of `_plan_in_workers`: `plan_memory` of its share in this process."""
+def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
+    """One worker of `_plan_in_workers`: `plan_memory` of its share in this process (``here``: the calling one,
+    which logs the merged report; a worker process logs warnings only)."""
     model, setup, cluster, plans, objective, target, choices = asked
-    logging.basicConfig(level=logging.WARNING)  # the parent logs the merged report
+    if not here:
+        logging.basicConfig(level=logging.WARNING)
     return plan_memory(model, setup, cluster, objective=objective, target_memory=target, plans=plans, **choices)
 
 
