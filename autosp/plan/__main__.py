@@ -91,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel replicas (default: --world-size / --sp-size, else 1)")
     p.add_argument("--world-size", type=_positive, default=None,
                    help="ranks in all, SP x DP (default: --sp-size x --dp-size)")
-    p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
-                   help="DeepSpeed ZeRO stage; 3 is refused (AutoSP does not compose with it) (default: %(default)s)")
+    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
+                   help="DeepSpeed ZeRO stage; 3 is refused (AutoSP does not compose with it) (default: 1; with "
+                        "--memory-plan auto and neither this nor --offload given, the planner chooses ZeRO 1, 2 or "
+                        "2 with --offload optimizer: the first under which a plan fits)")
     p.add_argument("--micro-batch", type=_positive, default=1,
                    help="samples per SP group per micro-step (default: %(default)s)")
     p.add_argument("--grad-accum", type=_positive, default=1,
@@ -100,10 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=DTYPES, help="parameter and compute dtype (default: %(default)s)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
                    help="optimizer whose state the ledger counts (default: %(default)s)")
-    p.add_argument("--offload", default="none", choices=OFFLOADS,
+    p.add_argument("--offload", default=None, choices=OFFLOADS,
                    help="optimizer: DeepSpeed's offload_optimizer (device cpu; ZeRO 1 or 2): fp32 master weights, "
                         "gradient partitions and optimizer state in host memory, CPU Adam; reports the host peak "
-                        "beside the device peak (default: %(default)s)")
+                        "beside the device peak (default: none; with --memory-plan auto, see --zero-stage)")
     p.add_argument("--activation-offload", default=None, choices=ACTIVATION_OFFLOAD,
                    help="AutoSP's activation offload (autosp.compile's activation_offload): on moves the tensors saved "
                         "for backward to host memory and back, asynchronously, and reports the host peak beside the "
@@ -160,9 +162,11 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
         if dp is not None and dp * args.sp_size != args.world_size:
             raise AutoSPError(f"--world-size {args.world_size} != --sp-size {args.sp_size} x --dp-size {dp}")
         dp = args.world_size // args.sp_size
-    setup = TrainingSetup(seq_len=args.seq_len, sp_size=args.sp_size, dp_size=dp or 1, zero_stage=args.zero_stage,
+    setup = TrainingSetup(seq_len=args.seq_len, sp_size=args.sp_size, dp_size=dp or 1,
+                          zero_stage=1 if args.zero_stage is None else args.zero_stage,
                           micro_batch=args.micro_batch, grad_accum=args.grad_accum, dtype=args.dtype,
-                          optimizer=args.optimizer, offload=args.offload, compiler=args.compiler, depth=args.depth)
+                          optimizer=args.optimizer, offload=args.offload or "none", compiler=args.compiler,
+                          depth=args.depth)
     setup.check()
     return setup
 
@@ -195,14 +199,18 @@ def main(argv: list[str] | None = None) -> int:
             answer = choose_strategy(args.model, setup, cluster, capacity_bytes=target, options=options,
                                      progress=lambda s: log.info("step at %s", s))
         elif args.memory_plan == "auto":
-            from autosp.plan.planner import candidates_for, plan_memory
+            from autosp.plan.planner import candidates_for, plan_job, plan_memory
 
             # the candidates autosp.compile(memory_plan="auto") tries, chunks sized for the same target
             plans = candidates_for(args.model, setup, cluster.device.memory_bytes if target is None else target,
                                    activation_offload=("off", "on") if offload in (None, "auto") else (offload,))
-            answer = plan_memory(args.model, setup, cluster, objective=args.objective, target_memory=target,
-                                 plans=plans, max_length_high=args.max_length_high, granularity=args.granularity,
-                                 max_probes=args.max_probes, workers=args.workers)
+            planning = dict(objective=args.objective, target_memory=target, plans=plans,
+                            max_length_high=args.max_length_high, granularity=args.granularity,
+                            max_probes=args.max_probes, workers=args.workers)
+            if args.zero_stage is None and args.offload is None:  # the planner chooses the DeepSpeed setup too
+                answer = plan_job(args.model, setup, cluster, **planning)
+            else:
+                answer = plan_memory(args.model, setup, cluster, **planning)
         else:
             from autosp.plan.predict import TraceReuse
 

@@ -247,6 +247,11 @@ class PlanReport:
     partitions: int = 0
     """Min-cut partitions of the joint graphs: one per distinct program."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    job: Mapping | None = None
+    """The DeepSpeed setup the planner chose (`TrainingSetup` fields: ``zero_stage``, ``offload``) where it chose
+    one (`plan_job`); None: the setup as given."""
+    jobs_without_plan: tuple[Mapping, ...] = ()
+    """The DeepSpeed setups `plan_job` tried before ``job``, under which no plan was chosen."""
 
     @property
     def options(self) -> dict:
@@ -291,6 +296,8 @@ class PlanReport:
         out.append(f"  why:    {self.reason}")
         if self.chosen is not None:
             out.append(f"  autosp.compile options: {self.options}")
+        if self.job is not None:
+            out.append(f"  DeepSpeed setup: {job_name(self.job)} (DeepSpeed config: {deepspeed_config(self.job)})")
         out += [f"  note:   {n}" for n in self.notes]
         return "\n".join(out)
 
@@ -300,7 +307,8 @@ class PlanReport:
             "target_memory_bytes": self.target_memory_bytes, "traces": self.traces,
             "partitions": self.partitions, "seconds": self.seconds,
             "chosen": self.chosen, "reason": self.reason,
-            "options": self.options if self.chosen is not None else None,
+            "options": self.options if self.chosen is not None else None, "job": dict(self.job or {}) or None,
+            "jobs_without_plan": [dict(j) for j in self.jobs_without_plan],
             "candidates": [c.to_dict() for c in self.candidates],
             "notes": list(self.notes),
         }
@@ -496,6 +504,78 @@ def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
     if not here:
         logging.basicConfig(level=logging.WARNING)
     return plan_memory(model, setup, cluster, objective=objective, target_memory=target, plans=plans, **choices)
+
+
+# Note [The DeepSpeed setup only as far as memory needs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# At long context the model states can leave no room for any plan: Llama-3.1-8B on 8 H100s holds 43 GiB a rank in
+# bf16 parameters and gradients and fp32 AdamW state under ZeRO 1, and ALST's 3.7M tokens fit only with the
+# optimizer in host memory (docs/design.md, "Reproducing ALST").  The compile cannot change where the optimizer
+# lives (DeepSpeed's config does), but the planner can say what the job needs.  `plan_job` plans under the
+# DeepSpeed setups of `JOB_SETUPS` in order: ZeRO 1, ZeRO 2 (gradients partitioned too), ZeRO 2 with DeepSpeed's
+# optimizer offload (fp32 master weights, gradient partitions and optimizer state in host memory, the optimizer
+# step on the CPU: slower).  Each frees device memory the one before holds and may add time, so the first setup
+# under which a plan is chosen is the job's, and the report names it with the DeepSpeed config to use; the setups
+# tried before are in its notes.  What the user fixed (``--zero-stage``, ``--offload``) is kept in every setup
+# (`job_setups`).  ZeRO 3 is not among them: AutoSP does not compose with it.
+
+JOB_SETUPS = ({"zero_stage": 1, "offload": "none"}, {"zero_stage": 2, "offload": "none"},
+              {"zero_stage": 2, "offload": "optimizer"})
+"""The DeepSpeed setups `plan_job` tries, in order (Note [The DeepSpeed setup only as far as memory needs])."""
+
+
+def job_name(job: Mapping) -> str:
+    """``ZeRO 2 with optimizer offload`` for {"zero_stage": 2, "offload": "optimizer"}."""
+    return f"ZeRO {job['zero_stage']}" + (" with optimizer offload" if job.get("offload", "none") != "none" else "")
+
+
+def deepspeed_config(job: Mapping) -> dict:
+    """The ``zero_optimization`` section of a DeepSpeed config that runs the setup ``job``."""
+    section = {"stage": job["zero_stage"]}
+    if job.get("offload", "none") == "optimizer":
+        section["offload_optimizer"] = {"device": "cpu"}
+    return {"zero_optimization": section}
+
+
+def job_setups(setup: TrainingSetup, fixed: Mapping | None = None) -> list[dict]:
+    """The setups of `JOB_SETUPS` with the fields of ``fixed`` (of ``zero_stage``, ``offload``) kept, each once and
+    each one ``setup`` can train with (`TrainingSetup.check`), in order."""
+    found = []
+    for job in JOB_SETUPS:
+        job = {**job, **(fixed or {})}
+        try:
+            dataclasses.replace(setup, **job).check()
+        except AutoSPError:
+            continue
+        if job not in found:
+            found.append(job)
+    return found
+
+
+def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mapping | None = None,
+             **planning) -> PlanReport:
+    """`plan_memory` (``planning``: its keyword arguments) under the first setup of `job_setups` (``setup`` with
+    each DeepSpeed setup laid over it, ``fixed`` kept) with which a plan is chosen, or under the last when none
+    is: the plan and the DeepSpeed setup the job needs (Note [The DeepSpeed setup only as far as memory
+    needs]); the report's ``job`` names it and its notes the setups tried before."""
+    jobs = job_setups(setup, fixed)
+    if not jobs:
+        raise AutoSPError(f"no DeepSpeed setup of {JOB_SETUPS} with {dict(fixed or {})} can train this setup")
+    tried, without = [], []
+    for job in jobs:
+        report = plan_memory(model, dataclasses.replace(setup, **job), cluster, **planning)
+        if report.chosen is not None or job is jobs[-1]:
+            break
+        tried.append(f"{job_name(job)}: {report.reason}")
+        without.append(job)
+        log.info("memory plan under %s: %s", job_name(job), report.reason)
+    names = ", ".join(job_name(j) for j in jobs)
+    note = (f"DeepSpeed setup {job_name(job)}: "
+            + (f"the first of {names} under which a plan is chosen" if report.chosen is not None else
+               f"the last of {names}, no plan under any") + " (Note [The DeepSpeed setup only as far as memory "
+            "needs] in autosp/plan/planner.py)" + (f"; {'; '.join(tried)}" if tried else ""))
+    return dataclasses.replace(report, job=job, notes=(*report.notes, note),
+                               jobs_without_plan=tuple(without))
 
 
 def choose_options(model: str, sp_size: int, seq_len: int, target_memory: int | None = None, *,

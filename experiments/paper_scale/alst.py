@@ -573,10 +573,17 @@ def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers
     return out
 
 
-PLANNER_ROW = "planner: memory_plan='auto', ZeRO 2 + optimizer offload"
-PLANNER_ZERO_STAGE = 2
-"""The planner row's ZeRO stage: AutoSP composes with ZeRO 2, not with ALST's ZeRO 3 (`autosp.plan.TrainingSetup`
-refuses it); optimizer offload as ALST ran it."""
+PLANNER_ROW = "planner: memory_plan='auto', DeepSpeed setup chosen"
+"""The planner row: no AutoSP setting, and the DeepSpeed setup (ZeRO 1 or 2, optimizer offload) chosen by the
+planner as well (`autosp.plan.plan_job`); AutoSP composes with ZeRO 2, not with ALST's ZeRO 3."""
+
+
+def _tried(report) -> str:
+    """", after ZeRO 1 and ZeRO 2 found no plan" when `plan_job` tried setups before the one it chose."""
+    from autosp.plan.planner import job_name
+
+    before = [job_name(j) for j in report.jobs_without_plan]
+    return f", after {' and '.join(before)} found no plan" if before else ""
 
 
 def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "extrapolated",
@@ -586,25 +593,26 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
     objective ``fastest`` at ALST's longest published length (``seq_len``; its step beside ALST's iteration there)
     and objective ``longest`` from there (the longest length, its plan and step; over the plans that fit at
     ``seq_len`` when any does, since no other can train longer).  The model is traced as ALST
-    calls it (no KV cache) from ``model``'s config; ZeRO `PLANNER_ZERO_STAGE` with optimizer offload."""
+    calls it (no KV cache) from ``model``'s config; the DeepSpeed setup the first decision chose (`plan_job`: the
+    first of ZeRO 1, ZeRO 2, ZeRO 2 with optimizer offload under which a plan fits), kept for the second."""
     import json
     import tempfile
 
-    from autosp.plan import TrainingSetup, load_cluster, plan_memory
-    from autosp.plan.planner import NEEDLESS_OFFLOAD
+    from autosp.plan import TrainingSetup, load_cluster, plan_job, plan_memory
+    from autosp.plan.planner import NEEDLESS_OFFLOAD, job_name
 
     everything = ALST_ROWS[-1]
     at = seq_len or everything.published_tokens - everything.published_tokens % RANKS
     search = search or default_search(AUTOSP_ROWS[0])
-    setup = TrainingSetup(seq_len=at, sp_size=RANKS, zero_stage=PLANNER_ZERO_STAGE, offload="optimizer",
-                          depth="full" if layers == "full" else "extrapolated")
+    setup = TrainingSetup(seq_len=at, sp_size=RANKS, depth="full" if layers == "full" else "extrapolated")
     machine = load_cluster(cluster, world_size=RANKS)
     config = json.loads(model.hf_config().to_json_string(use_diff=False))
     config.update(use_cache=False)  # as ALST calls the model (`TRAINING`)
     with tempfile.TemporaryDirectory(prefix="alst-planner-") as folder:
         path = pathlib.Path(folder, "config.json")
         path.write_text(json.dumps(config))
-        fastest = plan_memory(str(path), setup, machine, objective="fastest", plans=plans)
+        fastest = plan_job(str(path), setup, machine, objective="fastest", plans=plans)
+        setup = replace(setup, **fastest.job)
         # Only a plan that fits at ``at`` can train longer than ``at`` (a peak grows with the length), so when one
         # fits the longest search needs those alone: the same answer as over every candidate, for a fraction of
         # the time (each candidate's search traces or re-sizes up to max_probes lengths of an 8B model).  An offload
@@ -613,12 +621,13 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
         fitting = [c.plan for c in fastest.candidates if c.fits or c.refused == NEEDLESS_OFFLOAD]
         longest = plan_memory(str(path), setup, machine, objective="longest", plans=fitting or plans,
                               granularity=search.granularity, max_length_high=search.high, max_probes=search.max_probes)
-    out = _row(system="autosp", row=PLANNER_ROW, sp_size=RANKS, zero_stage=PLANNER_ZERO_STAGE,
+    out = _row(system="autosp", row=PLANNER_ROW, sp_size=RANKS, zero_stage=setup.zero_stage,
                published_tokens=everything.published_tokens, published_iteration_s=everything.published_iteration_s,
                published_tflops=everything.published_tflops, depth=layers,
                items=" ".join(("host-memory",) + (("planner-depth",) if layers != "full" else ())),
-               source=f"autosp.plan.plan_memory, {len(fastest.candidates)} candidates: objective fastest at {at:,} "
-                      f"tokens chose {_chosen_name(fastest)} ({len(fitting)} fit); objective longest "
+               source=f"autosp.plan.plan_job, {len(fastest.candidates)} candidates: objective fastest at {at:,} "
+                      f"tokens chose {_chosen_name(fastest)} ({len(fitting)} fit) under {job_name(fastest.job)}"
+                      f"{_tried(fastest)}; objective longest "
                       f"({'over those' if fitting else 'over every candidate'}) chose {_chosen_name(longest)}")
     if fastest.chosen is not None:
         chosen = fastest.candidates[fastest.chosen].prediction
@@ -691,7 +700,7 @@ def footer(rows: Sequence[dict]) -> list[str]:
     for r in rows:
         if r["row"] == PLANNER_ROW:
             longest = f"{r['simulated_tokens']:,} tokens" if r["simulated_tokens"] else "nothing fits"
-            lines += ["", f"The planner (no AutoSP setting; ZeRO {r['zero_stage']} with optimizer offload): "
+            lines += ["", "The planner (no AutoSP or DeepSpeed setting): "
                       f"{r['source']}. Step at ALST's longest published length: "
                       f"{r['simulated_step_at_published_s'] or 'does not fit'} s simulated against "
                       f"{r['published_iteration_s']} s published; longest {longest}."]

@@ -86,6 +86,40 @@ def test_workers_predict_and_choose_what_one_process_does(model, cluster, fastes
     assert spread.format().splitlines()[1:] == fastest.format().splitlines()[1:]  # the first line has the time
 
 
+def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model, cluster):
+    """`plan_job` plans under ZeRO 1, then ZeRO 2, then ZeRO 2 with optimizer offload, and keeps the first setup
+    under which a plan fits (Note [The DeepSpeed setup only as far as memory needs] in autosp/plan/planner.py):
+    with a target between two setups' predicted peaks (predicted here, one by one) it names the leaner one and the
+    setups it passed over; under no target it stops at the last with no plan.  Fixed fields are kept."""
+    import dataclasses
+
+    from autosp.plan.planner import JOB_SETUPS, deepspeed_config, job_setups, plan_job
+
+    plans = candidate_plans(checkpointing=("sac",), tiled_loss=("off",), tiled_mlp=("off",),
+                            activation_offload=("off",))
+    setup = dataclasses.replace(SETUP, depth="full")
+    peaks = [predict(model, dataclasses.replace(setup, **job), cluster, options=plans[0].options).peak_bytes
+             for job in JOB_SETUPS]
+    # Each setup frees device memory the one before holds (ZeRO 2's gradient partitions only beyond one reduce
+    # bucket of gradients: not for this small model, which ZeRO 2 does not help).
+    assert peaks[0] >= peaks[1] >= peaks[2] and peaks[0] > peaks[2], peaks
+    for target in sorted(set(peaks), reverse=True):
+        expected = peaks.index(target)  # the first setup whose peak is within the target
+        report = plan_job(model, setup, cluster, target_memory=target, plans=plans)
+        assert report.job == JOB_SETUPS[expected] and report.jobs_without_plan == JOB_SETUPS[:expected]
+        assert report.candidates[report.chosen].prediction.peak_bytes == peaks[expected]
+        assert report.to_dict()["job"] == JOB_SETUPS[expected]
+        assert f"DeepSpeed config: {deepspeed_config(JOB_SETUPS[expected])}" in report.format()
+    nothing = plan_job(model, setup, cluster, target_memory=peaks[2] - 1, plans=plans)
+    assert nothing.chosen is None and nothing.job == JOB_SETUPS[2] and nothing.jobs_without_plan == JOB_SETUPS[:2]
+    assert "no plan under any" in nothing.notes[-1]
+    assert deepspeed_config(JOB_SETUPS[2]) == {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert job_setups(setup, {"zero_stage": 1}) == [{"zero_stage": 1, "offload": "none"},
+                                                    {"zero_stage": 1, "offload": "optimizer"}]
+    assert job_setups(setup, {"offload": "none"}) == list(JOB_SETUPS[:2])
+    assert job_setups(setup, {"zero_stage": 0}) == [{"zero_stage": 0, "offload": "none"}]  # offload needs ZeRO
+
+
 def test_longest_plan_reaches_every_single_plan_length(model, cluster, table):
     plans = (PLANS[0], PLANS[-1])  # no checkpointing, tiled loss off; full recomputation, tiled loss on
     grid = dict(max_length_high=384, granularity=128, max_probes=2)

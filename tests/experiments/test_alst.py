@@ -116,20 +116,21 @@ def test_miss_item_names_what_moves_the_length_towards_the_published_one():
 
 
 def test_planner_row_plans_on_alsts_machine_with_both_objectives():
-    """The planner row runs `autosp.plan.plan_memory` (objective fastest at the given length, then longest from
-    there) on ALST's node with ZeRO 2 and optimizer offload, and fills the table's columns from its choices."""
+    """The planner row runs `autosp.plan.plan_job` (objective fastest at the given length, the DeepSpeed setup
+    chosen too) and then `plan_memory` (longest from there, under that setup) on ALST's node, and fills the table's
+    columns from their choices.  A small model fits under the first setup, ZeRO 1 without offload."""
     from autosp.plan import candidate_plans
 
     plans = candidate_plans(checkpointing=("layer", "sac"), tiled_loss=("on",), tiled_mlp=("on",),
                             activation_offload=("off", "on"))
     row = alst.planner_row(model=SMALL, plans=plans, seq_len=4096,
                            search=alst.Search(granularity=1024, start=4096, high=8192, max_probes=3))
-    assert set(row) == set(alst.COLUMNS) and row["system"] == "autosp" and row["zero_stage"] == 2
+    assert set(row) == set(alst.COLUMNS) and row["system"] == "autosp" and row["zero_stage"] == 1
     assert row["simulated_tokens"] == 8192 and row["stopped"] == "ceiling"  # a small model fits to the ceiling
     assert row["simulated_step_s"] > row["simulated_step_at_published_s"] > 0 and 0 < row["peak_at_published_gib"] < 80
     assert row["checkpointing"] in ("layer", "sac") and row["tiled_loss"] is True and row["tiled_mlp"] is True
     assert "objective fastest at 4,096 tokens chose " in row["source"]
-    assert "(4 fit); objective longest (over those) chose " in row["source"]
+    assert "(4 fit) under ZeRO 1; objective longest (over those) chose " in row["source"]
     assert row["published_iteration_s"] == alst.ALST_ROWS[-1].published_iteration_s
     (line,) = [ln for ln in alst.footer([row]) if ln.startswith("The planner")]
     assert "longest 8,192 tokens" in line
