@@ -345,8 +345,13 @@ def _choose_fastest(rows: Sequence[Mapping], seq_len: int, target: int) -> tuple
     if not fitting:
         least = min((i for i, c in enumerate(rows) if c["peak_bytes"] is not None), default=None,
                     key=lambda i: rows[i]["peak_bytes"])
-        lowest = f"; the lowest peak is {rows[least]['plan']}'s, " \
-                 f"{rows[least]['peak_bytes'] / 2**30:.3f} GiB" if least is not None else ""
+        lowest = ""
+        if least is not None:
+            low = rows[least]
+            lowest = f"; the lowest peak is {low['plan']}'s, {low['peak_bytes'] / 2**30:.3f} GiB"
+            if low["peak_bytes"] <= target and low.get("host_fits") is False:
+                lowest += f" (within the target, but its host peak of {low['host_peak_bytes'] / 2**30:.1f} GiB is " \
+                          "over the host memory)"
         return None, (f"no candidate fits {target / 2**30:.3f} GiB at {seq_len:,} tokens{lowest}: use more SP ranks, "
                       "a shorter sequence or more memory")
     best = min(fitting, key=lambda i: (rows[i]["step_time_s"], rows[i]["peak_bytes"]))
@@ -355,9 +360,14 @@ def _choose_fastest(rows: Sequence[Mapping], seq_len: int, target: int) -> tuple
     needless = sum(x["refused"] == NEEDLESS_OFFLOAD for x in rows)
     return best, (f"fastest of the {len(fitting)} candidates that fit {target / 2**30:.3f} GiB at {seq_len:,} tokens "
                   f"(step {c['step_time_s']:.4g} s, peak {c['peak_bytes'] / 2**30:.3f} GiB)"
-                  + (f"; faster but over the target: {', '.join(faster)}" if faster else "; no candidate is faster")
+                  + (f"; faster but not fitting: {_listed(faster)}" if faster else "; no candidate is faster")
                   + (f"; {needless} offload candidate(s) not predicted: the same plan fits without offload"
                      if needless else ""))
+
+
+def _listed(names: Sequence[str], most: int = 4) -> str:
+    """``names`` joined, the first ``most`` of them and how many more."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _choose_longest(rows: Sequence[Mapping], target: int) -> tuple[int | None, str]:
@@ -418,9 +428,21 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     plans = tuple(plans or candidates_for(model, setup, target))
     groups = plan_groups(plans)
     if workers > 1 and reuse_traces and len(groups) > 1:
-        return _plan_in_workers(model, setup, cluster, groups, plans, workers=workers, start=start, target=target,
-                                objective=objective, max_length_high=max_length_high, granularity=granularity,
-                                max_probes=max_probes, resize_lengths=resize_lengths)
+        report = _plan_in_workers(model, setup, cluster, groups, plans, workers=workers, start=start, target=target,
+                                  objective=objective, max_length_high=max_length_high, granularity=granularity,
+                                  max_probes=max_probes, resize_lengths=resize_lengths)
+    else:
+        report = _plan_here(model, setup, cluster, plans, start=start, target=target, objective=objective,
+                            max_length_high=max_length_high, granularity=granularity, max_probes=max_probes,
+                            reuse_traces=reuse_traces, resize_lengths=resize_lengths)
+    log.info("%s", report.format())
+    return report
+
+
+def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequence[MemoryPlan], *, start: float,
+               target: int, objective: str, max_length_high: int | None, granularity: int, max_probes: int,
+               reuse_traces: bool, resize_lengths: bool) -> PlanReport:
+    """`plan_memory` in this process (its arguments checked and defaulted), unlogged."""
     # Only the max-length search asks for several lengths.
     reuse = TraceReuse([p.options for p in plans], resize_lengths=resize_lengths and objective == "longest") \
         if reuse_traces else None
@@ -459,7 +481,6 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
                         candidates=tuple(candidates), chosen=chosen, reason=reason,
                         traces=traces, partitions=reuse.partitions if reuse else traces,
                         seconds=time.perf_counter() - start, notes=tuple(notes))
-    log.info("%s", report.format())
     return report
 
 
@@ -493,17 +514,17 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, groups:
                         candidates=tuple(candidates), chosen=chosen, reason=reason,
                         traces=sum(r.traces for r in reports), partitions=sum(r.partitions for r in reports),
                         seconds=time.perf_counter() - start, notes=tuple(sorted({n for r in reports for n in r.notes})))
-    log.info("%s", report.format())
     return report
 
 
 def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
-    """One worker of `_plan_in_workers`: `plan_memory` of its share in this process (``here``: the calling one,
-    which logs the merged report; a worker process logs warnings only)."""
+    """One worker of `_plan_in_workers`: its share planned in this process (``here``: the calling one, which logs
+    the merged report; a worker process logs warnings only)."""
     model, setup, cluster, plans, objective, target, choices = asked
     if not here:
         logging.basicConfig(level=logging.WARNING)
-    return plan_memory(model, setup, cluster, objective=objective, target_memory=target, plans=plans, **choices)
+    return _plan_here(model, setup, cluster, plans, start=time.perf_counter(), target=target, objective=objective,
+                      reuse_traces=True, **choices)
 
 
 # Note [The DeepSpeed setup only as far as memory needs]
@@ -514,9 +535,13 @@ def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
 # lives (DeepSpeed's config does), but the planner can say what the job needs.  `plan_job` plans under the
 # DeepSpeed setups of `JOB_SETUPS` in order: ZeRO 1, ZeRO 2 (gradients partitioned too), ZeRO 2 with DeepSpeed's
 # optimizer offload (fp32 master weights, gradient partitions and optimizer state in host memory, the optimizer
-# step on the CPU: slower).  Each frees device memory the one before holds and may add time, so the first setup
+# step on the CPU: slower).  Each may free device memory the one before holds and may add time, so the first setup
 # under which a plan is chosen is the job's, and the report names it with the DeepSpeed config to use; the setups
-# tried before are in its notes.  What the user fixed (``--zero-stage``, ``--offload``) is kept in every setup
+# tried before are in its notes.  A setup whose ledger (every line but the activations, inside backward, where the
+# peak is) holds no less on the device than one already without a plan is not planned at all: no plan can fit
+# there either.  At one micro-step per optimizer step the ledger of ZeRO 2 equals ZeRO 1's (both reduce the
+# gradients in backward and keep their partition, as the DeepSpeed engines the ledger is checked against do:
+# tests/simulator/test_ledger_deepspeed.py), so ZeRO 2 is skipped there.  What the user fixed (``--zero-stage``, ``--offload``) is kept in every setup
 # (`job_setups`).  ZeRO 3 is not among them: AutoSP does not compose with it.
 
 JOB_SETUPS = ({"zero_stage": 1, "offload": "none"}, {"zero_stage": 2, "offload": "none"},
@@ -561,11 +586,27 @@ def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mappi
     jobs = job_setups(setup, fixed)
     if not jobs:
         raise AutoSPError(f"no DeepSpeed setup of {JOB_SETUPS} with {dict(fixed or {})} can train this setup")
-    tried, without = [], []
+    from autosp.plan.model_source import ModelSource
+    from simulator.ledger import memory_ledger
+
+    source = ModelSource(model)
+    numels = source.parameter_numels(source.config(seq_len=setup.seq_len))
+
+    def states(job: Mapping) -> int:  # the ledger inside backward but the activations: what the setup holds
+        config = dataclasses.replace(setup, **job).training_config(numels)
+        return sum(line.bytes for line in memory_ledger(config, at="backward") if line.pool == "device")
+
+    tried, without, least = [], [], None
     for job in jobs:
+        held = states(job)
+        if least is not None and held >= least and job is not jobs[-1]:
+            tried.append(f"{job_name(job)}: not planned, its ledger holds no less than one without a plan")
+            without.append(job)
+            continue
         report = plan_memory(model, dataclasses.replace(setup, **job), cluster, **planning)
         if report.chosen is not None or job is jobs[-1]:
             break
+        least = held if least is None else min(least, held)
         tried.append(f"{job_name(job)}: {report.reason}")
         without.append(job)
         log.info("memory plan under %s: %s", job_name(job), report.reason)

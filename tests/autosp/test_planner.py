@@ -113,6 +113,8 @@ def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model,
     nothing = plan_job(model, setup, cluster, target_memory=peaks[2] - 1, plans=plans)
     assert nothing.chosen is None and nothing.job == JOB_SETUPS[2] and nothing.jobs_without_plan == JOB_SETUPS[:2]
     assert "no plan under any" in nothing.notes[-1]
+    # ZeRO 2 holds what ZeRO 1 holds at one micro-step per optimizer step: not planned once ZeRO 1 has no plan
+    assert "ZeRO 2: not planned, its ledger holds no less than one without a plan" in nothing.notes[-1]
     assert deepspeed_config(JOB_SETUPS[2]) == {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert job_setups(setup, {"zero_stage": 1}) == [{"zero_stage": 1, "offload": "none"},
                                                     {"zero_stage": 1, "offload": "optimizer"}]
