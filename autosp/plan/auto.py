@@ -308,9 +308,9 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
     ``rank`` that predicted it; ``traces`` and ``partitions`` are summed over the ranks, ``seconds`` is the slowest
     rank's planning; ``planner_seconds_by_rank``: each rank's wait for its planner process, from the request to the
     answer (0 where it had no share; ``planner_seconds`` the longest), ``predict_seconds_by_rank`` the part of it
-    spent planning (``predict_cpu_seconds_by_rank`` the process's CPU time in it), ``planner_started_before_s_by_rank`` how
-    long before the request its process was started (None: at the request, or no share).  ``timeout_s``: each rank's longest wait for
-    its planner process (`run_planner`)."""
+    spent planning (``predict_cpu_seconds_by_rank`` the process's CPU time in it),
+    ``planner_started_before_s_by_rank`` how long before the request its process was started (None: at the
+    request, or no share).  ``timeout_s``: each rank's longest wait for its planner process (`run_planner`)."""
     from autosp.plan.planner import MemoryPlan, choose_plan, plan_groups
 
     what = _OPTION["memory"]
