@@ -579,11 +579,11 @@ planner as well (`autosp.plan.plan_job`); AutoSP composes with ZeRO 2, not with 
 
 
 def _tried(report) -> str:
-    """", after ZeRO 1 and ZeRO 2 found no plan" when `plan_job` tried setups before the one it chose."""
+    """", with no plan under ZeRO 1 and ZeRO 2" when `plan_job` passed over setups before the one it chose."""
     from autosp.plan.planner import job_name
 
     before = [job_name(j) for j in report.jobs_without_plan]
-    return f", after {' and '.join(before)} found no plan" if before else ""
+    return f", with no plan under {' and '.join(before)}" if before else ""
 
 
 def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "extrapolated",
