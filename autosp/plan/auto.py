@@ -371,8 +371,14 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
                           f"config under any candidate (first: {refused[0]}); choose the options yourself and pass "
                           "them with memory_plan='off'")
     if report["chosen"] is None:
-        raise AutoSPError(f"memory_plan='auto' found no plan: {report['reason']}; raise target_memory (now "
-                          f"{request['target_memory']:,} bytes), use more SP ranks or a shorter plan_seq_len")
+        setup = request["setup"]
+        raise AutoSPError(
+            f"memory_plan='auto' found no plan: {report['reason']}; raise target_memory (now "
+            f"{request['target_memory']:,} bytes), use more SP ranks or a shorter plan_seq_len, or free device memory "
+            f"in the job's DeepSpeed setup (now ZeRO {setup.get('zero_stage')}, optimizer offload "
+            f"{setup.get('offload', 'none')}): python -m autosp.plan --model CONFIG_JSON --cluster "
+            f"{request['cluster']} --seq-len {setup['seq_len']} --sp-size {setup['sp_size']} --memory-plan auto, "
+            "without --zero-stage and --offload, chooses the plan and the setup it needs (autosp.plan.plan_job)")
     options = dict(report["options"])
     decision = {**report, "model": request["model"], "cluster": request["cluster"], "setup": request["setup"],
                 "explicit": dict(explicit), "options": options, "seconds": time.perf_counter() - start}
