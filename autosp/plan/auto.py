@@ -32,7 +32,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -251,8 +251,8 @@ def _answered(what: str, where: str, answer) -> dict:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``memory_plan="auto"`` and ``strategy="auto"`` are collectives over the process group, whose P ranks wait for the
 # decision anyway, and their candidates fall into independent units.  So rank 0 builds the request and broadcasts
-# it, every rank lists the units from it, and rank r predicts units r, r + P, ... (`rank_share`) in its own planner
-# process (`run_planner`; a rank without a share starts none).  The units:
+# it, every rank lists the units from it, and rank r predicts units r, r + P, ... (`autosp.plan.predict.rank_share`)
+# in its own planner process (`run_planner`; a rank without a share starts none).  The units:
 # - ``memory_plan="auto"`` (`memory_plan_on_ranks`): the candidates' trace groups (`autosp.plan.planner.plan_groups`:
 #   tiled loss x tiled MLP, the plans one trace serves).  A group's checkpointing variants share its traces and
 #   partitions, and its offload candidates are skipped by their twins' predictions (Note [Offload only where it is
@@ -269,12 +269,6 @@ def _answered(what: str, where: str, answer) -> dict:
 # the earlier candidate.  An error on any rank (building, planning, a failed planner process) is every rank's
 # `AutoSPError`, the first rank's by rank order.  With one rank it is the one-process decision in one planner
 # process.
-
-
-def rank_share(units: Sequence, rank: int, ranks: int) -> list:
-    """Of ``units`` (in candidate order), those rank ``rank`` of ``ranks`` predicts: every ``ranks``-th from the
-    ``rank``-th (Note [Candidates spread over the ranks])."""
-    return list(units[rank::ranks])
 
 
 def _request_on_ranks(group: dist.ProcessGroup, device: torch.device | None, what: str, request) -> dict:
@@ -311,13 +305,14 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
     spent planning (``predict_cpu_seconds_by_rank`` the process's CPU time in it),
     ``planner_started_before_s_by_rank`` how long before the request its process was started (None: at the
     request, or no share).  ``timeout_s``: each rank's longest wait for its planner process (`run_planner`)."""
-    from autosp.plan.planner import MemoryPlan, choose_plan, plan_groups
+    from autosp.plan.planner import MemoryPlan, choose_plan, in_plan_order, plan_groups, plan_shares
 
     what = _OPTION["memory"]
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     request = _request_on_ranks(group, device if device.type == "cuda" else None, what, request)
     plans = request["plans"]
-    share = [i for g in rank_share(plan_groups([MemoryPlan(*p) for p in plans]), rank, ranks) for i in g]
+    shares = plan_shares(plan_groups([MemoryPlan(*p) for p in plans]), ranks)
+    share = shares[rank]
 
     def predicted() -> dict:
         if not share:  # the caller closes this rank's planner process, unasked
@@ -327,13 +322,11 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
                 "process_seconds": time.perf_counter() - start}
 
     answer = _answered(what, f"rank {rank}", predicted)
-    answers = _gathered(group, {**answer, "share": share})
+    answers = _gathered(group, answer)
     if answer.get("text"):
         log.info("%s", answer["text"])
-    rows: list = [None] * len(plans)
-    for r, found in enumerate(answers):
-        for i, row in zip(found["share"], found["report"]["candidates"] if found["report"] else (), strict=True):
-            rows[i] = {**row, "rank": r}
+    rows = in_plan_order(shares, [[{**row, "rank": r} for row in (a["report"]["candidates"] if a["report"] else ())]
+                                  for r, a in enumerate(answers)], len(plans))
     reports = [a["report"] for a in answers if a["report"]]
     missing = [plans[i][0] for i, row in enumerate(rows) if row is None]
     if missing or not reports:
@@ -405,6 +398,7 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     from autosp.plan.predict import (
         StrategyCandidate,
         TrainingSetup,
+        rank_share,
         strategy_candidates,
         strategy_choice,
         strategy_options,

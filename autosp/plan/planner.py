@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from autosp.costs import LOSS_SCRATCH_ROWS
 from autosp.errors import AutoSPError
-from autosp.plan.predict import DECIDING_DEPTH, Prediction, TraceReuse, TrainingSetup, predict
+from autosp.plan.predict import DECIDING_DEPTH, Prediction, TraceReuse, TrainingSetup, predict, rank_share
 from simulator.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -405,6 +405,22 @@ def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
     return list(groups.values())
 
 
+def plan_shares(groups: Sequence[Sequence[int]], ranks: int) -> list[list[int]]:
+    """The plan indices each of ``ranks`` processes predicts, given the trace groups ``groups`` (`plan_groups`):
+    whole groups, spread by `autosp.plan.predict.rank_share`, each share in the plans' order of its groups."""
+    return [[i for group in rank_share(groups, rank, ranks) for i in group] for rank in range(ranks)]
+
+
+def in_plan_order(shares: Sequence[Sequence[int]], found: Sequence[Sequence], count: int) -> list:
+    """The ``count`` plans' results in the plans' order, given each share's plan indices (`plan_shares`) and its
+    results (``found[k]`` for ``shares[k]``, in the same order); None where no share held the plan."""
+    merged: list = [None] * count
+    for share, results in zip(shares, found, strict=True):
+        for i, result in zip(share, results, strict=True):
+            merged[i] = result
+    return merged
+
+
 def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",
                 target_memory: int | None = None, plans: Sequence[MemoryPlan] | None = None,
                 max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
@@ -488,16 +504,14 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, groups:
                      plans: Sequence[MemoryPlan], *, workers: int, start: float, target: int, objective: str,
                      **choices) -> PlanReport:
     """`plan_memory` with the trace groups ``groups`` of ``plans`` spread over ``workers`` processes (the share of
-    worker w: `autosp.plan.auto.rank_share`): this one, whose imports are made, predicts share 0 while ``workers``
+    worker w: `plan_shares`): this one, whose imports are made, predicts share 0 while ``workers``
     - 1 fresh processes predict the others; their candidates are merged in the plans' order and chosen among by
     `choose_plan`: the one-process report but for ``seconds`` (this call's)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from autosp.plan.auto import rank_share
-
     workers = min(workers, len(groups))
-    shares = [[i for g in rank_share(groups, w, workers) for i in g] for w in range(workers)]
+    shares = plan_shares(groups, workers)
     log.info("memory plan for %s: %d candidates in %d trace groups, predicted by %d worker processes", model,
              len(plans), len(groups), workers)
     # Fresh processes (spawn): a planner resets Dynamo between traces and must not share a forked torch's state.
@@ -505,10 +519,7 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, groups:
     with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
         others = pool.map(_plan_share, asked[1:])  # submitted now, collected after this process's own share
         reports = [_plan_share(asked[0], here=True), *others]
-    candidates: list = [None] * len(plans)
-    for share, report in zip(shares, reports, strict=True):
-        for i, candidate in zip(share, report.candidates, strict=True):
-            candidates[i] = candidate
+    candidates = in_plan_order(shares, [r.candidates for r in reports], len(plans))
     chosen, reason = choose_plan([c.to_dict() for c in candidates], objective, seq_len=setup.seq_len, target=target)
     report = PlanReport(model=model, objective=objective, seq_len=setup.seq_len, target_memory_bytes=target,
                         candidates=tuple(candidates), chosen=chosen, reason=reason,

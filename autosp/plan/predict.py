@@ -466,6 +466,12 @@ class _Captured:
             self.then.add_capture(capture, config, facts)
 
 
+def rank_share(units: Sequence, rank: int, ranks: int) -> list:
+    """Of ``units`` (in candidate order), those rank ``rank`` of ``ranks`` predicts: every ``ranks``-th from the
+    ``rank``-th (Note [Candidates spread over the ranks] in autosp/plan/auto.py)."""
+    return list(units[rank::ranks])
+
+
 def trace_group(options: Mapping | None) -> tuple:
     """The trace group of compile options: the options less `CHECKPOINTING_OPTIONS` and `OFFLOAD_OPTION`, which
     one trace serves (`TraceReuse`)."""

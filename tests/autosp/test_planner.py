@@ -86,6 +86,26 @@ def test_workers_predict_and_choose_what_one_process_does(model, cluster, fastes
     assert spread.format().splitlines()[1:] == fastest.format().splitlines()[1:]  # the first line has the time
 
 
+def test_shares_hold_whole_trace_groups_and_merge_back_in_the_plans_order():
+    """`plan_shares` gives each process whole trace groups, every ``ranks``-th from its own, the plans of a share in
+    their order; `in_plan_order` puts each share's results back at their plans' indices (None where no share held
+    one): the merge of ``workers`` processes and of the ranks of ``memory_plan="auto"``."""
+    from autosp.plan.planner import in_plan_order, plan_shares
+
+    groups = [[0, 3], [1], [2, 4, 5], [6]]
+    assert plan_shares(groups, 2) == [[0, 3, 2, 4, 5], [1, 6]]
+    assert plan_shares(groups, 3) == [[0, 3, 6], [1], [2, 4, 5]]
+    assert plan_shares(groups, 5)[4] == []
+    for ranks in (1, 2, 3, 5):
+        shares = plan_shares(groups, ranks)
+        assert sorted(i for share in shares for i in share) == list(range(7))
+        assert in_plan_order(shares, [[f"plan {i}" for i in share] for share in shares], 7) == \
+            [f"plan {i}" for i in range(7)]
+    assert in_plan_order([[1], []], [["b"], []], 3) == [None, "b", None]  # no share held plans 0 and 2
+    with pytest.raises(ValueError):  # a share answered for fewer plans than it held
+        in_plan_order([[1], [0]], [["b"], []], 3)
+
+
 def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model, cluster):
     """`plan_job` plans under ZeRO 1, then ZeRO 2, then ZeRO 2 with optimizer offload, and keeps the first setup
     under which a plan fits (Note [The DeepSpeed setup only as far as memory needs] in autosp/plan/planner.py):
