@@ -38,19 +38,21 @@ def write_table(name: str, rows: list[dict], out: pathlib.Path, *, columns: Sequ
 
 def bar_plot(rows: list[dict], value: str, ylabel: str, title: str, path: pathlib.Path, *,
              group: str = "ranks", group_label: str = "{} ranks") -> None:
-    """Grouped bars of column ``value`` per system, one bar per value of column ``group`` (rows without a
-    value are left out)."""
+    """Grouped bars of column ``value`` per system, one bar per value of column ``group`` (rank counts, or any
+    column's values in the rows' order; rows without a value are left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({int(r[group]) for r in rows})
+    groups = list(dict.fromkeys(str(r[group]) for r in rows))  # in the rows' order; rank counts ascending
+    if all(g.isdigit() for g in groups):
+        groups.sort(key=int)
     systems = list(dict.fromkeys(r["system"] for r in rows))
     fig, ax = plt.subplots(figsize=(8, 3.6))
     width = 0.8 / max(len(groups), 1)
     for i, g in enumerate(groups):
-        values = [next((float(r[value]) for r in rows if r["system"] == s and int(r[group]) == g and r[value] != ""),
+        values = [next((float(r[value]) for r in rows if r["system"] == s and str(r[group]) == g and r[value] != ""),
                        0.0) for s in systems]
         ax.bar([x + i * width for x in range(len(systems))], values, width, label=group_label.format(g))
     ax.set_xticks([x + width * (len(groups) - 1) / 2 for x in range(len(systems))], systems, fontsize=8)

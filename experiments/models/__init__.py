@@ -8,6 +8,8 @@ single-device and sequence-parallel runs are comparable exactly.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,12 +18,14 @@ from torch import nn
 from experiments.models.plain_llama import PlainLlama, PlainLlamaConfig
 
 
-def _hf_decoder(family: str, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int, **extra):
-    """A Llama-shaped Hugging Face decoder (``family``: "Llama", "Qwen2", "Mistral") with SDPA attention."""
+def _hf_decoder(family: str, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int,
+                intermediate: int | None = None, **extra):
+    """A Llama-shaped Hugging Face decoder (``family``: "Llama", "Qwen2", "Mistral") with SDPA attention; its MLP
+    is ``intermediate`` wide (twice ``hidden`` when None)."""
     import transformers
 
     config = getattr(transformers, f"{family}Config")(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
         attn_implementation="sdpa", **extra,
     )
@@ -61,15 +65,6 @@ def _plain(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 4,
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads,
     ))
-
-
-TINY_MODELS: dict[str, Callable[..., nn.Module]] = {
-    "plain-llama": _plain,
-    "hf-llama": _hf_llama,
-    "hf-gpt2": _hf_gpt2,
-    "hf-qwen2": _hf_qwen2,
-    "hf-mistral": _hf_mistral,
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +109,49 @@ PAPER_MODELS: dict[str, PaperModel] = {
         PaperModel(name="llama-2-13b", hidden_size=5120, intermediate_size=13824, num_layers=40, num_heads=40,
                    num_kv_heads=40, vocab_size=32000),
     )
+}
+
+
+# Note [Paper models in miniature]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What sets a long sequence's memory per token is the model's proportions: the vocabulary against the hidden size
+# (the logits and the loss, about three [tokens, vocab] fp32 tensors in a plain training step), the MLP's width
+# against it, the query heads against the key-value heads.  The tiny presets above keep a vocabulary four times
+# the hidden size; Llama-3.1-8B's is 31 times.  `miniature` keeps a paper model's proportions at a tiny hidden
+# size: vocabulary and MLP width divided by the same factor as the hidden size (128,256 / 64 = 2,004 and 14,336 / 64
+# = 224 for Llama-3.1-8B at hidden 64), 8 query heads or the fewest above that keep the paper model's ratio of
+# query to key-value heads (32:8 -> 8:2, head dimension 8).  Nothing is fitted: every number is the model card's divided by one factor.
+# Depth is the caller's (2 layers in the CPU tables): fewer layers than the paper model's keep fewer per-layer
+# checkpoints, which helps a checkpointing baseline more than a plan that offloads them, so a comparison against
+# per-layer checkpointing made on the miniature understates what the depth would add.
+
+
+def miniature(paper: str, *, layers: int = 2, hidden: int = 64, heads: int | None = None) -> nn.Module:
+    """Paper model ``paper`` (`PAPER_MODELS`) at hidden size ``hidden`` with its proportions kept (Note [Paper
+    models in miniature]): a Hugging Face Llama of ``layers`` layers.  ``heads``: query heads (None: the fewest
+    from 8 up that keep the paper model's ratio of query to key-value heads and divide ``hidden``)."""
+    model = PAPER_MODELS[paper]
+    group = model.num_heads // math.gcd(model.num_heads, model.num_kv_heads)  # query heads per key-value head, reduced
+    if heads is None:
+        heads = next((h for h in range(group, hidden + 1, group) if h >= 8 and hidden % h == 0), None)
+    if heads is None or heads % group or hidden % heads:
+        raise ValueError(f"{paper} at hidden {hidden}: {heads or 'no number of'} query heads cannot keep its "
+                         f"{model.num_heads}:{model.num_kv_heads} query:key-value heads and divide the hidden size")
+    scale = model.hidden_size / hidden
+    return _hf_decoder("Llama", layers=layers, hidden=hidden, heads=heads,
+                       kv_heads=heads * model.num_kv_heads // model.num_heads, vocab=round(model.vocab_size / scale),
+                       intermediate=round(model.intermediate_size / scale),
+                       tie_word_embeddings=model.tie_word_embeddings)
+
+
+TINY_MODELS: dict[str, Callable[..., nn.Module]] = {
+    "plain-llama": _plain,
+    "hf-llama": _hf_llama,
+    "hf-gpt2": _hf_gpt2,
+    "hf-qwen2": _hf_qwen2,
+    "hf-mistral": _hf_mistral,
+    # Llama-3.1-8B's proportions at hidden 64 (Note [Paper models in miniature])
+    "mini-llama-3.1-8b": functools.partial(miniature, "llama-3.1-8b"),
 }
 
 

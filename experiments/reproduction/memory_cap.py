@@ -19,6 +19,9 @@ from experiments.tables import bar_plot
 from simulator.strategies import STRATEGIES
 
 SYSTEMS = STRATEGIES.table("memory-cap")
+MODEL_OPTIONS = {CPU_MODEL: CPU_MODEL_OPTIONS}
+"""Size options of the table's models (`RunConfig.cap_models`; a model not named here is built as its preset is):
+the other CPU tables' Hugging Face Llama with their options, so that its rows stand beside theirs."""
 """The rows: the measured systems (``autosp``, the default compile, planned for the cap) and ``autosp-sac``, AutoSP
 unplanned (Note [The planner's memory-cap row] in experiments/cpu/memory_cap.py)."""
 
@@ -43,8 +46,9 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
     from experiments.launch import run_on_ranks
 
     rows, systems = [], run.measured(SYSTEMS)
-    for ranks in tqdm(run.cap_ranks, desc="memory-cap (search per gloo run)", file=sys.stderr):
-        spec = {"model": CPU_MODEL, "model_options": CPU_MODEL_OPTIONS,
+    runs = [(model, ranks) for model in run.cap_models for ranks in run.cap_ranks]
+    for model, ranks in tqdm(runs, desc="memory-cap (search per model and gloo run)", file=sys.stderr):
+        spec = {"model": model, "model_options": MODEL_OPTIONS.get(model, {}),
                 "cap_bytes": int(run.memory_cap_mib * 2**20), "start": run.cap_start,
                 "granularity": run.cap_granularity, "max_probes": run.cap_probes, "max_len": run.cap_max_len}
         # a system that cannot split one sequence over this many ranks (a hybrid on too few): a row saying why
@@ -55,7 +59,7 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
                    for name in systems if not cannot[name]}  # each system in its own processes
         timed = _step_times(ranks, spec, results, run.cpu_steps)
         for name in systems:
-            row = {"system": name, "ranks": ranks, "cap_mib": f"{run.memory_cap_mib:g}"}
+            row = {"system": name, "model": model, "ranks": ranks, "cap_mib": f"{run.memory_cap_mib:g}"}
             if cannot[name]:
                 rows.append({**row, "max_seq_len": "", "first_failure": "", "probes_tokens_mib": "",
                              "search_s": "", "step_s_at_reference": "", "note": cannot[name]})
@@ -92,10 +96,13 @@ def build(run: RunConfig, runner: Runner) -> list[dict]:
 
 def plot(rows: list[dict], path) -> None:
     bar_plot(rows, "max_seq_len", "longest sequence (tokens)",
-             f"CPU gloo: longest sequence under {rows[0]['cap_mib']} MiB per rank", path)
+             f"CPU gloo ({'/'.join(dict.fromkeys(str(r['ranks']) for r in rows))} ranks): longest sequence under "
+             f"{rows[0]['cap_mib']} MiB per rank", path,
+             group="model", group_label="{}")
 
 
 TABLE = Table(
     name="memory-cap",
-    help="the longest sequence each system trains on CPU gloo ranks under a per-rank memory cap",
+    help="the longest sequence each system trains on CPU gloo ranks under a per-rank memory cap, on Llama-3.1-8B's "
+         "proportions at hidden 64 (the default preset adds measured-cpu's model)",
     build=build, simulated=False, plot=plot)

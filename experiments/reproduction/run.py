@@ -17,11 +17,11 @@ PRESETS: dict[str, dict] = {
     # contention (--cpu-ranks 2 4 on a machine with 4 or more cores; the hybrid autosp-hybrid-2x2 runs only there)
     "default": {"granularity": 1024, "zero3_granularity": 1024, "search_probes": 10, "cpu_ranks": (2,),
                 "cpu_seq_len": 1024, "cpu_steps": 8, "memory_cap_mib": 16.0, "cap_granularity": 128,
-                "cap_probes": 8, "layers": "full"},
+                "cap_probes": 8, "cap_models": ("mini-llama-3.1-8b", "hf-llama"), "layers": "full"},
     # zero3 fits about 10K tokens: the quick preset's 8K-token steps would be too coarse for it
     "quick": {"granularity": 8192, "zero3_granularity": 2048, "search_probes": 6, "cpu_ranks": (2,),
               "cpu_seq_len": 256, "cpu_steps": 3, "memory_cap_mib": 8.0, "cap_granularity": 256, "cap_probes": 2,
-              "layers": "extrapolated"},
+              "cap_models": ("mini-llama-3.1-8b",), "layers": "extrapolated"},
 }
 """Settings of the two presets (``--quick`` picks the second); every other setting is shared (`SHARED`)."""
 SHARED = {"max_seq_len_ceiling": 262144, "cap_ranks": (2,), "cap_start": 512, "cap_max_len": 32768,
@@ -32,6 +32,7 @@ PRESET_HELP = {
     "cpu_seq_len": "measured-cpu tokens", "cpu_steps": "measured-cpu timed steps",
     "memory_cap_mib": "memory-cap cap (MiB per rank)", "cap_granularity": "memory-cap search granularity (tokens)",
     "cap_probes": "memory-cap probes per system",
+    "cap_models": "memory-cap models (Llama-3.1-8B's proportions at hidden 64, and the other CPU tables' model)",
     "layers": "paper-scale depth: traced in full, or extrapolated from 1 and 2 layers (underestimates memory "
               "under checkpointing)",
 }
@@ -63,6 +64,7 @@ class RunConfig:
     memory_cap_mib: float
     cap_granularity: int
     cap_probes: int
+    cap_models: tuple[str, ...]
     layers: str
     # settings every preset shares (`SHARED`)
     max_seq_len_ceiling: int

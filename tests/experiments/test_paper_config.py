@@ -121,3 +121,26 @@ def test_outside_evidence_names_the_ledger_items_at_the_probe_nearest_the_figure
     inside = {**rows[0], "inside_band": "true"}
     assert outside_evidence(inside, {"fork-z0-sp8": SimpleNamespace(steps=probes)}, model, capacity_bytes=capacity) \
         == ""
+
+
+@pytest.mark.parametrize(("name", "hidden"), [("llama-3.2-3b", 96), ("llama-3.1-8b", 64), ("llama-2-13b", 64)])
+def test_a_miniature_keeps_the_paper_models_proportions(name, hidden):
+    """`experiments.models.miniature` (Note [Paper models in miniature]): vocabulary and MLP width divided by the
+    hidden size's factor, the ratio of query to key-value heads and the tied head kept; the memory-cap table's
+    model is the Llama-3.1-8B miniature."""
+    from experiments.models import build_model, miniature
+
+    paper = PAPER_MODELS[name]
+    config = miniature(name, layers=1, hidden=hidden).config
+    factor = paper.hidden_size / hidden
+    assert (config.hidden_size, config.num_hidden_layers) == (hidden, 1)
+    assert config.num_attention_heads >= 8 and hidden % config.num_attention_heads == 0
+    assert abs(config.vocab_size - paper.vocab_size / factor) <= 0.5
+    assert abs(config.intermediate_size - paper.intermediate_size / factor) <= 0.5
+    assert config.num_attention_heads * paper.num_kv_heads == config.num_key_value_heads * paper.num_heads
+    assert config.tie_word_embeddings == paper.tie_word_embeddings
+    if name == "llama-3.1-8b":
+        built = build_model("mini-llama-3.1-8b").config
+        assert (built.vocab_size, built.intermediate_size, built.num_key_value_heads) == (2004, 224, 2)
+    with pytest.raises(ValueError, match="query heads cannot keep"):
+        miniature(name, hidden=hidden, heads=7)  # 7 keeps none of the three ratios and divides neither size

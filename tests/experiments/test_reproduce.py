@@ -138,7 +138,7 @@ def _ran(rows: list[dict]) -> list[dict]:
     """The rows of the systems that ran; the others say they need 4 ranks, with every measured cell blank."""
     skipped = [r for r in rows if r["system"] in NEEDS_4_RANKS]
     assert [r["note"] for r in skipped] == ["needs 4 ranks"] * len(NEEDS_4_RANKS), skipped
-    assert all(v == "" for r in skipped for k, v in r.items() if k not in ("system", "ranks", "seq_len",
+    assert all(v == "" for r in skipped for k, v in r.items() if k not in ("system", "model", "ranks", "seq_len",
                                                                           "cap_mib", "note")), skipped
     return [r for r in rows if r["system"] not in NEEDS_4_RANKS]
 
@@ -343,12 +343,15 @@ def test_cpu_systems_chooses_the_rows_of_the_measured_tables_with_ulysses_always
 
 
 def test_memory_cap_searches_a_system_only_on_the_ranks_it_declares_and_says_why_elsewhere(tmp_path, monkeypatch):
+    import dataclasses
+
     import experiments.launch
     from experiments.cpu.memory_cap import PLANNER_ROW, REFERENCE_ROW
     from experiments.reproduce import run_config
     from experiments.reproduction import Runner, memory_cap
+    from experiments.reproduction.run import PRESETS
 
-    launched, timed = [], []
+    launched, options, timed = [], [], []
 
     def fake_run_on_ranks(fn, ranks, spec, *args, **kw):
         if fn.__name__ == "step_times_on_rank":  # the reference and the planner row, side by side
@@ -357,6 +360,7 @@ def test_memory_cap_searches_a_system_only_on_the_ranks_it_declares_and_says_why
                      zip(spec["systems"], (2.0, 1.5), strict=True)}] * ranks
         (name,) = spec["systems"]
         launched.append(name)
+        options.append(spec["model_options"])
         return [{"systems": {name: {"probes": [(512, 2**20)], "max_seq_len": 512, "first_failure": 1024,
                                     "search_s": 1.0}}}] * ranks
 
@@ -370,6 +374,15 @@ def test_memory_cap_searches_a_system_only_on_the_ranks_it_declares_and_says_why
     assert steps == {REFERENCE_ROW: "2.000", PLANNER_ROW: "1.500"}
     planned = next(r for r in rows if r["system"] == PLANNER_ROW)
     assert "1.00x ulysses+ckpt's length; step at its 512 tokens 0.75x its" in planned["note"], planned
+    assert {r["model"] for r in rows} == {"mini-llama-3.1-8b"} == set(run.cap_models)
+    # The default preset's two models: each searched with its own size options, its rows after the other's.
+    models = ("mini-llama-3.1-8b", "hf-llama")
+    assert PRESETS["default"]["cap_models"] == models
+    launched.clear(), options.clear()
+    rows = memory_cap.build(dataclasses.replace(run, cap_models=models), Runner(cache=None))
+    assert [r["model"] for r in rows] == [m for m in models for _ in STRATEGIES.table("memory-cap")]
+    assert launched == 2 * [s for s in STRATEGIES.table("memory-cap") if s not in NEEDS_4_RANKS]
+    assert options == [{}] * (len(launched) // 2) + [memory_cap.MODEL_OPTIONS["hf-llama"]] * (len(launched) // 2)
 
 
 def test_reproduce_run_json_keeps_the_commands_of_tables_an_only_run_did_not_redo(tmp_path):
