@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 import autosp
+from autosp.config import ACCEPTED_STRATEGIES
 from autosp.errors import AutoSPError
 from autosp.train import PRESETS, build_model, hf_config, init_distributed, peak_memory
 from autosp.train import _model as _model_arg
@@ -334,6 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="backend AutoSP hands its graphs to; a packed sample runs under aot_eager either "
                             "way (AutoSP chooses it per batch: Inductor does not compile document masks yet), "
                             "so inductor only adds its compile time here (default: %(default)s)")
+    model.add_argument("--strategy", choices=ACCEPTED_STRATEGIES,
+                       help="how a sequence is split over its SP ranks: ulysses (attention heads), ring (zig-zag "
+                            "ring attention: more SP ranks than key-value heads, or the longest sequences), hybrid "
+                            "(Ulysses inside groups of --ulysses-size ranks, ring across them) or auto (the planner "
+                            "chooses on the first batch) (default: ulysses)")
+    model.add_argument("--ulysses-size", type=int,
+                       help="with --strategy hybrid: ranks of each Ulysses group, a divisor of the SP size and of "
+                            "the attention heads")
     model.add_argument("--dtype", choices=("bf16", "fp32"),
                        help="parameter and compute dtype (default: bf16 on GPUs, fp32 on CPU)")
     train = p.add_argument_group("training")
@@ -416,13 +425,15 @@ def train(args: argparse.Namespace) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / args.warmup) if args.warmup else 1.0)
     engine = None
+    compile_options = {"compiler": args.compiler, **{name: value for name, value in (
+        ("strategy", args.strategy), ("ulysses_size", args.ulysses_size)) if value is not None}}
     if args.zero_stage is not None:
         ds_config = {
             "train_micro_batch_size_per_gpu": args.micro_batch_size,
             "gradient_accumulation_steps": args.grad_accum,
             "sequence_parallel_size": sp_size,
             "zero_optimization": {"stage": args.zero_stage},
-            "autosp": {"compiler": args.compiler},
+            "autosp": compile_options,
             "gradient_clipping": args.max_grad_norm,
             "bf16": {"enabled": dtype == torch.bfloat16},
             "steps_per_print": 10**9,
@@ -431,7 +442,7 @@ def train(args: argparse.Namespace) -> dict:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         sp_model = engine.module
     else:
-        sp_model = autosp.compile(model, sp_size=sp_size, compiler=args.compiler)
+        sp_model = autosp.compile(model, sp_size=sp_size, **compile_options)
     groups = sp_model.groups
     sampler = autosp.sequence_parallel_sampler(dataset, groups, shuffle=True, seed=args.seed, drop_last=True)
 
@@ -503,7 +514,7 @@ def train(args: argparse.Namespace) -> dict:
         if metrics is not None:
             metrics.close()
     return {"steps": step, "losses": losses, "samples": len(dataset), "sp_size": groups.sp_size,
-            "dp_size": groups.dp_size, "output_dir": str(output_dir)}
+            "dp_size": groups.dp_size, "strategy": sp_model.config.strategy, "output_dir": str(output_dir)}
 
 
 def main(argv: list[str] | None = None) -> int:
