@@ -32,7 +32,7 @@ PRESET_HELP = {
     "cpu_seq_len": "measured-cpu tokens", "cpu_steps": "measured-cpu timed steps",
     "memory_cap_mib": "memory-cap cap (MiB per rank)", "cap_granularity": "memory-cap search granularity (tokens)",
     "cap_probes": "memory-cap probes per system",
-    "cap_models": "memory-cap models (Llama-3.1-8B's proportions at hidden 64, and the other CPU tables' model)",
+    "cap_models": "memory-cap models",
     "layers": "paper-scale depth: traced in full, or extrapolated from 1 and 2 layers (underestimates memory "
               "under checkpointing)",
 }
