@@ -75,14 +75,16 @@ def _positive(value: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from autosp.train import PRESETS as MODEL_PRESETS
+
     p = argparse.ArgumentParser(
         prog="python -m autosp.plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Predict an AutoSP training configuration for a model on a cluster: whether it fits, the peak "
                     "memory per rank by\nledger category, the step time and the longest sequence that fits. The "
                     "model is traced on fake tensors\n(no weights, no downloads) and the step simulated.")
     p.add_argument("--model", required=True, type=_model,
-                   help="a preset of python -m autosp.train (tiny-llama, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b) "
-                        "or the path of any Hugging Face causal-LM config.json (or its folder)")
+                   help=f"a preset of python -m autosp.train ({', '.join(MODEL_PRESETS)}) or the path of any "
+                        "Hugging Face causal-LM config.json (or its folder)")
     p.add_argument("--cluster", required=True, type=_cluster, metavar="PRESET_OR_FILE",
                    help=f"a hardware or cluster preset ({', '.join(cluster_names())}) or a cluster file (JSON)")
     p.add_argument("--seq-len", required=True, type=_positive, help="tokens per sample (the full sequence)")

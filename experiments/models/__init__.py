@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from autosp.train import PRESETS as MODEL_PRESETS
 from experiments.models.plain_llama import PlainLlama, PlainLlamaConfig
 
 
@@ -99,17 +100,15 @@ class PaperModel:
         return v * h + self.num_layers * per_layer + h + head
 
 
-PAPER_MODELS: dict[str, PaperModel] = {
-    m.name: m
-    for m in (
-        PaperModel(name="llama-3.2-3b", hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24,
-                   num_kv_heads=8, vocab_size=128256, tie_word_embeddings=True),
-        PaperModel(name="llama-3.1-8b", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                   num_kv_heads=8, vocab_size=128256),
-        PaperModel(name="llama-2-13b", hidden_size=5120, intermediate_size=13824, num_layers=40, num_heads=40,
-                   num_kv_heads=40, vocab_size=32000),
-    )
-}
+def _paper_model(name: str) -> PaperModel:
+    size = MODEL_PRESETS[name]
+    return PaperModel(name=name, hidden_size=size.hidden, intermediate_size=size.intermediate, num_layers=size.layers,
+                      num_heads=size.heads, num_kv_heads=size.kv_heads, vocab_size=size.vocab,
+                      tie_word_embeddings=size.tie_embeddings)
+
+
+PAPER_MODELS: dict[str, PaperModel] = {name: _paper_model(name) for name in ("llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")}
+"""The models the paper trains, sized by `autosp.train.PRESETS` (the one list of model-card numbers)."""
 
 
 # Note [Paper models in miniature]
