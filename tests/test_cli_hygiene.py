@@ -85,7 +85,7 @@ CLIS = (
     Cli("autosp.plan.auto"),
     Cli("autosp.examples.train_lm", required=("--data", "corpus.txt", "--output-dir", "out"),
         typos=(("--model", "tiny-lama"), ("--compiler", "inductr"), ("--dtype", "fp16"), ("--zero-stage", "3"),
-               ("--text-split", "paragraf"))),
+               ("--text-split", "paragraf"), ("--strategy", "rign"))),
     Cli("scripts/gpu_smoke.py"),
 )
 """Every command line of the project: add a new one here (`test_every_main_module_is_listed` fails until then)."""
