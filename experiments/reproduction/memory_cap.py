@@ -19,11 +19,11 @@ from experiments.tables import bar_plot
 from simulator.strategies import STRATEGIES
 
 SYSTEMS = STRATEGIES.table("memory-cap")
+"""The rows: the measured systems (``autosp``, the default compile, planned for the cap) and ``autosp-sac``, AutoSP
+unplanned (Note [The planner's memory-cap row] in experiments/cpu/memory_cap.py)."""
 MODEL_OPTIONS = {CPU_MODEL: CPU_MODEL_OPTIONS}
 """Size options of the table's models (`RunConfig.cap_models`; a model not named here is built as its preset is):
 the other CPU tables' Hugging Face Llama with their options, so that its rows stand beside theirs."""
-"""The rows: the measured systems (``autosp``, the default compile, planned for the cap) and ``autosp-sac``, AutoSP
-unplanned (Note [The planner's memory-cap row] in experiments/cpu/memory_cap.py)."""
 
 
 def _step_times(ranks: int, spec: dict, results: dict, steps: int) -> dict:
