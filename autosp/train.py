@@ -22,7 +22,6 @@ import resource
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,50 +29,14 @@ import torch.distributed as dist
 import autosp
 from autosp.config import ACCEPTED_STRATEGIES
 from autosp.errors import AutoSPError
+from autosp.presets import PRESETS, build_model, hf_config, model_argument
 
 log = logging.getLogger("autosp.train")
-
-
-@dataclass(frozen=True)
-class LlamaSize:
-    """Architecture numbers of a Llama model (public Hugging Face model cards)."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    tie_embeddings: bool = False
-    rope_theta: float = 500000.0
-
-
-PRESETS: dict[str, LlamaSize] = {
-    "tiny-llama": LlamaSize(hidden=64, intermediate=128, layers=2, heads=8, kv_heads=2, vocab=256),
-    "llama-3.2-1b": LlamaSize(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256,
-                              tie_embeddings=True),
-    "llama-3.2-3b": LlamaSize(hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8, vocab=128256,
-                              tie_embeddings=True),
-    "llama-3.1-8b": LlamaSize(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256),
-    "llama-2-13b": LlamaSize(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40, vocab=32000,
-                             rope_theta=10000.0),
-}
 
 
 FLAG_DEFAULTS = {"zero_stage": 0, "micro_batch_size": 1, "compiler": "inductor", "strategy": "ulysses"}
 """Defaults of the flags a ``--deepspeed-config`` file can also set: an explicit flag wins over the file, the
 file wins over these defaults (`merge_config` logs each conflict)."""
-
-
-def _model(value: str) -> str:
-    """``--model``: a preset name or an existing config.json (or a folder holding one), checked before any work."""
-    if value in PRESETS:
-        return value
-    path = os.path.join(value, "config.json") if os.path.isdir(value) else value
-    if not os.path.isfile(path):
-        raise argparse.ArgumentTypeError(f"{value!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json "
-                                         "file or a folder holding one")
-    return value
 
 
 def _json_file(value: str) -> str:
@@ -105,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                "--deepspeed-config FILE is merged deeply over the config these flags build: a flag given on the\n"
                "command line wins over the file, the file wins over a flag's default; each conflict is logged and\n"
                "the summary shows the values that were used.")
-    p.add_argument("--model", default="tiny-llama", type=_model,
+    p.add_argument("--model", default="tiny-llama", type=model_argument,
                    help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face config.json (or its folder) "
                         "(default: %(default)s)")
     p.add_argument("--num-layers", type=int, help="override the number of decoder layers (default: the model's)")
@@ -184,50 +147,6 @@ def init_distributed() -> torch.device:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
     dist.init_process_group("nccl" if cuda else "gloo")
     return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-
-
-def hf_config(args: argparse.Namespace):
-    import transformers
-
-    if args.model in PRESETS:
-        s = PRESETS[args.model]
-        config = transformers.LlamaConfig(
-            vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
-            num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, tie_word_embeddings=s.tie_embeddings,
-            rope_theta=s.rope_theta, max_position_embeddings=max(args.seq_len, 8192), use_cache=False,
-        )
-    else:
-        path = os.path.join(args.model, "config.json") if os.path.isdir(args.model) else args.model
-        if not os.path.isfile(path):
-            raise AutoSPError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
-        with open(path) as f:
-            fields = json.load(f)
-        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-        config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, args.seq_len)
-    if args.num_layers:
-        config.num_hidden_layers = args.num_layers
-    config._attn_implementation = "sdpa"  # AutoSP rewrites scaled_dot_product_attention
-    # A preset is trained without a KV cache (use_cache=False above), as AutoSPTrainer and ALST train: a cache serves
-    # generation, and in a training step it holds every layer's keys and values to the end of the step (128 KiB a
-    # token a rank at 8B).  A config.json keeps its own use_cache: the planner prices the job that config runs, and
-    # autosp.compile(memory_plan="auto") passes the job's config as it is.  Without a cache Hugging Face builds its
-    # mask from the position ids, which compiles as causal attention on plain positions (Note [Document program] in
-    # autosp/api.py) and is learnt on short blocks at long context (Note [Mask programs probed on shorter blocks]
-    # in autosp/passes/dynamo/mask_probes.py: 16 s at 3.7M tokens on 8 ranks).
-    return config
-
-
-def build_model(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    import transformers
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.train()
 
 
 CONFIG_FLAGS = {
@@ -326,7 +245,7 @@ def train(args: argparse.Namespace) -> dict | None:
         # process started ahead] in autosp/plan/process.py); autosp.compile closes it once it has answered.
         planner = autosp.start_planner()
     torch.manual_seed(args.seed)
-    config = hf_config(args)
+    config = hf_config(args.model, seq_len=args.seq_len, num_layers=args.num_layers)
     model = build_model(config, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     # A torch optimizer unless --deepspeed-config names one (refused on CPU if it would JIT-build ops).

@@ -57,7 +57,7 @@ def build_parser():
     from experiments import cli
 
     parser = cli.parser("experiments.bench_planner", __doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama-3.1-8b", help="a preset of autosp.train or a config.json")
+    parser.add_argument("--model", default="llama-3.1-8b", help="a preset of autosp.presets or a config.json")
     parser.add_argument("--cluster", default="h100-sxm", help="a cluster preset or a cluster file")
     parser.add_argument("--sp-size", type=int, default=8, help="SP ranks")
     parser.add_argument("--seq-len", type=int, default=65536, help="the planned length (tokens per sample)")

@@ -47,8 +47,8 @@ import torch.distributed as dist
 import autosp
 from autosp.config import ACCEPTED_STRATEGIES
 from autosp.errors import AutoSPError
-from autosp.train import PRESETS, build_model, hf_config, init_distributed, peak_memory
-from autosp.train import _model as _model_arg
+from autosp.presets import PRESETS, build_model, hf_config, model_argument
+from autosp.train import init_distributed, peak_memory
 
 log = logging.getLogger("autosp.examples.train_lm")
 
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--seq-len", type=int, default=1024,
                       help="tokens per packed sample, the full sequence before sharding (default: %(default)s)")
     model = p.add_argument_group("model and parallelism")
-    model.add_argument("--model", default="tiny-llama", type=_model_arg,
+    model.add_argument("--model", default="tiny-llama", type=model_argument,
                        help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face config.json (or its "
                             "folder) (default: %(default)s)")
     model.add_argument("--num-layers", type=int, help="override the number of decoder layers (default: the model's)")
@@ -410,7 +410,7 @@ def train(args: argparse.Namespace) -> dict:
 
     tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
     dataset = pack(read_documents(args.data, tokenizer, text_split=args.text_split), args.seq_len)
-    config = hf_config(args)
+    config = hf_config(args.model, seq_len=args.seq_len, num_layers=args.num_layers)
     config.use_cache = False  # the packed-document mask is read from the position ids (README "packed documents")
     top = int(dataset.input_ids.max())
     if top >= config.vocab_size:

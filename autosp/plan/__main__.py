@@ -26,6 +26,7 @@ from autosp.plan.predict import (
     STRATEGY_CHOICES,
     TrainingSetup,
 )
+from autosp.presets import model_argument
 
 log = logging.getLogger("autosp.plan")
 
@@ -51,12 +52,6 @@ examples:
 """
 
 
-def _model(value: str) -> str:
-    from autosp.train import _model as train_model  # the training entry point's check: one model source
-
-    return train_model(value)
-
-
 def _cluster(value: str) -> str:
     if value in cluster_names() or Path(value).is_file():
         return value
@@ -75,15 +70,15 @@ def _positive(value: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from autosp.train import PRESETS as MODEL_PRESETS
+    from autosp.presets import PRESETS as MODEL_PRESETS
 
     p = argparse.ArgumentParser(
         prog="python -m autosp.plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Predict an AutoSP training configuration for a model on a cluster: whether it fits, the peak "
                     "memory per rank by\nledger category, the step time and the longest sequence that fits. The "
                     "model is traced on fake tensors\n(no weights, no downloads) and the step simulated.")
-    p.add_argument("--model", required=True, type=_model,
-                   help=f"a preset of python -m autosp.train ({', '.join(MODEL_PRESETS)}) or the path of any "
+    p.add_argument("--model", required=True, type=model_argument,
+                   help=f"a preset of autosp.presets ({', '.join(MODEL_PRESETS)}) or the path of any "
                         "Hugging Face causal-LM config.json (or its folder)")
     p.add_argument("--cluster", required=True, type=_cluster, metavar="PRESET_OR_FILE",
                    help=f"a hardware or cluster preset ({', '.join(cluster_names())}) or a cluster file (JSON)")

@@ -1,14 +1,13 @@
-"""``--model``: a preset of `autosp.train` or any Hugging Face ``config.json``, as the planner needs it.
+"""``--model``: a preset of `autosp.presets` or any Hugging Face ``config.json``, as the planner needs it.
 
-The configuration is read with `autosp.train.hf_config` (the training entry point's own model source, so a model
-the planner predicts for is the model ``python -m autosp.train --model`` trains).  Nothing is downloaded and no
+The configuration is read with `autosp.presets.hf_config` (every entry point's one model source, so a model the
+planner predicts for is the model ``python -m autosp.train --model`` trains).  Nothing is downloaded and no
 weights are created: the parameter tensors' sizes come from a model built on the meta device, and the traced
 step builds the model inside a fake-tensor mode (`autosp.export.trace_fake_step`).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass, field
 
@@ -24,23 +23,23 @@ class ModelSource:
     """One model, by the name or path the user gave."""
 
     spec: str
-    """A preset name of `autosp.train.PRESETS` or the path of a config.json (or of its folder)."""
+    """A preset name of `autosp.presets.PRESETS` or the path of a config.json (or of its folder)."""
     _numels: dict[str, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
     """`parameter_numels` by the configuration's config.json text (every field: the model class and its sizes)."""
 
     def config(self, *, seq_len: int, num_layers: int | None = None):
         """The Hugging Face config (``attn_implementation="sdpa"``, position embeddings for ``seq_len`` tokens)."""
-        from autosp.train import hf_config
+        from autosp.presets import hf_config
 
         try:
-            return hf_config(argparse.Namespace(model=self.spec, seq_len=seq_len, num_layers=num_layers))
+            return hf_config(self.spec, seq_len=seq_len, num_layers=num_layers)
         except (KeyError, ValueError, TypeError) as exc:
             raise AutoSPError(f"--model {self.spec}: transformers cannot build a config from it ({exc}); give a "
                               "Hugging Face config.json with its model_type") from None
 
     def build(self, config, dtype: torch.dtype) -> torch.nn.Module:
         """The causal LM of ``config`` on the current device context (``meta``, or fake tensors when traced)."""
-        from autosp.train import build_model
+        from autosp.presets import build_model
 
         try:
             return build_model(config, torch.device("cpu"), dtype)

@@ -142,7 +142,7 @@ def sized_candidate_plans(model_config: Mapping, *, itemsize: int, target_memory
 
 
 def candidates_for(model: str, setup: TrainingSetup, target_memory: int, **choices) -> tuple[MemoryPlan, ...]:
-    """`sized_candidate_plans` of ``model`` (a preset of `autosp.train` or a config.json, as `predict` takes it)
+    """`sized_candidate_plans` of ``model`` (a preset of `autosp.presets` or a config.json, as `predict` takes it)
     in ``setup``'s dtype: `plan_memory`'s default candidates and the CLI's."""
     from autosp.plan.model_source import ModelSource
 
@@ -634,7 +634,7 @@ def choose_options(model: str, sp_size: int, seq_len: int, target_memory: int | 
                    cluster: str = "h100-sxm", objective: str = "fastest", **setup: object) -> dict:
     """The `autosp.compile` options of the plan `plan_memory` chooses (an `AutoSPError` when none fits).
 
-    ``model``: a preset of `autosp.train` or a Hugging Face config.json; ``cluster``: a preset or a cluster file;
+    ``model``: a preset of `autosp.presets` or a Hugging Face config.json; ``cluster``: a preset or a cluster file;
     ``setup``: further `TrainingSetup` fields (dp_size, zero_stage, dtype, ...).  Pass the result to
     ``autosp.compile(model, sp_size=sp_size, **options)``."""
     from autosp.plan.cluster_file import load_cluster

@@ -1034,7 +1034,7 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
             max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
             progress: Callable[[str], None] | None = None, options: Mapping | None = None,
             capacity_bytes: int | None = None, reuse: TraceReuse | None = None) -> Prediction:
-    """Predict ``setup`` for ``model`` (a preset of `autosp.train` or a config.json) on ``cluster``; with
+    """Predict ``setup`` for ``model`` (a preset of `autosp.presets` or a config.json) on ``cluster``; with
     ``max_length`` also search the longest length that fits (each probe is one more trace).  ``options``: the
     `autosp.compile` options the step is traced with; ``capacity_bytes``: the memory a rank may use (default: the
     cluster's device memory); ``reuse``: traces shared with other plans' predictions (`TraceReuse`)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from autosp.train import PRESETS as MODEL_PRESETS
+from autosp.presets import PRESETS as MODEL_PRESETS
 from experiments.models.plain_llama import PlainLlama, PlainLlamaConfig
 
 
@@ -108,7 +108,7 @@ def _paper_model(name: str) -> PaperModel:
 
 
 PAPER_MODELS: dict[str, PaperModel] = {name: _paper_model(name) for name in ("llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")}
-"""The models the paper trains, sized by `autosp.train.PRESETS` (the one list of model-card numbers)."""
+"""The models the paper trains, sized by `autosp.presets.PRESETS` (the one list of model-card numbers)."""
 
 
 # Note [Paper models in miniature]

@@ -23,11 +23,12 @@ def _env() -> dict:
 
 
 def _single_device_first_loss(seq_len: int) -> float:
-    from autosp import train
+    from autosp import presets, train
 
     args = train.parse_args(["--model", "tiny-llama", "--seq-len", str(seq_len)])
     torch.manual_seed(args.seed)
-    model = train.build_model(train.hf_config(args), torch.device("cpu"), torch.float32)
+    model = presets.build_model(presets.hf_config(args.model, seq_len=args.seq_len), torch.device("cpu"),
+                                 torch.float32)
     ids = train.random_sample(0, 0, batch=1, seq_len=seq_len, vocab=model.config.vocab_size, seed=args.seed,
                               device=torch.device("cpu"))
     with torch.no_grad():
