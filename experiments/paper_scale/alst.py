@@ -83,7 +83,7 @@ import functools
 import logging
 import math
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from experiments.models import PAPER_MODELS, PaperModel
@@ -146,8 +146,8 @@ ITEMS: dict[str, str] = {
                           "maximum is at or above it",
     "planner-depth": "the planner's depth: extrapolated from 1- and 2-layer traces with SAC deciding as for the full "
                      "model (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py), offload "
-                     "plans unrolled from a 6-layer trace (simulator/depth_unroll.py); its own ZeRO 2 ledger, not the "
-                     "ZeRO-3 rewrite",
+                     "plans unrolled from a 6-layer trace (simulator/depth_unroll.py); its own ZeRO 1 or 2 ledger, not "
+                     "the ZeRO-3 rewrite",
     "depth-extrapolated": "depth extrapolated from 2- and 3-layer traces (`DEPTHS`; Note [Depth extrapolation] in "
                           "simulator/max_length.py): exact in the depth for per-layer checkpointing, not for SAC",
 }
@@ -166,6 +166,8 @@ class BreakdownRow:
     tiled_mlp: bool = False
     offload: bool = False
     zero_stage: int = 3
+    offload_optimizer: bool = True
+    """DeepSpeed's optimizer offload (CPU Adam), as every ALST recipe ran; the AutoSP paper's rows run without."""
     chunks: str = "alst"
     """``alst``: the tiled loss and MLP chunk as Liger and ArcticTraining do; ``autosp``: AutoSP's defaults."""
     overlap: bool = False
@@ -274,12 +276,13 @@ def compile_options(row: BreakdownRow, seq_len: int, model: PaperModel) -> dict:
 
 def training_config(row: BreakdownRow, model: PaperModel, layers: int | None = None) -> TrainingConfig:
     """The ledger's configuration of ``row`` (``layers``: the depth of a traced step; None: the whole model): bf16,
-    Adam, ZeRO over all 8 ranks with the optimizer offloaded to the CPU."""
+    Adam, ZeRO over all 8 ranks, the optimizer offloaded to the CPU where the row says so."""
     return TrainingConfig.for_llama(
         hidden=model.hidden_size, ffn_hidden=model.intermediate_size, layers=layers or model.num_layers,
         heads=model.num_heads, kv_heads=model.num_kv_heads, vocab=model.vocab_size,
         tied_embeddings=model.tie_word_embeddings, optimizer="adam", precision="bf16", zero_stage=row.zero_stage,
-        dp_world_size=RANKS, nccl_communicators=2 if row.sp_size > 1 else 1, offload_optimizer=True)
+        dp_world_size=RANKS, nccl_communicators=2 if row.sp_size > 1 else 1,
+        offload_optimizer=row.offload_optimizer)
 
 
 def liger_loss_workload(workload: Workload, *, chunk_tokens: int, vocab: int) -> Workload:
@@ -449,7 +452,7 @@ def tflops_per_gpu(seq_len: int, step_time_s: float, sp_size: int, model: PaperM
     return per_sample / sp_size / step_time_s / 1e12
 
 
-def _figures(value: float) -> float:
+def figures(value: float) -> float:
     """``value`` to four significant figures."""
     return float(f"{value:.4g}")
 
@@ -513,7 +516,7 @@ COLUMNS = ("system", "row", "sp_size", "zero_stage", "checkpointing", "tiled_los
 """The table's columns, one per key of every row."""
 
 
-def _row(**fields) -> dict:
+def table_row(**fields) -> dict:
     """A table row: ``fields``, every other column empty."""
     unknown = set(fields) - set(COLUMNS)
     if unknown:
@@ -538,7 +541,7 @@ def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers
                               granularity=search.granularity, start=search.start, max_probes=search.max_probes,
                               host_capacity_bytes=host_capacity)
     best = found.nominal.max_seq_len
-    out = _row(system=row.system, row=row.name, sp_size=row.sp_size, zero_stage=row.zero_stage,
+    out = table_row(system=row.system, row=row.name, sp_size=row.sp_size, zero_stage=row.zero_stage,
                checkpointing=row.checkpointing, tiled_loss=row.tiled_loss, tiled_mlp=row.tiled_mlp,
                activation_offload=row.offload, simulated_tokens=best or "",
                band_tokens=f"{found.high_memory.display()} - {found.low_memory.display()}",
@@ -548,8 +551,8 @@ def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers
                source=row.source)
     if best:
         at_best = step(best)
-        out.update(simulated_step_s=_figures(at_best.step_time_s),
-                   simulated_tflops=_figures(tflops_per_gpu(best, at_best.step_time_s, row.sp_size, model)),
+        out.update(simulated_step_s=figures(at_best.step_time_s),
+                   simulated_tflops=figures(tflops_per_gpu(best, at_best.step_time_s, row.sp_size, model)),
                    host_peak_gib=round(ledger_host_peak(cfg, at_best.host_dynamic_memory_bytes) / 2**30, 1))
     if row.published_tokens:
         published = row.published_tokens - row.published_tokens % row.sp_size
@@ -568,7 +571,7 @@ def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers
             out.update(miss_item=miss_item(row, items, best))
         out.update(peak_at_published_gib=round(ledger_peak(cfg, at_published.dynamic_memory_bytes) / 2**30, 1),
                    largest_ledger_lines_gib=_largest_lines(cfg, at_published.dynamic_memory_bytes),
-                   simulated_step_at_published_s=_figures(at_published.step_time_s))
+                   simulated_step_at_published_s=figures(at_published.step_time_s))
     log.info("%s %s: %s tokens (published %s)", row.system, row.name, best, row.published_tokens)
     return out
 
@@ -587,11 +590,14 @@ def _tried(report) -> str:
 
 
 def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "extrapolated",
-                search: Search | None = None, plans: Sequence | None = None, seq_len: int | None = None) -> dict:
-    """AutoSP's memory planner on ALST's machine with no AutoSP setting (`autosp.plan.plan_memory`, the code
-    ``autosp.compile(memory_plan="auto")`` runs; every candidate of `autosp.plan.candidates_for`, or ``plans``):
-    objective ``fastest`` at ALST's longest published length (``seq_len``; its step beside ALST's iteration there)
-    and objective ``longest`` from there (the longest length, its plan and step; over the plans that fit at
+                search: Search | None = None, plans: Sequence | None = None, seq_len: int | None = None,
+                beside: BreakdownRow | None = None, items: tuple[str, ...] = ("host-memory",)) -> dict:
+    """AutoSP's memory planner on ``cluster`` (ALST's machine unless given) with no AutoSP setting
+    (`autosp.plan.plan_memory`, the code ``autosp.compile(memory_plan="auto")`` runs; every candidate of
+    `autosp.plan.candidates_for`, or ``plans``): objective ``fastest`` at the published length of ``beside``
+    (ALST's longest row unless given; or ``seq_len``; its step beside the published iteration there) and
+    objective ``longest`` from there (``items``: the keys of the table's items the row is read against, with
+    ``planner-depth`` added for an extrapolated depth) (the longest length, its plan and step; over the plans that fit at
     ``seq_len`` when any does, since no other can train longer).  The model is traced as ALST
     calls it (no KV cache) from ``model``'s config; the DeepSpeed setup the first decision chose (`plan_job`: the
     first of ZeRO 1, ZeRO 2, ZeRO 2 with optimizer offload under which a plan fits), kept for the second."""
@@ -601,7 +607,7 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
     from autosp.plan import TrainingSetup, load_cluster, plan_job, plan_memory
     from autosp.plan.planner import NEEDLESS_OFFLOAD, job_name
 
-    everything = ALST_ROWS[-1]
+    everything = beside or ALST_ROWS[-1]
     at = seq_len or everything.published_tokens - everything.published_tokens % RANKS
     search = search or default_search(AUTOSP_ROWS[0])
     setup = TrainingSetup(seq_len=at, sp_size=RANKS, depth="full" if layers == "full" else "extrapolated")
@@ -621,10 +627,10 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
         fitting = [c.plan for c in fastest.candidates if c.fits or c.refused == NEEDLESS_OFFLOAD]
         longest = plan_memory(str(path), setup, machine, objective="longest", plans=fitting or plans,
                               granularity=search.granularity, max_length_high=search.high, max_probes=search.max_probes)
-    out = _row(system="autosp", row=PLANNER_ROW, sp_size=RANKS, zero_stage=setup.zero_stage,
-               published_tokens=everything.published_tokens, published_iteration_s=everything.published_iteration_s,
-               published_tflops=everything.published_tflops, depth=layers,
-               items=" ".join(("host-memory",) + (("planner-depth",) if layers != "full" else ())),
+    out = table_row(system="autosp", row=PLANNER_ROW, sp_size=RANKS, zero_stage=setup.zero_stage,
+               published_tokens=everything.published_tokens, published_iteration_s=everything.published_iteration_s or "",
+               published_tflops=everything.published_tflops or "", depth=layers,
+               items=" ".join(items + (("planner-depth",) if layers != "full" else ())),
                source=f"autosp.plan.plan_job, {len(fastest.candidates)} candidates: objective fastest at {at:,} "
                       f"tokens chose {_chosen_name(fastest)} ({len(fitting)} fit) under {job_name(fastest.job)}"
                       f"{_tried(fastest)}; objective longest "
@@ -632,7 +638,7 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
     if fastest.chosen is not None:
         chosen = fastest.candidates[fastest.chosen].prediction
         out.update(peak_at_published_gib=round(chosen.peak_bytes / 2**30, 1),
-                   simulated_step_at_published_s=_figures(chosen.step.step_time_s))
+                   simulated_step_at_published_s=figures(chosen.step.step_time_s))
     if longest.chosen is not None:
         chosen = longest.candidates[longest.chosen]
         options, found = chosen.plan.options, chosen.prediction.max_length
@@ -641,8 +647,8 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
                    tiled_mlp=options.get("tiled_mlp") == "on", activation_offload=options.get("activation_offload") == "on",
                    simulated_tokens=best, band_tokens=" - ".join(found["band"]), stopped=found["stopped"],
                    error_pct=round(100 * (best / everything.published_tokens - 1), 1),
-                   simulated_step_s=_figures(found["step_time_s"]),
-                   simulated_tflops=_figures(tflops_per_gpu(best, found["step_time_s"], RANKS, model)),
+                   simulated_step_s=figures(found["step_time_s"]),
+                   simulated_tflops=figures(tflops_per_gpu(best, found["step_time_s"], RANKS, model)),
                    host_peak_gib=round((found["host_peak_bytes"] or 0) / 2**30, 1))
     log.info("autosp %s: %s tokens (fastest at %s: %s)", PLANNER_ROW, out["simulated_tokens"], at,
              out["simulated_step_at_published_s"])
@@ -653,10 +659,17 @@ def _chosen_name(report) -> str:
     return report.candidates[report.chosen].plan.name if report.chosen is not None else "nothing (none fits)"
 
 
-def alst_rows(*, layers: str = "extrapolated", cache: TraceCache | None = None,
+def alst_rows(**settings) -> list[dict]:
+    """Every row of `row_tasks` (the same ``settings``), in order."""
+    return [task() for _, task in row_tasks(**settings)]
+
+
+def row_tasks(*, layers: str = "extrapolated", cache: TraceCache | None = None,
               rows: Sequence[BreakdownRow] | None = None, searches: Mapping[str, Search] | None = None,
-              cluster: str = CLUSTER, model: PaperModel | None = None, planner: bool | None = None) -> list[dict]:
-    """The breakdown table: ALST's rows (:data:`ALST_ROWS`) then AutoSP's (:data:`AUTOSP_ROWS` and
+              cluster: str = CLUSTER, model: PaperModel | None = None,
+              planner: bool | None = None) -> list[tuple[str, Callable[[], dict]]]:
+    """The breakdown table as (row name, call that returns the row) pairs, in order, for a caller that runs them
+    one at a time (progress): ALST's rows (:data:`ALST_ROWS`) then AutoSP's (:data:`AUTOSP_ROWS` and
     `autosp_zero2_row`), or ``rows``, then the planner's (`planner_row`; ``planner``: default only without
     ``rows``); ``searches`` overrides a row's search settings by row name; ``layers``:
     ``full`` or ``extrapolated`` depth (Note [Depth extrapolation] in simulator/max_length.py); ``model``:
@@ -665,13 +678,16 @@ def alst_rows(*, layers: str = "extrapolated", cache: TraceCache | None = None,
     cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
     machine = Cluster.from_preset(cluster)
     chosen = rows if rows is not None else (*ALST_ROWS, *AUTOSP_ROWS, autosp_zero2_row())
-    out = [row_result(row, model=model, cluster=machine, layers=layers, cache=cache,
-                      search=(searches or {}).get(row.name)) for row in chosen]
+    tasks = [(f"{row.system}: {row.name}", functools.partial(row_result, row, model=model, cluster=machine,
+                                                             layers=layers, cache=cache,
+                                                             search=(searches or {}).get(row.name)))
+             for row in chosen]
     if planner is None:
         planner = rows is None
     if planner:
-        out.append(planner_row(model=model, cluster=cluster, layers=layers, search=(searches or {}).get(PLANNER_ROW)))
-    return out
+        tasks.append((PLANNER_ROW, functools.partial(planner_row, model=model, cluster=cluster, layers=layers,
+                                                     search=(searches or {}).get(PLANNER_ROW))))
+    return tasks
 
 
 def footer(rows: Sequence[dict]) -> list[str]:
@@ -701,7 +717,7 @@ def footer(rows: Sequence[dict]) -> list[str]:
         if r["row"] == PLANNER_ROW:
             longest = f"{r['simulated_tokens']:,} tokens" if r["simulated_tokens"] else "nothing fits"
             lines += ["", "The planner (no AutoSP or DeepSpeed setting): "
-                      f"{r['source']}. Step at ALST's longest published length: "
+                      f"{r['source']}. Step at the published length: "
                       f"{r['simulated_step_at_published_s'] or 'does not fit'} s simulated against "
                       f"{r['published_iteration_s']} s published; longest {longest}."]
     return lines
@@ -709,6 +725,12 @@ def footer(rows: Sequence[dict]) -> list[str]:
 
 def plot_alst(rows: Sequence[dict], path: pathlib.Path) -> None:
     """Published and simulated longest lengths per row (log scale)."""
+    plot_lengths(rows, path, published="published (ALST)",
+                 title="Llama-3.1-8B on 8x H100-80GB: ALST's breakdown and AutoSP's techniques")
+
+
+def plot_lengths(rows: Sequence[dict], path: pathlib.Path, *, published: str, title: str) -> None:
+    """A breakdown table's published (labelled ``published``) and simulated longest lengths per row, log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -717,13 +739,13 @@ def plot_alst(rows: Sequence[dict], path: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4))
     names = [f"{r['system']}: {r['row']}" for r in rows]
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [float(r["published_tokens"] or 0) for r in rows], 0.4, label="published (ALST)")
+    ax.bar([i - 0.2 for i in x], [float(r["published_tokens"] or 0) for r in rows], 0.4, label=published)
     ax.bar([i + 0.2 for i in x], [float(r["simulated_tokens"] or 0) for r in rows], 0.4, label="simulated",
            color="white", edgecolor="C1", hatch="//")
     ax.set_yscale("log")
     ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("longest trainable sequence (tokens)")
-    ax.set_title("Llama-3.1-8B on 8x H100-80GB: ALST's breakdown and AutoSP's techniques")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from experiments.reproduction import (
     alst,
+    breakdown_a100,
     external_fidelity,
     max_seq_len,
     max_seq_len_configs,
@@ -24,7 +25,7 @@ from experiments.reproduction.table import Table
 
 TABLES: tuple[Table, ...] = (
     max_seq_len.TABLE, max_seq_len_configs.TABLE, external_fidelity.TABLE, strategies.TABLE, alst.TABLE,
-    throughput.TABLE,
+    breakdown_a100.TABLE, throughput.TABLE,
     measured_cpu.TABLE, memory_cap.TABLE,
 )
 """Every reproduce table, in the order a run builds them (the max-seq-len search simulates the throughput

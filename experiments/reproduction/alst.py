@@ -9,8 +9,9 @@ from experiments.reproduction.table import Table
 
 
 def build(run: RunConfig, runner: Runner) -> list[dict]:
-    """Every row, inline on the run's trace cache (each row's search reuses the traces of the rows before it)."""
-    return alst.alst_rows(layers=run.layers, cache=runner.cache)
+    """Every row, inline on the run's trace cache (each row's search reuses the traces of the rows before it), one at
+    a time with a progress bar."""
+    return runner.run_named(alst.row_tasks(layers=run.layers, cache=runner.cache), "alst")
 
 
 TABLE = Table(

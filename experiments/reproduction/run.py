@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pathlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, as_completed
 from dataclasses import dataclass, field
+from typing import Any
 
 from tqdm import tqdm
 
@@ -145,3 +146,13 @@ class Runner:
         for _, counts in results:
             self.add_counts(counts)
         return [result for result, _ in results]
+
+    def run_named(self, tasks: Sequence[tuple[str, Callable[[], Any]]], desc: str) -> list:
+        """Run ``tasks`` [(name, call)] here, one at a time, under a progress bar that names the one running; the
+        results in task order (a table whose rows share this process's trace cache)."""
+        results = []
+        with tqdm(tasks, desc=desc, file=sys.stderr) as bar:
+            for name, task in bar:
+                bar.set_postfix_str(name)
+                results.append(task())
+        return results
