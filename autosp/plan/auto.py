@@ -257,7 +257,9 @@ def _answered(what: str, where: str, answer) -> dict:
 #   tiled loss x tiled MLP, the plans one trace serves).  A group's checkpointing variants share its traces and
 #   partitions, and its offload candidates are skipped by their twins' predictions (Note [Offload only where it is
 #   needed] in autosp/plan/planner.py), both inside the group, so a rank predicts each candidate as one process
-#   does.  The mask rules a decision learns once (Note [Mask rules shared between a decision's traces] in
+#   does.  With more ranks than groups, some groups' offload candidates are units of their own, predicted on
+#   otherwise idle ranks and settled after the gather (`autosp.plan.planner.plan_units`, Note [Offload candidates
+#   on idle ranks] there).  The mask rules a decision learns once (Note [Mask rules shared between a decision's traces] in
 #   autosp/passes/dynamo/masks.py) are learnt once per rank.
 # - ``strategy="auto"`` (`strategy_on_ranks`): the runnable candidates, each its own prediction; each rank's process
 #   shares one Dynamo capture among the strategies it predicts (Note [One Dynamo capture for every strategy] in
@@ -305,13 +307,20 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
     spent planning (``predict_cpu_seconds_by_rank`` the process's CPU time in it),
     ``planner_started_before_s_by_rank`` how long before the request its process was started (None: at the
     request, or no share).  ``timeout_s``: each rank's longest wait for its planner process (`run_planner`)."""
-    from autosp.plan.planner import MemoryPlan, choose_plan, in_plan_order, plan_groups, plan_shares
+    from autosp.plan.planner import (
+        MemoryPlan,
+        choose_plan,
+        in_plan_order,
+        merged_candidates,
+        plan_shares,
+        plan_units,
+    )
 
     what = _OPTION["memory"]
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     request = _request_on_ranks(group, device if device.type == "cuda" else None, what, request)
     plans = request["plans"]
-    shares = plan_shares(plan_groups([MemoryPlan(*p) for p in plans]), ranks)
+    shares = plan_shares(plan_units([MemoryPlan(*p) for p in plans], ranks), ranks)
     share = shares[rank]
 
     def predicted() -> dict:
@@ -332,6 +341,7 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
     if missing or not reports:
         raise AutoSPError(f"{what}: no rank predicted {', '.join(missing) or 'any candidate'}")
     first = reports[0]
+    rows = merged_candidates(rows, first["objective"])
     chosen, reason = choose_plan(rows, first["objective"], seq_len=first["seq_len"],
                                  target=first["target_memory_bytes"])
     by_rank = [a["process_seconds"] for a in answers]

@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 
 from autosp.costs import LOSS_SCRATCH_ROWS
 from autosp.errors import AutoSPError
-from autosp.plan.predict import DECIDING_DEPTH, Prediction, TraceReuse, TrainingSetup, predict, rank_share
+from autosp.plan.predict import (
+    DECIDING_DEPTH,
+    OFFLOAD_OPTION,
+    Prediction,
+    TraceReuse,
+    TrainingSetup,
+    predict,
+    rank_share,
+)
 from simulator.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -331,13 +339,24 @@ NEEDLESS_OFFLOAD = ("not predicted: the same plan fits without activation offloa
 """Why a candidate with activation offload is not predicted when the fastest plan is asked for."""
 
 
+def _offload_twin(options: Mapping) -> dict | None:
+    """The options of the same plan without activation offload, for a plan that offloads (None otherwise)."""
+    return {**options, OFFLOAD_OPTION: "off"} if options.get(OFFLOAD_OPTION) == "on" else None
+
+
 def _offload_twin_fits(plan: MemoryPlan, predicted: Iterable[Candidate]) -> bool:
     """Whether ``plan`` offloads activations and the same plan without offload is among ``predicted`` and fits."""
-    options = dict(plan.options)
-    if options.get("activation_offload") != "on":
-        return False
-    twin = {**options, "activation_offload": "off"}
-    return any(c.fits and {"activation_offload": "off", **c.plan.options} == twin for c in predicted)
+    twin = _offload_twin(plan.options)
+    return twin is not None and any(c.fits and {OFFLOAD_OPTION: "off", **c.plan.options} == twin for c in predicted)
+
+
+def needless_offloads(rows: Sequence[tuple[Mapping, bool]]) -> list[int]:
+    """Of candidates given as (options, fits), in one decision, the indices of those that offload activations
+    while the same plan without offload fits: what one process does not predict for the fastest plan, found after
+    the merge of processes that predicted a group's offload candidates apart from their twins (`plan_units`)."""
+    fitting = [{OFFLOAD_OPTION: "off", **options} for options, fits in rows if fits]
+    return [i for i, (options, _) in enumerate(rows) if (twin := _offload_twin(options)) is not None
+            and twin in fitting]
 
 
 def _choose_fastest(rows: Sequence[Mapping], seq_len: int, target: int) -> tuple[int | None, str]:
@@ -405,10 +424,40 @@ def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
     return list(groups.values())
 
 
-def plan_shares(groups: Sequence[Sequence[int]], ranks: int) -> list[list[int]]:
-    """The plan indices each of ``ranks`` processes predicts, given the trace groups ``groups`` (`plan_groups`):
-    whole groups, spread by `autosp.plan.predict.rank_share`, each share in the plans' order of its groups."""
-    return [[i for group in rank_share(groups, rank, ranks) for i in group] for rank in range(ranks)]
+# Note [Offload candidates on idle ranks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A decision spreads over processes by trace groups (`plan_groups`), the units inside which a prediction and the
+# offload skip (Note [Offload only where it is needed]) are the same as in one process.  With more processes than
+# groups (8 ranks, 4 groups of tiled loss x tiled MLP at 8B) the spare ones would wait, while a group with an
+# offload candidate that memory needs also traces the deeper program its offload plans are unrolled from (the
+# slowest share of the 8B decision).  So where there are spare processes, `plan_units` gives that many groups'
+# offload candidates a unit of their own: they are predicted speculatively, without their twins' answers, and after
+# the merge an offload candidate whose twin fits is set back to what one process makes of it, not predicted
+# (`needless_offloads`).  Each candidate's prediction, fit and refusal and the choice and its reason are the one
+# process's; the trace and partition counts (summed over the processes) include the speculative work, and an
+# offload candidate's ``same_program_as`` names the candidate of its own unit it shared a program with.
+
+
+def plan_units(plans: Sequence[MemoryPlan], ranks: int) -> list[list[int]]:
+    """The units of ``plans`` that ``ranks`` processes share (`plan_shares`): the trace groups (`plan_groups`),
+    with the offload candidates of the first groups that hold plans of both kinds split off into units of their
+    own, as many groups as there are processes beyond the groups (Note [Offload candidates on idle ranks])."""
+    units, spare = [], ranks - len(groups := plan_groups(plans))
+    for group in groups:
+        offload = [i for i in group if _offload_twin(plans[i].options) is not None]
+        if spare > 0 and 0 < len(offload) < len(group):
+            units += [[i for i in group if i not in offload], offload]
+            spare -= 1
+        else:
+            units.append(group)
+    return units
+
+
+def plan_shares(units: Sequence[Sequence[int]], ranks: int) -> list[list[int]]:
+    """The plan indices each of ``ranks`` processes predicts, given the units ``units`` (`plan_units`, or the
+    trace groups of `plan_groups`): whole units, spread by `autosp.plan.predict.rank_share`, each share in the
+    plans' order of its units."""
+    return [[i for unit in rank_share(units, rank, ranks) for i in unit] for rank in range(ranks)]
 
 
 def in_plan_order(shares: Sequence[Sequence[int]], found: Sequence[Sequence], count: int) -> list:
@@ -419,6 +468,24 @@ def in_plan_order(shares: Sequence[Sequence[int]], found: Sequence[Sequence], co
         for i, result in zip(share, results, strict=True):
             merged[i] = result
     return merged
+
+
+def merged_candidates(candidates: Sequence, objective: str) -> list:
+    """The candidates of a decision merged from several processes (`in_plan_order`; `Candidate` objects or their
+    `Candidate.to_dict` rows) as one process makes them: for the fastest plan, an offload candidate whose twin
+    without offload fits is not predicted (`needless_offloads`; Note [Offload candidates on idle ranks])."""
+    out = list(candidates)
+    if objective != "fastest":
+        return out
+    rows = [(c["options"], c["fits"]) if isinstance(c, Mapping) else (c.plan.options, c.fits) for c in out]
+    for i in needless_offloads(rows):
+        c = out[i]
+        if isinstance(c, Mapping):
+            skipped = Candidate(plan=MemoryPlan(c["plan"], c["options"]), prediction=None, refused=NEEDLESS_OFFLOAD)
+            out[i] = {**c, **skipped.to_dict()}
+        else:
+            out[i] = Candidate(plan=c.plan, prediction=None, refused=NEEDLESS_OFFLOAD)
+    return out
 
 
 def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",
@@ -442,9 +509,9 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     start = time.perf_counter()
     target = int(cluster.device.memory_bytes if target_memory is None else target_memory)
     plans = tuple(plans or candidates_for(model, setup, target))
-    groups = plan_groups(plans)
-    if workers > 1 and reuse_traces and len(groups) > 1:
-        report = _plan_in_workers(model, setup, cluster, groups, plans, workers=workers, start=start, target=target,
+    units = plan_units(plans, workers)
+    if workers > 1 and reuse_traces and len(units) > 1:
+        report = _plan_in_workers(model, setup, cluster, units, plans, workers=workers, start=start, target=target,
                                   objective=objective, max_length_high=max_length_high, granularity=granularity,
                                   max_probes=max_probes, resize_lengths=resize_lengths)
     else:
@@ -500,26 +567,27 @@ def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequen
     return report
 
 
-def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, groups: list[list[int]],
+def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, units: list[list[int]],
                      plans: Sequence[MemoryPlan], *, workers: int, start: float, target: int, objective: str,
                      **choices) -> PlanReport:
-    """`plan_memory` with the trace groups ``groups`` of ``plans`` spread over ``workers`` processes (the share of
-    worker w: `plan_shares`): this one, whose imports are made, predicts share 0 while ``workers``
-    - 1 fresh processes predict the others; their candidates are merged in the plans' order and chosen among by
-    `choose_plan`: the one-process report but for ``seconds`` (this call's)."""
+    """`plan_memory` with the units ``units`` of ``plans`` (`plan_units`) spread over ``workers`` processes (the
+    share of worker w: `plan_shares`): this one, whose imports are made, predicts share 0 while ``workers``
+    - 1 fresh processes predict the others; their candidates are merged in the plans' order (`merged_candidates`)
+    and chosen among by `choose_plan`: the one-process report but for ``seconds`` (this call's) and, where a group's
+    offload candidates were a unit of their own, the counts (Note [Offload candidates on idle ranks])."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    workers = min(workers, len(groups))
-    shares = plan_shares(groups, workers)
-    log.info("memory plan for %s: %d candidates in %d trace groups, predicted by %d worker processes", model,
-             len(plans), len(groups), workers)
+    workers = min(workers, len(units))
+    shares = plan_shares(units, workers)
+    log.info("memory plan for %s: %d candidates in %d units, predicted by %d worker processes", model,
+             len(plans), len(units), workers)
     # Fresh processes (spawn): a planner resets Dynamo between traces and must not share a forked torch's state.
     asked = [(model, setup, cluster, [plans[i] for i in share], objective, target, choices) for share in shares]
     with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
         others = pool.map(_plan_share, asked[1:])  # submitted now, collected after this process's own share
         reports = [_plan_share(asked[0], here=True), *others]
-    candidates = in_plan_order(shares, [r.candidates for r in reports], len(plans))
+    candidates = merged_candidates(in_plan_order(shares, [r.candidates for r in reports], len(plans)), objective)
     chosen, reason = choose_plan([c.to_dict() for c in candidates], objective, seq_len=setup.seq_len, target=target)
     report = PlanReport(model=model, objective=objective, seq_len=setup.seq_len, target_memory_bytes=target,
                         candidates=tuple(candidates), chosen=chosen, reason=reason,
