@@ -257,9 +257,9 @@ def _answered(what: str, where: str, answer) -> dict:
 #   tiled loss x tiled MLP, the plans one trace serves).  A group's checkpointing variants share its traces and
 #   partitions, and its offload candidates are skipped by their twins' predictions (Note [Offload only where it is
 #   needed] in autosp/plan/planner.py), both inside the group, so a rank predicts each candidate as one process
-#   does.  With more ranks than groups, some groups' offload candidates are units of their own, predicted on
-#   otherwise idle ranks and settled after the gather (`autosp.plan.planner.plan_units`, Note [Offload candidates
-#   on idle ranks] there).  The mask rules a decision learns once (Note [Mask rules shared between a decision's traces] in
+#   does.  With more ranks than groups, groups are halved by checkpointing variant, each half with its offload
+#   twins, for the otherwise idle ranks (`autosp.plan.planner.plan_units`, Note [Trace groups halved for spare
+#   processes] there).  The mask rules a decision learns once (Note [Mask rules shared between a decision's traces] in
 #   autosp/passes/dynamo/masks.py) are learnt once per rank.
 # - ``strategy="auto"`` (`strategy_on_ranks`): the runnable candidates, each its own prediction; each rank's process
 #   shares one Dynamo capture among the strategies it predicts (Note [One Dynamo capture for every strategy] in
@@ -311,7 +311,6 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
         MemoryPlan,
         choose_plan,
         in_plan_order,
-        merged_candidates,
         plan_shares,
         plan_units,
     )
@@ -341,7 +340,6 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
     if missing or not reports:
         raise AutoSPError(f"{what}: no rank predicted {', '.join(missing) or 'any candidate'}")
     first = reports[0]
-    rows = merged_candidates(rows, first["objective"])
     chosen, reason = choose_plan(rows, first["objective"], seq_len=first["seq_len"],
                                  target=first["target_memory_bytes"])
     by_rank = [a["process_seconds"] for a in answers]

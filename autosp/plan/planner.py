@@ -339,24 +339,13 @@ NEEDLESS_OFFLOAD = ("not predicted: the same plan fits without activation offloa
 """Why a candidate with activation offload is not predicted when the fastest plan is asked for."""
 
 
-def _offload_twin(options: Mapping) -> dict | None:
-    """The options of the same plan without activation offload, for a plan that offloads (None otherwise)."""
-    return {**options, OFFLOAD_OPTION: "off"} if options.get(OFFLOAD_OPTION) == "on" else None
-
-
 def _offload_twin_fits(plan: MemoryPlan, predicted: Iterable[Candidate]) -> bool:
     """Whether ``plan`` offloads activations and the same plan without offload is among ``predicted`` and fits."""
-    twin = _offload_twin(plan.options)
-    return twin is not None and any(c.fits and {OFFLOAD_OPTION: "off", **c.plan.options} == twin for c in predicted)
-
-
-def needless_offloads(rows: Sequence[tuple[Mapping, bool]]) -> list[int]:
-    """Of candidates given as (options, fits), in one decision, the indices of those that offload activations
-    while the same plan without offload fits: what one process does not predict for the fastest plan, found after
-    the merge of processes that predicted a group's offload candidates apart from their twins (`plan_units`)."""
-    fitting = [{OFFLOAD_OPTION: "off", **options} for options, fits in rows if fits]
-    return [i for i, (options, _) in enumerate(rows) if (twin := _offload_twin(options)) is not None
-            and twin in fitting]
+    options = dict(plan.options)
+    if options.get(OFFLOAD_OPTION) != "on":
+        return False
+    twin = {**options, OFFLOAD_OPTION: "off"}
+    return any(c.fits and {OFFLOAD_OPTION: "off", **c.plan.options} == twin for c in predicted)
 
 
 def _choose_fastest(rows: Sequence[Mapping], seq_len: int, target: int) -> tuple[int | None, str]:
@@ -424,33 +413,42 @@ def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
     return list(groups.values())
 
 
-# Note [Offload candidates on idle ranks]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [Trace groups halved for spare processes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A decision spreads over processes by trace groups (`plan_groups`), the units inside which a prediction and the
 # offload skip (Note [Offload only where it is needed]) are the same as in one process.  With more processes than
-# groups (8 ranks, 4 groups of tiled loss x tiled MLP at 8B) the spare ones would wait, while a group with an
-# offload candidate that memory needs also traces the deeper program its offload plans are unrolled from (the
-# slowest share of the 8B decision).  So where there are spare processes, `plan_units` gives that many groups'
-# offload candidates a unit of their own: they are predicted speculatively, without their twins' answers, and after
-# the merge an offload candidate whose twin fits is set back to what one process makes of it, not predicted
-# (`needless_offloads`).  Each candidate's prediction, fit and refusal and the choice and its reason are the one
-# process's; the trace and partition counts (summed over the processes) include the speculative work, and an
-# offload candidate's ``same_program_as`` names the candidate of its own unit it shared a program with.
+# groups (8 ranks, 4 groups of tiled loss x tiled MLP at 8B) the spare ones would wait.  So where there are spare
+# processes, `plan_units` halves that many groups by checkpointing variant, each half with its plans' offload twins:
+# both halves trace the group's shallow program (a duplicated trace), each partitions and simulates its own
+# variants, and only the half whose offload candidate memory needs traces the deeper program the offload plans are
+# unrolled from.  A twin and its offload candidate stay in one unit, so the skip is decided as in one process, and
+# each candidate's prediction, fit and refusal, the choice and its reason are the one process's; the trace and
+# partition counts (summed over the processes) include the duplicated traces, and ``same_program_as`` names only a
+# candidate of the same unit.  Measured on Llama-3.1-8B's first group at 65,536 tokens on h100-sxm, SP 8 (one
+# warmed process each, 2-core machine): the whole group 23.6 s of CPU, its halves 17.8 and 14.2 s
+# (`experiments/bench_planner.py --ranks` takes the whole decision).
 
 
 def plan_units(plans: Sequence[MemoryPlan], ranks: int) -> list[list[int]]:
     """The units of ``plans`` that ``ranks`` processes share (`plan_shares`): the trace groups (`plan_groups`),
-    with the offload candidates of the first groups that hold plans of both kinds split off into units of their
-    own, as many groups as there are processes beyond the groups (Note [Offload candidates on idle ranks])."""
+    the first of them halved by checkpointing variant (each half with its offload twins) while there are more
+    processes than units (Note [Trace groups halved for spare processes])."""
     units, spare = [], ranks - len(groups := plan_groups(plans))
     for group in groups:
-        offload = [i for i in group if _offload_twin(plans[i].options) is not None]
-        if spare > 0 and 0 < len(offload) < len(group):
-            units += [[i for i in group if i not in offload], offload]
+        variants = list(dict.fromkeys(_without_offload(plans[i].options) for i in group))
+        if spare > 0 and len(variants) > 1:
+            first = set(variants[:(len(variants) + 1) // 2])
+            units += [[i for i in group if _without_offload(plans[i].options) in first],
+                      [i for i in group if _without_offload(plans[i].options) not in first]]
             spare -= 1
         else:
             units.append(group)
     return units
+
+
+def _without_offload(options: Mapping) -> tuple:
+    """The options but activation offload, hashable: a plan and its offload twin share it."""
+    return tuple(sorted((k, repr(v)) for k, v in options.items() if k != OFFLOAD_OPTION))
 
 
 def plan_shares(units: Sequence[Sequence[int]], ranks: int) -> list[list[int]]:
@@ -468,24 +466,6 @@ def in_plan_order(shares: Sequence[Sequence[int]], found: Sequence[Sequence], co
         for i, result in zip(share, results, strict=True):
             merged[i] = result
     return merged
-
-
-def merged_candidates(candidates: Sequence, objective: str) -> list:
-    """The candidates of a decision merged from several processes (`in_plan_order`; `Candidate` objects or their
-    `Candidate.to_dict` rows) as one process makes them: for the fastest plan, an offload candidate whose twin
-    without offload fits is not predicted (`needless_offloads`; Note [Offload candidates on idle ranks])."""
-    out = list(candidates)
-    if objective != "fastest":
-        return out
-    rows = [(c["options"], c["fits"]) if isinstance(c, Mapping) else (c.plan.options, c.fits) for c in out]
-    for i in needless_offloads(rows):
-        c = out[i]
-        if isinstance(c, Mapping):
-            skipped = Candidate(plan=MemoryPlan(c["plan"], c["options"]), prediction=None, refused=NEEDLESS_OFFLOAD)
-            out[i] = {**c, **skipped.to_dict()}
-        else:
-            out[i] = Candidate(plan=c.plan, prediction=None, refused=NEEDLESS_OFFLOAD)
-    return out
 
 
 def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",
@@ -572,9 +552,9 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, units: 
                      **choices) -> PlanReport:
     """`plan_memory` with the units ``units`` of ``plans`` (`plan_units`) spread over ``workers`` processes (the
     share of worker w: `plan_shares`): this one, whose imports are made, predicts share 0 while ``workers``
-    - 1 fresh processes predict the others; their candidates are merged in the plans' order (`merged_candidates`)
-    and chosen among by `choose_plan`: the one-process report but for ``seconds`` (this call's) and, where a group's
-    offload candidates were a unit of their own, the counts (Note [Offload candidates on idle ranks])."""
+    - 1 fresh processes predict the others; their candidates are merged in the plans' order and chosen among by
+    `choose_plan`: the one-process report but for ``seconds`` (this call's) and, where a group was halved, the
+    counts (Note [Trace groups halved for spare processes])."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -587,7 +567,7 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, units: 
     with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
         others = pool.map(_plan_share, asked[1:])  # submitted now, collected after this process's own share
         reports = [_plan_share(asked[0], here=True), *others]
-    candidates = merged_candidates(in_plan_order(shares, [r.candidates for r in reports], len(plans)), objective)
+    candidates = in_plan_order(shares, [r.candidates for r in reports], len(plans))
     chosen, reason = choose_plan([c.to_dict() for c in candidates], objective, seq_len=setup.seq_len, target=target)
     report = PlanReport(model=model, objective=objective, seq_len=setup.seq_len, target_memory_bytes=target,
                         candidates=tuple(candidates), chosen=chosen, reason=reason,

@@ -106,35 +106,35 @@ def test_shares_hold_whole_trace_groups_and_merge_back_in_the_plans_order():
         in_plan_order([[1], [0]], [["b"], []], 3)
 
 
-def test_spare_processes_take_offload_candidates_and_the_merge_settles_them_as_one_process(model, cluster, table):
-    """Note [Offload candidates on idle ranks]: with more processes than trace groups, a group's offload candidates
-    are a unit of their own, predicted without their twins; the merge sets an offload candidate whose twin fits back
-    to "not predicted" (`merged_candidates`).  Every row, the choice and its reason equal one process's, for a
-    target the plain plan fits (its offload twin settled) and one it does not (the twin predicted)."""
+def test_trace_groups_halved_for_spare_processes_predict_what_one_process_does(model, cluster, table):
+    """Note [Trace groups halved for spare processes]: with more processes than trace groups, a group is halved by
+    checkpointing variant, each half with its offload twins; every row, the choice and its reason equal one
+    process's, for a target the plain plans fit (their offload twins not predicted) and one they do not."""
     from autosp.plan.planner import NEEDLESS_OFFLOAD, MemoryPlan, plan_groups, plan_shares, plan_units
 
-    plans = candidate_plans(loss_chunk_tokens=16, checkpointing=("full",), tiled_loss=("on",), tiled_mlp=("off",),
-                            activation_offload=("off", "on"))
-    assert plan_groups(plans) == [[0, 1]] and plan_units(plans, 2) == [[0], [1]] and plan_units(plans, 1) == [[0, 1]]
-    many = [MemoryPlan(f"p{i}", {"tiled_loss": t, "activation_offload": o}) for i, (t, o) in
-            enumerate([("on", "off"), ("on", "on"), ("off", "off"), ("off", "on"), ("off", "on")])]
-    assert plan_units(many, 3) == [[0], [1], [2, 3, 4]]  # one spare process: the first group's offload splits off
-    assert plan_shares(plan_units(many, 3), 3) == [[0], [1], [2, 3, 4]]
-    peak = table[plans[0].name].peak_bytes
-    rows = {}
-    for target in (peak, peak - 1):
+    plans = candidate_plans(loss_chunk_tokens=16, checkpointing=("none", "full"), tiled_loss=("on",),
+                            tiled_mlp=("off",), activation_offload=("off", "on"))
+    assert [(p.options["checkpointing"], p.options.get("activation_offload", "off")) for p in plans] == [
+        ("none", "off"), ("full", "off"), ("none", "on"), ("full", "on")]
+    assert plan_groups(plans) == [[0, 1, 2, 3]] and plan_units(plans, 1) == [[0, 1, 2, 3]]
+    assert plan_units(plans, 2) == [[0, 2], [1, 3]]  # each plan with its offload twin
+    many = [MemoryPlan(f"p{i}", {"tiled_loss": t, "checkpointing": c}) for i, (t, c) in
+            enumerate([("on", "none"), ("on", "sac"), ("on", "full"), ("off", "none"), ("off", "full")])]
+    assert plan_units(many, 3) == [[0, 1], [2], [3, 4]]  # one spare process: the first group halved
+    assert plan_shares(plan_units(many, 3), 3) == [[0, 1], [2], [3, 4]]
+    peak = max(table[p.name].peak_bytes for p in plans[:2])
+    for target, skipped in ((peak, True), (peak - 1, False)):
         one, two = (plan_memory(model, SETUP, cluster, objective="fastest", target_memory=target, plans=plans,
                                 workers=workers).to_dict() for workers in (1, 2))
-        assert two["traces"] >= one["traces"]  # the speculative unit's traces are counted
+        assert two["traces"] > one["traces"]  # both halves trace the group's program
         for report in (one, two):
             for key in ("seconds", "traces", "partitions"):
                 report.pop(key)
             for row in report["candidates"]:
-                row.pop("traces")
+                row.pop("traces"), row.pop("same_program_as")
         assert two == one
-        rows[target] = one["candidates"]
-    assert rows[peak][0]["fits"] is True and rows[peak][1]["refused"] == NEEDLESS_OFFLOAD  # settled after the merge
-    assert rows[peak - 1][1]["refused"] is None and rows[peak - 1][1]["peak_bytes"] is not None  # predicted
+        refused = [row["refused"] == NEEDLESS_OFFLOAD for row in one["candidates"]]
+        assert refused[2:] == ([True, True] if skipped else [False, True]), one["candidates"]
 
 
 def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model, cluster):
