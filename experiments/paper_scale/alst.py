@@ -576,6 +576,36 @@ def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers
     return out
 
 
+# Note [Narrowing the longest search]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A peak grows with the length, so only a plan that fits at a length L can train longer than L, and the longest
+# search over the plans that fit at L gives the answer of the search over every candidate.  At ALST's 3.7M one plan
+# of 48 fits.  At a short published length (the AutoSP paper's 45,000 tokens on A100s) every plan fits, and 48
+# longest searches of an 8B model take most of an hour; fastest decisions (one length each) at 2L, 4L, ... narrow
+# the plans to at most `NARROWED` (or to those of the last length where any fits) first.
+
+NARROWED = 4
+"""The most plans the planner row's longest search runs over when doubling the length can narrow them further
+(`planner_row`'s default)."""
+
+
+def fitting_plans(report) -> list:
+    """The plans of a fastest decision that fit: those predicted to fit, and the offload plans not predicted because
+    their twins fit (Note [Offload only where it is needed] in autosp/plan/planner.py), which fit as well."""
+    from autosp.plan.planner import NEEDLESS_OFFLOAD
+
+    return [c.plan for c in report.candidates if c.fits or c.refused == NEEDLESS_OFFLOAD]
+
+
+def _over(fitting: Sequence, narrowed: Sequence, fit_at: int) -> str:
+    """What the planner row's longest search ran over, for its source column."""
+    if not fitting:
+        return "over every candidate"
+    if narrowed is fitting:
+        return "over those"
+    return f"over the {len(narrowed)} of those that fit at {fit_at:,} tokens (Note [Narrowing the longest search])"
+
+
 PLANNER_ROW = "planner: memory_plan='auto', DeepSpeed setup chosen"
 """The planner row: no AutoSP setting, and the DeepSpeed setup (ZeRO 1 or 2, optimizer offload) chosen by the
 planner as well (`autosp.plan.plan_job`); AutoSP composes with ZeRO 2, not with ALST's ZeRO 3."""
@@ -591,13 +621,14 @@ def _tried(report) -> str:
 
 def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "extrapolated",
                 search: Search | None = None, plans: Sequence | None = None, seq_len: int | None = None,
-                beside: BreakdownRow | None = None, items: tuple[str, ...] = ("host-memory",)) -> dict:
+                beside: BreakdownRow | None = None, items: tuple[str, ...] = ("host-memory",),
+                narrow_to: int = NARROWED) -> dict:
     """AutoSP's memory planner on ``cluster`` (ALST's machine unless given) with no AutoSP setting
     (`autosp.plan.plan_memory`, the code ``autosp.compile(memory_plan="auto")`` runs; every candidate of
     `autosp.plan.candidates_for`, or ``plans``): objective ``fastest`` at the published length of ``beside``
     (ALST's longest row unless given; or ``seq_len``; its step beside the published iteration there) and
     objective ``longest`` from there (``items``: the keys of the table's items the row is read against, with
-    ``planner-depth`` added for an extrapolated depth) (the longest length, its plan and step; over the plans that fit at
+    ``planner-depth`` added for an extrapolated depth; ``narrow_to``: Note [Narrowing the longest search]) (the longest length, its plan and step; over the plans that fit at
     ``seq_len`` when any does, since no other can train longer).  The model is traced as ALST
     calls it (no KV cache) from ``model``'s config; the DeepSpeed setup the first decision chose (`plan_job`: the
     first of ZeRO 1, ZeRO 2, ZeRO 2 with optimizer offload under which a plan fits), kept for the second."""
@@ -605,7 +636,7 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
     import tempfile
 
     from autosp.plan import TrainingSetup, load_cluster, plan_job, plan_memory
-    from autosp.plan.planner import NEEDLESS_OFFLOAD, job_name
+    from autosp.plan.planner import job_name
 
     everything = beside or ALST_ROWS[-1]
     at = seq_len or everything.published_tokens - everything.published_tokens % RANKS
@@ -624,9 +655,19 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
         # the time (each candidate's search traces or re-sizes up to max_probes lengths of an 8B model).  An offload
         # plan the fastest decision did not predict because its twin fits (Note [Offload only where it is needed] in
         # autosp/plan/planner.py) is searched too: it may train longer than its twin.
-        fitting = [c.plan for c in fastest.candidates if c.fits or c.refused == NEEDLESS_OFFLOAD]
-        longest = plan_memory(str(path), setup, machine, objective="longest", plans=fitting or plans,
-                              granularity=search.granularity, max_length_high=search.high, max_probes=search.max_probes)
+        fitting = fitting_plans(fastest)
+        narrowed, fit_at = fitting, at
+        # Where many fit (a short published length), the same argument at doubled lengths narrows them to at most
+        # ``narrow_to`` before the longest search, which is the expensive part (Note [Narrowing the longest search]).
+        while len(narrowed) > narrow_to and 2 * fit_at <= search.high:
+            longer = fitting_plans(plan_memory(str(path), replace(setup, seq_len=2 * fit_at), machine,
+                                               objective="fastest", plans=narrowed))
+            if not longer:
+                break
+            narrowed, fit_at = longer, 2 * fit_at
+        longest = plan_memory(str(path), replace(setup, seq_len=fit_at), machine, objective="longest",
+                              plans=narrowed or plans, granularity=search.granularity, max_length_high=search.high,
+                              max_probes=search.max_probes)
     out = table_row(system="autosp", row=PLANNER_ROW, sp_size=RANKS, zero_stage=setup.zero_stage,
                published_tokens=everything.published_tokens, published_iteration_s=everything.published_iteration_s or "",
                published_tflops=everything.published_tflops or "", depth=layers,
@@ -634,7 +675,7 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
                source=f"autosp.plan.plan_job, {len(fastest.candidates)} candidates: objective fastest at {at:,} "
                       f"tokens chose {_chosen_name(fastest)} ({len(fitting)} fit) under {job_name(fastest.job)}"
                       f"{_tried(fastest)}; objective longest "
-                      f"({'over those' if fitting else 'over every candidate'}) chose {_chosen_name(longest)}")
+                      f"({_over(fitting, narrowed, fit_at)}) chose {_chosen_name(longest)}")
     if fastest.chosen is not None:
         chosen = fastest.candidates[fastest.chosen].prediction
         out.update(peak_at_published_gib=round(chosen.peak_bytes / 2**30, 1),

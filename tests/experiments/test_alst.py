@@ -123,14 +123,18 @@ def test_planner_row_plans_on_alsts_machine_with_both_objectives():
 
     plans = candidate_plans(checkpointing=("layer", "sac"), tiled_loss=("on",), tiled_mlp=("on",),
                             activation_offload=("off", "on"))
-    row = alst.planner_row(model=SMALL, plans=plans, seq_len=4096,
+    row = alst.planner_row(model=SMALL, plans=plans, seq_len=4096, narrow_to=3,
                            search=alst.Search(granularity=1024, start=4096, high=8192, max_probes=3))
     assert set(row) == set(alst.COLUMNS) and row["system"] == "autosp" and row["zero_stage"] == 1
     assert row["simulated_tokens"] == 8192 and row["stopped"] == "ceiling"  # a small model fits to the ceiling
     assert row["simulated_step_s"] > row["simulated_step_at_published_s"] > 0 and 0 < row["peak_at_published_gib"] < 80
     assert row["checkpointing"] in ("layer", "sac") and row["tiled_loss"] is True and row["tiled_mlp"] is True
     assert "objective fastest at 4,096 tokens chose " in row["source"]
-    assert "(4 fit) under ZeRO 1; objective longest (over those) chose " in row["source"]
+    # Four fit at 4,096 tokens, more than narrow_to: a fastest decision at 8,192 narrows them (all fit there too,
+    # and 16,384 is past the search's ceiling), and the longest search starts there (Note [Narrowing the longest
+    # search]).
+    assert ("(4 fit) under ZeRO 1; objective longest (over the 4 of those that fit at 8,192 tokens (Note "
+            "[Narrowing the longest search])) chose ") in row["source"]
     assert row["published_iteration_s"] == alst.ALST_ROWS[-1].published_iteration_s
     (line,) = [ln for ln in alst.footer([row]) if ln.startswith("The planner")]
     assert "longest 8,192 tokens" in line
