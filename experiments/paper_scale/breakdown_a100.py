@@ -155,7 +155,7 @@ def footer(rows: Sequence[dict]) -> list[str]:
     base = next((r for r in rows if r["row"] == alst.AUTOSP_ROWS[0].name and r["simulated_tokens"]), None)
     tuned = next((r for r in rows if r["system"] == "ulysses+ckpt" and r["simulated_tokens"]), None)
     for r in rows:
-        if r["system"] == "autosp" and r["simulated_tokens"] and r is not base and base:
+        if r["system"] == "autosp" and r["row"] != AS_PUBLISHED and r["simulated_tokens"] and r is not base and base:
             against = f", {r['simulated_tokens'] / tuned['simulated_tokens']:.2f}x ulysses+ckpt" if tuned else ""
             lines.append(f"- {r['row']}: {r['simulated_tokens'] / base['simulated_tokens']:.2f}x the SAC row's "
                          f"length{against}")
