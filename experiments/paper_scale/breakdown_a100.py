@@ -48,8 +48,9 @@ CLUSTER = "a100-80gb-sxm"
 FORK_CONFIG = "fork-z1-sp8"
 """The public configuration the published systems are simulated under (`PUBLIC_CONFIGS`): the fork at ZeRO 1, SP
 over all 8 ranks, the setting this breakdown's AutoSP rows share."""
-PUBLISHED_SYSTEMS = ("ulysses", "ulysses+ckpt", "autosp")
-"""The systems simulated as the published runs ran (in this order); a system without a published figure is the
+PUBLISHED_SYSTEMS = tuple(s for s in STRATEGIES.table("paper-scale") if STRATEGIES[s].sequence_parallel == "ulysses")
+"""The systems simulated as the published runs ran: the paper-scale systems of Ulysses' kind (AutoSP, hand-written
+Ulysses and Ulysses with per-layer checkpointing, in the registry's order); one without a published figure is the
 baseline as its users configure it."""
 AS_PUBLISHED = "as the paper's runs ran"
 """The row name of a published system (the ``system`` column names it)."""
