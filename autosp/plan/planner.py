@@ -26,6 +26,7 @@ from autosp.plan.predict import (
     Prediction,
     TraceReuse,
     TrainingSetup,
+    checkpointing_variant,
     predict,
     rank_share,
 )
@@ -435,20 +436,15 @@ def plan_units(plans: Sequence[MemoryPlan], ranks: int) -> list[list[int]]:
     processes than units (Note [Trace groups halved for spare processes])."""
     units, spare = [], ranks - len(groups := plan_groups(plans))
     for group in groups:
-        variants = list(dict.fromkeys(_without_offload(plans[i].options) for i in group))
+        variants = list(dict.fromkeys(checkpointing_variant(plans[i].options) for i in group))
         if spare > 0 and len(variants) > 1:
             first = set(variants[:(len(variants) + 1) // 2])
-            units += [[i for i in group if _without_offload(plans[i].options) in first],
-                      [i for i in group if _without_offload(plans[i].options) not in first]]
+            units += [[i for i in group if checkpointing_variant(plans[i].options) in first],
+                      [i for i in group if checkpointing_variant(plans[i].options) not in first]]
             spare -= 1
         else:
             units.append(group)
     return units
-
-
-def _without_offload(options: Mapping) -> tuple:
-    """The options but activation offload, hashable: a plan and its offload twin share it."""
-    return tuple(sorted((k, repr(v)) for k, v in options.items() if k != OFFLOAD_OPTION))
 
 
 def plan_shares(units: Sequence[Sequence[int]], ranks: int) -> list[list[int]]:
