@@ -53,6 +53,8 @@ Tables (--only NAME runs one):
 Outputs in --out: NAME.csv and NAME.md per table, PNG plots, run.json (the command line, settings and
 timings; written by every run, --only included), and, on a full run, one simulated step of the
 throughput model: its workload, a Perfetto trace (open in ui.perfetto.dev), timeline and memory plots.
+A table made row by row (alst, breakdown-a100) keeps the rows made so far in NAME.partial.csv and
+NAME.partial.md until it is written.
 """
 
 
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.paper_scale.simulate import TraceCache
 
     # traces shared within this process (see experiments.paper_scale.simulate.TraceCache)
-    runner = Runner(cache=TraceCache(interpolate_lengths=True))
+    runner = Runner(cache=TraceCache(interpolate_lengths=True), out=run.out)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     run.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -144,7 +144,7 @@ ITEMS: dict[str, str] = {
     "published-is-a-run": "the published figure is a length ALST ran, not a searched maximum (commented-out lengths "
                           "in an earlier recipe, commit 115740a9, mark 2.5M 'close to oom' and 3M 'oom'): the true "
                           "maximum is at or above it",
-    "planner-depth": "the planner's depth: extrapolated from 1- and 2-layer traces with SAC deciding as for the full "
+    "planner-depth": "the planner's own depth under every preset, as autosp.compile decides: extrapolated from 1- and 2-layer traces with SAC deciding as for the full "
                      "model (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py), offload "
                      "plans unrolled from a 6-layer trace (simulator/depth_unroll.py); its own ZeRO 1 or 2 ledger, not "
                      "the ZeRO-3 rewrite",
@@ -619,8 +619,7 @@ def _tried(report) -> str:
     return f", with no plan under {' and '.join(before)}" if before else ""
 
 
-def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "extrapolated",
-                search: Search | None = None, plans: Sequence | None = None, seq_len: int | None = None,
+def planner_row(*, model: PaperModel, cluster: str = CLUSTER, search: Search | None = None, plans: Sequence | None = None, seq_len: int | None = None,
                 beside: BreakdownRow | None = None, items: tuple[str, ...] = ("host-memory",),
                 narrow_to: int = NARROWED) -> dict:
     """AutoSP's memory planner on ``cluster`` (ALST's machine unless given) with no AutoSP setting
@@ -628,8 +627,11 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
     `autosp.plan.candidates_for`, or ``plans``): objective ``fastest`` at the published length of ``beside``
     (ALST's longest row unless given; or ``seq_len``; its step beside the published iteration there) and
     objective ``longest`` from there (``items``: the keys of the table's items the row is read against, with
-    ``planner-depth`` added for an extrapolated depth; ``narrow_to``: Note [Narrowing the longest search]) (the longest length, its plan and step; over the plans that fit at
-    ``seq_len`` when any does, since no other can train longer).  The model is traced as ALST
+    ``planner-depth`` added; ``narrow_to``: Note [Narrowing the longest search]) (the longest length, its plan and
+    step; over the plans that fit at ``seq_len`` when any does, since no other can train longer).  The planner
+    predicts at its own depth (`autosp.plan.predict.DECIDING_DEPTH`) whatever depth the table's other rows take:
+    the row is what ``autosp.compile`` decides, and the technique row with the same options checks its choice at the
+    table's depth.  The model is traced as ALST
     calls it (no KV cache) from ``model``'s config; the DeepSpeed setup the first decision chose (`plan_job`: the
     first of ZeRO 1, ZeRO 2, ZeRO 2 with optimizer offload under which a plan fits), kept for the second."""
     import json
@@ -637,11 +639,12 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
 
     from autosp.plan import TrainingSetup, load_cluster, plan_job, plan_memory
     from autosp.plan.planner import job_name
+    from autosp.plan.predict import DECIDING_DEPTH
 
     everything = beside or ALST_ROWS[-1]
     at = seq_len or everything.published_tokens - everything.published_tokens % RANKS
     search = search or default_search(AUTOSP_ROWS[0])
-    setup = TrainingSetup(seq_len=at, sp_size=RANKS, depth="full" if layers == "full" else "extrapolated")
+    setup = TrainingSetup(seq_len=at, sp_size=RANKS)  # depth None: the planner's own, DECIDING_DEPTH
     machine = load_cluster(cluster, world_size=RANKS)
     config = json.loads(model.hf_config().to_json_string(use_diff=False))
     config.update(use_cache=False)  # as ALST calls the model (`TRAINING`)
@@ -670,8 +673,8 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, layers: str = "ext
                               max_probes=search.max_probes)
     out = table_row(system="autosp", row=PLANNER_ROW, sp_size=RANKS, zero_stage=setup.zero_stage,
                published_tokens=everything.published_tokens, published_iteration_s=everything.published_iteration_s or "",
-               published_tflops=everything.published_tflops or "", depth=layers,
-               items=" ".join(items + (("planner-depth",) if layers != "full" else ())),
+               published_tflops=everything.published_tflops or "", depth=DECIDING_DEPTH,
+               items=" ".join(items + ("planner-depth",)),
                source=f"autosp.plan.plan_job, {len(fastest.candidates)} candidates: objective fastest at {at:,} "
                       f"tokens chose {_chosen_name(fastest)} ({len(fitting)} fit) under {job_name(fastest.job)}"
                       f"{_tried(fastest)}; objective longest "
@@ -726,7 +729,7 @@ def row_tasks(*, layers: str = "extrapolated", cache: TraceCache | None = None,
     if planner is None:
         planner = rows is None
     if planner:
-        tasks.append((PLANNER_ROW, functools.partial(planner_row, model=model, cluster=cluster, layers=layers,
+        tasks.append((PLANNER_ROW, functools.partial(planner_row, model=model, cluster=cluster,
                                                      search=(searches or {}).get(PLANNER_ROW))))
     return tasks
 

@@ -132,8 +132,7 @@ def row_tasks(published: Mapping[str, int], *, layers: str = "extrapolated", cac
                                    checkpointing="long-context", zero_stage=1, offload_optimizer=False,
                                    published_tokens=published["autosp"])
         tasks.append((alst.PLANNER_ROW, functools.partial(alst.planner_row, model=model, cluster=CLUSTER,
-                                                          layers=layers, search=search, plans=plans, beside=beside,
-                                                          items=())))
+                                                          search=search, plans=plans, beside=beside, items=())))
     return tasks
 
 

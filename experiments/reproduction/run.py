@@ -13,6 +13,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from experiments.tables import write_table
+
 PRESETS: dict[str, dict] = {
     # measured-cpu on 2 ranks: 4 gloo ranks on a 2-core machine share cores, their step times measure the
     # contention (--cpu-ranks 2 4 on a machine with 4 or more cores; the hybrid autosp-hybrid-2x2 runs only there)
@@ -127,6 +129,8 @@ class Runner:
     counts: dict = field(default_factory=lambda: dict.fromkeys(TRACE_KINDS, 0))
     simulated_steps: dict = field(default_factory=dict)
     """(system, length) -> SimulatedStep of the iteration model."""
+    out: pathlib.Path | None = None
+    """Where `run_named` keeps the rows made so far (None: nowhere)."""
 
     def add_counts(self, counts: dict) -> None:
         for kind, n in counts.items():
@@ -149,10 +153,17 @@ class Runner:
 
     def run_named(self, tasks: Sequence[tuple[str, Callable[[], Any]]], desc: str) -> list:
         """Run ``tasks`` [(name, call)] here, one at a time, under a progress bar that names the one running; the
-        results in task order (a table whose rows share this process's trace cache)."""
+        results in task order (a table whose rows share this process's trace cache).  With ``out`` set, the rows
+        made so far are written after each one as ``out/DESC.partial.csv`` and ``.md`` (a long table's finished
+        rows survive an interrupted run), removed once every row is made: the caller writes the table."""
         results = []
         with tqdm(tasks, desc=desc, file=sys.stderr) as bar:
             for name, task in bar:
                 bar.set_postfix_str(name)
                 results.append(task())
+                if self.out is not None:
+                    write_table(f"{desc}.partial", results, self.out)
+        if self.out is not None:
+            for suffix in (".csv", ".md"):
+                (self.out / f"{desc}.partial{suffix}").unlink(missing_ok=True)
         return results

@@ -287,6 +287,33 @@ def test_reproduce_run_config_and_the_run_loop_build_a_table_from_its_object(tmp
         Table(name="x", help="x", build=build, simulated=False, record="x_summary")
 
 
+def test_run_named_keeps_the_rows_made_so_far_until_the_table_is_made(tmp_path):
+    """A long table run one row at a time (`Runner.run_named`): after each row its rows so far are on disk, so an
+    interrupted run keeps them; once every row is made the partial files are gone (the caller writes the table)."""
+    from experiments.reproduction import Runner
+
+    runner = Runner(cache=None, out=tmp_path)
+    partial = tmp_path / "toy.partial.csv"
+    seen = []
+
+    def row(i):
+        def make():
+            seen.append(partial.read_text().splitlines() if partial.exists() else None)
+            if i == 2:
+                raise KeyboardInterrupt
+            return {"row": f"r{i}", "tokens": 512 * (i + 1)}
+        return make
+
+    assert runner.run_named([(f"r{i}", row(i)) for i in range(2)], "toy") == [
+        {"row": "r0", "tokens": 512}, {"row": "r1", "tokens": 1024}]
+    assert seen == [None, ["row,tokens", "r0,512"]] and not partial.exists()
+    assert not (tmp_path / "toy.partial.md").exists()
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_named([(f"r{i}", row(i)) for i in range(3)], "toy")
+    assert partial.read_text().splitlines() == ["row,tokens", "r0,512", "r1,1024"]
+    assert "| r1 | 1024 |" in (tmp_path / "toy.partial.md").read_text()
+
+
 def test_measured_cpu_runs_a_system_only_on_the_ranks_it_declares_and_says_why_elsewhere(tmp_path, monkeypatch):
     """The table's rows from fake gloo runs (no processes): a system the registry says cannot run on a rank count
     (Strategy.cannot_run_on) is not launched there and has a row whose note says why; the ratio is to Ulysses."""
