@@ -160,9 +160,9 @@ def footer(rows: Sequence[dict]) -> list[str]:
             lines.append(f"- {r['row']}: {r['simulated_tokens'] / base['simulated_tokens']:.2f}x the SAC row's "
                          f"length{against}")
         if r["row"] == alst.PLANNER_ROW:
-            longest = f"{r['simulated_tokens']:,} tokens" if r["simulated_tokens"] else "nothing fits"
             lines += ["", f"The planner (no AutoSP or DeepSpeed setting): {r['source']}. Step at the published "
-                      f"AutoSP length: {r['simulated_step_at_published_s'] or 'does not fit'} s; longest {longest}."]
+                      f"AutoSP length: {r['simulated_step_at_published_s'] or 'does not fit'} s; longest "
+                      f"{alst.planner_longest(r)}."]
     used = sorted({item for r in rows for item in str(r["items"]).split()})
     lines += ["", "Items (what a row is read against):"]
     lines += [f"- {key}: {ITEMS[key]}" for key in used]

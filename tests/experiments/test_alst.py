@@ -137,4 +137,4 @@ def test_planner_row_plans_on_alsts_machine_with_both_objectives():
             "[Narrowing the longest search])) chose ") in row["source"]
     assert row["published_iteration_s"] == alst.ALST_ROWS[-1].published_iteration_s
     (line,) = [ln for ln in alst.footer([row]) if ln.startswith("The planner")]
-    assert "longest 8,192 tokens" in line
+    assert line.endswith("; longest 8,192 tokens, 0.00x the published 3,700,000.") and row["error_pct"] == ""

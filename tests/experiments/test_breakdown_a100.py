@@ -45,7 +45,11 @@ def test_breakdown_rows_and_footer_on_a_small_model():
     assert "objective fastest at 4,096 tokens chose " in planner["source"]
     assert planner["simulated_tokens"] == 4096 and 0 < planner["simulated_step_at_published_s"]
     assert "host-memory" not in planner["items"].split()  # ALST's node's item, not this machine's
+    # The planner predicts at its own depth whatever the table's (autosp.compile's decision), and reproduces no run.
+    assert planner["depth"] == "extrapolated" and "planner-depth" in planner["items"].split()
+    assert planner["error_pct"] == ""
     lines = breakdown_a100.footer(rows)
     assert lines[0].startswith("Llama-3.1-8B on 8x A100-80GB (a100-80gb-sxm)")
-    assert any(ln.startswith("The planner (no AutoSP or DeepSpeed setting): autosp.plan.plan_job") for ln in lines)
+    (line,) = [ln for ln in lines if ln.startswith("The planner (no AutoSP or DeepSpeed setting): autosp.plan.plan_job")]
+    assert line.endswith("; longest 4,096 tokens, 1.00x the published 4,096.")
     assert "- this-pass: " + breakdown_a100.ITEMS["this-pass"] in lines
