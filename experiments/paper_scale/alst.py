@@ -144,8 +144,9 @@ ITEMS: dict[str, str] = {
     "published-is-a-run": "the published figure is a length ALST ran, not a searched maximum (commented-out lengths "
                           "in an earlier recipe, commit 115740a9, mark 2.5M 'close to oom' and 3M 'oom'): the true "
                           "maximum is at or above it",
-    "planner-depth": "the planner's own depth under every preset, as autosp.compile decides: extrapolated from 1- and 2-layer traces with SAC deciding as for the full "
-                     "model (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py), offload "
+    "planner-depth": "the planner's own depth under every preset, as autosp.compile decides: extrapolated from 1- "
+                     "and 2-layer traces with SAC deciding as for the full model (Note [Shallow traces checkpointed "
+                     "for the full depth] in autosp/plan/depth.py), offload "
                      "plans unrolled from a 6-layer trace (simulator/depth_unroll.py); its own ZeRO 1 or 2 ledger, not "
                      "the ZeRO-3 rewrite",
     "depth-extrapolated": "depth extrapolated from 2- and 3-layer traces (`DEPTHS`; Note [Depth extrapolation] in "
@@ -619,7 +620,8 @@ def _tried(report) -> str:
     return f", with no plan under {' and '.join(before)}" if before else ""
 
 
-def planner_row(*, model: PaperModel, cluster: str = CLUSTER, search: Search | None = None, plans: Sequence | None = None, seq_len: int | None = None,
+def planner_row(*, model: PaperModel, cluster: str = CLUSTER, search: Search | None = None,
+                plans: Sequence | None = None, seq_len: int | None = None,
                 beside: BreakdownRow | None = None, items: tuple[str, ...] = ("host-memory",),
                 narrow_to: int = NARROWED) -> dict:
     """AutoSP's memory planner on ``cluster`` (ALST's machine unless given) with no AutoSP setting
