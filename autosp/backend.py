@@ -34,7 +34,7 @@ from autosp.config import CHECKPOINTING, AutoSPConfig
 from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.errors import AutoSPError
 from autosp.guards import ProgramGuard
-from autosp.joint_template import capture_joint
+from autosp.joint_capture import capture_joint
 from autosp.passes.joint.checkpointing import make_recompute_tagger, tag_recomputation
 from autosp.passes.partitioned.offload import offload_saved_activations
 from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
@@ -251,7 +251,7 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
     start = time.perf_counter()
     ctx.document_attention_compiles = config.compiler != "inductor"  # read by the mask pass
     ctx.mask_probe_tokens = config.mask_probe_tokens
-    ctx.documents_program = documents  # Note [Document program] in autosp/api.py
+    ctx.documents_program = documents  # Note [Document program] in autosp/model.py
     ctx.report = CompileReport()  # the report describes the latest compile (a recompile starts it afresh)
     gm = run_passes(gm, example_inputs, ctx=ctx, passes=passes)
     ctx.report.forward_graphs.append(gm)
@@ -299,5 +299,5 @@ def make_backend(ctx: TraceContext, config: AutoSPConfig, *, passes: Sequence[Pa
                  documents: bool = False):
     """The backend of one compiled model; ``passes=()`` compiles without sequence parallelism (sp_size=1) but
     still through AOTAutograd with the configured checkpointing, recording the graphs in the report.
-    ``documents``: the backend of the model's document program (Note [Document program] in autosp/api.py)."""
+    ``documents``: the backend of the model's document program (Note [Document program] in autosp/model.py)."""
     return functools.partial(autosp_backend, ctx=ctx, config=config, passes=passes, documents=documents)

@@ -4,28 +4,83 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from autosp.errors import AutoSPError
-from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES
+from autosp.techniques import (
+    CandidateSetting,
+    MemoryTechnique,
+    flag_label,
+    memory_plan_options,
+    setting_label,
+    technique,
+)
+from simulator.workload import (
+    CHOSEN_STRATEGIES,
+    COMPILED_STRATEGIES,
+    ZIGZAG_STRATEGIES,
+    SPLayout,
+    SPLayoutError,
+)
 
 STRATEGIES = COMPILED_STRATEGIES
-"""The sequence-parallel strategies the pass implements: simulator.workload.COMPILED_STRATEGIES, the one declaration of
-the names that simulator.strategies.SEQUENCE_PARALLEL reads too."""
+"""The sequence-parallel strategies the pass implements: simulator.workload.COMPILED_STRATEGIES, the names of
+simulator.workload.SPKind (the one declaration of them, which simulator.strategies.SEQUENCE_PARALLEL reads too)."""
 ACCEPTED_STRATEGIES = (*COMPILED_STRATEGIES, *CHOSEN_STRATEGIES)
 """What ``strategy=`` accepts: a strategy of STRATEGIES, or "auto", which `autosp.compile` resolves to one of them
 (and its degrees) before compiling (autosp.plan.auto.decide_strategy)."""
-ZIGZAG_STRATEGIES = ("ring", "hybrid")
-"""The strategies whose tokens follow the zig-zag layout (Note [Zig-zag layout] in autosp/inputs.py), apply packed
-documents in the ring and refuse what the ring refuses (padding masks, sliding windows, chunked attention)."""
+# ZIGZAG_STRATEGIES (imported above): the strategies whose tokens follow the zig-zag layout (Note [Zig-zag layout]
+# in autosp/inputs.py), apply packed documents in the ring and refuse what the ring refuses (padding masks, sliding
+# windows, chunked attention): the kinds of `simulator.workload.SPKind` that run a ring.
 
 COMPILERS = ("inductor", "aot_eager")
-CHECKPOINTING = ("sac", "none", "default", "full", "long-context", "layer")
-TILED_LOSS = ("off", "on", "auto")
-TILED_MLP = ("off", "on", "auto")
-ACTIVATION_OFFLOAD = ("off", "on", "auto")
+SAC_BUDGETS = (None, 0.5, 0.2)
+"""SAC's ``sac_memory_budget`` values the memory planner tries: None (SAC's default: recompute within
+``sac_recompute_limit``), then keeping at most half and a fifth of the recomputable bytes."""
+
+
+def _checkpointing_label(options) -> str:
+    budget = options.get("sac_memory_budget")
+    return options.get("checkpointing", "sac") + ("" if budget is None else f"@{budget:g}")
+
+
+MEMORY_TECHNIQUES: tuple[MemoryTechnique, ...] = (
+    MemoryTechnique(  # Note [Sequence-aware checkpointing] in autosp/passes/joint/checkpointing.py
+        option="checkpointing", values=("sac", "none", "default", "full", "long-context", "layer"), default="sac",
+        active=("sac",), companions=("sac_memory_budget",), stage="joint", innermost=True, label=_checkpointing_label,
+        candidates=(CandidateSetting("none", {"checkpointing": "none"}),
+                    *(CandidateSetting("sac" if b is None else f"sac@{b:g}",
+                                {"checkpointing": "sac", **({} if b is None else {"sac_memory_budget": b})})
+                      for b in SAC_BUDGETS),
+                    CandidateSetting("full", {"checkpointing": "full"}),
+                    CandidateSetting("layer", {"checkpointing": "layer"}))),  # what per-layer checkpointing runs
+    MemoryTechnique(  # Note [Tiled loss pass] in autosp/passes/dynamo/tiled_loss.py
+        option="tiled_loss", values=("off", "on", "auto"), default="off", active=("on", "auto"),
+        companions=("loss_chunk_tokens", "return_logits"), chunk_option="loss_chunk_tokens",
+        pass_factory="autosp.passes.dynamo.tiled_loss:make_tiled_loss_pass",
+        label=setting_label("tiled loss", "tiled_loss", "loss_chunk_tokens"),
+        candidates=(CandidateSetting("off", {"tiled_loss": "off"}),  # "on": HF's logits not computed, else exist anyway
+                    CandidateSetting("on", {"tiled_loss": "on", "return_logits": False}))),
+    MemoryTechnique(  # Note [Tiled MLP pass] in autosp/passes/dynamo/tiled_mlp.py
+        option="tiled_mlp", values=("off", "on", "auto"), default="off", active=("on", "auto"),
+        companions=("mlp_chunk_tokens",), chunk_option="mlp_chunk_tokens",
+        pass_factory="autosp.passes.dynamo.tiled_mlp:make_tiled_mlp_pass",
+        label=setting_label("tiled mlp", "tiled_mlp", "mlp_chunk_tokens"),
+        candidates=(CandidateSetting("off", {"tiled_mlp": "off"}), CandidateSetting("on", {"tiled_mlp": "on"}))),
+    MemoryTechnique(  # Note [Activation offload] in autosp/passes/partitioned/offload.py
+        option="activation_offload", values=("off", "on", "auto"), default="off", active=("on",),
+        stage="partitioned", planner_decides=True, label=flag_label("offload", "activation_offload"),
+        candidates=(CandidateSetting("off"), CandidateSetting("on", {"activation_offload": "on"}))),
+)
+"""The memory techniques, in their order (of plan names, of the Dynamo-stage passes; `autosp.techniques`): what
+``memory_plan="auto"`` chooses among, each with its `AutoSPConfig` fields below.  Adding one: docs/design.md,
+"Adding a memory technique"."""
+CHECKPOINTING = technique("checkpointing", MEMORY_TECHNIQUES).values
+TILED_LOSS = technique("tiled_loss", MEMORY_TECHNIQUES).values
+TILED_MLP = technique("tiled_mlp", MEMORY_TECHNIQUES).values
+ACTIVATION_OFFLOAD = technique("activation_offload", MEMORY_TECHNIQUES).values
 MEMORY_PLAN = ("off", "auto")
-MEMORY_PLAN_OPTIONS = ("checkpointing", "sac_memory_budget", "tiled_loss", "loss_chunk_tokens", "tiled_mlp",
-                       "mlp_chunk_tokens", "return_logits", "activation_offload")
+MEMORY_PLAN_OPTIONS = memory_plan_options(MEMORY_TECHNIQUES)
 """The options ``memory_plan="auto"`` chooses (autosp.plan.planner.candidate_plans); one passed explicitly wins."""
 PLAN_TIMEOUT_S = 540.0
 """The default ``plan_timeout_s``: torch's default NCCL collective timeout (10 minutes) less a minute, so that a
@@ -55,6 +110,8 @@ def with_job_setup(options: dict, job_setup: Callable[[], dict]) -> dict:
 class AutoSPConfig:
     """How `autosp.compile` makes a model sequence-parallel."""
 
+    TECHNIQUES: ClassVar[tuple[MemoryTechnique, ...]] = MEMORY_TECHNIQUES
+    """The memory techniques whose options it checks (`MemoryTechnique.check`)."""
     sp_size: int
     """Ranks that share one sequence (the Ulysses or ring degree); must divide the process group's size."""
     strategy: str = "ulysses"
@@ -138,9 +195,10 @@ class AutoSPConfig:
     64 MiB (autosp.passes.dynamo.tiled_mlp.MLP_CHUNK_BYTES)."""
     return_logits: bool = True
     """False (with tiled_loss "on" or "auto"): when labels are passed, a model that returns its logits beside the
-    loss (Hugging Face) returns None in their place, so that the tiled loss need not materialise them.  True
-    keeps them (and tiled_loss then cannot apply to such a model: "on" is refused, "auto" keeps the plain
-    loss)."""
+    loss (Hugging Face) does not compute them, so that the tiled loss need not materialise them: its output holds
+    a placeholder there that raises an AutoSPError naming this option on any use (Note [Dropped logits] in
+    autosp/passes/dynamo/tiled_loss.py).  The memory plan's tiled-loss plans set it.  True keeps them (and
+    tiled_loss then cannot apply to such a model: "on" is refused, "auto" keeps the plain loss)."""
     activation_offload: str = "off"
     """Move the tensors saved for backward to host memory after their last forward use and copy them back ahead of
     their backward use, asynchronously (Note [Activation offload] in autosp/passes/partitioned/offload.py; exact: the
@@ -189,8 +247,8 @@ class AutoSPConfig:
             raise AutoSPError(f"strategy must be one of {ACCEPTED_STRATEGIES}, got {self.strategy!r}")
         if self.compiler not in COMPILERS:
             raise AutoSPError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
-        if self.checkpointing not in CHECKPOINTING:
-            raise AutoSPError(f"checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
+        for memory_technique in self.TECHNIQUES:  # values, chunk sizes, "auto" left to the planner
+            memory_technique.check(self)
         if not 0 <= self.sac_recompute_limit:
             raise AutoSPError(f"sac_recompute_limit must be >= 0 (a fraction of forward FLOPs), got "
                               f"{self.sac_recompute_limit!r}")
@@ -205,27 +263,9 @@ class AutoSPConfig:
                               f"equal pieces), got {self.length_bucket!r}")
         if not isinstance(self.max_programs, int) or self.max_programs < 1:
             raise AutoSPError(f"max_programs must be a positive number of compiled programs, got {self.max_programs!r}")
-        if self.tiled_loss not in TILED_LOSS:
-            raise AutoSPError(f"tiled_loss must be one of {TILED_LOSS}, got {self.tiled_loss!r}")
         if not self.return_logits and self.tiled_loss == "off":
             raise AutoSPError("return_logits=False takes effect only with the tiled loss: pass tiled_loss='on' or "
                               "'auto' too (or leave return_logits=True)")
-        if self.loss_chunk_tokens is not None and (
-                not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1):
-            raise AutoSPError(f"loss_chunk_tokens must be None or a positive number of tokens, got "
-                              f"{self.loss_chunk_tokens!r}")
-        if self.tiled_mlp not in TILED_MLP:
-            raise AutoSPError(f"tiled_mlp must be one of {TILED_MLP}, got {self.tiled_mlp!r}")
-        if self.mlp_chunk_tokens is not None and (
-                not isinstance(self.mlp_chunk_tokens, int) or isinstance(self.mlp_chunk_tokens, bool)
-                or self.mlp_chunk_tokens < 1):
-            raise AutoSPError(f"mlp_chunk_tokens must be None or a positive number of tokens, got "
-                              f"{self.mlp_chunk_tokens!r}")
-        if self.activation_offload not in ACTIVATION_OFFLOAD:
-            raise AutoSPError(f"activation_offload must be one of {ACTIVATION_OFFLOAD}, got {self.activation_offload!r}")
-        if self.activation_offload == "auto" and self.memory_plan == "off":
-            raise AutoSPError("activation_offload='auto' lets the memory planner decide: pass memory_plan='auto' (and "
-                              "target_memory) too, or choose activation_offload='on' or 'off' yourself")
         self._check_memory_plan()
         if self.sac_memory_budget is not None and not 0 <= self.sac_memory_budget <= 1:
             raise AutoSPError(f"sac_memory_budget must be None or a fraction in [0, 1], got {self.sac_memory_budget!r}")
@@ -237,31 +277,27 @@ class AutoSPConfig:
         return self.strategy in ZIGZAG_STRATEGIES
 
     @property
+    def layout(self) -> SPLayout | None:
+        """The strategy's rank layout over sp_size ranks (`simulator.workload.SPLayout`: its degrees, groups and
+        heads rule); None under strategy="auto", which decides it before compiling."""
+        return SPLayout.from_options(self.strategy, self.sp_size, ulysses_size=self.ulysses_size)
+
+    @property
     def layout_ulysses_size(self) -> int:
         """Ranks that split one zig-zag pair of chunks (Note [Zig-zag layout]): ulysses_size under the hybrid, else 1."""
-        return self.ulysses_size if self.strategy == "hybrid" else 1
+        layout = self.layout
+        return 1 if layout is None else layout.zigzag_ulysses_size
 
     def _check_hybrid(self) -> None:
-        given = {k: v for k, v in (("ulysses_size", self.ulysses_size), ("ring_size", self.ring_size)) if v is not None}
-        if self.strategy != "hybrid":
-            if given:
-                raise AutoSPError(f"{', '.join(given)} take(s) effect only with strategy='hybrid': pass "
-                                  f"strategy='hybrid' too (or leave them out); got strategy={self.strategy!r}")
-            return
-        if not given:
-            raise AutoSPError(f"strategy='hybrid' needs its Ulysses degree: pass ulysses_size= a divisor of "
-                              f"sp_size={self.sp_size} (the ring then runs over sp_size // ulysses_size groups)")
-        for name, value in given.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or self.sp_size % value:
-                raise AutoSPError(f"{name}={value!r} does not divide sp_size={self.sp_size}; pass a divisor of "
-                                  f"{self.sp_size} (ulysses_size x ring_size = sp_size)")
-        ulysses = given.get("ulysses_size", self.sp_size // given.get("ring_size", 1))
-        ring = self.sp_size // ulysses
-        if given.get("ring_size", ring) != ring:
-            raise AutoSPError(f"ulysses_size={ulysses} x ring_size={self.ring_size} is not sp_size={self.sp_size}; "
-                              f"pass ring_size={ring} (or leave it out)")
-        object.__setattr__(self, "ulysses_size", ulysses)
-        object.__setattr__(self, "ring_size", ring)
+        """The strategy's degrees (`SPLayout.from_options`), ``ulysses_size`` and ``ring_size`` filled in."""
+        try:
+            layout = SPLayout.from_options(self.strategy, self.sp_size, ulysses_size=self.ulysses_size,
+                                           ring_size=self.ring_size)
+        except SPLayoutError as err:
+            raise AutoSPError(str(err)) from None
+        if layout is not None and layout.kind.grouped:
+            object.__setattr__(self, "ulysses_size", layout.ulysses_size)
+            object.__setattr__(self, "ring_size", layout.ring_size)
 
     def _check_memory_plan(self) -> None:
         if self.memory_plan is not None and self.memory_plan not in MEMORY_PLAN:

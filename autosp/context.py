@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from autosp.config import MASK_PROBE_TOKENS
 from autosp.errors import AutoSPError
 from autosp.inputs import ShardLayout
+from simulator.workload import SPKind, SPLayout
 
 
 @dataclass
@@ -117,7 +118,7 @@ class CompileReport:
 
 @dataclass(frozen=True)
 class CompiledProgram:
-    """One program a compiled model holds (Note [One program per length] in autosp.api)."""
+    """One program a compiled model holds (Note [One program per length] in autosp.model)."""
 
     seq_len: int
     """Tokens of the sample that compiled it (before padding; later calls of the program may differ within
@@ -130,7 +131,7 @@ class CompiledProgram:
     compiler: str = "inductor"
     """The code generator that compiled it: the configured one, or aot_eager for the model's document program."""
     documents: bool = False
-    """A program of the model's document program (Note [Document program] in autosp.api), compiled for a batch the
+    """A program of the model's document program (Note [Document program] in autosp.model), compiled for a batch the
     model's own program could not run (packed documents, padding, a window or chunks)."""
     why_documents: str = ""
     """Why its batch went to the document program ("" for the model's own programs)."""
@@ -154,6 +155,13 @@ class TraceContext:
     """strategy="hybrid": the c10d name of this rank's Ulysses group (autosp.groups)."""
     ring_group_name: str = ""
     """strategy="hybrid": the c10d name of this rank's ring group."""
+
+    @property
+    def sp_layout(self) -> SPLayout:
+        """The strategy's rank layout over the SP group (`simulator.workload.SPLayout`): its degrees, groups and
+        heads rule."""
+        kind = SPKind(self.strategy)
+        return SPLayout.from_options(kind, self.sp_size, ulysses_size=self.ulysses_size if kind.grouped else None)
     layout: ShardLayout | None = None
     batch_size: int = 0
     """Rows of the call's batch."""
@@ -164,14 +172,14 @@ class TraceContext:
     while it is traced: what the mask pass checks the model's mask against."""
     positions_plain: bool = False
     """The call's position ids are 0..S-1 in every row: checked on their values, or, in a shape-only trace (fake
-    tensors, no values), generated so by `prepare_inputs` (Note [Document program] in autosp.api)."""
+    tensors, no values), generated so by `prepare_inputs` (Note [Document program] in autosp.model)."""
     document_attention_compiles: bool = True
     """Whether the backend compiles `autosp.document_attention` (not Inductor yet; see the mask pass); set by
     the backend from its code generator."""
     documents_program: bool = False
     """Whether the program being traced is the model's document program, which applies every mask it learns
     (otherwise a mask over documents by position, traced on plain positions, compiles as causal attention checked
-    on every call); set by the backend.  Note [Document program] in autosp.api."""
+    on every call); set by the backend.  Note [Document program] in autosp.model."""
     why_documents: str = ""
     """Why the call runs on the model's document program ("" when it does not): Note [Document program] in
     autosp.api."""

@@ -16,4 +16,4 @@ class DocumentAttentionUnavailable(AutoSPError):
     it was compiled as causal attention for plain positions.
 
     Not a refusal the user sees: the compiled model catches it and runs that batch through its document program
-    (compiled by aot_eager), saying so (Note [Document program] in autosp/api.py)."""
+    (compiled by aot_eager), saying so (Note [Document program] in autosp/model.py)."""

@@ -46,20 +46,24 @@ Note [Ring attention in the export]
 A ring attention node (strategy="ring", Note [Ring attention] in autosp/ring_attention.py) is one op to
 AOTAutograd; the export writes out what the op runs, step by step as ``ring_attention.schedule`` orders it and
 with the fused calls ``ring_attention.blocks`` cuts each step into, for each rank of the group (its chunks and
-neighbours differ, so a ring program has one program per rank).  Forward: a ``stack`` of k and v into the
-block that travels (and the zero-filled fp32 accumulators); per step s < P-1 a ``send`` of the block in hand to
-rank r+1 and a ``recv`` of rank r-1's into a new buffer (groups ``simulator.workload.RING_GROUPS``, both issued
-after the compute before them, as NCCL's stream joins the issuing one), the step's attention calls (FLOPs and
-scores of their real shapes) each followed by its online-softmax ``merge``, then the waits (the block sent is
-freed); a ``finalize`` casts the output.  Backward: the K/V block travels the same way (P-1 transfers); per step
-a zero-filled fp32 dK/dV buffer, the calls' backward kernels each followed by an ``accumulate``, then (from the
-second step) the wait for the accumulator arriving from rank r-1 and its addition, and the ``send``/``recv`` of
-the sum onward (P transfers: after the last one each rank holds its own tokens' dK/dV).  Message bytes are the
-tensors the op passes: 2·B·Hkv·L·D elements in the activation dtype for K/V, in the accumulator dtype (fp32)
-for dK/dV.  The copies a call's concatenated chunks and GQA-expanded heads make are counted as its bytes and a
-temporary, freed by the merge or accumulation after it.  Over packed documents (``document_ids``, the traced
-batch's) a (query chunk, key chunk) pair no query reads is left out, as the op skips it at run time; the calls
-that remain are priced as the kernel they run (causal within one document, the masked dense block otherwise).
+neighbours differ, so a ring program has one program per rank).  Forward: a ``stack`` of k and v into the block
+that travels (and the zero-filled fp32 accumulators); per step s < P-1 a ``send`` of the block in hand to rank r+1
+and a ``recv`` of rank r-1's into a new buffer (groups ``simulator.workload.RING_GROUPS``, both issued after the
+compute before them, as NCCL's stream joins the issuing one), the step's attention calls (FLOPs and scores of
+their real shapes; each ``step<s>.attention<j>.<kernel>``, the kernel `ring_attention.block_kernel` names for the
+traced device and dtype, the one the op runs there: Note [Ring block kernels] in autosp/ring_attention.py; a fused
+kernel is priced as the attention of its pairs, the math path as every score of the block plus the traffic and
+memory of its [B, H, Lq, Lk] buffers) each followed by its online-softmax ``merge``, then the waits (the block
+sent is freed); a ``finalize`` casts the output.  Backward: the K/V block travels the same way (P-1 transfers);
+per step a zero-filled fp32 dK/dV buffer, the calls' backward kernels each followed by an ``accumulate``, then
+(from the second step) the wait for the accumulator arriving from rank r-1 and its addition, and the
+``send``/``recv`` of the sum onward (P transfers: after the last one each rank holds its own tokens' dK/dV).
+Message bytes are the tensors the op passes: 2·B·Hkv·L·D elements in the activation dtype for K/V, in the
+accumulator dtype (fp32) for dK/dV.  The copies a call's concatenated chunks and GQA-expanded heads make are
+counted as its bytes and a temporary, freed by the merge or accumulation after it.  Over packed documents
+(``document_ids``, the traced batch's) a (query chunk, key chunk) pair no query reads is left out, as the op skips
+it at run time; the calls that remain are priced as the kernel they run (causal within one document, the masked
+dense block otherwise).
 
 Note [Hybrid attention in the export]
 A strategy="hybrid" program (Note [Hybrid attention] in autosp/passes/dynamo/attention.py) has both: all-to-alls
@@ -68,6 +72,9 @@ is, one program per rank, with the ring's steps at ring rank ``rank // U`` and i
 (``rank ± U`` modulo P, absolute ranks as the send/recv peers want); its all-to-alls go to the workload group
 "ulysses", whose instances are the Ulysses groups of U consecutive ranks, and the ring's transfers to
 ``RING_GROUPS``, whose instances are the ring groups; every other collective (the loss all-reduce) stays on "sp".
+Ring ranks, neighbours and both kinds of group are the program's `simulator.workload.SPLayout`'s (``coordinates``,
+``ring_neighbours``, ``ulysses_groups``, ``ring_groups``), the layout `autosp.groups.build_groups` made the process
+groups of; a ring program is its layout with U = 1.
 
 Note [Activation offload in the export]
 Activation offload's ops (`autosp.costs.ACTIVATION_OFFLOAD`, inserted by the offload pass) are device<->host
@@ -89,7 +96,6 @@ halved under causal masking; elementwise ops one FLOP per output element.  An op
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import operator
@@ -112,8 +118,27 @@ from autosp.costs import (
     workspace_bytes,
 )
 from autosp.errors import AutoSPError
-from autosp.ring_attention import Documents, accumulator_dtype, blocks, rank_chunks, schedule
-from simulator.workload import HOST_GROUP, RING_GROUPS, Collective, Op, RankProgram, StaticMemory, Workload
+from autosp.ring_attention import (
+    MATH_SCORE_BUFFERS,
+    MATH_SCORE_TRAFFIC,
+    Documents,
+    accumulator_dtype,
+    block_kernel,
+    blocks,
+    rank_chunks,
+    schedule,
+)
+from simulator.workload import (
+    HOST_GROUP,
+    RING_GROUPS,
+    Collective,
+    Op,
+    RankProgram,
+    SPKind,
+    SPLayout,
+    StaticMemory,
+    Workload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +162,9 @@ class _Emitter:
     """Fraction of the scores document-masked attention keeps (see `export_workload`)."""
     rank: int = 0
     """The rank (in its SP group) whose program this is: a ring's steps and neighbours depend on it."""
-    ulysses_size: int = 1
-    """A hybrid program's Ulysses degree: the ring runs over the ranks this far apart (1: the ring alone)."""
+    sp_layout: SPLayout | None = None
+    """A ring or hybrid program's rank layout: its ring ranks and neighbours (Note [Hybrid attention in the
+    export])."""
     named_groups: dict[str, str] | None = None
     """c10d group name -> workload group, for collectives not on ``group`` (a hybrid's all-to-alls)."""
     document_ids: torch.Tensor | None = None
@@ -386,17 +412,20 @@ def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], o
     acc = torch.empty((), dtype=accumulator_dtype(qv.dtype)).element_size()
     size, layout = int(schema_arg(node, "group_size")), str(schema_arg(node, "layout"))
     causal = bool(schema_arg(node, "causal"))
-    rank, u = em.rank, em.ulysses_size
-    ring_rank, lane = divmod(rank, u)  # Note [Hybrid attention in the export]; u = 1: the ring alone
+    rank, ranks = em.rank, em.sp_layout  # the rank layout (the ring's chunk layout is ``layout``)
+    if ranks is None or ranks.ring_size != size:
+        raise AutoSPError(f"{node.name} runs a ring of {size} ranks, and the export's layout is {ranks}; this is a "
+                          "bug in the export")
+    ring_rank, _ = ranks.coordinates(rank)  # Note [Hybrid attention in the export]
     mine = rank_chunks(layout, size, ring_rank)
     chunk = length // len(mine)
-    reads = None  # packed documents: the chunk pairs no query reads are skipped, as the op skips them
+    documents = None  # packed documents: the chunk pairs no query reads are skipped, as the op skips them
     if em.document_ids is not None:
         if em.document_ids.shape[-1] != length * size:
             raise AutoSPError(f"document_ids cover {em.document_ids.shape[-1]} tokens but {node.name} runs over "
                               f"{length * size}; pass the CompileReport.document_ids of the traced batch")
-        reads = Documents(em.document_ids, size * len(mine)).reads
-    nxt, prv = ((ring_rank + 1) % size) * u + lane, ((ring_rank - 1) % size) * u + lane
+        documents = Documents(em.document_ids, size * len(mine))
+    prv, nxt = ranks.ring_neighbours(rank)
     kv_bytes = 2 * b * hkv * length * d * e  # k and v stacked: what travels forward (and backward again)
     dkv_elements = 2 * b * hkv * length * d  # the dK/dV accumulators travelling backward, in the accumulator dtype
     out_elements = b * h * length * d
@@ -441,6 +470,26 @@ def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], o
         copies += 2 * b * h * lk * d * e if h != hkv else 0
         return lq, lk, (b, h, lq, d), (b, hkv, lk, d), copies
 
+    def block_cost(j: int, q_shape, k_shape, block_causal: bool, masked: bool):
+        """(op name, FLOPs and scores, (read, written) bytes beyond the block's operands, scratch tensors) of one
+        call's kernel: the one `block_kernel` names for the traced device and dtype, as the op chooses it at run
+        time (Note [Ring block kernels] in autosp/ring_attention.py).  A fused kernel: the attention of its pairs
+        (causal halved), no score block.  The math path: every score computed (the causal triangle masked
+        afterwards), its [B, H, Lq, Lk] buffers in the accumulator dtype read and written as
+        ``MATH_SCORE_TRAFFIC`` counts and held as ``MATH_SCORE_BUFFERS`` counts, for the kernel's duration."""
+        kernel = block_kernel(qv.device, qv.dtype, d, masked=masked)
+        name = f"attention{j}.{kernel.value}"
+        if kernel.fused:
+            return name, dict(flops=attention_flops(q_shape, k_shape, causal=block_causal, backward=backward),
+                              scores=attention_scores(q_shape, k_shape, causal=block_causal, backward=backward)
+                              ), (0, 0), ()
+        block = b * h * q_shape[2] * k_shape[2] * acc  # one [B, H, Lq, Lk] buffer
+        reads, writes = MATH_SCORE_TRAFFIC[backward]
+        extra = int(block_causal) + int(masked)
+        return name, dict(flops=attention_flops(q_shape, k_shape, causal=False, backward=backward),
+                          scores=attention_scores(q_shape, k_shape, causal=False, backward=backward)), (
+            (reads + extra) * block, (writes + extra) * block), (tensor(MATH_SCORE_BUFFERS[backward] * block),)
+
     held = tensor(kv_bytes)
     accumulator = tensor(out_elements * acc)  # the merged output (forward) or dq (backward), zero-filled
     lse = 0 if backward else b * h * length * acc  # forward: the log-sum-exp accumulator is the node's output
@@ -465,16 +514,19 @@ def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], o
             dkv = tensor(dkv_elements * acc)
             cursor = add(f"step{s}.zeros", op_class="memory", written=dkv_elements * acc, after=(cursor,),
                          allocates=(dkv,))
-        for j, (rows, cols, block_causal) in enumerate(blocks(mine, theirs, causal, reads)):
+        for j, (rows, cols, block_causal) in enumerate(blocks(mine, theirs, causal, documents and documents.reads)):
             lq, lk, q_shape, k_shape, copies = block_bytes(rows, cols)
             q_el, kv_el = b * h * lq * d, 2 * b * hkv * lk * d
-            kernel = dict(flops=attention_flops(q_shape, k_shape, causal=block_causal, backward=backward),
-                          scores=attention_scores(q_shape, k_shape, causal=block_causal, backward=backward))
+            masked = documents is not None and not documents.one_document([mine[i] for i in rows],
+                                                                          [theirs[i] for i in cols])
+            name, kernel, (score_read, score_written), scratch = block_cost(j, q_shape, k_shape, block_causal,
+                                                                            masked)
             if not backward:  # the kernel's output and log-sum-exp, merged online into the fp32 accumulators
                 temp = tensor(q_el * e + b * h * lq * acc + copies)
-                kernel_op = add(f"step{s}.attention{j}", op_class="attention", **kernel, after=(cursor,),
-                                read=q_el * e + kv_el * e + copies, written=q_el * e + b * h * lq * acc + copies,
-                                allocates=(temp,))
+                kernel_op = add(f"step{s}.{name}", op_class="attention", **kernel, after=(cursor,),
+                                read=q_el * e + kv_el * e + copies + score_read,
+                                written=q_el * e + b * h * lq * acc + copies + score_written,
+                                allocates=(temp, *scratch), frees=scratch)
                 rows_lse = b * h * lq
                 cursor = add(f"step{s}.merge{j}", op_class="elementwise", flops=4 * q_el + 6 * rows_lse,
                              read=q_el * (acc + e) + 2 * rows_lse * acc, written=(q_el + rows_lse) * acc,
@@ -482,9 +534,10 @@ def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], o
             else:  # dq, dk, dv of the block (k, v heads expanded under GQA), added into the fp32 sums
                 grads = q_el * e + 2 * b * h * lk * d * e
                 temp = tensor(grads + copies)
-                kernel_op = add(f"step{s}.attention{j}", op_class="attention", **kernel, after=(cursor,),
-                                read=3 * q_el * e + b * h * lq * acc + kv_el * e + copies, written=grads + copies,
-                                allocates=(temp,))
+                kernel_op = add(f"step{s}.{name}", op_class="attention", **kernel, after=(cursor,),
+                                read=3 * q_el * e + b * h * lq * acc + kv_el * e + copies + score_read,
+                                written=grads + copies + score_written, allocates=(temp, *scratch),
+                                frees=scratch)
                 summed = q_el + kv_el
                 cursor = add(f"step{s}.accumulate{j}", op_class="elementwise",
                              flops=summed + (2 * b * h * lk * d if h != hkv else 0),
@@ -564,11 +617,12 @@ def export_workload(
     if ring and (len(sizes) != 1 or sp_size % sizes[0] or (not hybrid and sizes != [sp_size])):
         raise AutoSPError(f"the program's ring attention runs over {sizes} ranks but the export was asked for "
                           f"sp_size={sp_size}; pass the sp_size the program was compiled with")
-    u = sp_size // sizes[0] if hybrid else 1
+    kind = SPKind.HYBRID if hybrid else SPKind.RING if ring else SPKind.ULYSSES
+    layout = SPLayout(kind, sp_size, sp_size // sizes[0] if hybrid else 1 if ring else sp_size)
     everyone = [list(range(sp_size))]
     programs, node_costs = {}, {}
     for rank in range(sp_size) if ring else (0,):  # a ring's neighbours are absolute ranks: a program per rank
-        em = _Emitter(group="sp", masked_fraction=attention_kept_fraction, rank=rank, ulysses_size=u,
+        em = _Emitter(group="sp", masked_fraction=attention_kept_fraction, rank=rank, sp_layout=layout,
                       node_costs=node_costs,
                       document_ids=document_ids if ring else None,
                       named_groups=dict.fromkeys(ulysses_names, "ulysses") if hybrid else None)
@@ -579,14 +633,14 @@ def export_workload(
         programs[rank] = em.program(static)
     log.info("exported %d ops (%d collectives), %d tensors%s", len(em.ops), em.collectives, len(em.tensors),
              f" per rank, {sp_size} ranks" if ring else "")
-    rings = [list(range(lane, sp_size, u)) for lane in range(u)]  # Note [Hybrid attention in the export]
-    groups = {"sp": everyone, **(dict.fromkeys(RING_GROUPS, rings) if ring else {})}
+    # Note [Hybrid attention in the export]: the groups are the layout's (simulator.workload.SPLayout)
+    groups = {"sp": everyone, **(dict.fromkeys(RING_GROUPS, layout.ring_groups()) if ring else {})}
     if any(p.host_tensors for p in programs.values()):  # Note [Activation offload in the export]
         groups[HOST_GROUP] = [[r] for r in range(sp_size)]
     if hybrid:
-        groups["ulysses"] = [list(range(j * u, (j + 1) * u)) for j in range(sp_size // u)]
-    kind = "hybrid" if hybrid else "ring" if ring else "ulysses"
-    strategy = {"strategy": kind, **({"ulysses_size": u} if hybrid else {})} if sp_size > 1 else {}
+        groups["ulysses"] = layout.ulysses_groups()
+    strategy = {"strategy": kind.value, **({"ulysses_size": layout.ulysses_size} if hybrid else {})} \
+        if sp_size > 1 else {}
     return Workload(name=name, world_size=sp_size, groups=groups, ranks=programs, symmetric=not ring,
                     metadata={"sp_size": sp_size, **strategy, **(metadata or {})})
 
@@ -687,91 +741,3 @@ def module_parameters(aot_graphs: list[tuple[str, fx.GraphModule]], dynamo_graph
     ]
     first = {f"forward.{n.name}": i for i, n in enumerate(forward.graph.nodes)}
     return tuple(sorted(found, key=lambda m: first[m.forward_reads[0]]))
-
-
-FAKE_TRACE_OPTIONS = {"check_same_sample": False, "memory_plan": "off"}
-"""`autosp.compile` options every fake trace compiles with under the options it predicts (which win).  The fake
-group's collectives carry no data, so the same-sample check (autosp.guards.check_same_sample) would compare fake
-tensors by value, and the trace has one sample by construction; and a trace predicts the memory options it is
-given, so it plans nothing itself (Note [The default memory plan] in autosp/plan/auto.py)."""
-
-
-def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
-                    dtype: torch.dtype = torch.bfloat16, compiler: str = "aot_eager", document_lengths=None,
-                    micro_batch: int = 1, checkpointing_variants=(), capture_joint: bool = False,
-                    mask_rules: dict | None = None, **options):
-    """Compile and run one training step of ``build_model()`` on fake tensors and a fake group.
-
-    Paper-scale graphs without paper-scale memory: the model is built inside a
-    FakeTensorMode (parameters have shapes, no storage) and the collectives run on
-    a fake process group of ``sp_size`` ranks, so the real AutoSP passes and
-    AOTAutograd produce the real forward and backward graphs.  Returns the
-    compiled model (its ``report.aot_graphs`` feed `export_workload`) and the
-    parameter bytes.  ``options`` are `autosp.compile` options (e.g. checkpointing).
-    ``document_lengths``: the sample packs documents of these lengths (real position ids, so a model
-    that masks documents is traced with the layout and the report's attention_kept_fraction set).
-    ``micro_batch``: samples per step (the rows of ``input_ids``; each row is a full ``seq_len`` sequence).
-    ``checkpointing_variants``: (checkpointing, sac_memory_budget) pairs whose programs the same trace also
-    partitions, into ``report.variant_graphs`` (docs/design.md, "Trace reuse"; aot_eager only).
-    ``capture_joint``: keep the joint graph in ``report.joint_capture`` (Note [The joint graph at another length]
-    in autosp/joint_template.py).
-    ``mask_rules``: mask rules shared with the other traces of one planner decision (Note [Mask rules shared between
-    a decision's traces] in autosp/passes/dynamo/masks.py).
-    The process must not have a process group of its own.
-    """
-    from autosp.api import compile as autosp_compile
-
-    positions = None
-    if document_lengths is not None:  # real values (a few integers per token), outside the fake mode
-        positions = torch.cat([torch.arange(int(n)) for n in document_lengths])[None].expand(micro_batch, -1)
-        if positions.shape[1] != seq_len:
-            raise ValueError(f"document_lengths sum to {positions.shape[1]} tokens, not seq_len={seq_len}")
-    with fake_training_sample(build_model, seq_len=seq_len, sp_size=sp_size, vocab_size=vocab_size, rank=rank,
-                              dtype=dtype, micro_batch=micro_batch, position_ids=positions) as (fake_mode, model,
-                                                                                                inputs):
-        compiled = autosp_compile(model, sp_size=sp_size, compiler=compiler, **{**FAKE_TRACE_OPTIONS, **options})
-        compiled._ctx.checkpointing_variants = tuple(checkpointing_variants)
-        compiled._ctx.capture_joint = capture_joint
-        compiled._ctx.mask_rules = mask_rules
-        # The step runs in the fake mode too: a graph's factory ops (the zeros a loss backward fills, a
-        # [S, vocab] buffer) would otherwise allocate real memory, gigabytes at paper scale.
-        with fake_mode:
-            out = compiled(**inputs)
-            (out if isinstance(out, torch.Tensor) else out.loss).backward()
-        parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return compiled, parameter_bytes
-
-
-@contextlib.contextmanager
-def fake_training_sample(build_model, *, seq_len: int, sp_size: int, vocab_size: int, rank: int = 0,
-                         dtype: torch.dtype = torch.bfloat16, micro_batch: int = 1, position_ids=None):
-    """A fake process group of ``sp_size`` ranks (this process ``rank``) for the block, and in a FakeTensorMode
-    ``build_model()`` (parameters of ``dtype``, no storage) with one sample of ``micro_batch`` rows of
-    ``seq_len`` random tokens (labels the tokens, ``position_ids`` if given): yields (fake mode, model, inputs)
-    for `trace_fake_step` and the planner's shared capture (`autosp.plan.predict.trace_strategies`).  The process
-    must not have a process group of its own."""
-    import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from autosp.inputs import prepare_inputs
-
-    if dist.is_initialized():
-        raise RuntimeError("tracing on fake tensors needs a process without a process group (it creates a fake one)")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=sp_size)
-    try:
-        previous = torch.get_default_dtype()
-        # Non-fake constants (e.g. an empty KV-cache tensor created in forward) may mix with fakes.
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode:
-            torch.set_default_dtype(dtype)
-            try:
-                model = build_model()
-            finally:
-                torch.set_default_dtype(previous)
-            ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
-            inputs = prepare_inputs(ids, labels=ids, position_ids=position_ids)
-        yield fake_mode, model, inputs
-    finally:
-        dist.destroy_process_group()

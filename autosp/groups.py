@@ -8,7 +8,8 @@ part of one sequence's gradient) and averaged over replicas.
 Under strategy="hybrid" an SP group is split once more (Note [Hybrid rank layout] in simulator/strategies.py):
 Ulysses groups of ``ulysses_size`` consecutive ranks of the SP group, and ring groups of the ranks
 ``ulysses_size`` apart (one from each Ulysses group).  SP rank ``s`` is Ulysses rank ``s % ulysses_size`` and
-ring rank ``s // ulysses_size``.
+ring rank ``s // ulysses_size``.  Which ranks form which group is `simulator.workload.SPLayout`'s (its
+``sp_groups``, ``ulysses_groups`` and ``ring_groups``); this module makes torch process groups of them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from autosp.errors import AutoSPError
+from simulator.workload import SPKind, SPLayout, SPLayoutError
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,11 @@ class SequenceParallelGroups:
 
 
 def build_groups(sp_size: int, process_group: dist.ProcessGroup | None = None, *,
-                 ulysses_size: int | None = None) -> SequenceParallelGroups:
+                 ulysses_size: int | None = None, layout: SPLayout | None = None) -> SequenceParallelGroups:
     """Split ``process_group`` (default: the whole world) into SP groups of ``sp_size`` contiguous ranks, and with
     ``ulysses_size`` (strategy="hybrid") each SP group into its Ulysses and ring groups (see the module docstring).
+    ``layout``: the strategy's layout (`AutoSPConfig.layout`) instead of ``ulysses_size``; its rank tuples
+    (`simulator.workload.SPLayout`, positions in ``process_group``) are the groups made.
 
     Every rank of ``process_group`` must call this, in the same order as any other
     group creation, since it may create new process groups.
@@ -60,27 +64,35 @@ def build_groups(sp_size: int, process_group: dist.ProcessGroup | None = None, *
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
         raise AutoSPError("this rank is not a member of the process_group passed to autosp.compile")
-    if size % sp_size:
-        raise AutoSPError(
-            f"sp_size={sp_size} does not divide the process group's {size} ranks; choose an sp_size that "
-            f"divides {size} (the rest of the ranks become data-parallel replicas)"
-        )
+    try:
+        if layout is None:
+            layout = SPLayout.from_options(SPKind.HYBRID if ulysses_size is not None else SPKind.ULYSSES, sp_size,
+                                           ulysses_size=ulysses_size)
+        elif layout.sp_size != sp_size or ulysses_size not in (None, layout.ulysses_size):
+            raise AutoSPError(f"build_groups: sp_size={sp_size}, ulysses_size={ulysses_size} differ from {layout}")
+        sp_members = _mine(layout.sp_groups(size), rank)
+    except SPLayoutError as err:
+        raise AutoSPError(str(err)) from None
     sp_rank, dp_rank = rank % sp_size, rank // sp_size
-    needs_block = sp_size != size or ulysses_size is not None
-    block = dist.get_process_group_ranks(group)[dp_rank * sp_size : (dp_rank + 1) * sp_size] if needs_block else []
-    sp_group = group if sp_size == size else _subgroup(block)
+    positions = dist.get_process_group_ranks(group) if sp_size != size or layout.kind.grouped else []
+
+    def subgroup(members: tuple[int, ...]) -> dist.ProcessGroup:  # the SP group where it is the whole of it
+        return sp_group if len(members) == sp_size else _subgroup([positions[p] for p in members])
+
+    sp_group = group if sp_size == size else _subgroup([positions[p] for p in sp_members])
     ulysses_group = ring_group = None
-    if ulysses_size is not None:
-        if ulysses_size < 1 or sp_size % ulysses_size:
-            raise AutoSPError(f"ulysses_size={ulysses_size} does not divide sp_size={sp_size}; pass a divisor")
-        # Every rank creates its Ulysses group, then its ring group: the same order everywhere.
-        first = sp_rank - sp_rank % ulysses_size
-        ulysses_group = sp_group if ulysses_size == sp_size else _subgroup(block[first : first + ulysses_size])
-        ring_group = sp_group if ulysses_size == 1 else _subgroup(block[sp_rank % ulysses_size :: ulysses_size])
+    if layout.kind.grouped:  # every rank creates its Ulysses group, then its ring group: the same order everywhere
+        ulysses_group = subgroup(_mine(layout.ulysses_groups(size), rank))
+        ring_group = subgroup(_mine(layout.ring_groups(size), rank))
     return SequenceParallelGroups(
         group=group, sp_group=sp_group, sp_size=sp_size, sp_rank=sp_rank, dp_size=size // sp_size, dp_rank=dp_rank,
         ulysses_group=ulysses_group, ring_group=ring_group,
     )
+
+
+def _mine(groups: tuple[tuple[int, ...], ...], rank: int) -> tuple[int, ...]:
+    """The group of ``groups`` holding ``rank``."""
+    return next(g for g in groups if rank in g)
 
 
 def _subgroup(ranks: list[int]) -> dist.ProcessGroup:

@@ -84,7 +84,7 @@ class ProgramGuard:
     """The compiled program as the backend returns it, checked against its assumptions on every call.
 
     Called by Dynamo with the graph's flattened inputs, after the shard was cut and
-    ``ctx`` updated for this call (`autosp.api.SequenceParallelModel.forward`), so a
+    ``ctx`` updated for this call (`autosp.model.SequenceParallelModel.forward`), so a
     refusal happens before any collective of the program runs, identically on every
     rank of the SP group (whose batches were checked to be the same)."""
 
@@ -101,7 +101,7 @@ class ProgramGuard:
         refuse_padding(list(assumed.padding_refusals), ctx.layout, ctx.sp_size)
         if assumed.plain_positions and not ctx.positions_plain:
             # Compiled as causal attention for plain positions: the model runs this batch through its document
-            # program instead (Note [Document program] in autosp/api.py).
+            # program instead (Note [Document program] in autosp/model.py).
             raise DocumentAttentionUnavailable(
                 "this program was compiled as causal attention for one unpacked sequence per row, and this batch "
                 "packs documents (position ids restart)")

@@ -11,12 +11,14 @@ tokens, global position ids, padding mask and shifted labels: one contiguous sli
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from autosp.errors import AutoSPError
+from simulator.workload import SPKind, SPLayout
 
 PREPARED_KEY = "autosp_batch"
 """Keyword under which `prepare_inputs` marks its output (popped before the model sees it)."""
@@ -32,7 +34,7 @@ class PreparedBatch:
     seq_len: int
     plain_positions: bool = False
     """`prepare_inputs` made the position ids 0..S-1 itself: what a shape-only trace, whose positions have no
-    values, knows of them (Note [Document program] in autosp/api.py)."""
+    values, knows of them (Note [Document program] in autosp/model.py)."""
 
 
 def _check_token_tensor(name: str, t: torch.Tensor, shape: torch.Size | None) -> None:
@@ -148,14 +150,21 @@ def zigzag_chunks(sp_size: int, sp_rank: int) -> tuple[int, int]:
     return sp_rank, 2 * sp_size - 1 - sp_rank
 
 
+@functools.lru_cache(maxsize=64)
+def _zigzag_layout(sp_size: int, ulysses_size: int) -> SPLayout:
+    """The rank layout of a ring over Ulysses groups of ``ulysses_size`` ranks (1: the ring alone)."""
+    return SPLayout(SPKind.HYBRID, sp_size, ulysses_size)
+
+
 def zigzag_ranges(padded_seq_len: int, sp_size: int, sp_rank: int, ulysses_size: int = 1) -> tuple[tuple[int, int], ...]:
     """Group rank ``sp_rank``'s tokens under the zig-zag layout of a ring over ``sp_size // ulysses_size`` Ulysses
     groups of ``ulysses_size`` ranks, as [begin, end) ranges of the padded sequence in local order, one per chunk
     the rank has tokens of (Note [Zig-zag layout]).  ``padded_seq_len`` is a multiple of 2 * sp_size."""
-    ring = sp_size // ulysses_size
+    layout = _zigzag_layout(sp_size, ulysses_size)
+    ring, (ring_rank, ulysses_rank) = layout.ring_size, layout.coordinates(sp_rank)
     chunk, local = padded_seq_len // (2 * ring), padded_seq_len // sp_size
-    pair = [(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(ring, sp_rank // ulysses_size)]
-    skip, want, out = (sp_rank % ulysses_size) * local, local, []
+    pair = [(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(ring, ring_rank)]
+    skip, want, out = ulysses_rank * local, local, []
     for begin, end in pair:  # this rank's piece of the pair's concatenation
         if skip >= end - begin:
             skip -= end - begin
@@ -299,7 +308,7 @@ def shard_batch(kwargs: dict, layout: ShardLayout, *, ignore_index: int, pad_tok
     local = dict(kwargs)
     # Every shard is made contiguous: Dynamo guards a program on its inputs' strides, and a view's strides
     # depend on how the full tensor was built (an expanded arange of positions, or one padded by a cat), which
-    # would compile a second program for one shard shape (Note [One program per length] in autosp/api.py).
+    # would compile a second program for one shard shape (Note [One program per length] in autosp/model.py).
     local["input_ids"] = shard_tokens(kwargs["input_ids"], layout, pad_token_id).contiguous()
     # Padding tokens reuse the last position: any valid position is exact since their outputs are ignored.
     local["position_ids"] = shard_tokens(kwargs["position_ids"], layout, None).contiguous()

@@ -10,7 +10,7 @@ Activation checkpointing is what does depend on the length (SAC's recompute budg
 FLOPs, whose attention part grows quadratically: Note [Sequence-aware checkpointing] in
 autosp/passes/joint/checkpointing.py), and it runs *after* the joint graph exists.
 
-So a trace can capture its joint graph before the checkpointing tags (`capture_joint`, the backend does it when
+So a trace can capture its joint graph before the checkpointing tags (`autosp.joint_capture.capture_joint`, the backend does it when
 ``TraceContext.capture_joint`` is set, aot_eager only), and two captures at lengths S1 < S2 give the joint graph
 at any length S (`joint_at`): every integer argument that differs between them is affine in the length, and is
 set to its value on the line through the two (refused unless that value is an integer); every other argument,
@@ -29,9 +29,7 @@ traced range are re-sized.
 
 from __future__ import annotations
 
-import copy
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -39,73 +37,16 @@ from typing import TypeVar
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
+from autosp.backend import partition_joint
 from autosp.config import AutoSPConfig
+from autosp.context import CompileReport
+from autosp.joint_capture import InputSpec, JointCapture
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """Shape, strides, dtype and device of one joint-graph input."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-
-@dataclass(frozen=True)
-class JointCapture:
-    """AOTAutograd's joint graph of one trace before the checkpointing tags, with what partitioning it needs."""
-
-    seq_len: int
-    graph: fx.GraphModule
-    inputs: tuple[InputSpec, ...]
-    partition_kwargs: dict
-    traced: tuple | None = field(default=None, compare=False, repr=False)
-    """(fake mode, inputs) of the trace whose fake tensors the graph's nodes hold (`capture_joint`: the joint
-    trace's own, Note [The trace's fake tensors]); None for a graph without them (`joint_at`)."""
-
-
-def capture_joint(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, seq_len: int,
-                  copy_graph: bool = True) -> JointCapture:
-    """A copy of ``joint`` (before it is tagged) and the specs of its inputs; ``copy_graph=False``: ``joint``
-    itself, for a compile that stops at the capture (``TraceContext.joint_only``: nothing tags it after)."""
-    graph = joint
-    if copy_graph:
-        with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-            graph = fx.GraphModule(joint, copy.deepcopy(joint.graph))
-    tensors = [t for t in pytree.tree_leaves(joint_inputs) if isinstance(t, torch.Tensor)]
-    specs = tuple(InputSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors)
-    traced = _trace_fake_tensors(graph, tensors)
-    return JointCapture(seq_len=seq_len, graph=graph, inputs=specs, partition_kwargs=dict(partition_kwargs),
-                        traced=traced)
-
-
-def _trace_fake_tensors(graph: fx.GraphModule, inputs: list) -> tuple | None:
-    """(fake mode, inputs) of the joint trace when ``inputs`` are its fake tensors and every node of ``graph`` holds
-    its ``val`` (each tensor value given its ``tensor_meta`` where it has none, and the output the values it returns,
-    as `propagate_fake` would: the constants'); else None (Note [The trace's fake tensors])."""
-    from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
-    modes = {id(t.fake_mode): t.fake_mode for t in inputs if isinstance(t, FakeTensor)}
-    nodes = [n for n in graph.graph.nodes if n.op != "output"]
-    if len(modes) != 1 or not all(isinstance(t, FakeTensor) for t in inputs) or \
-            not all("val" in n.meta for n in nodes):
-        return None
-    for node in nodes:
-        if isinstance(node.meta["val"], torch.Tensor) and "tensor_meta" not in node.meta:
-            node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
-    output = graph.graph.output_node()
-    if "val" not in output.meta:  # the values it returns, as the propagation records them
-        output.meta["val"] = fx.node.map_arg(output.args[0], lambda n: n.meta["val"])
-    return next(iter(modes.values())), inputs
 
 
 class _NoTemplate(Exception):
@@ -226,9 +167,6 @@ def partition_at(capture: JointCapture, config: AutoSPConfig, variants: Sequence
     ``propagated``: its answer for a graph whose nodes' metadata it already holds, a copy of the one propagated),
     then `autosp.backend.partition_joint` (the checkpointing tags of ``config``, or ``tag_joint``'s, the min-cut
     partitioner, the pair's rewrites; Note [The joint graph at another length])."""
-    from autosp.backend import partition_joint
-    from autosp.context import CompileReport
-
     mode, inputs = propagate_fake(capture) if propagated is None else propagated
     report = CompileReport()
     # Lazy graph modules (torch's own switch, scoped to this block): the partitioned graphs are exported, never

@@ -8,16 +8,15 @@ from collections.abc import Callable, Sequence
 
 from torch import fx
 
-from autosp.config import AutoSPConfig
+from autosp.config import MEMORY_TECHNIQUES, AutoSPConfig
 from autosp.context import TraceContext
 from autosp.passes.dynamo.cleanup import eliminate_dead_code_pass, refresh_metadata_pass
 from autosp.passes.dynamo.loss import exact_causal_lm_loss_pass
 from autosp.passes.dynamo.masks import attention_mask_pass
 from autosp.passes.dynamo.sharding import sequence_sharding_pass
 from autosp.passes.dynamo.tag_inputs import tag_sequence_inputs_pass
-from autosp.passes.dynamo.tiled_loss import make_tiled_loss_pass
-from autosp.passes.dynamo.tiled_mlp import make_tiled_mlp_pass
 from autosp.passes.graph_utils import op_counts
+from autosp.techniques import MemoryTechnique
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +35,14 @@ sequence-parallel graph.  The loss rule runs before the analysis (it removes the
 which would otherwise read as a slice of the token axis); the analysis applies the other rules."""
 
 
-def passes_for(config: AutoSPConfig) -> tuple[Pass, ...]:
-    """The Dynamo-stage passes of one compile.  The tiled loss (Note [Tiled loss pass]) and the tiled MLP (Note
-    [Tiled MLP pass]) run after the loss rule (the tiled loss tiles the local loss sum that rule leaves) and
-    before the analysis, which classifies their ops like any other.  Without sequence parallelism (sp_size=1)
-    only the tiling passes run, when enabled."""
-    tiled: tuple[Pass, ...] = ()
-    if config.tiled_loss != "off":
-        tiled += (make_tiled_loss_pass(config.tiled_loss, config.loss_chunk_tokens, config.return_logits),)
-    if config.tiled_mlp != "off":
-        tiled += (make_tiled_mlp_pass(config.tiled_mlp, config.mlp_chunk_tokens),)
+def passes_for(config: AutoSPConfig, techniques: tuple[MemoryTechnique, ...] = MEMORY_TECHNIQUES) -> tuple[Pass, ...]:
+    """The Dynamo-stage passes of one compile: the sequence-parallel passes with, after the loss rule, the pass of
+    each Dynamo-stage memory technique of ``techniques`` active in ``config``, in registry order
+    (`MemoryTechnique.make_pass`): the tiled loss (Note [Tiled loss pass]; it tiles the local loss sum the loss
+    rule leaves), then the tiled MLP (Note [Tiled MLP pass]).  They run before the analysis, which classifies their
+    ops like any other.  Without sequence parallelism (sp_size=1) only those passes run, when enabled."""
+    tiled = tuple(t.make_pass(config) for t in techniques
+                  if t.stage == "dynamo" and getattr(config, t.option) in t.active)
     if not tiled:
         return () if config.sp_size == 1 else SEQUENCE_PARALLEL_PASSES
     if config.sp_size == 1:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import autosp
+from autosp import entry
 from autosp.config import ACCEPTED_STRATEGIES
 from autosp.errors import AutoSPError
 from autosp.presets import PRESETS, build_model, hf_config, model_argument
@@ -46,7 +47,7 @@ def _json_file(value: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = entry.ArgumentParser(
         prog="python -m autosp.train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a causal LM on random tokens with AutoSP (sequence parallelism) and DeepSpeed ZeRO 0-2.\n"
                     "Run it under torchrun or the deepspeed launcher (or plainly, as one rank): NCCL on GPUs, gloo on\n"
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-json", metavar="PATH", help="also write rank 0's JSON summary to this file")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the random tokens (default: %(default)s)")
     p.add_argument("--log-interval", type=int, default=1, help="log every N steps (default: %(default)s)")
+    entry.add_debug_argument(p)
     # The deepspeed launcher passes --local_rank (LOCAL_RANK in the environment says the same).
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -250,7 +252,11 @@ def train(args: argparse.Namespace) -> dict | None:
     n_params = sum(p.numel() for p in model.parameters())
     # A torch optimizer unless --deepspeed-config names one (refused on CPU if it would JIT-build ops).
     optimizer = None if "optimizer" in config_dict else torch.optim.AdamW(model.parameters(), lr=args.lr)
-    engine, *_ = autosp.deepspeed_initialize(model=model, optimizer=optimizer, config=config_dict, planner=planner)
+    entry.announce_deepspeed_comm_build(log)  # a first run's C++ builds, announced
+    entry.announce_optimizer_build(config_dict, log)
+    with entry.without_build_notices(log):
+        engine, *_ = autosp.deepspeed_initialize(model=model, optimizer=optimizer, config=config_dict,
+                                                 planner=planner)
     groups, compiled = engine.module.groups, engine.module.config
     decision = engine.module.report.strategy_plan
     strategy = compiled.strategy + (f" {compiled.ulysses_size}x{compiled.sp_size // compiled.ulysses_size}"
@@ -262,6 +268,7 @@ def train(args: argparse.Namespace) -> dict | None:
 
     tokens_per_step = groups.dp_size * micro_batch * args.seq_len  # each sequence counted once
     measured_s, losses = 0.0, []
+    entry.announce_first_compile(engine.module, log)
     for step in range(args.steps):
         ids = random_sample(step, groups.dp_rank, batch=micro_batch, seq_len=args.seq_len,
                             vocab=config.vocab_size, seed=args.seed, device=device)
@@ -295,31 +302,19 @@ def train(args: argparse.Namespace) -> dict | None:
         "step_time_s": measured_s / measured_steps, "tokens_per_s": tokens_per_step * measured_steps / measured_s,
         "per_rank_memory": per_rank, "deepspeed_config": config_dict,
     }
-    for entry in per_rank:
-        log.info("rank %d peak memory %s", entry["rank"],
-                 ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in entry.items() if k != "rank"))
+    for memory in per_rank:
+        log.info("rank %d peak memory %s", memory["rank"],
+                 ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in memory.items() if k != "rank"))
     log.info("%.1f tokens/s (%.3f s per step over %d steps after %d warm-up)", summary["tokens_per_s"],
              summary["step_time_s"], measured_steps, args.warmup_steps)
     return summary if rank == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; a refusal (`AutoSPError`) exits 2 with one line (`autosp.entry.run`), not a traceback."""
     args = parse_args(argv)
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
-                        format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
-    try:
-        summary = train(args)
-        if dist.is_initialized():
-            # Every rank has finished communicating before any tears its process group down:
-            # a gloo peer destroyed while another still talks to it can abort that process.
-            dist.barrier()
-    except AutoSPError as err:
-        log.error("%s", err)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    entry.configure_logging()
+    summary = entry.run(lambda: train(args), debug=args.debug)
     if summary is not None:
         # The command's result (not a diagnostic, which goes to logging): one JSON line on stdout.
         sys.stdout.write(json.dumps(summary) + "\n")

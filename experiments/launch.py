@@ -1,4 +1,5 @@
-"""The one multi-rank launcher: run a function on N real gloo ranks, each in its own process.
+"""The one multi-rank launcher: run a function on N real gloo ranks, each in its own process (or on N NCCL
+ranks, one GPU each: ``backend="nccl"``).
 
 Used by the CPU measurements (``experiments.reproduce``, the calibration and
 validation, the SAC/overlap bench, the notebooks) and by the test suite
@@ -55,15 +56,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, args, results, collective_timeout_s, env):
+def _rank_main(fn, rank, world_size, port, args, results, collective_timeout_s, env, backend="gloo"):
     os.environ.update(env)
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if backend == "nccl":  # one GPU per rank, chosen before NCCL's communicator binds to one
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -88,8 +91,13 @@ def run_on_ranks(
     timeout_s: float = 300.0,
     collective_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``backend="nccl"``: NCCL ranks instead, rank r on GPU ``r % torch.cuda.device_count()`` (set before the
+    group is made), started with the ``spawn`` method: a fresh interpreter per rank, no forkserver, so that no
+    process forks after CUDA might have been touched (`experiments.gpu_validate`).
 
     ``timeout_s`` bounds the whole run; ``collective_timeout_s`` is the process
     group's timeout (how long one collective may wait for a slower rank, e.g. one
@@ -97,11 +105,14 @@ def run_on_ranks(
     traceback), exits without reporting, or when the whole run exceeds
     ``timeout_s`` seconds.
     """
-    ctx = mp.get_context("forkserver")
-    from autosp.plan.process import COMPILE_IMPORTS
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r}: choose gloo or nccl")
+    ctx = mp.get_context("forkserver" if backend == "gloo" else "spawn")
+    if backend == "gloo":
+        from autosp.plan.process import COMPILE_IMPORTS
 
-    # read when the server starts (the first launch of this process)
-    ctx.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, *COMPILE_IMPORTS))))
+        # read when the server starts (the first launch of this process)
+        ctx.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, *COMPILE_IMPORTS))))
     results = ctx.Queue()
     port = _free_port()
     # A forked rank inherits the server's environment, not this process's: pass this one's along.
@@ -109,7 +120,7 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, args, results, collective_timeout_s, child_env),
+            args=(fn, rank, world_size, port, args, results, collective_timeout_s, child_env, backend),
             name=f"rank{rank}",
             daemon=True,
         )

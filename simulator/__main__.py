@@ -17,16 +17,18 @@ from simulator.cluster_presets import CLUSTER_PRESETS
 from simulator.collectives import ALL_TO_ALL_ALGORITHMS
 from simulator.engine import simulate
 from simulator.hardware import NETWORKS, get_preset, preset_names
+from simulator.max_length import DevicePeak, device_peak
 from simulator.workload import Workload, WorkloadError
 
 log = logging.getLogger("simulator")
 
 EPILOG = """\
 outputs (in --out):
-  result.json    step time, per-stream busy time, exposed communication, overlap, peak memory, OOM per rank
+  result.json    step time, per-stream busy time, exposed communication, overlap, the printed peak memory
+                 (peak_memory_bytes; the engine's own count: program_peak_memory_bytes), OOM per rank
   trace.json     Perfetto / Chrome trace (open at https://ui.perfetto.dev): one process per simulated rank,
                  one thread per stream, a memory counter track
-  timeline.png   per-stream timeline;  memory.png  memory over time (skipped with --no-plots)
+  timeline.png   per-stream timeline;  memory.png  memory over time, with the printed peak (skipped with --no-plots)
   sensitivity.json  with --sensitivity: the static-memory ledger and how the longest trainable sequence moves
                  when each uncertain memory constant moves within its band; on a GPU preset also how the step
                  time and the longest sequence move with each efficiency and latency constant
@@ -146,7 +148,7 @@ def _max_length(args: argparse.Namespace) -> int:
         workload = Workload.from_json(path)
         cluster = _cluster_for(args, workload.world_size)
         result = simulate(workload, cluster, collapse_symmetric=not args.no_collapse)
-        return result.step_time_s, max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+        return result.step_time_s, result.activation_peak_bytes
 
     capacity = int(_cluster_for(args, 1).device.memory_bytes)
     rows = max_length_table(groups, simulate_dynamic, capacity_bytes=capacity, progress=log.info)
@@ -174,51 +176,59 @@ def _run(args: argparse.Namespace) -> int:
     cluster = _cluster_for(args, workload.world_size)
     preset, nodes = cluster.preset, cluster.nodes
     result = simulate(workload, cluster, collapse_symmetric=not args.no_collapse)
+    peak = device_peak(workload, result)
     args.out.mkdir(parents=True, exist_ok=True)
-    result.to_json(args.out / "result.json", include_ops=args.include_ops)
-    from simulator.trace import write_chrome_trace
-
-    write_chrome_trace(result, args.out / "trace.json")
-    if not args.no_plots:
-        from simulator.plots import plot_memory, plot_timeline
-
-        plot_timeline(result, args.out / "timeline.png")
-        plot_memory(result, args.out / "memory.png")
+    _write_outputs(args, result, peak)
     overlap = result.overlap_fraction
     print(f"{workload.name} on {nodes} x {cluster.devices_per_node} {preset.name}")
     print(f"  step time        {result.step_time_s * 1e3:.3f} ms")
     print(f"  exposed comm     {result.exposed_comm_s * 1e3:.3f} ms"
           f"{'' if overlap is None else f' (overlap {overlap:.1%})'}")
-    _print_memory(workload, result, cluster)
+    _print_memory(result, peak, cluster)
     if args.sensitivity:
         _sensitivity(args, workload, result, cluster, nodes)
     print(f"  wrote            {args.out}")
     return 0
 
 
-def _print_memory(workload: Workload, result, cluster: Cluster) -> None:
-    """Peak memory with the one definition of --max-length and python -m autosp.plan (the ledger of the
-    workload's training configuration inside backward, device reserve included, plus the simulated activations)
-    when the workload names its configuration; else the engine's count, saying what it leaves out."""
-    from simulator.max_length import _config_from, ledger_peak
+def _write_outputs(args: argparse.Namespace, result, peak: DevicePeak) -> None:
+    """result.json, trace.json and (unless --no-plots) the PNGs into --out, each with ``peak``."""
+    import json
 
+    from simulator.trace import write_chrome_trace
+
+    doc = {**result.to_dict(include_ops=args.include_ops), **peak.to_dict()}
+    (args.out / "result.json").write_text(json.dumps(doc, indent=1))
+    write_chrome_trace(result, args.out / "trace.json", peak.to_dict())
+    if args.no_plots:
+        return
+    from simulator.plots import plot_memory, plot_memory_by_category, plot_timeline
+
+    plot_timeline(result, args.out / "timeline.png")
+    if peak.lines:  # the ledger's categories, activations along the step: the stack's top peaks at peak_bytes
+        plot_memory_by_category(result, peak.lines, args.out / "memory.png")
+    else:  # the engine's count, whose peak is peak_bytes
+        plot_memory(result, args.out / "memory.png")
+
+
+def _print_memory(result, peak: DevicePeak, cluster: Cluster) -> None:
+    """``peak``: with the one definition of --max-length and python -m autosp.plan (the ledger of the workload's
+    training configuration inside backward, device reserve included, plus the simulated activations) when the
+    workload names its configuration; else the engine's count, saying what it leaves out."""
     capacity = cluster.device.memory_bytes
     if result.host_peak_memory_bytes:  # offloaded tensors (Note [Host tensors] in simulator/workload.py)
         host_cap = cluster.host_memory_per_rank_bytes
         print(f"  host memory      {result.host_peak_memory_bytes / 2**30:.2f} GiB of offloaded tensors per rank, of "
               f"{'unknown' if host_cap is None else f'{host_cap / 2**30:.2f} GiB'}")
-    config = workload.metadata.get("training_config")
-    if config is not None:
-        activations = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
-        peak = ledger_peak(_config_from(config), activations)
-        print(f"  peak memory      {peak / 2**30:.2f} GiB of {capacity / 2**30:.2f} (the memory ledger of the "
-              f"workload's training configuration, device reserve included, plus {activations / 2**30:.2f} GiB "
-              "of simulated activations)")
-        print(f"  fits             {'yes' if peak <= capacity else 'NO'}")
+    if peak.lines:
+        print(f"  peak memory      {peak.peak_bytes / 2**30:.2f} GiB of {capacity / 2**30:.2f} (the memory ledger of "
+              f"the workload's training configuration, device reserve included, plus "
+              f"{peak.activation_bytes / 2**30:.2f} GiB of simulated activations)")
+        print(f"  fits             {'yes' if peak.fits else 'NO'}")
         return
-    print(f"  peak memory      {result.peak_memory_bytes / 2**30:.2f} GiB of {capacity / 2**30:.2f} (the program's "
+    print(f"  peak memory      {peak.peak_bytes / 2**30:.2f} GiB of {capacity / 2**30:.2f} (the program's "
           "tensors plus the workload's static memory only)")
-    print(f"  fits             {'yes' if result.fits else 'NO: ' + result.oom.message()} - without the device "
+    print(f"  fits             {'yes' if peak.fits else 'NO: ' + result.oom.message()} - without the device "
           "reserve (CUDA context, NCCL buffers, workspaces, allocator rounding and fragmentation) and the ledger's "
           "DeepSpeed buffers that --max-length and python -m autosp.plan count: the workload's metadata names no "
           "training_config (simulator.max_length.step_metadata)")
@@ -239,7 +249,7 @@ def _sensitivity(args: argparse.Namespace, workload: Workload, result, cluster: 
                                               dp_world_size=args.dp or workload.world_size,
                                               precision=args.precision, grad_accum_dtype=args.grad_accum_dtype,
                                               optimizer=args.optimizer)
-    activations = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
+    activations = result.activation_peak_bytes
     rows = length_sensitivity(cfg, seq_len=seq_len, activation_bytes=activations,
                               capacity_bytes=int(cluster.device.memory_bytes), granularity=args.granularity)
     print(f"  sensitivity      {cfg.wrapper}, ZeRO {cfg.zero_stage} over {cfg.dp_world_size} ranks; "
@@ -276,7 +286,7 @@ def _timing_sensitivity(args: argparse.Namespace, workload: Workload, cluster: C
                                     network=None if network is None else build_network(network, table),
                                     all_to_all=cluster.all_to_all)
         res = simulate(workload, moved, collapse_symmetric=not args.no_collapse)
-        return res.step_time_s, max(r.peak_memory_bytes - r.static_memory_bytes for r in res.ranks)
+        return res.step_time_s, res.activation_peak_bytes
 
     fabric = "nvlink" if preset.intra_node_kind == "nvswitch" else preset.intra_node_kind
     rails = nodes > 1 and cluster.network is not None and cluster.network.rail_optimized

@@ -7,6 +7,8 @@ The paper-scale machinery, in one place and without torch:
 * :func:`ledger_peak` - a rank's peak memory: the activations a simulation measured plus the static memory of
   :mod:`simulator.ledger` for the training configuration (its allocator fragmentation applies to both), at the
   ledger's low, nominal or high end;
+* :func:`device_peak` - the one peak per rank of a simulated run (:class:`DevicePeak`) that ``python -m
+  simulator`` prints, writes into result.json and trace.json and draws in memory.png;
 * :func:`max_length` - the longest length whose peak fits, with one search
   (:func:`simulator.search.search_max_length`) per end of the ledger's band, all over the same memoised steps
   (Note [Max-length band from one set of steps]); each result says why it stopped ("≥ N" at the ceiling);
@@ -49,8 +51,10 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from simulator.ledger import TrainingConfig, memory_ledger, summarize
+from simulator.ledger import LedgerLine, TrainingConfig, memory_ledger, summarize
+from simulator.result import Result
 from simulator.search import Probe, SearchResult, search_max_length
 from simulator.workload import Workload
 
@@ -109,14 +113,18 @@ def extrapolate_or_trace_full(at_depth: Callable[[int], tuple[float, int]], laye
         return (*at_depth(layers), (layers, layers))
 
 
+def peak_ledger(config: TrainingConfig, dynamic_memory_bytes: int) -> list[LedgerLine]:
+    """The memory ledger of ``config`` at a rank's peak, inside backward, with ``dynamic_memory_bytes`` of
+    simulated activations (which also get the ledger's allocator rounding and fragmentation band)."""
+    return memory_ledger(config, at="backward", activation_bytes=int(dynamic_memory_bytes))
+
+
 def ledger_peak(config: TrainingConfig, dynamic_memory_bytes: int, which: str = "nominal") -> int:
-    """Per-rank peak inside backward: the ledger's static memory for ``config`` plus ``dynamic_memory_bytes`` of
-    simulated activations (which also get the ledger's allocator rounding and fragmentation band); ``which`` is
-    one of :data:`BANDS`."""
+    """Per-rank peak inside backward: the device total of :func:`peak_ledger`, the ledger's static memory for
+    ``config`` plus ``dynamic_memory_bytes`` of simulated activations; ``which`` is one of :data:`BANDS`."""
     if which not in BANDS:
         raise ValueError(f"which must be one of {BANDS}, got {which!r}")
-    lines = memory_ledger(config, at="backward", activation_bytes=int(dynamic_memory_bytes))
-    return int(getattr(summarize(lines), which))
+    return int(getattr(summarize(peak_ledger(config, dynamic_memory_bytes)), which))
 
 
 def ledger_host_peak(config: TrainingConfig, host_dynamic_memory_bytes: int) -> int:
@@ -125,6 +133,52 @@ def ledger_host_peak(config: TrainingConfig, host_dynamic_memory_bytes: int) -> 
     host memory."""
     lines = memory_ledger(config, at="backward", host_activation_bytes=int(host_dynamic_memory_bytes))
     return summarize(lines, "host").nominal
+
+
+@dataclass(frozen=True, kw_only=True)
+class DevicePeak:
+    """A simulated run's peak memory per rank: what the device must hold, the figure that decides whether the step
+    fits (docs/design.md, "One memory definition"); :func:`device_peak` computes it."""
+
+    peak_bytes: int
+    """:func:`ledger_peak` of the workload's training configuration and the simulated activations; without a
+    training configuration the engine's count (``program_peak_bytes``)."""
+    program_peak_bytes: int
+    """The engine's count (``Result.peak_memory_bytes``): the program's tensors plus the workload's static memory."""
+    activation_bytes: int
+    """The simulated activations (``Result.activation_peak_bytes``)."""
+    capacity_bytes: int
+    """Device memory per rank."""
+    fits: bool
+    """The peak fits ``capacity_bytes`` and no rank runs out of host memory."""
+    lines: tuple[LedgerLine, ...] = ()
+    """:func:`peak_ledger`, whose device lines sum to ``peak_bytes``; empty without a training configuration."""
+
+    @property
+    def definition(self) -> str:
+        """``ledger`` (the memory ledger plus the simulated activations) or ``program`` (the engine's count)."""
+        return "ledger" if self.lines else "program"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys ``python -m simulator`` puts into result.json and trace.json (over the engine's own)."""
+        return {"peak_memory_bytes": self.peak_bytes, "peak_memory_definition": self.definition,
+                "program_peak_memory_bytes": self.program_peak_bytes, "activation_peak_bytes": self.activation_bytes,
+                "capacity_bytes": self.capacity_bytes, "fits": self.fits}
+
+
+def device_peak(workload: Workload, result: Result) -> DevicePeak:
+    """The peak per rank of ``result``, a simulation of ``workload``: :func:`ledger_peak` of the training
+    configuration its metadata names (:func:`step_metadata`), else the engine's count."""
+    activations, capacity = result.activation_peak_bytes, result.ranks[0].memory_capacity_bytes
+    config = workload.metadata.get("training_config")
+    lines = () if config is None else tuple(peak_ledger(_config_from(config), activations))
+    if lines:
+        peak = summarize(lines).nominal  # ledger_peak(config, activations)
+        fits = peak <= capacity and all(r.host_oom is None for r in result.ranks)
+    else:
+        peak, fits = result.peak_memory_bytes, result.fits
+    return DevicePeak(peak_bytes=peak, program_peak_bytes=result.peak_memory_bytes, activation_bytes=activations,
+                      capacity_bytes=capacity, fits=fits, lines=lines)
 
 
 @dataclass(frozen=True, kw_only=True)

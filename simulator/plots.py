@@ -3,8 +3,9 @@
 matplotlib is imported lazily inside the functions, with the non-interactive Agg backend, so importing the
 simulator never needs it and headless machines can render. :func:`plot_timeline` draws one row per stream of each
 simulated rank (kernels coloured by phase, transfers per group, stalls and peer waits in grey);
-:func:`plot_memory` draws each simulated rank's total memory with the device capacity and any OOM point;
-:func:`plot_memory_by_category` stacks the memory ledger's categories along the step of the rank that peaks highest.
+:func:`plot_memory` draws each simulated rank's total memory (the engine's count) with its peak, the device
+capacity and any OOM point; :func:`plot_memory_by_category` stacks the memory ledger's categories along the step of
+the rank that peaks highest, with their peak. Each PNG keeps its title in its ``Title`` metadata.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(fig, path: str | os.PathLike[str], title: str) -> None:
+    """Write ``fig`` to the PNG ``path``, ``title`` in its metadata, and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, metadata={"Title": title})
+    _pyplot().close(fig)
 
 
 def plot_timeline(result: Result, path: str | os.PathLike[str], *, max_ranks: int = 8) -> None:
@@ -71,13 +79,12 @@ def plot_timeline(result: Result, path: str | os.PathLike[str], *, max_ranks: in
     ax.set_xlabel("time (ms)")
     ax.set_title(f"{result.workload_name}: step {result.step_time_s * 1e3:.2f} ms")
     ax.legend(loc="upper right", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, ax.get_title())
 
 
 def plot_memory(result: Result, path: str | os.PathLike[str], *, max_ranks: int = 8) -> None:
-    """Write a PNG of memory over time (GiB) of the first ``max_ranks`` simulated ranks to ``path``."""
+    """Write a PNG of memory over time (GiB) of the first ``max_ranks`` simulated ranks to ``path``: the program's
+    tensors plus the workload's static memory (the engine's count), and its peak over all ranks."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 5))
     gib = 2.0**30
@@ -91,6 +98,8 @@ def plot_memory(result: Result, path: str | os.PathLike[str], *, max_ranks: int 
             ax.step(list(host.times_s * 1e3) + [result.step_time_s * 1e3],
                     list(host.total_bytes / gib) + [host.total_bytes[-1] / gib], where="post", linestyle=":",
                     label=f"rank {rank} host")
+    peak = result.peak_memory_bytes / gib
+    ax.axhline(peak, color="black", linestyle=":", label=f"peak {peak:.2f} GiB")
     capacity = result.ranks[0].memory_capacity_bytes / gib
     ax.axhline(capacity, color="red", linestyle="--", label=f"capacity {capacity:.1f} GiB")
     oom = result.oom
@@ -98,11 +107,10 @@ def plot_memory(result: Result, path: str | os.PathLike[str], *, max_ranks: int 
         ax.plot([oom.time_s * 1e3], [oom.bytes_needed / gib], "rx", markersize=12, label=f"OOM: {oom.op_name}")
     ax.set_xlabel("time (ms)")
     ax.set_ylabel("memory (GiB)")
-    ax.set_title(f"{result.workload_name}: peak {result.peak_memory_bytes / gib:.2f} GiB")
+    ax.set_title(f"{result.workload_name}: peak {peak:.2f} GiB (the program's tensors and the workload's static "
+                 "memory)")
     ax.legend(loc="best", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, ax.get_title())
 
 
 def memory_by_category(result: Result, lines: Sequence[LedgerLine], pool: str = "device"
@@ -131,8 +139,9 @@ def memory_by_category(result: Result, lines: Sequence[LedgerLine], pool: str = 
 
 
 def plot_memory_by_category(result: Result, lines: Sequence[LedgerLine], path: str | os.PathLike[str]) -> None:
-    """Write a PNG of memory per ledger category along the simulated step (`memory_by_category`), stacked, in GiB:
-    the device against its capacity, and the host pool below it when the step offloads anything."""
+    """Write a PNG of memory per ledger category along the simulated step (`memory_by_category`), stacked, in GiB,
+    with the stack's peak: the device against its capacity, and the host pool below it when the step offloads
+    anything."""
     plt = _pyplot()
     pools = ["device"] + (["host"] if any(ln.pool == "host" for ln in lines) or result.host_peak_memory_bytes else [])
     fig, axes = plt.subplots(len(pools), 1, figsize=(10, 3.5 * len(pools)), squeeze=False)
@@ -143,6 +152,7 @@ def plot_memory_by_category(result: Result, lines: Sequence[LedgerLine], path: s
         ax.stackplot([t * 1e3 for t in times], *([b / gib for b in series] for series in stacks.values()),
                      labels=list(stacks), colors=[colours[c] for c in stacks], step="post")
         peak = max(sum(series[i] for series in stacks.values()) for i in range(len(times))) / gib
+        ax.axhline(peak, color="black", linestyle=":", label=f"peak {peak:.2f} GiB")
         of = ""
         if pool == "device":
             capacity = result.ranks[0].memory_capacity_bytes / gib
@@ -153,6 +163,4 @@ def plot_memory_by_category(result: Result, lines: Sequence[LedgerLine], path: s
         ax.set_xlabel("time (ms)")
         ax.set_ylabel("memory (GiB)")
         ax.legend(loc="upper left", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, "; ".join(ax.get_title() for ax in axes[:, 0]))

@@ -157,6 +157,12 @@ class Result:
         return max(r.peak_memory_bytes for r in self.ranks)
 
     @property
+    def activation_peak_bytes(self) -> int:
+        """Largest peak above static memory over ranks: the simulated activations (what
+        `simulator.max_length.ledger_peak` puts under the memory ledger)."""
+        return max(r.peak_memory_bytes - r.static_memory_bytes for r in self.ranks)
+
+    @property
     def host_peak_memory_bytes(self) -> int:
         """Largest host-memory peak over ranks (0 without host tensors)."""
         return max(r.host_peak_memory_bytes for r in self.ranks)

@@ -28,7 +28,9 @@ node their all-to-alls stay on NVLink; the ring groups are the ranks ``u`` apart
 neighbours sit on other nodes on the same rail when ``u`` is the node size (:mod:`simulator.topology`). This is
 the layout of USP (Fang & Zhao, "USP: A Unified Sequence Parallelism Approach for Long Context Generative AI",
 arXiv 2405.07719), and the one ``autosp.compile(strategy="hybrid", ulysses_size=u)`` builds (autosp/groups.py).
-Pure Ulysses is ``u = sp, r = 1``, pure ring ``u = 1, r = sp``.
+Pure Ulysses is ``u = sp, r = 1``, pure ring ``u = 1, r = sp``. It is written once, in
+:meth:`simulator.sp_layout.SPLayout.sp_rank`, which the process groups, the export and :meth:`Strategy.sp_groups`
+read.
 """
 
 from __future__ import annotations
@@ -39,7 +41,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
-from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES, MEMORY_PLANNED_STRATEGIES
+from simulator.workload import (
+    CHOSEN_STRATEGIES,
+    COMPILED_STRATEGIES,
+    MEMORY_PLANNED_STRATEGIES,
+    SPKind,
+    SPLayout,
+)
 from simulator.workload_rewrites import ModuleParameters, ring_workload, zero3_workload
 
 if TYPE_CHECKING:
@@ -167,9 +175,9 @@ class Strategy:
         ``memory_plan="auto"``, or with its default (unset) under a strategy the planner plans (Note [The default
         memory plan] in autosp/plan/auto.py).  A table that gives memory sizes passes ``target_memory`` (and the
         job's ``plan_setup``) to such a strategy; the others run it unplanned (no memory size on CPU)."""
-        options = dict(self.options)
+        options = dict(self.options)  # the planned kinds: SPKind.memory_planned (simulator/sp_layout.py)
         return (self.implementation == "autosp" and options.get("memory_plan", "auto") == "auto"
-                and options.get("strategy", "ulysses") in MEMORY_PLANNED_STRATEGIES)
+                and options.get("strategy", SPKind.ULYSSES.value) in MEMORY_PLANNED_STRATEGIES)
 
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:
@@ -214,29 +222,31 @@ class Strategy:
             raise ValueError(f"{self.name} splits a sequence over {sp} ranks; {ranks} ranks is not a multiple of it")
         return sp
 
-    def degrees(self, sp_size: int) -> tuple[int, int]:
-        """``(ulysses_size, ring_size)`` with ``ulysses_size * ring_size == sp_size``."""
+    def layout(self, sp_size: int) -> SPLayout:
+        """Its rank layout over ``sp_size`` ranks (:class:`~simulator.workload.SPLayout`: the degrees, the groups;
+        the one rank layout the pass builds its process groups and exports its programs with). Without sequence
+        parallelism, the layout of one rank."""
         kind = self.sequence_parallel
-        if kind == "auto":
+        if kind in CHOSEN_STRATEGIES:
             raise ValueError(f"{self.name}: the pass chooses the degrees (strategy='auto'); ask its report")
         if kind == "none":
             if sp_size != 1:
                 raise ValueError(f"{self.name} does not split the sequence; sp_size must be 1, got {sp_size}")
-            return 1, 1
-        if kind == "ulysses":
-            return sp_size, 1
-        if kind == "ring":
-            return 1, sp_size
-        if self.ulysses_size * self.ring_size != sp_size:
+            return SPLayout(SPKind.ULYSSES, 1, 1)
+        if SPKind(kind).grouped and self.ulysses_size * self.ring_size != sp_size:
             raise ValueError(f"{self.name} has ulysses_size x ring_size = {self.ulysses_size} x {self.ring_size}; "
                              f"sp_size {sp_size} differs: use autosp-hybrid-UxR with U x R = {sp_size}")
-        return self.ulysses_size, self.ring_size
+        return SPLayout.from_options(kind, sp_size, ulysses_size=self.ulysses_size, ring_size=self.ring_size)
+
+    def degrees(self, sp_size: int) -> tuple[int, int]:
+        """``(ulysses_size, ring_size)`` with ``ulysses_size * ring_size == sp_size`` (:meth:`layout`'s)."""
+        layout = self.layout(sp_size)
+        return layout.ulysses_size, layout.ring_size
 
     def sp_groups(self, sp_size: int) -> dict[str, list[list[int]]]:
-        """The Ulysses and ring groups of ranks ``0..sp_size-1`` (Note [Hybrid rank layout])."""
-        u, r = self.degrees(sp_size)
-        return {"ulysses": [list(range(i * u, (i + 1) * u)) for i in range(r)],
-                "ring": [list(range(j, sp_size, u)) for j in range(u)]}
+        """The Ulysses and ring groups of ranks ``0..sp_size-1`` (Note [Hybrid rank layout]; :meth:`layout`'s)."""
+        layout = self.layout(sp_size)
+        return {"ulysses": [list(g) for g in layout.ulysses_groups()], "ring": [list(g) for g in layout.ring_groups()]}
 
 
 def _options(**kw: Any) -> tuple[tuple[str, Any], ...]:
@@ -378,7 +388,10 @@ def sp_candidates(sp_size: int, *, heads: int, kv_heads: int | None = None) -> t
         raise ValueError(f"sp_size and heads must be positive, got {sp_size} and {heads}")
     if kv_heads is not None and (kv_heads < 1 or heads % kv_heads):
         raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
-    out = [STRATEGIES["autosp"]] if heads % sp_size == 0 else []
-    out += [hybrid(u, sp_size // u) for u in range(2, sp_size) if sp_size % u == 0 and heads % u == 0]
+    def splits(kind: SPKind, ulysses_size: int | None = None) -> bool:  # the layout's heads rule
+        return SPLayout.from_options(kind, sp_size, ulysses_size=ulysses_size).heads_rule(heads) is None
+
+    out = [STRATEGIES["autosp"]] if splits(SPKind.ULYSSES) else []
+    out += [hybrid(u, sp_size // u) for u in range(2, sp_size) if sp_size % u == 0 and splits(SPKind.HYBRID, u)]
     out.append(STRATEGIES["autosp-ring"])
     return tuple(out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from simulator.result import RankTimeline, Result
@@ -77,18 +78,20 @@ def _rank_events(tl: RankTimeline) -> list[dict[str, Any]]:
     return events
 
 
-def chrome_trace(result: Result) -> dict[str, Any]:
-    """The trace of ``result`` as a JSON-serialisable dict."""
+def chrome_trace(result: Result, other_data: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The trace of ``result`` as a JSON-serialisable dict; ``other_data`` adds to (or replaces) its summary
+    figures (``python -m simulator``: `simulator.max_length.DevicePeak.to_dict`)."""
     events: list[dict[str, Any]] = []
     for rank in sorted(result.timelines):
         events.extend(_rank_events(result.timelines[rank]))
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"workload": result.workload_name, "step_time_s": result.step_time_s,
                           "cluster": result.cluster.get("preset"), "note": result.note,
-                          "peak_memory_bytes": result.peak_memory_bytes}}
+                          "peak_memory_bytes": result.peak_memory_bytes, **(other_data or {})}}
 
 
-def write_chrome_trace(result: Result, path: str | os.PathLike[str]) -> None:
+def write_chrome_trace(result: Result, path: str | os.PathLike[str],
+                       other_data: Mapping[str, Any] | None = None) -> None:
     """Write :func:`chrome_trace` of ``result`` to ``path``."""
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(chrome_trace(result), fh, separators=(",", ":"))
+        json.dump(chrome_trace(result, other_data), fh, separators=(",", ":"))

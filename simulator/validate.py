@@ -9,16 +9,12 @@ group instance issues each collective (otherwise the simulation would deadlock).
 
 from __future__ import annotations
 
-from simulator.workload import (
-    COLLECTIVE_KINDS,
-    OP_CLASSES,
-    OP_KINDS,
-    PHASES,
-    Collective,
-    RankProgram,
-    Workload,
-    WorkloadError,
-)
+from typing import TYPE_CHECKING
+
+from simulator.workload_kinds import COLLECTIVE_KINDS, OP_CLASSES, OP_KINDS, PHASES, WorkloadError
+
+if TYPE_CHECKING:  # annotations only: the schema imports this module to validate what it loads
+    from simulator.workload import Collective, RankProgram, Workload
 
 P2P_KINDS = ("send", "recv")
 

@@ -30,26 +30,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from simulator.sp_layout import (  # noqa: F401 - the sequence-parallel kinds and layout, re-exported for autosp
+    CHOSEN_STRATEGIES,
+    COMPILED_STRATEGIES,
+    MEMORY_PLANNED_STRATEGIES,
+    ZIGZAG_STRATEGIES,
+    SPKind,
+    SPLayout,
+    SPLayoutError,
+)
+from simulator.workload_kinds import (  # noqa: F401 - the schema's vocabulary, re-exported
+    COLLECTIVE_KINDS,
+    OP_CLASSES,
+    OP_KINDS,
+    PHASES,
+    WorkloadError,
+)
+
 SCHEMA_VERSION = 2
 """2: :attr:`RankProgram.host_tensors` (activation offload); a version-1 document is refused like any other."""
-
-OP_KINDS = ("compute", "collective", "collective_start", "collective_wait")
-"""``compute``: a kernel on the rank's compute stream. ``collective``: a blocking collective (start and wait at
-once: the compute stream stalls until it completes). ``collective_start``: issues a collective on the comm stream
-of its group and returns immediately; it *ends* when the collective completes, so the tensors it ``frees`` (a
-``to_host`` copy's source) are freed then, while those it ``allocates`` (the destination) exist from the issue on
-(Note [Host tensors]). ``collective_wait``: blocks the compute stream until the collective started
-by the ``collective_start`` with the same key completes."""
-
-OP_CLASSES = ("matmul", "attention", "elementwise", "reduction", "memory", "other")
-"""Roofline efficiency class of a compute op (see :class:`simulator.hardware.DeviceSpec.efficiency`)."""
-
-PHASES = ("forward", "backward", "optimizer")
-
-COLLECTIVE_KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast",
-                    "to_host", "from_host")
-"""``to_host``/``from_host``: a copy of ``message_bytes`` between the rank's device and its node's host memory
-(optimizer and activation offload), over the preset's host-memory link; its group has one member per instance, the rank."""
 
 HOST_GROUP = "host"
 """Process group of a rank's device<->host copies: one instance per rank, so one host-link stream per rank."""
@@ -59,26 +58,6 @@ RING_GROUPS = ("ring_send", "ring_recv")
 two comm streams, so that a rank sends to its next neighbour while it receives from its previous one, as
 ``batch_isend_irecv`` does (on one stream every rank's send would wait for its own receive, and the ring deadlock).
 Their instances are the ring's ranks; a ``send``'s ``peer`` is the next rank, a ``recv``'s the previous one."""
-
-COMPILED_STRATEGIES = ("ulysses", "ring", "hybrid")
-"""The sequence-parallel strategies ``autosp.compile(strategy=...)`` compiles a program with, and so the ones a
-workload is exported from (``metadata["strategy"]``): Ulysses all-to-alls around every attention, the zig-zag
-ring of K/V passes, or both (all-to-alls inside groups of ``ulysses_size`` consecutive ranks, the ring across the
-groups). The one declaration of these names: ``autosp.config.STRATEGIES`` and
-``simulator.strategies.SEQUENCE_PARALLEL`` read them from here (autosp may import only this module of the
-simulator, docs/design.md, "The packages and who may import whom")."""
-MEMORY_PLANNED_STRATEGIES = tuple(s for s in COMPILED_STRATEGIES if s != "hybrid")
-"""The compiled strategies the memory planner plans (``memory_plan="auto"``, and the default wherever a plan can be
-made: Note [The default memory plan] in autosp/plan/auto.py); the hybrid is not planned yet."""
-CHOSEN_STRATEGIES = ("auto",)
-"""Strategies of ``simulator.strategies.SEQUENCE_PARALLEL`` that ``autosp.compile(strategy=...)`` accepts but
-resolves, before compiling, to one of ``COMPILED_STRATEGIES`` (and its degrees): ``auto``, the fastest that fits
-by simulation (``autosp.plan.predict.choose_strategy``)."""
-
-
-class WorkloadError(ValueError):
-    """A workload document or object is malformed; the message says which field and what to change."""
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Collective:

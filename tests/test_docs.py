@@ -1,5 +1,5 @@
-"""The docs cannot drift silently: what README.md, docs/*.md and paper/README.md name exists, and README's commands
-are accepted as written.
+"""The docs cannot drift silently: what README.md, docs/*.md and paper/README.md name exists, and the commands of
+README.md and docs/*.md are accepted as written.
 
 Read from the documents themselves (nothing is listed twice):
 
@@ -7,17 +7,21 @@ Read from the documents themselves (nothing is listed twice):
   at a top-level entry of the checkout is checked there (unless git ignores it: an output such as
   ``paper/build/paper.md``), a shorter one must be the end of some file's or folder's path;
 - every module named as ``python -m MODULE`` or as a backticked dotted name (``simulator.ledger``,
-  ``autosp.export.trace_fake_step``) is found by the import system's path finder, without importing anything
+  ``autosp.tracing.trace_fake_step``) is found by the import system's path finder, without importing anything
   (a package run with ``-m`` needs a ``__main__.py``; a trailing attribute must be named in the module's source);
 - every Note cited (``Note`` followed by its bracketed title) is defined in the code, on a line of its own;
-- every ``autosp.NAME`` in README's Python examples is in ``autosp.__all__``;
-- every ``bash`` block of README carries a mode in an HTML comment just above it, ``<!-- readme-test: MODE -->``:
+- every relative Markdown link (``[text](docs/guide.md#anchor)``) names a file that exists and, with an anchor, a
+  heading of that file (GitHub's spelling of it);
+- README.md is one page: at most ``README_MAX_LINES`` lines (the rest is in the user guide under docs/);
+- every ``autosp.NAME`` in the Python examples of README.md and of the user guide (docs/*.md but design.md, whose
+  examples may show internals) is in ``autosp.__all__``;
+- every ``bash`` block of README.md and docs/*.md carries a mode in an HTML comment just above it, ``<!-- readme-test: MODE -->``:
   ``run`` executes each line (in bash, after ``source bin/env.sh``, from the root; keep such blocks cheap and
   free of outputs), ``parse`` hands each command's arguments, as written, to the parser of the program it
   starts (``python -m M`` / ``torchrun ... -m M`` / ``deepspeed ... --module M`` / ``bash bin/reproduce``:
   the module's ``build_parser()``, and torchrun's and the deepspeed launcher's own parsers for their
   arguments), for commands too long or needing GPUs to run here; ``skip: REASON`` (a network install) checks
-  nothing and says why.  A block without a mode fails.
+  nothing and says why.  A block without a mode fails.  README keeps at least one ``run`` block (the set-up check).
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")), "paper/README.md")
+COMMAND_DOCS = DOCS[:-1]
+"""The documents whose command blocks are run or parsed: README.md and docs/*.md."""
+USER_DOCS = tuple(d for d in COMMAND_DOCS if d != "docs/design.md")
+"""README.md and the user guide: their Python examples use only the public API."""
+README_MAX_LINES = 300
 PACKAGES = ("autosp", "simulator", "experiments", "tests")
 BLOCK = re.compile(r"(?:<!--\s*readme-test:\s*(?P<mode>[^>]*?)\s*-->\s*\n)?```(?P<lang>\w*)\n(?P<body>.*?)```",
                    re.DOTALL)
@@ -224,14 +233,15 @@ def _parse(command: str) -> str | None:
     return f"{command}: tests/test_docs.py does not know {program!r}; teach it or mark the block 'skip: REASON'"
 
 
-def test_readme_command_blocks_run_or_parse_as_written():
+@pytest.mark.parametrize("doc", COMMAND_DOCS)
+def test_doc_command_blocks_run_or_parse_as_written(doc):
     failures, ran = [], 0
-    for mode, lang, body, line in _blocks():
+    for mode, lang, body, line in _blocks(doc):
         if lang not in ("bash", "sh", "shell", "console", ""):
             continue
         if lang == "" and not re.search(r"^(python|bash|torchrun|deepspeed) ", body, re.MULTILINE):
             continue  # a plain block that is not commands (the layout tree)
-        where = f"README.md line {line}"
+        where = f"{doc} line {line}"
         if mode is None:
             failures.append(f"{where}: a command block without <!-- readme-test: run|parse|skip: REASON -->")
         elif mode.startswith("skip:"):
@@ -250,15 +260,47 @@ def test_readme_command_blocks_run_or_parse_as_written():
         else:
             failures.append(f"{where}: unknown mode {mode!r}")
     assert failures == [], "\n".join(failures)
-    assert ran >= 1, "README has no block the test runs: keep the set-up check runnable"
+    assert ran >= 1 or doc != "README.md", "README has no block the test runs: keep the set-up check runnable"
 
 
-def test_readme_python_examples_use_public_names():
+def test_readme_is_one_page():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines (at most {README_MAX_LINES}): move the detail to "
+                                       "a page of the user guide under docs/ and link it from README's table")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, code marks and punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_doc_links_name_files_and_headings_that_exist(doc):
+    text = _code_text((ROOT / doc).read_text(encoding="utf-8"))
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        file = (ROOT / doc).parent / path if path else ROOT / doc
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md":
+            headings = re.findall(r"^#+\s+(.+?)\s*$", _code_text(file.read_text(encoding="utf-8")), re.MULTILINE)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(target)
+    assert broken == [], f"{doc} links to what does not exist: {broken}"
+
+
+def test_python_examples_use_public_names():
     tree = ast.parse((ROOT / "autosp" / "__init__.py").read_text(encoding="utf-8"))
     public = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
                   and any(getattr(t, "id", None) == "__all__" for t in node.targets))
-    used = {name for _, lang, body, _ in _blocks() if lang == "python" for name in re.findall(r"\bautosp\.(\w+)", body)}
-    assert used and used <= set(public), f"README uses autosp names outside autosp.__all__: {used - set(public)}"
+    used = {(doc, name) for doc in USER_DOCS for _, lang, body, _ in _blocks(doc) if lang == "python"
+            for name in re.findall(r"\bautosp\.(\w+)", body)}
+    outside = sorted((doc, name) for doc, name in used if name not in public)
+    assert {doc for doc, _ in used} >= {"README.md"} and outside == [], (
+        f"autosp names outside autosp.__all__ (doc, name): {outside}")
 
 
 def test_env_sh_puts_the_venv_tools_on_path():

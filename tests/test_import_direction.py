@@ -66,3 +66,113 @@ def test_import_direction_experiments_never_imports_tests():
     # The tests may import experiments (the rank launcher, model presets); never the other way.
     offenders = [(f, m) for f, m in _imports("experiments") if _top(m) == "tests"]
     assert offenders == []
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _runtime_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The project modules ``path`` imports when it runs: at module level or inside a function (a function-local
+    import is an edge all the same), not in an ``if TYPE_CHECKING:`` block (annotations only)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    def resolve(module: str) -> str | None:
+        while module and module not in modules:
+            module = module.rpartition(".")[0]
+        return module or None
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking_block(node):
+            return
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                stem = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(stem + ([node.module] if node.module else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        for target in targets:
+            resolved = resolve(target)
+            if resolved is not None and resolved != name:
+                found.add(resolved)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def import_graph(packages=("autosp", "simulator", "experiments")) -> dict[str, set[str]]:
+    """Module -> the project modules it imports at run time (`_runtime_imports`)."""
+    paths = [p for package in packages for p in sorted((ROOT / package).rglob("*.py"))]
+    modules = {_module_name(p) for p in paths}
+    return {_module_name(p): _runtime_imports(p, modules) for p in paths}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    circles.append(sorted(group))
+    return circles
+
+
+def test_import_direction_no_import_circles():
+    # Function-local imports count: one placed in a function to break a circle at import time still closes it.
+    assert import_circles(import_graph()) == []
+
+
+def test_import_direction_circle_finder_finds_a_circle():
+    # Guard against a finder that cannot fail: a circle through a function-local import, and one of three modules.
+    assert import_circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = import_graph()
+    assert "autosp.model" in graph["autosp.api"]  # the scanner resolves the front door's import of the core
+    assert "autosp.plan.predict" in graph["autosp.plan.auto"]  # and a function-local import

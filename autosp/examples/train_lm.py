@@ -8,7 +8,7 @@ presets and launcher helpers of `autosp.train`: copy it and put your model and d
         --data corpus.txt --output-dir runs/demo --model tiny-llama --seq-len 256 --steps 20 --save-every 10
     # ... interrupted?  The same command with --resume continues from the latest checkpoint.
 
-What it does, step by step (README "Train on your data"):
+What it does, step by step (docs/guide.md, "Train on your data"):
 
 - data: local files (``.txt`` and other text, ``.jsonl``, ``.npy``, or folders of them), tokenised with a
   byte-level tokenizer (ids 0..255, nothing to download) or a Hugging Face tokenizer from a local folder
@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 import autosp
+from autosp import entry
 from autosp.config import ACCEPTED_STRATEGIES
 from autosp.errors import AutoSPError
 from autosp.presets import PRESETS, build_model, hf_config, model_argument
@@ -296,7 +297,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, engine) -> dict:
 # ------------------------------------------------------------------------------------------- training
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = entry.ArgumentParser(
         prog="python -m autosp.examples.train_lm", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a causal LM on local data with AutoSP (sequence parallelism): packed documents,\n"
                     "checkpoints, resume. Run it under torchrun (NCCL on GPUs, gloo on CPU) or plainly as one rank.\n"
@@ -368,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--resume", action="store_true",
                      help="continue from OUTPUT_DIR/checkpoints/latest (start afresh if there is none)")
     out.add_argument("--log-interval", type=int, default=10, help="log every N steps (default: %(default)s)")
+    entry.add_debug_argument(p)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -411,7 +413,7 @@ def train(args: argparse.Namespace) -> dict:
     tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
     dataset = pack(read_documents(args.data, tokenizer, text_split=args.text_split), args.seq_len)
     config = hf_config(args.model, seq_len=args.seq_len, num_layers=args.num_layers)
-    config.use_cache = False  # the packed-document mask is read from the position ids (README "packed documents")
+    config.use_cache = False  # the packed-document mask is read from the position ids (docs/guide.md, "packed documents")
     top = int(dataset.input_ids.max())
     if top >= config.vocab_size:
         raise AutoSPError(f"the data holds token id {top}, outside the model's vocabulary of {config.vocab_size}: "
@@ -438,8 +440,10 @@ def train(args: argparse.Namespace) -> dict:
             "bf16": {"enabled": dtype == torch.bfloat16},
             "steps_per_print": 10**9,
         }
-        engine, optimizer, _, scheduler = autosp.deepspeed_initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        entry.announce_deepspeed_comm_build(log)  # a first run's C++ build, announced
+        with entry.without_build_notices(log):
+            engine, optimizer, _, scheduler = autosp.deepspeed_initialize(
+                model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         sp_model = engine.module
     else:
         sp_model = autosp.compile(model, sp_size=sp_size, **compile_options)
@@ -466,6 +470,8 @@ def train(args: argparse.Namespace) -> dict:
              str(dtype).removeprefix("torch."))
 
     tokens_per_step = groups.dp_size * args.micro_batch_size * args.grad_accum * args.seq_len  # sequences once
+    if step < args.steps:
+        entry.announce_first_compile(sp_model, log)
     window_start, window_steps, losses = time.perf_counter(), 0, []
     metrics = open(output_dir / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115 - closed below
     try:
@@ -518,19 +524,10 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; a refusal (`AutoSPError`) exits 2 with one line (`autosp.entry.run`), not a traceback."""
     args = parse_args(argv)
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
-                        format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
-    try:
-        train(args)
-        dist.barrier()  # every rank done communicating before any tears the group down
-    except AutoSPError as err:
-        log.error("%s", err)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    entry.configure_logging()
+    entry.run(lambda: train(args), debug=args.debug)
     return 0
 
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosp.api import SequenceParallelModel
 from autosp.api import compile as compile_model
 from autosp.config import AutoSPConfig, with_job_setup
 from autosp.errors import AutoSPError
+from autosp.model import SequenceParallelModel
 
 log = logging.getLogger(__name__)
 

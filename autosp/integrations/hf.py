@@ -12,11 +12,12 @@ Note [The Trainer path]
 The Trainer, through accelerate, would wrap the model in DistributedDataParallel and
 shard each batch over every rank; under sequence parallelism both are wrong (DDP
 averages gradients over the SP ranks of one sequence, and the ranks of an SP group
-must hold the same sample).  `AutoSPTrainer` overrides four documented hooks:
+must hold the same sample).  `AutoSPTrainer` overrides three documented hooks:
 
 - ``_wrap_model``: the distributed wrapper is the `SequenceParallelModel` (the
   Trainer then leaves the model to it and prepares only the optimizer with
-  accelerate: no DDP); evaluation runs the plain model;
+  accelerate: no DDP), its forward under the Trainer's autocast (Note [Mixed
+  precision under the Trainer]); evaluation runs the plain model;
 - ``get_train_dataloader``: the Trainer's collator (unused columns removed, dynamic
   padding as the collator does it) over `autosp.sequence_parallel_sampler`: the
   ranks of an SP group read the same samples, replicas different ones;
@@ -28,11 +29,36 @@ must hold the same sample).  `AutoSPTrainer` overrides four documented hooks:
 Gradients need nothing more: the compiled model reduces them during backward (sum over
 the SP group, average over replicas; autosp/gradients.py), before
 the Trainer clips and steps.
+
+Note [Mixed precision under the Trainer]
+With ``bf16=True`` (or ``fp16=True`` on a GPU) the plain Trainer trains in mixed precision only
+because accelerate's ``prepare_model`` replaces the model's forward with
+``convert_outputs_to_fp32(autocast(forward))``; the model `_wrap_model` returns skips that
+preparation, so `AutoSPTrainer` puts the same wrapper around the compiled model's forward:
+``accelerator.autocast()`` (the context manager accelerate builds from the same state: the
+dtype, the device type, the user's ``AutocastKwargs``) and the outputs back in fp32, wherever
+accelerate would (``accelerator.native_amp``: not for fp16 on CPU, which accelerate leaves in
+fp32 too).  Dynamo traces the model under the ambient autocast, so the compiled program holds
+its casts, as the plain model's eager forward does; backward runs outside it, as in the plain
+Trainer, and fp16's loss scaling stays the Trainer's (``accelerator.backward``).
+
+Note [The planned length under the Trainer]
+A memory plan (the default on a GPU, or ``memory_plan="auto"``) and ``strategy="auto"`` are made
+for ``plan_seq_len`` tokens; left out, the first batch's length, which under dynamic padding is
+rarely the longest the job trains.  Where the compile plans and ``autosp_options`` holds no
+``plan_seq_len``, `AutoSPTrainer` gives it the longest sample of the training set, read once as
+the Trainer reads lengths for its length-aware samplers (`longest_sample`), padded as the batch
+holding it will be (`planned_length`: the collator's ``pad_to_multiple_of`` / ``max_length``,
+then AutoSP's multiple of sp_size or ``length_bucket``).  Where the lengths cannot be read (no
+``input_ids`` lists in the samples) the plan stays with the first batch and a warning says so.
+Whether the default compile plans is decided here as `autosp.compile` decides it
+(`autosp.plan.auto.resolve_memory_plan`), and the decision is passed on as ``memory_plan``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -40,10 +66,14 @@ import transformers
 from torch import nn
 from torch.utils.data import DataLoader
 
-import autosp
+# The defining modules, not the package: autosp/__init__.py imports this module on first use of AutoSPTrainer.
 from autosp.api import SequenceParallelModel
-from autosp.config import with_job_setup
+from autosp.api import compile as autosp_compile
+from autosp.config import PLANNING_OPTIONS, ZIGZAG_STRATEGIES, AutoSPConfig, with_job_setup
 from autosp.errors import AutoSPError
+from autosp.inputs import prepare_inputs
+from autosp.plan.auto import resolve_memory_plan
+from autosp.sampler import sequence_parallel_sampler
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +96,47 @@ def planned_setup(args: transformers.TrainingArguments) -> dict:
         kind = "sgd_momentum" if float(given.get("momentum", 0)) else "sgd"
     return {"zero_stage": 0, "micro_batch": args.per_device_train_batch_size,
             "grad_accum": args.gradient_accumulation_steps, **({"optimizer": kind} if kind else {})}
+
+
+def longest_sample(dataset, length_column: str | None = "length", input_name: str = "input_ids") -> int | None:
+    """Tokens in the longest sample of a map-style ``dataset``, read the way the Trainer infers lengths for its
+    length-aware samplers: a ``datasets.Dataset``'s ``length_column`` where it has one, else ``len`` of each
+    sample's ``input_name`` list (one pass over the dataset).  None where they cannot be read: no dataset, an
+    iterable one, samples without that key."""
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        return None
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, (list, tuple)) and len(dataset):  # a datasets.Dataset: whole columns, no Python rows
+        if length_column and length_column in columns:
+            return int(max(dataset[length_column]))
+        if input_name in columns:
+            return max(len(ids) for ids in dataset[input_name])
+        return None
+    longest = None
+    for i in range(len(dataset)):
+        sample = dataset[i]
+        ids = sample.get(input_name) if isinstance(sample, Mapping) else None
+        if ids is None:
+            return None
+        longest = max(longest or 0, len(ids))
+    return longest
+
+
+def planned_length(longest: int, collator: Callable | None, *, sp_size: int, strategy: str = "ulysses",
+                   length_bucket: int | None = None) -> int:
+    """The padded length of a batch holding the ``longest`` sample: padded by ``collator`` (its
+    ``pad_to_multiple_of``; with ``padding="max_length"`` to its ``max_length`` at least), then by AutoSP to a
+    multiple of ``length_bucket``, else of sp_size (2 * sp_size for the zig-zag strategies, and for
+    ``strategy="auto"``, which may choose one)."""
+    padding = getattr(collator, "padding", None)
+    max_length = getattr(collator, "max_length", None)
+    if getattr(padding, "value", padding) == "max_length" and isinstance(max_length, int):
+        longest = max(longest, max_length)
+    multiple = getattr(collator, "pad_to_multiple_of", None)
+    if isinstance(multiple, int) and multiple > 1:
+        longest = -(-longest // multiple) * multiple
+    multiple = length_bucket or (2 * sp_size if strategy in (*ZIGZAG_STRATEGIES, "auto") else sp_size)
+    return -(-longest // multiple) * multiple
 
 
 class _EpochLoader(DataLoader):
@@ -107,13 +178,66 @@ class AutoSPTrainer(transformers.Trainer):
         """The AutoSP-compiled model (built on first use, on every rank)."""
         if self._sp_model is None:
             options = with_job_setup(self._autosp_options, lambda: planned_setup(self.args))  # priced as it runs
-            self._sp_model = autosp.compile(self.model, sp_size=self._sp_size, **options)
+            options = self._with_plan_seq_len(options)
+            self._sp_model = autosp_compile(self.model, sp_size=self._sp_size, **options)
         return self._sp_model
+
+    def _with_plan_seq_len(self, options: dict) -> dict:
+        """``options`` with ``plan_seq_len`` the longest padded sample of the training set (Note [The planned
+        length under the Trainer]) where the compile plans and the user gave none."""
+        if "plan_seq_len" in options:
+            return options
+        if options.get("strategy") != "auto" and options.get("memory_plan") is None:
+            # The default plans wherever it can: decide it here (as autosp.compile would) to know whether the
+            # length is asked for; the options passed on say the decision, so that the compile does not redo it.
+            config = AutoSPConfig.from_options(sp_size=self._sp_size, compiler=options.get("compiler", "inductor"),
+                                               options={k: v for k, v in options.items() if k != "compiler"})
+            if resolve_memory_plan(self.model, config).memory_plan == "off":
+                return {**{k: v for k, v in options.items() if k not in PLANNING_OPTIONS}, "memory_plan": "off"}
+            options = {**options, "memory_plan": "auto"}
+        if options.get("strategy") != "auto" and options.get("memory_plan") != "auto":
+            return options  # nothing is planned: plan_seq_len would be refused
+        longest = longest_sample(self.train_dataset, self._length_column(), self._model_input_name())
+        if longest is None:
+            log.warning("AutoSPTrainer: the training samples' lengths are unknown (%s), so the plan is made for the "
+                        "first batch's length; pass autosp_options={'plan_seq_len': N}, N the longest padded "
+                        "sample the job trains", "no train_dataset" if self.train_dataset is None
+                        else f"a {type(self.train_dataset).__name__} without {self._model_input_name()!r} lists")
+            return options
+        plan_seq_len = planned_length(longest, self.data_collator, sp_size=self._sp_size,
+                                      strategy=options.get("strategy", "ulysses"),
+                                      length_bucket=options.get("length_bucket"))
+        log.info("AutoSPTrainer: plan_seq_len=%d (the longest training sample, %d tokens, padded as the collator "
+                 "and AutoSP pad it)", plan_seq_len, longest)
+        return {**options, "plan_seq_len": plan_seq_len}
+
+    def _length_column(self) -> str | None:
+        return getattr(self.args, "length_column_name", None)
+
+    def _model_input_name(self) -> str:
+        names = getattr(self.processing_class, "model_input_names", None)
+        return names[0] if names else "input_ids"
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
         if not training:
             return self.model
-        return self.sp_model
+        return self._with_mixed_precision(self.sp_model)
+
+    def _with_mixed_precision(self, model: SequenceParallelModel) -> SequenceParallelModel:
+        """``model`` whose forward runs under the Trainer's autocast (Note [Mixed precision under the Trainer])."""
+        if self.accelerator.native_amp and not getattr(model, "_autosp_trainer_autocast", False):
+            from accelerate.utils import convert_outputs_to_fp32
+
+            forward = model.forward
+            accelerator = self.accelerator
+
+            def autocast_forward(*args, **kwargs):
+                with accelerator.autocast():
+                    return forward(*args, **kwargs)
+
+            model.forward = convert_outputs_to_fp32(autocast_forward)
+            model._autosp_trainer_autocast = True
+        return model
 
     # -- the data ------------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -133,8 +257,8 @@ class AutoSPTrainer(transformers.Trainer):
         if isinstance(dataset, torch.utils.data.IterableDataset):
             raise AutoSPError("AutoSPTrainer needs a map-style dataset (with __len__) so that every rank of an SP "
                               "group reads the same samples")
-        sampler = autosp.sequence_parallel_sampler(dataset, self.sp_model, shuffle=True, seed=self.args.seed,
-                                                   drop_last=self.args.dataloader_drop_last)
+        sampler = sequence_parallel_sampler(dataset, self.sp_model, shuffle=True, seed=self.args.seed,
+                                            drop_last=self.args.dataloader_drop_last)
         return _EpochLoader(dataset, batch_size=self._train_batch_size, sampler=sampler, collate_fn=collator,
                             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
                             drop_last=self.args.dataloader_drop_last)
@@ -152,9 +276,9 @@ class AutoSPTrainer(transformers.Trainer):
         if labels is None:
             raise AutoSPError("the batch has no labels; use a causal-LM collator (e.g. DataCollatorForLanguageModeling "
                               "with mlm=False) so that the model returns its loss")
-        outputs = model(**autosp.prepare_inputs(inputs["input_ids"], labels=labels,
-                                                attention_mask=inputs.get("attention_mask"),
-                                                position_ids=inputs.get("position_ids")))
+        outputs = model(**prepare_inputs(inputs["input_ids"], labels=labels,
+                                         attention_mask=inputs.get("attention_mask"),
+                                         position_ids=inputs.get("position_ids")))
         loss = outputs.loss
         if num_items_in_batch is not None:
             if getattr(outputs, "aux_loss", None) is not None:

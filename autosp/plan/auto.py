@@ -1,11 +1,11 @@
 """``autosp.compile(..., memory_plan="auto")``: the compiled model plans its own memory options; and
 ``autosp.compile(..., strategy="auto")``: the model asks the planner which strategy to compile.
 
-On its first call (`autosp.api.SequenceParallelModel`) the model learns what the plan needs: the sequence length
+On its first call (`autosp.model.SequenceParallelModel`) the model learns what the plan needs: the sequence length
 (``plan_seq_len``, else the longest first batch of the process group) and the rows per batch.  Rank 0 of the process
 group then builds the request, and each rank runs the planner (`autosp.plan.plan_memory`, objective "fastest") on
 its share of the candidates (Note [Candidates spread over the ranks]) for the Hugging Face config of the model in a
-fresh Python process (``python -m autosp.plan.auto REQUEST OUT``): the planner traces on a fake process group of
+fresh Python process (``python -m autosp.plan.worker REQUEST OUT``): the planner traces on a fake process group of
 its own, which cannot exist beside the job's, and resets Dynamo between traces, which must not touch the job's
 compiled code.  That process was started when the model was compiled, so its imports are made by the first call
 (Note [Planner process started ahead] in autosp/plan/process.py).  Every rank applies the one rule
@@ -24,23 +24,18 @@ process's imports off the decision.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
-import os
-import sys
-import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from autosp.config import PLANNING_OPTIONS, AutoSPConfig
 from autosp.errors import AutoSPError
-from autosp.plan.process import COMPILE_IMPORTS, PlannerProcess, import_ahead
+from autosp.plan.process import PlannerProcess
 from simulator.workload import CHOSEN_STRATEGIES, MEMORY_PLANNED_STRATEGIES
 
 log = logging.getLogger(__name__)
@@ -219,7 +214,7 @@ def strategy_request(module: torch.nn.Module, config: AutoSPConfig, *, world_siz
 
 
 def run_planner(request: dict, process: PlannerProcess | None = None, *, timeout_s: float | None = None) -> dict:
-    """The planner's answer to ``request`` (``python -m autosp.plan.auto``): {"report": PlanReport.to_dict(), "text":
+    """The planner's answer to ``request`` (``python -m autosp.plan.worker``): {"report": PlanReport.to_dict(), "text":
     its table}, {"candidates": ...} or {"error": why}; from ``process`` when one was started ahead, else from a
     process started now (Note [Planner process started ahead] in autosp/plan/process.py).  ``started_before_s``:
     how long before the request ``process`` was started (None: started at the request).  ``timeout_s``: the
@@ -228,10 +223,10 @@ def run_planner(request: dict, process: PlannerProcess | None = None, *, timeout
     try:
         return {**(process or PlannerProcess()).answer(request, timeout_s), "started_before_s": ahead}
     except AutoSPError as err:
-        raise AutoSPError(f"{_OPTION[request['decide']]}: {err}") from None
+        raise AutoSPError(f"{OPTION[request['decide']]}: {err}") from None
 
 
-_OPTION = {"memory": "memory_plan='auto'", "strategy": "strategy='auto'"}
+OPTION = {"memory": "memory_plan='auto'", "strategy": "strategy='auto'"}
 """A request's ``decide`` -> the `autosp.compile` option that asked, for messages."""
 
 
@@ -315,7 +310,7 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
         plan_units,
     )
 
-    what = _OPTION["memory"]
+    what = OPTION["memory"]
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     request = _request_on_ranks(group, device if device.type == "cuda" else None, what, request)
     plans = request["plans"]
@@ -389,6 +384,29 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
     return decision
 
 
+class PlanAtFirstBatch:
+    """The compile front door's `autosp.model.FirstBatchPlan`: `decide` over ``group`` with this rank's planner
+    process (the script's, else one started now, while the model loads, when a process group exists: Note [Planner
+    process started ahead] in autosp/plan/process.py)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, explicit: Mapping, planner: PlannerProcess | None = None):
+        self.group = group
+        self.explicit = dict(explicit)
+        if planner is None and dist.is_initialized() and group is not None:
+            planner = PlannerProcess()
+        self.planner = planner
+
+    def decide(self, module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int, micro_batch: int,
+               device: torch.device) -> dict:
+        return decide(module, config, self.group, seq_len=seq_len, micro_batch=micro_batch,
+                      explicit=self.explicit, device=device, planner=self.planner)
+
+    def close(self) -> None:
+        planner, self.planner = self.planner, None
+        if planner is not None:
+            planner.close()  # a no-op once it answered; ends one that did not (another rank's, a failure)
+
+
 def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: torch.device,
                       planner: PlannerProcess | None = None, timeout_s: float | None = None) -> tuple[dict, dict]:
     """The collective of `decide_strategy` (Note [Candidates spread over the ranks]): rank 0's ``request()`` (a
@@ -412,7 +430,7 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
         strategy_options,
     )
 
-    what = _OPTION["strategy"]
+    what = OPTION["strategy"]
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     request = _request_on_ranks(group, device if device.type == "cuda" else None, what, request)
     listed = []
@@ -476,105 +494,3 @@ def decide_strategy(module: torch.nn.Module, config: AutoSPConfig, group: dist.P
     log.info("strategy auto at %d tokens on %s: %s %s (%s)", config.plan_seq_len, request["cluster"],
              report["chosen"], report["options"], report["reason"])
     return decision
-
-
-WARM_UP_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                 "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-                 "vocab_size": 256, "max_position_embeddings": 256, "tie_word_embeddings": False}
-"""The model a planner process started ahead predicts while it waits for its request (`warm_up`)."""
-
-
-def warm_up() -> None:
-    """Predict a tiny Llama's step in this process (thrown away), so that the request's first trace does not pay
-    the first-use costs of Dynamo and AOTAutograd in a fresh process (caches of source lines, trace rules and
-    fake-tensor dispatch; about 3 s of a decision at 8B), none of which changes what a later trace computes.
-    Only in a process started ahead, whose wait it fills (Note [Planner process started ahead] in
-    autosp/plan/process.py); a failure here is logged and left to the request's own trace."""
-    from autosp.plan.cluster_file import load_cluster
-    from autosp.plan.predict import TrainingSetup, predict
-
-    start = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory(prefix="autosp-plan-warm-up-") as folder:
-            model = Path(folder, "config.json")
-            model.write_text(json.dumps(WARM_UP_MODEL))
-            setup = TrainingSetup(seq_len=64, sp_size=2, depth="full")
-            predict(str(model), setup, load_cluster("h100-sxm", world_size=setup.world_size))
-    except Exception as err:  # noqa: BLE001 - a warm-up only
-        log.info("planner warm-up failed (the request's trace pays the first-use costs): %s", err)
-    log.info("planner warmed up in %.1f s", time.perf_counter() - start)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m autosp.plan.auto",
-        description="The planner of autosp.compile(..., memory_plan='auto') and (..., strategy='auto'), which "
-                    "runs this in a fresh\nprocess on each rank (no process group, no compiled code of the job): plan "
-                    "the request's candidates (the rank's share)\nand write the decision. For planning by hand use python -m "
-                    "autosp.plan --memory-plan auto or --strategy auto.", formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("request", type=Path, help="the request (JSON: model config, setup, cluster, target, candidates); "
-                                              "-: make the imports, print ready, then read it from the standard input")
-    p.add_argument("out", type=Path, help="where to write the decision (JSON: the plan report and its table)")
-    p.add_argument("--warm-up", action="store_true",
-                   help="with -: predict a tiny model before saying ready (the first-use costs of Dynamo)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m autosp.plan.auto REQUEST.json OUT.json`` (run by `run_planner`)."""
-    from autosp.plan.cluster_file import load_cluster
-    from autosp.plan.planner import MemoryPlan, plan_memory
-    from autosp.plan.predict import TrainingSetup, predict_strategies
-
-    args = build_parser().parse_args(argv)
-    request_path, out_path = args.request, args.out
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if str(request_path) == "-":  # started ahead (Note [Planner process started ahead] in autosp/plan/process.py)
-        import_ahead(COMPILE_IMPORTS)
-        if args.warm_up:
-            warm_up()
-        sys.stdout.write("ready\n")  # the protocol of PlannerProcess.wait_ready, not a message
-        sys.stdout.flush()
-        # One line, not the stream to its end: a process the job forks later (a DataLoader worker) holds a copy of
-        # the pipe's writing end, so the end of the stream may never come.
-        request = json.loads(sys.stdin.readline())
-    else:
-        request = json.loads(Path(request_path).read_text())
-    deciding = request.get("decide", "memory")
-    try:
-        with tempfile.TemporaryDirectory(prefix="autosp-plan-model-") as folder:
-            model = Path(folder, "config.json")
-            model.write_text(json.dumps(request["model_config"]))
-            setup = TrainingSetup(**request["setup"])
-            cluster = load_cluster(request["cluster"], world_size=setup.world_size)
-            if deciding == "strategy":  # the candidates this rank predicts (`strategy_on_ranks`; None: all)
-                start, cpu, only = time.perf_counter(), time.process_time(), request.get("predict")
-                found, capacity = predict_strategies(str(model), setup, cluster, options=request["options"],
-                                                     capacity_bytes=request["target_memory"], only=only)
-                found = [c for c in found if only is None or c.system in only]
-                answer = {"candidates": [c.to_dict() for c in found], "capacity_bytes": capacity,
-                          "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
-                          "text": "\n\n".join(f"strategy {c.system}:\n{c.prediction.format()}" if c.prediction
-                                              else f"strategy {c.system}: refused ({c.refused})" for c in found
-                                              ).replace(str(model), request["model"])}
-            else:
-                cpu = time.process_time()
-                report = plan_memory(str(model), setup, cluster, target_memory=request["target_memory"],
-                                     plans=[MemoryPlan(name, options) for name, options in request["plans"]])
-                answer = {"report": {**report.to_dict(), "model": request["model"]},
-                          "cpu_seconds": time.process_time() - cpu,
-                          "text": report.format().replace(str(model), request["model"])}
-    except AutoSPError as err:
-        answer = {"error": f"{_OPTION[deciding]}: {err}"}
-    Path(out_path).write_text(json.dumps(answer, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    # The answer is written: end without the interpreter's teardown of torch (1.8 s measured after a warm-up),
-    # which the job would wait for (`PlannerProcess.answer` returns once the process has exited).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -3,7 +3,7 @@
 The configuration is read with `autosp.presets.hf_config` (every entry point's one model source, so a model the
 planner predicts for is the model ``python -m autosp.train --model`` trains).  Nothing is downloaded and no
 weights are created: the parameter tensors' sizes come from a model built on the meta device, and the traced
-step builds the model inside a fake-tensor mode (`autosp.export.trace_fake_step`).
+step builds the model inside a fake-tensor mode (`autosp.tracing.trace_fake_step`).
 """
 
 from __future__ import annotations

@@ -13,11 +13,13 @@ time, max length), the chosen plan and why.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from autosp.config import MEMORY_TECHNIQUES
 from autosp.costs import LOSS_SCRATCH_ROWS
 from autosp.errors import AutoSPError
 from autosp.plan.predict import (
@@ -30,14 +32,12 @@ from autosp.plan.predict import (
     predict,
     rank_share,
 )
+from autosp.techniques import MemoryTechnique
 from simulator.cluster import Cluster
 
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("fastest", "longest")
-SAC_BUDGETS = (None, 0.5, 0.2)
-"""SAC's ``sac_memory_budget`` values tried: None (SAC's default: recompute within ``sac_recompute_limit``), then
-keeping at most half and a fifth of the recomputable bytes."""
 
 
 @dataclass(frozen=True)
@@ -48,87 +48,82 @@ class MemoryPlan:
     options: Mapping
 
 
-def _checkpointing_plans() -> list[tuple[str, dict]]:
-    plans = [("none", {"checkpointing": "none"})]
-    for budget in SAC_BUDGETS:
-        plans.append(("sac" if budget is None else f"sac@{budget:g}",
-                      {"checkpointing": "sac"} if budget is None else {"checkpointing": "sac",
-                                                                        "sac_memory_budget": budget}))
-    plans.append(("full", {"checkpointing": "full"}))
-    plans.append(("layer", {"checkpointing": "layer"}))  # what hand-written per-layer checkpointing runs
-    return plans
+def plan_name(options: Mapping, techniques: tuple[MemoryTechnique, ...] = MEMORY_TECHNIQUES) -> str:
+    """A plan's name from its options: each technique's part (`MemoryTechnique.label`), in registry order:
+    checkpointing (and SAC budget), tiled loss, tiled MLP (and chunks), and ", offload" when activation offload is
+    on."""
+    return ", ".join(part for technique in techniques if (part := technique.label(options)))
 
 
-def plan_name(options: Mapping) -> str:
-    """A plan's name from its options: checkpointing (and SAC budget), tiled loss, tiled MLP (and chunks), and
-    ", offload" when activation offload is on."""
-    checkpointing, budget = options.get("checkpointing", "sac"), options.get("sac_memory_budget")
-    name = checkpointing if budget is None else f"{checkpointing}@{budget:g}"
-    for label, setting, chunk in (("loss", "tiled_loss", "loss_chunk_tokens"), ("mlp", "tiled_mlp", "mlp_chunk_tokens")):
-        if setting in options:
-            name += f", tiled {label} {options[setting]}"
-            if options[setting] != "off" and options.get(chunk) is not None:
-                name += f"/{options[chunk]}"
-    if options.get("activation_offload") == "on":
-        name += ", offload"
-    return name
-
-
-def _with_fixed(options: dict, fixed: Mapping) -> dict:
-    """``options`` overridden by ``fixed``, less the candidate's settings that no longer apply (a SAC budget
-    without SAC, a tiled op's chunk and return_logits without the tiling), unless fixed too."""
+def _with_fixed(options: dict, fixed: Mapping, techniques: tuple[MemoryTechnique, ...] = MEMORY_TECHNIQUES) -> dict:
+    """``options`` overridden by ``fixed``, less the candidate's settings that no longer apply (the companions of
+    a technique not active: a SAC budget without SAC, a tiled op's chunk and return_logits without the tiling),
+    unless fixed too."""
     options = {**options, **fixed}
-    unused = []
-    if options.get("checkpointing", "sac") != "sac":
-        unused.append("sac_memory_budget")
-    if options.get("tiled_loss", "off") == "off":
-        unused += ["loss_chunk_tokens", "return_logits"]
-    if options.get("tiled_mlp", "off") == "off":
-        unused.append("mlp_chunk_tokens")
+    unused = {name for t in techniques if not t.is_active(options) for name in t.companions}
     return {k: v for k, v in options.items() if k in fixed or k not in unused}
 
 
-def candidate_plans(*, loss_chunk_tokens: int | None = None, checkpointing: Sequence[str] | None = None,
-                    tiled_loss: Sequence[str] = ("off", "on"), tiled_mlp: Sequence[str] = ("off", "on"),
-                    mlp_chunk_tokens: Sequence[int | None] = (None,),
-                    activation_offload: Sequence[str] = ("off", "on"),
-                    fixed: Mapping | None = None) -> tuple[MemoryPlan, ...]:
-    """The candidates: checkpointing in {none, sac x `SAC_BUDGETS`, full, layer} (or the names of ``checkpointing``;
-    "layer" is per-layer checkpointing as hand-written baselines run it: the residual stream kept, everything else
-    recomputed, the all-to-alls included) x tiled loss in ``tiled_loss`` x tiled MLP in ``tiled_mlp`` ("on" once
-    per chunk size of ``mlp_chunk_tokens``; None: one chunk's input-projection outputs within 64 MiB,
-    autosp.passes.dynamo.tiled_mlp.MLP_CHUNK_BYTES).  The tiled loss
-    runs with ``return_logits=False`` (else a Hugging Face model's returned logits are materialised anyway) and
-    ``loss_chunk_tokens`` (default None: one chunk's fp32 logits within 64 MiB,
-    autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES); each of these with activation offload in
-    ``activation_offload`` (the pass moves the tensors saved for backward to host memory: the plan then also needs
-    host memory, `autosp.plan.predict.Prediction.host_fits`).  ``fixed``: options the user set, which every
-    candidate takes over its own (candidates that become equal are listed once); ``activation_offload="auto"``
-    among them leaves the choice to the planner."""
-    deciding = (fixed or {}).get("activation_offload") == "auto"  # then "off" is named, to replace the "auto"
-    fixed = {k: v for k, v in (fixed or {}).items() if (k, v) != ("activation_offload", "auto")}
-    mlps = []
-    for mlp in tiled_mlp:
-        for chunk in (mlp_chunk_tokens if mlp != "off" else (None,)):
-            mlps.append({"tiled_mlp": mlp, **({"mlp_chunk_tokens": chunk} if chunk is not None else {})})
-    plans, seen = [], set()
-    for loss in tiled_loss:
-        tiled = {"tiled_loss": "on", "return_logits": False} if loss == "on" else {"tiled_loss": "off"}
-        if loss == "on" and loss_chunk_tokens is not None:
-            tiled["loss_chunk_tokens"] = loss_chunk_tokens
-        for mlp in mlps:
-            for offload in activation_offload:
-                for name, options in _checkpointing_plans():
-                    if checkpointing is not None and name not in checkpointing:
-                        continue
-                    offloading = {"activation_offload": offload} if offload == "on" or deciding else {}
-                    options = _with_fixed({**options, **tiled, **mlp, **offloading}, fixed)
-                    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
-                    if key not in seen:
-                        seen.add(key)
-                        plans.append(MemoryPlan(plan_name(options), options))
-    return tuple(plans)
+def _settings(technique: MemoryTechnique, names: Sequence[str] | None, chunks, deciding: bool) -> list[dict]:
+    """The options of each candidate of ``technique`` named in ``names`` (None: all), in the technique's order; an
+    active one once per chunk size of ``chunks`` (its ``chunk_option``: one size or several; None: the pass's
+    default); ``deciding``: its option named in each ("auto" fixed, `MemoryTechnique.planner_decides`)."""
+    known = [c.name for c in technique.candidates]
+    if names is not None and set(names) - set(known):
+        raise AutoSPError(f"{technique.option} candidate(s) {sorted(set(names) - set(known))}: choose among "
+                          f"{tuple(known)}")
+    sizes = (chunks,) if chunks is None or isinstance(chunks, int) else tuple(chunks)
+    found = []
+    for candidate in technique.candidates:
+        if names is not None and candidate.name not in names:
+            continue
+        options = {technique.option: candidate.name, **candidate.options} if deciding else dict(candidate.options)
+        chunked = technique.chunk_option is not None and technique.is_active(options)
+        for chunk in sizes if chunked else (None,):
+            found.append({**options, **({technique.chunk_option: chunk} if chunk is not None else {})})
+    return found
 
+
+def candidate_plans(*, fixed: Mapping | None = None, techniques: tuple[MemoryTechnique, ...] = MEMORY_TECHNIQUES,
+                    **choices) -> tuple[MemoryPlan, ...]:
+    """The candidates: every combination of one candidate per technique of ``techniques`` (the registry,
+    `autosp.config.MEMORY_TECHNIQUES`), named by `plan_name`.  ``choices``, keyed by a technique's option: the
+    names of its candidates to try (default: all), e.g. ``checkpointing=("none", "sac@0.5")``,
+    ``tiled_loss=("on",)``; keyed by its ``chunk_option``: the chunk sizes of its active candidates (one or several;
+    None, the default: the pass's own, e.g. ``loss_chunk_tokens=16``, ``mlp_chunk_tokens=(None, 64)``).
+
+    The built-in candidates: checkpointing in {none, sac x `autosp.config.SAC_BUDGETS`, full, layer} ("layer" is
+    per-layer checkpointing as hand-written baselines run it: the residual stream kept, everything else recomputed,
+    the all-to-alls included) x tiled loss off/on x tiled MLP off/on ("on" once per chunk size; None: one chunk's
+    input-projection outputs within 64 MiB, autosp.passes.dynamo.tiled_mlp.MLP_CHUNK_BYTES) x activation offload
+    off/on.  The tiled loss runs with ``return_logits=False`` (else a Hugging Face model's returned logits are
+    materialised anyway) and ``loss_chunk_tokens`` (default None: one chunk's fp32 logits within 64 MiB,
+    autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES).  Activation offload moves the tensors saved for backward to
+    host memory: the plan then also needs host memory, `autosp.plan.predict.Prediction.host_fits`.  The
+    techniques vary in registry order, the first slowest, but checkpointing fastest (``innermost``).
+
+    ``fixed``: options the user set, which every candidate takes over its own (candidates that become equal are
+    listed once); ``activation_offload="auto"`` among them leaves the choice to the planner
+    (`MemoryTechnique.planner_decides`)."""
+    fixed = dict(fixed or {})
+    known = {name for t in techniques for name in (t.option, t.chunk_option) if name is not None}
+    if set(choices) - known:
+        raise TypeError(f"candidate_plans() got unexpected keyword argument(s) {sorted(set(choices) - known)}: "
+                        f"choose among {sorted(known)}")
+    deciding = {t.option for t in techniques if t.planner_decides and fixed.get(t.option) == "auto"}
+    fixed = {k: v for k, v in fixed.items() if k not in deciding}  # "off" is named, to replace the "auto"
+    settings = {t.option: _settings(t, choices.get(t.option), choices.get(t.chunk_option) if t.chunk_option else None,
+                                    t.option in deciding) for t in techniques}
+    varying = [t.option for t in techniques if not t.innermost] + [t.option for t in techniques if t.innermost]
+    plans, seen = [], set()
+    for combination in itertools.product(*(settings[option] for option in varying)):
+        chosen = dict(zip(varying, combination, strict=True))
+        options = _with_fixed({k: v for t in techniques for k, v in chosen[t.option].items()}, fixed, techniques)
+        key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+        if key not in seen:
+            seen.add(key)
+            plans.append(MemoryPlan(plan_name(options, techniques), options))
+    return tuple(plans)
 
 
 def sized_candidate_plans(model_config: Mapping, *, itemsize: int, target_memory: int,

@@ -2,7 +2,7 @@
 and the longest sequence that fits.
 
 The step is built from the real AutoSP program: the model is traced on fake tensors
-(`autosp.export.trace_fake_step`) and exported (`autosp.export.export_workload`), the data-parallel replicas and
+(`autosp.tracing.trace_fake_step`) and exported (`autosp.export.export_workload`), the data-parallel replicas and
 DeepSpeed's gradient reduction and optimizer step are added (`simulator.training_step.add_training_step`), and
 the simulator runs it on the cluster.  Memory has one definition (docs/design.md, "One memory
 definition"): the ledger of the training configuration inside backward (`simulator.ledger.memory_ledger`,
@@ -19,8 +19,10 @@ import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from autosp.config import MEMORY_TECHNIQUES
 from autosp.errors import AutoSPError
 from autosp.plan.model_source import ModelSource
+from autosp.techniques import technique
 from simulator.cluster import Cluster
 from simulator.engine import simulate
 from simulator.ledger import OPTIMIZER_STATES, LedgerLine, TrainingConfig, memory_ledger, summarize
@@ -43,7 +45,7 @@ from simulator.training_step import (
     host_optimizer_time_s,
     release_gradients,
 )
-from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES, Workload
+from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES, SPKind, Workload
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +158,7 @@ class Traced:
     program)."""
 
 
-OFFLOAD_OPTION = "activation_offload"
+OFFLOAD_OPTION = technique("activation_offload", MEMORY_TECHNIQUES).option
 """The `autosp.compile` option of activation offload: a rewrite of the partitioned graphs, so a plan with it on
 reuses the trace (and the partition) of the same plan without it (`TraceReuse`, docs/design.md "Trace reuse")."""
 
@@ -186,7 +188,7 @@ def _torch_dtype(dtype: str):
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 
-CHECKPOINTING_OPTIONS = ("checkpointing", "sac_memory_budget")
+CHECKPOINTING_OPTIONS = technique("checkpointing", MEMORY_TECHNIQUES).options
 """The `autosp.compile` options that act only after AOTAutograd builds the joint graph: plans differing only in
 these share one trace (`TraceReuse`)."""
 
@@ -229,7 +231,7 @@ def trace_step(source: ModelSource, setup: TrainingSetup, *, seq_len: int, layer
     decision's shared mask rules (`TraceReuse.mask_rules`)."""
     import torch
 
-    from autosp.export import trace_fake_step
+    from autosp.tracing import trace_fake_step
 
     hf = source.config(seq_len=seq_len, num_layers=layers)
     depth = hf.num_hidden_layers
@@ -308,10 +310,10 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
     from torch import fx
     from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
-    from autosp.api import compile as autosp_compile
     from autosp.backend import JointCaptured, make_backend
-    from autosp.export import FAKE_TRACE_OPTIONS, fake_training_sample
+    from autosp.model import TraceHooks
     from autosp.pipeline import passes_for
+    from autosp.tracing import compile_for_trace, fake_training_sample
 
     hf = source.config(seq_len=seq_len, num_layers=layers)
     dtype = _torch_dtype(setup.dtype)
@@ -324,13 +326,35 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
             fake_mode, model, inputs):
         parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         found: list = [None] * len(strategies)
+        capture: dict = {}  # the one Dynamo capture, once made: its graph, example inputs, their roles and shapes
+
+        def compile_from_capture(m, **local):
+            """A core's program: its backend run on a copy of the shared capture, up to the joint graph."""
+            gm, example_inputs, roles, shapes = capture["graph"], capture["inputs"], capture["roles"], capture["shapes"]
+            shard = [local[r] if r else x for r, x in zip(roles, example_inputs, strict=True)]
+            if [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in shard] != shapes:
+                raise AutoSPError("its shard has other shapes than the shared Dynamo capture's")
+            # Lazy graph modules (torch's own switch, scoped to this block): nothing compiled here is
+            # called, so no graph's Python code is generated.
+            with warnings.catch_warnings(), _use_lazy_graph_module(True):
+                warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+                graph = _make_graph_module(gm, copy.deepcopy(gm.graph))
+                try:
+                    make_backend(m._ctx, m.config, passes=passes_for(m.config))(graph, shard)
+                except JointCaptured:
+                    pass
+
+        def program_for(m):
+            def run(**local):  # the first core's call makes the capture; every core then runs from it
+                return dynamo_capture(**local) if not capture else compile_from_capture(m, **local)
+            return run
+
         compiled = []
+        hooks = TraceHooks(capture_joint=True, joint_only=True, mask_rules=mask_rules)
         for i, strategy in enumerate(strategies):
-            try:  # as autosp.export.trace_fake_step compiles its one model
-                compiled.append(autosp_compile(model, sp_size=setup.sp_size, compiler="aot_eager",
-                                               **{**FAKE_TRACE_OPTIONS, **(options or {}), **strategy}))
-                compiled[-1]._ctx.capture_joint = compiled[-1]._ctx.joint_only = True
-                compiled[-1]._ctx.mask_rules = mask_rules
+            try:  # as autosp.tracing.trace_fake_step compiles its one model
+                compiled.append(compile_for_trace(model, sp_size=setup.sp_size, hooks=hooks, program_for=program_for,
+                                                  **{**(options or {}), **strategy}))
             except AutoSPError as err:
                 found[i] = err
                 compiled.append(None)
@@ -339,27 +363,12 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
             return found
 
         def capture_every_strategy(gm: fx.GraphModule, example_inputs):
-            roles = [first._ctx.input_roles.get(id(x)) for x in example_inputs]
-            shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in example_inputs]
+            capture.update(graph=gm, inputs=example_inputs,
+                           roles=[first._ctx.input_roles.get(id(x)) for x in example_inputs],
+                           shapes=[tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in example_inputs])
             for i, m in enumerate(compiled):
                 if m is None:
                     continue
-
-                def compile_from_capture(m=m, **local):
-                    shard = [local[r] if r else x for r, x in zip(roles, example_inputs, strict=True)]
-                    if [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in shard] != shapes:
-                        raise AutoSPError("its shard has other shapes than the shared Dynamo capture's")
-                    # Lazy graph modules (torch's own switch, scoped to this block): nothing compiled here is
-                    # called, so no graph's Python code is generated.
-                    with warnings.catch_warnings(), _use_lazy_graph_module(True):
-                        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-                        graph = _make_graph_module(gm, copy.deepcopy(gm.graph))
-                        try:
-                            make_backend(m._ctx, m.config, passes=passes_for(m.config))(graph, shard)
-                        except JointCaptured:
-                            pass
-
-                m.__dict__["_compiled"] = compile_from_capture
                 try:
                     m(**inputs)
                     report = m._ctx.report
@@ -371,8 +380,7 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
                     found[i] = err
             raise _EveryStrategyCaptured
 
-        first.__dict__["_compiled"] = torch.compile(model, backend=capture_every_strategy, fullgraph=True,
-                                                    dynamic=False)
+        dynamo_capture = torch.compile(model, backend=capture_every_strategy, fullgraph=True, dynamic=False)
         with fake_mode:
             try:
                 first(**inputs)
@@ -1118,7 +1126,7 @@ AUTO_STRATEGIES = COMPILED_STRATEGIES
 """The compiled strategies ``strategy="auto"`` simulates (``simulator.workload``'s ``COMPILED_STRATEGIES``): Ulysses,
 the ring and every hybrid Ulysses degree that runs (`strategy_candidates`)."""
 STRATEGY_CHOICES = tuple(kind for kind in SEQUENCE_PARALLEL
-                         if kind in AUTO_STRATEGIES and kind != "hybrid" or kind in CHOSEN_STRATEGIES)
+                         if kind in AUTO_STRATEGIES and not SPKind(kind).grouped or kind in CHOSEN_STRATEGIES)
 """``--strategy``: a strategy of `AUTO_STRATEGIES` that needs no degree (the hybrid needs its Ulysses degree, which
 the CLI has no flag for), or ``auto`` (`choose_strategy`); read from the registry."""
 

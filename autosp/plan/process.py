@@ -1,16 +1,16 @@
-"""The planner's own process (``python -m autosp.plan.auto``), started ahead of its request.
+"""The planner's own process (``python -m autosp.plan.worker``), started ahead of its request.
 
 Note [Planner process started ahead]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A compiled model's planner runs in a fresh Python process (autosp/plan/auto.py says why), and a fresh process
 spends its first seconds importing torch, its compiler and transformers: 6.6 CPU-s on a 2-core machine, about as
 long as predicting one strategy candidate then takes, and none of it depends on what is asked.  So a
-`PlannerProcess` is started before its request is known: ``python -m autosp.plan.auto - OUT`` makes those imports
+`PlannerProcess` is started before its request is known: ``python -m autosp.plan.worker - OUT`` makes those imports
 (`COMPILE_IMPORTS` and the planner's own modules), prints ``ready`` and waits for the request, one line of JSON, on
 its standard input (a line, not the stream to its end: a DataLoader worker the job forks meanwhile holds a copy of
 the pipe, whose end then never comes); `PlannerProcess.answer` sends it and waits for the decision, which the process writes to OUT before it
 ends without the interpreter's teardown (1.8 s once torch is loaded).  With ``--warm-up`` it first predicts a tiny
-Llama (`autosp.plan.auto.warm_up`), which pays a fresh process's first-use costs of Dynamo and AOTAutograd
+Llama (`autosp.plan.worker.warm_up`), which pays a fresh process's first-use costs of Dynamo and AOTAutograd
 (about 3 s of an 8B candidate's prediction) before the request; `start_planner` asks for it, since a script
 that starts its process before loading its model leaves it time, and the automatic start below does not, since
 the first batch may follow the compile at once.
@@ -84,7 +84,7 @@ def import_ahead(names) -> None:
 
 class PlannerProcess:
     """One planner process, started now and asked later (Note [Planner process started ahead]).  ``warm_up``: after
-    its imports the process also predicts a tiny model (`autosp.plan.auto.warm_up`) before it says ready, for a
+    its imports the process also predicts a tiny model (`autosp.plan.worker.warm_up`) before it says ready, for a
     process whose request is seconds away."""
 
     def __init__(self, warm_up: bool = False):
@@ -98,7 +98,7 @@ class PlannerProcess:
         self.ready_seconds: float | None = None
         """Seconds from the start to the end of the imports (set by `wait_ready`)."""
         # -X faulthandler: the process prints every thread's Python stack when `answer` aborts it at its timeout
-        command = [sys.executable, "-X", "faulthandler", "-m", "autosp.plan.auto", "-", str(self._out),
+        command = [sys.executable, "-X", "faulthandler", "-m", "autosp.plan.worker", "-", str(self._out),
                    *(["--warm-up"] if warm_up else [])]
         self._process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=self._log, text=True)

@@ -1,7 +1,7 @@
 """``python -m experiments.cpu.bench_lengths``: one compiled model trained on many sequence lengths.
 
 A compiled model needs no setting for variable lengths: each distinct shard length
-compiles one program (Note [One program per length] in autosp/api.py).  This trains
+compiles one program (Note [One program per length] in autosp/model.py).  This trains
 one Hugging Face model on 2 gloo ranks over ``--lengths`` in order, with
 `autosp.compile`'s default options unless told otherwise, and checks every step
 against a single-device run of the full sequence (loss and every gradient); it prints

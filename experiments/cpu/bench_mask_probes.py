@@ -2,7 +2,7 @@
 
 Hugging Face Llama with ``use_cache=False`` (the packed-sequence mask it builds from the position ids, what
 ``AutoSPTrainer`` and gradient checkpointing run), one decoder layer, traced by the real passes on fake tensors
-and a fake group of ``--sp-size`` ranks with a real packed layout (`autosp.export.trace_fake_step`: the real
+and a fake group of ``--sp-size`` ranks with a real packed layout (`autosp.tracing.trace_fake_step`: the real
 batch is checked too), once per variant, each in its own process (its peak resident memory is its own):
 
 - ``shard``: the mask program probed as traced, on blocks of the shard's length (``mask_probe_tokens`` set to it:
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def _trace(spec: dict) -> dict:
     import torch
 
-    from autosp.export import trace_fake_step
+    from autosp.tracing import trace_fake_step
     from experiments.models import build_model
 
     def build():

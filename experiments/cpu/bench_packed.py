@@ -4,7 +4,7 @@ Hugging Face Llama (``use_cache=False``: it builds its packed-sequence mask from
 position ids), compiled by AutoSP on 2 gloo ranks, trained on the same tokens as
 
 - ``unpacked``: one document per row (plain positions: causal SDPA checked on every call, Note [Document
-  program] in autosp/api.py),
+  program] in autosp/model.py),
 - ``packed``: ``--documents`` documents per row (position ids restarting at each),
 - ``causal sdpa``: the same model with ``use_cache=True`` (no mask built: Ulysses' causal SDPA),
 

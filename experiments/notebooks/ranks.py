@@ -14,7 +14,7 @@ import time
 import warnings
 
 RTOL, ATOL = 1e-4, 1e-6
-"""The project's tolerance for an fp32 equivalence (README, "What AutoSP guarantees")."""
+"""The project's tolerance for an fp32 equivalence (docs/guarantees.md, "What AutoSP guarantees")."""
 
 
 def _sample(seq_len: int, vocab: int):

@@ -2,7 +2,7 @@
 
 ``python -m experiments.paper_scale.analysis_cost [--model llama-3.1-8b] [--world 8] [--seq-len 8192]`` traces
 one training step of the paper-scale Hugging Face Llama (all 32 layers, fake tensors, a fake process
-group: `autosp.export.trace_fake_step`) with AutoSP (aot_eager, default SAC and overlap) and prints the
+group: `autosp.tracing.trace_fake_step`) with AutoSP (aot_eager, default SAC and overlap) and prints the
 wall time of each Dynamo-stage pass next to the whole first step (Dynamo tracing, the passes,
 AOTAutograd, partitioning).
 """
@@ -19,7 +19,7 @@ def measure(model_name: str, world: int, seq_len: int) -> dict[str, float]:
     """Seconds of each Dynamo-stage pass and of the whole first step (trace, passes, AOTAutograd, codegen)."""
     import transformers
 
-    from autosp.export import trace_fake_step
+    from autosp.tracing import trace_fake_step
     from experiments.models import PAPER_MODELS
 
     model = PAPER_MODELS[model_name]

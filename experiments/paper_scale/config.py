@@ -68,6 +68,9 @@ from dataclasses import dataclass, field
 from experiments.paper_scale.fork import FORK, FORK_TRACE, ForkTrace
 from simulator.strategies import STRATEGIES
 
+PAPER_CLUSTER, PAPER_RANKS = "a100-80gb-sxm", 8
+"""The AutoSP paper's machine: 8 A100-80GB (SXM) in one node."""
+
 
 @dataclass(frozen=True)
 class PaperConfig:
@@ -286,7 +289,6 @@ def explain_outside(rows: list[dict], results: dict) -> list[dict]:
     """``rows`` of `configuration_band` with an ``outside_evidence`` column (`outside_evidence`); ``results``:
     {(model, system): {config name: MaxLength}} of the searches behind them, on the paper's cluster."""
     from experiments.models import PAPER_MODELS
-    from experiments.paper_scale.simulate import PAPER_CLUSTER
     from simulator import Cluster
 
     capacity = int(Cluster.from_preset(PAPER_CLUSTER).device.memory_bytes)

@@ -53,11 +53,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 
-from autosp.export import ModuleParameters, export_workload, module_parameters, trace_fake_step
+from autosp.export import ModuleParameters, export_workload, module_parameters
 from autosp.joint_template import INTERPOLATED, RESIZED, LengthClass
+from autosp.tracing import trace_fake_step
 from experiments.baselines.autosp_system import autosp_options as strategy_options
 from experiments.models import PAPER_MODELS, PaperModel
-from experiments.paper_scale.config import PAPER_CONFIG, PaperConfig, peak_memory_bytes, training_config
+from experiments.paper_scale.config import (
+    PAPER_CLUSTER,
+    PAPER_CONFIG,
+    PaperConfig,
+    peak_memory_bytes,
+    training_config,
+)
 from experiments.paper_scale.fork import build_llama, sdpa_backends, ulysses_kernel
 from simulator import Cluster, simulate
 from simulator.max_length import BANDS, ModelStep, extrapolate_or_trace_full
@@ -68,7 +75,6 @@ from simulator.workload import Workload
 
 log = logging.getLogger(__name__)
 
-PAPER_CLUSTER = "a100-80gb-sxm"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import pathlib
 
+from experiments.paper_scale.config import PAPER_CLUSTER, PAPER_RANKS  # noqa: F401 - the tables read them here
 from simulator.strategies import STRATEGIES
 
 REFERENCE_CSV = pathlib.Path(__file__).resolve().parents[1] / "data" / "autosp-paper-figures.csv"
@@ -15,7 +16,6 @@ CPU_MODEL, CPU_MODEL_OPTIONS = "hf-llama", {"kv_heads": 4}  # 8 query heads, 4 k
 EXACT_GRAD_ERROR = 1e-3  # above this relative gradient error a system is flagged inexact
 MEASUREMENT_TIMEOUT_S = 3600.0  # deadline of one gloo run of the measured tables (all systems)
 COLLECTIVE_TIMEOUT_S = 600.0  # how long a collective waits for a rank still compiling
-PAPER_CLUSTER, PAPER_RANKS = "a100-80gb-sxm", 8
 
 
 def published_figures() -> list[dict[str, str]]:

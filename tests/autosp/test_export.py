@@ -232,7 +232,7 @@ def test_export_prices_the_tiled_mlp_backward_as_the_memory_its_kernel_holds():
     inside the kernel is its outputs plus the one-chunk scratch the export allocates and frees with the op
     (`autosp.costs.workspace_bytes`); a chunk's value kept into the next chunk would be measured above it."""
     from autosp.costs import TILED_MLP, nbytes_of, workspace_bytes
-    from autosp.export import trace_fake_step
+    from autosp.tracing import trace_fake_step
     from experiments.cpu.peak_memory import PeakMemory
 
     torch._dynamo.reset()

@@ -7,7 +7,10 @@ over an in-memory dataset of varied lengths, an in-memory tokenizer), gradient
 accumulation 2, HF gradient checkpointing, gradient clipping and SGD, for 3
 optimizer steps.  Every parameter afterwards equals a plain single-device loop over
 the same batches in the same order with the Trainer's loss (sum over the
-accumulated targets / their count) (fp32 rtol 1e-4 / atol 1e-6).
+accumulated targets / their count) (fp32 rtol 1e-4 / atol 1e-6).  With ``bf16=True`` the
+compiled forward runs under the Trainer's autocast and matches the plain single-device
+Trainer's bf16 step (Note [The bf16 comparison]); the longest padded sample reaches
+``plan_seq_len`` where the compile plans.
 """
 
 from __future__ import annotations
@@ -151,3 +154,275 @@ def test_a_frameworks_job_setup_fills_plan_setup_unless_nothing_can_be_planned()
     planned = with_job_setup({"memory_plan": "auto", "plan_setup": {"micro_batch": 2}}, job)
     assert planned == {"memory_plan": "auto", "plan_setup": {"zero_stage": 0, "micro_batch": 2}}  # the user's win
     assert with_job_setup({"strategy": "auto"}, job)["plan_setup"] == {"zero_stage": 0, "micro_batch": 4}
+
+
+# -- mixed precision -------------------------------------------------------------------------------------------------
+# Note [The bf16 comparison]
+# AutoSPTrainer with bf16=True on 2 gloo ranks against the plain single-device transformers.Trainer with bf16=True:
+# same model, seed, samples and order, one SGD step (no clipping), the gradients read before the step.  bf16 under
+# autocast rounds every matmul's output to 8 significant bits (unit roundoff u = 2^-8), so the two runs agree
+# exactly only where they compute the same sums in the same shapes:
+# - the forward: each token's activations are the same sums in both runs (row-wise matmuls, attention over the
+#   whole sequence per head after the all-to-all), so the logits and the loss are bitwise equal; the loss is held
+#   to fp32 round-off of its sum over the shards (rtol 1e-6), far inside its distance from the fp32 run's loss
+#   (checked to be over 10 times that), which makes the loss a witness of bf16 too;
+# - an nn.Linear weight's gradient is a sum over tokens of dy x^T, rounded to bf16 once on one device and once per
+#   rank's shard before the fp32 sum over ranks under AutoSP: |difference| <= u |g| + u (|P_0| + |P_1|) <= 2 u S
+#   elementwise, with S = sum over tokens of |dy| |x|^T (the terms' absolute values, recorded by hooks in the
+#   reference run) and P_r rank r's partial sum; allowed: 3 u S (one u more for the GEMMs' fp32 accumulation and
+#   a bf16 rounding of an output gradient that the fp32 loss scaling moves across a rounding boundary).  S bounds
+#   each element by the magnitude of its own terms, so a gradient that cancels to near zero is held to the error
+#   its sum can actually have, not to a fraction of the tensor's largest element;
+# - the other parameters (RMSNorm weights, the embedding) take fp32 gradients from per-token values equal in both
+#   runs, differing by the order of the fp32 sum over tokens: the fp32 tolerance above.
+# And the program really ran in bf16: every logit the compiled model returned (upcast to fp32 as accelerate does)
+# is a bf16 value, which an fp32 matmul's output essentially never is.
+# The samples fill their batch (16 tokens each, no padding): with a padding mask AutoSP's attention takes a
+# different path than eager SDPA's, whose bf16 output differs by up to one bf16 unit in the last place, and the
+# per-token equality the bound rests on no longer holds (fp32 runs with padding: the test above).
+UNIT_ROUNDOFF_BF16 = 2.0 ** -8
+LINEAR_GRAD_FACTOR = 3  # x u x S, Note [The bf16 comparison]
+LOSS_RTOL = 1e-6
+
+
+def _bf16_dataset():
+    g = torch.Generator().manual_seed(5)
+    return [{"input_ids": torch.randint(2, VOCAB, (16,), generator=g).tolist()} for _ in range(BATCH)]
+
+
+def _bf16_args(out_dir, **extra):
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1, max_steps=1,
+        learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+        report_to=[], save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        bf16=True, **extra)
+
+
+def _gradient_recorder():
+    """A Trainer callback keeping the gradients the optimizer is about to apply."""
+    import transformers
+
+    class Recorder(transformers.TrainerCallback):
+        def __init__(self):
+            self.grads = {}
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    return Recorder()
+
+
+def _absolute_sums(model) -> dict:
+    """For each nn.Linear weight, S = sum over tokens of |dy| |x|^T (x as the bf16 matmul reads it), filled by hooks
+    during the training step (Note [The bf16 comparison])."""
+    sums = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            def forward_hook(mod, args, out):
+                mod.seen_input = args[0].detach().to(torch.bfloat16).float().abs().flatten(0, -2)
+
+            def backward_hook(mod, grad_input, grad_output, key=f"{name}.weight"):
+                sums[key] = sums.get(key, 0) + grad_output[0].detach().float().abs().flatten(0, -2).T @ mod.seen_input
+
+            module.register_forward_hook(forward_hook)
+            module.register_full_backward_hook(backward_hook)
+    return sums
+
+
+def _train_bf16_autosp(rank, world, out_dir):
+    import transformers
+
+    from autosp.integrations.hf import AutoSPTrainer
+    from experiments.models import build_model
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"})
+    logits = []
+
+    class Seen(AutoSPTrainer):  # AutoSPTrainer, keeping the logits the compiled model returned
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+            logits.append(outputs.logits.detach().clone())
+            return (loss, outputs) if return_outputs else loss
+
+    torch.manual_seed(0)
+    model = build_model("hf-llama")
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False, pad_to_multiple_of=8)
+    recorder = _gradient_recorder()
+    trainer = Seen(model=model, args=_bf16_args(out_dir), train_dataset=_bf16_dataset(), data_collator=collator,
+                   callbacks=[recorder], sp_size=world, autosp_options={"compiler": "aot_eager"})
+    order = list(iter(trainer.get_train_dataloader().sampler))
+    loss = trainer.train().training_loss
+    return {"order": order, "loss": loss, "grads": recorder.grads, "logits": logits,
+            "autocast": trainer.accelerator.native_amp}
+
+
+def _train_bf16_reference(rank, world, out_dir, order):
+    """The plain single-device Trainer with bf16 on the samples in the AutoSP run's order; the fp32 loss."""
+    import transformers
+
+    from experiments.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("hf-llama")
+    model.config.use_cache = False  # as AutoSPTrainer sets it
+    fp32 = copy.deepcopy(model)
+    dataset = [_bf16_dataset()[i] for i in order]
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False, pad_to_multiple_of=8)
+    recorder = _gradient_recorder()
+    sums = _absolute_sums(model)
+    trainer = transformers.Trainer(model=model, args=_bf16_args(out_dir, train_sampling_strategy="sequential"),
+                                   train_dataset=dataset, data_collator=collator, callbacks=[recorder])
+    loss = trainer.train().training_loss
+    batch = collator(dataset)
+    assert (batch["labels"] != -100).all(), "the samples were padded (Note [The bf16 comparison])"
+    return {"loss": loss, "grads": recorder.grads, "sums": sums, "fp32_loss": fp32(**batch).loss.item()}
+
+
+def test_hf_trainer_bf16_trains_like_the_single_device_bf16_trainer(tmp_path):
+    """bf16=True is kept: the compiled forward runs under the Trainer's autocast (Note [Mixed precision under the
+    Trainer] in autosp/integrations/hf.py), and its loss and gradients are the plain Trainer's bf16 ones within
+    what bf16's rounding of differently split sums allows (Note [The bf16 comparison])."""
+    autosp_run = run_on_ranks(_train_bf16_autosp, 2, str(tmp_path / "autosp"), timeout_s=300)
+    reference = run_on_ranks(_train_bf16_reference, 1, str(tmp_path / "reference"), autosp_run[0]["order"],
+                             timeout_s=300)[0]
+    assert abs(reference["loss"] - reference["fp32_loss"]) > 10 * LOSS_RTOL * abs(reference["fp32_loss"]), \
+        "bf16 and fp32 give the same loss here: the loss would not tell them apart"
+    for rank, r in enumerate(autosp_run):
+        assert r["autocast"], "accelerate left bf16 on CPU without autocast"
+        in_bf16 = [bool((x == x.to(torch.bfloat16).float()).all() and x.abs().max() > 0) for x in r["logits"]]
+        assert in_bf16 and all(in_bf16), f"rank {rank}: the compiled forward did not run in bf16"
+        torch.testing.assert_close(r["loss"], reference["loss"], rtol=LOSS_RTOL, atol=0,
+                                   msg=lambda m, rank=rank: f"rank {rank} loss, fp32 loss "
+                                                            f"{reference['fp32_loss']}: {m}")
+        assert r["grads"].keys() == reference["grads"].keys()
+        for name, grad in r["grads"].items():
+            expected = reference["grads"][name]
+            assert expected.abs().max() > 0, f"{name}: no gradient, the comparison would be vacuous"
+            if name in reference["sums"]:
+                allowed = LINEAR_GRAD_FACTOR * UNIT_ROUNDOFF_BF16 * reference["sums"][name]
+                excess = (grad - expected).abs() - allowed
+                assert (excess <= 0).all(), (
+                    f"rank {rank} {name}: {int((excess > 0).sum())} elements differ from the bf16 Trainer's by more "
+                    f"than {LINEAR_GRAD_FACTOR} u S (largest excess {excess.max():.3g})")
+            else:
+                torch.testing.assert_close(grad, expected, **FP32_TOL,
+                                           msg=lambda m, w=f"rank {rank} {name}": f"{w}: {m}")
+
+
+# -- the planned length ----------------------------------------------------------------------------------------------
+def test_hf_trainer_longest_sample_is_read_as_the_trainer_reads_lengths():
+    from autosp.integrations.hf import longest_sample
+
+    class Columns(list):  # what the Trainer reads of a datasets.Dataset: whole columns by name
+        column_names = ["input_ids", "length"]
+
+        def __getitem__(self, key):
+            if key == "length":
+                return [7, 31, 12]  # the precomputed length column wins
+            return [[1] * 5, [1] * 9] if key == "input_ids" else super().__getitem__(key)
+
+    assert longest_sample([{"input_ids": [1] * n} for n in (5, 17, 9)]) == 17
+    assert longest_sample([{"tokens": [1] * 17}], input_name="tokens") == 17  # the processor's model input name
+    assert longest_sample(Columns([None, None, None])) == 31
+    assert longest_sample(Columns([None, None, None]), length_column=None) == 9
+    assert longest_sample([{"text": "a b c"}]) is None  # tokenised in the collator: unknown here
+    assert longest_sample(None) is None
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield {"input_ids": [1, 2, 3]}
+
+    assert longest_sample(Stream()) is None
+
+
+def test_hf_trainer_planned_length_pads_as_the_collator_and_autosp_do():
+    import transformers
+
+    from autosp.integrations.hf import planned_length
+
+    lm = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False, pad_to_multiple_of=8)
+    assert planned_length(13, lm, sp_size=2) == 16
+    assert planned_length(13, lm, sp_size=3) == 18  # 16 from the collator, then a multiple of sp_size
+    assert planned_length(13, lm, sp_size=4, strategy="ring") == 16  # 2 * sp_size: the zig-zag layout
+    assert planned_length(17, lm, sp_size=4, strategy="auto") == 24  # "auto" may choose the ring
+    assert planned_length(13, lm, sp_size=2, length_bucket=32) == 32
+    assert planned_length(13, None, sp_size=2) == 14
+    fixed = transformers.DataCollatorWithPadding(_tokenizer(), padding="max_length", max_length=40)
+    assert planned_length(13, fixed, sp_size=2) == 40
+
+
+def _plan_seq_len_options(rank, world, out_dir):
+    """The options AutoSPTrainer passes to autosp.compile, for a few autosp_options (the compile itself replaced
+    by the config it would build, so that no planner runs)."""
+    import types
+
+    import transformers
+
+    import autosp.integrations.hf as hf
+    from autosp.config import AutoSPConfig
+    from autosp.plan.auto import resolve_memory_plan
+    from experiments.models import build_model
+
+    passed = []
+
+    def compile_config(model, *, sp_size, compiler="inductor", **options):
+        passed.append(dict(options))
+        config = resolve_memory_plan(model, AutoSPConfig.from_options(sp_size=sp_size, compiler=compiler,
+                                                                      options=options))
+        return types.SimpleNamespace(config=config)
+
+    hf.autosp_compile = compile_config
+    args = transformers.TrainingArguments(output_dir=out_dir, report_to=[], use_cpu=True, disable_tqdm=True)
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(), mlm=False, pad_to_multiple_of=8)
+    trainer = hf.AutoSPTrainer(model=build_model("hf-llama"), args=args, train_dataset=_dataset(1),
+                               data_collator=collator, sp_size=2)
+    results = {}
+    for case, options in {
+        "cpu default": {"compiler": "aot_eager"},  # no memory size on CPU: nothing planned
+        "planned by default": {"target_memory": 2 ** 30},
+        "memory_plan auto": {"memory_plan": "auto", "target_memory": 2 ** 30},
+        "given": {"memory_plan": "auto", "target_memory": 2 ** 30, "plan_seq_len": 64},
+        "memory_plan off": {"memory_plan": "off"},
+        "strategy auto": {"strategy": "auto"},
+    }.items():
+        trainer._autosp_options, trainer._sp_model = options, None
+        config = trainer.sp_model.config
+        results[case] = (passed[-1], config.memory_plan, config.plan_seq_len)
+    trainer._autosp_options, trainer._sp_model, trainer.train_dataset = {"target_memory": 2 ** 30}, None, None
+    results["no dataset"] = trainer.sp_model.config.plan_seq_len
+    return results
+
+
+def test_hf_trainer_passes_the_longest_padded_sample_as_plan_seq_len(tmp_path):
+    """Note [The planned length under the Trainer]: where the compile plans and plan_seq_len is not given, the
+    longest sample (20 tokens in `_dataset`) padded by the collator (to 24) and AutoSP reaches the config."""
+    results = run_on_ranks(_plan_seq_len_options, 1, str(tmp_path), timeout_s=120)[0]
+    assert max(len(s["input_ids"]) for s in _dataset(1)) == 20
+    options, plan, length = results["cpu default"]
+    assert (plan, length) == ("off", None) and "plan_seq_len" not in options and "plan_setup" not in options
+    for case in ("planned by default", "memory_plan auto"):
+        options, plan, length = results[case]
+        assert (plan, length, options["plan_seq_len"]) == ("auto", 24, 24), case
+    assert results["given"][1:] == ("auto", 64)  # the user's wins
+    assert results["memory_plan off"] == ({"memory_plan": "off"}, "off", None)
+    options, _, _ = results["strategy auto"]
+    assert options["plan_seq_len"] == 24  # a multiple of 2 * sp_size too: "auto" may choose the ring
+    assert results["no dataset"] is None  # the first batch's length, with a warning
+
+
+def test_hf_trainer_integration_imports_no_names_from_the_package():
+    """autosp/__init__.py imports the integration on first use of AutoSPTrainer; the integration takes its names
+    from their defining modules, never from the package (no import circle between the two)."""
+    import ast
+    import pathlib
+
+    import autosp.integrations.hf as hf
+
+    tree = ast.parse(pathlib.Path(hf.__file__).read_text())
+    from_package = [ast.unparse(node) for node in ast.walk(tree)
+                    if (isinstance(node, ast.Import) and any(a.name == "autosp" for a in node.names))
+                    or (isinstance(node, ast.ImportFrom) and node.module == "autosp")]
+    assert from_package == []

@@ -69,7 +69,8 @@ def test_hybrid_options_are_validated_with_what_to_change():
 
 def test_hybrid_export_puts_all_to_alls_on_ulysses_groups_and_the_ring_on_ranks_u_apart():
     from autosp.costs import attention_flops
-    from autosp.export import export_workload, trace_fake_step
+    from autosp.export import export_workload
+    from autosp.tracing import trace_fake_step
     from experiments.models import build_model
     from simulator import Cluster, simulate
     from simulator.strategies import STRATEGIES

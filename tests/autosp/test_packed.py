@@ -114,7 +114,7 @@ def test_packed_documents_exact(ranks):
     _check(results, FP32_TOL)
     for case, r in zip(cases, results[0], strict=True):
         if case["documents"] == "one document":  # plain positions: causal SDPA, checked on every call
-            assert r["rules"] == [] and r["plain_positions"]  # (Note [Document program] in autosp/api.py)
+            assert r["rules"] == [] and r["plain_positions"]  # (Note [Document program] in autosp/model.py)
         else:  # HF's packed-sequence mask, learnt as documents by position and applied in every layer
             assert r["rules"] == [(True, False, None)] * 2 and not r["plain_positions"]
 

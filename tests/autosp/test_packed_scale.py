@@ -1,7 +1,7 @@
 """Packed documents at scale, on a fake process group: no [S, S] tensor, and attention priced by what it keeps.
 
 Hugging Face Llama with ``use_cache=False`` (its packed-sequence mask), one layer, traced with the real
-passes on fake tensors (autosp.export.trace_fake_step) with a real document layout."""
+passes on fake tensors (autosp.tracing.trace_fake_step) with a real document layout."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from autosp.costs import tensors_of
 
 
 def _trace(seq_len: int, sp_size: int, document_lengths: list[int]):
-    from autosp.export import trace_fake_step
+    from autosp.tracing import trace_fake_step
     from experiments.models import build_model
 
     def build():
@@ -59,7 +59,7 @@ def test_attention_of_a_packed_batch_is_priced_by_the_scores_its_mask_keeps():
         compiled, parameter_bytes = _trace(seq_len, sp_size, [seq_len // documents] * documents)
         kept = compiled.report.attention_kept_fraction
         n = seq_len // documents  # documents·n(n+1)/2 causal pairs of S² in all
-        if documents == 1:  # plain positions: causal SDPA (Note [Document program] in autosp/api.py), no mask
+        if documents == 1:  # plain positions: causal SDPA (Note [Document program] in autosp/model.py), no mask
             assert kept is None and compiled.report.requires_plain_positions
         else:
             assert kept == pytest.approx(documents * n * (n + 1) / 2 / seq_len**2, rel=1e-9)
@@ -70,7 +70,7 @@ def test_attention_of_a_packed_batch_is_priced_by_the_scores_its_mask_keeps():
 
 
 def test_inductor_compiles_a_packed_batch_with_aot_eager_and_says_why(caplog):
-    """Note [Document program] in autosp/api.py, on a shape-only trace: the packed batch's program is the document
+    """Note [Document program] in autosp/model.py, on a shape-only trace: the packed batch's program is the document
     program's (aot_eager), with its document mask, and the warning names the reason."""
     from experiments.models import build_model
 
@@ -80,7 +80,7 @@ def test_inductor_compiles_a_packed_batch_with_aot_eager_and_says_why(caplog):
         return model
 
     torch._dynamo.reset()
-    from autosp.export import trace_fake_step
+    from autosp.tracing import trace_fake_step
 
     with caplog.at_level("WARNING", logger="autosp.api"):
         compiled, _ = trace_fake_step(build, seq_len=256, sp_size=2, vocab_size=256, dtype=torch.float32,

@@ -16,6 +16,7 @@ from tests.autosp.cases import loss_of, make_sample, named_grads
 from tests.autosp.test_equivalence import FP32_TOL, _check, _run_case
 from tests.autosp.test_hybrid import check_hybrid_four_ranks, hybrid_four_rank_cases
 from tests.autosp.test_packed import _cases as packed_cases
+from tests.autosp.test_ring_export import exported_block_kernels, run_block_kernels
 from tests.harness import run_on_ranks
 
 RING = {"strategy": "ring"}
@@ -138,6 +139,69 @@ def test_ring_skips_the_pairs_of_chunks_whose_documents_do_not_meet_and_only_tho
     assert pairs == {(a, b) for a in range(8) for b in (a - 1, a) if b >= 0}
 
 
+# --- the block kernels (Note [Ring block kernels]) ------------------------------------------------------------------
+
+H100, A10, T4 = (9, 0), (8, 6), (7, 5)
+ONLY_CUDNN = {"flash": False, "efficient": False}
+
+
+@pytest.mark.parametrize("device,capability,backends,dtype,head_dim,masked,expected", [
+    ("cpu", None, {}, torch.float32, 16, False, "flash_cpu"),
+    ("cpu", None, {}, torch.float64, 12, True, "flash_cpu"),  # the CPU kernel takes any head dimension and masks
+    ("cpu", None, {}, torch.bfloat16, 64, False, "flash_cpu"),
+    ("cuda", H100, {}, torch.bfloat16, 128, False, "flash_cuda"),
+    ("cuda", H100, {}, torch.float16, 224, False, "flash_cuda"),
+    ("cuda", H100, {}, torch.bfloat16, 128, True, "efficient_cuda"),  # flash takes no mask
+    ("cuda", H100, {}, torch.float32, 64, False, "efficient_cuda"),  # flash: fp16/bf16 only
+    ("cuda", H100, {}, torch.float32, 12, False, "efficient_cuda"),  # fp32: a multiple of 4 will do
+    ("cuda", H100, {}, torch.bfloat16, 288, False, "efficient_cuda"),  # flash: head dimension up to 256
+    ("cuda", A10, {}, torch.bfloat16, 224, False, "efficient_cuda"),  # flash's backward on sm86: up to 192
+    ("cuda", T4, {}, torch.float16, 64, False, "efficient_cuda"),  # flash needs sm80
+    ("cuda", H100, {"flash": False}, torch.bfloat16, 128, False, "efficient_cuda"),  # torch.backends' switches
+    ("cuda", H100, ONLY_CUDNN, torch.bfloat16, 128, True, "cudnn_cuda"),
+    ("cuda", T4, {}, torch.bfloat16, 64, False, "math"),  # bf16 before sm80: no fused kernel
+    ("cuda", H100, {}, torch.float64, 64, False, "math"),  # no fused fp64 kernel on CUDA
+    ("cuda", H100, {}, torch.bfloat16, 12, False, "math"),  # fp16/bf16 need a multiple of 8
+    ("cuda", H100, ONLY_CUDNN, torch.bfloat16, 256, False, "math"),  # cuDNN: up to 128
+    ("mps", None, {}, torch.float32, 64, False, "math"),  # no fused kernel returning the log-sum-exp
+])
+def test_ring_block_kernel_is_the_fused_kernel_the_device_supports_and_the_math_path_only_where_none_does(
+        device, capability, backends, dtype, head_dim, masked, expected):
+    import warnings
+
+    from autosp.ring_attention import CudaDevice, MathBlockWarning, block_kernel
+
+    cuda = CudaDevice(capability, **backends) if capability else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kernel = block_kernel(device, dtype, head_dim, masked=masked, cuda=cuda)
+    assert kernel.value == expected and kernel.fused == (expected != "math")
+    warned = [str(w.message) for w in caught if issubclass(w.category, MathBlockWarning)]
+    if expected == "math":  # the warning names the cost
+        (message,) = warned
+        assert "[Lq, Lk] scores" in message and "quadratic in the block length" in message, message
+    else:
+        assert not warned
+
+
+@pytest.mark.parametrize("kernel,masked", [("flash_cuda", False), ("efficient_cuda", False), ("efficient_cuda", True),
+                                           ("cudnn_cuda", False), ("cudnn_cuda", True)])
+def test_ring_cuda_block_kernels_call_their_ops_as_the_ops_schemas_take_them(kernel, masked):
+    """The CUDA kernels' calls (untried on a GPU) run on meta tensors through each op's meta kernel: arguments as
+    the schema takes them, output [B, H, Lq, D], log-sum-exp [B, H, Lq] fp32 (the memory-efficient kernel's rows
+    unpadded), gradients of the block's q, k, v."""
+    from autosp.ring_attention import BlockKernel, _block_backward, _block_forward
+
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    q, k, v = torch.empty(2, 4, 48, 64, **meta), torch.empty(2, 4, 80, 64, **meta), torch.empty(2, 4, 80, 64, **meta)
+    mask = (torch.empty(2, 1, 48, 80, **meta), torch.empty(2, 1, 48, dtype=torch.bool, device="meta")) if masked else None
+    out, lse = _block_forward(BlockKernel(kernel), q, k, v, False, 0.125, mask)
+    assert (tuple(out.shape), out.dtype, tuple(lse.shape), lse.dtype) == ((2, 4, 48, 64), q.dtype, (2, 4, 48),
+                                                                          torch.float32)
+    grads = _block_backward(BlockKernel(kernel), out, q, k, v, out, lse, False, 0.125, mask)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+
+
 # --- on gloo ranks ------------------------------------------------------------------------------------------------
 
 
@@ -153,10 +217,11 @@ def _order_and_graphs(rank, world):
     compiled(**autosp.prepare_inputs(ids, labels=labels))  # compile outside the profiled step
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels))).backward()
-    events = sorted((e.time_range.start, e.name) for e in prof.events() if e.name.startswith("autosp.ring."))
+    events = sorted((e.time_range.start, e.name) for e in prof.events() if e.name.startswith("autosp.ring"))
     graphs = {phase: [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
               for phase, gm in compiled.report.aot_graphs}
-    return {"events": [name for _, name in events], "graphs": graphs}
+    return {"events": [name for _, name in events if name.startswith("autosp.ring.")], "graphs": graphs,
+            "blocks": run_block_kernels(name for _, name in events)}
 
 
 def _no_labels_case(rank, world):
@@ -294,6 +359,21 @@ def _two_rank_cases(rank, world):
 
 def test_ring_two_ranks_matches_single_device_and_overlaps_each_transfer_with_compute():
     out = run_on_ranks(_two_rank_cases, 2, timeout_s=600)
+    # Each block ran the kernel `block_kernel` names (the CPU flash kernel), and the export of the same program,
+    # traced on fake tensors, names the same one for every block of every rank (Note [Ring block kernels]).
+    from autosp.export import export_workload
+    from autosp.tracing import trace_fake_step
+    from experiments.models import build_model, vocab_size
+
+    torch._dynamo.reset()
+    model = build_model("plain-llama", layers=2)
+    compiled, parameter_bytes = trace_fake_step(lambda: build_model("plain-llama", layers=2), seq_len=32, sp_size=2,
+                                                vocab_size=vocab_size(model), dtype=torch.float32, strategy="ring")
+    exported = export_workload(compiled.report.aot_graphs, name="ring", sp_size=2, parameter_bytes=parameter_bytes)
+    for rank, r in enumerate(out):
+        assert len(r["order"]["blocks"]) == 2 * 2 * 2  # 2 layers, forward and backward, 2 steps of one call
+        assert {kernel for *_, kernel in r["order"]["blocks"]} == {"flash_cpu"}
+        assert exported_block_kernels(exported.ranks[rank]) == r["order"]["blocks"]
     _check([r["cases"] for r in out], FP32_TOL)
     assert out[0]["cases"][0]["sites"] == [(4, 2, 1)] * 2  # kv heads travel unreplicated
     for r in out:

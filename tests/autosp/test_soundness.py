@@ -65,7 +65,7 @@ def test_soundness_real_training_patterns_two_ranks():
     assert facts[0][2] and facts[1][2]            # the checkpointed bodies were analysed ...
     assert facts[0][0] == 3 and facts[1][0] == 2  # ... and every attention inside them rewritten
     # HF's masks (use_cache=False), learnt as packed-document masks, on plain positions: the causal mask, checked
-    # on every call (Note [Document program] in autosp/api.py)
+    # on every call (Note [Document program] in autosp/model.py)
     assert facts[1][1] == facts[2][1] == [] and facts[1][3] and facts[2][3]
 
 

@@ -204,7 +204,7 @@ def test_tiled_mlp_lowers_the_measured_peak_memory_per_rank(two_ranks):
 
 
 def _trace(model: str, *, seq_len: int, sp_size: int = 2, **options):
-    from autosp.export import trace_fake_step
+    from autosp.tracing import trace_fake_step
     from experiments.models import build_model
 
     torch._dynamo.reset()
@@ -275,7 +275,7 @@ class _NoMLP(nn.Module):
 def test_on_without_an_mlp_is_refused_and_auto_within_one_chunk_keeps_the_plain_mlp():
     from autosp import AutoSPConfig
     from autosp.errors import AutoSPError
-    from autosp.export import trace_fake_step
+    from autosp.tracing import trace_fake_step
 
     torch._dynamo.reset()
     with pytest.raises(AutoSPError, match="tiled_mlp='on': the graph has no MLP-shaped chain"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -89,6 +90,33 @@ def test_train_unsupported_zero_stage_exits_with_the_reason():
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "ZeRO stage 3 does not compose" in proc.stderr
+
+
+def _torchrun_lines(output: str) -> tuple[list[str], list[str]]:
+    """``output`` split into what torchrun printed itself (its log lines, and its own traceback and failure
+    report, which end its output) and the rest, what the ranks printed."""
+    lines = output.splitlines()
+    end = next((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")
+                and i + 1 < len(lines) and "torchrun" in lines[i + 1]), len(lines))
+    launcher = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/")
+    ranks = [line for line in lines[:end] if not launcher.match(line)]
+    return [line for line in lines if line not in ranks], ranks
+
+
+def test_train_refusal_under_torchrun_is_one_line(tmp_path):
+    """A refusal (here an option AutoSP refuses before any compile) on both ranks: the ranks print one line,
+    rank 0's, and no traceback (rank 0's INFO progress aside); the rest is torchrun's own failure report, which a rank exiting non-zero cannot
+    shorten (Note [One line per refusal] in autosp/entry.py)."""
+    torchrun = os.path.join(sysconfig.get_path("scripts"), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "autosp.train", "--model", "tiny-llama",
+           "--seq-len", "16", "--steps", "2", "--compiler", "aot_eager", "--strategy", "hybrid"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    launcher, ranks = _torchrun_lines(proc.stdout + proc.stderr)
+    ranks = [line for line in ranks if " rank 0 INFO autosp." not in line]  # progress (a first run's build)
+    assert ranks == ["autosp: error: strategy='hybrid' needs its Ulysses degree: pass ulysses_size= a divisor of "
+                     "sp_size=2 (the ring then runs over sp_size // ulysses_size groups)"], proc.stderr[-5000:]
+    assert "ChildFailedError" in proc.stderr and len(launcher) <= 45, launcher
 
 
 def test_train_deepspeed_config_merges_deeply_and_typed_flags_win(tmp_path, caplog):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from autosp.costs import classify
-from autosp.export import trace_fake_step
 from autosp.passes.joint.checkpointing import LONG_CONTEXT_MIN_DIM
+from autosp.tracing import trace_fake_step
 from experiments.models import PaperModel
 from experiments.paper_scale.config import PaperConfig
 from experiments.paper_scale.fork import (

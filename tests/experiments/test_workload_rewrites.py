@@ -255,7 +255,8 @@ def test_zero3_rewrite_of_a_sequence_parallel_trace_over_its_own_ranks_keeps_the
 def test_module_parameters_and_both_rewrites_on_a_traced_llama():
     import torch
 
-    from autosp.export import export_workload, module_parameters, trace_fake_step
+    from autosp.export import export_workload, module_parameters
+    from autosp.tracing import trace_fake_step
     from experiments.models import build_model
 
     torch._dynamo.reset()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
 
 from simulator.synthetic import LlamaShape, llama_ulysses_workload
 
@@ -77,3 +81,37 @@ def test_cli_sensitivity_reports_how_the_longest_sequence_moves(tmp_path):
     assert timing["ampere.matmul.flops"]["step_low_s"] > timing["ampere.matmul.flops"]["step_high_s"]
     missing = _cli(str(path), "--out", str(out), "--no-plots", "--sensitivity")
     assert missing.returncode == 2 and "--params" in missing.stderr
+
+
+@pytest.mark.parametrize("configured", [True, False], ids=["ledger", "program"])
+def test_cli_prints_writes_and_plots_one_peak_memory(tmp_path, capsys, configured):
+    """Issue #50: the printed peak, result.json's and memory.png's are one figure. With a training configuration in
+    the workload's metadata it is the memory ledger's peak, whose static memory differs from the workload's own
+    (the engine's count stays in result.json as program_peak_memory_bytes); without one, the engine's count."""
+    from PIL import Image
+
+    from simulator.__main__ import main
+    from simulator.ledger import TrainingConfig
+    from simulator.max_length import ledger_peak, step_metadata
+
+    shape = LlamaShape(layers=1, hidden=256, heads=8, kv_heads=8, ffn_hidden=512, vocab=1000)
+    workload = llama_ulysses_workload(seq_len=4096, sp_degree=8, shape=shape, ops_per_layer=(20, 30))
+    config = TrainingConfig.from_parameter_count(10**8, zero_stage=1, dp_world_size=8)
+    if configured:
+        workload = dataclasses.replace(workload, metadata={**workload.metadata, **step_metadata(
+            model="m", system="s", seq_len=4096, layers=1, model_layers=1, config=config)})
+    path, out = tmp_path / "workload.json", tmp_path / "out"
+    workload.to_json(path)
+    assert main([str(path), "--cluster", "h100-sxm", "--out", str(out)]) == 0
+    printed = re.search(r"peak memory +(\d+\.\d\d) GiB", capsys.readouterr().out).group(1)
+    result = json.loads((out / "result.json").read_text())
+    trace = json.loads((out / "trace.json").read_text())["otherData"]
+    plotted = re.search(r"peak (\d+\.\d\d)", Image.open(out / "memory.png").text["Title"]).group(1)
+    assert printed == plotted == f"{result['peak_memory_bytes'] / 2**30:.2f}" == \
+        f"{trace['peak_memory_bytes'] / 2**30:.2f}"
+    assert result["fits"] and result["peak_memory_definition"] == ("ledger" if configured else "program")
+    if configured:  # the bug: the engine's count (its own static memory) was in result.json and the plot
+        assert result["peak_memory_bytes"] == ledger_peak(config, result["activation_peak_bytes"])
+        assert f"{result['program_peak_memory_bytes'] / 2**30:.2f}" != printed
+    else:
+        assert result["peak_memory_bytes"] == result["program_peak_memory_bytes"]

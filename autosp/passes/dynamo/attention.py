@@ -51,7 +51,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from autosp.config import ZIGZAG_STRATEGIES
 from autosp.context import AttentionSite, TraceContext
 from autosp.document_attention import document_attention
 from autosp.errors import AutoSPError
@@ -123,25 +122,18 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
     if documents and an.of(args["documents"]) != REPLICATE:
         raise AutoSPError(f"module {where}: the document ids of its attention are {an.of(args['documents'])}, "
                           "not the whole sequence's; this is a bug in AutoSP's mask pass")
-    if ctx.strategy in ZIGZAG_STRATEGIES:
+    layout = ctx.sp_layout  # the kind's traits, degrees and heads rule (simulator.workload.SPLayout)
+    if layout.zigzag:
         _check_zigzag(ctx, where, args, documents)
-    if ctx.strategy == "ring":
+    if not layout.kind.all_to_all:  # the ring alone
         return _ring_attention(an, gm, node, args, documents)
     q_shape, k_shape = shape_of(args["query"]), shape_of(args["key"])
     heads, kv_heads = q_shape[HEAD_DIM], k_shape[HEAD_DIM]
-    hybrid = ctx.strategy == "hybrid"
-    group_name, p = (ctx.ulysses_group_name, ctx.ulysses_size) if hybrid else (ctx.group_name, p)
-    if heads % p and hybrid:
-        divisors = [u for u in range(1, ctx.sp_size + 1) if ctx.sp_size % u == 0 and heads % u == 0]
-        raise AutoSPError(
-            f"module {where} has {heads} attention heads, not divisible by ulysses_size={p}; pass a ulysses_size "
-            f"that divides both the heads and sp_size={ctx.sp_size} (one of {divisors}; 1 is the ring alone)")
-    if heads % p:
-        raise AutoSPError(
-            f"module {where} has {heads} attention heads, not divisible by sp_size={p}; "
-            "choose an sp_size that divides the number of heads, or strategy='ring' or 'hybrid' (any number of "
-            "heads)"
-        )
+    why = layout.heads_rule(heads)
+    if why is not None:
+        raise AutoSPError(f"module {where} has {why}")
+    hybrid = layout.kind.grouped
+    group_name, p = (ctx.ulysses_group_name if hybrid else ctx.group_name), layout.ulysses_size
     causal = documents or bool(args["is_causal"])
     if not causal:  # checked again on every call of the program: autosp.context.TraceContext.require_unpadded
         ctx.require_unpadded(f"module {where} uses non-causal attention (padding is exact only under causal "
@@ -167,7 +159,7 @@ def ulysses_attention(an, gm: fx.GraphModule, node: fx.Node):
         args["enable_gqa"] = kv_heads * replicate != heads
         qkv = (args.pop("query"), args.pop("key"), args.pop("value"))
         if hybrid:  # the ring across the Ulysses groups, on the heads this rank now holds
-            attention = _insert_ring(an, node, qkv, args, causal, ctx.ring_group_name, ctx.sp_size // p,
+            attention = _insert_ring(an, node, qkv, args, causal, ctx.ring_group_name, layout.ring_size,
                                      Shard(HEAD_DIM), args.pop("documents") if documents else None)
         else:
             if documents:  # whole sequences now: queries and keys both start at token 0

@@ -43,7 +43,7 @@ A mask is a function of the inputs it reads, so the pass learns which function:
    that separates documents by position only, traced on plain positions, is the
    causal mask as long as the positions stay plain: it becomes ``is_causal=True``
    too, checked on every call, and a packed batch goes to the model's document
-   program (Note [Document program] in autosp/api.py).
+   program (Note [Document program] in autosp/model.py).
 
 The sequence-sharding analysis then runs `document_attention` through the
 Ulysses rule like SDPA (autosp.passes.dynamo.attention).  Under strategy="ring"
@@ -604,7 +604,7 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
             _check_ring_rule(rule, ctx, where)  # the ring applies the ids itself, under any code generator
         elif not ctx.documents_program and not (seq_len is None or rule.plain_causal(seq_len)):
             # Plain positions: causal SDPA, checked on every call; a batch this program cannot run goes to the
-            # model's document program (Note [Document program] in autosp/api.py).
+            # model's document program (Note [Document program] in autosp/model.py).
             rule = _without_document_attention(rule, ctx, where)
         if seq_len is None or rule.plain_causal(seq_len):
             call["attn_mask"], call["is_causal"] = None, True
@@ -713,7 +713,7 @@ def _check_ring_rule(rule: MaskRule, ctx: TraceContext, where: str) -> None:
 
 
 def _without_document_attention(rule: MaskRule, ctx: TraceContext, where: str) -> MaskRule:
-    """In a model's own program (not its document program, Note [Document program] in autosp/api.py): a rule that
+    """In a model's own program (not its document program, Note [Document program] in autosp/model.py): a rule that
     only separates documents by position is the causal mask while the positions are 0..S-1 in every row, which the
     program then checks on every call (autosp.guards.ProgramGuard).  Any other rule is kept where the code
     generator compiles `document_attention` (aot_eager) and raises `DocumentAttentionUnavailable` where it does not

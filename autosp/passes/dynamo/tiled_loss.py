@@ -23,21 +23,24 @@ When: ``tiled_loss="on"`` always (refused with an error if the loss is not of th
 ``"auto"`` when the rank's logits span more than one chunk, i.e. their fp32 copy would exceed
 the chunk budget (`chunk_tokens`), silently keeping the plain loss otherwise.  Logits that
 are also returned by the model (Hugging Face returns them beside the loss) cannot be avoided;
-with ``return_logits=False`` the compiled model returns None in their place when labels are
-passed (whenever the pass recognises the projection and loss, whether "auto" then tiles or
-not), and the tiling applies; with ``return_logits=True`` "on" is refused and "auto" keeps the
-plain loss.
+with ``return_logits=False`` the graph returns None in their place when labels are passed
+(whenever the pass recognises the projection and loss, whether "auto" then tiles or not), the
+tiling applies, and the compiled model's output holds a `DroppedLogits` there, which raises on
+any use (Note [Dropped logits]); with ``return_logits=True`` "on" is refused and "auto" keeps
+the plain loss.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.utils._pytree import tree_leaves
 
 from autosp import tiled_ops  # registers autosp_testbed::linear_cross_entropy
 from autosp.context import TraceContext
@@ -170,10 +173,10 @@ def make_tiled_loss_pass(mode: str, loss_chunk_tokens: int | None, return_logits
             return gm
         if found.escaping and return_logits:
             _refuse_or_skip(mode, f"the model returns its logits ({found.escaping[0].name}) beside the loss, so they "
-                            "are materialised anyway; pass return_logits=False to return None in their place "
-                            "when labels are given")
+                            "are materialised anyway; pass return_logits=False to leave them uncomputed "
+                            "when labels are given (reading them then raises)")
             return gm
-        if found.escaping:  # return_logits=False: None in their place, whether "auto" tiles or not
+        if found.escaping:  # return_logits=False: not computed, whether "auto" tiles or not (Note [Dropped logits])
             _drop_outputs(gm, found.escaping)
         rows, vocab = shape_of(call["input"])
         chunk = chunk_tokens(vocab, loss_chunk_tokens)
@@ -232,7 +235,7 @@ def _drop_outputs(gm: fx.GraphModule, nodes: tuple[fx.Node, ...]) -> None:
     """Return None where the graph returned ``nodes`` (the logits; Dynamo rebuilds the model's output from it)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     output.args = fx.node.map_arg(output.args, lambda n: None if n in nodes else n)
-    log.info("the model's logits output (%s) is None: return_logits=False", ", ".join(n.name for n in nodes))
+    log.info("the model's logits output (%s) is not computed: return_logits=False", ", ".join(n.name for n in nodes))
 
 
 def tiled_loss_placement(an, node: fx.Node):
@@ -256,3 +259,122 @@ def tiled_loss_placement(an, node: fx.Node):
                         "both token-sharded along the same rows", "compile with tiled_loss='off'")
     return (PARTIAL, ph)
 
+
+# Note [Dropped logits]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Where the tiled loss leaves a returned [tokens, vocab] logits output uncomputed (``return_logits=False``, passed
+# by the user or chosen by the memory plan, and labels given), the compiled model's output holds a `DroppedLogits`
+# in its place, not None: a planned default must never change what the model returns silently, and ``None`` reads
+# as "this model has no logits" (HF code tests ``outputs.logits is not None``, metrics read ``None`` as nothing to
+# compute).  Every use of the placeholder -- an attribute (``.shape``, ``.argmax``), a torch function or tensor
+# operator (through ``__torch_function__``), ``bool()``, indexing, iteration, arithmetic, comparison, numpy --
+# raises `AutoSPError` saying who dropped them and how to get them; only ``repr`` answers (a debugger or a printed
+# output should not fail), ``is None`` is False, and ``hasattr`` answers False (the error of an attribute read is
+# also an AttributeError, `DroppedLogitsAttributeError`: generic code walking the outputs probes them so).
+# Computing them on demand was rejected: it would need the final hidden states, the head's weight and the chain of
+# layout ops to escape the graph, put back the sharded rows of every SP rank, and then form the very [tokens,
+# vocab] tensor the plan chose not to hold, at a time the memory plan never priced; a caller who needs them asks
+# for them (return_logits=True, tiled_loss="off").
+#
+# Dynamo rebuilds the model's output object from the graph's outputs, so the placeholder cannot come out of the
+# graph (it returns None there, `_drop_outputs`); `mark_dropped_logits` puts it in after the compiled call, in the
+# compiled model's forward (autosp.model.SequenceParallelModel.forward).  It replaces a ``logits`` of None in a
+# Hugging Face ``ModelOutput`` (rebuilt with the field set, so ``to_tuple()`` and ``outputs[1]`` keep the positions
+# the untiled model gives), another dataclass or a dict; a tuple output (``return_dict=False``) has no names and
+# keeps its None.  It reads no record of the pass: where the option is in force and labels were passed, the pass
+# drops every returned logits output it recognises (in every program of the model, the document program too), and
+# a model that returns a ``logits`` field of None beside its loss by itself, which would be marked too, is not
+# known to exist.
+
+_PLACEHOLDER_OPERATORS = (
+    "__bool__", "__len__", "__iter__", "__reversed__", "__contains__", "__getitem__", "__setitem__", "__delitem__",
+    "__call__", "__int__", "__float__", "__complex__", "__index__", "__round__", "__trunc__", "__floor__", "__ceil__",
+    "__neg__", "__pos__", "__abs__", "__invert__", "__array__", "__dlpack__", "__lt__", "__le__", "__eq__", "__ne__",
+    "__gt__", "__ge__",
+    *(f"__{p}{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "divmod", "pow",
+                                "lshift", "rshift", "and", "xor", "or") for p in ("", "r", "i")),
+)
+
+
+class DroppedLogitsAttributeError(AutoSPError, AttributeError):
+    """Reading an attribute of `DroppedLogits`: an `AutoSPError` that is also an AttributeError, so that a probe
+    such as ``hasattr(x, "dtype")`` (accelerate's ``convert_outputs_to_fp32`` under the Trainer's mixed precision
+    walks the outputs so) answers False instead of failing; a read says why."""
+
+
+class DroppedLogits:
+    """The logits a compiled model did not compute (Note [Dropped logits]): any use raises `AutoSPError`."""
+
+    __slots__ = ("_why",)
+
+    def __init__(self, why: str):
+        self._why = why
+
+    def _refuse(self, use: str, error: type[AutoSPError] = AutoSPError):
+        raise error(f"{use} the model's logits: {object.__getattribute__(self, '_why')}")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):  # protocol probes (copy, pickle, numpy) see a plain object
+            raise AttributeError(name)
+        self._refuse(f"reading .{name} of", DroppedLogitsAttributeError)
+
+    def __setattr__(self, name: str, value):
+        if name != "_why":  # (copy and pickle restore it)
+            self._refuse(f"setting .{name} of")
+        object.__setattr__(self, name, value)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        found = [a for a in tree_leaves((args, kwargs)) if isinstance(a, DroppedLogits)]
+        use = f"calling {getattr(func, '__name__', func)} on"
+        if not found:  # inside a container that pytree does not flatten
+            raise AutoSPError(f"{use} the model's logits: they were not computed; {_RETURN_LOGITS_HINT}")
+        found[0]._refuse(use)
+
+    def __repr__(self) -> str:
+        return f"<logits not computed: {object.__getattribute__(self, '_why')}>"
+
+    __hash__ = object.__hash__
+
+
+def _operator(name: str):
+    def refuse(self, *args, **kwargs):
+        self._refuse(f"applying {name} to")
+    refuse.__name__ = name
+    return refuse
+
+
+for _name in _PLACEHOLDER_OPERATORS:
+    setattr(DroppedLogits, _name, _operator(_name))
+del _name
+
+_RETURN_LOGITS_HINT = "compile with return_logits=True, tiled_loss='off' to get them"
+
+
+def dropped_logits_reason(config, memory_plan: dict | None) -> str:
+    """Why the logits were not computed, and how to get them (the placeholder's message)."""
+    planned = memory_plan is not None and "return_logits" not in memory_plan.get("explicit", {})
+    who = ("the memory plan (memory_plan='auto', the default where a plan can be made) chose "
+           f"tiled_loss={config.tiled_loss!r} with return_logits=False" if planned
+           else f"return_logits=False with tiled_loss={config.tiled_loss!r}")
+    return (f"{who}, so the compiled model does not return its [tokens, vocab] logits (the tiled loss avoids forming "
+            f"them); {_RETURN_LOGITS_HINT}")
+
+
+def mark_dropped_logits(output, config, ctx: TraceContext):
+    """``output`` of the compiled model's call with a `DroppedLogits` where the tiled loss pass left the model's
+    logits uncomputed (Note [Dropped logits]); ``output`` itself otherwise.  ``config``: the `AutoSPConfig` the
+    model compiled with (after its memory plan), ``ctx``: its trace context, after the call."""
+    if config.return_logits or config.tiled_loss == "off" or not ctx.labels_passed:
+        return output
+    if isinstance(output, dict) and not is_dataclass(output):
+        if "logits" not in output or output["logits"] is not None:
+            return output
+        output = copy.copy(output)
+        output["logits"] = DroppedLogits(dropped_logits_reason(config, ctx.memory_plan))
+        return output
+    if not is_dataclass(output) or isinstance(output, type) or "logits" not in {f.name for f in fields(output)}:
+        return output
+    if output.logits is not None:
+        return output
+    return replace(output, logits=DroppedLogits(dropped_logits_reason(config, ctx.memory_plan)))

@@ -1,0 +1,367 @@
+"""The sequence-parallel model core: `SequenceParallelModel`, what `autosp.compile` returns.
+
+On each call it takes the full-length batch from `prepare_inputs`, cuts out this rank's shard (padding, global
+positions, labels shifted over the whole sequence) and runs the module compiled by the AutoSP backend.  The loss it
+returns is the single-device loss of the full sequence on every rank; ``loss.backward()`` makes every gradient the
+single-device gradient (the model reduces them over the SP group in backward: autosp.gradients).
+
+The core knows nothing of the planner.  Under ``memory_plan="auto"`` it is given a `FirstBatchPlan` (the compile
+front door's, `autosp.api`) that it asks once, on the first batch, for the options to compile with; a trace of the
+planner (`autosp.tracing`) builds it with a `TraceHooks` saying what to keep of the compile.  docs/design.md, "The
+compile path".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from autosp.backend import make_backend
+from autosp.config import AutoSPConfig
+from autosp.context import CompiledProgram, CompileReport, TraceContext
+from autosp.diagnostics import graph_break_error, install_output_capture_hooks
+from autosp.errors import AutoSPError, DocumentAttentionUnavailable
+from autosp.gradients import GradientReduction
+from autosp.groups import SequenceParallelGroups
+from autosp.guards import check_same_sample, sliding_window_layers
+from autosp.inputs import PREPARED_KEY, positions_are_plain, shard_batch, shard_layout
+from autosp.passes.dynamo.tiled_loss import mark_dropped_logits
+from autosp.pipeline import passes_for
+
+log = logging.getLogger(__name__)
+
+
+class FirstBatchPlan(Protocol):
+    """How a ``memory_plan="auto"`` model learns its options on its first batch (a collective over the SP group);
+    `autosp.api` gives one built on `autosp.plan.auto.decide`."""
+
+    def decide(self, module: nn.Module, config: AutoSPConfig, *, seq_len: int, micro_batch: int,
+               device: torch.device) -> dict:
+        """The decision (``options`` to compile with, and what the report shows: `TraceContext.memory_plan`)."""
+
+    def close(self) -> None:
+        """Release what the plan holds (this rank's planner process); called once, after ``decide`` or unasked."""
+
+
+@dataclass(frozen=True)
+class TraceHooks:
+    """What a shape-only trace keeps of the compile besides its program (the planner's and the export's traces,
+    `autosp.tracing`); the defaults are a plain compile's."""
+
+    checkpointing_variants: tuple[tuple[str, float | None], ...] = ()
+    """(checkpointing, sac_memory_budget) pairs the same joint graph is also partitioned with
+    (`TraceContext.checkpointing_variants`)."""
+    capture_joint: bool = False
+    """Keep the joint graph in ``report.joint_capture`` (`TraceContext.capture_joint`)."""
+    joint_only: bool = False
+    """With ``capture_joint``: stop once the joint graph is captured (`TraceContext.joint_only`)."""
+    mask_rules: dict | None = None
+    """Mask rules shared between one decision's traces (`TraceContext.mask_rules`)."""
+
+
+def _accepts(forward, name: str) -> bool:
+    params = inspect.signature(forward).parameters
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+# Note [One program per length]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A compiled model trains on any mix of sequence lengths with no setting.  Each call runs a program
+# specialised to its shard's shapes; torch.compile guards every program on those shapes, so a new length
+# (or batch size) compiles one more program and a length seen before reuses its own.  The sequence
+# dimension is deliberately not symbolic: the sequence-sharding analysis, the mask probes and the rank's
+# position offset read concrete shard lengths.  Under a symbolic length those reads would either install
+# guards that specialise the program anyway, or -- for a value computed from the shard layout rather than
+# from a traced shape, like the offset of this rank's positions -- bake one length's constant into a
+# program that Dynamo would then reuse, unguarded, at other lengths: a silently wrong result.  A program per
+# shape keeps every program exact by construction.  What the default needs instead is room: torch.compile
+# recompiles one function at most 8 times (recompile_limit), so the model's calls raise that limit to
+# ``max_programs`` (scoped to the call), each compile is logged and listed in `SequenceParallelModel.programs`,
+# and past ``max_programs`` a call is refused naming length_bucket, which pads lengths to shared programs.
+# The cost is one compile per distinct length; the step time of every program is that of static shapes.
+
+
+# Note [Document program]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A compiled model holds its own program (its configured code generator) and, built on the first batch that needs
+# it, a document program: a second wrapper of the same module compiled by aot_eager, which applies every mask it
+# learns over the whole sequence with `autosp.document_attention` (flex_attention: packed documents, padding, a
+# sliding window, chunks shorter than the sequence).  One rule for every code generator: in the model's own program
+# a mask that separates documents by position only (Hugging Face's packed-sequence mask, built from the position ids
+# when no KV cache is passed), traced while the positions are 0..S-1 in every row, is the causal mask and compiles
+# as causal SDPA, exact only while the positions stay plain: autosp.guards.ProgramGuard checks them on every call,
+# before any collective.  A batch that the own program cannot run raises `DocumentAttentionUnavailable`: a packed
+# batch reaching the causal program (the guard), or, under Inductor, which does not compile document_attention yet,
+# any batch whose trace needs a document mask (the mask pass).  The compiled model catches it and runs the batch
+# through the document program, logging a warning that names the reason; under aot_eager a program traced from a
+# packed (or padded, windowed) first batch applies document attention itself, exact for plain rows too.
+# torch.compile keeps the two wrappers' programs apart (its guards match the backend), and both count towards
+# ``max_programs``; `SequenceParallelModel.programs` names each program's code generator and marks the document
+# program's (``documents``, ``why_documents``).  Once a kind of batch (its shard shapes, whether its positions are
+# plain, whether it carries a padding mask) went to the document program, later batches of that kind go there
+# directly, so the own program does not trace or refuse them again.  The document program is exact for every batch,
+# so this routing can cost speed, never exactness.  What it saves: aot_eager's flex_attention is the reference
+# implementation, which scores every pair densely (O(S^2) memory that the planner's memory measurement does not
+# see); plain rows keep causal SDPA under every code generator, and packed rows at long context on a GPU want
+# Inductor's flex_attention lowering, the next step.  strategy="ring" and "hybrid" apply packed documents
+# themselves (the mask pass's `_check_ring_rule`): their programs never assume plain positions.
+
+
+def _batch_kind(local: dict, full_inputs: dict, positions_plain: bool) -> tuple:
+    """What decides whether the model's own program can run a batch (Note [Document program]): the shard's shapes,
+    whether the positions are 0..S-1 in every row, and whether a padding mask is passed."""
+    shapes = tuple((k, tuple(v.shape)) for k, v in sorted(local.items()) if isinstance(v, torch.Tensor))
+    return shapes, positions_plain, full_inputs.get("attention_mask") is not None
+
+
+def _describe(kind: tuple) -> str:
+    _, plain, masked = kind
+    return ("" if plain else ", packed documents") + (", a padding mask" if masked else "")
+
+
+class SequenceParallelModel(nn.Module):
+    """A model compiled for sequence parallelism; call it with ``**autosp.prepare_inputs(...)``."""
+
+    def __init__(self, module: nn.Module, config: AutoSPConfig, groups: SequenceParallelGroups, *,
+                 strategy_plan: dict | None = None, first_batch_plan: FirstBatchPlan | None = None,
+                 trace: TraceHooks = TraceHooks(),
+                 program_for: Callable[[SequenceParallelModel], Callable] | None = None):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.groups = groups
+        self._ctx = TraceContext(
+            sp_size=config.sp_size, sp_rank=groups.sp_rank, group_name=groups.sp_group_name,
+            ignore_index=config.ignore_index, strategy=config.strategy, strategy_plan=strategy_plan,
+            checkpointing_variants=tuple(trace.checkpointing_variants), capture_joint=trace.capture_joint,
+            joint_only=trace.joint_only, mask_rules=trace.mask_rules,
+        )
+        if config.strategy == "hybrid":  # Note [Hybrid attention] in autosp/passes/dynamo/attention.py
+            self._ctx.ulysses_size = config.ulysses_size
+            self._ctx.ulysses_group_name = groups.ulysses_group.group_name
+            self._ctx.ring_group_name = groups.ring_group.group_name
+        install_output_capture_hooks(module)  # HF's lazy hook installation would break the graph
+        # memory_plan="auto": compiled on the first call, once ``first_batch_plan`` decided the options (it is asked
+        # once, then closed; closed unasked if the model goes first).
+        if (config.memory_plan == "auto") != (first_batch_plan is not None):
+            raise AutoSPError("internal: a memory_plan='auto' model needs a first_batch_plan, and only it takes one")
+        self.__dict__["_first_batch_plan"] = first_batch_plan
+        if first_batch_plan is not None:
+            weakref.finalize(self, first_batch_plan.close)
+        self._warned_past_plan = False
+        if program_for is not None:  # a trace's stand-in for the compiled program (autosp.tracing)
+            self.__dict__["_compiled"] = program_for(self)
+        else:
+            self.__dict__["_compiled"] = None if config.memory_plan == "auto" else self._compile(config)
+        # The same module compiled by aot_eager with document attention, for the batches the own program cannot
+        # run (Note [Document program]); built on the first such batch.
+        self.__dict__["_compiled_documents"] = None
+        self._document_batches: set[tuple] = set()
+        self._accepts_positions = _accepts(module.forward, "position_ids")
+        self._accepts_attention_mask = _accepts(module.forward, "attention_mask")
+        self._ctx.sliding_window = sliding_window_layers(module)
+        self.__dict__["_gradients"] = GradientReduction(module, groups)  # Note [Gradient reduction in backward]
+
+    @property
+    def programs(self) -> tuple[CompiledProgram, ...]:
+        """Every program compiled for this model so far (one per distinct shard shape), in order."""
+        return tuple(self._ctx.programs)
+
+    @property
+    def report(self) -> CompileReport:
+        """What the AutoSP passes found and did (attention sites, per-pass op changes, graphs), the memory
+        plan (``memory_plan="auto"``) and the strategy decision (``strategy="auto"``)."""
+        report = self._ctx.report
+        if report.memory_plan is None:  # each compile starts a new report; the plans are the model's
+            report.memory_plan = self._ctx.memory_plan
+        if report.strategy_plan is None:
+            report.strategy_plan = self._ctx.strategy_plan
+        return report
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped model's own state dict (its keys, loadable into the uncompiled model)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # Dynamo does not trace into this method: an outer torch.compile (or DeepSpeed's engine.compile())
+    # of the compiled model would otherwise unwrap it to the original module and drop the SP program.
+    @torch.compiler.disable
+    def forward(self, *args, **kwargs):
+        refuse_outer_wrappers(self)
+        batch = kwargs.pop(PREPARED_KEY, None)
+        if batch is None or args:
+            raise AutoSPError(
+                "inputs were not prepared: call the compiled model as model(**autosp.prepare_inputs(input_ids, "
+                "labels=labels)) with the full-length sample on every rank of the SP group"
+            )
+        cfg = self.config
+        if cfg.check_same_sample and cfg.sp_size > 1:
+            check_same_sample(kwargs, self.groups.sp_group, cfg.sp_size, kwargs["input_ids"].device)
+        if self._compiled is None:  # memory_plan="auto", first call
+            padded = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
+                                  pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket,
+                                  zigzag=cfg.zigzag, ulysses_size=cfg.layout_ulysses_size).padded_seq_len
+            self._plan_memory(padded, int(kwargs["input_ids"].shape[0]), kwargs["input_ids"].device)
+            cfg = self.config
+        layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
+                              pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket,
+                              zigzag=cfg.zigzag, ulysses_size=cfg.layout_ulysses_size)
+        planned = (self._ctx.memory_plan or {}).get("setup", {}).get("seq_len")
+        if planned is not None and layout.padded_seq_len > planned and not self._warned_past_plan:
+            self._warned_past_plan = True
+            log.warning("a batch of %d tokens is longer than the %d the memory plan was made for: it may not fit "
+                        "target_memory; pass plan_seq_len= the longest length trained", layout.padded_seq_len,
+                        planned)
+        if "attention_mask" in kwargs and not self._accepts_attention_mask:
+            raise AutoSPError(
+                f"the batch has a padding mask but {type(self.module).__name__}.forward takes no attention_mask; "
+                "pad at the end, set those labels to ignore_index and drop the mask (exact under causal attention)"
+            )
+        if cfg.sp_size == 1:
+            local = dict(kwargs)  # plain compile: the model sees the whole sample as it is
+        else:
+            local = shard_batch(kwargs, layout, ignore_index=cfg.ignore_index, pad_token_id=cfg.pad_token_id)
+        if not self._accepts_positions:
+            local.pop("position_ids")
+        ctx = self._ctx
+        ctx.layout = layout
+        ctx.batch_size = int(local["input_ids"].shape[0])
+        ctx.labels_passed = local.get("labels") is not None
+        ctx.positions_passed = "position_ids" in local
+        ctx.full_inputs = {k: kwargs.get(k) for k in ("position_ids", "attention_mask")}
+        positions = kwargs.get("position_ids")  # values where they have some (Note [Document program])
+        ctx.positions_plain = (batch.plain_positions if isinstance(positions, FakeTensor)
+                               else positions_are_plain(positions))
+        ctx.input_roles = {id(local[k]): k for k in ("input_ids", "labels", "position_ids", "attention_mask")
+                           if local.get(k) is not None}
+        # Note [Document program]: no per-step check until some kind of batch went there.
+        kind = _batch_kind(local, ctx.full_inputs, ctx.positions_plain) if self._document_batches else None
+        try:
+            if kind is not None and kind in self._document_batches:
+                out = self._run(self._document_program(), local)
+            else:
+                try:
+                    out = self._run(self._compiled, local)
+                except DocumentAttentionUnavailable as why:  # Note [Document program]
+                    kind = _batch_kind(local, ctx.full_inputs, ctx.positions_plain)
+                    self._document_batches.add(kind)
+                    log.warning("AutoSP runs this batch (%d rows of %d tokens%s) through the model's document "
+                                "program (aot_eager) instead of its %s program: %s", ctx.batch_size, layout.seq_len,
+                                _describe(kind), self.config.compiler, why)
+                    ctx.why_documents = str(why)
+                    out = self._run(self._document_program(), local)
+            self._gradients.attach(ctx.program_outputs)
+            return mark_dropped_logits(out, self.config, ctx)  # Note [Dropped logits] in autosp/passes/dynamo/tiled_loss.py
+        finally:
+            ctx.input_roles, ctx.full_inputs, ctx.program_outputs, ctx.why_documents = {}, {}, (), ""
+
+    def _compile(self, config: AutoSPConfig):
+        # sp_size=1: no sequence-parallel passes (only the tiled loss and MLP, when enabled), but the same
+        # AOTAutograd path (checkpointing option, graphs recorded in the report for autosp.export).
+        backend = make_backend(self._ctx, config, passes=passes_for(config))
+        # Kept out of the module tree (not a registered submodule): the compiled wrapper holds the same
+        # parameters as ``module``, and state_dict/parameters must list them once.
+        return torch.compile(self.module, backend=backend, fullgraph=True, dynamic=False)
+
+    def _plan_memory(self, seq_len: int, rows: int, device: torch.device) -> None:
+        """memory_plan="auto": ask the first-batch plan for the options (a collective), then compile."""
+        plan, self.__dict__["_first_batch_plan"] = self._first_batch_plan, None
+        try:
+            decision = plan.decide(self.module, self.config, seq_len=seq_len, micro_batch=rows, device=device)
+        finally:
+            plan.close()
+        self.config = dataclasses.replace(self.config, **decision["options"])
+        self._ctx.memory_plan = decision
+        self.__dict__["_compiled"] = self._compile(self.config)
+
+    def _document_program(self):
+        """The model's document program (Note [Document program]), compiled on first use."""
+        if self._compiled_documents is None:
+            config = dataclasses.replace(self.config, compiler="aot_eager")
+            backend = make_backend(self._ctx, config, passes=passes_for(config), documents=True)
+            self.__dict__["_compiled_documents"] = torch.compile(self.module, backend=backend, fullgraph=True,
+                                                                 dynamic=False)
+        return self._compiled_documents
+
+    def _run(self, compiled, local: dict):
+        """Call one compiled wrapper of the module, translating torch.compile's errors into AutoSP's."""
+        cfg = self.config
+        try:
+            # Padding, packed positions and outputs are checked per compiled program (autosp.guards.ProgramGuard).
+            with torch._dynamo.config.patch(recompile_limit=max(cfg.max_programs, torch._dynamo.config.recompile_limit)):
+                return compiled(**local)  # Note [One program per length]
+        except torch._dynamo.exc.BackendCompilerFailed as err:
+            if isinstance(err.inner_exception, AutoSPError):
+                raise err.inner_exception from None
+            raise
+        except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+            raise AutoSPError(
+                f"torch.compile's recompile limit for {type(self.module).__name__}.forward was reached "
+                f"(max_programs={cfg.max_programs}, shared by every compiled instance of this class: each instance "
+                "and each new input shape compiles that code again).  Call torch._dynamo.reset() between compiles "
+                "of throwaway models, pass length_bucket=N so that lengths share programs, or raise max_programs"
+            ) from err
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:
+            raise graph_break_error(err, type(self.module).__name__) from err
+
+    def sync_gradients(self) -> None:
+        """See `sync_gradients`."""
+        sync_gradients(self)
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether backward reduces the gradients over the SP group (False once an engine that knows the SP
+        group, DeepSpeed given AutoSP's mpu, does it instead)."""
+        return self._gradients.engine is None
+
+
+def sync_gradients(model: SequenceParallelModel) -> None:
+    """Kept for compatibility: checks that nothing is left to do, and does nothing.
+
+    The compiled model reduces every gradient in backward (summed over the SP group,
+    averaged over data-parallel replicas; Note [Gradient reduction in backward] in
+    autosp.gradients), so after ``loss.backward()`` the gradients are already the
+    single-device ones and a second sum would multiply them by sp_size.  Raises when
+    the gradients are reduced by an engine instead (autosp.deepspeed_initialize).
+    """
+    if not isinstance(model, SequenceParallelModel):
+        raise AutoSPError("sync_gradients expects the model returned by autosp.compile")
+    engine = model._gradients.engine
+    if engine is not None:
+        raise AutoSPError(
+            f"the gradients of this model are reduced by {engine}, which sums them over the SP group itself; "
+            "calling autosp.sync_gradients on top would sum them again.  Remove the call")
+    log.debug("sync_gradients: nothing to do, the compiled model reduced its gradients in backward")
+
+
+def refuse_outer_wrappers(model: SequenceParallelModel) -> None:
+    """DDP or FSDP around (or inside) an AutoSP model average gradients over every rank, SP ranks included."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if DistributedDataParallel._get_active_ddp_module() is not None:
+        raise AutoSPError(
+            "the AutoSP model is wrapped in DistributedDataParallel, which averages gradients over every rank "
+            "(the SP ranks of one sequence too, making gradients sp_size times too small); do not wrap it: the "
+            "compiled model already sums its gradients over the SP group and averages them over data-parallel "
+            "replicas during backward (or use autosp.deepspeed_initialize)"
+        )
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.module.parameters()):
+        raise AutoSPError(
+            "the AutoSP model (or a module inside it) is sharded with FSDP, whose gradient reduction averages over "
+            "the SP ranks of one sequence too; AutoSP composes with DeepSpeed ZeRO 0-2 "
+            "(autosp.deepspeed_initialize) or reduces its own gradients (use it unwrapped)"
+        )
