@@ -17,7 +17,7 @@ from torch import nn
 from autosp.config import MEMORY_PLAN_OPTIONS, PLANNING_OPTIONS, AutoSPConfig
 from autosp.errors import AutoSPError
 from autosp.groups import build_groups
-from autosp.model import SequenceParallelModel, sync_gradients
+from autosp.model import MemoryMeter, SequenceParallelModel, sync_gradients
 from autosp.plan.auto import PlanAtFirstBatch, check_plannable, decide_strategy, resolve_memory_plan
 from autosp.plan.process import PlannerProcess
 
@@ -31,6 +31,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     process_group: dist.ProcessGroup | None = None,
     compiler: str = "inductor",
     planner: PlannerProcess | None = None,
+    memory_meter: MemoryMeter | None = None,
     **options,
 ) -> SequenceParallelModel:
     """Compile ``model`` for sequence parallelism over ``sp_size`` ranks (Ulysses, ``strategy="ring"``,
@@ -44,6 +45,10 @@ def compile(  # noqa: A001 - mirrors torch.compile
     ``planner``: this rank's planner process for ``strategy="auto"`` or ``memory_plan="auto"``, started by the
     script before it loaded its model (``autosp.start_planner()``), so that its imports are not waited for
     (Note [Planner process started ahead] in autosp/plan/process.py).
+
+    ``memory_meter``: what measures the device memory of a ``memory_plan="auto"`` model's first steps, checked
+    against ``target_memory`` (Note [The plan's promise checked] in autosp/model.py); default: the CUDA
+    allocator's peak on a GPU, nothing on a CPU.
     """
     config = AutoSPConfig.from_options(sp_size=sp_size, compiler=compiler, options=options)
     owned = planner  # closed on the way out (a no-op once it answered) unless the compiled model takes it over
@@ -60,6 +65,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
             strategy_plan = decide_strategy(model, config, process_group, explicit=explicit, planner=planner)
             planned = {f.name: f.default for f in dataclasses.fields(config) if f.name in PLANNING_OPTIONS}
             config = dataclasses.replace(config, **strategy_plan["options"], **planned)
+        check_heads(model, config)
         groups = build_groups(sp_size, process_group, layout=config.layout)
         if sp_size == 1:
             warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
@@ -69,10 +75,24 @@ def compile(  # noqa: A001 - mirrors torch.compile
         first_batch_plan = PlanAtFirstBatch(groups.group, explicit, planner)
         owned = None
         try:
-            return SequenceParallelModel(model, config, groups, first_batch_plan=first_batch_plan)
+            return SequenceParallelModel(model, config, groups, first_batch_plan=first_batch_plan,
+                                         memory_meter=memory_meter)
         except BaseException:
             first_batch_plan.close()  # else the compiled model closes it after its plan
             raise
     finally:
         if owned is not None:
             owned.close()
+
+
+def check_heads(model: nn.Module, config: AutoSPConfig) -> None:
+    """The strategy's heads rule (`simulator.workload.SPLayout.heads_rule`) on the model's own config, at compile:
+    a Hugging Face model whose ``num_attention_heads`` its layout cannot split is refused here, before any rank
+    traces (the attention rule refuses the same at trace time for a model without such a config)."""
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    layout = config.layout
+    if not isinstance(heads, int) or isinstance(heads, bool) or layout is None:
+        return
+    why = layout.heads_rule(heads)
+    if why is not None:
+        raise AutoSPError(f"{type(model).__name__}'s config (num_attention_heads) has {why}")

@@ -61,7 +61,7 @@ def rewrite_pair(fw: fx.GraphModule, bw: fx.GraphModule, *, config: AutoSPConfig
     pair (``activation_offload="on"``; ``num_fwd_outputs``: the partitioner's count of the forward's user outputs,
     the rest of its outputs being saved for backward; the offload plan goes to ``record``), then the overlap pass on
     each graph (``overlap_communication``).  Used by the backend for every partition it makes and by the planner for
-    copies of partitions traced without the rewrites (`autosp.plan.predict.partitioned_rewrites`)."""
+    copies of partitions traced without the rewrites (`autosp.plan.traces.partitioned_rewrites`)."""
     if config.activation_offload == "on":  # "auto" unresolved by a plan: off
         plan = offload_saved_activations(fw, bw, num_fwd_outputs=num_fwd_outputs)
         if record is not None:

@@ -201,7 +201,7 @@ class TraceContext:
     joint_only: bool = False
     """With ``capture_joint``: stop the compile once the joint graph is captured (`autosp.backend.JointCaptured`
     raised out of it: no partition, no program), for the planner's captures that need the joint graph only (Note
-    [One Dynamo capture for every strategy] in autosp/plan/predict.py)."""
+    [One Dynamo capture for every strategy] in autosp/plan/prediction.py)."""
     report: CompileReport = field(default_factory=CompileReport)
     memory_plan: dict | None = None
     """The memory plan the model compiled with (``memory_plan="auto"``), what ``report.memory_plan`` shows."""

@@ -7,6 +7,8 @@
   WARNING on the others (`configure_logging`).  Library code only logs; entry points configure.
 - The first run's slow steps say what they are doing before they start: DeepSpeed's JIT build of a C++ op
   (`announce_deepspeed_comm_build`, `announce_optimizer_build`) and the first step's compile (`announce_first_compile`).
+- The flags both take, worded once (`add_model_arguments`, `add_sp_arguments`, `add_launcher_arguments`), and the
+  check that numeric flags are in range (`require_at_least`).
 
 Note [One line per refusal]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -49,7 +51,9 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from autosp.config import ACCEPTED_STRATEGIES
 from autosp.errors import AutoSPError
+from autosp.presets import PRESETS, model_argument
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,46 @@ def add_debug_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true",
                         help="on a refusal (an AutoSPError), show every rank's full traceback instead of one line "
                              f"(also: {DEBUG_ENV}=1)")
+
+
+def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--debug``, and the ``--local_rank`` the deepspeed launcher passes (hidden: ``LOCAL_RANK`` in the
+    environment says the same)."""
+    add_debug_argument(parser)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def require_at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, flags: tuple[str, ...],
+                     minimum: int) -> None:
+    """A parser error for the first of ``flags`` (their ``dest`` names) set below ``minimum``: 1 asks for a
+    positive number, 0 for zero or a positive one.  A flag left unset (None) passes."""
+    wanted = {1: "a positive number", 0: "zero or a positive number"}[minimum]
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is not None and value < minimum:
+            parser.error(f"--{flag.replace('_', '-')} {value}: give {wanted}")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--model`` (a preset or a Hugging Face config.json), ``--num-layers`` and ``--dtype``."""
+    parser.add_argument("--model", default="tiny-llama", type=model_argument,
+                        help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face config.json (or its "
+                             "folder) (default: %(default)s)")
+    parser.add_argument("--num-layers", type=int, help="override the number of decoder layers (default: the model's)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"),
+                        help="parameter and compute dtype (default: bf16 on GPUs, fp32 on CPU)")
+
+
+def add_sp_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, strategy_help: str) -> None:
+    """``--sp-size``, ``--strategy`` (its help ``strategy_help``: what each entry point adds to it differs) and
+    ``--ulysses-size``."""
+    parser.add_argument("--sp-size", type=int,
+                        help="ranks sharing one sequence; divides the world size, the rest is data parallelism "
+                             "(default: all ranks)")
+    parser.add_argument("--strategy", choices=ACCEPTED_STRATEGIES, help=strategy_help)
+    parser.add_argument("--ulysses-size", type=int,
+                        help="with --strategy hybrid: ranks of each Ulysses group, a divisor of the SP size and of "
+                             "the attention heads")
 
 
 def _first_rank() -> bool:

@@ -22,7 +22,7 @@ on the new shapes, exactly as a trace would make them.
 
 This is an assumption about the program (no length-dependent branch between S1 and the length asked for), so
 it is checked: a `LengthClass` (used by experiments/paper_scale/simulate.py, Note [One trace per length class]
-there, and by the planner's TraceReuse in autosp/plan/predict.py) exports the re-sized program at a third traced
+there, and by the planner's TraceReuse in autosp/plan/prediction.py) exports the re-sized program at a third traced
 length and requires it to equal the trace; a class that fails is traced at every length.  Only lengths inside the
 traced range are re-sized.
 """
@@ -136,7 +136,7 @@ def joint_at(first: JointCapture, second: JointCapture, seq_len: int) -> JointCa
 # it only to match graphs across real ranks).  So the capture keeps that mode
 # and its inputs (`JointCapture.traced`) and `propagate_fake` hands them back instead of propagating again: the
 # planner's shallow traces partition every captured joint graph (each strategy's, each depth's) this way
-# (`autosp.plan.predict._shallow_sac_step`), and the predictions are the same floats as with the propagation.
+# (`autosp.plan.step._shallow_sac_step`), and the predictions are the same floats as with the propagation.
 
 
 def propagate_fake(capture: JointCapture) -> tuple:
@@ -191,7 +191,7 @@ class LengthClass:
     ``anchors`` lengths asked for are traced, the next one too, where the built program must equal the trace
     (``==``, `get`), or every length is traced; after that a length strictly inside the traced range is built and
     one outside it traced (the range widens).  The callers: the paper-scale experiments' ``TraceCache`` and the
-    planner's ``TraceReuse`` (autosp/plan/predict.py)."""
+    planner's ``TraceReuse`` (autosp/plan/prediction.py)."""
 
     how: str = RESIZED
     lengths: list[int] = field(default_factory=list)

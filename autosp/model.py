@@ -73,6 +73,48 @@ def _accepts(forward, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+class MemoryMeter(Protocol):
+    """What measures the device memory a planned model's first steps use (Note [The plan's promise checked])."""
+
+    def reset(self) -> None:
+        """Start a new peak."""
+
+    def peak_bytes(self) -> int:
+        """The peak since the last ``reset``."""
+
+
+@dataclass(frozen=True)
+class CudaAllocatorMeter:
+    """The CUDA caching allocator's peak of allocated bytes on ``device``."""
+
+    device: torch.device
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
+PROMISE_CHECKED_CALLS = 3
+"""Calls after the planned first one whose start reads the meter (Note [The plan's promise checked]): the first
+step's backward and optimizer step (whose states an optimizer allocates on its first step) are behind the second
+call; two more cover a gradient-accumulation step."""
+
+
+# Note [The plan's promise checked]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# memory_plan="auto" promises the fastest plan whose predicted peak fits ``target_memory``; a prediction that is
+# wrong by more than the margin between them is an out-of-memory crash on a GPU, the worst thing a planner can
+# ship.  So the promise is checked where it can be measured: the model resets its memory meter just before the
+# first (planned) call runs its program, and at the start of each of the next `PROMISE_CHECKED_CALLS` calls reads
+# the peak since then -- the first step's forward, backward and optimizer step.  A peak above ``target_memory``
+# stops the job with an `AutoSPError` naming the plan, its prediction, the measurement and what to change, before
+# a later, longer step runs out of memory.  The meter is the CUDA allocator's on a GPU (`CudaAllocatorMeter`) or
+# the one passed to `autosp.compile` (``memory_meter=``); a CPU has no allocator peak, so nothing is checked there
+# unless a meter is given (tests/autosp/test_memory_promise.py gives one).
+
+
 # Note [One program per length]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A compiled model trains on any mix of sequence lengths with no setting.  Each call runs a program
@@ -134,7 +176,8 @@ class SequenceParallelModel(nn.Module):
     def __init__(self, module: nn.Module, config: AutoSPConfig, groups: SequenceParallelGroups, *,
                  strategy_plan: dict | None = None, first_batch_plan: FirstBatchPlan | None = None,
                  trace: TraceHooks = TraceHooks(),
-                 program_for: Callable[[SequenceParallelModel], Callable] | None = None):
+                 program_for: Callable[[SequenceParallelModel], Callable] | None = None,
+                 memory_meter: MemoryMeter | None = None):
         super().__init__()
         self.module = module
         self.config = config
@@ -158,6 +201,8 @@ class SequenceParallelModel(nn.Module):
         if first_batch_plan is not None:
             weakref.finalize(self, first_batch_plan.close)
         self._warned_past_plan = False
+        self.__dict__["_memory_meter"] = memory_meter  # Note [The plan's promise checked]
+        self._promise_calls_left = 0
         if program_for is not None:  # a trace's stand-in for the compiled program (autosp.tracing)
             self.__dict__["_compiled"] = program_for(self)
         else:
@@ -208,12 +253,20 @@ class SequenceParallelModel(nn.Module):
         cfg = self.config
         if cfg.check_same_sample and cfg.sp_size > 1:
             check_same_sample(kwargs, self.groups.sp_group, cfg.sp_size, kwargs["input_ids"].device)
+        if self._promise_calls_left:  # Note [The plan's promise checked]
+            self._check_promise()
         if self._compiled is None:  # memory_plan="auto", first call
             padded = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                                   pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket,
                                   zigzag=cfg.zigzag, ulysses_size=cfg.layout_ulysses_size).padded_seq_len
-            self._plan_memory(padded, int(kwargs["input_ids"].shape[0]), kwargs["input_ids"].device)
+            device = kwargs["input_ids"].device
+            self._plan_memory(padded, int(kwargs["input_ids"].shape[0]), device)
             cfg = self.config
+            if self._memory_meter is None and device.type == "cuda":
+                self.__dict__["_memory_meter"] = CudaAllocatorMeter(device)
+            if self._memory_meter is not None and self._ctx.memory_plan.get("target_memory_bytes"):
+                self._memory_meter.reset()
+                self._promise_calls_left = PROMISE_CHECKED_CALLS
         layout = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                               pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket,
                               zigzag=cfg.zigzag, ulysses_size=cfg.layout_ulysses_size)
@@ -284,6 +337,21 @@ class SequenceParallelModel(nn.Module):
         self.config = dataclasses.replace(self.config, **decision["options"])
         self._ctx.memory_plan = decision
         self.__dict__["_compiled"] = self._compile(self.config)
+
+    def _check_promise(self) -> None:
+        """Refuse to go on when the meter saw more than the plan's target (Note [The plan's promise checked])."""
+        self._promise_calls_left -= 1
+        plan = self._ctx.memory_plan
+        target, peak = int(plan["target_memory_bytes"]), self._memory_meter.peak_bytes()
+        if peak <= target:
+            return
+        self._promise_calls_left = 0
+        chosen = plan["candidates"][plan["chosen"]]
+        raise AutoSPError(
+            f"memory_plan='auto' chose {chosen['plan']!r}, predicted at {chosen['peak_bytes'] / 2**30:.2f} GiB per "
+            f"rank within target_memory={target / 2**30:.2f} GiB, and its first step measured "
+            f"{peak / 2**30:.2f} GiB: stopping before a longer step runs out of memory.  Pass a lower target_memory "
+            "(the planner then chooses a plan with more room), or choose the options with memory_plan='off'")
 
     def _document_program(self):
         """The model's document program (Note [Document program]), compiled on first use."""

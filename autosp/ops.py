@@ -94,16 +94,22 @@ all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_set
 # (the reduction in backward, autosp.gradients) yields the gradient of the total exactly once.
 
 
-@torch.library.custom_op("autosp_testbed::all_reduce_sum", mutates_args=())
-def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group_name: str, op: dist.ReduceOp) -> torch.Tensor:
     out = x.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+    dist.all_reduce(out, op=op, group=_resolve_process_group(group_name))
     return out
 
 
-@all_reduce_sum.register_fake
-def _(x, group_name):
+def _all_reduce_fake(x, group_name):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("autosp_testbed::all_reduce_sum", mutates_args=())
+def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _all_reduce(x, group_name, dist.ReduceOp.SUM)
+
+
+all_reduce_sum.register_fake(_all_reduce_fake)
 
 
 def _all_reduce_sum_backward(ctx, grad):
@@ -121,9 +127,7 @@ def all_reduce_sum_sum_grad(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return all_reduce_sum(x, group_name)
 
 
-@all_reduce_sum_sum_grad.register_fake
-def _(x, group_name):
-    return torch.empty_like(x)
+all_reduce_sum_sum_grad.register_fake(_all_reduce_fake)
 
 
 def _all_reduce_sum_sum_grad_backward(ctx, grad):
@@ -141,14 +145,10 @@ all_reduce_sum_sum_grad.register_autograd(
 @torch.library.custom_op("autosp_testbed::all_reduce_max", mutates_args=())
 def all_reduce_max(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Elementwise maximum over the group, for values outside autograd (the shift of a log-sum-exp)."""
-    out = x.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=_resolve_process_group(group_name))
-    return out
+    return _all_reduce(x, group_name, dist.ReduceOp.MAX)
 
 
-@all_reduce_max.register_fake
-def _(x, group_name):
-    return torch.empty_like(x)
+all_reduce_max.register_fake(_all_reduce_fake)
 
 
 # Note [All-to-all as start and wait]
@@ -232,8 +232,8 @@ def _(in_flight, gather_dim):
 #   issued so far, this one among them).  CPU: nothing.  Placed right before x's first backward reader.
 #
 # The side stream is one per device, made on first use and kept (`_side_stream` is a cache of a device resource,
-# not state that changes results).  The CUDA halves are written but untried on a GPU (docs/design.md, "Activation
-# offload").
+# not state that changes results).  The CUDA halves are written but untried on a GPU (docs/design.md, "Stage 3:
+# the partitioned graphs").
 
 
 @functools.cache

@@ -320,12 +320,8 @@ def _cuda_refusal(kernel: BlockKernel, cuda: CudaDevice, dtype: torch.dtype, hea
     if kernel is BlockKernel.FLASH_CUDA:
         if not cuda.flash:
             return "flash disabled"
-        if cap < (8, 0):
-            return f"flash needs sm80+, got sm{cap[0]}{cap[1]}"
-        if not half:
-            return f"flash takes fp16/bf16, got {dtype}"
-        if head_dim % 8 or head_dim > 256:
-            return f"flash takes a head dimension that is a multiple of 8 up to 256, got {head_dim}"
+        if (refusal := _sm80_half_refusal("flash", cap, dtype, head_dim, 256)) is not None:
+            return refusal
         if head_dim > 192 and cap in ((8, 6), (8, 9)):
             return "flash's backward on sm86/sm89 takes a head dimension up to 192"
         if masked:
@@ -345,12 +341,19 @@ def _cuda_refusal(kernel: BlockKernel, cuda: CudaDevice, dtype: torch.dtype, hea
         return None
     if not cuda.cudnn:
         return "cuDNN disabled or older than 9"
+    return _sm80_half_refusal("cuDNN attention", cap, dtype, head_dim, 128)
+
+
+def _sm80_half_refusal(kernel: str, cap: tuple[int, int], dtype: torch.dtype, head_dim: int, max_head_dim: int
+                       ) -> str | None:
+    """The checks flash and cuDNN attention share: sm80+, fp16/bf16, a head dimension that is a multiple of 8 up
+    to ``max_head_dim``."""
     if cap < (8, 0):
-        return f"cuDNN attention needs sm80+, got sm{cap[0]}{cap[1]}"
-    if not half:
-        return f"cuDNN attention takes fp16/bf16, got {dtype}"
-    if head_dim % 8 or head_dim > 128:
-        return f"cuDNN attention takes a head dimension that is a multiple of 8 up to 128, got {head_dim}"
+        return f"{kernel} needs sm80+, got sm{cap[0]}{cap[1]}"
+    if dtype not in _HALF:
+        return f"{kernel} takes fp16/bf16, got {dtype}"
+    if head_dim % 8 or head_dim > max_head_dim:
+        return f"{kernel} takes a head dimension that is a multiple of 8 up to {max_head_dim}, got {head_dim}"
     return None
 
 

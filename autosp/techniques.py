@@ -69,7 +69,7 @@ class MemoryTechnique:
     the default): the planner then names the option in every candidate, off included, to replace the "auto"."""
     innermost: bool = False
     """Its candidates vary fastest in the planner's candidate list (checkpointing: plans differing only in it share
-    one trace, `autosp.plan.predict.TraceReuse`, and sit together); the others vary in registry order."""
+    one trace, `autosp.plan.traces.TraceReuse`, and sit together); the others vary in registry order."""
 
     def __post_init__(self) -> None:
         if (self.stage == "dynamo") != (self.pass_factory is not None):

@@ -93,7 +93,7 @@ def fake_training_sample(build_model, *, seq_len: int, sp_size: int, vocab_size:
     """A fake process group of ``sp_size`` ranks (this process ``rank``) for the block, and in a FakeTensorMode
     ``build_model()`` (parameters of ``dtype``, no storage) with one sample of ``micro_batch`` rows of
     ``seq_len`` random tokens (labels the tokens, ``position_ids`` if given): yields (fake mode, model, inputs)
-    for `trace_fake_step` and the planner's shared capture (`autosp.plan.predict.trace_strategies`).  The process
+    for `trace_fake_step` and the planner's shared capture (`autosp.plan.traces.trace_strategies`).  The process
     must not have a process group of its own."""
     if dist.is_initialized():
         raise RuntimeError("tracing on fake tensors needs a process without a process group (it creates a fake one)")

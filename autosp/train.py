@@ -28,9 +28,8 @@ import torch.distributed as dist
 
 import autosp
 from autosp import entry
-from autosp.config import ACCEPTED_STRATEGIES
 from autosp.errors import AutoSPError
-from autosp.presets import PRESETS, build_model, hf_config, model_argument
+from autosp.presets import build_model, hf_config
 
 log = logging.getLogger("autosp.train")
 
@@ -69,15 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                "--deepspeed-config FILE is merged deeply over the config these flags build: a flag given on the\n"
                "command line wins over the file, the file wins over a flag's default; each conflict is logged and\n"
                "the summary shows the values that were used.")
-    p.add_argument("--model", default="tiny-llama", type=model_argument,
-                   help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face config.json (or its folder) "
-                        "(default: %(default)s)")
-    p.add_argument("--num-layers", type=int, help="override the number of decoder layers (default: the model's)")
+    entry.add_model_arguments(p)
     p.add_argument("--seq-len", type=int, default=1024,
                    help="tokens per sample, the full sequence before sharding (default: %(default)s)")
-    p.add_argument("--sp-size", type=int,
-                   help="ranks sharing one sequence; divides the world size, the rest is data parallelism "
-                        "(default: all ranks)")
     p.add_argument("--zero-stage", type=int, metavar="{0,1,2}",
                    help=f"DeepSpeed ZeRO stage: 0, 1 or 2; 3 does not compose with AutoSP "
                         f"(default: {FLAG_DEFAULTS['zero_stage']})")
@@ -89,24 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate, unless the DeepSpeed config names an optimizer (default: %(default)s)")
     p.add_argument("--compiler", choices=("inductor", "aot_eager"),
                    help=f"torch.compile backend AutoSP hands its graphs to (default: {FLAG_DEFAULTS['compiler']})")
-    p.add_argument("--strategy", choices=ACCEPTED_STRATEGIES,
-                   help="how a sequence is split over its SP ranks: ulysses (attention heads), ring (zig-zag "
-                        "ring attention), hybrid (Ulysses inside groups of --ulysses-size ranks, ring across them) "
-                        "or auto (the planner simulates each on this job's model and length and the fastest that "
-                        "fits is compiled; its process starts before the model is built) (default: "
-                        f"{FLAG_DEFAULTS['strategy']})")
-    p.add_argument("--ulysses-size", type=int, help="with --strategy hybrid: ranks of each Ulysses group, a divisor "
-                                                    "of the SP size and of the attention heads")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), help="parameter and compute dtype (default: bf16 on GPUs, "
-                                                             "fp32 on CPU)")
+    entry.add_sp_arguments(
+        p, strategy_help="how a sequence is split over its SP ranks: ulysses (attention heads), ring (zig-zag ring "
+                         "attention), hybrid (Ulysses inside groups of --ulysses-size ranks, ring across them) or auto "
+                         "(the planner simulates each on this job's model and length and the fastest that fits is "
+                         "compiled; its process starts before the model is built) (default: "
+                         f"{FLAG_DEFAULTS['strategy']})")
     p.add_argument("--deepspeed-config", metavar="JSON", type=_json_file,
                    help="a DeepSpeed config file merged deeply over the one built from these flags (see below)")
     p.add_argument("--summary-json", metavar="PATH", help="also write rank 0's JSON summary to this file")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the random tokens (default: %(default)s)")
     p.add_argument("--log-interval", type=int, default=1, help="log every N steps (default: %(default)s)")
-    entry.add_debug_argument(p)
-    # The deepspeed launcher passes --local_rank (LOCAL_RANK in the environment says the same).
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    entry.add_launcher_arguments(p)
     return p
 
 
@@ -115,10 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps <= args.warmup_steps:
         p.error(f"--steps ({args.steps}) must exceed --warmup-steps ({args.warmup_steps}) to measure tokens/s")
-    for flag in ("seq_len", "steps", "log_interval", "sp_size", "micro_batch_size", "num_layers", "ulysses_size"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            p.error(f"--{flag.replace('_', '-')} {value}: give a positive number")
+    entry.require_at_least(p, args, ("seq_len", "steps", "log_interval", "sp_size", "micro_batch_size", "num_layers",
+                                     "ulysses_size"), 1)
     if args.zero_stage is not None and args.zero_stage not in (0, 1, 2):
         p.error(f"--zero-stage {args.zero_stage}: ZeRO stage {args.zero_stage} does not compose with AutoSP; "
                 "use 0, 1 or 2 (ZeRO 2 already partitions gradients and optimizer state)")

@@ -1,11 +1,11 @@
 """How long the planner takes to decide (issues 20 and 21): a memory plan at one length (two candidates, or
 ``default-plan``: every candidate ``autosp.compile``'s default memory plan predicts), ``strategy="auto"`` and the
 longest length, the last with and without re-sizing the joint graph across lengths
-(`autosp.plan.predict.TraceReuse`, docs/design.md "Trace reuse"). The decisions predict their candidates at depth
+(`autosp.plan.traces.TraceReuse`, docs/design.md "Trace reuse"). The decisions predict their candidates at depth
 ``extrapolated`` (Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py); ``--compare``
 also takes each decision at full depth and prints both side by side: the choice, and each candidate's step time
 and peak with the difference ("=": the same number); ``--separate-traces`` also takes ``strategy="auto"`` with each
-candidate traced on its own (Note [One Dynamo capture for every strategy] in autosp/plan/predict.py), side by side
+candidate traced on its own (Note [One Dynamo capture for every strategy] in autosp/plan/prediction.py), side by side
 the same way; ``--ranks N ...`` also takes ``strategy-auto`` and ``default-plan`` the way ``autosp.compile`` does,
 on N gloo ranks this script starts (`autosp.plan.auto.strategy_on_ranks`, `memory_plan_on_ranks`: the candidates
 spread over the ranks, each rank's share
@@ -203,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from autosp.plan import TrainingSetup, load_cluster
     from autosp.plan.planner import candidate_plans, candidates_for, plan_memory
-    from autosp.plan.predict import TraceReuse, choose_strategy, predict
+    from autosp.plan.prediction import predict
+    from autosp.plan.strategy_choice import choose_strategy
+    from autosp.plan.traces import TraceReuse
 
     handler = _Seconds()
     logging.getLogger("autosp.plan").addHandler(handler)

@@ -188,8 +188,18 @@ def profiled_ops(prof, quadratic_from: int) -> list[ProfiledOp]:
     return [ProfiledOp(n, b, q, d, f, c) for (n, b, q, d, f), c in sorted(counts.items())]
 
 
+class _Judged:
+    """A section's record (a dataclass with a ``problems`` field): it passed when ``problems`` is empty."""
+
+    problems: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
 @dataclass
-class KernelCheck:
+class KernelCheck(_Judged):
     """Section (b) for one case: the kernels listed by kind, and what is wrong."""
 
     case: str
@@ -200,10 +210,6 @@ class KernelCheck:
     problems: list[str]
     notes: list[str] = field(default_factory=list)
     """What is worth knowing and not wrong (the control: what the check rejected, as it must)."""
-
-    @property
-    def passed(self) -> bool:
-        return not self.problems
 
 
 def _softmax(op: ProfiledOp) -> bool:
@@ -478,7 +484,7 @@ def cluster_of(document: dict, world: int):
 
 
 @dataclass
-class Exactness:
+class Exactness(_Judged):
     """Section (a) for one case: the compiled step against single-device training, on every rank."""
 
     case: str
@@ -489,13 +495,9 @@ class Exactness:
     """The gradient (or loss) nearest its tolerance, and how near (error / tolerance, <= 1 passes)."""
     problems: list[str]
 
-    @property
-    def passed(self) -> bool:
-        return not self.problems
-
 
 @dataclass
-class Prediction:
+class Prediction(_Judged):
     """Section (c) for one case: measured beside simulated, and the plan's fit."""
 
     case: str
@@ -511,13 +513,9 @@ class Prediction:
     """A planned case's decision (`_plan_facts`); the errors above are printed, never judged."""
     problems: list[str]
 
-    @property
-    def passed(self) -> bool:
-        return not self.problems
-
 
 @dataclass
-class Calibration:
+class Calibration(_Judged):
     """Section (d): the record written and read back."""
 
     path: str
@@ -525,10 +523,6 @@ class Calibration:
     device: str
     step_factor: float
     problems: list[str]
-
-    @property
-    def passed(self) -> bool:
-        return not self.problems
 
 
 def exactness(case: Case, per_rank: list[dict]) -> Exactness:
@@ -663,7 +657,7 @@ def plain_peak(case: Case, preset: str, folder: Path) -> int:
     """The predicted peak of ``case`` with no memory technique (`PLAIN`), as ``autosp.compile``'s planner prices the
     job (tests/autosp/test_memory_plan.py's baseline)."""
     from autosp.plan import TrainingSetup, load_cluster, predict
-    from autosp.plan.predict import DECIDING_DEPTH
+    from autosp.plan.setup import DECIDING_DEPTH
     from experiments.models import build_model
 
     path = folder / f"{case.name}.json"

@@ -61,12 +61,9 @@ class ProgramBuilder:
                          bytes_read=int(bytes_read), bytes_written=int(bytes_written), deps=deps,
                          allocates=allocates, frees=frees, attention_scores=int(attention_scores))
 
-    def _collective(self, kind: str, group: str, message_bytes: int, key: str | None, peer: int | None) -> Collective:
-        return Collective(kind=kind, group=group, message_bytes=int(message_bytes),
-                          key=key if key is not None else f"c{len(self._ops)}", peer=peer)
-
-    def collective(
+    def _collective_op(
         self,
+        op_kind: str,
         name: str,
         *,
         kind: str,
@@ -79,30 +76,24 @@ class ProgramBuilder:
         allocates: Iterable[int] = (),
         frees: Iterable[int] = (),
     ) -> int:
-        """Append a blocking collective (the compute stream waits for it); return its op id."""
-        coll = self._collective(kind, group, message_bytes, key, peer)
-        return self._add(name=name, kind="collective", phase=phase, deps=deps, allocates=allocates, frees=frees,
+        """Append an op of ``op_kind`` carrying a :class:`Collective` (its ``key`` defaults to ``c<op id>``)."""
+        coll = Collective(kind=kind, group=group, message_bytes=int(message_bytes),
+                          key=key if key is not None else f"c{len(self._ops)}", peer=peer)
+        return self._add(name=name, kind=op_kind, phase=phase, deps=deps, allocates=allocates, frees=frees,
                          collective=coll)
 
-    def start(
-        self,
-        name: str,
-        *,
-        kind: str,
-        group: str,
-        message_bytes: int,
-        key: str | None = None,
-        peer: int | None = None,
-        phase: str = "forward",
-        deps: Iterable[int] = (),
-        allocates: Iterable[int] = (),
-        frees: Iterable[int] = (),
-    ) -> int:
-        """Append a ``collective_start`` on ``group``'s comm stream; return its op id (pass it to :meth:`wait`)."""
-        coll = self._collective(kind, group, message_bytes, key, peer)
-        op_id = self._add(name=name, kind="collective_start", phase=phase, deps=deps, allocates=allocates,
-                          frees=frees, collective=coll)
-        self._starts[op_id] = coll
+    def collective(self, name: str, **fields) -> int:
+        """Append a blocking collective (the compute stream waits for it); return its op id.
+
+        ``fields``: ``kind``, ``group`` and ``message_bytes``, and optionally ``key`` (default ``c<op id>``),
+        ``peer``, ``phase`` (default "forward"), ``deps``, ``allocates`` and ``frees``."""
+        return self._collective_op("collective", name, **fields)
+
+    def start(self, name: str, **fields) -> int:
+        """Append a ``collective_start`` on ``group``'s comm stream, with :meth:`collective`'s ``fields``; return
+        its op id (pass it to :meth:`wait`)."""
+        op_id = self._collective_op("collective_start", name, **fields)
+        self._starts[op_id] = self._ops[op_id].collective
         return op_id
 
     def wait(

@@ -116,7 +116,7 @@ def plot_memory(result: Result, path: str | os.PathLike[str], *, max_ranks: int 
 def memory_by_category(result: Result, lines: Sequence[LedgerLine], pool: str = "device"
                        ) -> tuple[list[float], dict[str, list[float]]]:
     """Memory per ledger category along the simulated step, in bytes, for ``pool``'s lines of ``lines`` (the
-    ledger inside backward whose ``activations`` line is this step's, as `autosp.plan.predict.Prediction.lines`
+    ledger inside backward whose ``activations`` line is this step's, as `autosp.plan.prediction.Prediction.lines`
     are): (times in seconds, {category: bytes at each time}).  Every category but the activations holds its ledger
     bytes through the step (as the ledger counts them inside backward); the activations are what the simulated
     rank that peaks highest holds above its static floor at each moment (device), or has offloaded (host).  So at

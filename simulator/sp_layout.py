@@ -74,7 +74,7 @@ ZIGZAG_STRATEGIES = tuple(kind.value for kind in SPKind if kind.zigzag)
 CHOSEN_STRATEGIES = ("auto",)
 """Strategies of ``simulator.strategies.SEQUENCE_PARALLEL`` that ``autosp.compile(strategy=...)`` accepts but
 resolves, before compiling, to one of ``COMPILED_STRATEGIES`` (and its degrees): ``auto``, the fastest that fits
-by simulation (``autosp.plan.predict.choose_strategy``)."""
+by simulation (``autosp.plan.strategy_choice.choose_strategy``)."""
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from simulator.sp_layout import (  # noqa: F401 - the sequence-parallel kinds and layout, re-exported for autosp
     CHOSEN_STRATEGIES,
@@ -58,6 +58,8 @@ RING_GROUPS = ("ring_send", "ring_recv")
 two comm streams, so that a rank sends to its next neighbour while it receives from its previous one, as
 ``batch_isend_irecv`` does (on one stream every rank's send would wait for its own receive, and the ring deadlock).
 Their instances are the ring's ranks; a ``send``'s ``peer`` is the next rank, a ``recv``'s the previous one."""
+
+_T = TypeVar("_T")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Collective:
@@ -223,13 +225,8 @@ class Workload:
         ranks_doc = data["ranks"]
         if not isinstance(ranks_doc, Mapping):
             raise WorkloadError("workload.ranks must be an object mapping rank numbers to programs")
-        ranks = {}
-        for key, prog in ranks_doc.items():
-            try:
-                rank = int(key)
-            except (TypeError, ValueError):
-                raise WorkloadError(f"workload.ranks key {key!r} is not a rank number") from None
-            ranks[rank] = _program_from_dict(prog, f"ranks[{key}]")
+        ranks = _by_int_key(ranks_doc, "workload.ranks", "a rank number",
+                            lambda key, prog: _program_from_dict(prog, f"ranks[{key}]"))
         groups = data["groups"]
         if not isinstance(groups, Mapping):
             raise WorkloadError("workload.groups must be an object mapping group names to rank lists")
@@ -279,6 +276,19 @@ def _require(data: Mapping[str, Any], keys: tuple[str, ...], where: str) -> None
     missing = [k for k in keys if k not in data]
     if missing:
         raise WorkloadError(f"{where} is missing required field(s) {', '.join(missing)}")
+
+
+def _by_int_key(doc: Mapping[str, Any], where: str, noun: str, read: Callable[[str, Any], _T]) -> dict[int, _T]:
+    """``doc`` (a JSON object, so its keys are strings) keyed by its keys read as integers, each value ``read(key,
+    value)``; a key that is no integer is refused as not ``noun``."""
+    out = {}
+    for key, value in doc.items():
+        try:
+            number = int(key)
+        except (TypeError, ValueError):
+            raise WorkloadError(f"{where} key {key!r} is not {noun}") from None
+        out[number] = read(key, value)
+    return out
 
 
 def _int(value: object, where: str) -> int:
@@ -339,13 +349,8 @@ def _program_from_dict(data: object, where: str) -> RankProgram:
     tensors_doc = data.get("tensors") or {}
     if not isinstance(tensors_doc, Mapping):
         raise WorkloadError(f"{where}.tensors must be an object mapping tensor ids to byte sizes")
-    tensors = {}
-    for key, size in tensors_doc.items():
-        try:
-            tid = int(key)
-        except (TypeError, ValueError):
-            raise WorkloadError(f"{where}.tensors key {key!r} is not an integer tensor id") from None
-        tensors[tid] = _int(size, f"{where}.tensors[{key}]")
+    tensors = _by_int_key(tensors_doc, f"{where}.tensors", "an integer tensor id",
+                          lambda key, size: _int(size, f"{where}.tensors[{key}]"))
     ops_doc = data["ops"]
     if not isinstance(ops_doc, list):
         raise WorkloadError(f"{where}.ops must be a list")

@@ -22,6 +22,18 @@ Read from the documents themselves (nothing is listed twice):
   the module's ``build_parser()``, and torchrun's and the deepspeed launcher's own parsers for their
   arguments), for commands too long or needing GPUs to run here; ``skip: REASON`` (a network install) checks
   nothing and says why.  A block without a mode fails.  README keeps at least one ``run`` block (the set-up check).
+
+And from the code (the ``.py``, ``.ipynb`` and ``.sh`` files of autosp/, simulator/, experiments/, tests/, scripts/
+and bin/, read as prose: a citation broken over comment lines, docstring lines, adjacent string literals or a
+notebook's source lines is read whole):
+
+- every Note the code cites is defined, as the documents' are;
+- every section of docs/design.md that the code or a document cites (the path followed by the section's title in
+  double quotes, with or without a comma; a Markdown link to design.md followed by the quoted title; or the path, a
+  comma and a bare capitalised title) is a heading of design.md: its whole text, or its text before `` (`` or ``: ``;
+- docs/design.md, the map of contracts and recipes, stays at most ``DESIGN_MAX_LINES`` lines.
+
+This module is the checker: its own examples of right and wrong citations are not read as citations.
 """
 
 from __future__ import annotations
@@ -47,6 +59,13 @@ COMMAND_DOCS = DOCS[:-1]
 USER_DOCS = tuple(d for d in COMMAND_DOCS if d != "docs/design.md")
 """README.md and the user guide: their Python examples use only the public API."""
 README_MAX_LINES = 300
+DESIGN = "docs/design.md"
+DESIGN_MAX_LINES = 600
+"""docs/design.md is a map of contracts and recipes that point to the code's Notes, not a lab notebook."""
+CODE_DIRS = ("autosp", "simulator", "experiments", "tests", "scripts", "bin")
+CODE_SUFFIXES = (".py", ".ipynb", ".sh")
+CHECKER = "tests/test_docs.py"
+"""This module: its examples of citations, good and bad, are not citations."""
 PACKAGES = ("autosp", "simulator", "experiments", "tests")
 BLOCK = re.compile(r"(?:<!--\s*readme-test:\s*(?P<mode>[^>]*?)\s*-->\s*\n)?```(?P<lang>\w*)\n(?P<body>.*?)```",
                    re.DOTALL)
@@ -151,15 +170,113 @@ def test_docs_name_only_paths_modules_and_notes_that_exist(doc):
         rest = parts[cut:]
         if rest and not re.search(rf"\b{re.escape(rest[0])}\b", Path(spec.origin).read_text(encoding="utf-8")):
             missing.append(f"{rest[0]} in {'.'.join(parts[:cut])} ({name})")
+    defined = _defined_notes(files)
+    for title in _cited_notes(text):
+        if title not in defined:
+            missing.append("Note " + f"[{title}]")
+    assert missing == [], f"{doc} names what does not exist: {sorted(set(missing))}"
+
+
+def _defined_notes(files: list[str]) -> set[str]:
+    """The titles of the Notes the code defines: ``Note [Title]`` on a line of its own (a comment's or a docstring's)."""
     defined = set()
     for f in files:
         if f.endswith(".py") and f.split("/")[0] in PACKAGES:
             defined |= set(re.findall(r"^\s*(?:#\s*)?Note \[([^\]]+)\]\s*$", (ROOT / f).read_text(encoding="utf-8"),
                                       re.MULTILINE))
-    for title in re.findall(r"Note \[([^\]]+)\]", re.sub(r"\s+", " ", text)):
-        if title not in defined and title != "...":
-            missing.append("Note " + f"[{title}]")
-    assert missing == [], f"{doc} names what does not exist: {sorted(set(missing))}"
+    return defined
+
+
+def _as_prose(text: str) -> str:
+    """``text`` read as prose: escaped quotes and newlines of string literals and notebook JSON undone, adjacent
+    string literals joined (``"a " "b"``, ``"a " f"b"``, a notebook's ``"a\\n", "b"``), comment markers and line
+    breaks dropped, runs of white space made one space."""
+    text = text.replace('\\"', '"').replace("\\n", " ")
+    text = re.sub(r"""["']\s*,?\s*[rfb]?["']""", " ", text)
+    text = re.sub(r"\s*\n\s*#*\s*|\s+#+\s+", " ", text)
+    return re.sub(r"\s+", " ", text)
+
+
+def _cited_notes(text: str) -> list[str]:
+    """The titles of the Notes ``text`` cites (the placeholder ``...`` aside)."""
+    return [t.strip() for t in re.findall(r"Note \[([^\]]{1,200})\]", _as_prose(text)) if t.strip() != "..."]
+
+
+DESIGN_CITATION = [
+    re.compile(r"docs/design\.md(?:'s recipe)?(?:,\s*|\s+)\(?\s*\"([^\"]{1,120})\""),  # path then "Section"
+    re.compile(r"\]\((?:docs/)?design\.md\)\s*\(\s*\"([^\"]{1,120})\""),  # [design.md](design.md) ("Section")
+    re.compile(r"docs/design\.md,\s+([A-Z][\w' ×-]{0,80}?)(?=[,;)])"),  # path, Section,
+]
+
+
+def _design_citations(text: str) -> list[str]:
+    """The sections of docs/design.md that ``text`` cites, by title."""
+    prose = _as_prose(text)
+    return [m.group(1).strip() for pattern in DESIGN_CITATION for m in pattern.finditer(prose)]
+
+
+def _design_sections(markdown: str) -> set[str]:
+    """The titles a citation may use for each heading: the heading, and its text before `` (`` or ``: ``."""
+    names = set()
+    for heading in re.findall(r"^#+\s+(.+?)\s*$", _code_text(markdown), re.MULTILINE):
+        names |= {heading, heading.split(" (")[0], heading.split(": ")[0]}
+    return names
+
+
+def _code_files(files: list[str]) -> list[str]:
+    return [f for f in files if f.split("/")[0] in CODE_DIRS and f.endswith(CODE_SUFFIXES) and f != CHECKER
+            and (ROOT / f).is_file()]
+
+
+@pytest.mark.parametrize("text, cited", [
+    ('(docs/design.md, "Trace reuse")', ["Trace reuse"]),
+    ('# see docs/design.md, "Activation\n# offload in the planner").', ["Activation offload in the planner"]),
+    ('"fields: docs/design.md, \\"Cluster files\\"; an example"', ["Cluster files"]),
+    ('raise E("see docs/design.md, "\n    "Cluster files, for the fields")', ["Cluster files"]),
+    ("(docs/design.md, Cluster files)", ["Cluster files"]),
+    ('docs/design.md "Trace reuse across lengths")', ["Trace reuse across lengths"]),
+    ("docs/design.md's recipe \"Adding a memory\ntechnique\" says", ["Adding a memory technique"]),
+    ('[design.md](design.md) ("The simulator\'s model")', ["The simulator's model"]),
+    ("(docs/design.md): the map", []),
+])
+def test_design_citation_rule(text, cited):
+    assert _design_citations(text) == cited
+
+
+@pytest.mark.parametrize("text, cited", [
+    ("Note [One program\n    per length] in autosp/model.py", ["One program per length"]),
+    ('f"(Note [Mask programs probed on shorter " f"blocks])"', ["Mask programs probed on shorter blocks"]),
+    ('"    # (Note [Fixed or\\n",\n    "    # per-token gap] in"', ["Fixed or per-token gap"]),
+    ("the `Note [...]` blocks", []),
+])
+def test_note_citation_rule(text, cited):
+    assert _cited_notes(text) == cited
+
+
+def test_design_sections_cited_anywhere_are_headings_of_design_md():
+    """A renamed or removed section of docs/design.md fails here until every citation of it is retargeted."""
+    sections = _design_sections((ROOT / DESIGN).read_text(encoding="utf-8"))
+    assert {"Trace reuse", "Choosing a strategy", "Deciding fast", "Stage 3: the partitioned graphs"} <= sections
+    citing = _code_files(_tracked()) + [d for d in DOCS if d != DESIGN]
+    bad = sorted({f"{f}: {title!r}" for f in citing for title in _design_citations((ROOT / f).read_text(
+        encoding="utf-8")) if title not in sections})
+    assert bad == [], ("these cite a section docs/design.md does not have (a heading, or its text before ' (' or "
+                       "': '); cite one it has or keep the heading:\n" + "\n".join(bad))
+
+
+def test_code_cites_only_notes_that_are_defined():
+    files = _tracked()
+    defined = _defined_notes(files)
+    bad = sorted({f"{f}: Note [{title}]" for f in _code_files(files)
+                  for title in _cited_notes((ROOT / f).read_text(encoding="utf-8")) if title not in defined})
+    assert bad == [], "these cite a Note that no module defines (on a line of its own):\n" + "\n".join(bad)
+
+
+def test_design_md_is_a_map_not_a_notebook():
+    lines = (ROOT / DESIGN).read_text(encoding="utf-8").count("\n")
+    assert lines <= DESIGN_MAX_LINES, (
+        f"{DESIGN} has {lines} lines (at most {DESIGN_MAX_LINES}): keep contracts and recipes there and move the "
+        "detail into the Note it points to; measured figures belong in run records, not in the page")
 
 
 def _blocks(doc: str = "README.md"):

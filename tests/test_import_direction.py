@@ -175,4 +175,4 @@ def test_import_direction_circle_finder_finds_a_circle():
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = import_graph()
     assert "autosp.model" in graph["autosp.api"]  # the scanner resolves the front door's import of the core
-    assert "autosp.plan.predict" in graph["autosp.plan.auto"]  # and a function-local import
+    assert "autosp.plan.planner" in graph["autosp.plan.auto"]  # and a function-local import

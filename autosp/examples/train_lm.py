@@ -46,9 +46,8 @@ import torch.distributed as dist
 
 import autosp
 from autosp import entry
-from autosp.config import ACCEPTED_STRATEGIES
 from autosp.errors import AutoSPError
-from autosp.presets import PRESETS, build_model, hf_config, model_argument
+from autosp.presets import build_model, hf_config
 from autosp.train import init_distributed, peak_memory
 
 log = logging.getLogger("autosp.examples.train_lm")
@@ -323,29 +322,18 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--seq-len", type=int, default=1024,
                       help="tokens per packed sample, the full sequence before sharding (default: %(default)s)")
     model = p.add_argument_group("model and parallelism")
-    model.add_argument("--model", default="tiny-llama", type=model_argument,
-                       help=f"a preset ({', '.join(PRESETS)}) or the path of a Hugging Face config.json (or its "
-                            "folder) (default: %(default)s)")
-    model.add_argument("--num-layers", type=int, help="override the number of decoder layers (default: the model's)")
-    model.add_argument("--sp-size", type=int,
-                       help="ranks sharing one sequence; divides the world size, the rest is data parallelism "
-                            "(default: all ranks)")
+    entry.add_model_arguments(model)
     model.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
                        help="train through DeepSpeed with this ZeRO stage (default: plain PyTorch, no DeepSpeed)")
     model.add_argument("--compiler", choices=("aot_eager", "inductor"), default="aot_eager",
                        help="backend AutoSP hands its graphs to; a packed sample runs under aot_eager either "
                             "way (AutoSP chooses it per batch: Inductor does not compile document masks yet), "
                             "so inductor only adds its compile time here (default: %(default)s)")
-    model.add_argument("--strategy", choices=ACCEPTED_STRATEGIES,
-                       help="how a sequence is split over its SP ranks: ulysses (attention heads), ring (zig-zag "
-                            "ring attention: more SP ranks than key-value heads, or the longest sequences), hybrid "
-                            "(Ulysses inside groups of --ulysses-size ranks, ring across them) or auto (the planner "
-                            "chooses on the first batch) (default: ulysses)")
-    model.add_argument("--ulysses-size", type=int,
-                       help="with --strategy hybrid: ranks of each Ulysses group, a divisor of the SP size and of "
-                            "the attention heads")
-    model.add_argument("--dtype", choices=("bf16", "fp32"),
-                       help="parameter and compute dtype (default: bf16 on GPUs, fp32 on CPU)")
+    entry.add_sp_arguments(
+        model, strategy_help="how a sequence is split over its SP ranks: ulysses (attention heads), ring (zig-zag "
+                             "ring attention: more SP ranks than key-value heads, or the longest sequences), hybrid "
+                             "(Ulysses inside groups of --ulysses-size ranks, ring across them) or auto (the "
+                             "planner chooses on the first batch) (default: ulysses)")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=100, help="optimizer steps in all (default: %(default)s)")
     train.add_argument("--micro-batch-size", type=int, default=1,
@@ -369,21 +357,16 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--resume", action="store_true",
                      help="continue from OUTPUT_DIR/checkpoints/latest (start afresh if there is none)")
     out.add_argument("--log-interval", type=int, default=10, help="log every N steps (default: %(default)s)")
-    entry.add_debug_argument(p)
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    entry.add_launcher_arguments(p)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for flag in ("seq_len", "steps", "micro_batch_size", "grad_accum", "log_interval", "sp_size", "num_layers"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            p.error(f"--{flag.replace('_', '-')} {value}: give a positive number")
-    for flag in ("save_every", "warmup", "max_grad_norm", "weight_decay"):
-        if getattr(args, flag) < 0:
-            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give zero or a positive number")
+    entry.require_at_least(p, args, ("seq_len", "steps", "micro_batch_size", "grad_accum", "log_interval", "sp_size",
+                                     "num_layers"), 1)
+    entry.require_at_least(p, args, ("save_every", "warmup", "max_grad_norm", "weight_decay"), 0)
     if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
         p.error(f"--tokenizer {args.tokenizer}: not a folder (save a tokenizer with save_pretrained(DIR))")
     for name in args.data:

@@ -202,7 +202,7 @@ def _planned_setup(ds_config: dict, optimizer: Any) -> dict:
         kind, momentum = "", 0
     if kind == "sgd" and momentum:
         kind = "sgd_momentum"
-    from autosp.plan.predict import OPTIMIZERS  # the planner's ledger (called only when something is planned)
+    from autosp.plan.setup import OPTIMIZERS  # the planner's ledger (called only when something is planned)
 
     if kind in OPTIMIZERS:
         setup["optimizer"] = kind

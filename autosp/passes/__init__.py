@@ -1,6 +1,6 @@
 """AutoSP's graph passes, grouped by the stage of compilation they run at.
 
-The folders follow the data path (docs/design.md, "Pass stages"):
+The folders follow the data path (docs/design.md, "The pass stages and their contracts"):
 
 ``dynamo/``
     Contract: a Dynamo FX graph (torch-level ops, nested higher-order-op bodies)

@@ -132,6 +132,15 @@ def emit_call(graph: fx.Graph, kind: str, target, args: tuple, meta: dict) -> fx
     return node
 
 
+def flatten(value):
+    """The leaves of nested tuples and lists, in order (anything else is one leaf)."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from flatten(v)
+    else:
+        yield value
+
+
 def _tensors(tree) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     fx.node.map_aggregate(tree, lambda x: found.append(x) if isinstance(x, torch.Tensor) else None)

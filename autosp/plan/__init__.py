@@ -10,23 +10,32 @@ one, `plan_job` also the DeepSpeed setup (ZeRO stage, optimizer offload) the pla
 and hybrid degree and chooses one; `autosp.plan.auto` runs them for a compiled model (``autosp.compile(...,
 memory_plan="auto")``, ``autosp.compile(..., strategy="auto")``) in a planner process, which `start_planner`
 starts ahead of the request (autosp/plan/process.py).  It is the one package of autosp that uses
-the simulator beyond its workload schema (docs/design.md, "Import direction").
+the simulator beyond its workload schema (docs/design.md, "The packages and who may import whom").
 """
 
-from autosp.plan.cluster_file import cluster_from_dict, cluster_names, load_cluster
-from autosp.plan.model_source import ModelSource
-from autosp.plan.planner import MemoryPlan, PlanReport, candidate_plans, choose_options, plan_job, plan_memory
-from autosp.plan.predict import (
-    Prediction,
-    StepPrediction,
-    StrategyDecision,
-    TrainingSetup,
-    choose_strategy,
-    peak_by_category,
-    predict,
-)
-from autosp.plan.process import PlannerProcess, start_planner
+import importlib
 
-__all__ = ["MemoryPlan", "ModelSource", "PlanReport", "PlannerProcess", "Prediction", "StepPrediction",
-           "StrategyDecision", "TrainingSetup", "candidate_plans", "choose_options", "choose_strategy", "cluster_from_dict",
-           "cluster_names", "load_cluster", "peak_by_category", "plan_job", "plan_memory", "predict", "start_planner"]
+_PUBLIC = {
+    "cluster_from_dict": "cluster_file", "cluster_names": "cluster_file", "load_cluster": "cluster_file",
+    "ModelSource": "model_source",
+    "MemoryPlan": "planner", "PlanReport": "planner", "candidate_plans": "planner", "choose_options": "planner",
+    "plan_job": "planner", "plan_memory": "planner",
+    "Prediction": "prediction", "peak_by_category": "prediction", "predict": "prediction",
+    "PlannerProcess": "process", "start_planner": "process",
+    "TrainingSetup": "setup", "StepPrediction": "step",
+    "StrategyDecision": "strategy_choice", "choose_strategy": "strategy_choice",
+}
+"""Each public name -> the module of this package that defines it, imported on first use: `autosp.compile` imports
+`autosp.plan.auto`, and a plain compile should not pay for the simulator the predictions import."""
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'autosp.plan' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"autosp.plan.{_PUBLIC[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,54 +1,96 @@
 """``python -m autosp.plan``: predict a training configuration for a model on a cluster before running it.
 
 Answers whether it fits, the peak per rank by ledger category, the step time and (with ``--max-length``) the
-longest sequence that fits; ``--json`` writes the same as a document.  Exit status 0 with an answer (also when it
-does not fit), 2 on a usage error with a message saying what to change.
+longest sequence that fits; ``--json`` writes the same as a document.  Every answer starts with what it assumed
+(Note [The planner CLI's defaults]).  Exit status 0 with an answer (also when it does not fit), 2 on a usage error
+with a message saying what to change.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
-from autosp.config import ACTIVATION_OFFLOAD
+from autosp.config import ACTIVATION_OFFLOAD, MEMORY_PLAN, AutoSPConfig
 from autosp.errors import AutoSPError
 from autosp.plan.cluster_file import cluster_names
 from autosp.plan.planner import OBJECTIVES
-from autosp.plan.predict import (
-    COMPILERS,
-    DEPTHS,
-    DTYPES,
-    OFFLOADS,
-    OPTIMIZERS,
-    STRATEGY_CHOICES,
-    TrainingSetup,
-)
+from autosp.plan.setup import COMPILERS, DEPTHS, DTYPES, OFFLOADS, OPTIMIZERS, TrainingSetup
+from autosp.plan.strategy_choice import STRATEGY_CHOICES
 from autosp.presets import model_argument
 
 log = logging.getLogger("autosp.plan")
 
+# Note [The planner CLI's defaults]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Unless told otherwise the command answers for what ``autosp.compile(model, sp_size=P)`` would do on the cluster:
+#
+# - the memory planned (``--memory-plan auto``, Note [The default memory plan] in autosp/plan/auto.py: on a cluster
+#   there is always a memory size), except where the compile leaves the options as given (``--strategy auto``) or
+#   this command does not plan yet (``--strategy ring``, ``--max-length``): ``off`` there, the answer saying why;
+# - the training setup the compiled model's own plan prices a plain training loop at (`library_setup`: the job
+#   fields of `autosp.plan.auto._setup` over `TrainingSetup`'s defaults, typed nowhere here): no ZeRO, AdamW, no
+#   optimizer offload; the dtype is TrainingSetup's (the compiled model plans at its parameters' dtype, which a
+#   config file does not say);
+# - every rank of the cluster (a cluster preset's or file's; a hardware preset's one node, or as many nodes as
+#   the ranks given need), SP inside one node (``--sp-size`` defaults to a node's GPUs, the other ranks
+#   data-parallel replicas) and an SP group across nodes refused unless ``--allow-cross-node-sp`` (`resolve_ranks`).
+#
+# Option values have one spelling, the library's (``off``, not ``none``: that old spelling still maps to ``off``
+# with a warning).  Each answer, printed and ``--json``, starts with the assumptions it made, each marked given or
+# default (`Assumption`).
+
+JOB_FIELDS = ("seq_len", "sp_size", "dp_size", "micro_batch", "dtype")
+"""The `TrainingSetup` fields `autosp.plan.auto._setup` reads off the job itself (its length, ranks, rows and
+parameters); the rest of what it returns is what the compiled model assumes of a job nothing describes."""
+
+
+def library_setup() -> dict:
+    """The `TrainingSetup` fields a compiled model's own plan prices a job at when nothing describes it
+    (``plan_setup`` unset: a plain training loop): `autosp.plan.auto._setup` of a default `AutoSPConfig` over
+    `TrainingSetup`'s defaults, less what the job supplies itself (`JOB_FIELDS`)."""
+    import torch
+
+    from autosp.plan.auto import _setup
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingSetup) if f.default is not dataclasses.MISSING}
+    job = _setup(torch.nn.Module(), AutoSPConfig(sp_size=1), seq_len=1, micro_batch=1, world_size=1)
+    return {**defaults, **{k: v for k, v in job.items() if k not in JOB_FIELDS}}
+
+
+LIBRARY_STRATEGY = next(f.default for f in dataclasses.fields(AutoSPConfig) if f.name == "strategy")
+"""``autosp.compile``'s default strategy."""
+
+DEPRECATED_MEMORY_PLAN = {"none": "off"}
+"""Old spellings of ``--memory-plan`` values, accepted with a warning."""
+
 EPILOG = """\
---cluster takes a hardware preset (as many nodes as the ranks need), a multi-node cluster preset, or a cluster
-file (JSON; fields and units: docs/design.md, "Cluster files"; example: docs/examples/two_node_cluster.json).
+--cluster takes a hardware preset (one node, or as many nodes as the ranks given need), a multi-node cluster preset,
+or a cluster file (JSON; fields and units: docs/design.md, "Cluster files"; example:
+docs/examples/two_node_cluster.json).
+Unless told otherwise the answer is for what autosp.compile(model, sp_size=P) would do: every rank of the cluster,
+SP inside one node (the other ranks data-parallel replicas), the memory planned, and the setup a compiled model
+assumes of a plain training loop (no ZeRO, AdamW, no offload). Every answer starts with what it assumed, each
+given or default.
 Peak memory is one definition everywhere: the DeepSpeed memory ledger inside backward (parameters, gradients,
 optimizer state, communication buffers, CUDA context, NCCL, workspaces, allocator rounding and fragmentation)
 plus the simulated activations of the traced AutoSP step - what python -m simulator --max-length reports.
 
 examples:
-  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 65536 --sp-size 8
+  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 65536
   python -m autosp.plan --model path/to/config.json --cluster docs/examples/two_node_cluster.json \\
-      --seq-len 131072 --sp-size 4 --dp-size 2 --zero-stage 2 --micro-batch 2 --json plan.json
+      --seq-len 131072 --zero-stage 2 --micro-batch 2 --json plan.json
   python -m autosp.plan --model tiny-llama --cluster a100-80gb-sxm --seq-len 4096 --sp-size 2 --max-length
-  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 131072 --sp-size 8 --strategy auto
-  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 65536 --sp-size 8 --zero-stage 2 \\
-      --offload optimizer
-  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 262144 --sp-size 8 \\
+  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 131072 --strategy auto
+  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 65536 --zero-stage 2 \\
+      --offload optimizer --memory-plan off
+  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 262144 --memory-plan off \\
       --activation-offload on
-  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 65536 --sp-size 8 --memory-plan auto \\
-      --workers 4
+  python -m autosp.plan --model llama-3.1-8b --cluster h100-sxm --seq-len 3670016 --zero-stage auto --workers 4
 """
 
 
@@ -69,9 +111,28 @@ def _positive(value: str) -> int:
     return number
 
 
+def _memory_plan(value: str) -> str:
+    """``--memory-plan``: the library's spelling; an old one (`DEPRECATED_MEMORY_PLAN`) mapped, with a warning."""
+    if value in DEPRECATED_MEMORY_PLAN:
+        new = DEPRECATED_MEMORY_PLAN[value]
+        log.warning("--memory-plan %s is deprecated: it is spelled %s now, as in autosp.compile(memory_plan=%r)",
+                    value, new, new)
+        return new
+    return value
+
+
+def _zero_stage(value: str) -> int | str:
+    """``--zero-stage``: a stage, or auto."""
+    try:
+        return int(value)
+    except ValueError:
+        return value  # argparse's choices name a typo
+
+
 def build_parser() -> argparse.ArgumentParser:
     from autosp.presets import PRESETS as MODEL_PRESETS
 
+    lib = library_setup()
     p = argparse.ArgumentParser(
         prog="python -m autosp.plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Predict an AutoSP training configuration for a model on a cluster: whether it fits, the peak "
@@ -83,40 +144,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, type=_cluster, metavar="PRESET_OR_FILE",
                    help=f"a hardware or cluster preset ({', '.join(cluster_names())}) or a cluster file (JSON)")
     p.add_argument("--seq-len", required=True, type=_positive, help="tokens per sample (the full sequence)")
-    p.add_argument("--sp-size", type=_positive, default=1, help="ranks sharing one sequence (default: %(default)s)")
+    p.add_argument("--sp-size", type=_positive, default=None,
+                   help="ranks sharing one sequence, inside one node unless --allow-cross-node-sp (default: a "
+                        "node's GPUs, or fewer where the ranks given need: every rank of the cluster in SP groups "
+                        "inside nodes, the other ranks data-parallel replicas)")
     p.add_argument("--dp-size", type=_positive, default=None,
-                   help="data-parallel replicas (default: --world-size / --sp-size, else 1)")
+                   help="data-parallel replicas (default: as many SP groups as the ranks hold: --world-size / "
+                        "--sp-size, else every rank of the cluster)")
     p.add_argument("--world-size", type=_positive, default=None,
-                   help="ranks in all, SP x DP (default: --sp-size x --dp-size)")
-    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
-                   help="DeepSpeed ZeRO stage; 3 is refused (AutoSP does not compose with it) (default: 1; with "
-                        "--memory-plan auto and neither this nor --offload given, the planner chooses ZeRO 1, 2 or "
-                        "2 with --offload optimizer: the first under which a plan fits)")
+                   help="ranks in all, SP x DP (default: --sp-size x --dp-size where both are given, else every "
+                        "rank of the cluster: a cluster preset's or file's, one node of a hardware preset)")
+    p.add_argument("--allow-cross-node-sp", action="store_true",
+                   help="let an SP group span nodes (its all-to-alls then cross the network); without it an SP "
+                        "group that would is refused")
+    p.add_argument("--zero-stage", type=_zero_stage, default=None, choices=(0, 1, 2, 3, "auto"),
+                   help="DeepSpeed ZeRO stage; 3 is refused (AutoSP does not compose with it); auto (with the "
+                        "memory plan): the planner chooses ZeRO 1, 2 or 2 with optimizer offload, the first under "
+                        "which a plan fits, keeping --offload if given (default: "
+                        f"{lib['zero_stage']}, what a compiled model's own plan assumes of a plain training loop)")
     p.add_argument("--micro-batch", type=_positive, default=1,
                    help="samples per SP group per micro-step (default: %(default)s)")
     p.add_argument("--grad-accum", type=_positive, default=1,
                    help="micro-steps per optimizer step (default: %(default)s)")
-    p.add_argument("--dtype", default="bf16", choices=DTYPES, help="parameter and compute dtype (default: %(default)s)")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
-                   help="optimizer whose state the ledger counts (default: %(default)s)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help=f"parameter and compute dtype (default: {lib['dtype']})")
+    p.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                   help=f"optimizer whose state the ledger counts (default: {lib['optimizer']})")
     p.add_argument("--offload", default=None, choices=OFFLOADS,
                    help="optimizer: DeepSpeed's offload_optimizer (device cpu; ZeRO 1 or 2): fp32 master weights, "
                         "gradient partitions and optimizer state in host memory, CPU Adam; reports the host peak "
-                        "beside the device peak (default: none; with --memory-plan auto, see --zero-stage)")
+                        f"beside the device peak (default: {lib['offload']}; with --zero-stage auto, the planner's "
+                        "choice)")
     p.add_argument("--activation-offload", default=None, choices=ACTIVATION_OFFLOAD,
                    help="AutoSP's activation offload (autosp.compile's activation_offload): on moves the tensors saved "
                         "for backward to host memory and back, asynchronously, and reports the host peak beside the "
-                        "device peak; auto (with --memory-plan auto) lets the planner try each plan with and without "
-                        "it (default: off; with --memory-plan auto, auto)"),
-    p.add_argument("--compiler", default="inductor", choices=COMPILERS,
+                        "device peak; auto (with the memory plan) lets the planner try each plan with and without "
+                        "it (default: auto with the memory plan, else off)"),
+    p.add_argument("--compiler", default=None, choices=COMPILERS,
                    help="backend the graphs run under (frees saved activations after last use; aot_eager holds "
-                        "them to the end of backward) (default: %(default)s)")
+                        f"them to the end of backward) (default: {lib['compiler']})")
     p.add_argument("--depth", default=None, choices=DEPTHS,
                    help="trace every layer, or 1 and 2 layers and extrapolate, SAC deciding as for the full model "
                         "(faster; the full depth where that is refused) (default: full for a prediction, "
-                        "extrapolated for --strategy auto and --memory-plan auto)")
+                        "extrapolated for --strategy auto and the memory plan)")
     p.add_argument("--max-length", action="store_true",
-                   help="also search the longest sequence that fits (one trace per length probed)")
+                   help="also search the longest sequence that fits the options as given (one trace per length "
+                        "probed; the memory planner's own search is --objective longest)")
     p.add_argument("--max-length-high", type=_positive, default=None,
                    help="ceiling of the --max-length search (default: 8 x --seq-len)")
     p.add_argument("--granularity", type=_positive, default=1024,
@@ -124,48 +197,260 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--max-probes", type=_positive, default=8,
                    help="lengths the --max-length search may simulate (default: %(default)s)")
-    p.add_argument("--strategy", default="ulysses", choices=STRATEGY_CHOICES,
+    p.add_argument("--strategy", default=LIBRARY_STRATEGY, choices=STRATEGY_CHOICES,
                    help="how the sequence is split: the strategy autosp.compile traces with, or auto: trace and "
                         "simulate each, print each one's step time and peak, choose the fastest that fits "
-                        "(default: %(default)s)")
-    p.add_argument("--memory-plan", default="none", choices=("none", "auto"),
+                        "(default: %(default)s, autosp.compile's)")
+    p.add_argument("--memory-plan", type=_memory_plan, default=None, choices=MEMORY_PLAN,
                    help="auto: choose checkpointing (per-layer among them), SAC budget, tiled loss and tiled MLP by "
-                        "predicting every candidate plan, "
-                        "print the candidate table and the chosen autosp.compile options: what autosp.compile "
-                        "plans by default on a GPU (or with target_memory); none: predict the options as given, "
-                        "what memory_plan='off' compiles (default: %(default)s)")
+                        "predicting every candidate plan, print the candidate table and the chosen autosp.compile "
+                        "options, as autosp.compile plans by default; off: predict the options as given, what "
+                        "memory_plan='off' compiles (none, the old spelling of off, is accepted with a warning) "
+                        "(default: auto, as autosp.compile; off with --strategy auto, which leaves the memory "
+                        "options as given, and with --strategy ring or --max-length, which this command does not "
+                        "plan yet)")
     p.add_argument("--objective", default="fastest", choices=OBJECTIVES,
-                   help="with --memory-plan auto: the fastest step that fits at --seq-len, or the longest length "
+                   help="with the memory plan: the fastest step that fits at --seq-len, or the longest length "
                         "that fits (ties by speed) (default: %(default)s)")
     p.add_argument("--workers", type=_positive, default=1,
-                   help="with --memory-plan auto: processes predicting the candidates side by side, one trace group "
+                   help="with the memory plan: processes predicting the candidates side by side, one trace group "
                         "(tiled loss x tiled MLP) each at a time, with the same predictions and choice; on a "
                         "machine with that many free cores up to that many times faster for a large model "
                         "(default: %(default)s)")
     p.add_argument("--target-memory", type=float, default=None, metavar="GiB",
                    help="memory per rank a plan must fit (default: the device's memory)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT",
-                   help="also write the answer as JSON to this file (default: none)")
+                   help="also write the answer as JSON to this file, its assumptions first (default: none)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress logging")
     return p
 
 
+@dataclasses.dataclass(frozen=True)
+class Assumption:
+    """One thing an answer assumed: its value, whether a flag gave it, and for a default where it comes from."""
+
+    key: str
+    value: object
+    given: bool
+    why: str = ""
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "given": self.given, "why": self.why}
+
+    def format(self) -> str:
+        label = self.key.replace("_", " ")
+        return f"  {label:12s} {self.value} ({'given' if self.given else 'default'}{': ' if self.why else ''}" \
+               f"{self.why})"
+
+
+def format_assumptions(assumed: tuple[Assumption, ...]) -> str:
+    """The ``assumed:`` block every printed answer starts with."""
+    return "\n".join(["assumed:", *(a.format() for a in assumed)])
+
+
+def assumptions_dict(assumed: tuple[Assumption, ...]) -> dict:
+    """The ``assumed`` section every ``--json`` answer starts with: key -> {value, given, why}."""
+    return {a.key: a.to_dict() for a in assumed}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterShape:
+    """What the rank defaults need of ``--cluster``: its ranks (None: a hardware preset, as many nodes as the
+    ranks need, one by default) and GPUs per node."""
+
+    name: str
+    devices_per_node: int
+    ranks: int | None = None
+
+
+def cluster_shape(spec: str) -> ClusterShape:
+    """The `ClusterShape` of a ``--cluster`` value (a cluster file or a cluster preset is read here)."""
+    from autosp.plan.cluster_file import load_cluster
+    from simulator.hardware import get_preset, preset_names
+
+    if spec in preset_names():
+        return ClusterShape(spec, get_preset(spec).devices_per_node)
+    cluster = load_cluster(spec, world_size=1)
+    return ClusterShape(spec, cluster.devices_per_node, cluster.world_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """SP x DP over a cluster, and how each was arrived at (`resolve_ranks`)."""
+
+    sp_size: int
+    dp_size: int
+    nodes: int
+    assumed: tuple[Assumption, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.sp_size * self.dp_size
+
+
+def _straddles(sp: int, dp: int, per_node: int) -> int | None:
+    """The first SP group (contiguous ranks, rank r on node r // per_node) that spans two nodes; None: none."""
+    return next((g for g in range(dp) if (g * sp) // per_node != (g * sp + sp - 1) // per_node), None)
+
+
+def resolve_ranks(shape: ClusterShape, *, sp_size: int | None = None, dp_size: int | None = None,
+                  world_size: int | None = None, allow_cross_node_sp: bool = False) -> Ranks:
+    """SP and DP sizes from the flags given (None: not given) on ``shape`` (Note [The planner CLI's defaults]):
+    every rank of the cluster unless ``world_size`` or both sizes say otherwise, SP inside a node unless given
+    (the largest size that keeps every group inside a node, at most a node's GPUs), the rest DP replicas; an SP
+    group across nodes refused unless ``allow_cross_node_sp``."""
+    per_node, fixed = shape.devices_per_node, shape.ranks
+    inside = not allow_cross_node_sp
+
+    def fits(sp: int, dp: int) -> bool:
+        return not inside or _straddles(sp, dp, per_node) is None
+
+    def every(ranks: int) -> str:
+        if fixed is not None:
+            return "every rank of the cluster"
+        return f"every rank of {'one node' if ranks == per_node else f'the {ranks // per_node} nodes it needs'}"
+
+    world_why = ""
+    if world_size is not None:
+        world = world_size
+        if sp_size is not None and world % sp_size:
+            raise AutoSPError(f"--world-size {world} is not a multiple of --sp-size {sp_size}")
+        if dp_size is not None and world % dp_size:
+            raise AutoSPError(f"--world-size {world} is not a multiple of --dp-size {dp_size}")
+        if sp_size is not None and dp_size is not None and sp_size * dp_size != world:
+            raise AutoSPError(f"--world-size {world} != --sp-size {sp_size} x --dp-size {dp_size}")
+        sp = sp_size or (world // dp_size if dp_size else
+                         max(s for s in range(1, min(per_node, world) + 1) if world % s == 0 and fits(s, world // s)))
+        dp = world // sp
+    elif sp_size is not None and dp_size is not None:
+        sp, dp = sp_size, dp_size
+        world_why = "--sp-size x --dp-size"
+    elif sp_size is not None:
+        sp = sp_size
+        ranks = fixed or per_node * -(-sp // per_node)
+        if sp > ranks:
+            raise AutoSPError(f"--sp-size {sp} is more than the {ranks} ranks of --cluster {shape.name}")
+        dp = max([d for d in range(1, ranks // sp + 1) if fits(sp, d)] or [1])
+        world_why = (every(ranks) if sp * dp == ranks else
+                     f"as many SP groups of {sp} as the cluster's {ranks} ranks hold inside nodes, "
+                     f"{ranks - sp * dp} idle")
+    else:
+        ranks = fixed or per_node * (dp_size or 1)
+        dp_ = dp_size or ranks // min(per_node, ranks)
+        if dp_ > ranks:
+            raise AutoSPError(f"--dp-size {dp_} is more than the {ranks} ranks of --cluster {shape.name}")
+        sp = max(s for s in range(1, min(per_node, ranks // dp_) + 1) if fits(s, dp_) or s == 1)
+        dp = dp_
+        world_why = (every(ranks) if sp * dp == ranks else
+                     f"{sp * dp} of the cluster's {ranks} ranks, {ranks - sp * dp} idle")
+    world = sp * dp
+    if fixed is not None and world > fixed:
+        raise AutoSPError(f"SP {sp} x DP {dp} = {world} ranks, and --cluster {shape.name} has {fixed}; give fewer "
+                          "ranks or a larger cluster")
+    if inside and sp > per_node:
+        raise AutoSPError(f"--sp-size {sp} is more than a node's {per_node} GPUs ({shape.name}): an SP group would "
+                          f"span nodes; give --sp-size {per_node} or less (the other ranks data-parallel), or "
+                          "--allow-cross-node-sp")
+    group = None if not inside else _straddles(sp, dp, per_node)
+    if group is not None:
+        first = group * sp
+        raise AutoSPError(f"SP {sp} x DP {dp} on nodes of {per_node} GPUs puts SP group {group} (ranks {first}-"
+                          f"{first + sp - 1}) across two nodes; give an --sp-size that divides {per_node}, fewer "
+                          "ranks, or --allow-cross-node-sp")
+    nodes = -(-world // per_node)
+    across = sp > per_node or _straddles(sp, dp, per_node) is not None
+    sp_why = ("" if sp_size is not None else
+              "--world-size / --dp-size" if dp_size is not None and world_size is not None else
+              "the ranks over --dp-size, at most a node's GPUs" if dp_size is not None else
+              "a node's GPUs: SP inside one node" if sp == per_node else
+              f"the largest that keeps every SP group inside a node of {per_node}")
+    sp_why += "; across nodes (--allow-cross-node-sp)" if across else ""
+    world_given = world_size is not None
+    cluster_nodes = None if fixed is None else fixed // per_node
+    assumed = (
+        Assumption("world_size", world, world_given, "" if world_given else world_why),
+        Assumption("nodes", nodes, fixed is not None,
+                   (f"as many {shape.name} nodes as the ranks need" if fixed is None else
+                    f"the cluster's {cluster_nodes}" if nodes == cluster_nodes else
+                    f"{nodes} of the cluster's {cluster_nodes}") + f", {per_node} GPUs each"),
+        Assumption("sp_size", sp, sp_size is not None, sp_why.lstrip("; ")),
+        Assumption("dp_size", dp, dp_size is not None,
+                   "" if dp_size is not None else "the other ranks, data-parallel replicas"),
+    )
+    return Ranks(sp_size=sp, dp_size=dp, nodes=nodes, assumed=assumed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """What the flags ask, every default filled in (`resolve`)."""
+
+    setup: TrainingSetup
+    memory_plan: str
+    zero_auto: bool
+    """``--zero-stage auto``: the planner chooses the DeepSpeed setup (`autosp.plan.plan_job`)."""
+    assumed: tuple[Assumption, ...]
+
+
+def _memory_plan_default(args: argparse.Namespace) -> tuple[str, str]:
+    """The default ``--memory-plan`` for the other flags, and why."""
+    if args.strategy == "auto":
+        return "off", "--strategy auto decides the strategy and leaves the memory options as given, as " \
+                      "autosp.compile(strategy='auto') does"
+    if args.strategy != LIBRARY_STRATEGY:
+        return "off", f"this command does not plan memory under --strategy {args.strategy} yet (autosp.compile does)"
+    if args.max_length:
+        return "off", "--max-length searches the options as given (the planner's own search: --memory-plan auto " \
+                      "--objective longest)"
+    return "auto", "as autosp.compile plans (Note [The default memory plan] in autosp/plan/auto.py)"
+
+
+def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Resolved:
+    """The training setup, memory plan and assumptions of parsed flags (Note [The planner CLI's defaults]); every
+    refusal before any work.  ``shape``: the cluster's (None: read from ``--cluster``)."""
+    lib = library_setup()
+    ranks = resolve_ranks(shape or cluster_shape(args.cluster), sp_size=args.sp_size, dp_size=args.dp_size,
+                          world_size=args.world_size, allow_cross_node_sp=args.allow_cross_node_sp)
+    if args.memory_plan is None:
+        memory_plan, plan_why = _memory_plan_default(args)
+    else:
+        memory_plan, plan_why = args.memory_plan, ""
+    zero_auto = args.zero_stage == "auto"
+    if zero_auto and memory_plan != "auto":
+        raise AutoSPError("--zero-stage auto chooses the DeepSpeed setup with the memory plan, and the memory is not "
+                          f"planned here (--memory-plan {memory_plan}" + (f": {plan_why}" if plan_why else "")
+                          + "); give a ZeRO stage")
+    if args.sp_size is None and args.seq_len % ranks.sp_size:
+        raise AutoSPError(f"--seq-len {args.seq_len} is not divisible by the default --sp-size {ranks.sp_size} (a "
+                          "node's GPUs); give a multiple of it, or --sp-size")
+    chosen = {name: getattr(args, name) for name in ("dtype", "optimizer", "offload", "compiler")}
+    fields = {name: lib[name] if value is None else value for name, value in chosen.items()}
+    zero = lib["zero_stage"] if args.zero_stage is None or zero_auto else args.zero_stage
+    setup = TrainingSetup(seq_len=args.seq_len, sp_size=ranks.sp_size, dp_size=ranks.dp_size, zero_stage=zero,
+                          micro_batch=args.micro_batch, grad_accum=args.grad_accum, depth=args.depth, **fields)
+    # under --zero-stage auto each setup the planner tries is checked (autosp.plan.planner.job_setups); ZeRO 2
+    # takes all of them here
+    (dataclasses.replace(setup, zero_stage=2) if zero_auto else setup).check()
+    plain = "as autosp.compile assumes of a plain training loop"
+    assumed = (
+        *ranks.assumed,
+        Assumption("zero_stage", "auto" if zero_auto else zero, args.zero_stage is not None,
+                   "" if args.zero_stage is not None else
+                   f"{plain}; --zero-stage auto lets the planner choose"),
+        Assumption("optimizer", fields["optimizer"], args.optimizer is not None, "" if args.optimizer else plain),
+        Assumption("offload", "auto" if zero_auto and args.offload is None else fields["offload"],
+                   args.offload is not None,
+                   "" if args.offload else "chosen with the ZeRO stage" if zero_auto else plain),
+        Assumption("memory_plan", memory_plan, args.memory_plan is not None, plan_why),
+        Assumption("dtype", fields["dtype"], args.dtype is not None,
+                   "" if args.dtype else "a compiled model plans at its parameters' dtype; give --dtype for "
+                                         "another"),
+    )
+    return Resolved(setup=setup, memory_plan=memory_plan, zero_auto=zero_auto, assumed=assumed)
+
+
 def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
-    """The training configuration of the flags (world = SP x DP)."""
-    dp = args.dp_size
-    if args.world_size is not None:
-        if args.world_size % args.sp_size:
-            raise AutoSPError(f"--world-size {args.world_size} is not a multiple of --sp-size {args.sp_size}")
-        if dp is not None and dp * args.sp_size != args.world_size:
-            raise AutoSPError(f"--world-size {args.world_size} != --sp-size {args.sp_size} x --dp-size {dp}")
-        dp = args.world_size // args.sp_size
-    setup = TrainingSetup(seq_len=args.seq_len, sp_size=args.sp_size, dp_size=dp or 1,
-                          zero_stage=1 if args.zero_stage is None else args.zero_stage,
-                          micro_batch=args.micro_batch, grad_accum=args.grad_accum, dtype=args.dtype,
-                          optimizer=args.optimizer, offload=args.offload or "none", compiler=args.compiler,
-                          depth=args.depth)
-    setup.check()
-    return setup
+    """The training configuration of the flags, every default filled in (`resolve`)."""
+    return resolve(args).setup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,44 +459,51 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        setup = setup_from_args(args)  # every refusal before any work
+        resolved = resolve(args)  # every refusal before any work
+        setup, memory_plan = resolved.setup, resolved.memory_plan
         from autosp.plan.cluster_file import load_cluster
-        from autosp.plan.predict import predict
+        from autosp.plan.prediction import predict
 
         cluster = load_cluster(args.cluster, world_size=setup.world_size)
         if args.target_memory is not None and args.target_memory <= 0:
             raise AutoSPError(f"--target-memory {args.target_memory}: give a positive number of GiB")
         target = None if args.target_memory is None else int(args.target_memory * 2**30)
         offload = args.activation_offload
-        if offload == "auto" and args.memory_plan != "auto":
-            raise AutoSPError("--activation-offload auto lets the memory planner decide: add --memory-plan auto, or "
-                              "choose on or off")
+        if offload == "auto" and memory_plan != "auto":
+            raise AutoSPError("--activation-offload auto lets the memory planner decide, and the memory is not "
+                              f"planned here (--memory-plan {memory_plan}); add --memory-plan auto, or choose on or "
+                              "off")
         options = {"activation_offload": "on"} if offload == "on" else {}
-        if args.strategy != "ulysses" and (args.memory_plan == "auto" or args.max_length):
+        if args.strategy != LIBRARY_STRATEGY and (memory_plan == "auto" or args.max_length):
             raise AutoSPError(f"--strategy {args.strategy} is not combined with --memory-plan auto or --max-length "
-                              "yet; predict the strategy alone, or use --strategy ulysses")
+                              f"yet; predict the strategy alone, or use --strategy {LIBRARY_STRATEGY}")
+        if memory_plan == "auto" and args.max_length:
+            raise AutoSPError("--max-length searches the longest length of the options as given: add --memory-plan "
+                              "off; the memory planner's own search is --objective longest")
         if args.strategy == "auto":
-            from autosp.plan.predict import choose_strategy
+            from autosp.plan.strategy_choice import choose_strategy
 
             answer = choose_strategy(args.model, setup, cluster, capacity_bytes=target, options=options,
                                      progress=lambda s: log.info("step at %s", s))
-        elif args.memory_plan == "auto":
-            from autosp.plan.planner import candidates_for, plan_job, plan_memory
+        elif memory_plan == "auto":
+            from autosp.plan import planner
 
             # the candidates autosp.compile(memory_plan="auto") tries, chunks sized for the same target
-            plans = candidates_for(args.model, setup, cluster.device.memory_bytes if target is None else target,
-                                   activation_offload=("off", "on") if offload in (None, "auto") else (offload,))
+            plans = planner.candidates_for(
+                args.model, setup, cluster.device.memory_bytes if target is None else target,
+                activation_offload=("off", "on") if offload in (None, "auto") else (offload,))
             planning = dict(objective=args.objective, target_memory=target, plans=plans,
                             max_length_high=args.max_length_high, granularity=args.granularity,
                             max_probes=args.max_probes, workers=args.workers)
-            if args.zero_stage is None and args.offload is None:  # the planner chooses the DeepSpeed setup too
-                answer = plan_job(args.model, setup, cluster, **planning)
+            if resolved.zero_auto:  # the planner chooses the DeepSpeed setup too
+                fixed = {} if args.offload is None else {"offload": args.offload}
+                answer = planner.plan_job(args.model, setup, cluster, fixed=fixed, **planning)
             else:
-                answer = plan_memory(args.model, setup, cluster, **planning)
+                answer = planner.plan_memory(args.model, setup, cluster, **planning)
         else:
-            from autosp.plan.predict import TraceReuse
+            from autosp.plan.traces import TraceReuse
 
-            options = {**options, **({} if args.strategy == "ulysses" else {"strategy": args.strategy})}
+            options = {**options, **({} if args.strategy == LIBRARY_STRATEGY else {"strategy": args.strategy})}
             answer = predict(args.model, setup, cluster, capacity_bytes=target, max_length=args.max_length,
                              max_length_high=args.max_length_high, granularity=args.granularity,
                              max_probes=args.max_probes, progress=lambda s: log.info("step at %s", s),
@@ -219,11 +511,12 @@ def main(argv: list[str] | None = None) -> int:
     except AutoSPError as err:
         log.error("%s", err)
         return 2
-    # The command's result (not a diagnostic): the answer on stdout.
-    sys.stdout.write(answer.format() + "\n")
+    # The command's result (not a diagnostic): the answer on stdout, its assumptions first.
+    sys.stdout.write(format_assumptions(resolved.assumed) + "\n" + answer.format() + "\n")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(answer.to_dict(), indent=1, default=str))
+        document = {"assumed": assumptions_dict(resolved.assumed), **answer.to_dict()}
+        args.json.write_text(json.dumps(document, indent=1, default=str))
         sys.stdout.write(f"wrote {args.json}\n")
     return 0
 

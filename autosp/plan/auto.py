@@ -15,8 +15,8 @@ planner").
 ``strategy="auto"`` goes the same way (`decide_strategy`), once, inside ``autosp.compile`` (the strategy decides
 the process groups it builds, so there is no first batch to wait for: ``plan_seq_len`` is required): each rank's
 planner process predicts its share
-(`autosp.plan.predict.predict_strategies`) for the model's config, ``plan_seq_len`` tokens and the cluster, and every
-rank applies the one rule (`autosp.plan.predict.strategy_choice`) to all the rows and compiles the candidate it
+(`autosp.plan.strategy_choice.predict_strategies`) for the model's config, ``plan_seq_len`` tokens and the cluster, and every
+rank applies the one rule (`autosp.plan.strategy_choice.strategy_choice`) to all the rows and compiles the candidate it
 chooses (Note [Candidates spread over the ranks]; docs/design.md, "Choosing a strategy").  A script that starts
 its planner process before it loads its model (``autosp.start_planner()``, passed as ``planner=``) takes the
 process's imports off the decision.
@@ -93,7 +93,7 @@ def check_plannable(module: torch.nn.Module, config: AutoSPConfig) -> None:
         raise AutoSPError(f"{planning} plans for fp32 or bf16 parameters, not {dtype}; cast the model or "
                           "pass the options yourself")
     if config.plan_setup is not None:
-        from autosp.plan.predict import TrainingSetup
+        from autosp.plan.setup import TrainingSetup
 
         TrainingSetup(seq_len=config.sp_size, sp_size=config.sp_size, **config.plan_setup).check()
 
@@ -198,7 +198,7 @@ def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int,
 
 
 def strategy_request(module: torch.nn.Module, config: AutoSPConfig, *, world_size: int, explicit: Mapping) -> dict:
-    """What the planner process needs to choose the strategy (`autosp.plan.predict.choose_strategy`): the model's
+    """What the planner process needs to choose the strategy (`autosp.plan.strategy_choice.choose_strategy`): the model's
     config, the setup at ``plan_seq_len``, the cluster, the capacity (``target_memory``, else a GPU's memory, else
     the cluster preset's) and the options passed explicitly (traced with every candidate)."""
     device = _device_of(module)
@@ -246,7 +246,7 @@ def _answered(what: str, where: str, answer) -> dict:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``memory_plan="auto"`` and ``strategy="auto"`` are collectives over the process group, whose P ranks wait for the
 # decision anyway, and their candidates fall into independent units.  So rank 0 builds the request and broadcasts
-# it, every rank lists the units from it, and rank r predicts units r, r + P, ... (`autosp.plan.predict.rank_share`)
+# it, every rank lists the units from it, and rank r predicts units r, r + P, ... (`autosp.plan.traces.rank_share`)
 # in its own planner process (`run_planner`; a rank without a share starts none).  The units:
 # - ``memory_plan="auto"`` (`memory_plan_on_ranks`): the candidates' trace groups (`autosp.plan.planner.plan_groups`:
 #   tiled loss x tiled MLP, the plans one trace serves).  A group's checkpointing variants share its traces and
@@ -258,11 +258,11 @@ def _answered(what: str, where: str, answer) -> dict:
 #   autosp/passes/dynamo/masks.py) are learnt once per rank.
 # - ``strategy="auto"`` (`strategy_on_ranks`): the runnable candidates, each its own prediction; each rank's process
 #   shares one Dynamo capture among the strategies it predicts (Note [One Dynamo capture for every strategy] in
-#   autosp/plan/predict.py), which equals the one-process capture but for the process groups' names.
+#   autosp/plan/prediction.py), which equals the one-process capture but for the process groups' names.
 # So each candidate's step time and peak are the same floats as in one process (tests/autosp/test_strategy_auto.py,
 # tests/autosp/test_memory_plan.py; experiments/bench_planner.py --ranks compares them at 8B).  The rows are
 # all-gathered and every rank applies the one rule (`autosp.plan.planner.choose_plan`,
-# `autosp.plan.predict.strategy_choice`) to the same rows in candidate order: the same decision everywhere, ties to
+# `autosp.plan.strategy_choice.strategy_choice`) to the same rows in candidate order: the same decision everywhere, ties to
 # the earlier candidate.  An error on any rank (building, planning, a failed planner process) is every rank's
 # `AutoSPError`, the first rank's by rank order.  With one rank it is the one-process decision in one planner
 # process.
@@ -373,8 +373,8 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
             f"{request['target_memory']:,} bytes), use more SP ranks or a shorter plan_seq_len, or free device memory "
             f"in the job's DeepSpeed setup (now ZeRO {setup.get('zero_stage')}, optimizer offload "
             f"{setup.get('offload', 'none')}): python -m autosp.plan --model CONFIG_JSON --cluster "
-            f"{request['cluster']} --seq-len {setup['seq_len']} --sp-size {setup['sp_size']} --memory-plan auto, "
-            "without --zero-stage and --offload, chooses the plan and the setup it needs (autosp.plan.plan_job)")
+            f"{request['cluster']} --seq-len {setup['seq_len']} --sp-size {setup['sp_size']} --memory-plan auto "
+            "--zero-stage auto chooses the plan and the setup it needs (autosp.plan.plan_job)")
     options = dict(report["options"])
     decision = {**report, "model": request["model"], "cluster": request["cluster"], "setup": request["setup"],
                 "explicit": dict(explicit), "options": options, "seconds": time.perf_counter() - start}
@@ -412,7 +412,7 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     """The collective of `decide_strategy` (Note [Candidates spread over the ranks]): rank 0's ``request()`` (a
     `strategy_request`) broadcast, each rank's share of the candidates of ``model_config`` (the model's Hugging Face
     config) predicted in its planner process (``planner`` where it was started ahead; the caller closes it, a
-    no-op once it answered), the rows all-gathered and `autosp.plan.predict.strategy_choice` applied; (the report, the request).
+    no-op once it answered), the rows all-gathered and `autosp.plan.strategy_choice.strategy_choice` applied; (the report, the request).
     Each candidate's row names the ``rank`` that predicted it (None: refused without predicting);
     ``planner_seconds_by_rank``: each rank's wait for its planner process, from the request to the answer (its
     imports included unless it was started ahead; 0 where it ran none; ``planner_seconds`` the longest),
@@ -421,14 +421,9 @@ def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: t
     ``planner_started_before_s_by_rank`` how long before the request its process was started (None: at the
     request, or no process).  ``timeout_s``: each rank's longest wait for its planner process (`run_planner`).  An
     error on any rank is every rank's `AutoSPError`."""
-    from autosp.plan.predict import (
-        StrategyCandidate,
-        TrainingSetup,
-        rank_share,
-        strategy_candidates,
-        strategy_choice,
-        strategy_options,
-    )
+    from autosp.plan.setup import TrainingSetup
+    from autosp.plan.strategy_choice import StrategyCandidate, strategy_candidates, strategy_choice
+    from autosp.plan.traces import rank_share, strategy_options
 
     what = OPTION["strategy"]
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)

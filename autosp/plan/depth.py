@@ -36,7 +36,7 @@ depth, which a line through 1 and 2 layers does not see (Llama-3.1-8B, 8 ranks, 
 extrapolated against 42.62 GiB traced for SAC with offload, -7.5 %).  Its plans are traced at
 `simulator.depth_unroll.UNROLL_LAYERS` (six) layers, the trace's middle layer replicated to the full depth, and that
 whole program simulated (Note [Unrolling a traced workload to the model's depth] in simulator/depth_unroll.py;
-`autosp.plan.predict._unrolled_step`): the host link's lag over the whole depth is simulated, not extrapolated.  Under
+`autosp.plan.step._unrolled_step`): the host link's lag over the whole depth is simulated, not extrapolated.  Under
 SAC the six-layer joint graph takes the full model's decision from the two-layer one as above, ``every`` and
 ``some`` are each unrolled and simulated, and mixed by `FullDepthSAC.share`.  A model of at most six layers is traced
 whole; where the trace lacks the structure the unrolling needs (`DepthExtrapolationError`) the full depth is

@@ -50,7 +50,7 @@ class ModelSource:
     def parameter_numels(self, config) -> tuple[int, ...]:
         """Element count of every trainable parameter tensor in module order (tied weights once), from a model
         built on the meta device (no memory); built once per configuration by this source (a decision, which shares
-        one source through `autosp.plan.predict.TraceReuse`, asks for the same few at every candidate and length)."""
+        one source through `autosp.plan.traces.TraceReuse`, asks for the same few at every candidate and length)."""
         try:
             key = config.to_json_string(use_diff=False)
         except (TypeError, ValueError):  # a field JSON cannot write: built every time

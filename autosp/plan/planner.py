@@ -3,9 +3,9 @@ activation offload)
 for a model, a cluster and a training configuration by predicting every candidate plan (docs/design.md, "Memory
 planner").
 
-Each candidate is predicted by `autosp.plan.predict.predict` (one memory definition: the ledger inside backward plus
+Each candidate is predicted by `autosp.plan.prediction.predict` (one memory definition: the ledger inside backward plus
 the simulated activations); candidates differing only in checkpointing share one trace, and those with the same
-program one simulation (`autosp.plan.predict.TraceReuse`, docs/design.md "Trace reuse").  The planner picks by a
+program one simulation (`autosp.plan.traces.TraceReuse`, docs/design.md "Trace reuse").  The planner picks by a
 stated objective and explains its choice in a `PlanReport`: the candidate table (peak per ledger category, step
 time, max length), the chosen plan and why.
 """
@@ -22,16 +22,9 @@ from dataclasses import dataclass, field
 from autosp.config import MEMORY_TECHNIQUES
 from autosp.costs import LOSS_SCRATCH_ROWS
 from autosp.errors import AutoSPError
-from autosp.plan.predict import (
-    DECIDING_DEPTH,
-    OFFLOAD_OPTION,
-    Prediction,
-    TraceReuse,
-    TrainingSetup,
-    checkpointing_variant,
-    predict,
-    rank_share,
-)
+from autosp.plan.prediction import Prediction, predict
+from autosp.plan.setup import DECIDING_DEPTH, TrainingSetup
+from autosp.plan.traces import OFFLOAD_OPTION, TraceReuse, checkpointing_variant, rank_share
 from autosp.techniques import MemoryTechnique
 from simulator.cluster import Cluster
 
@@ -99,7 +92,7 @@ def candidate_plans(*, fixed: Mapping | None = None, techniques: tuple[MemoryTec
     off/on.  The tiled loss runs with ``return_logits=False`` (else a Hugging Face model's returned logits are
     materialised anyway) and ``loss_chunk_tokens`` (default None: one chunk's fp32 logits within 64 MiB,
     autosp.passes.dynamo.tiled_loss.LOSS_CHUNK_BYTES).  Activation offload moves the tensors saved for backward to
-    host memory: the plan then also needs host memory, `autosp.plan.predict.Prediction.host_fits`.  The
+    host memory: the plan then also needs host memory, `autosp.plan.prediction.Prediction.host_fits`.  The
     techniques vary in registry order, the first slowest, but checkpointing fastest (``innermost``).
 
     ``fixed``: options the user set, which every candidate takes over its own (candidates that become equal are
@@ -398,10 +391,10 @@ def choose_plan(rows: Sequence[Mapping], objective: str, *, seq_len: int, target
 
 
 def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
-    """The indices of ``plans`` by trace group (`autosp.plan.predict.trace_group`: the plans that share traces, and
+    """The indices of ``plans`` by trace group (`autosp.plan.traces.trace_group`: the plans that share traces, and
     whose offload candidates `plan_memory` skips by their twins' predictions), groups in the order of their first
     plan: the units a decision can spread over processes without changing a prediction or a skip."""
-    from autosp.plan.predict import trace_group
+    from autosp.plan.traces import trace_group
 
     groups: dict[tuple, list[int]] = {}
     for i, plan in enumerate(plans):
@@ -444,7 +437,7 @@ def plan_units(plans: Sequence[MemoryPlan], ranks: int) -> list[list[int]]:
 
 def plan_shares(units: Sequence[Sequence[int]], ranks: int) -> list[list[int]]:
     """The plan indices each of ``ranks`` processes predicts, given the units ``units`` (`plan_units`, or the
-    trace groups of `plan_groups`): whole units, spread by `autosp.plan.predict.rank_share`, each share in the
+    trace groups of `plan_groups`): whole units, spread by `autosp.plan.traces.rank_share`, each share in the
     plans' order of its units."""
     return [[i for unit in rank_share(units, rank, ranks) for i in unit] for rank in range(ranks)]
 
@@ -581,7 +574,7 @@ def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # At long context the model states can leave no room for any plan: Llama-3.1-8B on 8 H100s holds 43 GiB a rank in
 # bf16 parameters and gradients and fp32 AdamW state under ZeRO 1, and ALST's 3.7M tokens fit only with the
-# optimizer in host memory (docs/design.md, "Reproducing ALST").  The compile cannot change where the optimizer
+# optimizer in host memory (docs/design.md, "Memory planner").  The compile cannot change where the optimizer
 # lives (DeepSpeed's config does), but the planner can say what the job needs.  `plan_job` plans under the
 # DeepSpeed setups of `JOB_SETUPS` in order: ZeRO 1, ZeRO 2 (gradients partitioned too), ZeRO 2 with DeepSpeed's
 # optimizer offload (fp32 master weights, gradient partitions and optimizer state in host memory, the optimizer

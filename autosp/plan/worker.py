@@ -20,8 +20,10 @@ from autosp.errors import AutoSPError
 from autosp.plan.auto import OPTION
 from autosp.plan.cluster_file import load_cluster
 from autosp.plan.planner import MemoryPlan, plan_memory
-from autosp.plan.predict import TrainingSetup, predict, predict_strategies
+from autosp.plan.prediction import predict
 from autosp.plan.process import COMPILE_IMPORTS, import_ahead
+from autosp.plan.setup import TrainingSetup
+from autosp.plan.strategy_choice import predict_strategies
 
 log = logging.getLogger(__name__)
 

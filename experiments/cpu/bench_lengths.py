@@ -18,6 +18,7 @@ import copy
 import logging
 import time
 
+from experiments.cpu import two_ranks
 from experiments.tables import markdown_table
 
 log = logging.getLogger(__name__)
@@ -81,25 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = cli.parser("experiments.cpu.bench_lengths", __doc__)
     parser.add_argument("--model", default="hf-llama", choices=sorted(TINY_MODELS), help="tiny model preset")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--batch", type=int, default=2, help="rows")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS),
                         help="sequence lengths, trained in this order")
-    parser.add_argument("--compiler", default="inductor", choices=("inductor", "aot_eager"),
-                        help="autosp.compile backend (inductor is its default)")
+    two_ranks.add_model_arguments(parser, compiler="inductor",
+                                  compiler_help="autosp.compile backend (inductor is its default)")
     return parser
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
-    from experiments.launch import run_on_ranks
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = two_ranks.parse_args(build_parser(), argv)
     spec = {"model": args.model, "layers": args.layers, "batch": args.batch, "lengths": args.lengths,
             "options": {} if args.compiler == "inductor" else {"compiler": args.compiler}}
     log.info("%s, %d layers, %d lengths on 2 gloo ranks, compiler %s, every step checked against one device",
              args.model, args.layers, len(args.lengths), args.compiler)
-    per_rank = run_on_ranks(train_on_lengths, 2, spec, timeout_s=3600, collective_timeout_s=600)
+    per_rank = two_ranks.run_on_two_ranks(train_on_lengths, spec, timeout_s=3600, collective_timeout_s=600)
     rows = [{"length": r["length"], "programs": r["programs"],
              "compile_s": f"{max(p[i]['compile_s'] for p in per_rank):.2f}",
              "first_call_s": f"{max(p[i]['first_call_s'] for p in per_rank):.2f}",

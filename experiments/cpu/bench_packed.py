@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import logging
-import statistics
 
+from experiments.cpu import two_ranks
 from experiments.tables import markdown_table
-
-log = logging.getLogger(__name__)
 
 
 class _Variant:
@@ -77,29 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.cpu.bench_packed", __doc__)
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per row")
     parser.add_argument("--documents", type=int, default=8, help="documents in the packed row")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
-    parser.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"),
-                        help="autosp.compile backend (inductor compiles flex_attention)")
+    two_ranks.add_model_arguments(parser, compiler="aot_eager",
+                                  compiler_help="autosp.compile backend (inductor compiles flex_attention)")
     return parser
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
-    from experiments.launch import run_on_ranks
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    spec = {"seq_len": args.seq_len, "documents": args.documents, "layers": args.layers, "steps": args.steps,
-            "compiler": args.compiler}
-    log.info("packed vs unpacked: %d tokens, %d documents, 2 gloo ranks, %d timed steps each", args.seq_len,
-             args.documents, args.steps)
-    results = run_on_ranks(_bench_on_rank, 2, spec, timeout_s=1800)
-    names = list(results[0]["times"])
-    slowest = {n: [max(r["times"][n][i] for r in results) for i in range(args.steps)] for n in names}
-    median = {n: statistics.median(v) for n, v in slowest.items()}
+    args = two_ranks.parse_args(build_parser(), argv)
+    results, median = two_ranks.interleaved_medians(
+        _bench_on_rank, args, f"packed vs unpacked: {args.seq_len} tokens, {args.documents} documents")
+    kept = results[0]["kept"]
     rows = [{"variant": n, "step_ms": f"{median[n] * 1e3:.1f}", "vs_unpacked": f"{median[n] / median['unpacked']:.2f}",
-             "kept_fraction_of_scores": "" if results[0]["kept"][n] is None else f"{results[0]['kept'][n]:.4f}"}
-            for n in names]
+             "kept_fraction_of_scores": "" if kept[n] is None else f"{kept[n]:.4f}"} for n in median]
     print(markdown_table(rows))  # noqa: T201 - the command's output
 
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import logging
 import statistics
 import time
 
+from experiments.cpu import two_ranks
 from experiments.tables import markdown_table
-
-log = logging.getLogger(__name__)
 
 
 class _Variant:
@@ -69,30 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.parser("experiments.cpu.bench_same_sample", __doc__)
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per row")
     parser.add_argument("--batch", type=int, default=1, help="rows")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--steps", type=int, default=7, help="timed steps per variant")
     parser.add_argument("--calls", type=int, default=50, help="timed calls of the check alone")
-    parser.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"),
-                        help="autosp.compile backend")
+    two_ranks.add_model_arguments(parser, compiler="aot_eager", compiler_help="autosp.compile backend")
     return parser
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
-    from experiments.launch import run_on_ranks
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    spec = {"seq_len": args.seq_len, "batch": args.batch, "layers": args.layers, "steps": args.steps,
-            "calls": args.calls, "compiler": args.compiler}
-    log.info("same-sample check on vs off: %d x %d tokens, 2 gloo ranks, %d timed steps each", args.batch,
-             args.seq_len, args.steps)
-    results = run_on_ranks(_bench_on_rank, 2, spec, timeout_s=1800)
-    names = list(results[0]["times"])
-    median = {n: statistics.median(max(r["times"][n][i] for r in results) for i in range(args.steps))
-              for n in names}
+    args = two_ranks.parse_args(build_parser(), argv)
+    results, median = two_ranks.interleaved_medians(
+        _bench_on_rank, args, f"same-sample check on vs off: {args.batch} x {args.seq_len} tokens")
     alone = max(r["alone"] for r in results)
     rows = [{"variant": n, "step_ms": f"{median[n] * 1e3:.1f}", "vs_off": f"{median[n] / median['check off']:.3f}"}
-            for n in names]
+            for n in median]
     rows.append({"variant": "the check alone", "step_ms": f"{alone * 1e3:.3f}",
                  "vs_off": f"{alone / median['check off']:.4f}"})
     print(markdown_table(rows))  # noqa: T201 - the command's output

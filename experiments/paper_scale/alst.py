@@ -631,7 +631,7 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, search: Search | N
     objective ``longest`` from there (``items``: the keys of the table's items the row is read against, with
     ``planner-depth`` added; ``narrow_to``: Note [Narrowing the longest search]) (the longest length, its plan and
     step; over the plans that fit at ``seq_len`` when any does, since no other can train longer).  The planner
-    predicts at its own depth (`autosp.plan.predict.DECIDING_DEPTH`) whatever depth the table's other rows take:
+    predicts at its own depth (`autosp.plan.setup.DECIDING_DEPTH`) whatever depth the table's other rows take:
     the row is what ``autosp.compile`` decides, and the technique row with the same options checks its choice at the
     table's depth.  The model is traced as ALST
     calls it (no KV cache) from ``model``'s config; the DeepSpeed setup the first decision chose (`plan_job`: the
@@ -641,7 +641,7 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, search: Search | N
 
     from autosp.plan import TrainingSetup, load_cluster, plan_job, plan_memory
     from autosp.plan.planner import job_name
-    from autosp.plan.predict import DECIDING_DEPTH
+    from autosp.plan.setup import DECIDING_DEPTH
 
     everything = beside or ALST_ROWS[-1]
     at = seq_len or everything.published_tokens - everything.published_tokens % RANKS

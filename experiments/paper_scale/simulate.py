@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class SimulatedStep(ModelStep):
-    """One full-model training step of ``system`` (traced at full depth or extrapolated, Note [Layer
+    """One full-model training step of ``system`` (traced at full depth or extrapolated, Note [Depth
     extrapolation]) with the ledger's memory: what `simulator.max_length.max_length` searches over."""
 
     model: str

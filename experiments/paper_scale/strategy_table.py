@@ -2,7 +2,7 @@
 ``strategy="auto"`` chose (``python -m experiments.reproduce --only strategies``).
 
 For each row group (a model, a length and a GPU count, the whole world one SP group) the decision is
-`autosp.plan.predict.choose_strategy` itself, the code ``autosp.compile(strategy="auto")`` runs in its planner
+`autosp.plan.strategy_choice.choose_strategy` itself, the code ``autosp.compile(strategy="auto")`` runs in its planner
 process: every candidate of the registry (`simulator.strategies.sp_candidates`: Ulysses where the heads divide,
 every hybrid ``autosp-hybrid-UxR``, the ring) traced with its own ``autosp.compile`` options, exported from what
 its pass emits, simulated on the cluster, and the fastest that fits chosen.  This module only lays the decision out
@@ -30,7 +30,7 @@ Note [The strategy table's settings]
   the table is labelled so.  Measured against full-depth decisions for Llama-3.1-8B on 8 ranks at 131,072 tokens
   without the tiled ops (experiments/bench_planner.py --compare): the same choice, step times within 0.1 %, peaks
   1.6-1.7 % high.
-* One `autosp.plan.predict.TraceReuse` per row group: its traces are keyed by length, depth and options, not by SP
+* One `autosp.plan.traces.TraceReuse` per row group: its traces are keyed by length, depth and options, not by SP
   degree, so it is never shared between GPU counts.
 
 Note [What the strategy table checks]
@@ -87,11 +87,13 @@ def cluster_for(gpus: int, node: str = NODE) -> str:
 
 def decide(model: str, seq_len: int, gpus: int, cluster: str, *, options: Mapping = OPTIONS,
            depth: str = DEPTH, capacity_bytes: int | None = None, reuse=None):
-    """``strategy="auto"``'s decision (`autosp.plan.predict.StrategyDecision`) for ``model`` at ``seq_len`` tokens
+    """``strategy="auto"``'s decision (`autosp.plan.strategy_choice.StrategyDecision`) for ``model`` at ``seq_len`` tokens
     over ``gpus`` SP ranks of ``cluster``, every candidate traced with ``options``; ``reuse``: a TraceReuse of
     earlier decisions of the same length and GPU count (default: a fresh one)."""
     from autosp.plan.cluster_file import load_cluster
-    from autosp.plan.predict import TraceReuse, TrainingSetup, choose_strategy
+    from autosp.plan.setup import TrainingSetup
+    from autosp.plan.strategy_choice import choose_strategy
+    from autosp.plan.traces import TraceReuse
     from simulator.strategies import STRATEGIES
 
     setup = TrainingSetup(seq_len=seq_len, sp_size=gpus, zero_stage=STRATEGIES["autosp-auto"].zero_stage,
@@ -217,7 +219,7 @@ def footer(s: Mapping) -> list[str]:
         f"Simulated, {s['depth']}: Llama-3.1-8B, SP over every GPU, ZeRO 1, bf16, AdamW, micro-batch 1, "
         f"{s['node']} nodes; every candidate traced with SAC and {', '.join(f'{k}={v}' for k, v in s['options'].items())} "
         "(Note [The strategy table's settings] in experiments/paper_scale/strategy_table.py). The decision is "
-        "autosp.plan.predict.choose_strategy, what autosp.compile(strategy='auto') runs; chosen marks its pick.",
+        "autosp.plan.strategy_choice.choose_strategy, what autosp.compile(strategy='auto') runs; chosen marks its pick.",
         "",
         f"auto within 5 % of the sweep's best on {s['auto_within_5pct']} of {s['decided']} groups where something "
         f"fits (Note [What the strategy table checks]: the sweep reuses the decision's predictions); nothing fits "

@@ -1,10 +1,24 @@
-"""Shared pieces of the AutoSP tests: samples and a single-device reference step."""
+"""Shared pieces of the AutoSP tests: samples, a single-device reference step, a traced step and what it holds,
+and the one launch on 2 gloo ranks of a tiled op's tests."""
 
 from __future__ import annotations
 
+import json
+import pathlib
+
+import pytest
 import torch
 
+from tests.harness import run_on_ranks
+
 IGNORE = -100
+
+
+def config_json(folder, config: dict) -> str:
+    """``config`` written as ``folder/config.json`` (a Hugging Face config, as the planner reads one); its path."""
+    path = pathlib.Path(folder) / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
 
 
 def make_sample(seq_len: int, vocab: int, *, seed: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,6 +38,17 @@ def loss_of(output) -> torch.Tensor:
 
 def named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def reference_and_candidate(build) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``build()`` after a Dynamo reset under seed 0 (the single-device reference), and a deep copy of it (what
+    AutoSP compiles): one process compiles many models, and stays under torch.compile's recompile limit."""
+    import copy
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = build()
+    return reference, copy.deepcopy(reference)
 
 
 def compiled_step_against_single_device(rank: int, world: int, reference: torch.nn.Module, *, sp_size: int,
@@ -68,3 +93,48 @@ def measured_step_peak(model: torch.nn.Module, *, seq_len: int, vocab: int, **op
     with PeakMemory(static=list(model.parameters())) as pm:
         loss_of(compiled(**inputs)).backward()
     return pm.peak_bytes
+
+
+def traced_step(model: str, *, vocab: int, seq_len: int, sp_size: int, **options):
+    """The compiled step `autosp.tracing.trace_fake_step` traces (fp32, fake tensors) of a one-layer
+    ``build_model(model)`` with a vocabulary of ``vocab``, under ``options``."""
+    from autosp.tracing import trace_fake_step
+    from experiments.models import build_model
+
+    torch._dynamo.reset()
+    compiled, _ = trace_fake_step(lambda: build_model(model, layers=1, vocab=vocab), seq_len=seq_len, sp_size=sp_size,
+                                  vocab_size=vocab, dtype=torch.float32, **options)
+    return compiled
+
+
+def rows_by(compiled, rows: int, width: int) -> list[str]:
+    """The tensors of ``compiled``'s traced graphs (the last Dynamo graph, the AOT graphs) with an axis of
+    ``width`` and at least ``rows x width`` elements: a [rows, width] tensor, such as tiling avoids."""
+    from autosp.costs import tensors_of
+
+    found = []
+    graphs = [("dynamo", compiled.report.forward_graphs[-1]), *compiled.report.aot_graphs]
+    for name, gm in graphs:
+        for node in gm.graph.nodes:
+            for t in tensors_of(node.meta.get("val", node.meta.get("example_value"))):
+                if width in t.shape and t.numel() >= rows * width:
+                    found.append(f"{name}: {node.name} {tuple(t.shape)}")
+    return found
+
+
+def cases_and_peaks(rank: int, world: int, run_case, cases: list[dict], peak) -> dict:
+    """On this rank: ``run_case(rank, world, **case)`` of each of ``cases``, and ``peak(tiled=False)`` and
+    ``peak(tiled=True)`` (a tiled op's exactness cases and its memory measurement, in one launch)."""
+    return {"cases": [run_case(rank, world, **case) for case in cases],
+            "peaks": {"untiled": peak(tiled=False), "tiled": peak(tiled=True)}}
+
+
+def two_ranks_fixture(run_case, cases: list[dict], peak):
+    """A module-scoped fixture: one launch of 2 gloo ranks running `cases_and_peaks`, every rank's result."""
+
+    @pytest.fixture(scope="module")
+    def two_ranks():
+        """One launch of 2 gloo ranks for the exactness cases and the memory measurement."""
+        return run_on_ranks(cases_and_peaks, 2, run_case, cases, peak, timeout_s=600)
+
+    return two_ranks

@@ -23,7 +23,7 @@ from autosp.passes.joint.checkpointing import choose_recomputation, tag_recomput
 from autosp.plan import TrainingSetup, load_cluster, predict
 from autosp.plan.depth import FullDepthTagger, _matmuls, _split
 from autosp.plan.model_source import ModelSource
-from autosp.plan.predict import _Captured, trace_step
+from autosp.plan.traces import CaptureKeeper, trace_step
 
 LAYERS = 6
 LLAMA = {
@@ -44,7 +44,7 @@ def model(tmp_path_factory):
 def _capture(model: str, layers: int | None):
     source = ModelSource(model)
     hf = source.config(seq_len=SETUP.seq_len)
-    into = _Captured()
+    into = CaptureKeeper()
     trace_step(source, SETUP, seq_len=SETUP.seq_len, layers=layers, options={}, capture_into=into,
                config=SETUP.training_config(source.parameter_numels(hf)))
     return into

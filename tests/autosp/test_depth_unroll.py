@@ -18,7 +18,8 @@ import pytest
 
 from autosp.plan import TrainingSetup, load_cluster
 from autosp.plan.model_source import ModelSource
-from autosp.plan.predict import _simulated, simulate_step, trace_step
+from autosp.plan.step import _simulated, simulate_step
+from autosp.plan.traces import trace_step
 from simulator.depth_unroll import UNROLL_LAYERS, unroll_depth
 from simulator.engine import simulate
 from simulator.max_length import DepthExtrapolationError
@@ -95,7 +96,7 @@ def test_unrolled_program_and_step_equal_the_traced_full_depth(tmp_path_factory,
 
 
 def test_the_planner_unrolls_activation_offload_and_predicts_the_full_depth(tmp_path_factory):
-    """`autosp.plan.predict.simulate_step` under ``depth="extrapolated"``: unrolled from six layers, not traced at
+    """`autosp.plan.step.simulate_step` under ``depth="extrapolated"``: unrolled from six layers, not traced at
     eight, and the same step time and device and host activations as the eight-layer trace simulated."""
     source, training, _, full = _traced(tmp_path_factory, LLAMA, "none")
     cluster = load_cluster("h100-sxm", world_size=SETUP.world_size)
@@ -126,14 +127,14 @@ def test_sac_tagged_as_the_full_model_unrolls_to_the_traced_full_depth(tmp_path)
 
     from autosp.joint_template import partition_at, propagate_fake
     from autosp.plan.depth import EVERY, FullDepthTagger
-    from autosp.plan.predict import _Captured, _steps
+    from autosp.plan.traces import CaptureKeeper, partitioned_steps
 
     source = ModelSource(_model(tmp_path, LLAMA))
     training = SETUP.training_config(source.parameter_numels(source.config(seq_len=SETUP.seq_len)))
     options = {"activation_offload": "on"}
     captured = {}
     for layers in (2, UNROLL_LAYERS, LAYERS):
-        into = _Captured()
+        into = CaptureKeeper()
         trace_step(source, SETUP, seq_len=SETUP.seq_len, layers=layers, config=training, options=options,
                    capture_into=into)
         captured[layers] = into
@@ -147,7 +148,7 @@ def test_sac_tagged_as_the_full_model_unrolls_to_the_traced_full_depth(tmp_path)
             joint = dataclasses.replace(capture, graph=copy.deepcopy(capture.graph))
         report = partition_at(joint, facts.compiled_with, tag_joint=tags.tagger(EVERY),
                               propagated=propagate_fake(capture))
-        return _steps(source, SETUP, report, facts, seq_len=SETUP.seq_len, layers=layers, config=training,
+        return partitioned_steps(source, SETUP, report, facts, seq_len=SETUP.seq_len, layers=layers, config=training,
                       options=options, rewrites_here=False)[("sac", None)]
 
     program(2)  # decides for the full depth

@@ -89,6 +89,12 @@ def _check(results, tol):
         assert all(len(losses) == 1 for losses in by_sample.values()), by_sample
 
 
+def checked_cases(per_rank_results: list[list[dict]], cases: list[dict], tol=FP32_TOL) -> list[tuple[dict, dict]]:
+    """(case, result) of every rank's results of ``cases``, once `_check` has passed on them all."""
+    _check(per_rank_results, tol)
+    return [(case, r) for per_rank in per_rank_results for case, r in zip(cases, per_rank, strict=True)]
+
+
 @pytest.mark.parametrize("model", ["plain-llama", "hf-llama", "hf-gpt2"])
 def test_equivalence_two_ranks_loss_and_gradients_match_single_device(model):
     cases = [

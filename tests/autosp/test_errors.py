@@ -117,23 +117,37 @@ def test_errors_document_lengths_must_cover_the_row():
         autosp.prepare_inputs(ids, document_lengths=[5, 10])
 
 
-class _MaskedAttention(nn.Module):
-    def __init__(self, bidirectional: bool = False):
+class _OwnAttention(nn.Module):
+    """The plain Llama's embedding and head around one attention the model spells itself (`attend`)."""
+
+    def __init__(self):
         super().__init__()
-        self.bidirectional = bidirectional
         self.inner = build_model("plain-llama", layers=1)
         self.qkv = nn.Linear(64, 192)
+
+    def attend(self, q, k, v, input_ids):
+        raise NotImplementedError
 
     def forward(self, input_ids, labels=None):
         x = self.inner.embed(input_ids)
         q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
-        if self.bidirectional:  # a mask of constants that is not causal
-            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool)
-        else:  # a causal mask that also reads the tokens
-            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril() & (input_ids[:, None, None, :] != 3)
-        x = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape_as(x)
+        x = x + self.attend(q, k, v, input_ids).transpose(1, 2).reshape_as(x)
         logits = self.inner.lm_head(x)
         return F.cross_entropy(logits[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1))
+
+
+class _MaskedAttention(_OwnAttention):
+    def __init__(self, bidirectional: bool = False):
+        super().__init__()
+        self.bidirectional = bidirectional
+
+    def attend(self, q, k, v, input_ids):
+        n = input_ids.shape[1]
+        if self.bidirectional:  # a mask of constants that is not causal
+            mask = torch.ones(n, n, dtype=torch.bool)
+        else:  # a causal mask that also reads the tokens
+            mask = torch.ones(n, n, dtype=torch.bool).tril() & (input_ids[:, None, None, :] != 3)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def test_errors_model_built_attention_mask_refused_naming_the_module():
@@ -182,6 +196,24 @@ def test_errors_heads_not_divisible_by_sp_size():
         _call(build_model("plain-llama", heads=4, kv_heads=4), ids, labels, world=8)
 
 
+@pytest.mark.parametrize(("heads", "world", "options", "message"), [
+    (6, 4, {}, "6 attention heads, not divisible by sp_size=4"),
+    (3, 2, {}, "3 attention heads, not divisible by sp_size=2"),
+    (6, 8, {"strategy": "hybrid", "ulysses_size": 4}, r"6 attention heads, not divisible by ulysses_size=4.*one of \[1, 2\]"),
+])
+def test_errors_heads_the_layout_cannot_split_are_refused_at_compile(heads, world, options, message):
+    # Issue #50: checked from the model's config by autosp.compile itself, before any forward or trace.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=heads * 8, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=64))
+    with fake_process_group(world):
+        with pytest.raises(AutoSPError, match=f"LlamaForCausalLM's config \\(num_attention_heads\\) has {message}"):
+            autosp.compile(model, sp_size=world, compiler="aot_eager", **options)
+        # The ring splits any number of heads: the same model compiles.
+        autosp.compile(model, sp_size=world, compiler="aot_eager", strategy="ring")
+
+
 class _Unshifted(nn.Module):
     """Computes a loss that does not shift labels (a token-classification loss)."""
 
@@ -200,18 +232,9 @@ def test_errors_loss_without_label_shift_refused():
         _call(_Unshifted(), ids, labels)
 
 
-class _Bidirectional(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inner = build_model("plain-llama", layers=1)
-        self.qkv = nn.Linear(64, 192)
-
-    def forward(self, input_ids, labels=None):
-        x = self.inner.embed(input_ids)
-        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=False).transpose(1, 2).reshape_as(x)
-        logits = self.inner.lm_head(x)
-        return F.cross_entropy(logits[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1))
+class _Bidirectional(_OwnAttention):
+    def attend(self, q, k, v, input_ids):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=False)
 
 
 def test_errors_padding_under_non_causal_attention_refused():

@@ -6,7 +6,7 @@ single-device run of the full sequence (loss and every gradient, fp32 rtol 1e-4 
 
 from __future__ import annotations
 
-import copy
+import functools
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from torch import nn
 import autosp
 from autosp import AutoSPError
 from autosp.passes.dynamo.registry import TABLE, op_table
-from tests.autosp.cases import loss_of, make_sample, named_grads
+from tests.autosp.cases import loss_of, make_sample, named_grads, reference_and_candidate
 from tests.autosp.soundness_models import VOCAB, _Core
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import fake_process_group, run_on_ranks
@@ -232,10 +232,7 @@ def _padding_mask(ids):
 def _exact_cases(rank, world, patterns):
     results = []
     for pattern in patterns:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        reference = SchemaLM(pattern)
-        candidate = copy.deepcopy(reference)
+        reference, candidate = reference_and_candidate(functools.partial(SchemaLM, pattern))
         ids, labels = make_sample(SEQ, VOCAB, seed=5)
         mask = _padding_mask(ids)
         ref = loss_of(reference(input_ids=ids, labels=labels, attention_mask=mask))

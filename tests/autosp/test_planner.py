@@ -13,6 +13,7 @@ import json
 import pytest
 
 from autosp.plan import TrainingSetup, candidate_plans, load_cluster, plan_memory, predict
+from tests.autosp.cases import config_json
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import run_on_ranks
 
@@ -31,9 +32,7 @@ PLANS = candidate_plans(loss_chunk_tokens=16, checkpointing=("none",), tiled_mlp
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vocab_heavy") / "config.json"
-    path.write_text(json.dumps(CONFIG))
-    return str(path)
+    return config_json(tmp_path_factory.mktemp("vocab_heavy"), CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +192,7 @@ def test_trace_reuse_gives_every_checkpointing_plan_its_own_program(tmp_path, cl
     recomputation tags share one partition.  Two layers (SAC keeps the residual stream between them), the tiled
     loss on."""
     from autosp.plan.model_source import ModelSource
-    from autosp.plan.predict import checkpointing_variant, trace_step
+    from autosp.plan.traces import checkpointing_variant, trace_step
 
     path = tmp_path / "config.json"
     # Matmuls outweigh attention and logits here, so SAC's recompute limit leaves some of them kept.
@@ -313,7 +312,8 @@ def test_planner_resizes_lengths_inside_its_traced_range_and_predicts_what_trace
     those of a trace at that length: no checkpointing, SAC and full recomputation (checkpointing variants of one
     trace), each with activation offload off and on (the pair's rewrites on copies of the re-sized partition)."""
     from autosp.plan.model_source import ModelSource
-    from autosp.plan.predict import TraceReuse, simulate_step
+    from autosp.plan.step import simulate_step
+    from autosp.plan.traces import TraceReuse
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**CONFIG, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 256,
@@ -347,13 +347,14 @@ def test_planner_resizes_lengths_inside_its_traced_range_and_predicts_what_trace
 
 def test_sac_with_offload_unrolled_from_a_resized_joint_graph_predicts_what_traces_predict(tmp_path, cluster):
     """An 8-layer model at depth ``extrapolated``: SAC with activation offload is unrolled from a 6-layer program
-    partitioned with the full model's tags (`autosp.plan.predict._unrolled_step`).  At a length built from re-sized
+    partitioned with the full model's tags (`autosp.plan.step._unrolled_step`).  At a length built from re-sized
     joint graphs (no trace at it, so no fake tensors until the planner propagates them) the prediction equals that
     of traces at that length."""
     import dataclasses
 
     from autosp.plan.model_source import ModelSource
-    from autosp.plan.predict import TraceReuse, simulate_step
+    from autosp.plan.step import simulate_step
+    from autosp.plan.traces import TraceReuse
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**CONFIG, "num_hidden_layers": 8, "hidden_size": 64, "intermediate_size": 256,
@@ -429,7 +430,7 @@ def test_a_decision_learns_each_mask_once_and_predicts_what_learning_it_every_tr
     prediction of a decision whose traces each learn it."""
     import logging
 
-    from autosp.plan.predict import TraceReuse
+    from autosp.plan.traces import TraceReuse
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))

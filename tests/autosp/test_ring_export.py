@@ -184,6 +184,20 @@ def test_ring_export_is_what_the_registrys_autosp_ring_builds_its_whole_step_fro
     assert simulate(step, cluster).step_time_s > simulate(workload, cluster).step_time_s
 
 
+def _hf_llama_packed():
+    model = build_model("hf-llama", layers=1, vocab=VOCAB, heads=8, kv_heads=2)
+    model.config.use_cache = False  # it builds its packed-sequence mask from the position ids
+    return model
+
+
+def _packed_ring_trace(document_lengths: list[int]):
+    """HF Llama traced over 2 ranks under the ring, on one sample packed from documents of ``document_lengths``:
+    (the compiled step, the parameter bytes)."""
+    torch._dynamo.reset()
+    return trace_fake_step(_hf_llama_packed, seq_len=SEQ, sp_size=2, vocab_size=VOCAB, strategy="ring",
+                           document_lengths=document_lengths, **COMPARED)
+
+
 @pytest.mark.parametrize("document_lengths,read_blocks", [
     ([16, 16, 16, 16], 4),  # every chunk its own document: only the 4 diagonal blocks are read
     ([32, 32], 6),          # two documents of two chunks: 4 diagonal blocks and 2 below them
@@ -191,14 +205,7 @@ def test_ring_export_is_what_the_registrys_autosp_ring_builds_its_whole_step_fro
 def test_ring_export_over_packed_documents_leaves_out_the_chunk_pairs_the_op_skips(document_lengths, read_blocks):
     """Note [Ring attention in the export]: HF Llama (its packed-sequence mask) over 2 ranks, 4 chunks of 16
     tokens; the ring's attention work summed over the ranks is the causal blocks the documents read, no more."""
-    def build():
-        model = build_model("hf-llama", layers=1, vocab=VOCAB, heads=8, kv_heads=2)
-        model.config.use_cache = False
-        return model
-
-    torch._dynamo.reset()
-    compiled, parameter_bytes = trace_fake_step(build, seq_len=SEQ, sp_size=2, vocab_size=VOCAB, strategy="ring",
-                                                document_lengths=document_lengths, **COMPARED)
+    compiled, parameter_bytes = _packed_ring_trace(document_lengths)
     report = compiled.report
     assert report.document_ids is not None and tuple(report.document_ids.shape) == (1, SEQ)
     chunk, d = SEQ // 4, 64 // 8
@@ -370,14 +377,7 @@ def test_ring_export_and_run_agree_on_the_kernel_of_masked_and_unmasked_calls(mo
     def choose(device, dtype, head_dim, *, masked=False, cuda=None):
         return BlockKernel.MATH if masked else BlockKernel.FLASH_CPU
 
-    def build():
-        model = build_model("hf-llama", layers=1, vocab=VOCAB, heads=8, kv_heads=2)
-        model.config.use_cache = False
-        return model
-
-    torch._dynamo.reset()
-    compiled, parameter_bytes = trace_fake_step(build, seq_len=SEQ, sp_size=2, vocab_size=VOCAB, strategy="ring",
-                                                document_lengths=[5, 40, 19], **COMPARED)
+    compiled, parameter_bytes = _packed_ring_trace([5, 40, 19])
     report = compiled.report
     monkeypatch.setattr(ring_attention, "block_kernel", choose)
     monkeypatch.setattr(export, "block_kernel", choose)

@@ -7,12 +7,13 @@ single-device run of the full sequence (fp32: rtol 1e-4 / atol 1e-6), or expects
 from __future__ import annotations
 
 import copy
+import functools
 import random
 
 import pytest
 import torch
 
-from tests.autosp.cases import loss_of, make_sample, named_grads
+from tests.autosp.cases import loss_of, make_sample, named_grads, reference_and_candidate
 from tests.autosp.soundness_models import MIXING_OPS, TOKEN_LOCAL_OPS, VOCAB, ComposedLM, build
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import run_on_ranks
@@ -117,10 +118,7 @@ def _compositions(rank, world, programs):
 
     outcomes = []
     for ops in programs:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        reference = ComposedLM(ops)
-        candidate = copy.deepcopy(reference)
+        reference, candidate = reference_and_candidate(functools.partial(ComposedLM, ops))
         ids, labels = make_sample(32, VOCAB, seed=3)
         try:
             r = _step(reference, candidate, ids, labels, sp_size=world)

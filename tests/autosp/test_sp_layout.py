@@ -11,14 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simulator.workload import (
-    COMPILED_STRATEGIES,
-    MEMORY_PLANNED_STRATEGIES,
-    ZIGZAG_STRATEGIES,
-    SPKind,
-    SPLayout,
-    SPLayoutError,
-)
+from simulator.sp_layout import COMPILED_STRATEGIES, MEMORY_PLANNED_STRATEGIES, ZIGZAG_STRATEGIES
+from simulator.workload import SPKind, SPLayout, SPLayoutError
 from tests.harness.fake_group import fake_process_group
 
 COMBINATIONS = [(4, 2, 4), (4, 2, 8), (8, 2, 8), (8, 4, 16), (6, 3, 12), (4, 1, 8), (4, 4, 8), (2, 1, 2)]

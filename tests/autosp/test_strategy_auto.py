@@ -1,5 +1,5 @@
 """strategy="auto" in the planner: each strategy and hybrid degree the pass compiles traced, exported and simulated
-on its own, the fastest that fits chosen (`autosp.plan.predict.choose_strategy`, ``python -m autosp.plan --strategy
+on its own, the fastest that fits chosen (`autosp.plan.strategy_choice.choose_strategy`, ``python -m autosp.plan --strategy
 auto``).
 
 A one-layer Llama config (4 heads, 2 key/value heads) on one simulated H100 node: SP 4, where Ulysses, the hybrid
@@ -22,17 +22,16 @@ from autosp.errors import AutoSPError
 from autosp.plan import TrainingSetup, load_cluster
 from autosp.plan.__main__ import build_parser, main
 from autosp.plan.model_source import ModelSource
-from autosp.plan.predict import (
+from autosp.plan.strategy_choice import (
     AUTO_STRATEGIES,
     STRATEGY_CHOICES,
-    TraceReuse,
-    _Captured,
     choose_strategy,
     strategy_candidates,
-    trace_step,
 )
+from autosp.plan.traces import CaptureKeeper, TraceReuse, trace_step
 from simulator.strategies import SEQUENCE_PARALLEL
 from simulator.workload import COMPILED_STRATEGIES
+from tests.autosp.cases import config_json
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -44,9 +43,7 @@ SEQ, CLUSTER = 96, "h100-sxm"
 
 @pytest.fixture(scope="module")
 def llama_config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama") / "config.json"
-    path.write_text(json.dumps(LLAMA))
-    return str(path)
+    return config_json(tmp_path_factory.mktemp("llama"), LLAMA)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +138,7 @@ def test_strategy_auto_chooses_ring_when_heads_do_not_divide_over_the_ranks(llam
 
 
 def test_strategy_auto_shares_one_dynamo_capture_with_each_strategys_own_joint_graph(tmp_path):
-    """Note [One Dynamo capture for every strategy] in autosp/plan/predict.py: a four-layer Llama (shallow traces of
+    """Note [One Dynamo capture for every strategy] in autosp/plan/prediction.py: a four-layer Llama (shallow traces of
     1 and 2 layers, SAC deciding for the full depth) on SP 4 takes one Dynamo capture per depth for its three
     candidates, and each candidate's joint graph (two layers) and trace facts are those of its own trace but for
     the process groups' names: the rest of the decision is the same code on the same graphs (experiments/bench_planner.py
@@ -162,7 +159,7 @@ def test_strategy_auto_shares_one_dynamo_capture_with_each_strategys_own_joint_g
     for (_, _, _, seq_len, layers, group), (capture, facts, _) in shared._captures.items():
         if layers == 1:  # the two-layer graphs: the one-layer ones are captured the same way
             continue
-        own = _Captured()
+        own = CaptureKeeper()
         trace_step(source, dataclasses.replace(setup, depth="extrapolated"), seq_len=seq_len, layers=layers,
                    config=config, options=dict((k, ast.literal_eval(v)) for k, v in group), capture_into=own)
         assert code(capture) == code(own.capture) and capture.inputs == own.capture.inputs

@@ -16,11 +16,15 @@ import torch
 import torch.nn.functional as F
 
 import autosp
-from autosp.costs import tensors_of
 from autosp.errors import AutoSPError
-from tests.autosp.cases import compiled_step_against_single_device, measured_step_peak
-from tests.autosp.test_equivalence import FP32_TOL, _check
-from tests.harness import run_on_ranks
+from tests.autosp.cases import (
+    compiled_step_against_single_device,
+    measured_step_peak,
+    rows_by,
+    traced_step,
+    two_ranks_fixture,
+)
+from tests.autosp.test_equivalence import FP32_TOL, _check, checked_cases
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -148,27 +152,16 @@ def _peak(*, tiled: bool) -> int:
     return measured_step_peak(model, seq_len=1024, vocab=32000, checkpointing="none", **options)
 
 
-def _on_ranks(rank, world):
-    return {"cases": [_tiled_case(rank, world, **case) for case in _CASES],
-            "peaks": {"untiled": _peak(tiled=False), "tiled": _peak(tiled=True)}}
-
-
-@pytest.fixture(scope="module")
-def two_ranks():
-    """One launch of 2 gloo ranks for the exactness cases and the memory measurement."""
-    return run_on_ranks(_on_ranks, 2, timeout_s=600)
+two_ranks = two_ranks_fixture(_tiled_case, _CASES, _peak)
 
 
 def test_tiled_loss_equals_single_device_untiled_training_on_two_ranks(two_ranks):
-    results = [r["cases"] for r in two_ranks]
-    _check(results, FP32_TOL)
-    for per_rank in results:
-        for case, r in zip(_CASES, per_rank, strict=True):
-            assert r["tiled"], f"{case}: the tiled op is not in the compiled graphs"
-            if case["model"].startswith("hf-"):  # Note [Dropped logits]: reading them raises, naming the option
-                assert "return_logits=False" in r["logits"], f"{case}: {r['logits']}"
-            if case["sp_size"] > 1:
-                assert r["op_class"] == "loss (tiled: partial sum)"
+    for case, r in checked_cases([r["cases"] for r in two_ranks], _CASES):
+        assert r["tiled"], f"{case}: the tiled op is not in the compiled graphs"
+        if case["model"].startswith("hf-"):  # Note [Dropped logits]: reading them raises, naming the option
+            assert "return_logits=False" in r["logits"], f"{case}: {r['logits']}"
+        if case["sp_size"] > 1:
+            assert r["op_class"] == "loss (tiled: partial sum)"
 
 
 def test_tiled_loss_lowers_the_measured_peak_memory_per_rank(two_ranks):
@@ -181,33 +174,16 @@ def test_tiled_loss_lowers_the_measured_peak_memory_per_rank(two_ranks):
 
 
 def _trace(tiled_loss: str, *, seq_len: int, vocab: int, sp_size: int, chunk: int | None = None):
-    from autosp.tracing import trace_fake_step
-    from experiments.models import build_model
-
-    torch._dynamo.reset()
-    compiled, _ = trace_fake_step(lambda: build_model("hf-llama", layers=1, vocab=vocab), seq_len=seq_len,
-                                  sp_size=sp_size, vocab_size=vocab, dtype=torch.float32,
-                                  tiled_loss=tiled_loss, return_logits=tiled_loss == "off", loss_chunk_tokens=chunk)
-    return compiled
-
-
-def _token_by_vocab_tensors(compiled, rows: int, vocab: int) -> list[str]:
-    found = []
-    graphs = [("dynamo", compiled.report.forward_graphs[-1]), *compiled.report.aot_graphs]
-    for name, gm in graphs:
-        for node in gm.graph.nodes:
-            for t in tensors_of(node.meta.get("val", node.meta.get("example_value"))):
-                if vocab in t.shape and t.numel() >= rows * vocab:
-                    found.append(f"{name}: {node.name} {tuple(t.shape)}")
-    return found
+    return traced_step("hf-llama", vocab=vocab, seq_len=seq_len, sp_size=sp_size, tiled_loss=tiled_loss,
+                       return_logits=tiled_loss == "off", loss_chunk_tokens=chunk)
 
 
 def test_traced_graphs_hold_no_tokens_by_vocab_tensor():
     seq_len, vocab, sp_size = 1024, 32000, 2
     rows = seq_len // sp_size
-    assert _token_by_vocab_tensors(_trace("off", seq_len=seq_len, vocab=vocab, sp_size=sp_size), rows, vocab)
+    assert rows_by(_trace("off", seq_len=seq_len, vocab=vocab, sp_size=sp_size), rows, vocab)
     tiled = _trace("auto", seq_len=seq_len, vocab=vocab, sp_size=sp_size, chunk=128)
-    assert not _token_by_vocab_tensors(tiled, rows, vocab)
+    assert not rows_by(tiled, rows, vocab)
 
 
 def test_export_prices_the_tiled_loss_as_chunked_matmuls():

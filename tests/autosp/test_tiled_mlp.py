@@ -20,11 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autosp.costs import tensors_of
 from autosp.tiled_ops import Ref, encode_expression
-from tests.autosp.cases import compiled_step_against_single_device, measured_step_peak
-from tests.autosp.test_equivalence import FP32_TOL, _check
-from tests.harness import run_on_ranks
+from tests.autosp.cases import (
+    compiled_step_against_single_device,
+    measured_step_peak,
+    rows_by,
+    traced_step,
+    two_ranks_fixture,
+)
+from tests.autosp.test_equivalence import FP32_TOL, checked_cases
 
 log = logging.getLogger(__name__)
 _TILED = torch.ops.autosp_testbed.tiled_mlp.default
@@ -168,26 +172,15 @@ def _peak(*, tiled: bool, checkpointing: str = "sac", seq_len: int = 1024) -> in
     return measured_step_peak(model, seq_len=seq_len, vocab=256, checkpointing=checkpointing, **options)
 
 
-def _on_ranks(rank, world):
-    return {"cases": [_tiled_case(rank, world, **case) for case in _CASES],
-            "peaks": {"untiled": _peak(tiled=False), "tiled": _peak(tiled=True)}}
-
-
-@pytest.fixture(scope="module")
-def two_ranks():
-    """One launch of 2 gloo ranks for the exactness cases and the memory measurement."""
-    return run_on_ranks(_on_ranks, 2, timeout_s=600)
+two_ranks = two_ranks_fixture(_tiled_case, _CASES, _peak)
 
 
 def test_tiled_mlp_equals_single_device_untiled_training_on_two_ranks(two_ranks):
-    results = [r["cases"] for r in two_ranks]
-    _check(results, FP32_TOL)
-    for per_rank in results:
-        for case, r in zip(_CASES, per_rank, strict=True):
-            layers = case.get("layers", 1)
-            assert r["ops"] == (layers, layers), f"{case}: {r['ops']} tiled MLP ops in forward, backward"
-            if case["sp_size"] > 1:
-                assert r["op_class"] == "token-local: tiled MLP"
+    for case, r in checked_cases([r["cases"] for r in two_ranks], _CASES):
+        layers = case.get("layers", 1)
+        assert r["ops"] == (layers, layers), f"{case}: {r['ops']} tiled MLP ops in forward, backward"
+        if case["sp_size"] > 1:
+            assert r["op_class"] == "token-local: tiled MLP"
 
 
 def test_tiled_mlp_lowers_the_measured_peak_memory_per_rank(two_ranks):
@@ -204,24 +197,7 @@ def test_tiled_mlp_lowers_the_measured_peak_memory_per_rank(two_ranks):
 
 
 def _trace(model: str, *, seq_len: int, sp_size: int = 2, **options):
-    from autosp.tracing import trace_fake_step
-    from experiments.models import build_model
-
-    torch._dynamo.reset()
-    compiled, _ = trace_fake_step(lambda: build_model(model, layers=1, vocab=320), seq_len=seq_len, sp_size=sp_size,
-                                  vocab_size=320, dtype=torch.float32, **options)
-    return compiled
-
-
-def _rows_by_intermediate(compiled, rows: int, inner: int) -> list[str]:
-    found = []
-    graphs = [("dynamo", compiled.report.forward_graphs[-1]), *compiled.report.aot_graphs]
-    for name, gm in graphs:
-        for node in gm.graph.nodes:
-            for t in tensors_of(node.meta.get("val", node.meta.get("example_value"))):
-                if inner in t.shape and t.numel() >= rows * inner:
-                    found.append(f"{name}: {node.name} {tuple(t.shape)}")
-    return found
+    return traced_step(model, vocab=320, seq_len=seq_len, sp_size=sp_size, **options)
 
 
 @pytest.mark.parametrize(("model", "inner"), [("hf-llama", 128), ("hf-qwen2", 128), ("hf-gpt2", 256)])
@@ -230,9 +206,9 @@ def test_traced_graphs_hold_no_tokens_by_intermediate_tensor(model, inner):
     many elements as a [rows, intermediate] tensor; a vocabulary of 320, unlike any intermediate)."""
     rows = 96
     if model == "hf-llama":  # the check can fail: untiled, the intermediates are there
-        assert _rows_by_intermediate(_trace(model, seq_len=192), rows, inner)
+        assert rows_by(_trace(model, seq_len=192), rows, inner)
     tiled = _trace(model, seq_len=192, tiled_mlp="on", mlp_chunk_tokens=32)
-    assert not _rows_by_intermediate(tiled, rows, inner)
+    assert not rows_by(tiled, rows, inner)
     assert any(n.target is _TILED for n in dict(tiled.report.aot_graphs)["forward"].graph.nodes)
 
 

@@ -25,7 +25,7 @@ SEQ, GPUS = 128, (8, 16)
 @pytest.fixture(scope="module")
 def decided(tmp_path_factory):
     """(model, {gpus: (TraceReuse, decision)}, rows): the table's decisions, traced at full depth (one layer)."""
-    from autosp.plan.predict import TraceReuse
+    from autosp.plan.traces import TraceReuse
 
     path = tmp_path_factory.mktemp("llama") / "config.json"
     path.write_text(json.dumps(LLAMA))

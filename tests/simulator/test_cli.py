@@ -24,6 +24,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, check=False, timeout=120)
 
 
+def _small_workload(folder: pathlib.Path) -> pathlib.Path:
+    """A two-layer Llama-style Ulysses workload on 8 ranks (8,192 tokens), written as ``folder/workload.json``."""
+    shape = LlamaShape(layers=2, hidden=512, heads=8, kv_heads=8, ffn_hidden=1024, vocab=1000)
+    path = folder / "workload.json"
+    llama_ulysses_workload(seq_len=8192, sp_degree=8, shape=shape, ops_per_layer=(60, 100)).to_json(path)
+    return path
+
+
 def test_cli_help_explains_the_outputs():
     proc = _cli("--help")
     assert proc.returncode == 0
@@ -32,11 +40,7 @@ def test_cli_help_explains_the_outputs():
 
 
 def test_cli_simulates_a_workload_and_writes_every_output(tmp_path):
-    shape = LlamaShape(layers=2, hidden=512, heads=8, kv_heads=8, ffn_hidden=1024, vocab=1000)
-    workload = llama_ulysses_workload(seq_len=8192, sp_degree=8, shape=shape, ops_per_layer=(60, 100))
-    path = tmp_path / "workload.json"
-    workload.to_json(path)
-    out = tmp_path / "out"
+    path, out = _small_workload(tmp_path), tmp_path / "out"
     proc = _cli(str(path), "--cluster", "h100-sxm", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "step time" in proc.stdout
@@ -63,11 +67,7 @@ def test_cli_reports_input_errors_with_exit_status_2(tmp_path):
 
 
 def test_cli_sensitivity_reports_how_the_longest_sequence_moves(tmp_path):
-    shape = LlamaShape(layers=2, hidden=512, heads=8, kv_heads=8, ffn_hidden=1024, vocab=1000)
-    workload = llama_ulysses_workload(seq_len=8192, sp_degree=8, shape=shape, ops_per_layer=(60, 100))
-    path = tmp_path / "workload.json"
-    workload.to_json(path)
-    out = tmp_path / "out"
+    path, out = _small_workload(tmp_path), tmp_path / "out"
     proc = _cli(str(path), "--out", str(out), "--no-plots", "--sensitivity", "--params", "8.03e9",
                 "--zero-stage", "3", "--memory-gib", "24")
     assert proc.returncode == 0, proc.stderr

@@ -24,6 +24,7 @@ from torch import fx
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo.placements import REPLICATE, Partial, Shard
 from autosp.passes.dynamo.registry import multi, rule, sharded_inputs
+from autosp.passes.graph_utils import flatten
 
 LOCAL_REDUCTION = "autosp_local_reduction"
 """node.meta flag: a rule already completes this reduction over the sequence with an all-reduce."""
@@ -136,18 +137,10 @@ def _token_local(an, node: fx.Node, body: fx.GraphModule, places: list, which: s
                         _FUNCTION_FIX) from None
     rewritten = (len(an.result.sequence_reductions), len(an.result.attention)) != before
     built_positions = any(n in an.result.positions for n in body.graph.nodes)
-    if rewritten or built_positions or any(isinstance(p, Partial) for p in _leaves(out)):
+    if rewritten or built_positions or any(isinstance(p, Partial) for p in flatten(out)):
         raise an.refuse(node, f"is a custom autograd.Function whose {which} mixes tokens across the sequence "
                         "(a reduction, attention or positions over the token axis)", _FUNCTION_FIX)
     return out
-
-
-def _leaves(value):
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _leaves(v)
-    else:
-        yield value
 
 
 @rule("higher-order op (refused on tokens)", when=_is_hop)

@@ -64,7 +64,7 @@ pass reads: the mask program's code (its ops and every constant; a mask program
 reads no parameter or buffer, `_mask_program`), its inputs' roles, shapes and
 dtypes, the mask's shape, the layout, the SP degree, ``mask_probe_tokens`` and
 the configured window (`_MaskLearner._program_key`).  With
-``TraceContext.mask_rules`` (a dict the planner's `autosp.plan.predict.TraceReuse`
+``TraceContext.mask_rules`` (a dict the planner's `autosp.plan.traces.TraceReuse`
 passes to each of its traces) a rule, or the refusal, learnt for one key is
 taken by every later trace with the same key.  A trace with values (a compile of
 a real job, or a trace with packed documents) never shares: step 4 runs on its

@@ -84,7 +84,7 @@ from autosp.context import TraceContext
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo import rules
 from autosp.passes.dynamo.placements import PARTIAL, REPLICATE, Partial, Replicate, Shard, describe
-from autosp.passes.graph_utils import fake_value, infer_fake_value, module_name, source_location
+from autosp.passes.graph_utils import fake_value, flatten, infer_fake_value, module_name, source_location
 
 log = logging.getLogger(__name__)
 
@@ -190,21 +190,13 @@ def analyse_sequence_sharding(gm: fx.GraphModule, ctx: TraceContext) -> Sequence
 
     analysis = Analysis(ctx, gm)
     out = analysis.run_graph(gm)
-    for leaf in _flatten(out):
+    for leaf in flatten(out):
         if isinstance(leaf, Partial):
             raise AutoSPError("the model returns a partial sum over the sequence (a reduction AutoSP did not "
                               "complete with an all-reduce); this is a bug in AutoSP's rules, please report it")
     globalize_positions(analysis)
     choose_all_reduce_backward(analysis, gm)
     return analysis.result
-
-
-def _flatten(value):
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _flatten(v)
-    else:
-        yield value
 
 
 def sequence_sharding_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext) -> fx.GraphModule:
@@ -217,7 +209,7 @@ def sequence_sharding_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceCont
     ctx.report.op_classes.update(result.op_classes)
     output = next(n for n in gm.graph.nodes if n.op == "output")  # read at run time by autosp.guards
     ctx.report.output_placements = tuple(result.placements.get(a, REPLICATE) if isinstance(a, fx.Node) else REPLICATE
-                                         for a in _flatten(output.args[0]))
+                                         for a in flatten(output.args[0]))
     for sub in gm.modules():
         if isinstance(sub, fx.GraphModule) and sub is not gm:
             sub.graph.lint()

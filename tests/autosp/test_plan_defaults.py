@@ -1,0 +1,158 @@
+"""The defaults of ``python -m autosp.plan`` are the library's (Note [The planner CLI's defaults] in
+autosp/plan/__main__.py): the memory planned and the training setup a compiled model's own plan assumes, every rank
+of the cluster with SP inside a node, one spelling per option value, and every answer starting with what it assumed.
+
+All but one test resolve the flags without predicting anything; the one end-to-end run is tiny-llama's prediction on
+the example two-node cluster file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autosp.errors import AutoSPError
+from autosp.plan.__main__ import (
+    ClusterShape,
+    build_parser,
+    cluster_shape,
+    library_setup,
+    main,
+    resolve,
+    resolve_ranks,
+)
+from autosp.plan.setup import TrainingSetup
+
+ROOT = Path(__file__).resolve().parents[2]
+TWO_NODES = str(ROOT / "docs" / "examples" / "two_node_cluster.json")  # 2 nodes of 4 GPUs
+
+
+def _args(*argv: str, cluster: str = "h100-sxm", seq_len: str = "1024"):
+    return build_parser().parse_args(["--model", "tiny-llama", "--cluster", cluster, "--seq-len", seq_len, *argv])
+
+
+def test_defaults_are_the_setup_a_compiled_models_own_plan_prices():
+    """Left unset, ZeRO, optimizer, offload, compiler and dtype are what `autosp.plan.auto` puts in the plan request
+    of a job nothing describes (a bf16 model, so its dtype is the CLI's default too), and the memory is planned."""
+    import torch
+
+    from autosp.config import AutoSPConfig
+    from autosp.plan.auto import _setup
+
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    compiled = TrainingSetup(**_setup(model, AutoSPConfig(sp_size=8), seq_len=1024, micro_batch=1, world_size=8))
+    resolved = resolve(_args())
+    assert resolved.memory_plan == "auto" and not resolved.zero_auto
+    assert resolved.setup == compiled
+    assert (compiled.zero_stage, compiled.optimizer, compiled.offload) == (0, "adamw", "none")
+    lib = library_setup()
+    assert {k: lib[k] for k in ("zero_stage", "optimizer", "offload", "dtype", "compiler")} == {
+        "zero_stage": 0, "optimizer": "adamw", "offload": "none", "dtype": "bf16", "compiler": "inductor"}
+    assumed = {a.key: a for a in resolved.assumed}
+    assert list(assumed) == ["world_size", "nodes", "sp_size", "dp_size", "zero_stage", "optimizer", "offload",
+                             "memory_plan", "dtype"]
+    assert not any(a.given for a in assumed.values())
+    # given flags are marked given, and win
+    given = resolve(_args("--zero-stage", "2", "--optimizer", "sgd", "--memory-plan", "off", "--dtype", "fp32"))
+    assert (given.setup.zero_stage, given.setup.optimizer, given.setup.dtype, given.memory_plan) == (
+        2, "sgd", "fp32", "off")
+    marked = {a.key: a.given for a in given.assumed}
+    assert marked["zero_stage"] and marked["optimizer"] and marked["memory_plan"] and marked["dtype"]
+    assert not marked["offload"]
+
+
+def test_memory_plan_has_the_librarys_spelling_and_none_maps_to_off_with_a_warning(caplog):
+    from autosp.config import MEMORY_PLAN
+
+    action = next(a for a in build_parser()._actions if a.dest == "memory_plan")
+    assert tuple(action.choices) == MEMORY_PLAN == ("off", "auto")
+    with caplog.at_level("WARNING", logger="autosp.plan"):
+        args = _args("--memory-plan", "none")
+    assert args.memory_plan == "off" and resolve(args).memory_plan == "off"
+    assert "--memory-plan none is deprecated" in caplog.text and "off" in caplog.text
+    with pytest.raises(SystemExit) as exc:
+        _args("--memory-plan", "nothing")
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("argv, why", [
+    (("--strategy", "auto"), "leaves the memory options as given"),
+    (("--strategy", "ring"), "does not plan memory under --strategy ring"),
+    (("--max-length",), "--max-length searches the options as given"),
+])
+def test_memory_plan_defaults_to_off_where_the_compile_or_this_command_does_not_plan(argv, why):
+    resolved = resolve(_args(*argv))
+    plan = next(a for a in resolved.assumed if a.key == "memory_plan")
+    assert resolved.memory_plan == "off" and not plan.given and why in plan.why
+
+
+def test_zero_stage_auto_lets_the_planner_choose_and_needs_the_memory_plan():
+    resolved = resolve(_args("--zero-stage", "auto"))
+    assert resolved.zero_auto and next(a for a in resolved.assumed if a.key == "zero_stage").value == "auto"
+    with pytest.raises(AutoSPError, match="--zero-stage auto chooses the DeepSpeed setup with the memory plan"):
+        resolve(_args("--zero-stage", "auto", "--memory-plan", "off"))
+
+
+def test_sp_defaults_to_one_nodes_ranks_and_the_rest_are_dp_replicas_on_a_two_node_cluster_file():
+    shape = cluster_shape(TWO_NODES)
+    assert (shape.devices_per_node, shape.ranks) == (4, 8)
+    resolved = resolve(_args(cluster=TWO_NODES))
+    assert (resolved.setup.sp_size, resolved.setup.dp_size, resolved.setup.world_size) == (4, 2, 8)
+    assumed = {a.key: a for a in resolved.assumed}
+    assert assumed["world_size"].why == "every rank of the cluster" and assumed["nodes"].value == 2
+    assert assumed["nodes"].given and not assumed["sp_size"].given and not assumed["dp_size"].given
+    # a hardware preset is one node unless the ranks given need more; a cluster preset is all of itself
+    assert (resolve_ranks(ClusterShape("h100-sxm", 8)).sp_size, resolve_ranks(ClusterShape("h100-sxm", 8)).dp_size) \
+        == (8, 1)
+    big = resolve_ranks(cluster_shape("h100-sxm-4x8"))
+    assert (big.sp_size, big.dp_size, big.nodes) == (8, 4, 4)
+    # --sp-size alone: as many groups as the cluster's ranks hold inside nodes
+    assert (resolve_ranks(shape, sp_size=2).dp_size, resolve_ranks(ClusterShape("h100-sxm", 8), sp_size=4).dp_size) \
+        == (4, 2)
+    # told otherwise: the ranks given
+    told = resolve_ranks(shape, world_size=4)
+    assert (told.sp_size, told.dp_size, told.nodes) == (4, 1, 1) and told.assumed[0].given
+
+
+@pytest.mark.parametrize("cluster, argv", [
+    (TWO_NODES, ("--sp-size", "8")),
+    ("h100-sxm", ("--sp-size", "16")),
+])
+def test_an_sp_group_across_nodes_is_refused_unless_allowed(cluster, argv):
+    with pytest.raises(AutoSPError, match="--allow-cross-node-sp") as exc:
+        resolve(_args(*argv, cluster=cluster))
+    assert "\n" not in str(exc.value) and "more than a node's" in str(exc.value)
+    allowed = resolve(_args(*argv, "--allow-cross-node-sp", cluster=cluster))
+    assert (allowed.setup.sp_size, allowed.setup.dp_size) == (int(argv[1]), 1)
+    assert "across nodes" in next(a for a in allowed.assumed if a.key == "sp_size").why
+    # a group straddling a node boundary is refused too (3 + 3 ranks on nodes of 4)
+    with pytest.raises(AutoSPError, match="across two nodes"):
+        resolve_ranks(cluster_shape(TWO_NODES), sp_size=3, dp_size=2)
+
+
+def test_more_ranks_than_the_cluster_has_are_refused():
+    with pytest.raises(AutoSPError, match="has 8"):
+        resolve(_args("--sp-size", "4", "--dp-size", "4", cluster=TWO_NODES))
+
+
+def test_every_answer_starts_with_its_assumptions_in_text_and_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["--model", "tiny-llama", "--cluster", TWO_NODES, "--seq-len", "256", "--memory-plan", "off",
+            "--compiler", "aot_eager", "--json", str(out), "-q"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    block = text.split("\n")[:10]
+    assert block[0] == "assumed:"
+    for label, line in zip(("world size", "nodes", "sp size", "dp size", "zero stage", "optimizer", "offload",
+                            "memory plan", "dtype"), block[1:], strict=True):
+        assert line.startswith(f"  {label}"), line
+    assert "  sp size      4 (default" in text and "  memory plan  off (given)" in text
+    document = json.loads(out.read_text())
+    assert next(iter(document)) == "assumed"
+    assumed = document["assumed"]
+    assert assumed["sp_size"] == {"value": 4, "given": False, "why": "a node's GPUs: SP inside one node"}
+    assert assumed["memory_plan"] == {"value": "off", "given": True, "why": ""}
+    assert assumed["zero_stage"]["value"] == 0 and not assumed["zero_stage"]["given"]
+    assert document["setup"]["sp_size"] == 4 and document["world_size"] == 8 and document["setup"]["zero_stage"] == 0
