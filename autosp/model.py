@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -110,9 +111,10 @@ call; two more cover a gradient-accumulation step."""
 # first (planned) call runs its program, and at the start of each of the next `PROMISE_CHECKED_CALLS` calls reads
 # the peak since then -- the first step's forward, backward and optimizer step.  A peak above ``target_memory``
 # stops the job with an `AutoSPError` naming the plan, its prediction, the measurement and what to change, before
-# a later, longer step runs out of memory.  The meter is the CUDA allocator's on a GPU (`CudaAllocatorMeter`) or
-# the one passed to `autosp.compile` (``memory_meter=``); a CPU has no allocator peak, so nothing is checked there
-# unless a meter is given (tests/autosp/test_memory_promise.py gives one).
+# a later, longer step runs out of memory; the largest peak of the SP group decides, so every rank stops together.
+# The meter is the CUDA allocator's on a GPU (`CudaAllocatorMeter`) or the one passed to `autosp.compile`
+# (``memory_meter=``); a CPU has no allocator peak, so nothing is checked there unless a meter is given
+# (tests/autosp/test_memory_promise.py gives one).
 
 
 # Note [One program per length]
@@ -254,7 +256,7 @@ class SequenceParallelModel(nn.Module):
         if cfg.check_same_sample and cfg.sp_size > 1:
             check_same_sample(kwargs, self.groups.sp_group, cfg.sp_size, kwargs["input_ids"].device)
         if self._promise_calls_left:  # Note [The plan's promise checked]
-            self._check_promise()
+            self._check_promise(kwargs["input_ids"].device)
         if self._compiled is None:  # memory_plan="auto", first call
             padded = shard_layout(batch.seq_len, sp_size=cfg.sp_size, sp_rank=self.groups.sp_rank,
                                   pad_to_multiple=cfg.pad_to_multiple, length_bucket=cfg.length_bucket,
@@ -338,11 +340,17 @@ class SequenceParallelModel(nn.Module):
         self._ctx.memory_plan = decision
         self.__dict__["_compiled"] = self._compile(self.config)
 
-    def _check_promise(self) -> None:
-        """Refuse to go on when the meter saw more than the plan's target (Note [The plan's promise checked])."""
+    def _check_promise(self, device: torch.device) -> None:
+        """Refuse to go on when the meter saw more than the plan's target on any rank of the SP group (Note [The
+        plan's promise checked]): the largest peak is every rank's, so all stop together, none left waiting in a
+        collective."""
         self._promise_calls_left -= 1
         plan = self._ctx.memory_plan
         target, peak = int(plan["target_memory_bytes"]), self._memory_meter.peak_bytes()
+        if self.config.sp_size > 1:
+            largest = torch.tensor([peak], dtype=torch.int64, device=device)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.groups.group)
+            peak = int(largest.item())
         if peak <= target:
             return
         self._promise_calls_left = 0

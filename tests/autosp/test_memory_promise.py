@@ -92,3 +92,27 @@ def test_no_meter_on_a_cpu_checks_nothing():
         for seed in range(3):
             _step(model, seed)
     assert model._memory_meter is None and model.config.checkpointing == "sac"
+
+
+def _two_ranks_one_over(rank, world):
+    """Rank 0's meter reads past the target, rank 1's within it: both must stop at the same call."""
+    torch._dynamo.reset()
+    readings = [TARGET + 2**20] if rank == 0 else [TARGET // 2]
+    config = AutoSPConfig.from_options(sp_size=world, compiler="aot_eager",
+                                       options={"memory_plan": "auto", "target_memory": TARGET})
+    torch.manual_seed(0)
+    model = SequenceParallelModel(build_model("hf-llama", layers=1), config, build_groups(world, None),
+                                  first_batch_plan=_AnsweredPlan(), memory_meter=_Meter(readings=readings))
+    _step(model, 0)
+    try:
+        _step(model, 1)
+    except AutoSPError as err:
+        return str(err)
+    return None
+
+
+def test_the_largest_peak_of_the_group_stops_every_rank():
+    from experiments.launch import run_on_ranks
+
+    messages = run_on_ranks(_two_ranks_one_over, 2, timeout_s=240)
+    assert all(m is not None and "measured 0.06 GiB" in m for m in messages), messages
