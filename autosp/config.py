@@ -81,7 +81,7 @@ TILED_MLP = technique("tiled_mlp", MEMORY_TECHNIQUES).values
 ACTIVATION_OFFLOAD = technique("activation_offload", MEMORY_TECHNIQUES).values
 MEMORY_PLAN = ("off", "auto")
 MEMORY_PLAN_OPTIONS = memory_plan_options(MEMORY_TECHNIQUES)
-"""The options ``memory_plan="auto"`` chooses (autosp.plan.planner.candidate_plans); one passed explicitly wins."""
+"""The options ``memory_plan="auto"`` chooses (autosp.plan.candidates.candidate_plans); one passed explicitly wins."""
 PLAN_TIMEOUT_S = 540.0
 """The default ``plan_timeout_s``: torch's default NCCL collective timeout (10 minutes) less a minute, so that a
 stuck planner process is every rank's error with its stacks, never a collective timeout without them."""

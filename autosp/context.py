@@ -73,7 +73,7 @@ class CompileReport:
     causal_masks_replaced: int = 0
     """Attention masks recognised as the plain causal mask (Note [Attention masks built from the inputs])."""
     document_masks: list[object] = field(default_factory=list)
-    """autosp.passes.dynamo.masks.MaskRule of every attention given a mask over the whole sequence."""
+    """autosp.passes.dynamo.mask_learner.MaskRule of every attention given a mask over the whole sequence."""
     mask_probe_blocks: list[tuple[str, int, int]] = field(default_factory=list)
     """(module, tokens per probe block, tokens per shard) of every attention mask learnt from the inputs: a block
     shorter than the shard when the mask program was resized (Note [Mask programs probed on shorter blocks] in
@@ -91,7 +91,7 @@ class CompileReport:
     document_ids: object = None
     """A ring or hybrid program over packed documents: the traced batch's document ids over the whole padded
     sequence ([B, S] tensor, Note [Document masks] in autosp/document_attention.py), from which the export skips
-    the chunk pairs the ring skips (Note [Ring attention in the export] in autosp/export.py); None otherwise."""
+    the chunk pairs the ring skips (Note [Ring attention in the export] in autosp/export_ring.py); None otherwise."""
 
     memory_plan: dict | None = None
     """With ``memory_plan="auto"``: the planner's decision (autosp.plan.auto.decide): ``options`` (what the model
@@ -194,7 +194,7 @@ class TraceContext:
     setting, into ``report.variant_graphs`` (the planner's trace reuse; aot_eager only)."""
     mask_rules: dict | None = None
     """Mask rules learnt by earlier shape-only traces of one planner decision, shared with this one (`autosp.plan.
-    predict.TraceReuse`; Note [Mask rules shared between a decision's traces] in autosp/passes/dynamo/masks.py);
+    predict.TraceReuse`; Note [Mask rules shared between a decision's traces] in autosp/passes/dynamo/mask_learner.py);
     None: every mask is learnt."""
     capture_joint: bool = False
     """Keep a copy of the joint graph in ``report.joint_capture`` (trace reuse across lengths; aot_eager only)."""

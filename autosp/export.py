@@ -3,7 +3,9 @@
 Input: the forward and backward aten graphs AOTAutograd produced for one rank
 (`CompileReport.aot_graphs`).  Output: `simulator.workload.Workload`, plain data:
 every op in program order with its class, FLOPs and bytes, every collective with
-its group and message size, and every tensor's size and lifetime.
+its group and message size, and every tensor's size and lifetime.  This module walks
+the graphs; a ring attention node's steps are autosp/export_ring.py's (Note [Ring
+attention in the export]), and the program being built is autosp/export_program.py's.
 
 Note [Tensor lifetimes in the export]
 A node's output is allocated when the node runs and freed after its last user.
@@ -42,29 +44,6 @@ outputs less the backward's saved placeholders).  Two rules follow.
   tensor allocated by the backward's first op and freed at its last use, or at the backward's end where the runtime
   holds the backward's arguments (``saved_freed_at_last_use=False``, as for saved tensors).
 
-Note [Ring attention in the export]
-A ring attention node (strategy="ring", Note [Ring attention] in autosp/ring_attention.py) is one op to
-AOTAutograd; the export writes out what the op runs, step by step as ``ring_attention.schedule`` orders it and
-with the fused calls ``ring_attention.blocks`` cuts each step into, for each rank of the group (its chunks and
-neighbours differ, so a ring program has one program per rank).  Forward: a ``stack`` of k and v into the block
-that travels (and the zero-filled fp32 accumulators); per step s < P-1 a ``send`` of the block in hand to rank r+1
-and a ``recv`` of rank r-1's into a new buffer (groups ``simulator.workload.RING_GROUPS``, both issued after the
-compute before them, as NCCL's stream joins the issuing one), the step's attention calls (FLOPs and scores of
-their real shapes; each ``step<s>.attention<j>.<kernel>``, the kernel `ring_attention.block_kernel` names for the
-traced device and dtype, the one the op runs there: Note [Ring block kernels] in autosp/ring_attention.py; a fused
-kernel is priced as the attention of its pairs, the math path as every score of the block plus the traffic and
-memory of its [B, H, Lq, Lk] buffers) each followed by its online-softmax ``merge``, then the waits (the block
-sent is freed); a ``finalize`` casts the output.  Backward: the K/V block travels the same way (P-1 transfers);
-per step a zero-filled fp32 dK/dV buffer, the calls' backward kernels each followed by an ``accumulate``, then
-(from the second step) the wait for the accumulator arriving from rank r-1 and its addition, and the
-``send``/``recv`` of the sum onward (P transfers: after the last one each rank holds its own tokens' dK/dV).
-Message bytes are the tensors the op passes: 2·B·Hkv·L·D elements in the activation dtype for K/V, in the
-accumulator dtype (fp32) for dK/dV.  The copies a call's concatenated chunks and GQA-expanded heads make are
-counted as its bytes and a temporary, freed by the merge or accumulation after it.  Over packed documents
-(``document_ids``, the traced batch's) a (query chunk, key chunk) pair no query reads is left out, as the op skips
-it at run time; the calls that remain are priced as the kernel they run (causal within one document, the masked
-dense block otherwise).
-
 Note [Hybrid attention in the export]
 A strategy="hybrid" program (Note [Hybrid attention] in autosp/passes/dynamo/attention.py) has both: all-to-alls
 on the Ulysses groups and ring attention nodes over the ring groups (size R = P / U).  It is exported as the ring
@@ -80,7 +59,7 @@ Note [Activation offload in the export]
 Activation offload's ops (`autosp.costs.ACTIVATION_OFFLOAD`, inserted by the offload pass) are device<->host
 copies on the rank's host-link stream (group ``simulator.workload.HOST_GROUP``), not kernels:
 ``offload_to_host(x)`` is a ``collective_start`` of kind ``to_host`` whose output, the host copy, is a host
-tensor (``RankProgram.host_tensors``, Note [Host tensors] in simulator/workload.py) allocated when the copy is
+tensor (``RankProgram.host_tensors``, Note [Host tensors] in simulator/workload_types.py) allocated when the copy is
 issued; x, last used by the copy, is freed when the copy completes.  ``reload_from_host(h, device)`` is a
 ``collective_start`` of kind ``from_host``: its device output is allocated when the copy is issued and h, last
 used by it, is freed when it completes.  ``reload_wait`` is the ``collective_wait`` on that copy: the compute
@@ -108,8 +87,6 @@ from autosp.costs import (
     ACTIVATION_OFFLOAD,
     RING_ATTENTION,
     VIEWS,
-    attention_flops,
-    attention_scores,
     attention_scores_of,
     classify,
     nbytes_of,
@@ -118,22 +95,13 @@ from autosp.costs import (
     workspace_bytes,
 )
 from autosp.errors import AutoSPError
-from autosp.ring_attention import (
-    MATH_SCORE_BUFFERS,
-    MATH_SCORE_TRAFFIC,
-    Documents,
-    accumulator_dtype,
-    block_kernel,
-    blocks,
-    rank_chunks,
-    schedule,
-)
+from autosp.export_program import RankEmitter
+from autosp.export_ring import emit_ring
 from simulator.workload import (
     HOST_GROUP,
     RING_GROUPS,
     Collective,
     Op,
-    RankProgram,
     SPKind,
     SPLayout,
     StaticMemory,
@@ -153,53 +121,8 @@ _TANGENT = "tangents_"
 """AOTAutograd's name for a backward graph's placeholders that take the gradients of the forward's outputs."""
 
 
-@dataclass
-class _Emitter:
-    """Accumulates one rank's ops and tensors across the forward and backward graphs."""
 
-    group: str
-    masked_fraction: float | None = None
-    """Fraction of the scores document-masked attention keeps (see `export_workload`)."""
-    rank: int = 0
-    """The rank (in its SP group) whose program this is: a ring's steps and neighbours depend on it."""
-    sp_layout: SPLayout | None = None
-    """A ring or hybrid program's rank layout: its ring ranks and neighbours (Note [Hybrid attention in the
-    export])."""
-    named_groups: dict[str, str] | None = None
-    """c10d group name -> workload group, for collectives not on ``group`` (a hybrid's all-to-alls)."""
-    document_ids: torch.Tensor | None = None
-    """A ring over packed documents: the traced batch's document ids, [B, S] (see `export_workload`)."""
-
-    node_costs: dict | None = None
-    """What `_node_costs` found for each node, shared by the emitters of one export's ranks (their programs differ
-    in the ring's ops only)."""
-
-    def __post_init__(self):
-        if self.node_costs is None:
-            self.node_costs = {}
-        self.ops: list[Op] = []
-        self.tensors: dict[int, int] = {}
-        self.host_tensors: set[int] = set()
-        self.frees_at: dict[int, list[int]] = {}
-        self.collectives = 0
-        self.started: dict[fx.Node, Collective] = {}
-        self.held: set[int] = set()
-        """The caller's outputs it holds to the end of the step (Note [Outputs and tangents in the export])."""
-
-    def program(self, static: StaticMemory) -> RankProgram:
-        ops = []
-        for op in self.ops:  # an op whose frees are already as they would be built stays as it is
-            frees = tuple(sorted(set(op.frees) | set(self.frees_at.get(op.id, ()))))
-            ops.append(op if frees == op.frees else Op(**{**_op_fields(op), "frees": frees}))
-        return RankProgram(ops=tuple(ops), tensors=dict(self.tensors), static_memory=static,
-                           host_tensors=frozenset(self.host_tensors))
-
-
-def _op_fields(op: Op) -> dict:
-    return {f: getattr(op, f) for f in Op.__dataclass_fields__}
-
-
-def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, int], *,
+def _emit_graph(gm: fx.GraphModule, phase: str, em: RankEmitter, live: dict[str, int], *,
                 inputs_freed_at_last_use: bool = True, user_outputs: int = 0, outputs_held: bool = False) -> None:
     """Append ``gm``'s ops; ``live`` maps node names of tensors carried across graphs to tensor ids.
 
@@ -234,7 +157,7 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
             if root[node] is None and node.name.startswith(_TANGENT):  # Note [Outputs and tangents in the export]
                 written = nbytes_of(node.meta.get("val"))
                 if written:
-                    root[node] = _new_tensor(em, written)
+                    root[node] = em.new_tensor(written)
                     tangents.append(root[node])
             continue
         if node.op == "output":
@@ -284,14 +207,14 @@ def _emit_graph(gm: fx.GraphModule, phase: str, em: _Emitter, live: dict[str, in
                 parts[node] = _element_tensors(em, value)
                 allocates = tuple(t for t in _flat(parts[node]) if t is not None)
             else:
-                root[node] = _new_tensor(em, written) if written else None
+                root[node] = em.new_tensor(written) if written else None
                 allocates = () if root[node] is None else (root[node],)
             if scratch:  # allocated and freed by this op (the tiled loss's chunk)
-                tid = _new_tensor(em, scratch)
+                tid = em.new_tensor(scratch)
                 allocates += (tid,)
                 em.frees_at.setdefault(op_id, []).append(tid)
             if ours and packet in RING_ATTENTION:  # its steps and transfers (Note [Ring attention in the export])
-                used_by(node, _emit_ring(node, phase, em, deps, allocates), inputs)
+                used_by(node, emit_ring(node, phase, em, deps, allocates), inputs)
                 continue
             if ours and packet in _COLLECTIVES:
                 kind, op_class, flops = "collective", "other", 0
@@ -350,16 +273,10 @@ def _node_costs(node: fx.Node, packet: str, masked_fraction: float | None) -> tu
             sum(nbytes_of(a.meta.get("val")) for a in node.all_input_nodes), ours, computed)
 
 
-def _new_tensor(em: _Emitter, nbytes: int) -> int:
-    tid = len(em.tensors)
-    em.tensors[tid] = int(nbytes)
-    return tid
-
-
-def _element_tensors(em: _Emitter, value) -> tuple:
+def _element_tensors(em: RankEmitter, value) -> tuple:
     """A new tensor id per tensor of a tuple-valued op's output (None for a non-tensor, a tuple for a tuple)."""
     return tuple(_element_tensors(em, v) if isinstance(v, (tuple, list))
-                 else _new_tensor(em, nbytes_of(v)) if nbytes_of(v) else None for v in value)
+                 else em.new_tensor(nbytes_of(v)) if nbytes_of(v) else None for v in value)
 
 
 def _flat(elements) -> list[int | None]:
@@ -398,170 +315,6 @@ def user_outputs(forward: fx.GraphModule, backward: fx.GraphModule) -> int:
 def _ring_nodes(graphs) -> list[fx.Node]:
     return [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"
             and getattr(n.target, "namespace", None) == "autosp_testbed" and packet_name(n.target) in RING_ATTENTION]
-
-
-def _emit_ring(node: fx.Node, phase: str, em: _Emitter, deps: tuple[int, ...], output: tuple[int, ...]) -> int:
-    """Append the steps of one ring attention node (forward or backward) as rank ``em.rank`` runs them; returns
-    the id of its last op, which stands for the node (Note [Ring attention in the export])."""
-    backward = packet_name(node.target) == RING_ATTENTION[1]
-    q, k = (node.args[1], node.args[2]) if backward else (node.args[0], node.args[1])
-    qv, kv_meta = q.meta["val"], k.meta["val"]
-    b, h, length, d = (int(x) for x in qv.shape)
-    hkv = int(kv_meta.shape[1])
-    e = qv.element_size()
-    acc = torch.empty((), dtype=accumulator_dtype(qv.dtype)).element_size()
-    size, layout = int(schema_arg(node, "group_size")), str(schema_arg(node, "layout"))
-    causal = bool(schema_arg(node, "causal"))
-    rank, ranks = em.rank, em.sp_layout  # the rank layout (the ring's chunk layout is ``layout``)
-    if ranks is None or ranks.ring_size != size:
-        raise AutoSPError(f"{node.name} runs a ring of {size} ranks, and the export's layout is {ranks}; this is a "
-                          "bug in the export")
-    ring_rank, _ = ranks.coordinates(rank)  # Note [Hybrid attention in the export]
-    mine = rank_chunks(layout, size, ring_rank)
-    chunk = length // len(mine)
-    documents = None  # packed documents: the chunk pairs no query reads are skipped, as the op skips them
-    if em.document_ids is not None:
-        if em.document_ids.shape[-1] != length * size:
-            raise AutoSPError(f"document_ids cover {em.document_ids.shape[-1]} tokens but {node.name} runs over "
-                              f"{length * size}; pass the CompileReport.document_ids of the traced batch")
-        documents = Documents(em.document_ids, size * len(mine))
-    prv, nxt = ranks.ring_neighbours(rank)
-    kv_bytes = 2 * b * hkv * length * d * e  # k and v stacked: what travels forward (and backward again)
-    dkv_elements = 2 * b * hkv * length * d  # the dK/dV accumulators travelling backward, in the accumulator dtype
-    out_elements = b * h * length * d
-    prefix = f"{phase}.{node.name}.ring"
-
-    def add(name: str, kind: str = "compute", op_class: str = "other", *, flops=0, read=0, written=0, scores=0,
-            after=(), allocates=(), frees=(), collective=None) -> int:
-        op_id = len(em.ops)
-        em.ops.append(Op(id=op_id, name=f"{prefix}.{name}", kind=kind, op_class=op_class, phase=phase,
-                         flops=int(flops), bytes_read=int(read), bytes_written=int(written),
-                         attention_scores=int(scores), deps=tuple(sorted(set(after))), allocates=tuple(allocates),
-                         frees=tuple(frees), collective=collective))
-        return op_id
-
-    def tensor(nbytes: int) -> int:
-        return _new_tensor(em, nbytes)
-
-    def shift(tag: str, step: int, nbytes: int, after: int) -> tuple[int, int, int]:
-        """``batch_isend_irecv``: send the block in hand to the next rank, receive the previous rank's into a new
-        buffer; both wait for the compute stream up to ``after`` (NCCL's stream joins the issuing stream)."""
-        received = tensor(nbytes)
-        em.collectives += 2
-        key = f"{prefix}.{tag}{step}"
-        send = add(f"{tag}{step}.send", "collective_start", after=(after,), collective=Collective(
-            kind="send", group=RING_GROUPS[0], message_bytes=nbytes, key=f"{key}.{rank}>{nxt}", peer=nxt))
-        recv = add(f"{tag}{step}.recv", "collective_start", after=(after,), allocates=(received,),
-                   collective=Collective(kind="recv", group=RING_GROUPS[1], message_bytes=nbytes,
-                                         key=f"{key}.{prv}>{rank}", peer=prv))
-        return send, recv, received
-
-    def wait(start: int, frees=()) -> int:
-        op = em.ops[start]
-        return add(f"{op.name[len(prefix) + 1:]}.wait", "collective_wait", after=(start,), frees=frees,
-                   collective=op.collective)
-
-    def block_bytes(rows, cols) -> tuple[int, int, tuple, tuple, int]:
-        """(query rows, key rows, q shape, k shape) of one fused call, and the bytes ``_take``'s concatenations
-        and the GQA expansion of k, v copy for it."""
-        lq, lk = len(rows) * chunk, len(cols) * chunk
-        row_tensors = b * h * lq * ((3 * d * e + acc) if backward else d * e)  # q (backward: dout, q, out, lse)
-        copies = (row_tensors if len(rows) > 1 else 0) + (2 * b * hkv * lk * d * e if len(cols) > 1 else 0)
-        copies += 2 * b * h * lk * d * e if h != hkv else 0
-        return lq, lk, (b, h, lq, d), (b, hkv, lk, d), copies
-
-    def block_cost(j: int, q_shape, k_shape, block_causal: bool, masked: bool):
-        """(op name, FLOPs and scores, (read, written) bytes beyond the block's operands, scratch tensors) of one
-        call's kernel: the one `block_kernel` names for the traced device and dtype, as the op chooses it at run
-        time (Note [Ring block kernels] in autosp/ring_attention.py).  A fused kernel: the attention of its pairs
-        (causal halved), no score block.  The math path: every score computed (the causal triangle masked
-        afterwards), its [B, H, Lq, Lk] buffers in the accumulator dtype read and written as
-        ``MATH_SCORE_TRAFFIC`` counts and held as ``MATH_SCORE_BUFFERS`` counts, for the kernel's duration."""
-        kernel = block_kernel(qv.device, qv.dtype, d, masked=masked)
-        name = f"attention{j}.{kernel.value}"
-        if kernel.fused:
-            return name, dict(flops=attention_flops(q_shape, k_shape, causal=block_causal, backward=backward),
-                              scores=attention_scores(q_shape, k_shape, causal=block_causal, backward=backward)
-                              ), (0, 0), ()
-        block = b * h * q_shape[2] * k_shape[2] * acc  # one [B, H, Lq, Lk] buffer
-        reads, writes = MATH_SCORE_TRAFFIC[backward]
-        extra = int(block_causal) + int(masked)
-        return name, dict(flops=attention_flops(q_shape, k_shape, causal=False, backward=backward),
-                          scores=attention_scores(q_shape, k_shape, causal=False, backward=backward)), (
-            (reads + extra) * block, (writes + extra) * block), (tensor(MATH_SCORE_BUFFERS[backward] * block),)
-
-    held = tensor(kv_bytes)
-    accumulator = tensor(out_elements * acc)  # the merged output (forward) or dq (backward), zero-filled
-    lse = 0 if backward else b * h * length * acc  # forward: the log-sum-exp accumulator is the node's output
-    cursor = add("stack", op_class="memory", read=kv_bytes, written=kv_bytes + out_elements * acc + lse, after=deps,
-                 allocates=(held, accumulator) + (() if backward else output))
-    pending = None  # the K/V transfer in flight: (send, recv, received buffer)
-    in_flight = None  # backward: the dK/dV transfer in flight: (send, recv, received buffer, sent buffer)
-    finished = None  # backward: the buffer holding this rank's finished dK/dV
-    for event in schedule(size):
-        s = event.step
-        if event.kind == "send_recv":
-            pending = shift("kv", s, kv_bytes, cursor)
-            continue
-        if event.kind == "wait":
-            send, recv, received = pending
-            wait(send, frees=(held,))
-            cursor = wait(recv)
-            held = received
-            continue
-        theirs = rank_chunks(layout, size, (ring_rank - s) % size)
-        if backward:
-            dkv = tensor(dkv_elements * acc)
-            cursor = add(f"step{s}.zeros", op_class="memory", written=dkv_elements * acc, after=(cursor,),
-                         allocates=(dkv,))
-        for j, (rows, cols, block_causal) in enumerate(blocks(mine, theirs, causal, documents and documents.reads)):
-            lq, lk, q_shape, k_shape, copies = block_bytes(rows, cols)
-            q_el, kv_el = b * h * lq * d, 2 * b * hkv * lk * d
-            masked = documents is not None and not documents.one_document([mine[i] for i in rows],
-                                                                          [theirs[i] for i in cols])
-            name, kernel, (score_read, score_written), scratch = block_cost(j, q_shape, k_shape, block_causal,
-                                                                            masked)
-            if not backward:  # the kernel's output and log-sum-exp, merged online into the fp32 accumulators
-                temp = tensor(q_el * e + b * h * lq * acc + copies)
-                kernel_op = add(f"step{s}.{name}", op_class="attention", **kernel, after=(cursor,),
-                                read=q_el * e + kv_el * e + copies + score_read,
-                                written=q_el * e + b * h * lq * acc + copies + score_written,
-                                allocates=(temp, *scratch), frees=scratch)
-                rows_lse = b * h * lq
-                cursor = add(f"step{s}.merge{j}", op_class="elementwise", flops=4 * q_el + 6 * rows_lse,
-                             read=q_el * (acc + e) + 2 * rows_lse * acc, written=(q_el + rows_lse) * acc,
-                             after=(kernel_op,), frees=(temp,))
-            else:  # dq, dk, dv of the block (k, v heads expanded under GQA), added into the fp32 sums
-                grads = q_el * e + 2 * b * h * lk * d * e
-                temp = tensor(grads + copies)
-                kernel_op = add(f"step{s}.{name}", op_class="attention", **kernel, after=(cursor,),
-                                read=3 * q_el * e + b * h * lq * acc + kv_el * e + copies + score_read,
-                                written=grads + copies + score_written, allocates=(temp, *scratch),
-                                frees=scratch)
-                summed = q_el + kv_el
-                cursor = add(f"step{s}.accumulate{j}", op_class="elementwise",
-                             flops=summed + (2 * b * h * lk * d if h != hkv else 0),
-                             read=grads + summed * acc, written=summed * acc, after=(kernel_op,), frees=(temp,))
-        if backward:
-            if in_flight is not None:  # the accumulator of this block from the previous rank: ours added to it
-                send, recv, arrived, sent = in_flight
-                wait(send, frees=(sent,))
-                cursor = add(f"step{s}.add_arrived", op_class="elementwise", flops=dkv_elements,
-                             read=2 * dkv_elements * acc, written=dkv_elements * acc,
-                             after=(cursor, wait(recv)), frees=(arrived,))
-            if size > 1:  # on to the next rank, overlapping the next step's compute
-                in_flight = (*shift("dkv", s, dkv_elements * acc, cursor), dkv)
-            else:
-                finished = dkv
-    if in_flight is not None:
-        send, recv, finished, sent = in_flight
-        wait(send, frees=(sent,))
-        cursor = wait(recv)
-    # Cast the fp32 accumulators to the outputs: out (forward); dq and the finished dk, dv (backward).
-    elements = out_elements + (dkv_elements if backward else 0)
-    return add("finalize", op_class="elementwise", flops=elements, read=elements * acc, written=elements * e,
-               after=(cursor,), allocates=output if backward else (),
-               frees=(accumulator, held) + ((finished,) if backward else ()))
 
 
 def export_workload(
@@ -622,7 +375,7 @@ def export_workload(
     everyone = [list(range(sp_size))]
     programs, node_costs = {}, {}
     for rank in range(sp_size) if ring else (0,):  # a ring's neighbours are absolute ranks: a program per rank
-        em = _Emitter(group="sp", masked_fraction=attention_kept_fraction, rank=rank, sp_layout=layout,
+        em = RankEmitter(group="sp", masked_fraction=attention_kept_fraction, rank=rank, sp_layout=layout,
                       node_costs=node_costs,
                       document_ids=document_ids if ring else None,
                       named_groups=dict.fromkeys(ulysses_names, "ulysses") if hybrid else None)

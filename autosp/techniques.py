@@ -4,7 +4,7 @@ it, the candidates the memory planner tries, how plan names show it and the pass
 The techniques themselves are one registry, `autosp.config.MEMORY_TECHNIQUES`, beside the `AutoSPConfig` fields
 they set; everything else is derived from it: the accepted values and their checks (`AutoSPConfig`),
 ``MEMORY_PLAN_OPTIONS`` (`memory_plan_options`), the Dynamo-stage passes of a compile (`autosp.pipeline.passes_for`),
-and the memory planner's candidates, their names and fixed options (`autosp.plan.planner.candidate_plans`,
+and the memory planner's candidates, their names and fixed options (`autosp.plan.candidates.candidate_plans`,
 `plan_name`).  Adding one: docs/design.md, "Adding a memory technique".
 
 This module imports nothing of AutoSP but its errors: `autosp.config` imports it, and a pass module (which imports
@@ -56,9 +56,9 @@ class MemoryTechnique:
     """A companion counting tokens per chunk: a positive integer or None (`check`), and the planner's argument of
     the same name gives the chunk sizes it tries (one candidate per size of each active candidate)."""
     candidates: tuple[CandidateSetting, ...]
-    """What the planner tries, in this order (`autosp.plan.planner.candidate_plans`)."""
+    """What the planner tries, in this order (`autosp.plan.candidates.candidate_plans`)."""
     label: Callable[[Mapping], str | None]
-    """Its part of a plan's name (`autosp.plan.planner.plan_name`) from the plan's options; None: nothing
+    """Its part of a plan's name (`autosp.plan.candidates.plan_name`) from the plan's options; None: nothing
     (`setting_label`, `flag_label`)."""
     stage: Stage = "dynamo"
     pass_factory: str | None = None

@@ -64,7 +64,7 @@ def trace_fake_step(build_model, *, seq_len: int, sp_size: int, vocab_size: int,
     ``capture_joint``: keep the joint graph in ``report.joint_capture`` (Note [The joint graph at another length]
     in autosp/joint_template.py).
     ``mask_rules``: mask rules shared with the other traces of one planner decision (Note [Mask rules shared between
-    a decision's traces] in autosp/passes/dynamo/masks.py).
+    a decision's traces] in autosp/passes/dynamo/mask_learner.py).
     The process must not have a process group of its own.
     """
     positions = None

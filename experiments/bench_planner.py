@@ -202,7 +202,8 @@ def _compare(fast, full, label: str = "full depth") -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from autosp.plan import TrainingSetup, load_cluster
-    from autosp.plan.planner import candidate_plans, candidates_for, plan_memory
+    from autosp.plan.candidates import candidate_plans, candidates_for
+    from autosp.plan.planner import plan_memory
     from autosp.plan.prediction import predict
     from autosp.plan.strategy_choice import choose_strategy
     from autosp.plan.traces import TraceReuse

@@ -216,7 +216,7 @@ def _print_memory(result, peak: DevicePeak, cluster: Cluster) -> None:
     training configuration inside backward, device reserve included, plus the simulated activations) when the
     workload names its configuration; else the engine's count, saying what it leaves out."""
     capacity = cluster.device.memory_bytes
-    if result.host_peak_memory_bytes:  # offloaded tensors (Note [Host tensors] in simulator/workload.py)
+    if result.host_peak_memory_bytes:  # offloaded tensors (Note [Host tensors] in simulator/workload_types.py)
         host_cap = cluster.host_memory_per_rank_bytes
         print(f"  host memory      {result.host_peak_memory_bytes / 2**30:.2f} GiB of offloaded tensors per rank, of "
               f"{'unknown' if host_cap is None else f'{host_cap / 2**30:.2f} GiB'}")

@@ -28,7 +28,7 @@ class ProgramBuilder:
 
     def tensor(self, nbytes: int, *, host: bool = False) -> int:
         """Declare a tensor of ``nbytes`` bytes (in host memory with ``host``: Note [Host tensors] in
-        :mod:`simulator.workload`) and return its id."""
+        :mod:`simulator.workload_types`) and return its id."""
         tid = len(self._tensors)
         self._tensors[tid] = int(nbytes)
         if host:

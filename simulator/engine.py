@@ -219,7 +219,7 @@ def _check_finished(states: list[_RankState], runtime: CollectiveRuntime) -> Non
 
 def _timeline(st: _RankState, represents: tuple[int, ...], capacity: int, host_capacity: int | None
               ) -> tuple[RankTimeline, OomEvent | None, OomEvent | None]:
-    """The rank's timeline with one memory report per pool (Note [Host tensors] in simulator/workload.py): the
+    """The rank's timeline with one memory report per pool (Note [Host tensors] in simulator/workload_types.py): the
     device's (static memory and device tensors) and, when the program has host tensors, the host's."""
     cp = st.cp
     program = cp.program

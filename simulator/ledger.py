@@ -330,7 +330,7 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
     context, NCCL, workspaces, allocator, the host process allowance);
     ``activation_bytes`` / ``logits_bytes`` (e.g. a simulated workload's peak above static memory) add lines of
     their own and are what the fragmentation band applies to; ``host_activation_bytes`` (a simulated workload's
-    host peak: offloaded activations, Note [Host tensors] in simulator/workload.py) a host line. Under optimizer offload some lines are in host memory
+    host peak: offloaded activations, Note [Host tensors] in simulator/workload_types.py) a host line. Under optimizer offload some lines are in host memory
     (``pool="host"``, Note [Optimizer offload]); :func:`summarize` sums one pool (the device by default), and the
     allocator lines count device tensors only. ``uncertain`` replaces
     :data:`simulator.device_reserve.UNCERTAIN` (sensitivity studies).

@@ -72,7 +72,7 @@ class ModelStep:
     dynamic_memory_bytes: int
     """Peak above static memory of the busiest rank (activations and transients)."""
     host_dynamic_memory_bytes: int = 0
-    """Peak of host tensors (offloaded activations, Note [Host tensors] in :mod:`simulator.workload`)."""
+    """Peak of host tensors (offloaded activations, Note [Host tensors] in :mod:`simulator.workload_types`)."""
     extrapolated_from: tuple[int, int] | None = None
     """The two traced depths, when the step was extrapolated (Note [Depth extrapolation]); None: traced whole."""
 

@@ -93,7 +93,7 @@ def plot_memory(result: Result, path: str | os.PathLike[str], *, max_ranks: int 
         times = list(mem.times_s * 1e3) + [result.step_time_s * 1e3]
         totals = list(mem.total_bytes / gib) + [mem.total_bytes[-1] / gib]
         ax.step(times, totals, where="post", label=f"rank {rank}")
-        host = result.timelines[rank].host_memory  # offloaded tensors (Note [Host tensors] in simulator/workload.py)
+        host = result.timelines[rank].host_memory  # offloaded tensors (Note [Host tensors] in simulator/workload_types.py)
         if host is not None:
             ax.step(list(host.times_s * 1e3) + [result.step_time_s * 1e3],
                     list(host.total_bytes / gib) + [host.total_bytes[-1] / gib], where="post", linestyle=":",

@@ -38,7 +38,7 @@ class OomEvent:
     capacity_bytes: int
     """Capacity of the pool."""
     pool: str = "device"
-    """``device`` or ``host`` memory (Note [Host tensors] in :mod:`simulator.workload`)."""
+    """``device`` or ``host`` memory (Note [Host tensors] in :mod:`simulator.workload_types`)."""
 
     def message(self) -> str:
         """A one-line human explanation."""
@@ -108,7 +108,7 @@ class RankResult:
     oom: OomEvent | None
     """First allocation that does not fit in device memory, if any."""
     host_peak_memory_bytes: int = 0
-    """Peak of live host tensors (Note [Host tensors] in :mod:`simulator.workload`)."""
+    """Peak of live host tensors (Note [Host tensors] in :mod:`simulator.workload_types`)."""
     host_memory_capacity_bytes: int | None = None
     """Host memory per rank (``Cluster.host_memory_per_rank_bytes``; None: unknown, never an OOM)."""
     host_oom: OomEvent | None = None

@@ -297,6 +297,13 @@ _FIXED: tuple[Strategy, ...] = (
     Strategy(name="deepspeed-autosp", description="DeepSpeed's own AutoSP pass, run as it is",
              implementation="deepspeed", sequence_parallel="ulysses", zero_stage=_ZERO1, workload=None,
              tables=_MEASURED),
+    # DeepSpeed's ALST (Arctic Long Sequence Training) as ArcticTraining configures it: measured only.  Its tiled
+    # autograd functions and offload hooks are no trace of this pass, which is what every workload recipe is built
+    # from, so it is never simulated; ALST at paper scale is modelled row by row in experiments/paper_scale/alst.py.
+    # zero_stage: ALST's published runs (ZeRO 3); the measured system runs ZeRO 0 (experiments/baselines/alst.py).
+    Strategy(name="alst", description="DeepSpeed's ALST: Ulysses attention, tiled MLP, tiled logits+loss, per-layer "
+             "checkpointing with its inputs offloaded (ArcticTraining's configuration)", implementation="deepspeed",
+             sequence_parallel="ulysses", zero_stage=3, workload=None, tables=_MEASURED),
     # The pass's ring and auto strategies and its hybrid family (issue 21): the ring in the measured table (beside
     # the hand-written ring), and the hybrid 2 x 2 there too: it needs 4 ranks (min_ranks; on fewer its row says
     # so); every other hybrid is the family's (below); "auto" resolves to one of them before compiling

@@ -1,25 +1,22 @@
 """Semantic validation of a :class:`~simulator.workload.Workload` before it is simulated.
 
-The schema module checks field types; this module checks meaning: allowed enum values, dependencies that point
-backwards, collectives whose group contains the rank, waits that match a start with the same key, tensor
-lifetimes that are allocated once and freed once after allocation, and - across ranks - that every member of a
-group instance issues each collective (otherwise the simulation would deadlock). Every failure raises
+The loader (:mod:`simulator.workload`) checks a document's field types and runs these checks on what it loads;
+this module reads only the types (:mod:`simulator.workload_types`) and checks meaning: allowed enum values,
+dependencies that point backwards, collectives whose group contains the rank, waits that match a start with the
+same key, tensor lifetimes that are allocated once and freed once after allocation, and - across ranks - that
+every member of a group instance issues each collective (otherwise the simulation would deadlock). Every failure raises
 :class:`~simulator.workload.WorkloadError` naming the rank, the op and what to change. Standard library only.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from simulator.workload_kinds import COLLECTIVE_KINDS, OP_CLASSES, OP_KINDS, PHASES, WorkloadError
-
-if TYPE_CHECKING:  # annotations only: the schema imports this module to validate what it loads
-    from simulator.workload import Collective, RankProgram, Workload
+from simulator.workload_types import Collective, RankProgram, WorkloadData
 
 P2P_KINDS = ("send", "recv")
 
 
-def validate_workload(workload: Workload) -> None:
+def validate_workload(workload: WorkloadData) -> None:
     """Raise :class:`WorkloadError` if ``workload`` cannot be simulated; return ``None`` otherwise."""
     world = workload.world_size
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -44,7 +41,7 @@ def validate_workload(workload: Workload) -> None:
     _validate_matching(workload, issued)
 
 
-def _validate_groups(workload: Workload) -> None:
+def _validate_groups(workload: WorkloadData) -> None:
     for name, instances in workload.groups.items():
         seen: set[int] = set()
         for members in instances:
@@ -159,7 +156,7 @@ def _check_collective_fields(op, loc: _Loc, started: dict[str, Collective], wait
     started[coll.key] = coll
 
 
-def _check_rank_collectives(workload: Workload, rank: int, program: RankProgram) -> dict[str, Collective]:
+def _check_rank_collectives(workload: WorkloadData, rank: int, program: RankProgram) -> dict[str, Collective]:
     """Check that each collective's group contains ``rank``; return the collectives this rank issues by key."""
     issued: dict[str, Collective] = {}
     for op in program.ops:
@@ -178,7 +175,7 @@ def _check_rank_collectives(workload: Workload, rank: int, program: RankProgram)
     return issued
 
 
-def _validate_symmetric(workload: Workload) -> None:
+def _validate_symmetric(workload: WorkloadData) -> None:
     """Every rank runs rank 0's program: each group it uses must cover every rank, and p2p is impossible."""
     used: dict[str, object] = {}
     for op in workload.ranks[0].ops:
@@ -207,7 +204,7 @@ def _validate_symmetric(workload: Workload) -> None:
                                     f"group {coll.group!r}; a symmetric broadcast must leave peer unset (first member)")
 
 
-def _validate_matching(workload: Workload, issued: dict[int, dict[str, Collective]]) -> None:
+def _validate_matching(workload: WorkloadData, issued: dict[int, dict[str, Collective]]) -> None:
     """Every member of a group instance must issue each collective; p2p sends need a matching recv."""
     for rank, colls in issued.items():
         for key, coll in colls.items():

@@ -1,5 +1,6 @@
 """The workload schema's closed vocabularies (op kinds, op classes, phases, collective kinds) and its error: what
-both the schema (`simulator.workload`) and its semantic checks (`simulator.validate`) read.  Standard library only.
+the schema's types (`simulator.workload_types`), its loader (`simulator.workload`) and its semantic checks
+(`simulator.validate`) read.  Standard library only.
 """
 
 from __future__ import annotations

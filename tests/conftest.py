@@ -22,3 +22,29 @@ def _fresh_dynamo_caches():
 
     torch._dynamo.reset()
     yield
+
+
+# Where the suite's time goes, by file: setup, call and teardown of every test summed per test file, the slowest
+# files printed after pytest's own slowest tests and every file written to .test-times.json (ignored by git), so
+# that a slower file shows up in each run rather than in an occasional profile (docs/reproduction.md).
+_FILE_SECONDS: dict[str, float] = {}
+_SLOWEST_FILES_SHOWN = 15
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    import json
+
+    if not _FILE_SECONDS:
+        return
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"slowest {min(_SLOWEST_FILES_SHOWN, len(ranked))} test files "
+                                    f"(of {len(ranked)}, {total:.0f} s in tests)")
+    for path, seconds in ranked[:_SLOWEST_FILES_SHOWN]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {100 * seconds / total:4.1f}%  {path}")
+    (_ROOT / ".test-times.json").write_text(json.dumps(dict(ranked), indent=1) + "\n")

@@ -18,7 +18,8 @@ import importlib
 _PUBLIC = {
     "cluster_from_dict": "cluster_file", "cluster_names": "cluster_file", "load_cluster": "cluster_file",
     "ModelSource": "model_source",
-    "MemoryPlan": "planner", "PlanReport": "planner", "candidate_plans": "planner", "choose_options": "planner",
+    "MemoryPlan": "candidates", "candidate_plans": "candidates",
+    "PlanReport": "planner", "choose_options": "planner",
     "plan_job": "planner", "plan_memory": "planner",
     "Prediction": "prediction", "peak_by_category": "prediction", "predict": "prediction",
     "PlannerProcess": "process", "start_planner": "process",

@@ -19,9 +19,18 @@ from autosp.config import ACTIVATION_OFFLOAD, MEMORY_PLAN, AutoSPConfig
 from autosp.errors import AutoSPError
 from autosp.plan.cluster_file import cluster_names
 from autosp.plan.planner import OBJECTIVES
-from autosp.plan.setup import COMPILERS, DEPTHS, DTYPES, OFFLOADS, OPTIMIZERS, TrainingSetup
+from autosp.plan.setup import (
+    COMPILERS,
+    DEPTHS,
+    DTYPES,
+    OFFLOADS,
+    OPTIMIZERS,
+    PLAIN_TRAINING_LOOP,
+    TrainingSetup,
+)
 from autosp.plan.strategy_choice import STRATEGY_CHOICES
 from autosp.presets import model_argument
+from simulator.workload import MEMORY_PLANNED_STRATEGIES
 
 log = logging.getLogger("autosp.plan")
 
@@ -30,11 +39,12 @@ log = logging.getLogger("autosp.plan")
 # Unless told otherwise the command answers for what ``autosp.compile(model, sp_size=P)`` would do on the cluster:
 #
 # - the memory planned (``--memory-plan auto``, Note [The default memory plan] in autosp/plan/auto.py: on a cluster
-#   there is always a memory size), except where the compile leaves the options as given (``--strategy auto``) or
-#   this command does not plan yet (``--strategy ring``, ``--max-length``): ``off`` there, the answer saying why;
-# - the training setup the compiled model's own plan prices a plain training loop at (`library_setup`: the job
-#   fields of `autosp.plan.auto._setup` over `TrainingSetup`'s defaults, typed nowhere here): no ZeRO, AdamW, no
-#   optimizer offload; the dtype is TrainingSetup's (the compiled model plans at its parameters' dtype, which a
+#   there is always a memory size), under every strategy the planner plans (`MEMORY_PLANNED_STRATEGIES`), except
+#   where the compile leaves the options as given (``--strategy auto``) or the command searches the longest length
+#   of the options as given (``--max-length``): ``off`` there, the answer saying why;
+# - the training setup the compiled model's own plan prices a plain training loop at (`library_setup`:
+#   `TrainingSetup`'s defaults under `autosp.plan.setup.PLAIN_TRAINING_LOOP`, as the compiled model builds
+#   it): no ZeRO, AdamW, no optimizer offload; the dtype is TrainingSetup's (the compiled model plans at its parameters' dtype, which a
 #   config file does not say);
 # - every rank of the cluster (a cluster preset's or file's; a hardware preset's one node, or as many nodes as
 #   the ranks given need), SP inside one node (``--sp-size`` defaults to a node's GPUs, the other ranks
@@ -44,25 +54,19 @@ log = logging.getLogger("autosp.plan")
 # with a warning).  Each answer, printed and ``--json``, starts with the assumptions it made, each marked given or
 # default (`Assumption`).
 
-JOB_FIELDS = ("seq_len", "sp_size", "dp_size", "micro_batch", "dtype")
-"""The `TrainingSetup` fields `autosp.plan.auto._setup` reads off the job itself (its length, ranks, rows and
-parameters); the rest of what it returns is what the compiled model assumes of a job nothing describes."""
-
-
 def library_setup() -> dict:
-    """The `TrainingSetup` fields a compiled model's own plan prices a job at when nothing describes it
-    (``plan_setup`` unset: a plain training loop): `autosp.plan.auto._setup` of a default `AutoSPConfig` over
-    `TrainingSetup`'s defaults, less what the job supplies itself (`JOB_FIELDS`)."""
-    import torch
-
-    from autosp.plan.auto import _setup
-
+    """The `TrainingSetup` a compiled model's own plan prices a job at when nothing describes it (``plan_setup``
+    unset): `TrainingSetup`'s defaults under `PLAIN_TRAINING_LOOP` and ``autosp.compile``'s compiler, as
+    `autosp.plan.auto` builds it (the job's own length, ranks and dtype come from the command line)."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainingSetup) if f.default is not dataclasses.MISSING}
-    job = _setup(torch.nn.Module(), AutoSPConfig(sp_size=1), seq_len=1, micro_batch=1, world_size=1)
-    return {**defaults, **{k: v for k, v in job.items() if k not in JOB_FIELDS}}
+    return {**defaults, "compiler": _config_default("compiler"), **PLAIN_TRAINING_LOOP}
 
 
-LIBRARY_STRATEGY = next(f.default for f in dataclasses.fields(AutoSPConfig) if f.name == "strategy")
+def _config_default(name: str):
+    return next(f.default for f in dataclasses.fields(AutoSPConfig) if f.name == name)
+
+
+LIBRARY_STRATEGY = _config_default("strategy")
 """``autosp.compile``'s default strategy."""
 
 DEPRECATED_MEMORY_PLAN = {"none": "off"}
@@ -206,9 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "predicting every candidate plan, print the candidate table and the chosen autosp.compile "
                         "options, as autosp.compile plans by default; off: predict the options as given, what "
                         "memory_plan='off' compiles (none, the old spelling of off, is accepted with a warning) "
-                        "(default: auto, as autosp.compile; off with --strategy auto, which leaves the memory "
-                        "options as given, and with --strategy ring or --max-length, which this command does not "
-                        "plan yet)")
+                        "(default: auto, as autosp.compile, under --strategy ulysses or ring; off with --strategy "
+                        "auto, which leaves the memory options as given, and with --max-length, which searches the "
+                        "options as given)")
     p.add_argument("--objective", default="fastest", choices=OBJECTIVES,
                    help="with the memory plan: the fastest step that fits at --seq-len, or the longest length "
                         "that fits (ties by speed) (default: %(default)s)")
@@ -396,8 +400,8 @@ def _memory_plan_default(args: argparse.Namespace) -> tuple[str, str]:
     if args.strategy == "auto":
         return "off", "--strategy auto decides the strategy and leaves the memory options as given, as " \
                       "autosp.compile(strategy='auto') does"
-    if args.strategy != LIBRARY_STRATEGY:
-        return "off", f"this command does not plan memory under --strategy {args.strategy} yet (autosp.compile does)"
+    if args.strategy not in MEMORY_PLANNED_STRATEGIES:
+        return "off", f"the memory planner does not plan --strategy {args.strategy} (nor does autosp.compile)"
     if args.max_length:
         return "off", "--max-length searches the options as given (the planner's own search: --memory-plan auto " \
                       "--objective longest)"
@@ -440,6 +444,8 @@ def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Reso
         Assumption("offload", "auto" if zero_auto and args.offload is None else fields["offload"],
                    args.offload is not None,
                    "" if args.offload else "chosen with the ZeRO stage" if zero_auto else plain),
+        Assumption("strategy", args.strategy, args.strategy != LIBRARY_STRATEGY,
+                   "" if args.strategy != LIBRARY_STRATEGY else "autosp.compile's"),
         Assumption("memory_plan", memory_plan, args.memory_plan is not None, plan_why),
         Assumption("dtype", fields["dtype"], args.dtype is not None,
                    "" if args.dtype else "a compiled model plans at its parameters' dtype; give --dtype for "
@@ -474,9 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"planned here (--memory-plan {memory_plan}); add --memory-plan auto, or choose on or "
                               "off")
         options = {"activation_offload": "on"} if offload == "on" else {}
-        if args.strategy != LIBRARY_STRATEGY and (memory_plan == "auto" or args.max_length):
-            raise AutoSPError(f"--strategy {args.strategy} is not combined with --memory-plan auto or --max-length "
-                              f"yet; predict the strategy alone, or use --strategy {LIBRARY_STRATEGY}")
+        if memory_plan == "auto" and args.strategy not in MEMORY_PLANNED_STRATEGIES:
+            raise AutoSPError(f"--strategy {args.strategy} is not combined with --memory-plan auto (the memory "
+                              f"planner plans {' and '.join(MEMORY_PLANNED_STRATEGIES)}); add --memory-plan off")
         if memory_plan == "auto" and args.max_length:
             raise AutoSPError("--max-length searches the longest length of the options as given: add --memory-plan "
                               "off; the memory planner's own search is --objective longest")
@@ -487,11 +493,13 @@ def main(argv: list[str] | None = None) -> int:
                                      progress=lambda s: log.info("step at %s", s))
         elif memory_plan == "auto":
             from autosp.plan import planner
+            from autosp.plan.candidates import candidates_for
 
             # the candidates autosp.compile(memory_plan="auto") tries, chunks sized for the same target
-            plans = planner.candidates_for(
+            plans = candidates_for(
                 args.model, setup, cluster.device.memory_bytes if target is None else target,
-                activation_offload=("off", "on") if offload in (None, "auto") else (offload,))
+                activation_offload=("off", "on") if offload in (None, "auto") else (offload,),
+                fixed={} if args.strategy == LIBRARY_STRATEGY else {"strategy": args.strategy})
             planning = dict(objective=args.objective, target_memory=target, plans=plans,
                             max_length_high=args.max_length_high, granularity=args.granularity,
                             max_probes=args.max_probes, workers=args.workers)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from autosp.config import PLANNING_OPTIONS, AutoSPConfig
 from autosp.errors import AutoSPError
 from autosp.plan.process import PlannerProcess
+from autosp.plan.setup import PLAIN_TRAINING_LOOP
 from simulator.workload import CHOSEN_STRATEGIES, MEMORY_PLANNED_STRATEGIES
 
 log = logging.getLogger(__name__)
@@ -165,13 +166,11 @@ def default_cluster(device: torch.device) -> str:
 
 def _setup(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int, micro_batch: int,
            world_size: int) -> dict:
-    """The `autosp.plan.TrainingSetup` fields of this job (``plan_setup`` wins).  No ZeRO unless ``plan_setup`` says
-    so: a job compiled by `autosp.compile` alone holds its optimizer's whole state on every rank, as a plain training
-    loop does (the planner's own default, ZeRO 1, would count an eighth of it on 8 ranks and could choose a plan that
-    does not fit); `autosp.deepspeed_initialize` and `AutoSPTrainer` fill ``plan_setup`` from their configs."""
+    """The `autosp.plan.TrainingSetup` fields of this job: what the job itself says (length, ranks, rows,
+    parameters' dtype, compiler), over `PLAIN_TRAINING_LOOP`, under ``plan_setup`` (which wins)."""
     dtype = next((p.dtype for p in module.parameters()), torch.float32)
     return {"seq_len": seq_len, "sp_size": config.sp_size, "dp_size": world_size // config.sp_size,
-            "micro_batch": micro_batch, "dtype": DTYPES[dtype], "compiler": config.compiler, "zero_stage": 0,
+            "micro_batch": micro_batch, "dtype": DTYPES[dtype], "compiler": config.compiler, **PLAIN_TRAINING_LOOP,
             **(config.plan_setup or {})}
 
 
@@ -180,7 +179,7 @@ def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int,
     """What the planner process needs: the model's config, the training setup, the cluster, the target and the
     candidates (`autosp.plan.candidate_plans`, with the explicitly passed options and the model's strategy
     fixed)."""
-    from autosp.plan.planner import sized_candidate_plans
+    from autosp.plan.candidates import sized_candidate_plans
 
     device = _device_of(module)
     dtype = next((p.dtype for p in module.parameters()), torch.float32)
@@ -255,7 +254,7 @@ def _answered(what: str, where: str, answer) -> dict:
 #   does.  With more ranks than groups, groups are halved by checkpointing variant, each half with its offload
 #   twins, for the otherwise idle ranks (`autosp.plan.planner.plan_units`, Note [Trace groups halved for spare
 #   processes] there).  The mask rules a decision learns once (Note [Mask rules shared between a decision's traces] in
-#   autosp/passes/dynamo/masks.py) are learnt once per rank.
+#   autosp/passes/dynamo/mask_learner.py) are learnt once per rank.
 # - ``strategy="auto"`` (`strategy_on_ranks`): the runnable candidates, each its own prediction; each rank's process
 #   shares one Dynamo capture among the strategies it predicts (Note [One Dynamo capture for every strategy] in
 #   autosp/plan/prediction.py), which equals the one-process capture but for the process groups' names.
@@ -302,13 +301,8 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
     spent planning (``predict_cpu_seconds_by_rank`` the process's CPU time in it),
     ``planner_started_before_s_by_rank`` how long before the request its process was started (None: at the
     request, or no share).  ``timeout_s``: each rank's longest wait for its planner process (`run_planner`)."""
-    from autosp.plan.planner import (
-        MemoryPlan,
-        choose_plan,
-        in_plan_order,
-        plan_shares,
-        plan_units,
-    )
+    from autosp.plan.candidates import MemoryPlan
+    from autosp.plan.planner import choose_plan, in_plan_order, plan_shares, plan_units
 
     what = OPTION["memory"]
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)

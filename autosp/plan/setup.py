@@ -16,6 +16,12 @@ OPTIMIZERS = tuple(OPTIMIZER_STATES)
 OFFLOADS = ("none", "optimizer")
 COMPILERS = ("inductor", "aot_eager")
 DEPTHS = ("full", "extrapolated")
+PLAIN_TRAINING_LOOP = {"zero_stage": 0}
+"""What a job compiled by `autosp.compile` alone is priced at where nothing describes it (no ``plan_setup``): no
+ZeRO, so every rank holds its optimizer's whole state, as a plain training loop does (`TrainingSetup`'s own
+default, ZeRO 1, would count an eighth of it on 8 ranks and could choose a plan that does not fit).
+`autosp.deepspeed_initialize` and `AutoSPTrainer` describe their jobs through ``plan_setup``; the planner CLI
+answers for this loop unless told otherwise."""
 DECIDING_DEPTH = "extrapolated"
 """The depth the decisions among candidates (the memory planner, ``strategy="auto"``) predict them at when the
 setup leaves it open (``depth=None``): Note [Shallow traces checkpointed for the full depth] in

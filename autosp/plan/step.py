@@ -67,7 +67,7 @@ def _simulated(traced: Traced, setup: TrainingSetup, cluster: Cluster,
     start = time.perf_counter()
     result = simulate(traced.step, cluster) if reuse is None else reuse.simulate(traced, traced.step, cluster)
     dynamic = max(r.peak_memory_bytes - r.static_memory_bytes for r in result.ranks)
-    host = result.host_peak_memory_bytes  # offloaded activations (Note [Host tensors] in simulator/workload.py)
+    host = result.host_peak_memory_bytes  # offloaded activations (Note [Host tensors] in simulator/workload_types.py)
     step_s = micro_s = result.step_time_s
     # the CPU optimizer step under offload, outside the simulated step (Note [Optimizer offload traffic])
     step_s += traced.step.metadata["training_step"]["host_optimizer_s"]

@@ -407,7 +407,7 @@ class TraceReuse:
         (`trace_strategies`; `choose_strategy` sets them)."""
         self.mask_rules: dict = {}
         """Attention-mask rules learnt by this decision's shape-only traces, taken by its later traces of the same
-        mask program (Note [Mask rules shared between a decision's traces] in autosp/passes/dynamo/masks.py)."""
+        mask program (Note [Mask rules shared between a decision's traces] in autosp/passes/dynamo/mask_learner.py)."""
         self.traces = 0
         """Fake-tensor traces (Dynamo captures) taken."""
         self.resized = 0

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from autosp.errors import AutoSPError
 from autosp.plan.auto import OPTION
+from autosp.plan.candidates import MemoryPlan
 from autosp.plan.cluster_file import load_cluster
-from autosp.plan.planner import MemoryPlan, plan_memory
+from autosp.plan.planner import plan_memory
 from autosp.plan.prediction import predict
 from autosp.plan.process import COMPILE_IMPORTS, import_ahead
 from autosp.plan.setup import TrainingSetup

@@ -12,8 +12,9 @@ by the registry's name; who implements one says which class runs it: ``autosp``
 ``autosp-nosac``), ``hand-written`` Ulysses on ``DistributedAttention``
 (``ulysses``; ``ulysses+ckpt`` with per-layer activation checkpointing) or exact,
 load-balanced ring attention (``ring``), and ``deepspeed``: ZeRO-3 data
-parallelism, no SP (``zero3``), or DeepSpeed's own AutoSP pass, run as it is,
-faults included (``deepspeed-autosp``).  The measured tables list
+parallelism, no SP (``zero3``), DeepSpeed's own AutoSP pass, run as it is,
+faults included (``deepspeed-autosp``), or DeepSpeed's ALST components as ArcticTraining
+puts them together (``alst``, experiments/baselines/alst.py).  The measured tables list
 ``STRATEGIES.table("measured-cpu")``.
 """
 
@@ -83,6 +84,8 @@ def build_system(
             options = {**autosp_options(name), **options}
         except ValueError as e:  # a strategy option the installed pass lacks
             raise BaselineUnsupported(str(e)) from None
+    elif name == "alst":
+        from experiments.baselines.alst import ALSTSystem as cls
     elif kind == ("hand-written", "ulysses"):
         from experiments.baselines.ulysses import UlyssesSystem as cls
 

@@ -142,10 +142,16 @@ NO_PLAN_PEAK = float("inf")
 
 def row_system(row: str, cap_bytes: int) -> tuple[str, dict]:
     """The `experiments.baselines.build_system` name and extra options of memory-cap row ``row``: a system of the
-    registry as it is, and for one whose memory options the planner chooses (`PLANNER_ROW`) the target
-    (``cap_bytes``) and `PLANNER_SETUP`."""
+    registry as it is, for one whose memory options the planner chooses (`PLANNER_ROW`) the target
+    (``cap_bytes``) and `PLANNER_SETUP`, and for ``alst`` ArcticTraining's tiled logits+loss shard scaled to the cap
+    (`experiments.baselines.alst.logits_shard_bytes_for`: 1 GiB of an 80 GiB H100's memory, the same share of the
+    cap; unscaled, a few MiB of cap would get one shard, no tiling)."""
     if STRATEGIES[row].memory_planned:
         return row, {"target_memory": int(cap_bytes), "plan_setup": dict(PLANNER_SETUP)}
+    if row == "alst":
+        from experiments.baselines.alst import logits_shard_bytes_for
+
+        return row, {"logits_shard_bytes": logits_shard_bytes_for(cap_bytes)}
     return row, {}
 
 

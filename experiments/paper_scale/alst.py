@@ -1,5 +1,9 @@
-"""ALST's feature breakdown, simulated: Snowflake's Arctic Long Sequence Training configuration modelled row by row
-beside its published figures, then AutoSP's techniques added in turn on the same machine.
+"""ALST's feature breakdown, modelled: how a row of Snowflake's Arctic Long Sequence Training configuration (and of
+AutoSP's techniques on the same machine) becomes a simulated step of the whole model: its compile options, trace,
+ZeRO rewrite and ledger configuration (`model_step`), and what each sourced correction moves (`cause_effects`).
+The rows: `experiments.paper_scale.alst_breakdown`; their longest lengths beside the published ones:
+`experiments.paper_scale.alst_longest`; the planner's row: `experiments.paper_scale.alst_planner`; the table:
+`experiments.paper_scale.alst_table`.
 
 Note [ALST's published breakdown and configuration]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -66,182 +70,42 @@ is one CUDA kernel per op, each output allocated. Its SFT loss calls ``self.mode
   gradient in fp32;
 * AutoSP's rows: torch.compile, fused.
 
-What each correction moves is `cause_effects` (:data:`SWITCHES`). Checked and not a cause: DeepSpeed 0.17.0 (what
-ALST ran) and the 0.19 line the ledger follows allocate the same ZeRO-3 device buffers for a one-dtype model: one
-ipg bucket of ``reduce_bucket_size`` (default 5e8 in both ``runtime/zero/config.py``), prefetch 5e7, persistence
-threshold 1e5 (deepspeedai/DeepSpeed tag v0.17.0 and commit edaa7221, ``runtime/zero/stage3.py
+What each correction moves is `cause_effects` (`alst_breakdown.SWITCHES`). Checked and not a cause: DeepSpeed
+0.17.0 (what ALST ran) and the 0.19 line the ledger follows allocate the same ZeRO-3 device buffers for a one-dtype
+model: one ipg bucket of ``reduce_bucket_size`` (default 5e8 in both ``runtime/zero/config.py``), prefetch 5e7,
+persistence threshold 1e5 (deepspeedai/DeepSpeed tag v0.17.0 and commit edaa7221, ``runtime/zero/stage3.py
 _setup_for_real_optimizer``: one flat buffer then, one per dtype now).
 
-What differs from ALST's run, named in the table's ``items`` column (:data:`ITEMS`), is what a miss is read
-against; ``peak_at_published_gib`` is the simulated peak at the published length with its largest ledger lines.
+What differs from ALST's run, named in the table's ``items`` column (`alst_breakdown.ITEMS`), is what a miss is
+read against; ``peak_at_published_gib`` is the simulated peak at the published length with its largest ledger
+lines (`experiments.paper_scale.alst_longest`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
-import pathlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
 from experiments.models import PAPER_MODELS, PaperModel
+from experiments.paper_scale.alst_breakdown import CLUSTER, MODEL, RANKS, SWITCHES, BreakdownRow
 from experiments.paper_scale.fork import CAUSAL_ATTENTION
 from experiments.paper_scale.simulate import PLAIN, ModelVariant, TraceCache, trace_workload
 from simulator import Cluster, simulate
-from simulator.ledger import TrainingConfig, memory_ledger
-from simulator.max_length import (
-    ModelStep,
-    extrapolate_depth,
-    extrapolate_or_trace_full,
-    ledger_host_peak,
-    ledger_peak,
-)
-from simulator.max_length import max_length as search_max_length
+from simulator.ledger import TrainingConfig
+from simulator.max_length import ModelStep, extrapolate_depth, extrapolate_or_trace_full, ledger_peak
 from simulator.strategies import WorkloadRecipe
 from simulator.training_step import add_training_step, host_optimizer_time_s
 from simulator.workload import Workload
 from simulator.workload_rewrites import zero3_workload
 
-log = logging.getLogger(__name__)
-
-MODEL = "llama-3.1-8b"
-CLUSTER = "h100-sxm"
-RANKS = 8
-PAPER = "arXiv 2506.13996v1 section 5.4 Table 1"
-RECIPES = "snowflakedb/ArcticTraining projects/sequence-parallelism (commit 2771b4b1b9c8cbb54895ccb940dcaa76d33bf7ef)"
 TRAINING = ModelVariant(attention=CAUSAL_ATTENTION, use_cache=False)
 """How every row's model is traced (a Liger row's with Liger's RMSNorm, `trace_variant`): without a KV cache (ArcticTraining's SFT loss calls ``model(**batch,
 use_cache=False)``, ``arctic_training/trainer/sft_trainer.py``; AutoSP's Trainer integration sets
 ``config.use_cache = False``, autosp/integrations/hf.py) and without a dense [S, S] mask (flash_attention_2, which
 ALST ran, gets none; `CAUSAL_ATTENTION`)."""
-TOLERANCE = 0.20
-"""The reproduction's acceptance: simulated within +-20 % of the published length (issue 20)."""
-
-ITEMS: dict[str, str] = {
-    "liger-loss": "the tiled loss's memory is Liger's fused linear cross entropy (`liger_loss_workload`), its time "
-                  "AutoSP's op (the forward recomputed in backward, the logits recomputed for the gradient): Liger "
-                  "forms the gradient in the forward and recomputes nothing",
-    "liger-rms-norm": "the trace's RMSNorm keeps a bf16 normalised copy of its input for the weight's gradient, "
-                      "which Liger's kernel recomputes (Note [Liger's RMSNorm in a trace] in "
-                      "experiments/paper_scale/liger.py)",
-    "eager-non-liger": "a Liger row is simulated with fused pointwise kernels; ALST ran the ops Liger does not "
-                       "replace (residual adds, the attention's and Ulysses' copies) eagerly, each output allocated; "
-                       "sized as the whole row run unfused, a bound (it unfuses Liger's kernels too)",
-    "fragmentation": "the ledger's allocator fragmentation (simulator/device_reserve.py, fragmentation_fraction) is "
-                     "the default caching allocator's; ALST ran expandable_segments:True, which fragments less",
-    "zero3-gathers": "the ZeRO-3 rewrite keeps each gathered layer until its last read and prefetches one module "
-                     "ahead; DeepSpeed's max_live_parameters/max_reuse_distance and the ledger's prefetch line "
-                     "are not reconciled (Note [ZeRO-3 as a rewrite of the single-device trace])",
-    "attention-kernel": "the trace runs SDPA's fused kernel with GQA (K/V not repeated); ALST ran flash_attn 2.7.4, "
-                        "which keeps the same output and log-sum-exp for the backward, except in the tiled-MLP "
-                        "recipe (attn_implementation: sdpa), where transformers repeats K/V to every query head "
-                        "before SDPA (sized in the miss_item column)",
-    "last-layer-on-device": "AutoSP's offload keeps the activations the backward reads before its first attention "
-                            "(the last layer's) on the device; ALST offloads every checkpointed layer input",
-    "host-memory": "host memory is the h100-sxm preset's 2 TiB per node (256 GiB per rank); ALST's node had 1.9TB",
-    "published-is-a-run": "the published figure is a length ALST ran, not a searched maximum (commented-out lengths "
-                          "in an earlier recipe, commit 115740a9, mark 2.5M 'close to oom' and 3M 'oom'): the true "
-                          "maximum is at or above it",
-    "planner-depth": "the planner's own depth under every preset, as autosp.compile decides: extrapolated from 1- "
-                     "and 2-layer traces with SAC deciding as for the full model (Note [Shallow traces checkpointed "
-                     "for the full depth] in autosp/plan/depth.py), offload "
-                     "plans unrolled from a 6-layer trace (simulator/depth_unroll.py); its own ZeRO 1 or 2 ledger, not "
-                     "the ZeRO-3 rewrite",
-    "depth-extrapolated": "depth extrapolated from 2- and 3-layer traces (`DEPTHS`; Note [Depth extrapolation] in "
-                          "simulator/max_length.py): exact in the depth for per-layer checkpointing, not for SAC",
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class BreakdownRow:
-    """One row of the breakdown: a training configuration on 8 H100s and, for ALST's, its published figure."""
-
-    name: str
-    system: str
-    """``alst`` (ALST's configuration as modelled) or ``autosp`` (AutoSP's techniques)."""
-    sp_size: int
-    checkpointing: str
-    tiled_loss: bool = False
-    tiled_mlp: bool = False
-    offload: bool = False
-    zero_stage: int = 3
-    offload_optimizer: bool = True
-    """DeepSpeed's optimizer offload (CPU Adam), as every ALST recipe ran; the AutoSP paper's rows run without."""
-    chunks: str = "alst"
-    """``alst``: the tiled loss and MLP chunk as Liger and ArcticTraining do; ``autosp``: AutoSP's defaults."""
-    overlap: bool = False
-    attention: str = "flash_attention_2"
-    """The recipe's ``attn_implementation`` (the trace runs SDPA's fused kernel either way; `miss_items`)."""
-    eager: bool = False
-    """Pointwise ops run one kernel each (no torch.compile, no Liger kernels), not fused (Note [ALST's kernels])."""
-    switched: frozenset[str] = frozenset()
-    """Keys of :data:`SWITCHES`: what this row models as it was modelled before a sourced fact corrected it (to
-    measure what each correction moves, `cause_effects`); empty in the table."""
-    published_tokens: int | None = None
-    published_iteration_s: float | None = None
-    published_tflops: float | None = None
-    source: str = ""
-    items: tuple[str, ...] = ()
-    """Keys of :data:`ITEMS`: how this row's model differs from ALST's run."""
-
-    @property
-    def liger(self) -> bool:
-        """ALST's model with Liger's kernels (``model.type: liger`` in every recipe with the tiled loss): Liger's
-        fused linear cross entropy and RMSNorm (Note [ALST's kernels])."""
-        return self.system == "alst" and self.tiled_loss and self.chunks == "alst"
-
-
-_COMMON = ("fragmentation", "zero3-gathers", "attention-kernel", "published-is-a-run")
-_LIGER = ("liger-loss", "liger-rms-norm", "eager-non-liger", *_COMMON)
-ALST_ROWS: tuple[BreakdownRow, ...] = (
-    BreakdownRow(name="baseline", system="alst", sp_size=1, checkpointing="layer", eager=True, published_tokens=32_000,
-                 published_iteration_s=17, published_tflops=231.6,
-                 source=f"{PAPER} row 1; recipe run-h100-sp8-llama-8b-no-ulysses-no-liger-no-extras.yml",
-                 items=_COMMON),
-    BreakdownRow(name="+ tiled logits & loss", system="alst", sp_size=1, checkpointing="layer", tiled_loss=True,
-                 published_tokens=160_000, published_iteration_s=123, published_tflops=514.4,
-                 source=f"{PAPER} row 2; recipe ...-no-ulysses-yes-liger-no-extras.yml (commit 04f192eb)",
-                 items=_LIGER),
-    BreakdownRow(name="+ Ulysses SP 8", system="alst", sp_size=8, checkpointing="layer", tiled_loss=True,
-                 published_tokens=1_100_000, published_iteration_s=564, published_tflops=576.1,
-                 source=f"{PAPER} row 3; recipe ...-no-mlp-no-act-offload.yml", items=_LIGER),
-    BreakdownRow(name="+ tiled MLP", system="alst", sp_size=8, checkpointing="layer", tiled_loss=True,
-                 tiled_mlp=True, attention="sdpa", published_tokens=1_200_000, published_iteration_s=703,
-                 published_tflops=548.7,
-                 source=f"{PAPER} row 4; recipe ...-yes-mlp.yml", items=_LIGER),
-    BreakdownRow(name="+ act. offload (no tiled MLP)", system="alst", sp_size=8, checkpointing="layer",
-                 tiled_loss=True, offload=True, published_tokens=2_400_000, published_iteration_s=2610,
-                 published_tflops=585.8, source=f"{PAPER} row 5; recipe ...-yes-act-offload.yml",
-                 items=("last-layer-on-device", "host-memory", *_LIGER)),
-    BreakdownRow(name="everything", system="alst", sp_size=8, checkpointing="layer", tiled_loss=True,
-                 tiled_mlp=True, offload=True, published_tokens=3_700_000, published_iteration_s=6455,
-                 published_tflops=590.6, source=f"{PAPER} row 6; recipe run-h100-sp8-llama-8b.yml (max_length "
-                 "3_800_000; the published TFLOPS match 3.8M tokens, `tflops_per_gpu`)", items=("last-layer-on-device", "host-memory", *_LIGER)),
-)
-"""ALST's Table 1, each row its configuration as modelled (Note [ALST's published breakdown and configuration])."""
-
-AUTOSP_ROWS: tuple[BreakdownRow, ...] = (
-    BreakdownRow(name="AutoSP SAC", system="autosp", sp_size=8, checkpointing="sac", chunks="autosp", overlap=True),
-    BreakdownRow(name="+ tiled loss", system="autosp", sp_size=8, checkpointing="sac", tiled_loss=True,
-                 chunks="autosp", overlap=True),
-    BreakdownRow(name="+ tiled MLP", system="autosp", sp_size=8, checkpointing="sac", tiled_loss=True,
-                 tiled_mlp=True, chunks="autosp", overlap=True),
-    BreakdownRow(name="+ activation offload", system="autosp", sp_size=8, checkpointing="sac", tiled_loss=True,
-                 tiled_mlp=True, offload=True, chunks="autosp", overlap=True),
-    BreakdownRow(name="all, per-layer checkpointing", system="autosp", sp_size=8, checkpointing="layer",
-                 tiled_loss=True, tiled_mlp=True, offload=True, chunks="autosp", overlap=True),
-)
-"""AutoSP's techniques added in turn on ALST's machine and ZeRO setting (ZeRO 3, optimizer offload): Ulysses SP 8
-with overlapped all-to-alls and AutoSP's own chunk sizes. AutoSP does not compose with ZeRO 3 today (DeepSpeed's
-AutoSP backend refuses it): these rows price the AutoSP program under ALST's ZeRO setting, so that only the
-techniques differ; `autosp_zero2_row` is what AutoSP runs today."""
-
-
-def autosp_zero2_row() -> BreakdownRow:
-    """Every AutoSP technique under ZeRO 2 with optimizer offload, the configuration AutoSP composes with today."""
-    return replace(AUTOSP_ROWS[3], name="all, ZeRO 2 + optimizer offload", zero_stage=2)
 
 
 def liger_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
@@ -377,20 +241,6 @@ def model_step(row: BreakdownRow, seq_len: int, *, model: PaperModel, cluster: C
                      extrapolated_from=None if depths[0] == depths[1] else depths)
 
 
-SWITCHES: dict[str, str] = {
-    "kv-cache": "traced with transformers' default use_cache=True: every layer's keys and values kept in a "
-                "DynamicCache to the end of the step (ALST calls the model with use_cache=False)",
-    "depths-1-2": "depth extrapolated from 1 and 2 layers: the prefetched gathered layer counted once per layer "
-                  "(`DEPTHS`)",
-    "autosp-loss": "AutoSP's tiled loss: two fp32 [chunk, vocab] buffers, the forward recomputed in backward and "
-                   "an fp32 [vocab, hidden] weight-gradient accumulator, in place of Liger's bf16 chunk",
-    "hf-rms-norm": "transformers' LlamaRMSNorm in place of Liger's: autograd keeps the fp32 copy of its input",
-    "fused-baseline": "the baseline's pointwise ops fused as Inductor would (the fp32 logits copy and the loss "
-                      "backward's [tokens, vocab] intermediates never allocated); ALST ran it eagerly",
-}
-"""What a row modelled before a sourced correction (:attr:`BreakdownRow.switched`), to measure each correction."""
-
-
 def switch_applies(row: BreakdownRow, key: str) -> bool:
     """Whether switching ``key`` changes ``row``."""
     return {"autosp-loss": row.liger, "hf-rms-norm": row.liger, "fused-baseline": row.eager}.get(key, True)
@@ -423,383 +273,3 @@ def cause_effects(row: BreakdownRow, *, model: PaperModel | None = None, cluster
                     "tokens_moved": int(moved), "pct_of_published": round(100 * moved / row.published_tokens, 1)})
     return out
 
-
-@dataclass(frozen=True, kw_only=True)
-class Search:
-    """Search settings of one row (tokens)."""
-
-    granularity: int
-    start: int
-    high: int
-    max_probes: int = 10
-
-
-def default_search(row: BreakdownRow) -> Search:
-    """Steps of 1/64 of a power of two near where a configuration of this shape lands; the same for every row of a
-    shape (never the published figure)."""
-    if row.sp_size == 1:
-        return Search(granularity=2048, start=65_536, high=1 << 20)
-    return Search(granularity=16_384, start=1 << 20, high=1 << 23)
-
-
-def tflops_per_gpu(seq_len: int, step_time_s: float, sp_size: int, model: PaperModel) -> float:
-    """Model TFLOPS per GPU of one step as ALST counts them (section 5.4: "the standard Megatron-LM flos estimation
-    formulae taking into account repeated forwards"): ``96 s l h^2 (1 + s / 6h + V / 16 l h)`` per sample of ``s``
-    tokens (Narayanan et al. 2021, with activation checkpointing), over the GPUs sharing it. With their published
-    lengths and iteration times this gives their TFLOPS column (231.6 at 32,000 tokens and 17 s; the last row's
-    590.6 at the recipe's 3,800,000 tokens, not the paper's 3.7M)."""
-    h, layers, vocab = model.hidden_size, model.num_layers, model.vocab_size
-    per_sample = 96 * seq_len * layers * h * h * (1 + seq_len / (6 * h) + vocab / (16 * layers * h))
-    return per_sample / sp_size / step_time_s / 1e12
-
-
-def figures(value: float) -> float:
-    """``value`` to four significant figures."""
-    return float(f"{value:.4g}")
-
-
-def _largest_lines(cfg: TrainingConfig, dynamic: int, count: int = 3) -> str:
-    lines = memory_ledger(cfg, at="backward", activation_bytes=dynamic)
-    top = sorted((ln for ln in lines if ln.pool == "device"), key=lambda ln: -ln.bytes)[:count]
-    return "; ".join(f"{ln.name} {ln.bytes / 2**30:.1f}" for ln in top)
-
-
-def miss_items(row: BreakdownRow, cfg: TrainingConfig, model: PaperModel, capacity: int, dynamic: int,
-               per_token: float, eager_dynamic: int | None = None) -> list[tuple[str, int, int]]:
-    """What the model of ``row`` still differs in from ALST's run and can be sized, as (item, device bytes it
-    frees at the published length, tokens it moves the simulated length) (``dynamic``: the simulated activations there; ``per_token``: the
-    row's simulated peak per token): the ledger's fragmentation line, which ALST's expandable segments do not
-    pay (`fragmentation`, the band's low end, 0); for the recipe with ``attn_implementation: sdpa``, the K/V
-    that transformers 4.50.3's ``sdpa_attention_forward`` repeats to every query head before SDPA (Note [The
-    traced workloads of the AutoSP research fork] in experiments/paper_scale/fork.py), kept for the backward of
-    the recomputed layer (`attention-kernel`); for a Liger row, what running it unfused adds
-    (``eager_dynamic``: its simulated activations on the device without fused kernels; `eager-non-liger`, a bound);
-    and, where ALST's figure fits with room, the room (`published-is-a-run`)."""
-    lines = memory_ledger(cfg, at="backward", activation_bytes=dynamic)
-    items = [("fragmentation", sum(ln.bytes for ln in lines if ln.name == "fragmentation"))]
-    if row.attention == "sdpa":
-        local_heads = (model.num_heads - model.num_kv_heads) // row.sp_size
-        head_dim = model.hidden_size // model.num_heads
-        items.append(("attention-kernel", -2 * row.published_tokens * local_heads * head_dim * 2))
-    if eager_dynamic is not None:
-        items.append(("eager-non-liger", ledger_peak(cfg, dynamic) - ledger_peak(cfg, eager_dynamic)))
-    room = capacity - ledger_peak(cfg, dynamic)
-    if room > 0:
-        items.append(("published-is-a-run", room))
-    return [(key, freed, int(freed / per_token)) for key, freed in items]
-
-
-def miss_item(row: BreakdownRow, items: Sequence[tuple[str, int, int]], simulated: int) -> str:
-    """The item of `miss_items` that explains the miss of ``simulated`` from the published length (the largest
-    moving the simulated length towards it; where the simulation is longer and no modelling difference moves it
-    back, ``published-is-a-run``: ALST's figure is a run that fitted), with its size and the error left after
-    it."""
-    short = simulated < row.published_tokens
-    toward = [it for it in items if (it[2] > 0) == short and it[0] != "published-is-a-run"]
-    if not short and not toward:
-        toward = [it for it in items if it[0] == "published-is-a-run"]
-    if not toward:
-        return "none sized"
-    key, freed, tokens = max(toward, key=lambda it: abs(it[2]))
-    if key == "published-is-a-run":
-        return (f"{key}: the published length fits with {freed / 2**30:.1f} GiB to spare, room for {tokens:+,} "
-                f"tokens ({100 * tokens / row.published_tokens:+.1f} %)")
-    left = 100 * ((simulated + tokens) / row.published_tokens - 1)
-    return (f"{key}: {freed / 2**30:+.1f} GiB at the published length, {tokens:+,} tokens "
-            f"({100 * tokens / row.published_tokens:+.1f} %); error after it {left:+.1f} %")
-
-
-COLUMNS = ("system", "row", "sp_size", "zero_stage", "checkpointing", "tiled_loss", "tiled_mlp", "activation_offload",
-           "simulated_tokens", "band_tokens", "stopped", "published_tokens", "error_pct", "within_tolerance",
-           "simulated_step_s", "published_iteration_s", "simulated_tflops", "published_tflops", "host_peak_gib",
-           "peak_at_published_gib", "simulated_step_at_published_s", "largest_ledger_lines_gib", "miss_item", "depth",
-           "items", "source")
-"""The table's columns, one per key of every row."""
-
-
-def table_row(**fields) -> dict:
-    """A table row: ``fields``, every other column empty."""
-    unknown = set(fields) - set(COLUMNS)
-    if unknown:
-        raise KeyError(f"not columns of the alst table: {sorted(unknown)}")
-    return {**dict.fromkeys(COLUMNS, ""), **fields}
-
-
-def row_result(row: BreakdownRow, *, model: PaperModel, cluster: Cluster, layers: str = "extrapolated",
-               cache: TraceCache | None = None, search: Search | None = None) -> dict:
-    """One table row: the simulated longest length of ``row`` (nominal ledger, and its band), its step time,
-    beside the published figure, the error, and the peak at the published length."""
-    search = search or default_search(row)
-    cfg = training_config(row, model)
-    capacity = int(cluster.device.memory_bytes)
-    host_capacity = cluster.host_memory_per_rank_bytes
-
-    @functools.cache
-    def step(seq_len: int) -> ModelStep:
-        return model_step(row, seq_len, model=model, cluster=cluster, layers=layers, cache=cache)
-
-    found = search_max_length(step, cfg, capacity_bytes=capacity, low=search.granularity, high=search.high,
-                              granularity=search.granularity, start=search.start, max_probes=search.max_probes,
-                              host_capacity_bytes=host_capacity)
-    best = found.nominal.max_seq_len
-    out = table_row(system=row.system, row=row.name, sp_size=row.sp_size, zero_stage=row.zero_stage,
-               checkpointing=row.checkpointing, tiled_loss=row.tiled_loss, tiled_mlp=row.tiled_mlp,
-               activation_offload=row.offload, simulated_tokens=best or "",
-               band_tokens=f"{found.high_memory.display()} - {found.low_memory.display()}",
-               stopped=found.nominal.stopped, published_tokens=row.published_tokens or "",
-               published_iteration_s=row.published_iteration_s or "", published_tflops=row.published_tflops or "",
-               depth=layers, items=" ".join(row.items + (("depth-extrapolated",) if layers != "full" else ())),
-               source=row.source)
-    if best:
-        at_best = step(best)
-        out.update(simulated_step_s=figures(at_best.step_time_s),
-                   simulated_tflops=figures(tflops_per_gpu(best, at_best.step_time_s, row.sp_size, model)),
-                   host_peak_gib=round(ledger_host_peak(cfg, at_best.host_dynamic_memory_bytes) / 2**30, 1))
-    if row.published_tokens:
-        published = row.published_tokens - row.published_tokens % row.sp_size
-        at_published = step(published)
-        if best:
-            error = best / row.published_tokens - 1
-            out.update(error_pct=round(100 * error, 1), within_tolerance=abs(error) <= TOLERANCE)
-        if best and best != published:
-            per_token = (ledger_peak(cfg, at_published.dynamic_memory_bytes) -
-                         ledger_peak(cfg, step(best).dynamic_memory_bytes)) / (published - best)
-            eager = None
-            if row.liger and not row.eager:
-                eager = model_step(replace(row, eager=True), published, model=model, cluster=cluster, layers=layers,
-                                   cache=cache).dynamic_memory_bytes
-            items = miss_items(row, cfg, model, capacity, at_published.dynamic_memory_bytes, per_token, eager)
-            out.update(miss_item=miss_item(row, items, best))
-        out.update(peak_at_published_gib=round(ledger_peak(cfg, at_published.dynamic_memory_bytes) / 2**30, 1),
-                   largest_ledger_lines_gib=_largest_lines(cfg, at_published.dynamic_memory_bytes),
-                   simulated_step_at_published_s=figures(at_published.step_time_s))
-    log.info("%s %s: %s tokens (published %s)", row.system, row.name, best, row.published_tokens)
-    return out
-
-
-# Note [Narrowing the longest search]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A peak grows with the length, so only a plan that fits at a length L can train longer than L, and the longest
-# search over the plans that fit at L gives the answer of the search over every candidate.  At ALST's 3.7M one plan
-# of 48 fits.  At a short published length (the AutoSP paper's 45,000 tokens on A100s) every plan fits, and 48
-# longest searches of an 8B model take most of an hour; fastest decisions (one length each) at 2L, 4L, ... narrow
-# the plans to at most `NARROWED` (or to those of the last length where any fits) first.
-
-NARROWED = 4
-"""The most plans the planner row's longest search runs over when doubling the length can narrow them further
-(`planner_row`'s default)."""
-
-
-def fitting_plans(report) -> list:
-    """The plans of a fastest decision that fit: those predicted to fit, and the offload plans not predicted because
-    their twins fit (Note [Offload only where it is needed] in autosp/plan/planner.py), which fit as well."""
-    from autosp.plan.planner import NEEDLESS_OFFLOAD
-
-    return [c.plan for c in report.candidates if c.fits or c.refused == NEEDLESS_OFFLOAD]
-
-
-def _over(fitting: Sequence, narrowed: Sequence, fit_at: int) -> str:
-    """What the planner row's longest search ran over, for its source column."""
-    if not fitting:
-        return "over every candidate"
-    if narrowed is fitting:
-        return "over those"
-    return f"over the {len(narrowed)} of those that fit at {fit_at:,} tokens (Note [Narrowing the longest search])"
-
-
-PLANNER_ROW = "planner: memory_plan='auto', DeepSpeed setup chosen"
-"""The planner row: no AutoSP setting, and the DeepSpeed setup (ZeRO 1 or 2, optimizer offload) chosen by the
-planner as well (`autosp.plan.plan_job`); AutoSP composes with ZeRO 2, not with ALST's ZeRO 3."""
-
-
-def _tried(report) -> str:
-    """", with no plan under ZeRO 1 and ZeRO 2" when `plan_job` passed over setups before the one it chose."""
-    from autosp.plan.planner import job_name
-
-    before = [job_name(j) for j in report.jobs_without_plan]
-    return f", with no plan under {' and '.join(before)}" if before else ""
-
-
-def planner_row(*, model: PaperModel, cluster: str = CLUSTER, search: Search | None = None,
-                plans: Sequence | None = None, seq_len: int | None = None,
-                beside: BreakdownRow | None = None, items: tuple[str, ...] = ("host-memory",),
-                narrow_to: int = NARROWED) -> dict:
-    """AutoSP's memory planner on ``cluster`` (ALST's machine unless given) with no AutoSP setting
-    (`autosp.plan.plan_memory`, the code ``autosp.compile(memory_plan="auto")`` runs; every candidate of
-    `autosp.plan.candidates_for`, or ``plans``): objective ``fastest`` at the published length of ``beside``
-    (ALST's longest row unless given; or ``seq_len``; its step beside the published iteration there) and
-    objective ``longest`` from there (``items``: the keys of the table's items the row is read against, with
-    ``planner-depth`` added; ``narrow_to``: Note [Narrowing the longest search]) (the longest length, its plan and
-    step; over the plans that fit at ``seq_len`` when any does, since no other can train longer).  The planner
-    predicts at its own depth (`autosp.plan.setup.DECIDING_DEPTH`) whatever depth the table's other rows take:
-    the row is what ``autosp.compile`` decides, and the technique row with the same options checks its choice at the
-    table's depth.  The model is traced as ALST
-    calls it (no KV cache) from ``model``'s config; the DeepSpeed setup the first decision chose (`plan_job`: the
-    first of ZeRO 1, ZeRO 2, ZeRO 2 with optimizer offload under which a plan fits), kept for the second."""
-    import json
-    import tempfile
-
-    from autosp.plan import TrainingSetup, load_cluster, plan_job, plan_memory
-    from autosp.plan.planner import job_name
-    from autosp.plan.setup import DECIDING_DEPTH
-
-    everything = beside or ALST_ROWS[-1]
-    at = seq_len or everything.published_tokens - everything.published_tokens % RANKS
-    search = search or default_search(AUTOSP_ROWS[0])
-    setup = TrainingSetup(seq_len=at, sp_size=RANKS)  # depth None: the planner's own, DECIDING_DEPTH
-    machine = load_cluster(cluster, world_size=RANKS)
-    config = json.loads(model.hf_config().to_json_string(use_diff=False))
-    config.update(use_cache=False)  # as ALST calls the model (`TRAINING`)
-    with tempfile.TemporaryDirectory(prefix="alst-planner-") as folder:
-        path = pathlib.Path(folder, "config.json")
-        path.write_text(json.dumps(config))
-        fastest = plan_job(str(path), setup, machine, objective="fastest", plans=plans)
-        setup = replace(setup, **fastest.job)
-        # Only a plan that fits at ``at`` can train longer than ``at`` (a peak grows with the length), so when one
-        # fits the longest search needs those alone: the same answer as over every candidate, for a fraction of
-        # the time (each candidate's search traces or re-sizes up to max_probes lengths of an 8B model).  An offload
-        # plan the fastest decision did not predict because its twin fits (Note [Offload only where it is needed] in
-        # autosp/plan/planner.py) is searched too: it may train longer than its twin.
-        fitting = fitting_plans(fastest)
-        narrowed, fit_at = fitting, at
-        # Where many fit (a short published length), the same argument at doubled lengths narrows them to at most
-        # ``narrow_to`` before the longest search, which is the expensive part (Note [Narrowing the longest search]).
-        while len(narrowed) > narrow_to and 2 * fit_at <= search.high:
-            longer = fitting_plans(plan_memory(str(path), replace(setup, seq_len=2 * fit_at), machine,
-                                               objective="fastest", plans=narrowed))
-            if not longer:
-                break
-            narrowed, fit_at = longer, 2 * fit_at
-        longest = plan_memory(str(path), replace(setup, seq_len=fit_at), machine, objective="longest",
-                              plans=narrowed or plans, granularity=search.granularity, max_length_high=search.high,
-                              max_probes=search.max_probes)
-    out = table_row(system="autosp", row=PLANNER_ROW, sp_size=RANKS, zero_stage=setup.zero_stage,
-               published_tokens=everything.published_tokens, published_iteration_s=everything.published_iteration_s or "",
-               published_tflops=everything.published_tflops or "", depth=DECIDING_DEPTH,
-               items=" ".join(items + ("planner-depth",)),
-               source=f"autosp.plan.plan_job, {len(fastest.candidates)} candidates: objective fastest at {at:,} "
-                      f"tokens chose {_chosen_name(fastest)} ({len(fitting)} fit) under {job_name(fastest.job)}"
-                      f"{_tried(fastest)}; objective longest "
-                      f"({_over(fitting, narrowed, fit_at)}) chose {_chosen_name(longest)}")
-    if fastest.chosen is not None:
-        chosen = fastest.candidates[fastest.chosen].prediction
-        out.update(peak_at_published_gib=round(chosen.peak_bytes / 2**30, 1),
-                   simulated_step_at_published_s=figures(chosen.step.step_time_s))
-    if longest.chosen is not None:
-        chosen = longest.candidates[longest.chosen]
-        options, found = chosen.plan.options, chosen.prediction.max_length
-        best = found["max_seq_len"]
-        out.update(checkpointing=options.get("checkpointing", "sac"), tiled_loss=options.get("tiled_loss") == "on",
-                   tiled_mlp=options.get("tiled_mlp") == "on", activation_offload=options.get("activation_offload") == "on",
-                   simulated_tokens=best, band_tokens=" - ".join(found["band"]), stopped=found["stopped"],
-                   simulated_step_s=figures(found["step_time_s"]),
-                   simulated_tflops=figures(tflops_per_gpu(best, found["step_time_s"], RANKS, model)),
-                   host_peak_gib=round((found["host_peak_bytes"] or 0) / 2**30, 1))
-    log.info("autosp %s: %s tokens (fastest at %s: %s)", PLANNER_ROW, out["simulated_tokens"], at,
-             out["simulated_step_at_published_s"])
-    return out
-
-
-def _chosen_name(report) -> str:
-    return report.candidates[report.chosen].plan.name if report.chosen is not None else "nothing (none fits)"
-
-
-def alst_rows(**settings) -> list[dict]:
-    """Every row of `row_tasks` (the same ``settings``), in order."""
-    return [task() for _, task in row_tasks(**settings)]
-
-
-def row_tasks(*, layers: str = "extrapolated", cache: TraceCache | None = None,
-              rows: Sequence[BreakdownRow] | None = None, searches: Mapping[str, Search] | None = None,
-              cluster: str = CLUSTER, model: PaperModel | None = None,
-              planner: bool | None = None) -> list[tuple[str, Callable[[], dict]]]:
-    """The breakdown table as (row name, call that returns the row) pairs, in order, for a caller that runs them
-    one at a time (progress): ALST's rows (:data:`ALST_ROWS`) then AutoSP's (:data:`AUTOSP_ROWS` and
-    `autosp_zero2_row`), or ``rows``, then the planner's (`planner_row`; ``planner``: default only without
-    ``rows``); ``searches`` overrides a row's search settings by row name; ``layers``:
-    ``full`` or ``extrapolated`` depth (Note [Depth extrapolation] in simulator/max_length.py); ``model``:
-    Llama-3.1-8B unless given (tests pass a small one)."""
-    model = model or PAPER_MODELS[MODEL]
-    cache = cache if cache is not None else TraceCache(interpolate_lengths=True)
-    machine = Cluster.from_preset(cluster)
-    chosen = rows if rows is not None else (*ALST_ROWS, *AUTOSP_ROWS, autosp_zero2_row())
-    tasks = [(f"{row.system}: {row.name}", functools.partial(row_result, row, model=model, cluster=machine,
-                                                             layers=layers, cache=cache,
-                                                             search=(searches or {}).get(row.name)))
-             for row in chosen]
-    if planner is None:
-        planner = rows is None
-    if planner:
-        tasks.append((PLANNER_ROW, functools.partial(planner_row, model=model, cluster=cluster,
-                                                     search=(searches or {}).get(PLANNER_ROW))))
-    return tasks
-
-
-def footer(rows: Sequence[dict]) -> list[str]:
-    """The table's footer: the reproduction's verdict, the items its misses are read against, what AutoSP adds."""
-    alst = [r for r in rows if r["system"] == "alst" and r["error_pct"] != ""]
-    inside = sum(1 for r in alst if r["within_tolerance"] is True)
-    lines = [f"ALST's configuration reproduced within +-{TOLERANCE:.0%} on {inside} of {len(alst)} published "
-             f"lengths ({PAPER}; recipes: {RECIPES}); nothing fitted (Note [ALST's published breakdown and "
-             "configuration] in experiments/paper_scale/alst.py)."]
-    for r in alst:
-        if r["within_tolerance"] is not True:
-            found = f"{r['simulated_tokens']:,}" if r["simulated_tokens"] else "nothing fits"
-            lines.append(f"- miss: {r['row']}: {found} vs {r['published_tokens']:,} "
-                         f"({r['error_pct']} %); peak at the published length {r['peak_at_published_gib']} GiB "
-                         f"(largest ledger lines, GiB: {r['largest_ledger_lines_gib']}); explained by "
-                         f"{r['miss_item'] or 'nothing sized'}; items: {r['items']}")
-    used = sorted({item for r in rows for item in str(r["items"]).split()})
-    lines += ["", "Items (what the model of a row differs in from ALST's run):"]
-    lines += [f"- {key}: {ITEMS[key]}" for key in used]
-    best = {r["system"]: max((int(x["simulated_tokens"] or 0) for x in rows if x["system"] == r["system"]), default=0)
-            for r in rows}
-    if best.get("autosp") and best.get("alst"):
-        lines += ["", f"Longest simulated: ALST's configuration {best['alst']:,} tokens, AutoSP's techniques "
-                  f"{best['autosp']:,} ({best['autosp'] / best['alst']:.2f}x). AutoSP rows at ZeRO 3 price the AutoSP "
-                  "program under ALST's ZeRO setting (AutoSP refuses ZeRO 3 today); the ZeRO 2 row is what it runs."]
-    for r in rows:
-        if r["row"] == PLANNER_ROW:
-            lines += ["", "The planner (no AutoSP or DeepSpeed setting): "
-                      f"{r['source']}. Step at the published length: "
-                      f"{r['simulated_step_at_published_s'] or 'does not fit'} s simulated against "
-                      f"{r['published_iteration_s']} s published; longest {planner_longest(r)}."]
-    return lines
-
-
-def planner_longest(row: dict) -> str:
-    """The planner row's longest length for a footer, beside the published length it planned at.  The row has no
-    ``error_pct``: it reproduces no published run, and its length over the published one is a gain."""
-    if not row["simulated_tokens"]:
-        return "nothing fits"
-    return (f"{row['simulated_tokens']:,} tokens, {row['simulated_tokens'] / row['published_tokens']:.2f}x the "
-            f"published {row['published_tokens']:,}")
-
-
-def plot_alst(rows: Sequence[dict], path: pathlib.Path) -> None:
-    """Published and simulated longest lengths per row (log scale)."""
-    plot_lengths(rows, path, published="published (ALST)",
-                 title="Llama-3.1-8B on 8x H100-80GB: ALST's breakdown and AutoSP's techniques")
-
-
-def plot_lengths(rows: Sequence[dict], path: pathlib.Path, *, published: str, title: str) -> None:
-    """A breakdown table's published (labelled ``published``) and simulated longest lengths per row, log scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4))
-    names = [f"{r['system']}: {r['row']}" for r in rows]
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [float(r["published_tokens"] or 0) for r in rows], 0.4, label=published)
-    ax.bar([i + 0.2 for i in x], [float(r["simulated_tokens"] or 0) for r in rows], 0.4, label="simulated",
-           color="white", edgecolor="C1", hatch="//")
-    ax.set_yscale("log")
-    ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("longest trainable sequence (tokens)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

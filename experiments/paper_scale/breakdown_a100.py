@@ -17,10 +17,11 @@ configurations of the published runs] in experiments/paper_scale/config.py). Thr
   Note [The traced workloads of the AutoSP research fork] in experiments/paper_scale/fork.py), the code the
   max-seq-len-configs table runs, so the two tables agree;
 * this project's AutoSP with SAC, then the tiled loss, the tiled MLP and activation offload added in turn, then
-  everything under per-layer checkpointing: ALST's AutoSP rows (`alst.AUTOSP_ROWS`) with the paper's ZeRO 1 and
-  no optimizer offload, traced as a trainer calls the model (no KV cache, `alst.TRAINING`);
-* the planner (`alst.planner_row`): ``memory_plan="auto"`` and the DeepSpeed setup chosen by `autosp.plan.plan_job`,
-  objective fastest at the paper's published AutoSP length and objective longest from there.
+  everything under per-layer checkpointing: ALST's AutoSP rows (`alst_breakdown.AUTOSP_ROWS`) with the paper's
+  ZeRO 1 and no optimizer offload, traced as a trainer calls the model (no KV cache, `alst.TRAINING`);
+* the planner (`alst_planner.planner_row`): ``memory_plan="auto"`` and the DeepSpeed setup chosen by
+  `autosp.plan.plan_job`, objective fastest at the paper's published AutoSP length and objective longest from
+  there.
 
 What stays unknown: which of the public configurations made the published figure (the max-seq-len-configs table
 shows the band they span); the published iteration times name no model, so only lengths stand beside each other.
@@ -34,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from experiments.models import PAPER_MODELS, PaperModel
-from experiments.paper_scale import alst
+from experiments.paper_scale import alst_breakdown, alst_longest, alst_planner, alst_table
 from experiments.paper_scale.config import PUBLIC_CONFIGS
 from experiments.paper_scale.simulate import TraceCache, fork_trace_options
 from experiments.paper_scale.simulate import max_length as system_max_length
@@ -54,11 +55,11 @@ Ulysses and Ulysses with per-layer checkpointing, in the registry's order); one 
 baseline as its users configure it."""
 AS_PUBLISHED = "as the paper's runs ran"
 """The row name of a published system (the ``system`` column names it)."""
-SEARCH = alst.Search(granularity=4096, start=131_072, high=1 << 23, max_probes=12)
+SEARCH = alst_longest.Search(granularity=4096, start=131_072, high=1 << 23, max_probes=12)
 """The technique rows' search: steps of 4,096 tokens (1/32 of the first probe) up to 8M, the same for every row
 (never a published figure)."""
 
-BASELINE_SEARCH = alst.Search(granularity=1024, start=8192, high=1 << 19)
+BASELINE_SEARCH = alst_longest.Search(granularity=1024, start=8192, high=1 << 19)
 """The published systems' search (the max-seq-len table's grid; the reproduce run passes its own settings)."""
 
 ITEMS: dict[str, str] = {
@@ -68,28 +69,28 @@ ITEMS: dict[str, str] = {
                 "the figure is unknown (the max-seq-len-configs table gives the band)",
     "this-pass": "this project's pass, not the fork: its SAC, the model called without a KV cache as a trainer "
                  "calls it, current DeepSpeed's ZeRO 1 ledger",
-    "depth-extrapolated": alst.ITEMS["depth-extrapolated"],
-    "planner-depth": alst.ITEMS["planner-depth"],
+    "depth-extrapolated": alst_breakdown.ITEMS["depth-extrapolated"],
+    "planner-depth": alst_breakdown.ITEMS["planner-depth"],
 }
 
 
-def technique_rows() -> tuple[alst.BreakdownRow, ...]:
+def technique_rows() -> tuple[alst_breakdown.BreakdownRow, ...]:
     """ALST's AutoSP rows under the AutoSP paper's setting: ZeRO 1 over the 8 ranks, no optimizer offload."""
     return tuple(replace(row, zero_stage=1, offload_optimizer=False, items=("this-pass",))
-                 for row in alst.AUTOSP_ROWS)
+                 for row in alst_breakdown.AUTOSP_ROWS)
 
 
 def published_row(system: str, published_tokens: int | None, *, model_name: str, cluster: Cluster, layers: str,
                   cache: TraceCache, granularity: int, high: int, max_probes: int) -> dict:
     """``system`` searched as the published runs ran it (`FORK_CONFIG`), beside its published length."""
     config = PUBLIC_CONFIGS[FORK_CONFIG]
-    sp_size = config.sp_size_of(system, alst.RANKS)
+    sp_size = config.sp_size_of(system, alst_breakdown.RANKS)
     options, _ = fork_trace_options(system, PAPER_MODELS[model_name], dict(STRATEGIES[system].options), sp_size,
                                     config)
     found = system_max_length(system, model_name, granularity=granularity, high=high, max_probes=max_probes,
                               cluster=cluster, cache=cache, config=config, layers=layers)
     best = found.nominal.max_seq_len
-    out = alst.table_row(
+    out = alst_longest.table_row(
         system=system, row=AS_PUBLISHED, sp_size=sp_size,
         zero_stage=config.zero_stage(system), checkpointing=options.get("checkpointing", "none"),
         tiled_loss=False, tiled_mlp=False, activation_offload=False, simulated_tokens=best or "",
@@ -98,7 +99,7 @@ def published_row(system: str, published_tokens: int | None, *, model_name: str,
         items=" ".join(("fork-run",) + (("depth-extrapolated",) if layers != "full" else ())),
         source=f"experiments.paper_scale.simulate.max_length under {FORK_CONFIG} ({config.label})")
     if best:
-        out.update(simulated_step_s=alst.figures(found.nominal.step_time_s))
+        out.update(simulated_step_s=alst_longest.figures(found.nominal.step_time_s))
     if best and published_tokens:
         out.update(error_pct=round(100 * (best / published_tokens - 1), 1))
     log.info("%s as the paper's runs ran: %s tokens (published %s)", system, best, published_tokens)
@@ -107,8 +108,8 @@ def published_row(system: str, published_tokens: int | None, *, model_name: str,
 
 def row_tasks(published: Mapping[str, int], *, layers: str = "extrapolated", cache: TraceCache | None = None,
               model: PaperModel | None = None, systems: Sequence[str] = PUBLISHED_SYSTEMS,
-              rows: Sequence[alst.BreakdownRow] | None = None, search: alst.Search = SEARCH,
-              baseline_search: alst.Search = BASELINE_SEARCH, planner: bool = True,
+              rows: Sequence[alst_breakdown.BreakdownRow] | None = None, search: alst_longest.Search = SEARCH,
+              baseline_search: alst_longest.Search = BASELINE_SEARCH, planner: bool = True,
               plans: Sequence | None = None) -> list[tuple[str, Callable[[], dict]]]:
     """The table's rows as (row name, call that returns the row) pairs, in order, for a caller that runs them one
     at a time (progress):
@@ -124,15 +125,17 @@ def row_tasks(published: Mapping[str, int], *, layers: str = "extrapolated", cac
                                 high=baseline_search.high, max_probes=baseline_search.max_probes))
              for system in systems]
     tasks += [(f"{row.system}: {row.name}",
-               functools.partial(alst.row_result, row, model=model, cluster=machine, layers=layers, cache=cache,
-                                 search=search))
+               functools.partial(alst_longest.row_result, row, model=model, cluster=machine, layers=layers,
+                                 cache=cache, search=search))
               for row in (technique_rows() if rows is None else rows)]
     if planner:
-        beside = alst.BreakdownRow(name="the paper's AutoSP", system="autosp", sp_size=alst.RANKS,
-                                   checkpointing="long-context", zero_stage=1, offload_optimizer=False,
-                                   published_tokens=published["autosp"])
-        tasks.append((alst.PLANNER_ROW, functools.partial(alst.planner_row, model=model, cluster=CLUSTER,
-                                                          search=search, plans=plans, beside=beside, items=())))
+        beside = alst_breakdown.BreakdownRow(name="the paper's AutoSP", system="autosp",
+                                             sp_size=alst_breakdown.RANKS, checkpointing="long-context",
+                                             zero_stage=1, offload_optimizer=False,
+                                             published_tokens=published["autosp"])
+        tasks.append((alst_planner.PLANNER_ROW,
+                      functools.partial(alst_planner.planner_row, model=model, cluster=CLUSTER, search=search,
+                                        plans=plans, beside=beside, items=())))
     return tasks
 
 
@@ -148,21 +151,21 @@ def footer(rows: Sequence[dict]) -> list[str]:
              "optimizer offload (Note [The breakdown on the AutoSP paper's machine] in "
              "experiments/paper_scale/breakdown_a100.py)."]
     for r in rows:
-        if r["published_tokens"] and r["row"] != alst.PLANNER_ROW:
+        if r["published_tokens"] and r["row"] != alst_planner.PLANNER_ROW:
             found = f"{r['simulated_tokens']:,}" if r["simulated_tokens"] else "nothing fits"
             lines.append(f"- {r['system']}, {r['row']}: simulated {found} beside the published {r['published_tokens']:,} "
                          f"({r['error_pct']} %)")
-    base = next((r for r in rows if r["row"] == alst.AUTOSP_ROWS[0].name and r["simulated_tokens"]), None)
+    base = next((r for r in rows if r["row"] == alst_breakdown.AUTOSP_ROWS[0].name and r["simulated_tokens"]), None)
     tuned = next((r for r in rows if r["system"] == "ulysses+ckpt" and r["simulated_tokens"]), None)
     for r in rows:
         if r["system"] == "autosp" and r["row"] != AS_PUBLISHED and r["simulated_tokens"] and r is not base and base:
             against = f", {r['simulated_tokens'] / tuned['simulated_tokens']:.2f}x ulysses+ckpt" if tuned else ""
             lines.append(f"- {r['row']}: {r['simulated_tokens'] / base['simulated_tokens']:.2f}x the SAC row's "
                          f"length{against}")
-        if r["row"] == alst.PLANNER_ROW:
+        if r["row"] == alst_planner.PLANNER_ROW:
             lines += ["", f"The planner (no AutoSP or DeepSpeed setting): {r['source']}. Step at the published "
                       f"AutoSP length: {r['simulated_step_at_published_s'] or 'does not fit'} s; longest "
-                      f"{alst.planner_longest(r)}."]
+                      f"{alst_planner.planner_longest(r)}."]
     used = sorted({item for r in rows for item in str(r["items"]).split()})
     lines += ["", "Items (what a row is read against):"]
     lines += [f"- {key}: {ITEMS[key]}" for key in used]
@@ -171,5 +174,5 @@ def footer(rows: Sequence[dict]) -> list[str]:
 
 def plot_breakdown(rows: Sequence[dict], path) -> None:
     """Simulated longest lengths per row beside the published ones (log scale)."""
-    alst.plot_lengths(rows, path, published="published (AutoSP paper)",
-                      title="Llama-3.1-8B on 8x A100-80GB, ZeRO 1: the published systems, then AutoSP's techniques")
+    alst_table.plot_lengths(rows, path, published="published (AutoSP paper)",
+                            title="Llama-3.1-8B on 8x A100-80GB, ZeRO 1: the published systems, then AutoSP's techniques")

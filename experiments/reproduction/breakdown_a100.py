@@ -4,7 +4,7 @@ planner (the rows, footer and plot: `experiments.paper_scale.breakdown_a100`).""
 
 from __future__ import annotations
 
-from experiments.paper_scale import alst, breakdown_a100
+from experiments.paper_scale import alst_longest, breakdown_a100
 from experiments.reproduction.common import published_figures
 from experiments.reproduction.run import RunConfig, Runner
 from experiments.reproduction.table import Table
@@ -19,8 +19,8 @@ def published_lengths(model: str = breakdown_a100.MODEL) -> dict[str, int]:
 def build(run: RunConfig, runner: Runner) -> list[dict]:
     """Every row, inline on the run's trace cache, one at a time with a progress bar; the published systems
     searched as the max-seq-len tables search (the run's granularity, probes and ceiling)."""
-    search = alst.Search(granularity=run.granularity, start=8192, high=run.max_seq_len_ceiling,
-                         max_probes=run.search_probes)
+    search = alst_longest.Search(granularity=run.granularity, start=8192, high=run.max_seq_len_ceiling,
+                                 max_probes=run.search_probes)
     tasks = breakdown_a100.row_tasks(published_lengths(), layers=run.layers, cache=runner.cache,
                                      baseline_search=search)
     return runner.run_named(tasks, "breakdown-a100")

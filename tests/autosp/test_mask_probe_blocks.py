@@ -120,7 +120,7 @@ def test_length_used_as_a_value_is_probed_as_traced(caplog):
     import autosp
 
     ids, labels = make_sample(SEQ_LEN, VOCAB, seed=3)
-    with fake_process_group(2, rank=1), caplog.at_level(logging.INFO, logger="autosp.passes.dynamo.masks"):
+    with fake_process_group(2, rank=1), caplog.at_level(logging.INFO, logger="autosp.passes.dynamo.mask_learner"):
         compiled = autosp.compile(LengthAsValueLM(SEQ_LEN), sp_size=2, compiler="aot_eager", mask_probe_tokens=SHORT)
         with pytest.raises(autosp.AutoSPError, match="a window or chunk longer than a shard"):
             compiled(**autosp.prepare_inputs(ids, labels=labels))

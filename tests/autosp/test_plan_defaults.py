@@ -2,8 +2,8 @@
 autosp/plan/__main__.py): the memory planned and the training setup a compiled model's own plan assumes, every rank
 of the cluster with SP inside a node, one spelling per option value, and every answer starting with what it assumed.
 
-All but one test resolve the flags without predicting anything; the one end-to-end run is tiny-llama's prediction on
-the example two-node cluster file.
+All but two tests resolve the flags without predicting anything; the end-to-end runs are tiny-llama's prediction on
+the example two-node cluster file and the ring's longest-length search.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_defaults_are_the_setup_a_compiled_models_own_plan_prices():
         "zero_stage": 0, "optimizer": "adamw", "offload": "none", "dtype": "bf16", "compiler": "inductor"}
     assumed = {a.key: a for a in resolved.assumed}
     assert list(assumed) == ["world_size", "nodes", "sp_size", "dp_size", "zero_stage", "optimizer", "offload",
-                             "memory_plan", "dtype"]
+                             "strategy", "memory_plan", "dtype"]
     assert not any(a.given for a in assumed.values())
     # given flags are marked given, and win
     given = resolve(_args("--zero-stage", "2", "--optimizer", "sgd", "--memory-plan", "off", "--dtype", "fp32"))
@@ -79,13 +79,22 @@ def test_memory_plan_has_the_librarys_spelling_and_none_maps_to_off_with_a_warni
 
 @pytest.mark.parametrize("argv, why", [
     (("--strategy", "auto"), "leaves the memory options as given"),
-    (("--strategy", "ring"), "does not plan memory under --strategy ring"),
     (("--max-length",), "--max-length searches the options as given"),
 ])
 def test_memory_plan_defaults_to_off_where_the_compile_or_this_command_does_not_plan(argv, why):
     resolved = resolve(_args(*argv))
     plan = next(a for a in resolved.assumed if a.key == "memory_plan")
     assert resolved.memory_plan == "off" and not plan.given and why in plan.why
+
+
+def test_memory_plan_defaults_to_auto_under_every_strategy_the_planner_plans():
+    from simulator.workload import MEMORY_PLANNED_STRATEGIES
+
+    assert "ring" in MEMORY_PLANNED_STRATEGIES
+    for strategy in MEMORY_PLANNED_STRATEGIES:
+        resolved = resolve(_args("--strategy", strategy))
+        plan = next(a for a in resolved.assumed if a.key == "memory_plan")
+        assert resolved.memory_plan == "auto" and not plan.given and "as autosp.compile plans" in plan.why
 
 
 def test_zero_stage_auto_lets_the_planner_choose_and_needs_the_memory_plan():
@@ -143,10 +152,10 @@ def test_every_answer_starts_with_its_assumptions_in_text_and_json(tmp_path, cap
             "--compiler", "aot_eager", "--json", str(out), "-q"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    block = text.split("\n")[:10]
+    block = text.split("\n")[:11]
     assert block[0] == "assumed:"
     for label, line in zip(("world size", "nodes", "sp size", "dp size", "zero stage", "optimizer", "offload",
-                            "memory plan", "dtype"), block[1:], strict=True):
+                            "strategy", "memory plan", "dtype"), block[1:], strict=True):
         assert line.startswith(f"  {label}"), line
     assert "  sp size      4 (default" in text and "  memory plan  off (given)" in text
     document = json.loads(out.read_text())
@@ -156,3 +165,28 @@ def test_every_answer_starts_with_its_assumptions_in_text_and_json(tmp_path, cap
     assert assumed["memory_plan"] == {"value": "off", "given": True, "why": ""}
     assert assumed["zero_stage"]["value"] == 0 and not assumed["zero_stage"]["given"]
     assert document["setup"]["sp_size"] == 4 and document["world_size"] == 8 and document["setup"]["zero_stage"] == 0
+
+
+def test_ring_is_planned_with_its_strategy_in_every_candidate_and_searched_for_its_longest_length(
+        monkeypatch, capsys):
+    """``--strategy ring`` composes with the memory plan (every candidate traced as a ring program, as
+    ``autosp.compile(strategy="ring")`` plans) and with ``--max-length`` (the ring program's longest length)."""
+    from autosp.plan import planner
+
+    asked = {}
+
+    def planned(*args, plans, **kwargs):  # the candidates the CLI asks for, then stop before predicting any
+        asked["plans"] = plans
+        raise AutoSPError("stopped by the test")
+
+    monkeypatch.setattr(planner, "plan_memory", planned)
+    assert main(["--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "256", "--sp-size", "2",
+                 "--strategy", "ring", "-q"]) == 2
+    assert len(asked["plans"]) > 1 and all(p.options["strategy"] == "ring" for p in asked["plans"])
+    monkeypatch.undo()
+    assert main(["--model", "tiny-llama", "--cluster", "a100-80gb-sxm", "--seq-len", "256", "--sp-size", "2",
+                 "--world-size", "2", "--dtype", "fp32", "--compiler", "aot_eager", "--strategy", "ring",
+                 "--max-length", "--max-length-high", "512", "--granularity", "256", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy     ring (given)" in out and "memory plan  off" in out
+    assert "max length  ≥ 512 tokens (ceiling)" in out  # a tiny model fits an A100 at any length here

@@ -109,7 +109,8 @@ def test_trace_groups_halved_for_spare_processes_predict_what_one_process_does(m
     """Note [Trace groups halved for spare processes]: with more processes than trace groups, a group is halved by
     checkpointing variant, each half with its offload twins; every row, the choice and its reason equal one
     process's, for a target the plain plans fit (their offload twins not predicted) and one they do not."""
-    from autosp.plan.planner import NEEDLESS_OFFLOAD, MemoryPlan, plan_groups, plan_shares, plan_units
+    from autosp.plan.candidates import MemoryPlan
+    from autosp.plan.planner import NEEDLESS_OFFLOAD, plan_groups, plan_shares, plan_units
 
     plans = candidate_plans(loss_chunk_tokens=16, checkpointing=("none", "full"), tiled_loss=("on",),
                             tiled_mlp=("off",), activation_offload=("off", "on"))
@@ -346,8 +347,9 @@ def test_planner_resizes_lengths_inside_its_traced_range_and_predicts_what_trace
 
 
 def test_sac_with_offload_unrolled_from_a_resized_joint_graph_predicts_what_traces_predict(tmp_path, cluster):
-    """An 8-layer model at depth ``extrapolated``: SAC with activation offload is unrolled from a 6-layer program
-    partitioned with the full model's tags (`autosp.plan.step._unrolled_step`).  At a length built from re-sized
+    """A 7-layer model at depth ``extrapolated`` (the shallowest that `simulate_step` unrolls: deeper than
+    `UNROLL_LAYERS`): SAC with activation offload is unrolled from a 6-layer program partitioned with the full
+    model's tags, decided on the 2-layer one (`autosp.plan.step._unrolled_step`).  At a length built from re-sized
     joint graphs (no trace at it, so no fake tensors until the planner propagates them) the prediction equals that
     of traces at that length."""
     import dataclasses
@@ -355,10 +357,11 @@ def test_sac_with_offload_unrolled_from_a_resized_joint_graph_predicts_what_trac
     from autosp.plan.model_source import ModelSource
     from autosp.plan.step import simulate_step
     from autosp.plan.traces import TraceReuse
+    from simulator.depth_unroll import UNROLL_LAYERS
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**CONFIG, "num_hidden_layers": 8, "hidden_size": 64, "intermediate_size": 256,
-                                "vocab_size": 256}))
+    path.write_text(json.dumps({**CONFIG, "num_hidden_layers": UNROLL_LAYERS + 1, "hidden_size": 64,
+                                "intermediate_size": 256, "vocab_size": 256}))
     source = ModelSource(str(path))
     setup = dataclasses.replace(SETUP, depth="extrapolated")
     hf = source.config(seq_len=setup.seq_len)
@@ -369,10 +372,15 @@ def test_sac_with_offload_unrolled_from_a_resized_joint_graph_predicts_what_trac
     def predicted(reuse: TraceReuse, seq_len: int):
         return simulate_step(source, setup, cluster, config, hf.num_hidden_layers, seq_len, plan, reuse)
 
-    for n in (32, 96, 64):  # two captures per depth, then the check
-        predicted(fast, n)
+    # The traces `_unrolled_step` reads (`TraceReuse.captured`) at each depth: two captures, then the check (where
+    # the program re-sized from the two equals the trace); nothing is predicted at these lengths.
+    for n in (32, 96, 64):
+        for layers in (2, UNROLL_LAYERS):
+            fast.trace(source, setup, seq_len=n, layers=layers, config=config, options=plan)
+    assert [(c.lengths, c.checked) for c in fast.length_classes.values()] == [([32, 96, 64], True)] * 2
     resized = fast.resized
     got = predicted(fast, 48)
+    assert got.unrolled_from == UNROLL_LAYERS
     assert fast.resized > resized and got.host_dynamic_memory_bytes > 0
     assert got == predicted(slow, 48)
 
@@ -389,6 +397,7 @@ def test_the_cli_and_the_compile_plan_the_same_candidates(model, monkeypatch, ta
     from autosp.plan import planner
     from autosp.plan.__main__ import main
     from autosp.plan.auto import plan_request
+    from autosp.plan.candidates import candidates_for
 
     target = target_mib * 2**20
     asked = {}
@@ -407,7 +416,7 @@ def test_the_cli_and_the_compile_plan_the_same_candidates(model, monkeypatch, ta
     request = plan_request(module, config, seq_len=128, micro_batch=1, world_size=2, explicit={})
     cli = [[p.name, dict(p.options)] for p in asked["plans"]]
     assert cli == request["plans"]
-    assert [p.options for p in planner.candidates_for(model, SETUP, target)] == [o for _, o in cli]
+    assert [p.options for p in candidates_for(model, SETUP, target)] == [o for _, o in cli]
     chunks = {o.get(k) for _, o in cli for k in ("loss_chunk_tokens", "mlp_chunk_tokens")}
     # the rule: one chunk's scratch within 1/16 of the target (64 KiB of 1 MiB): the loss's two fp32 rows of 4,096
     # logits are 32 KiB a token (2 tokens), the MLP's 8 fp32 rows of 64 are 2 KiB (32 tokens); at 64 GiB the passes'
@@ -438,7 +447,7 @@ def test_a_decision_learns_each_mask_once_and_predicts_what_learning_it_every_tr
              {**options, "checkpointing": "full", "tiled_loss": "on", "loss_chunk_tokens": 16, "return_logits": False}]
     shared, alone = TraceReuse(plans), TraceReuse(plans)
     alone.mask_rules = None
-    with caplog.at_level(logging.INFO, logger="autosp.passes.dynamo.masks"):
+    with caplog.at_level(logging.INFO, logger="autosp.passes.dynamo.mask_learner"):
         found = [predict(str(path), SETUP, cluster, options=p, reuse=shared) for p in plans]
     reused = caplog.text.count("the rule an earlier trace learnt")
     expected = [predict(str(path), SETUP, cluster, options=p, reuse=alone) for p in plans]
@@ -473,10 +482,10 @@ def test_fastest_plan_offloads_only_where_the_same_plan_does_not_fit_without_it(
     autosp/plan/planner.py)."""
     from types import SimpleNamespace
 
+    from autosp.plan.candidates import MemoryPlan
     from autosp.plan.planner import (
         NEEDLESS_OFFLOAD,
         Candidate,
-        MemoryPlan,
         _offload_twin_fits,
         choose_plan,
     )

@@ -169,7 +169,7 @@ def test_ring_block_kernel_is_the_fused_kernel_the_device_supports_and_the_math_
         device, capability, backends, dtype, head_dim, masked, expected):
     import warnings
 
-    from autosp.ring_attention import CudaDevice, MathBlockWarning, block_kernel
+    from autosp.ring_block_kernels import CudaDevice, MathBlockWarning, block_kernel
 
     cuda = CudaDevice(capability, **backends) if capability else None
     with warnings.catch_warnings(record=True) as caught:
@@ -190,15 +190,15 @@ def test_ring_cuda_block_kernels_call_their_ops_as_the_ops_schemas_take_them(ker
     """The CUDA kernels' calls (untried on a GPU) run on meta tensors through each op's meta kernel: arguments as
     the schema takes them, output [B, H, Lq, D], log-sum-exp [B, H, Lq] fp32 (the memory-efficient kernel's rows
     unpadded), gradients of the block's q, k, v."""
-    from autosp.ring_attention import BlockKernel, _block_backward, _block_forward
+    from autosp.ring_block_kernels import BlockKernel, block_backward, block_forward
 
     meta = {"device": "meta", "dtype": torch.bfloat16}
     q, k, v = torch.empty(2, 4, 48, 64, **meta), torch.empty(2, 4, 80, 64, **meta), torch.empty(2, 4, 80, 64, **meta)
     mask = (torch.empty(2, 1, 48, 80, **meta), torch.empty(2, 1, 48, dtype=torch.bool, device="meta")) if masked else None
-    out, lse = _block_forward(BlockKernel(kernel), q, k, v, False, 0.125, mask)
+    out, lse = block_forward(BlockKernel(kernel), q, k, v, False, 0.125, mask)
     assert (tuple(out.shape), out.dtype, tuple(lse.shape), lse.dtype) == ((2, 4, 48, 64), q.dtype, (2, 4, 48),
                                                                           torch.float32)
-    grads = _block_backward(BlockKernel(kernel), out, q, k, v, out, lse, False, 0.125, mask)
+    grads = block_backward(BlockKernel(kernel), out, q, k, v, out, lse, False, 0.125, mask)
     assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
 
 

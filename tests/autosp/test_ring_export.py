@@ -6,7 +6,7 @@ with the bytes of the tensors the op passes, each transfer issued before the com
 simulates.  Compared with the Ulysses trace rewritten to a ring (`simulator.workload_rewrites.ring_workload`),
 the one the paper-scale tables use for the hand-written ring: the same transfers and attention FLOPs, and the
 K/V bytes of Ulysses' replicated key/value heads where the model has fewer of them than ranks
-(Note [Ring attention in the export] in autosp/export.py).
+(Note [Ring attention in the export] in autosp/export_ring.py).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def test_ring_export_prices_each_node_once_for_every_rank_as_each_rank_alone_wou
     """`autosp.export._node_costs` is found once per node and shared by the ranks' emitters (their programs differ
     in the ring's ops only): the workload equals the one whose every rank prices every node itself."""
     from autosp import export
+    from autosp.export_program import RankEmitter
 
     exported, _, (graphs, parameter_bytes) = _traced(case, "ring")
     calls = []
@@ -69,12 +70,12 @@ def test_ring_export_prices_each_node_once_for_every_rank_as_each_rank_alone_wou
     shared = export_workload(graphs, name=f"{case}/ring", sp_size=CASES[case][3], parameter_bytes=parameter_bytes)
     once = len(calls)
 
-    class OwnCosts(export._Emitter):
+    class OwnCosts(RankEmitter):
         def __post_init__(self):
             self.node_costs = None  # a dict of its own
             super().__post_init__()
 
-    monkeypatch.setattr(export, "_Emitter", OwnCosts)
+    monkeypatch.setattr(export, "RankEmitter", OwnCosts)
     alone = export_workload(graphs, name=f"{case}/ring", sp_size=CASES[case][3], parameter_bytes=parameter_bytes)
     assert shared == alone == exported and len(shared.ranks) == CASES[case][3]
     assert len(calls) == once * (1 + CASES[case][3])  # each rank alone prices every node again
@@ -332,6 +333,7 @@ def test_ring_and_hybrid_hold_no_quadratic_tensor_in_their_graphs_nor_in_the_ops
     on the math path, forced here, whose [B, H, Lq, Lk] scores it finds."""
     from autosp import ring_attention
     from autosp.costs import tensors_of
+    from autosp.ring_block_kernels import BlockKernel
 
     graphs, _ = _long_trace(case)
     node = _ring_node(graphs)
@@ -347,7 +349,7 @@ def test_ring_and_hybrid_hold_no_quadratic_tensor_in_their_graphs_nor_in_the_ops
         assert any("flash_attention_for_cpu" in op for op, _ in seen)  # the mode sees the kernels' outputs
         assert not [(op, s) for op, s in seen if _quadratic(s, chunk)]
 
-    monkeypatch.setattr(ring_attention, "block_kernel", lambda *a, **k: ring_attention.BlockKernel.MATH)
+    monkeypatch.setattr(ring_attention, "block_kernel", lambda *a, **k: BlockKernel.MATH)  # the ring's choice
     ((kernels, seen),) = _run_ring_node(node, ranks=[0]).values()
     assert {k for *_, k in kernels} == {"math"}
     assert any(_quadratic(s, chunk) for _, s in seen)  # the math path's scores: the check can fail
@@ -370,9 +372,8 @@ def test_ring_export_and_run_agree_on_the_kernel_of_masked_and_unmasked_calls(mo
     """Over packed documents a call whose chunks hold more than one document carries a mask (a CUDA device then
     runs memory-efficient attention instead of flash): with a choice that tells the two apart (masked: the math
     path) the export, asking the traced batch's ids, names what the op chose at run time for every call."""
-    from autosp import export, ring_attention
-
-    BlockKernel = ring_attention.BlockKernel
+    from autosp import export_ring, ring_attention
+    from autosp.ring_block_kernels import MATH_SCORE_BUFFERS, BlockKernel
 
     def choose(device, dtype, head_dim, *, masked=False, cuda=None):
         return BlockKernel.MATH if masked else BlockKernel.FLASH_CPU
@@ -380,7 +381,7 @@ def test_ring_export_and_run_agree_on_the_kernel_of_masked_and_unmasked_calls(mo
     compiled, parameter_bytes = _packed_ring_trace([5, 40, 19])
     report = compiled.report
     monkeypatch.setattr(ring_attention, "block_kernel", choose)
-    monkeypatch.setattr(export, "block_kernel", choose)
+    monkeypatch.setattr(export_ring, "block_kernel", choose)
     workload = export_workload(report.aot_graphs, name="documents", sp_size=2, parameter_bytes=parameter_bytes,
                                document_ids=report.document_ids)
     ran = _run_ring_node(_ring_node(report.aot_graphs), documents=report.document_ids)
@@ -395,5 +396,5 @@ def test_ring_export_and_run_agree_on_the_kernel_of_masked_and_unmasked_calls(mo
                 scratch = [program.tensors[t] for t in set(op.allocates) & set(op.frees)]
                 backward = op.phase == "backward"
                 scores = op.attention_scores / (2.5 if backward else 1)  # the block's, all of them if math
-                assert scratch == ([ring_attention.MATH_SCORE_BUFFERS[backward] * 4 * scores]
+                assert scratch == ([MATH_SCORE_BUFFERS[backward] * 4 * scores]
                                    if op.name.endswith(".math") else []), op.name

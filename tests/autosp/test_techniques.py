@@ -16,7 +16,7 @@ from autosp.config import MEMORY_PLAN_OPTIONS, MEMORY_TECHNIQUES, AutoSPConfig
 from autosp.errors import AutoSPError
 from autosp.pipeline import passes_for
 from autosp.plan import candidate_plans
-from autosp.plan.planner import plan_name
+from autosp.plan.candidates import plan_name
 from autosp.techniques import CandidateSetting, MemoryTechnique, memory_plan_options, setting_label
 
 ROOT = Path(__file__).resolve().parents[2]

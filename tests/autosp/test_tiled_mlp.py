@@ -229,7 +229,7 @@ def test_export_prices_the_tiled_mlp_as_its_matmuls():
     for op, buffers in ((tiled["forward"], 2 + 2), (tiled["backward"], 2 * 2 + 2 + steps)):
         scratch = [program.tensors[t] for t in op.allocates if t in op.frees]
         assert scratch == [buffers * chunk * inner * 4]
-    from autosp.plan.planner import MLP_SCRATCH_ROWS  # the planner's chunk rule counts the backward's scratch
+    from autosp.plan.candidates import MLP_SCRATCH_ROWS  # the planner's chunk rule counts backward's scratch
 
     assert MLP_SCRATCH_ROWS == 2 * 2 + 2 + steps
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from experiments.models import PaperModel
-from experiments.paper_scale import alst
+from experiments.paper_scale import alst, alst_breakdown, alst_longest, alst_planner, alst_table
 from experiments.paper_scale.simulate import TraceCache
 
 # Llama-shaped, 3 layers (depth extrapolated from 1 and 2), heads divisible by the 8 ranks of ALST's node.
@@ -26,10 +26,10 @@ def test_alst_table_builds_and_its_rows_are_consistent():
     # ALST's last row (Ulysses over 8 ranks, ZeRO 3 with optimizer offload, every technique, host pools) at a small
     # length, published where the search lands so that one length is traced (at depths 1 and 2); the single-device
     # ZeRO-3 path of the SP 1 rows is tests/experiments/test_workload_rewrites.py's.
-    everything = replace(alst.ALST_ROWS[5], published_tokens=8192)
-    search = alst.Search(granularity=1024, start=8192, high=8192, max_probes=2)  # everything fits: one probe
+    everything = replace(alst_breakdown.ALST_ROWS[5], published_tokens=8192)
+    search = alst_longest.Search(granularity=1024, start=8192, high=8192, max_probes=2)  # everything fits: one probe
     cache = TraceCache(interpolate_lengths=True)
-    rows = alst.alst_rows(rows=[everything], model=SMALL, cache=cache, searches={everything.name: search})
+    rows = alst_table.alst_rows(rows=[everything], model=SMALL, cache=cache, searches={everything.name: search})
     (row,) = rows
     assert row["row"] == everything.name and row["system"] == "alst"
     assert row["simulated_tokens"] == 8192 and row["stopped"] == "ceiling"
@@ -38,14 +38,14 @@ def test_alst_table_builds_and_its_rows_are_consistent():
     assert row["simulated_step_at_published_s"] == row["simulated_step_s"]  # the same simulated step
     assert 0 < row["peak_at_published_gib"] < 80
     assert row["host_peak_gib"] > 0  # optimizer state and the offloaded layer inputs
-    assert "depth-extrapolated" in row["items"].split() and set(row["items"].split()) <= set(alst.ITEMS)
-    lines = alst.footer(rows)
+    assert "depth-extrapolated" in row["items"].split() and set(row["items"].split()) <= set(alst_breakdown.ITEMS)
+    lines = alst_table.footer(rows)
     assert lines[0].startswith("ALST's configuration reproduced within +-20% on 1 of 1")
     assert not any(line.startswith("- miss: ") for line in lines)
-    assert alst.footer([{**row, "error_pct": 50.0, "within_tolerance": False}])[1].startswith("- miss: everything:")
+    assert alst_table.footer([{**row, "error_pct": 50.0, "within_tolerance": False}])[1].startswith("- miss: everything:")
     # Found short of the published length: the miss_item column sizes what is left (the unfused bound included).
-    (short,) = alst.alst_rows(rows=[everything], model=SMALL, cache=cache, searches={
-        everything.name: alst.Search(granularity=1024, start=4096, high=4096, max_probes=1)})
+    (short,) = alst_table.alst_rows(rows=[everything], model=SMALL, cache=cache, searches={
+        everything.name: alst_longest.Search(granularity=1024, start=4096, high=4096, max_probes=1)})
     assert short["simulated_tokens"] == 4096 and short["error_pct"] == -50.0
     assert short["miss_item"].split(":")[0] in {"fragmentation", "published-is-a-run", "none sized"}
 
@@ -106,13 +106,14 @@ def test_liger_loss_workload_holds_liger_buffers():
 
 
 def test_miss_item_names_what_moves_the_length_towards_the_published_one():
-    row = replace(alst.ALST_ROWS[3], published_tokens=1000)
+    row = replace(alst_breakdown.ALST_ROWS[3], published_tokens=1000)
     items = [("fragmentation", 2**30, 100), ("attention-kernel", -2**30, -50), ("published-is-a-run", 2**31, 300)]
-    short = alst.miss_item(row, items, 800)  # 20 % short: what would lengthen it
+    short = alst_longest.miss_item(row, items, 800)  # 20 % short: what would lengthen it
     assert short.startswith("fragmentation: +1.0 GiB") and short.endswith("error after it -10.0 %")
-    assert alst.miss_item(row, items, 1500).startswith("attention-kernel: -1.0 GiB")  # a modelling item first
-    assert alst.miss_item(row, items[::2], 1500).startswith("published-is-a-run: the published length fits with 2.0")
-    assert alst.miss_item(row, items[1:2], 800) == "none sized"
+    assert alst_longest.miss_item(row, items, 1500).startswith("attention-kernel: -1.0 GiB")  # a modelling item first
+    assert alst_longest.miss_item(row, items[::2], 1500).startswith(
+        "published-is-a-run: the published length fits with 2.0")
+    assert alst_longest.miss_item(row, items[1:2], 800) == "none sized"
 
 
 def test_planner_row_plans_on_alsts_machine_with_both_objectives():
@@ -123,9 +124,9 @@ def test_planner_row_plans_on_alsts_machine_with_both_objectives():
 
     plans = candidate_plans(checkpointing=("layer", "sac"), tiled_loss=("on",), tiled_mlp=("on",),
                             activation_offload=("off", "on"))
-    row = alst.planner_row(model=SMALL, plans=plans, seq_len=4096, narrow_to=3,
-                           search=alst.Search(granularity=1024, start=4096, high=8192, max_probes=3))
-    assert set(row) == set(alst.COLUMNS) and row["system"] == "autosp" and row["zero_stage"] == 1
+    row = alst_planner.planner_row(model=SMALL, plans=plans, seq_len=4096, narrow_to=3,
+                                   search=alst_longest.Search(granularity=1024, start=4096, high=8192, max_probes=3))
+    assert set(row) == set(alst_longest.COLUMNS) and row["system"] == "autosp" and row["zero_stage"] == 1
     assert row["simulated_tokens"] == 8192 and row["stopped"] == "ceiling"  # a small model fits to the ceiling
     assert row["simulated_step_s"] > row["simulated_step_at_published_s"] > 0 and 0 < row["peak_at_published_gib"] < 80
     assert row["checkpointing"] in ("layer", "sac") and row["tiled_loss"] is True and row["tiled_mlp"] is True
@@ -135,6 +136,6 @@ def test_planner_row_plans_on_alsts_machine_with_both_objectives():
     # search]).
     assert ("(4 fit) under ZeRO 1; objective longest (over the 4 of those that fit at 8,192 tokens (Note "
             "[Narrowing the longest search])) chose ") in row["source"]
-    assert row["published_iteration_s"] == alst.ALST_ROWS[-1].published_iteration_s
-    (line,) = [ln for ln in alst.footer([row]) if ln.startswith("The planner")]
+    assert row["published_iteration_s"] == alst_breakdown.ALST_ROWS[-1].published_iteration_s
+    (line,) = [ln for ln in alst_table.footer([row]) if ln.startswith("The planner")]
     assert line.endswith("; longest 8,192 tokens, 0.00x the published 3,700,000.") and row["error_pct"] == ""

@@ -1,9 +1,10 @@
 """Note [One trace per length class] (experiments/paper_scale/simulate.py): a workload interpolated between traces
 at three lengths is the workload a real trace gives, for every system whose checkpointing plan does not depend on
 the length; SAC's program at a length is re-sized from the joint graphs of two traces (Note [The joint graph at
-another length] in autosp/joint_template.py) and equals a real trace there too.  A small Llama (2 layers, 8 heads
-over 8 ranks) keeps it lean: each class is traced at four lengths (three anchors, one check) and interpolated at a
-fifth; SAC is traced at three (two captures, one check) and re-sized at a fourth."""
+another length] in autosp/joint_template.py) and equals a real trace there too.  A small Llama (one layer, 8 heads
+over 8 ranks) keeps it lean: what depends on the length is in every layer alike, and a trace's time grows with its
+layers; each class is traced at four lengths (three anchors, one check) and interpolated at a fifth; SAC is traced
+at three (two captures, one check) and re-sized at a fourth."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from experiments.paper_scale.simulate import (
 )
 from simulator import Cluster
 
-MODEL = PaperModel(name="tiny-llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+MODEL = PaperModel(name="tiny-llama", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8,
                    num_kv_heads=8, vocab_size=256)
 ANCHORS, CHECK, LENGTH = (512, 4096, 2048), 3072, 1536  # in the order a search might ask for them
 

@@ -108,9 +108,20 @@ def test_reproduce_plots_and_traces_exist_and_parse(quick_results):
     assert any(e.get("ph") == "X" for e in events)
 
 
-def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
+@pytest.fixture(scope="module")
+def paper_cache():
+    """One `TraceCache` for this module's paper-scale steps of Llama-3.2-3B at 4,096 tokens: AutoSP's one- and
+    two-layer traces serve both the direct traces of the depth extrapolation and AutoSP's extrapolated step."""
+    from experiments.paper_scale.simulate import TraceCache
+
+    return TraceCache()
+
+
+def test_paper_scale_layer_extrapolation_matches_a_direct_trace(paper_cache, monkeypatch):
     # See Note [Depth extrapolation] in simulator/max_length.py: x(L) = x(1) + (L-1)(x(2) - x(1)), checked against L = 4 traced directly,
     # each with the whole step (gradient reduction and optimizer step of its own parameters).
+    from dataclasses import replace
+
     from experiments.models import PAPER_MODELS
     from experiments.paper_scale.simulate import step_workload
     from simulator import Cluster, simulate
@@ -119,13 +130,17 @@ def test_paper_scale_layer_extrapolation_matches_a_direct_trace():
     seq_len, cluster = 4096, Cluster.from_preset("a100-80gb-sxm")
 
     def direct(layers):
-        r = simulate(step_workload("autosp", model, seq_len, layers), cluster)
+        r = simulate(step_workload("autosp", model, seq_len, layers, cache=paper_cache), cluster)
         return r.step_time_s, r.ranks[0].peak_memory_bytes - r.ranks[0].static_memory_bytes
 
     (t1, m1), (t2, m2), (t4, m4) = direct(1), direct(2), direct(4)
     assert t1 + 3 * (t2 - t1) == pytest.approx(t4, rel=0.02)
     assert m1 + 3 * (m2 - m1) == pytest.approx(m4, rel=0.05)
-    step = simulate_step("autosp", "llama-3.2-3b", seq_len)
+    # simulate_step's default depth ("full") traces the whole model, here Llama-3.2-3B cut to 4 layers: its step is
+    # the direct 4-layer trace's (from the cache; a trace of all 28 layers would take half a minute)
+    monkeypatch.setitem(PAPER_MODELS, "llama-3.2-3b@4", replace(model, num_layers=4))
+    step = simulate_step("autosp", "llama-3.2-3b@4", seq_len, cache=paper_cache)
+    assert step.extrapolated_from is None and (step.step_time_s, step.dynamic_memory_bytes) == (t4, m4)
     assert step.step_time_s > 0 and step.peak_memory_bytes > step.static_memory_bytes
 
 
@@ -513,9 +528,8 @@ def test_paper_placeholders_are_filled_from_the_results_folder(tmp_path):
         build_paper(results, tmp_path / "out", source)
 
 
-def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces():
+def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces(paper_cache):
     from experiments.models import PAPER_MODELS
-    from experiments.paper_scale.simulate import TraceCache
     from simulator.ledger import TrainingConfig, memory_ledger, summarize
 
     model = PAPER_MODELS["llama-3.2-3b"]
@@ -527,13 +541,15 @@ def test_paper_scale_simulates_every_system_and_ring_reuses_the_ulysses_traces()
         return summary.low, summary.nominal, summary.high
 
     assert model.hidden_size == 3072 and model.num_layers == 28
-    cache = TraceCache()
+    cache = paper_cache  # shared with the depth extrapolation's test: AutoSP's traces at 4,096 tokens, no other
+    before = (cache.misses, cache.hits)
     ulysses = simulate_step("ulysses", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
     assert ulysses.sp_size == 8 and ulysses.fits
     assert ulysses.step_time_s > 0 and ulysses.peak_memory_bytes > ulysses.static_memory_bytes
     assert ulysses.static == ledger_static(1)  # ZeRO 1: DeepSpeedZeroOptimizer's buffers
     ring = simulate_step("ring", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")
-    assert (cache.misses, cache.hits) == (2, 2)  # ring attention is a rewrite of the same two traces
+    # ring attention is a rewrite of the same two traces
+    assert (cache.misses - before[0], cache.hits - before[1]) == (2, 2)
     assert ring.static == ulysses.static and ring.step_time_s > 0  # the same engine settings, the same ledger
     assert ring.peak_memory_bytes >= ulysses.peak_memory_bytes  # plus its receive buffers
     zero3 = simulate_step("zero3", "llama-3.2-3b", 4096, cache=cache, layers="extrapolated")

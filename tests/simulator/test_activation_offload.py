@@ -1,4 +1,4 @@
-"""Activation offload in the simulator (Note [Host tensors] in simulator/workload.py): host tensors are a pool of
+"""Activation offload in the simulator (Note [Host tensors] in simulator/workload_types.py): host tensors are a pool of
 their own, a copy's source is freed when the copy completes, a copy hidden behind compute costs no step time, and
 host memory runs out against the cluster's host memory per rank.
 

@@ -46,8 +46,8 @@ def test_strategies_other_spellings_are_refused_with_the_valid_names(spelling):
 
 def test_strategies_tables_list_the_systems_in_registry_order():
     assert STRATEGIES.table("measured-cpu") == (
-        "autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp", "autosp-ring",
-        "autosp-hybrid-2x2")
+        "autosp", "autosp-nosac", "ulysses", "ulysses+ckpt", "ring", "zero3", "deepspeed-autosp", "alst",
+        "autosp-ring", "autosp-hybrid-2x2")
     assert STRATEGIES.table("paper-scale") == ("autosp", "ulysses", "ulysses+ckpt", "ring", "zero3")
     # the memory-cap table: the measured systems and AutoSP unplanned (SAC alone); `autosp` is the default compile,
     # which plans where the table gives it a memory size; the pass's other rows keep their options (memory_plan off)
