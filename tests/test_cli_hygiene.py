@@ -67,6 +67,7 @@ CLIS = (
     Cli("experiments.cpu.bench_same_sample", typos=(("--compiler", "inductr"),)),
     Cli("experiments.cpu.bench_lengths", typos=(("--compiler", "inductr"), ("--model", "hf-lama"))),
     Cli("experiments.cpu.bench_strategies", typos=(("--compiler", "inductr"), ("--systems", "autosp-rng"))),
+    Cli("experiments.cpu.bench_alst", typos=(("--models", "hf-lama"), ("--steps", "three"))),
     Cli("experiments.paper_scale.export_steps", required=("--lengths", "1024", "--out", "steps"),
         typos=(("--model", "llama-9b"), ("--model", "llama-3.1-8b", "--systems", "autosp", "ulyses"),
                ("--model", "llama-3.1-8b", "--layers", "ful"))),
