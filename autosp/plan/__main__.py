@@ -480,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"planned here (--memory-plan {memory_plan}); add --memory-plan auto, or choose on or "
                               "off")
         options = {"activation_offload": "on"} if offload == "on" else {}
+        if args.strategy == "auto" and args.max_length:
+            raise AutoSPError("--strategy auto chooses the fastest strategy at --seq-len and searches no longest "
+                              "length; give the strategy (--strategy ulysses or ring) with --max-length")
         if memory_plan == "auto" and args.strategy not in MEMORY_PLANNED_STRATEGIES:
             raise AutoSPError(f"--strategy {args.strategy} is not combined with --memory-plan auto (the memory "
                               f"planner plans {' and '.join(MEMORY_PLANNED_STRATEGIES)}); add --memory-plan off")

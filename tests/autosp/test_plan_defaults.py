@@ -190,3 +190,15 @@ def test_ring_is_planned_with_its_strategy_in_every_candidate_and_searched_for_i
     out = capsys.readouterr().out
     assert "strategy     ring (given)" in out and "memory plan  off" in out
     assert "max length  ≥ 512 tokens (ceiling)" in out  # a tiny model fits an A100 at any length here
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--strategy", "auto", "--max-length"), "--strategy auto chooses the fastest strategy at --seq-len"),
+    (("--strategy", "auto", "--memory-plan", "auto"), "--strategy auto is not combined with --memory-plan auto"),
+])
+def test_strategy_auto_refuses_what_it_does_not_answer_in_one_line(argv, message, caplog):
+    with caplog.at_level("ERROR", logger="autosp.plan"):
+        assert main(["--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "256", "--sp-size", "2",
+                     *argv, "-q"]) == 2
+    errors = [r for r in caplog.records if r.name == "autosp.plan" and r.levelname == "ERROR"]
+    assert len(errors) == 1 and message in errors[0].getMessage() and "\n" not in errors[0].getMessage()
