@@ -176,6 +176,13 @@ class AutoSPConfig:
     """On every call, check that all ranks of the SP group were given the same sample (input ids, labels,
     positions, mask), with one all-gather of a few checksums; a mismatch (e.g. a plain DistributedSampler
     over all ranks) is refused on every rank.  False skips the check (autosp.guards.check_same_sample)."""
+    shard_parameters: bool = False
+    """True: every rank keeps 1/N of each parameter (N: the ranks of the compile's whole group, data-parallel
+    replicas times the SP group, as ZeRO-3 partitions them), gathered where it is used inside the compiled program
+    and gathered again in its backward, so no rank holds the whole model between uses (Note [Parameters gathered in
+    the graph] in autosp/parameter_sharding.py).  ``model.parameters()`` are then the shards (give them to the
+    optimizer); `autosp.full_parameters` gathers them whole.  Not priced by the memory planner yet (memory_plan
+    "auto" is refused; the default resolves to "off")."""
     tiled_loss: str = "off"
     """Compute the output projection and the causal-LM loss in token chunks, forward and backward, so the
     [tokens, vocab] logits and their fp32 copies never exist (Note [Tiled logits and loss] in
@@ -267,6 +274,8 @@ class AutoSPConfig:
             raise AutoSPError("return_logits=False takes effect only with the tiled loss: pass tiled_loss='on' or "
                               "'auto' too (or leave return_logits=True)")
         self._check_memory_plan()
+        if not isinstance(self.shard_parameters, bool):
+            raise AutoSPError(f"shard_parameters must be True or False, got {self.shard_parameters!r}")
         if self.sac_memory_budget is not None and not 0 <= self.sac_memory_budget <= 1:
             raise AutoSPError(f"sac_memory_budget must be None or a fraction in [0, 1], got {self.sac_memory_budget!r}")
 

@@ -25,7 +25,9 @@ reduction over: `hand_to_engine` turns this one off.  An engine that does not kn
 the SP group and averages over all ranks (``deepspeed.initialize`` without an mpu,
 accelerate's DeepSpeed plugin) receives gradients already equal on every rank, whose
 average is the same gradient: exact, at the price of a second (redundant) reduction.
-DDP and FSDP wrappers are refused (autosp.api).  The reduction is not overlapped with
+Parameters sharded in the graph (``shard_parameters=True``) receive their gradients already summed over the whole
+group by their gather's reduce-scatter (Note [Parameters gathered in the graph] in autosp/parameter_sharding.py):
+they are only divided by the number of replicas here.  DDP and FSDP wrappers are refused (autosp.api).  The reduction is not overlapped with
 the backward's compute: the compiled backward is one node, and the reduction follows it.
 """
 
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autosp.errors import AutoSPError
 from autosp.groups import SequenceParallelGroups
 
 log = logging.getLogger(__name__)
@@ -49,9 +52,11 @@ BUCKET_BYTES = 25 * 2**20
 class GradientReduction:
     """The in-backward gradient reduction of one compiled model (see the Note)."""
 
-    def __init__(self, module: nn.Module, groups: SequenceParallelGroups):
+    def __init__(self, module: nn.Module, groups: SequenceParallelGroups, *, sharded: frozenset[int] = frozenset()):
         self.module = module
         self.groups = groups
+        self.sharded = sharded
+        """Identities of the parameter shards whose gradients arrive summed over the group (see the Note)."""
         self.engine: str | None = None
         """Name of the engine that reduces the gradients instead (None: this reduction does)."""
 
@@ -61,6 +66,11 @@ class GradientReduction:
 
     def hand_to_engine(self, engine: str) -> None:
         """An engine that knows the SP group reduces the gradients from now on; this reduction stops."""
+        if self.sharded:
+            raise AutoSPError(
+                f"{engine} would reduce the gradients of parameters that shard_parameters=True already reduces in the "
+                "compiled backward (summing them twice): compile without shard_parameters for this engine, or train "
+                "the sharded model with a plain optimizer over model.parameters()")
         self.engine = engine
 
     def attach(self, program_outputs: Iterable) -> None:
@@ -68,13 +78,16 @@ class GradientReduction:
         if not self.active or not torch.is_grad_enabled():
             return
         params = {id(p) for p in self.module.parameters() if p.requires_grad}
-        for node, indices in _parameter_nodes(program_outputs, params):
-            node.register_hook(self._reduce_hook(indices))
+        for node, indices, shard_indices in _parameter_nodes(program_outputs, params, self.sharded):
+            node.register_hook(self._reduce_hook(indices, shard_indices))
 
-    def _reduce_hook(self, indices: list[int]):
+    def _reduce_hook(self, indices: list[int], shard_indices: list[int]):
         def reduce(grad_inputs, grad_outputs):
             grads = list(grad_inputs)
             self.reduce([i for i in indices if grads[i] is not None], grads)
+            if self.groups.dp_size > 1:  # summed over the group by the gather's reduce-scatter: average replicas
+                for i in (i for i in shard_indices if grads[i] is not None):
+                    grads[i] = grads[i] / self.groups.dp_size
             return tuple(grads)
 
         return reduce
@@ -100,9 +113,10 @@ class GradientReduction:
                 offset += n
 
 
-def _parameter_nodes(outputs: Iterable, params: set[int]) -> list[tuple[torch.autograd.graph.Node, list[int]]]:
+def _parameter_nodes(outputs: Iterable, params: set[int], sharded: frozenset[int]
+                     ) -> list[tuple[torch.autograd.graph.Node, list[int], list[int]]]:
     """The autograd nodes whose inputs include the model's parameters, reached from ``outputs`` (the compiled
-    program's node), each with the positions of its parameter inputs."""
+    program's node), each with the positions of its whole parameters' inputs and of its shards' inputs."""
     found, seen = [], set()
     stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while stack:
@@ -113,7 +127,8 @@ def _parameter_nodes(outputs: Iterable, params: set[int]) -> list[tuple[torch.au
         indices = [i for i, (fn, _) in enumerate(node.next_functions)
                    if fn is not None and id(getattr(fn, "variable", None)) in params]
         if indices:
-            found.append((node, indices))
+            found.append((node, [i for i in indices if id(node.next_functions[i][0].variable) not in sharded],
+                          [i for i in indices if id(node.next_functions[i][0].variable) in sharded]))
         else:
             stack.extend(fn for fn, _ in node.next_functions)
     return found

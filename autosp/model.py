@@ -35,6 +35,7 @@ from autosp.gradients import GradientReduction
 from autosp.groups import SequenceParallelGroups
 from autosp.guards import check_same_sample, sliding_window_layers
 from autosp.inputs import PREPARED_KEY, positions_are_plain, shard_batch, shard_layout
+from autosp.parameter_sharding import full_parameters, shard_parameters
 from autosp.passes.dynamo.tiled_loss import mark_dropped_logits
 from autosp.pipeline import passes_for
 
@@ -195,6 +196,9 @@ class SequenceParallelModel(nn.Module):
             self._ctx.ulysses_group_name = groups.ulysses_group.group_name
             self._ctx.ring_group_name = groups.ring_group.group_name
         install_output_capture_hooks(module)  # HF's lazy hook installation would break the graph
+        # Note [Parameters gathered in the graph]: before the first trace, so Dynamo records the gathers
+        shards = shard_parameters(module, groups.group) if config.shard_parameters else None
+        self.__dict__["_shards"] = shards
         # memory_plan="auto": compiled on the first call, once ``first_batch_plan`` decided the options (it is asked
         # once, then closed; closed unasked if the model goes first).
         if (config.memory_plan == "auto") != (first_batch_plan is not None):
@@ -216,7 +220,8 @@ class SequenceParallelModel(nn.Module):
         self._accepts_positions = _accepts(module.forward, "position_ids")
         self._accepts_attention_mask = _accepts(module.forward, "attention_mask")
         self._ctx.sliding_window = sliding_window_layers(module)
-        self.__dict__["_gradients"] = GradientReduction(module, groups)  # Note [Gradient reduction in backward]
+        self.__dict__["_gradients"] = GradientReduction(  # Note [Gradient reduction in backward]
+            module, groups, sharded=shards.shard_ids if shards is not None else frozenset())
 
     @property
     def programs(self) -> tuple[CompiledProgram, ...]:
@@ -233,6 +238,12 @@ class SequenceParallelModel(nn.Module):
         if report.strategy_plan is None:
             report.strategy_plan = self._ctx.strategy_plan
         return report
+
+    def full_parameters(self, *, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter (``grads=True``: every gradient that is set) whole, by the uncompiled model's names;
+        under ``shard_parameters=True`` gathered from the shards, a collective every rank must call (Note
+        [Parameters gathered in the graph] in autosp/parameter_sharding.py)."""
+        return full_parameters(self.module, grads=grads)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped model's own state dict (its keys, loadable into the uncompiled model)."""

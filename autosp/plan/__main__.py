@@ -201,10 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--max-probes", type=_positive, default=8,
                    help="lengths the --max-length search may simulate (default: %(default)s)")
-    p.add_argument("--strategy", default=LIBRARY_STRATEGY, choices=STRATEGY_CHOICES,
+    p.add_argument("--strategy", default=None, choices=STRATEGY_CHOICES,
                    help="how the sequence is split: the strategy autosp.compile traces with, or auto: trace and "
                         "simulate each, print each one's step time and peak, choose the fastest that fits "
-                        "(default: %(default)s, autosp.compile's)")
+                        f"(default: {LIBRARY_STRATEGY}, autosp.compile's)")
     p.add_argument("--memory-plan", type=_memory_plan, default=None, choices=MEMORY_PLAN,
                    help="auto: choose checkpointing (per-layer among them), SAC budget, tiled loss and tiled MLP by "
                         "predicting every candidate plan, print the candidate table and the chosen autosp.compile "
@@ -393,15 +393,17 @@ class Resolved:
     zero_auto: bool
     """``--zero-stage auto``: the planner chooses the DeepSpeed setup (`autosp.plan.plan_job`)."""
     assumed: tuple[Assumption, ...]
+    strategy: str = LIBRARY_STRATEGY
+    """``--strategy``, or autosp.compile's (`LIBRARY_STRATEGY`) where not given."""
 
 
-def _memory_plan_default(args: argparse.Namespace) -> tuple[str, str]:
-    """The default ``--memory-plan`` for the other flags, and why."""
-    if args.strategy == "auto":
+def _memory_plan_default(args: argparse.Namespace, strategy: str) -> tuple[str, str]:
+    """The default ``--memory-plan`` for the other flags (``strategy``: ``--strategy`` resolved), and why."""
+    if strategy == "auto":
         return "off", "--strategy auto decides the strategy and leaves the memory options as given, as " \
                       "autosp.compile(strategy='auto') does"
-    if args.strategy not in MEMORY_PLANNED_STRATEGIES:
-        return "off", f"the memory planner does not plan --strategy {args.strategy} (nor does autosp.compile)"
+    if strategy not in MEMORY_PLANNED_STRATEGIES:
+        return "off", f"the memory planner does not plan --strategy {strategy} (nor does autosp.compile)"
     if args.max_length:
         return "off", "--max-length searches the options as given (the planner's own search: --memory-plan auto " \
                       "--objective longest)"
@@ -414,8 +416,9 @@ def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Reso
     lib = library_setup()
     ranks = resolve_ranks(shape or cluster_shape(args.cluster), sp_size=args.sp_size, dp_size=args.dp_size,
                           world_size=args.world_size, allow_cross_node_sp=args.allow_cross_node_sp)
+    strategy = LIBRARY_STRATEGY if args.strategy is None else args.strategy
     if args.memory_plan is None:
-        memory_plan, plan_why = _memory_plan_default(args)
+        memory_plan, plan_why = _memory_plan_default(args, strategy)
     else:
         memory_plan, plan_why = args.memory_plan, ""
     zero_auto = args.zero_stage == "auto"
@@ -444,14 +447,14 @@ def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Reso
         Assumption("offload", "auto" if zero_auto and args.offload is None else fields["offload"],
                    args.offload is not None,
                    "" if args.offload else "chosen with the ZeRO stage" if zero_auto else plain),
-        Assumption("strategy", args.strategy, args.strategy != LIBRARY_STRATEGY,
-                   "" if args.strategy != LIBRARY_STRATEGY else "autosp.compile's"),
+        Assumption("strategy", strategy, args.strategy is not None,
+                   "" if args.strategy is not None else "autosp.compile's"),
         Assumption("memory_plan", memory_plan, args.memory_plan is not None, plan_why),
         Assumption("dtype", fields["dtype"], args.dtype is not None,
                    "" if args.dtype else "a compiled model plans at its parameters' dtype; give --dtype for "
                                          "another"),
     )
-    return Resolved(setup=setup, memory_plan=memory_plan, zero_auto=zero_auto, assumed=assumed)
+    return Resolved(setup=setup, memory_plan=memory_plan, zero_auto=zero_auto, assumed=assumed, strategy=strategy)
 
 
 def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
@@ -466,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         resolved = resolve(args)  # every refusal before any work
-        setup, memory_plan = resolved.setup, resolved.memory_plan
+        setup, memory_plan, strategy = resolved.setup, resolved.memory_plan, resolved.strategy
         from autosp.plan.cluster_file import load_cluster
         from autosp.plan.prediction import predict
 
@@ -480,16 +483,16 @@ def main(argv: list[str] | None = None) -> int:
                               f"planned here (--memory-plan {memory_plan}); add --memory-plan auto, or choose on or "
                               "off")
         options = {"activation_offload": "on"} if offload == "on" else {}
-        if args.strategy == "auto" and args.max_length:
+        if strategy == "auto" and args.max_length:
             raise AutoSPError("--strategy auto chooses the fastest strategy at --seq-len and searches no longest "
                               "length; give the strategy (--strategy ulysses or ring) with --max-length")
-        if memory_plan == "auto" and args.strategy not in MEMORY_PLANNED_STRATEGIES:
-            raise AutoSPError(f"--strategy {args.strategy} is not combined with --memory-plan auto (the memory "
+        if memory_plan == "auto" and strategy not in MEMORY_PLANNED_STRATEGIES:
+            raise AutoSPError(f"--strategy {strategy} is not combined with --memory-plan auto (the memory "
                               f"planner plans {' and '.join(MEMORY_PLANNED_STRATEGIES)}); add --memory-plan off")
         if memory_plan == "auto" and args.max_length:
             raise AutoSPError("--max-length searches the longest length of the options as given: add --memory-plan "
                               "off; the memory planner's own search is --objective longest")
-        if args.strategy == "auto":
+        if strategy == "auto":
             from autosp.plan.strategy_choice import choose_strategy
 
             answer = choose_strategy(args.model, setup, cluster, capacity_bytes=target, options=options,
@@ -502,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             plans = candidates_for(
                 args.model, setup, cluster.device.memory_bytes if target is None else target,
                 activation_offload=("off", "on") if offload in (None, "auto") else (offload,),
-                fixed={} if args.strategy == LIBRARY_STRATEGY else {"strategy": args.strategy})
+                fixed={} if strategy == LIBRARY_STRATEGY else {"strategy": strategy})
             planning = dict(objective=args.objective, target_memory=target, plans=plans,
                             max_length_high=args.max_length_high, granularity=args.granularity,
                             max_probes=args.max_probes, workers=args.workers)
@@ -514,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from autosp.plan.traces import TraceReuse
 
-            options = {**options, **({} if args.strategy == LIBRARY_STRATEGY else {"strategy": args.strategy})}
+            options = {**options, **({} if strategy == LIBRARY_STRATEGY else {"strategy": strategy})}
             answer = predict(args.model, setup, cluster, capacity_bytes=target, max_length=args.max_length,
                              max_length_high=args.max_length_high, granularity=args.granularity,
                              max_probes=args.max_probes, progress=lambda s: log.info("step at %s", s),

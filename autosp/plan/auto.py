@@ -83,6 +83,9 @@ def check_plannable(module: torch.nn.Module, config: AutoSPConfig) -> None:
         raise AutoSPError(f"memory_plan='auto' does not plan a strategy={config.strategy!r} program yet; pass the "
                           "memory options yourself with memory_plan='off', or plan under strategy="
                           f"{' or '.join(map(repr, MEMORY_PLANNED_STRATEGIES))}")
+    if config.shard_parameters:
+        raise AutoSPError(f"{planning} does not price parameters sharded in the graph (shard_parameters=True) yet: "
+                          "pass the strategy and memory options yourself (memory_plan='off')")
     device = _device_of(module)
     if config.memory_plan == "auto" and config.target_memory is None and device.type != "cuda":
         raise AutoSPError(

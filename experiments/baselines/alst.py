@@ -115,6 +115,27 @@ def _is_tiled_mlp_target(module: nn.Module) -> bool:
     return all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
+def unsupported_reason(model: nn.Module | str) -> str | None:
+    """Why ALST cannot run ``model``, in one line, or None where it can: a Hugging Face causal LM (a config,
+    ``set_attn_implementation``, the decoder as ``.model`` and an ``lm_head``: ALST's Ulysses attention registers
+    with transformers) with gate/up/down MLP modules (ArcticTraining's tiled MLP).  Decided from the model's
+    structure; ``model`` may be a built model or a tiny model's name (experiments.models), then built with one
+    layer on the meta device (no memory, no random numbers drawn)."""
+    if isinstance(model, str):
+        from experiments.models import build_model
+
+        with torch.device("meta"):
+            model = build_model(model, layers=1)
+    faults = []
+    if not (hasattr(model, "config") and hasattr(model, "set_attn_implementation")):
+        faults.append("is no Hugging Face model (ALST's Ulysses attention registers with transformers)")
+    elif not (hasattr(model, "model") and hasattr(model, "lm_head")):
+        faults.append("has no decoder .model beside an lm_head (ArcticTraining's loss runs the two apart)")
+    if not any(_is_tiled_mlp_target(m) for m in model.modules()):
+        faults.append("has no gate/up/down MLP (ArcticTraining's tiled MLP takes no other)")
+    return f"{type(model).__name__} {' and '.join(faults)}" if faults else None
+
+
 def tiled_mlp_forward(self, x):
     """ArcticTraining's ``tiled_mlp_forward_common`` (arctic_training/model/tiled_compute.py): DeepSpeed's TiledMLP over
     ``ceil(seq / hidden)`` shards, the same count on every rank (the largest)."""
@@ -202,13 +223,10 @@ class ALSTSystem:
         if process_group is not None and process_group != dist.group.WORLD:
             raise BaselineUnsupported("alst: register_with_transformers makes SP groups over the whole world; "
                                       "pass process_group=None")
-        if not (hasattr(model, "config") and hasattr(model, "set_attn_implementation") and hasattr(model, "model")
-                and hasattr(model, "lm_head")):
-            raise BaselineUnsupported(f"alst: {type(model).__name__} is no Hugging Face causal LM (ALST's Ulysses "
-                                      "attention registers with transformers)")
+        why = unsupported_reason(model)
+        if why is not None:
+            raise BaselineUnsupported(f"alst: {why}")
         mlps = [m for m in model.modules() if _is_tiled_mlp_target(m)]
-        if not mlps:
-            raise BaselineUnsupported(f"alst: {type(model).__name__} has no gate/up/down MLP for the tiled MLP")
         world = dist.get_world_size()
         if sp_size < 2 or world % sp_size:
             raise BaselineUnsupported(f"alst: sequence parallelism over {sp_size} of {world} ranks; ALST's "

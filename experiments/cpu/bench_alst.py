@@ -73,13 +73,25 @@ def ratio_line(result: dict) -> str:
             f"{AUTOSP}'s plan: {timed[AUTOSP]['plan']}")
 
 
+def _alst_model(name: str) -> str:
+    """``--models``: a tiny model ALST can run (`experiments.baselines.alst.unsupported_reason`, from the model's
+    structure); another tiny model refused in one line saying why; an unknown name left to the flag's choices."""
+    from experiments.baselines.alst import unsupported_reason
+
+    why = unsupported_reason(name) if name in TINY_MODELS else None
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{name} cannot run under {ALST}: {why}")
+    return name
+
+
 def build_parser() -> argparse.ArgumentParser:
     from experiments import cli
 
     parser = cli.parser("experiments.cpu.bench_alst", __doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(DEFAULTS["cap_models"]), choices=sorted(TINY_MODELS),
+    parser.add_argument("--models", nargs="+", type=_alst_model, default=list(DEFAULTS["cap_models"]),
+                        choices=sorted(TINY_MODELS),
                         help="the models compared (Hugging Face decoders with gate/up/down MLPs: ALST's tiled MLP "
-                             "takes no other)")
+                             "takes no other; another is refused)")
     parser.add_argument("--cap-mib", type=float, default=DEFAULTS["memory_cap_mib"],
                         help="memory cap per rank (MiB)")
     parser.add_argument("--ranks", type=int, default=DEFAULTS["cap_ranks"][0], help="gloo ranks (the SP degree)")

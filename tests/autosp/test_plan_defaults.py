@@ -202,3 +202,40 @@ def test_strategy_auto_refuses_what_it_does_not_answer_in_one_line(argv, message
                      *argv, "-q"]) == 2
     errors = [r for r in caplog.records if r.name == "autosp.plan" and r.levelname == "ERROR"]
     assert len(errors) == 1 and message in errors[0].getMessage() and "\n" not in errors[0].getMessage()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (("--strategy", "ulysses"), "  strategy     ulysses (given)"),
+    ((), "  strategy     ulysses (default: autosp.compile's)"),
+])
+def test_strategy_is_marked_given_when_named_even_as_the_librarys_default(argv, line, monkeypatch, capsys):
+    """``--strategy`` defaults to None like every other flag: ``--strategy ulysses`` (autosp.compile's own) is given,
+    an omitted one is the library's, assumed; the printed ``assumed:`` block says which (the planner stubbed: no
+    prediction)."""
+    from autosp.plan import planner
+    from autosp.plan.__main__ import LIBRARY_STRATEGY
+
+    assert LIBRARY_STRATEGY == "ulysses" and _args().strategy is None
+    resolved = resolve(_args(*argv))
+    strategy = next(a for a in resolved.assumed if a.key == "strategy")
+    assert (resolved.strategy, strategy.value, strategy.given) == ("ulysses", "ulysses", bool(argv))
+    assert resolved.memory_plan == "auto"  # the strategy resolved before the memory plan's default
+
+    class Answer:
+        def format(self) -> str:
+            return "stub answer"
+
+    asked = {}
+
+    def planned(*args, plans, **kwargs):
+        asked["plans"] = plans
+        return Answer()
+
+    monkeypatch.setattr(planner, "plan_memory", planned)
+    assert main(["--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "256", "--sp-size", "2", *argv,
+                 "-q"]) == 0
+    block = capsys.readouterr().out.split("\n")
+    assert block[0] == "assumed:" and line in block[1:11], block[:11]
+    assert "stub answer" in block
+    # the same candidates either way: the library's strategy is not fixed in them
+    assert asked["plans"] and all("strategy" not in p.options for p in asked["plans"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
 import torch
 
 from experiments.baselines import System, build_system
@@ -95,3 +96,28 @@ def test_alst_matches_single_device_on_hugging_face_llama_and_qwen2_and_pins_the
                 factor = r["valid_targets"] if name == "lm_head.weight" else 2  # the two faults
                 torch.testing.assert_close(grad, factor * ref_grads[name], **FP32_TOL,
                                            msg=lambda m, w=f"rank {rank} {model_name} as released {name}": f"{w}: {m}")
+
+
+def test_bench_alst_refuses_at_parse_time_the_models_alst_cannot_run(capsys):
+    """``python -m experiments.cpu.bench_alst --models`` takes only what ALST runs, decided from the model's
+    structure (`experiments.baselines.alst.unsupported_reason`, the check `ALSTSystem` makes): GPT-2 (no decoder
+    ``.model``, no gate/up/down MLP) and the plain Llama (no Hugging Face model) are refused in one line naming the
+    model and why, before any work; the Hugging Face Llama, and every default model, are accepted."""
+    from experiments.baselines.alst import unsupported_reason
+    from experiments.cpu.bench_alst import DEFAULTS, build_parser
+    from experiments.models import build_model
+
+    parser = build_parser()
+    for name, why in (("hf-gpt2", "GPT2LMHeadModel has no decoder .model"),
+                      ("plain-llama", "PlainLlama is no Hugging Face model")):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["--models", "hf-llama", name])
+        assert exc.value.code == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"argument --models: {name} cannot run under alst: {why}" in error, error
+        assert "gate/up/down MLP" in error
+        assert unsupported_reason(name) == unsupported_reason(build_model(name, layers=1))
+    assert parser.parse_args(["--models", "hf-llama"]).models == ["hf-llama"]
+    assert unsupported_reason("hf-llama") is None
+    assert parser.parse_args([]).models == list(DEFAULTS["cap_models"])
+    assert all(unsupported_reason(name) is None for name in DEFAULTS["cap_models"])

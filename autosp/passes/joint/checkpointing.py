@@ -155,6 +155,16 @@ def _is_collective(node: fx.Node) -> bool:
     return getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES
 
 
+def gathers_parameter(node: fx.Node) -> bool:
+    """Whether ``node`` gathers a parameter shard (an all-gather of a graph input, or its wait): gathered again in
+    the backward, never kept (Note [Parameters gathered in the graph] in autosp/parameter_sharding.py)."""
+    name = packet_name(node.target)
+    source = node.args[0] if node.args else None
+    if name == "wait_tensor":
+        return isinstance(source, fx.Node) and gathers_parameter(source)
+    return name == "all_gather_into_tensor" and isinstance(source, fx.Node) and source.op == "placeholder"
+
+
 def _in_layer(node: fx.Node) -> bool:
     """Whether ``node`` runs inside one block of a module list (a decoder layer: ``model.layers.3``,
     ``transformer.h.3``), what ``gradient_checkpointing_enable`` checkpoints; a collective the passes inserted (no
@@ -244,13 +254,18 @@ def tag_recomputation(
     flops)``: SAC's choice (the names recomputed) from its candidates and every forward op's FLOPs, instead of
     `choose_recomputation` on this graph (the planner's shallow traces decide for the full depth: Note [Shallow
     traces checkpointed for the full depth] in autosp/plan/depth.py)."""
-    saved, recompute, across = [], [], []
+    saved, recompute, across, regathered = [], [], [], []
+    regathered_set: set[fx.Node] = set()
     candidates, costs, classes = [], {}, {}
     forward_flops = 0
     forward = _forward_ops(graph)
     segments = attention_segments(forward)
     aliases = []  # "layer": views recomputed too (the partitioner would save a reshape like _unsafe_view)
     for node in forward:
+        if packet_name(node.target) in VIEWS and node.args and node.args[0] in regathered_set:
+            regathered.append(node)
+            regathered_set.add(node)  # a view of a gathered weight saved instead would keep the gathered storage
+            continue
         if packet_name(node.target) in VIEWS:
             if setting == "layer" and _in_layer(node) and not _crosses_attention(node, segments):
                 aliases.append(node)
@@ -258,7 +273,10 @@ def tag_recomputation(
         op_class, flops = classify(node)
         forward_flops += flops
         costs[node], classes[node] = flops, op_class
-        if _is_collective(node) and setting != "layer":
+        if gathers_parameter(node):
+            regathered.append(node)
+            regathered_set.add(node)
+        elif _is_collective(node) and setting != "layer":
             saved.append(node)
         elif _is_random(node) and not (setting == "layer" and op_class == "attention"):
             continue  # never tagged: the partitioner never recomputes random ops by itself
@@ -285,7 +303,8 @@ def tag_recomputation(
         recompute += [n for n in candidates if n.name in chosen]
         saved += [n for n in candidates if n.name not in chosen]
     for node, policy in [(n, CheckpointPolicy.MUST_SAVE) for n in saved] + [
-        (n, CheckpointPolicy.PREFER_RECOMPUTE) for n in recompute + aliases
+        (n, CheckpointPolicy.PREFER_RECOMPUTE) for n in recompute + aliases] + [
+        (n, CheckpointPolicy.MUST_RECOMPUTE) for n in regathered
     ]:
         node.meta["recompute"] = policy
         for user in node.users:  # multi-output ops: their getitems share the decision

@@ -1,0 +1,175 @@
+"""Parameters sharded over the ranks and gathered in the compiled graph (``shard_parameters=True``, ZeRO-3's
+memory; Note [Parameters gathered in the graph] in autosp/parameter_sharding.py).
+
+Each rank builds the same model twice from one seed: a single-device reference trained on the full sequence (every
+replica's sample, averaged) and a copy compiled by AutoSP with sharded parameters, each with its own AdamW.  After
+each of two optimizer steps the loss and every gradient (gathered whole) equal the reference's, and after the
+second every parameter (gathered whole) does.  The reference's optimizer steps on the gradients just compared
+(they passed the check): Adam divides each gradient by its running magnitude plus 1e-8, which turns fp32 rounding of
+a gradient near zero into a visible step, so its parameters would test the rounding, not the sharded optimizer
+(each rank's AdamW holds and updates its own shard; the reference's the whole).  Tolerances: fp32 rtol 1e-4 / atol
+1e-6, on 2 and 4 real gloo ranks, SP alone and
+SP x DP, Hugging Face Llama, Qwen2 and Mixtral (MoE), Ulysses and the ring, with SAC, the tiled loss and MLP and
+activation offload.  Each rank's parameters are its 1/N shards, and no gathered weight is kept from the forward to
+the backward (the backward gathers again).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from autosp.costs import VIEWS, packet_name
+from autosp.errors import AutoSPError
+from autosp.passes.joint.checkpointing import gathers_parameter
+from tests.autosp.cases import loss_of, make_sample
+from tests.harness import run_on_ranks
+
+FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
+SEQ_LEN = 64
+TILED = {"tiled_loss": "on", "return_logits": False, "tiled_mlp": "on", "activation_offload": "on"}
+
+
+def _build(model: str) -> torch.nn.Module:
+    if model == "mixtral":
+        from tests.autosp.test_moe import build_moe
+
+        return build_moe("mixtral")
+    from experiments.models import build_model
+
+    return build_model(model)
+
+
+def _gathered_weights_kept(forward) -> list[str]:
+    """The forward graph's outputs (user outputs and what it saves for backward) that are a gathered parameter or
+    a view of one."""
+    gathered = set()
+    for node in forward.graph.nodes:
+        if gathers_parameter(node) or (packet_name(node.target) in VIEWS and node.args and node.args[0] in gathered):
+            gathered.add(node)
+    (outputs,) = [n.args[0] for n in forward.graph.nodes if n.op == "output"]
+    return [n.name for n in outputs if n in gathered]
+
+
+def _two_steps(rank: int, world: int, *, model: str, sp_size: int, options: dict) -> dict:
+    """Two AdamW steps of ``model`` compiled with ``shard_parameters=True`` on this rank, and of the reference."""
+    import autosp
+    from experiments.models import vocab_size
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = _build(model)
+    candidate = copy.deepcopy(reference)
+    dp_size, dp_rank = world // sp_size, rank // sp_size
+    compiled = autosp.compile(candidate, sp_size=sp_size, compiler="aot_eager", shard_parameters=True, **options)
+    shard_sizes = {name: p.numel() for name, p in compiled.named_parameters()}
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
+    steps = []
+    for step in range(2):
+        samples = [make_sample(SEQ_LEN, vocab_size(reference), seed=100 + 10 * step + i) for i in range(dp_size)]
+        ref_losses = []
+        for ids, labels in samples:
+            loss = loss_of(reference(input_ids=ids, labels=labels))
+            (loss / dp_size).backward()
+            ref_losses.append(loss.detach())
+        ids, labels = samples[dp_rank]
+        loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
+        loss.backward()
+        grads = compiled.full_parameters(grads=True)
+        steps.append({"loss": loss.detach(), "ref_loss": ref_losses[dp_rank], "grads": grads,
+                      "ref_grads": {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}})
+        for name, p in reference.named_parameters():  # see the module docstring: the step, not Adam's eps
+            if p.grad is not None:
+                p.grad.copy_(grads[name])
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+    graphs = dict(compiled.report.aot_graphs)
+    return {"steps": steps, "params": compiled.full_parameters(),
+            "ref_params": {n: p.detach().clone() for n, p in reference.named_parameters()},
+            "whole_sizes": {n: p.numel() for n, p in reference.named_parameters()}, "shard_sizes": shard_sizes,
+            "kept": _gathered_weights_kept(graphs["forward"]),
+            "backward_gathers": sum(1 for n in graphs["backward"].graph.nodes if gathers_parameter(n))}
+
+
+def _cases(rank, world, cases):
+    return [_two_steps(rank, world, **case) for case in cases]
+
+
+def _check(results: list[list[dict]], cases: list[dict], world: int) -> None:
+    for rank, per_case in enumerate(results):
+        for case, r in zip(cases, per_case, strict=True):
+            where = f"rank {rank} {case}"
+            for step, s in enumerate(r["steps"]):
+                torch.testing.assert_close(s["loss"], s["ref_loss"], **FP32_TOL,
+                                           msg=lambda m, w=where, i=step: f"{w} step {i} loss: {m}")
+                assert s["grads"].keys() == s["ref_grads"].keys(), where
+                for name, grad in s["grads"].items():
+                    ref = s["ref_grads"][name]
+                    assert ref.abs().max() > 0, f"{where} grad {name} is zero: the comparison would be vacuous"
+                    torch.testing.assert_close(grad, ref, **FP32_TOL,
+                                               msg=lambda m, w=f"{where} step {step} grad {name}": f"{w}: {m}")
+            assert r["params"].keys() == r["ref_params"].keys(), where
+            for name, param in r["params"].items():
+                torch.testing.assert_close(param, r["ref_params"][name], **FP32_TOL,
+                                           msg=lambda m, w=f"{where} parameter {name}": f"{w}: {m}")
+            # Each rank holds 1/N of every parameter (padded to a multiple of N), and only that between uses.
+            assert sorted(r["shard_sizes"].values()) == sorted(-(-n // world) for n in r["whole_sizes"].values())
+            assert r["kept"] == [], f"{where}: gathered weights kept for backward: {r['kept']}"
+            assert r["backward_gathers"] > 0, f"{where}: the backward gathers no parameter"
+
+
+TWO_RANK_CASES = [
+    {"model": "hf-llama", "sp_size": 2, "options": {}},
+    {"model": "hf-qwen2", "sp_size": 2, "options": TILED},
+    {"model": "hf-llama", "sp_size": 2, "options": {"strategy": "ring"}},
+]
+FOUR_RANK_CASES = [
+    {"model": "hf-llama", "sp_size": 2, "options": TILED},  # SP 2 x DP 2
+    {"model": "mixtral", "sp_size": 4, "options": {}},
+]
+
+
+def test_sharded_parameters_train_exactly_on_two_ranks():
+    _check(run_on_ranks(_cases, 2, TWO_RANK_CASES, timeout_s=600), TWO_RANK_CASES, world=2)
+
+
+def test_sharded_parameters_train_exactly_on_four_ranks_with_data_parallelism_and_moe():
+    _check(run_on_ranks(_cases, 4, FOUR_RANK_CASES, timeout_s=600), FOUR_RANK_CASES, world=4)
+
+
+def test_sharded_parameters_are_not_handed_to_an_engine_that_would_reduce_them_again():
+    from autosp.gradients import GradientReduction
+
+    reduction = GradientReduction(torch.nn.Linear(2, 2), groups=None, sharded=frozenset({1}))
+    with pytest.raises(AutoSPError, match="shard_parameters=True already reduces"):
+        reduction.hand_to_engine("DeepSpeed")
+
+
+def test_the_memory_planner_refuses_sharded_parameters_in_one_line_naming_the_option():
+    import dataclasses
+
+    from autosp.config import AutoSPConfig
+    from autosp.plan.auto import check_plannable, resolve_memory_plan
+    from experiments.models import build_model
+
+    model = build_model("hf-llama", layers=1)
+    config = AutoSPConfig(sp_size=2, shard_parameters=True, target_memory=16 * 2**20)
+    with pytest.raises(AutoSPError, match="shard_parameters"):
+        check_plannable(model, dataclasses.replace(config, memory_plan="auto"))
+    with pytest.raises(AutoSPError, match="target_memory= ask.*shard_parameters=True"):
+        resolve_memory_plan(model, config)  # a memory size asks for the plan the default would make
+    unasked = dataclasses.replace(config, target_memory=None)
+    assert resolve_memory_plan(model, unasked).memory_plan == "off"
+
+
+def test_original_names_of_sharded_parameters():
+    from autosp.parameter_sharding import original_name
+
+    assert original_name("model.layers.0.q_proj.parametrizations.weight.original") == "model.layers.0.q_proj.weight"
+    assert original_name("parametrizations.bias.original") == "bias"
+    assert original_name("model.norm.weight") == "model.norm.weight"
