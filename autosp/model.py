@@ -35,7 +35,7 @@ from autosp.gradients import GradientReduction
 from autosp.groups import SequenceParallelGroups
 from autosp.guards import check_same_sample, sliding_window_layers
 from autosp.inputs import PREPARED_KEY, positions_are_plain, shard_batch, shard_layout
-from autosp.parameter_sharding import full_parameters, shard_parameters
+from autosp.parameter_sharding import clip_grad_norm_, full_parameters, shard_parameters
 from autosp.passes.dynamo.tiled_loss import mark_dropped_logits
 from autosp.pipeline import passes_for
 
@@ -244,6 +244,15 @@ class SequenceParallelModel(nn.Module):
         under ``shard_parameters=True`` gathered from the shards, a collective every rank must call (Note
         [Parameters gathered in the graph] in autosp/parameter_sharding.py)."""
         return full_parameters(self.module, grads=grads)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` as on one device, also where the
+        parameters are shards (``shard_parameters=True``: the norm is summed over the ranks, a collective every rank
+        must call); returns the total norm before clipping."""
+        shards = self._shards
+        if shards is None:
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return clip_grad_norm_(self.module, max_norm, self.groups.group, shards.shard_ids)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped model's own state dict (its keys, loadable into the uncompiled model)."""

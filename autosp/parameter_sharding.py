@@ -28,7 +28,9 @@ weights between uses.  The design, and why it is not DeepSpeed's or FSDP2's hook
 ``compiled.full_parameters()`` (`full_parameters`) gathers the whole parameters (or gradients) by their original
 names, on every rank, for a checkpoint or a comparison; every rank of the group must call it.  ``state_dict()``
 holds the shards (under ``parametrizations.<name>.original``): it resumes the same sharded job without a
-collective, so that a save on one rank cannot hang.
+collective, so that a save on one rank cannot hang.  ``compiled.clip_grad_norm_(max_norm)`` clips by the norm of
+the whole gradients: ``torch.nn.utils.clip_grad_norm_`` over the shards would clip each rank by its own piece's norm,
+a quietly different gradient on every rank.
 """
 
 from __future__ import annotations
@@ -100,6 +102,32 @@ def shard_parameters(module: nn.Module, group: dist.ProcessGroup) -> ShardedPara
         log.info("shard_parameters: %d parameter(s) shared by several modules stay whole: %s", len(whole),
                  ", ".join(whole))
     return ShardedParameters(frozenset(shard_ids), tuple(whole))
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, group: dist.ProcessGroup,
+                    shard_ids: frozenset[int]) -> torch.Tensor:
+    """Scale every gradient of ``module`` so that their total 2-norm is at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does on one device; returns the total norm before clipping.  A shard holds a
+    disjoint piece of its parameter, so the squares of its gradient are summed over ``group`` (torch's function,
+    called on the shards, would clip each rank by its own piece's norm); whole parameters' gradients are the same on
+    every rank and counted once.  A collective: every rank must call it."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    whole = torch.zeros((), dtype=torch.float64, device=device)
+    for p in module.parameters():
+        if p.grad is not None:
+            square = p.grad.detach().double().pow(2).sum()
+            if id(p) in shard_ids:
+                sharded += square
+            else:
+                whole += square
+    dist.all_reduce(sharded, group=group)
+    total = (sharded + whole).sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return total.to(grads[0].dtype if grads else torch.float32)
 
 
 def original_name(name: str) -> str:

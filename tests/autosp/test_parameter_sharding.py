@@ -10,7 +10,8 @@ a gradient near zero into a visible step, so its parameters would test the round
 (each rank's AdamW holds and updates its own shard; the reference's the whole).  Tolerances: fp32 rtol 1e-4 / atol
 1e-6, on 2 and 4 real gloo ranks, SP alone and
 SP x DP, Hugging Face Llama, Qwen2 and Mixtral (MoE), Ulysses and the ring, with SAC, the tiled loss and MLP and
-activation offload.  Each rank's parameters are its 1/N shards, and no gathered weight is kept from the forward to
+activation offload; the first step's gradients are clipped by their whole norm (`compiled.clip_grad_norm_`) as
+torch clips them on one device.  Each rank's parameters are its 1/N shards, and no gathered weight is kept from the forward to
 the backward (the backward gathers again).
 """
 
@@ -29,6 +30,8 @@ from tests.harness import run_on_ranks
 
 FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 SEQ_LEN = 64
+CLIP = 0.05
+"""The gradient norm clipped to in the first step (the models' are larger: the test checks that it clips)."""
 TILED = {"tiled_loss": "on", "return_logits": False, "tiled_mlp": "on", "activation_offload": "on"}
 
 
@@ -78,9 +81,15 @@ def _two_steps(rank: int, world: int, *, model: str, sp_size: int, options: dict
         ids, labels = samples[dp_rank]
         loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
         loss.backward()
+        record = {"loss": loss.detach(), "ref_loss": ref_losses[dp_rank], "grads": compiled.full_parameters(grads=True),
+                  "ref_grads": {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}}
+        if step == 0:  # clipped by the whole gradients' norm, as on one device
+            record["norm"] = compiled.clip_grad_norm_(CLIP)
+            record["ref_norm"] = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+            record["clipped"] = compiled.full_parameters(grads=True)
+            record["ref_clipped"] = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+        steps.append(record)
         grads = compiled.full_parameters(grads=True)
-        steps.append({"loss": loss.detach(), "ref_loss": ref_losses[dp_rank], "grads": grads,
-                      "ref_grads": {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}})
         for name, p in reference.named_parameters():  # see the module docstring: the step, not Adam's eps
             if p.grad is not None:
                 p.grad.copy_(grads[name])
@@ -100,6 +109,14 @@ def _cases(rank, world, cases):
     return [_two_steps(rank, world, **case) for case in cases]
 
 
+def _check_grads(grads: dict, ref_grads: dict, where: str) -> None:
+    assert grads.keys() == ref_grads.keys(), where
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        assert ref.abs().max() > 0, f"{where} grad {name} is zero: the comparison would be vacuous"
+        torch.testing.assert_close(grad, ref, **FP32_TOL, msg=lambda m, w=f"{where} grad {name}": f"{w}: {m}")
+
+
 def _check(results: list[list[dict]], cases: list[dict], world: int) -> None:
     for rank, per_case in enumerate(results):
         for case, r in zip(cases, per_case, strict=True):
@@ -107,12 +124,11 @@ def _check(results: list[list[dict]], cases: list[dict], world: int) -> None:
             for step, s in enumerate(r["steps"]):
                 torch.testing.assert_close(s["loss"], s["ref_loss"], **FP32_TOL,
                                            msg=lambda m, w=where, i=step: f"{w} step {i} loss: {m}")
-                assert s["grads"].keys() == s["ref_grads"].keys(), where
-                for name, grad in s["grads"].items():
-                    ref = s["ref_grads"][name]
-                    assert ref.abs().max() > 0, f"{where} grad {name} is zero: the comparison would be vacuous"
-                    torch.testing.assert_close(grad, ref, **FP32_TOL,
-                                               msg=lambda m, w=f"{where} step {step} grad {name}": f"{w}: {m}")
+                _check_grads(s["grads"], s["ref_grads"], f"{where} step {step}")
+                if "norm" in s:
+                    assert s["ref_norm"] > CLIP, f"{where}: the norm {s['ref_norm']} is not clipped at {CLIP}"
+                    torch.testing.assert_close(s["norm"], s["ref_norm"], **FP32_TOL)
+                    _check_grads(s["clipped"], s["ref_clipped"], f"{where} step {step} clipped")
             assert r["params"].keys() == r["ref_params"].keys(), where
             for name, param in r["params"].items():
                 torch.testing.assert_close(param, r["ref_params"][name], **FP32_TOL,
