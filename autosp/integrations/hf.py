@@ -12,7 +12,7 @@ Note [The Trainer path]
 The Trainer, through accelerate, would wrap the model in DistributedDataParallel and
 shard each batch over every rank; under sequence parallelism both are wrong (DDP
 averages gradients over the SP ranks of one sequence, and the ranks of an SP group
-must hold the same sample).  `AutoSPTrainer` overrides three documented hooks:
+must hold the same sample).  `AutoSPTrainer` overrides these hooks:
 
 - ``_wrap_model``: the distributed wrapper is the `SequenceParallelModel` (the
   Trainer then leaves the model to it and prepares only the optimizer with
@@ -26,6 +26,10 @@ must hold the same sample).  `AutoSPTrainer` overrides three documented hooks:
   (``num_items_in_batch``, as for a model that takes loss kwargs) the sample's mean
   loss is turned into the Trainer's sum / count, so gradient accumulation weighs
   tokens exactly as on one device;
+- ``_clip_grad_norm`` and ``_get_grad_norm``: the norm is the compiled model's
+  (``clip_grad_norm_``), which sums the squares of sharded parameters' gradients over the
+  ranks (``shard_parameters=True``: Note [Parameters gathered in the graph] in
+  autosp/parameter_sharding.py); accelerate's would clip each rank by its own shard's norm.
 Gradients need nothing more: the compiled model reduces them during backward (sum over
 the SP group, average over replicas; autosp/gradients.py), before
 the Trainer clips and steps.
@@ -217,6 +221,18 @@ class AutoSPTrainer(transformers.Trainer):
     def _model_input_name(self) -> str:
         names = getattr(self.processing_class, "model_input_names", None)
         return names[0] if names else "input_ids"
+
+    def _clip_grad_norm(self, model: nn.Module):
+        if not isinstance(model, SequenceParallelModel):
+            return super()._clip_grad_norm(model)
+        self.accelerator.unscale_gradients()  # what accelerate's clip_grad_norm_ does first (fp16's loss scale)
+        return model.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm=None):
+        if grad_norm is None and isinstance(model, SequenceParallelModel):
+            self.accelerator.unscale_gradients()
+            grad_norm = model.clip_grad_norm_(float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
         if not training:

@@ -10,7 +10,8 @@ the same batches in the same order with the Trainer's loss (sum over the
 accumulated targets / their count) (fp32 rtol 1e-4 / atol 1e-6).  With ``bf16=True`` the
 compiled forward runs under the Trainer's autocast and matches the plain single-device
 Trainer's bf16 step (Note [The bf16 comparison]); the longest padded sample reaches
-``plan_seq_len`` where the compile plans.
+``plan_seq_len`` where the compile plans.  With ``shard_parameters=True`` (each rank 1/N of every parameter) the same
+training reaches the same parameters, the clipping (checked to bite) taking the whole gradients' norm.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _dataset(replicas: int):
     return [{"input_ids": torch.randint(2, VOCAB, (n,), generator=g).tolist()} for n in lengths]
 
 
-def _train(rank, world, out_dir, sp_size):
+def _train(rank, world, out_dir, sp_size, options=None):
     import transformers
 
     from autosp.integrations.hf import AutoSPTrainer
@@ -68,7 +69,7 @@ def _train(rank, world, out_dir, sp_size):
         seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = AutoSPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator, sp_size=sp_size,
-                            autosp_options={"compiler": "aot_eager"})
+                            autosp_options={"compiler": "aot_eager", **(options or {})})
     order = list(iter(trainer.get_train_dataloader().sampler))
     orders = [list(torch.utils.data.DistributedSampler(dataset, replicas, r, shuffle=True, seed=0))
               for r in range(replicas)]
@@ -82,7 +83,7 @@ def _train(rank, world, out_dir, sp_size):
     reference.gradient_checkpointing_enable()
     reference.train()
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-    padded = []
+    padded, norms = [], []
     for step in range(STEPS):
         micro = [collator([dataset[i] for i in o[(step * ACCUMULATION + m) * BATCH:][:BATCH]])
                  for o in orders for m in range(ACCUMULATION)]
@@ -90,19 +91,20 @@ def _train(rank, world, out_dir, sp_size):
         count = sum((b["labels"][:, 1:] != -100).sum() for b in micro)
         for b in micro:
             reference(**b, num_items_in_batch=count).loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)))
         optimizer.step()
         optimizer.zero_grad()
-    return {"order": order, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    return {"order": order, "params": trainer.sp_model.full_parameters(),
             "ref_params": {n: p.detach().clone() for n, p in reference.named_parameters()},
             "initial": initial,
-            "padded": padded}
+            "padded": padded, "ref_norms": norms}
 
 
 def _check(results, sp_size):
     for rank, r in enumerate(results):
         assert r["order"] == results[rank - rank % sp_size]["order"], "the ranks of one SP group read different samples"
     assert len(set(results[0]["padded"])) > 1, "every batch had one length: dynamic padding was not exercised"
+    assert max(results[0]["ref_norms"]) > CLIP, "clipping never bit: a wrong norm would go unnoticed"
     for rank, r in enumerate(results):
         for name, param in r["params"].items():
             moved = (r["ref_params"][name] - r["initial"][name]).abs().max()
@@ -113,6 +115,12 @@ def _check(results, sp_size):
 
 def test_hf_trainer_two_ranks_trains_like_single_device(tmp_path):
     _check(run_on_ranks(_train, 2, str(tmp_path), 2, timeout_s=300), sp_size=2)
+
+
+def test_hf_trainer_with_sharded_parameters_trains_like_single_device(tmp_path):
+    """``shard_parameters=True`` under the Trainer: its SGD steps the shards, and its clipping (which bites at
+    CLIP) takes the norm of the whole gradients, not of each rank's shard."""
+    _check(run_on_ranks(_train, 2, str(tmp_path), 2, {"shard_parameters": True}, timeout_s=300), sp_size=2)
 
 
 @pytest.mark.slow
