@@ -9,7 +9,7 @@ second every parameter (gathered whole) does.  The reference's optimizer steps o
 a gradient near zero into a visible step, so its parameters would test the rounding, not the sharded optimizer
 (each rank's AdamW holds and updates its own shard; the reference's the whole).  Tolerances: fp32 rtol 1e-4 / atol
 1e-6, on 2 and 4 real gloo ranks, SP alone and
-SP x DP, Hugging Face Llama, Qwen2 and Mixtral (MoE), Ulysses and the ring, with SAC, the tiled loss and MLP and
+SP x DP, Hugging Face Llama, Qwen2 and Mixtral (MoE), Ulysses and the ring, aot_eager and Inductor, with SAC, the tiled loss and MLP and
 activation offload; the first step's gradients are clipped by their whole norm (`compiled.clip_grad_norm_`) as
 torch clips them on one device.  Each rank's parameters are its 1/N shards, and no gathered weight is kept from the forward to
 the backward (the backward gathers again).
@@ -56,7 +56,7 @@ def _gathered_weights_kept(forward) -> list[str]:
     return [n.name for n in outputs if n in gathered]
 
 
-def _two_steps(rank: int, world: int, *, model: str, sp_size: int, options: dict) -> dict:
+def _two_steps(rank: int, world: int, *, model: str, sp_size: int, options: dict, compiler: str = "aot_eager") -> dict:
     """Two AdamW steps of ``model`` compiled with ``shard_parameters=True`` on this rank, and of the reference."""
     import autosp
     from experiments.models import vocab_size
@@ -66,7 +66,7 @@ def _two_steps(rank: int, world: int, *, model: str, sp_size: int, options: dict
     reference = _build(model)
     candidate = copy.deepcopy(reference)
     dp_size, dp_rank = world // sp_size, rank // sp_size
-    compiled = autosp.compile(candidate, sp_size=sp_size, compiler="aot_eager", shard_parameters=True, **options)
+    compiled = autosp.compile(candidate, sp_size=sp_size, compiler=compiler, shard_parameters=True, **options)
     shard_sizes = {name: p.numel() for name, p in compiled.named_parameters()}
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
@@ -143,6 +143,7 @@ TWO_RANK_CASES = [
     {"model": "hf-llama", "sp_size": 2, "options": {}},
     {"model": "hf-qwen2", "sp_size": 2, "options": TILED},
     {"model": "hf-llama", "sp_size": 2, "options": {"strategy": "ring"}},
+    {"model": "hf-llama", "sp_size": 2, "options": {}, "compiler": "inductor"},  # autosp.compile's default
 ]
 FOUR_RANK_CASES = [
     {"model": "hf-llama", "sp_size": 2, "options": TILED},  # SP 2 x DP 2
