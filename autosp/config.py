@@ -181,8 +181,9 @@ class AutoSPConfig:
     replicas times the SP group, as ZeRO-3 partitions them), gathered where it is used inside the compiled program
     and gathered again in its backward, so no rank holds the whole model between uses (Note [Parameters gathered in
     the graph] in autosp/parameter_sharding.py).  ``model.parameters()`` are then the shards (give them to the
-    optimizer); `autosp.full_parameters` gathers them whole.  Not priced by the memory planner yet (memory_plan
-    "auto" is refused; the default resolves to "off")."""
+    optimizer); ``compiled.full_parameters()`` gathers them whole.  The memory planner prices it as ZeRO 3 (under
+    strategy "ulysses"; its ledger is DeepSpeed's Stage 3, fp32 master weights and Adam state included, so a bf16
+    model under a plain optimizer holds less than priced)."""
     tiled_loss: str = "off"
     """Compute the output projection and the causal-LM loss in token chunks, forward and backward, so the
     [tokens, vocab] logits and their fp32 copies never exist (Note [Tiled logits and loss] in

@@ -168,15 +168,25 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
     wrapper = cfg.wrapper
     lines: list[LedgerLine] = []
 
-    def optimizer_state(partition: Sequence[int], where: str, when: str = "step", pool: str = "device") -> None:
+    def optimizer_state(partition: Sequence[int], where: str, when: str = "step", pool: str = "device",
+                        dtype: str = "fp32") -> None:
         for k in range(states):
-            lines.append(_line("optimizer", f"optimizer state {k + 1}/{states} (fp32)", [4 * e for e in partition],
+            lines.append(_line("optimizer", f"optimizer state {k + 1}/{states} ({dtype})",
+                               [DTYPE_BYTES[dtype] * e for e in partition],
                                f"torch.optim.{cfg.optimizer}: lazily created state on {where}", when, pool))
         if counter:
             lines.append(_line("optimizer", "Adam step counters", [4] * len(partition),
                                "torch.optim.Adam: one fp32 scalar 'step' tensor per optimized tensor", when, pool))
 
-    if wrapper == "torch":
+    if wrapper == "torch, sharded":
+        shards = [-(-e // d) for e in numels]
+        lines.append(_line("parameters", f"{cfg.precision} parameter shards", [lp * e for e in shards],
+                           "autosp/parameter_sharding.py: each parameter a flat 1/N shard, padded to a multiple of N"))
+        lines.append(_line("gradients", f"{cfg.precision} shard .grad", [lp * e for e in shards],
+                           "autosp/parameter_sharding.py: the gather's reduce-scatter leaves each rank its shard's "
+                           "gradient; set to None by the loop's zero_grad", "backward"))
+        optimizer_state(shards, "each shard, in its dtype", dtype=cfg.precision)
+    elif wrapper == "torch":
         lines.append(_line("parameters", "fp32 parameters", [4 * e for e in numels], "the module's parameters"))
         lines.append(_line("gradients", "fp32 param.grad", [4 * e for e in numels],
                            DS + "runtime/engine.py DeepSpeedEngine.allreduce_gradients reduces param.grad in place; "

@@ -51,6 +51,11 @@ class TrainingConfig:
     """``zero_optimization.offload_optimizer.device = "cpu"``: fp32 master weights, gradient partitions and
     optimizer state in host memory, the optimizer step on the CPU (Note [Optimizer offload] in
     simulator/ledger.py). ZeRO 1-3 only."""
+    sharded_parameters: bool = False
+    """AutoSP's ``shard_parameters=True`` under a plain torch optimizer (no DeepSpeed engine; ``zero_stage`` 0): each
+    of the ``dp_world_size`` ranks holds a 1/dp_world_size shard of every parameter, of its gradient and of its
+    optimizer state, in the parameters' dtype (the workload gathers each layer's parameters inside the step:
+    Note [ZeRO-3 as a rewrite of the single-device trace] in simulator/workload_rewrites.py)."""
     gpu_process: bool = True
     """The rank is a GPU process: it also holds what no tensor accounts for (CUDA context, NCCL buffers,
     library workspaces, the caching allocator's rounding and fragmentation, and under offload the host process's
@@ -83,6 +88,9 @@ class TrainingConfig:
                              "accumulation dtype (engine.py _do_optimizer_sanity_check: unsupported mix); use "
                              "ZeRO 1 for BF16_Optimizer")
 
+        if self.sharded_parameters and (self.zero_stage != 0 or self.offload_optimizer):
+            raise ValueError("sharded_parameters is AutoSP's own sharding under a plain optimizer: zero_stage 0, no "
+                             "optimizer offload")
         if self.offload_optimizer:
             self._check_offload()
 
@@ -130,7 +138,10 @@ class TrainingConfig:
 
     @property
     def wrapper(self) -> str:
-        """The DeepSpeed optimizer class this configuration gets (see Note [Which DeepSpeed path holds what])."""
+        """The DeepSpeed optimizer class this configuration gets (see Note [Which DeepSpeed path holds what]);
+        ``"torch, sharded"`` for `sharded_parameters`."""
+        if self.sharded_parameters:
+            return "torch, sharded"
         if self.zero_stage == 3:
             return "DeepSpeedZeroOptimizer_Stage3"
         if self.zero_stage in (1, 2):

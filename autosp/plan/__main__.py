@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let an SP group span nodes (its all-to-alls then cross the network); without it an SP "
                         "group that would is refused")
     p.add_argument("--zero-stage", type=_zero_stage, default=None, choices=(0, 1, 2, 3, "auto"),
-                   help="DeepSpeed ZeRO stage; 3 is refused (AutoSP does not compose with it); auto (with the "
+                   help="DeepSpeed ZeRO stage 0-2, or 3: AutoSP's own sharded parameters (autosp.compile(..., "
+                        "shard_parameters=True) under a plain optimizer; Ulysses, no offload); auto (with the "
                         "memory plan): the planner chooses ZeRO 1, 2 or 2 with optimizer offload, the first under "
                         "which a plan fits, keeping --offload if given (default: "
                         f"{lib['zero_stage']}, what a compiled model's own plan assumes of a plain training loop)")

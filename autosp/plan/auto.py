@@ -83,9 +83,16 @@ def check_plannable(module: torch.nn.Module, config: AutoSPConfig) -> None:
         raise AutoSPError(f"memory_plan='auto' does not plan a strategy={config.strategy!r} program yet; pass the "
                           "memory options yourself with memory_plan='off', or plan under strategy="
                           f"{' or '.join(map(repr, MEMORY_PLANNED_STRATEGIES))}")
-    if config.shard_parameters:
-        raise AutoSPError(f"{planning} does not price parameters sharded in the graph (shard_parameters=True) yet: "
-                          "pass the strategy and memory options yourself (memory_plan='off')")
+    stage = (config.plan_setup or {}).get("zero_stage")
+    if config.shard_parameters and stage not in (None, 3):
+        raise AutoSPError(f"shard_parameters=True is priced as ZeRO 3, and plan_setup says zero_stage={stage}: drop "
+                          "one (AutoSP's sharded parameters do not compose with DeepSpeed's ZeRO 0-2)")
+    if stage == 3 and not config.shard_parameters:
+        raise AutoSPError("plan_setup zero_stage=3 prices AutoSP's own sharded parameters: pass shard_parameters=True "
+                          "too (DeepSpeed's ZeRO 3 does not compose with AutoSP's one-graph compile)")
+    if config.shard_parameters and config.strategy != "ulysses":
+        raise AutoSPError(f"{planning} prices shard_parameters=True (ZeRO 3) for strategy='ulysses' only: pass the "
+                          "strategy and memory options yourself (memory_plan='off')")
     device = _device_of(module)
     if config.memory_plan == "auto" and config.target_memory is None and device.type != "cuda":
         raise AutoSPError(
@@ -174,7 +181,7 @@ def _setup(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int, micro
     dtype = next((p.dtype for p in module.parameters()), torch.float32)
     return {"seq_len": seq_len, "sp_size": config.sp_size, "dp_size": world_size // config.sp_size,
             "micro_batch": micro_batch, "dtype": DTYPES[dtype], "compiler": config.compiler, **PLAIN_TRAINING_LOOP,
-            **(config.plan_setup or {})}
+            **({"zero_stage": 3} if config.shard_parameters else {}), **(config.plan_setup or {})}
 
 
 def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int, micro_batch: int, world_size: int,

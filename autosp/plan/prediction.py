@@ -135,7 +135,7 @@ class Prediction:
         s = self.setup
         out = [f"{self.model}: {self.parameters / 1e9:.3g} B parameters, {self.layers} layers",
                f"  setup       SP {s.sp_size} x DP {s.dp_size} = {s.world_size} ranks; ZeRO {s.zero_stage} "
-               f"({self.wrapper}); {s.dtype}; {s.optimizer}; micro-batch {s.micro_batch} x {s.seq_len:,} tokens; "
+               f"({'shard_parameters=True: ' if s.zero_stage == 3 else ''}{self.wrapper}); {s.dtype}; {s.optimizer}; micro-batch {s.micro_batch} x {s.seq_len:,} tokens; "
                f"grad accum {s.grad_accum}; {s.compiler}",
                f"  cluster     {self.cluster['nodes']} x {self.cluster['devices_per_node']} {self.cluster['device']} "
                f"({self.cluster['preset']}), {self.capacity_bytes / gib:.2f} GiB per device",

@@ -39,6 +39,9 @@ class TrainingSetup:
     dp_size: int = 1
     """Data-parallel replicas; the world is ``sp_size * dp_size`` ranks and ZeRO partitions over all of them."""
     zero_stage: int = 1
+    """DeepSpeed's ZeRO stage (0-2), or 3: AutoSP's own sharded parameters (``shard_parameters=True``: each rank holds
+    1/N of the parameters, gradients and optimizer state, layers gathered inside the step; priced by the ZeRO-3
+    rewrite, Note [ZeRO-3 as a rewrite of the single-device trace] in simulator/workload_rewrites.py)."""
     micro_batch: int = 1
     """Samples per SP group per micro-step."""
     grad_accum: int = 1
@@ -77,11 +80,10 @@ class TrainingSetup:
         if self.seq_len % self.sp_size:
             raise AutoSPError(f"--seq-len {self.seq_len} is not divisible by --sp-size {self.sp_size}; give a "
                               "multiple of the SP degree")
-        if self.zero_stage == 3:
-            raise AutoSPError("--zero-stage 3: AutoSP does not compose with ZeRO 3 (DeepSpeed's AutoSP backend "
-                              "refuses it), and the planner does not price the ZeRO-3 baseline's step (its per-layer "
-                              "parameter gathers: simulator/workload_rewrites.py, used by the paper-scale tables). "
-                              "Use ZeRO 0, 1 or 2")
+        if self.zero_stage == 3 and self.offload != "none":
+            raise AutoSPError(f"--offload {self.offload} with --zero-stage 3: ZeRO 3 is AutoSP's own parameter "
+                              "sharding (autosp.compile(..., shard_parameters=True)), whose optimizer steps the shards "
+                              "on the device; use --offload none, or ZeRO 2 with optimizer offload")
         if self.offload != "none" and self.zero_stage == 0:
             raise AutoSPError(f"--offload {self.offload} with --zero-stage 0: DeepSpeed's offload_optimizer is a "
                               "ZeRO feature; use --zero-stage 1 or 2")
@@ -99,8 +101,10 @@ class TrainingSetup:
     def training_config(self, parameter_numels: tuple[int, ...]) -> TrainingConfig:
         """The ledger's configuration (ZeRO partitions over all ``world_size`` ranks: the sequence-data-parallel
         group)."""
+        sharded = self.zero_stage == 3  # AutoSP's shard_parameters=True under a plain optimizer
         return TrainingConfig(parameter_numels=parameter_numels, optimizer=self.optimizer, precision=self.dtype,
-                              zero_stage=self.zero_stage, dp_world_size=self.world_size,
+                              zero_stage=0 if sharded else self.zero_stage, sharded_parameters=sharded,
+                              dp_world_size=self.world_size,
                               gradient_accumulation_steps=self.grad_accum, micro_batch_size=self.micro_batch,
                               nccl_communicators=2 if self.sp_size > 1 else 1,
                               offload_optimizer=self.offload == "optimizer")

@@ -342,14 +342,26 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts:
                                attention_kept_fraction=facts.attention_kept_fraction)
     modules = module_parameters(graphs, facts.forward_graph)
     world = setup.world_size
+    # A shallower trace (depth extrapolation) reduces and updates only its own layers' parameters.
+    step_config = config if layers is None else dataclasses.replace(config, parameter_numels=source.parameter_numels(hf))
+    if setup.zero_stage == 3:  # AutoSP's sharded parameters: each module gathered before its reads, forward and
+        # backward, its gradients reduce-scattered (Note [Parameters gathered in the graph] in
+        # autosp/parameter_sharding.py, priced as Note [ZeRO-3 as a rewrite of the single-device trace])
+        from simulator.workload_rewrites import zero3_workload
+
+        try:
+            backward = zero3_workload(data_parallel_replicas(exported, setup.dp_size), modules, world_size=world,
+                                      prefetch=False)  # the compiled program gathers each weight at its use
+        except ValueError as err:
+            raise AutoSPError(f"ZeRO 3 (shard_parameters=True) is priced for Ulysses programs only: {err}") from None
+        step = add_training_step(backward, [], step_config, group="dp_reduce")
+        return Traced(layers=depth, backward=backward, step=step)
     names = [n for m in modules for n in m.gradients]
     released = dataclasses.replace(exported, ranks={r: release_gradients(p, names) for r, p in exported.ranks.items()})
     backward = data_parallel_replicas(released, setup.dp_size)  # a ring program: one program per rank
     element = dtype.itemsize
     sizes = [(m.gradients, m.parameter_bytes // element) for m in modules]
     gradients = {r: gradients_from_modules(p, sizes) for r, p in backward.ranks.items()}
-    # A shallower trace (depth extrapolation) reduces and updates only its own layers' parameters.
-    step_config = config if layers is None else dataclasses.replace(config, parameter_numels=source.parameter_numels(hf))
     step = add_training_step(backward, gradients, step_config, group="dp", group_instances=[list(range(world))])
     return Traced(layers=depth, backward=backward, step=step, gradients={r: tuple(g) for r, g in gradients.items()})
 

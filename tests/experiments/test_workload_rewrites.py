@@ -208,6 +208,33 @@ def test_zero3_rewrite_gathers_each_module_per_phase_and_reduce_scatters_its_gra
                                                           optimizer_bytes=6000)
 
 
+def test_zero3_rewrite_without_prefetch_gathers_each_module_when_compute_reaches_its_first_read():
+    """AutoSP's sharded parameters (``prefetch=False``): a gather depends on the op before its module's first read,
+    so no two modules' gathered copies are in flight at once, and the step is no faster than with prefetch."""
+    source, modules = _single_device_toy()
+    program = zero3_workload(source, modules, world_size=8, prefetch=False).program(0)
+    position = {op.id: i for i, op in enumerate(program.ops)}
+    by_name = {op.name: op for op in program.ops}
+    for phase in ("forward", "backward"):
+        starts = [op for op in program.ops if op.kind == "collective_start" and op.phase == phase
+                  and op.collective.kind == "all_gather"]
+        for start in starts:
+            module = start.collective.key.split(".", 2)[-1]
+            reads = next(getattr(m, f"{phase}_reads") for m in modules if m.module == module)
+            first = position[by_name[reads[0]].id]
+            # it waits for the compute op before the read (the first op of the program waits for nothing)
+            at_start = reads[0] == source.program(0).ops[0].name
+            assert [program.ops[position[d]].kind for d in start.deps] == ([] if at_start else ["compute"])
+            wait = position[by_name[f"{start.name}.wait"].id]
+            assert position[start.id] < wait < first  # issued and waited for right before the first read
+            between = program.ops[position[start.id] + 1:wait]
+            assert not [op for op in between if op.kind == "collective_start"]  # one gather in flight at a time
+    cluster = Cluster.from_preset("a100-80gb-sxm")
+    eager = simulate(zero3_workload(source, modules, world_size=8, prefetch=False), cluster)
+    ahead = simulate(zero3_workload(source, modules, world_size=8), cluster)
+    assert eager.step_time_s >= ahead.step_time_s
+
+
 def test_zero3_rewrite_frees_gathered_parameters_and_full_gradients():
     source, modules = _single_device_toy()
     program = zero3_workload(source, modules, world_size=8).program(0)

@@ -39,6 +39,21 @@ def test_ledger_zero3_partitions_everything_and_keeps_one_bucket():
     assert _by(lines, "communication buffers")[1] == 2 * 500_000_000
 
 
+def test_ledger_of_autosp_sharded_parameters_holds_one_shard_of_each_state_in_the_parameters_dtype():
+    numels = (10, 1_000_001)
+    cfg = TrainingConfig(parameter_numels=numels, zero_stage=0, dp_world_size=4, precision="bf16",
+                         optimizer="adamw", sharded_parameters=True)
+    assert cfg.wrapper == "torch, sharded"
+    lines = memory_ledger(cfg, at="optimizer_step", device=False)
+    shards = sum(-(-n // 4) for n in numels)
+    assert _by(lines, "parameters")[1] == 2 * shards and _by(lines, "gradients")[1] == 2 * shards
+    assert _by(lines, "optimizer")[1] == 2 * 2 * shards + 4 * len(numels)  # two bf16 states, fp32 step counters
+    assert _by(lines, "communication buffers")[1] == 0  # no DeepSpeed engine, no buckets
+    for bad in (dict(zero_stage=3), dict(zero_stage=1, offload_optimizer=True)):
+        with pytest.raises(ValueError, match="plain optimizer"):
+            dataclasses.replace(cfg, **bad)
+
+
 def test_ledger_zero3_keeps_small_parameters_gathered():
     cfg = TrainingConfig(parameter_numels=(10, 1_000_000), zero_stage=3, dp_world_size=4, precision="fp32")
     gathered = [ln for ln in memory_ledger(cfg, at="step") if ln.name.startswith("persistent")]
