@@ -178,7 +178,8 @@ def _zero_stage(ds_config: dict) -> int:
             f"ZeRO stage {stage} does not compose with AutoSP: ZeRO 3 gathers parameters with per-module hooks "
             "inside the forward, which AutoSP's one-graph compile cannot hold.  Use "
             f"\"zero_optimization\": {{\"stage\": 0, 1 or 2}} (supported: {list(SUPPORTED_ZERO_STAGES)}); "
-            "ZeRO 2 already partitions gradients and optimizer state"
+            "ZeRO 2 already partitions gradients and optimizer state; for ZeRO 3's parameter partitioning compile "
+            "with autosp.compile(model, ..., shard_parameters=True) and train with a torch optimizer (no engine)"
         )
     return stage
 
