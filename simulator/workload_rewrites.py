@@ -172,10 +172,9 @@ class _Program:
 def zero3_workload(workload: Workload, modules: Sequence[ModuleParameters], *, world_size: int,
                    name: str | None = None, prefetch: bool = True) -> Workload:
     """The ZeRO-3 step of ``workload`` (one rank's single-device step, or a symmetric sequence-parallel step over
-    exactly ``world_size`` ranks) on ``world_size`` ranks that ZeRO partitions over.
-    ``modules``: `autosp.export.module_parameters`; Note [ZeRO-3 as a rewrite of the single-device trace].
-    ``prefetch=False``: each module's gather issued at its first read and waited for at once (AutoSP's
-    ``shard_parameters=True``, whose compiled program gathers a weight where it is used), not one module ahead."""
+    exactly ``world_size`` ranks) on ``world_size`` ranks that ZeRO partitions over.  ``modules``:
+    `autosp.export.module_parameters`; ``prefetch=False``: each gathered at its first read, not one module ahead
+    (AutoSP's ``shard_parameters=True``).  Note [ZeRO-3 as a rewrite of the single-device trace]."""
     source = workload.program(0)
     if any(op.collective is not None for op in source.ops) and (workload.world_size != world_size
                                                                  or not workload.symmetric):
@@ -200,18 +199,15 @@ def zero3_workload(workload: Workload, modules: Sequence[ModuleParameters], *, w
         handles: dict[str, tuple[int, int]] = {}  # module -> (start op, gathered tensor)
 
         def issue(module: str, deps: Sequence[int]) -> None:
-            nbytes = sizes[module]
-            tid = out.tensor(nbytes)
+            tid = out.tensor(nbytes := sizes[module])
             coll = Collective(kind="all_gather", group="dp_gather", message_bytes=-(-nbytes // p),
                               key=f"{phase}.gather.{module}")
             handles[module] = (out.start(f"{phase}.all_gather.{module}", phase, coll, deps, (tid,)), tid)
 
         for k, (position, module) in enumerate(order):
             def at_first_read(k=k, module=module, position=position):
-                if not prefetch:  # issued when the compute stream gets there: after the op before the read
-                    issue(module, (out.new_id[source.ops[position - 1].id],) if position else ())
-                elif k == 0:
-                    issue(module, ())
+                if not prefetch or k == 0:  # without prefetch: when compute reaches the op before the read
+                    issue(module, (out.new_id[source.ops[position - 1].id],) if position and not prefetch else ())
                 wait = out.wait(handles[module][0])
                 if prefetch and k + 1 < len(order):
                     issue(order[k + 1][1], (wait,))
