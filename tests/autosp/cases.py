@@ -1,12 +1,10 @@
 """Shared pieces of the AutoSP tests: samples, a single-device reference step, a traced step and what it holds,
-the one launch on 2 gloo ranks of a tiled op's tests, and one launch running the cases of many tests."""
+and the one launch on 2 gloo ranks of a tiled op's tests."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
-import traceback
 
 import pytest
 import torch
@@ -140,40 +138,3 @@ def two_ranks_fixture(run_case, cases: list[dict], peak):
         return run_on_ranks(cases_and_peaks, 2, run_case, cases, peak, timeout_s=600)
 
     return two_ranks
-
-
-@dataclasses.dataclass
-class CaseError:
-    """What a case of a shared launch raised on one rank (`run_cases`): its traceback."""
-
-    traceback: str
-
-
-def run_cases(rank: int, world: int, cases: dict[str, tuple]) -> dict[str, object]:
-    """On this rank: ``fn(rank, world, *args)`` of each ``name: (fn, *args)`` of ``cases``, by name.  A case that
-    raises gives a `CaseError` and the next case runs: one launch serves many tests, and a failing case fails its
-    own test (`case_results`), not its neighbours'."""
-    results = {}
-    for name, (fn, *args) in cases.items():
-        try:
-            results[name] = fn(rank, world, *args)
-        except Exception:
-            results[name] = CaseError(traceback.format_exc())
-    return results
-
-
-def case_results(per_rank: list[dict], name: str) -> list:
-    """Every rank's result of case ``name`` of a `run_cases` launch; fails the test with each failing rank's
-    traceback where the case raised."""
-    errors = [f"--- rank {rank} ---\n{results[name].traceback}" for rank, results in enumerate(per_rank)
-              if isinstance(results[name], CaseError)]
-    if errors:
-        pytest.fail(f"{name} raised on {len(errors)} of {len(per_rank)} ranks:\n" + "\n".join(errors), pytrace=False)
-    return [results[name] for results in per_rank]
-
-
-def selected_cases(request: pytest.FixtureRequest, cases: dict[str, tuple]) -> dict[str, tuple]:
-    """Those of ``cases`` (keyed by test name, e.g. ``"test_x[2]"``) whose test this session runs in the requesting
-    module, so that a shared launch runs nothing for a test deselected by ``-m``, ``-k`` or a node id."""
-    chosen = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
-    return {name: case for name, case in cases.items() if name in chosen}

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from tests.autosp.cases import case_results, loss_of, make_sample, named_grads, run_cases, selected_cases
+from tests.autosp.cases import loss_of, make_sample, named_grads
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import run_on_ranks
 
@@ -106,22 +106,11 @@ _PACKED_4 = [case for case in _PACKED if case["model"] == "hf-llama" or case["do
 """On 4 ranks (16-token shards): every packing on Llama, the one whose documents straddle shards on Qwen2 (the
 family's rules are the same at 2 and 4 ranks; the suite's time is spent where the shards change)."""
 
-_PACKED_BY_RANKS = {2: _PACKED + _RING, 4: _PACKED_4}
-_PADDED_BY_RANKS = {2: _PADDED, 4: _PADDED[1:]}
-_WINDOW_BY_RANKS = {2: _WINDOW, 4: _WINDOW[1:]}
-"""On 4 ranks: right padding longer than a shard (21 > 16 tokens), left padding beyond the first shard, and the
-window over packed documents."""
-
-
-def _launched(request, ranks: int) -> list:
-    """Every rank's results of the calling test's case, from the shared launch of ``ranks`` ranks."""
-    return case_results(request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[ranks]), request.node.name)
-
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_packed_documents_exact(ranks, request):
-    cases = _PACKED_BY_RANKS[ranks]
-    results = _launched(request, ranks)
+def test_packed_documents_exact(ranks):
+    cases = _PACKED + _RING if ranks == 2 else _PACKED_4
+    results = run_on_ranks(_cases, ranks, cases, timeout_s=900)
     _check(results, FP32_TOL)
     for case, r in zip(cases, results[0], strict=True):
         if case["documents"] == "one document":  # plain positions: causal SDPA, checked on every call
@@ -131,10 +120,12 @@ def test_packed_documents_exact(ranks, request):
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_right_padding_and_sliding_window_exact(ranks, request):
-    padded, windows = _PADDED_BY_RANKS[ranks], _WINDOW_BY_RANKS[ranks]
-    results = _launched(request, ranks)
-    assert len(results[0]) == len(padded + windows)
+def test_right_padding_and_sliding_window_exact(ranks):
+    # on 4 ranks: right padding longer than a shard (21 > 16 tokens), left padding beyond the first shard, and
+    # the window over packed documents
+    padded = _PADDED if ranks == 2 else _PADDED[1:]
+    windows = _WINDOW if ranks == 2 else _WINDOW[1:]
+    results = run_on_ranks(_cases, ranks, padded + windows, timeout_s=900)
     _check(results, FP32_TOL)
     rules = [r["rules"] for r in results[0]]
     assert all(rule == [(False, True, None)] * 2 for rule in rules[:len(padded)])  # padding: keys masked
@@ -196,17 +187,15 @@ def _mixed_batches(rank, world, spec):
     return results, steps
 
 
-_PLAIN_THEN_PACKED = {"model": "hf-llama", "kinds": ["plain", "packed", "plain", "packed"], "compiler": "aot_eager"}
-_DEFAULT_COMPILER = {"model": "hf-llama", "kinds": ["plain", "packed", "padded", "plain", "packed", "padded"]}
-
-
-def test_plain_rows_compile_causal_sdpa_and_packed_rows_run_on_the_document_program(request):
+def test_plain_rows_compile_causal_sdpa_and_packed_rows_run_on_the_document_program():
     """Note [Document program] under aot_eager: HF Llama with use_cache=False builds its mask from the positions.
     Traced on plain rows it compiles causal SDPA (no document attention in the graph, positions checked on every
     call); a packed batch of the same shapes is refused by that check and runs, exact, on the document program
     (traced on the packed positions: document attention); plain rows then run the first program again, packed rows
     the document program without a new compile.  The first program's attention reads the unrepeated kv heads."""
-    per_rank = _launched(request, 2)
+    kinds = ["plain", "packed", "plain", "packed"]
+    per_rank = run_on_ranks(_mixed_batches, 2, {"model": "hf-llama", "kinds": kinds, "compiler": "aot_eager"},
+                            timeout_s=600)
     _check([results for results, _ in per_rank], FP32_TOL)
     own, documents = ("aot_eager", False, False), ("aot_eager", True, True)
     for _, steps in per_rank:
@@ -226,10 +215,12 @@ def test_plain_rows_compile_causal_sdpa_and_packed_rows_run_on_the_document_prog
 
 @pytest.mark.inductor
 @pytest.mark.slow
-def test_default_compiler_trains_packed_and_padded_batches_through_aot_eager(request):
+def test_default_compiler_trains_packed_and_padded_batches_through_aot_eager():
     """Note [Document program]: plain rows keep Inductor's program; packed and padded batches of the same length
     (which Inductor cannot compile yet) run on the document program (aot_eager), stated, and every step is exact."""
-    per_rank = _launched(request, 2)
+    kinds = ["plain", "packed", "padded", "plain", "packed", "padded"]
+    per_rank = run_on_ranks(_mixed_batches, 2, {"model": "hf-llama", "kinds": kinds},
+                            timeout_s=900, collective_timeout_s=600)
     _check([results for results, _ in per_rank], FP32_TOL)
     inductor, fallback = ("inductor", False, False), ("aot_eager", True, True)
     for _, steps in per_rank:
@@ -240,35 +231,3 @@ def test_default_compiler_trains_packed_and_padded_batches_through_aot_eager(req
         # the second round compiles nothing
         assert programs == [[inductor], [inductor, fallback], [inductor, fallback, fallback]] + \
             [[inductor, fallback, fallback]] * 3
-
-
-# One launch per rank count: each launch of gloo ranks pays process start and a first compile's warm-up in every
-# rank (about 2-3 s on 2 ranks, 3-5 s on 4, on 2 cores), so this file's cases of one rank count run in one launch,
-# each test reading its own case's results (a case that raises fails its own test with the ranks' tracebacks).
-# A test deselected by -m / -k launches nothing of its case.
-
-_TWO_RANKS = {
-    "test_packed_documents_exact[2]": (_cases, _PACKED_BY_RANKS[2]),
-    "test_right_padding_and_sliding_window_exact[2]": (_cases, _PADDED_BY_RANKS[2] + _WINDOW_BY_RANKS[2]),
-    "test_plain_rows_compile_causal_sdpa_and_packed_rows_run_on_the_document_program":
-        (_mixed_batches, _PLAIN_THEN_PACKED),
-    "test_default_compiler_trains_packed_and_padded_batches_through_aot_eager": (_mixed_batches, _DEFAULT_COMPILER),
-}
-_FOUR_RANKS = {
-    "test_packed_documents_exact[4]": (_cases, _PACKED_BY_RANKS[4]),
-    "test_right_padding_and_sliding_window_exact[4]": (_cases, _PADDED_BY_RANKS[4] + _WINDOW_BY_RANKS[4]),
-}
-
-
-@pytest.fixture(scope="module")
-def two_ranks(request):
-    """The selected tests' cases of `_TWO_RANKS` in one launch of 2 gloo ranks (shared: see above); every rank's
-    results by test name.  Inductor's cold compile in one rank can keep the other waiting for minutes."""
-    return run_on_ranks(run_cases, 2, selected_cases(request, _TWO_RANKS), timeout_s=900, collective_timeout_s=600)
-
-
-@pytest.fixture(scope="module")
-def four_ranks(request):
-    """The selected tests' cases of `_FOUR_RANKS` in one launch of 4 gloo ranks (shared: see above); every rank's
-    results by test name."""
-    return run_on_ranks(run_cases, 4, selected_cases(request, _FOUR_RANKS), timeout_s=900)

@@ -18,18 +18,10 @@ import pytest
 import torch
 
 from experiments.cpu.bench_lengths import train_on_lengths
-from tests.autosp.cases import case_results, run_cases, selected_cases
 from tests.harness import run_on_ranks
 
 TWELVE = (16, 24, 17, 32, 40, 9, 48, 31, 64, 20, 56, 12, 16)
 """Twelve distinct lengths: odd ones, 31 sharing 32's padded length at sp_size 2, and a repeat of the first."""
-DEFAULT_OPTIONS_LENGTHS = (16, 17, 16)
-"""With the default options: 17 pads to 18, a second program; 16 again reuses the first."""
-
-
-def _twelve_lengths(name: str) -> dict:
-    # one layer: a new length compiles a new program, whose cost (not the depth) is what this test pays for
-    return {"model": name, "layers": 1, "batch": 2, "lengths": TWELVE, "options": {"compiler": "aot_eager"}}
 
 
 def _shard_lengths(lengths, sp_size: int) -> list[int]:
@@ -53,16 +45,20 @@ def _check_compiles(per_rank, lengths, sp_size):
 
 
 @pytest.mark.parametrize("name", ["hf-llama", "hf-qwen2"])
-def test_twelve_lengths_one_compiled_model_every_step_exact(name, two_ranks, request):
+def test_twelve_lengths_one_compiled_model_every_step_exact(name):
     assert len(set(TWELVE)) == 12
-    per_rank = case_results(two_ranks, request.node.name)
+    # one layer: a new length compiles a new program, whose cost (not the depth) is what this test pays for
+    spec = {"model": name, "layers": 1, "batch": 2, "lengths": TWELVE, "options": {"compiler": "aot_eager"}}
+    per_rank = run_on_ranks(train_on_lengths, 2, spec, timeout_s=900, collective_timeout_s=300)
     _check_compiles(per_rank, TWELVE, 2)
 
 
 @pytest.mark.inductor
-def test_variable_lengths_with_default_options(two_ranks, request):
-    per_rank = case_results(two_ranks, request.node.name)
-    _check_compiles(per_rank, DEFAULT_OPTIONS_LENGTHS, 2)
+def test_variable_lengths_with_default_options():
+    lengths = (16, 17, 16)  # 17 pads to 18: a second program; 16 again reuses the first
+    spec = {"model": "hf-llama", "layers": 1, "batch": 2, "lengths": lengths, "options": {}}
+    per_rank = run_on_ranks(train_on_lengths, 2, spec, timeout_s=900, collective_timeout_s=600)
+    _check_compiles(per_rank, lengths, 2)
 
 
 def _past_max_programs(rank, world):
@@ -82,27 +78,7 @@ def _past_max_programs(rank, world):
     return None, len(compiled.programs), None
 
 
-def test_a_length_past_max_programs_is_refused_naming_length_bucket(two_ranks, request):
-    for refused_at, programs, message in case_results(two_ranks, request.node.name):
+def test_a_length_past_max_programs_is_refused_naming_length_bucket():
+    for refused_at, programs, message in run_on_ranks(_past_max_programs, 2):
         assert (refused_at, programs) == (32, 2)
         assert "max_programs=2" in message and "length_bucket" in message
-
-
-_TWO_RANKS = {
-    "test_twelve_lengths_one_compiled_model_every_step_exact[hf-llama]": (train_on_lengths, _twelve_lengths("hf-llama")),
-    "test_twelve_lengths_one_compiled_model_every_step_exact[hf-qwen2]": (train_on_lengths, _twelve_lengths("hf-qwen2")),
-    "test_variable_lengths_with_default_options":
-        (train_on_lengths, {"model": "hf-llama", "layers": 1, "batch": 2, "lengths": DEFAULT_OPTIONS_LENGTHS,
-                            "options": {}}),
-    "test_a_length_past_max_programs_is_refused_naming_length_bucket": (_past_max_programs,),
-}
-
-
-@pytest.fixture(scope="module")
-def two_ranks(request):
-    """The selected tests' cases of `_TWO_RANKS` in one launch of 2 gloo ranks; every rank's results by test name.
-    Shared: each launch pays process start and a first compile's warm-up in every rank (about 2-3 s on 2 cores), and
-    every test of this file runs on 2 ranks.  A case that raises (`train_on_lengths` raises on an inexact step) fails
-    its own test with the ranks' tracebacks; a test deselected by -m / -k launches nothing of its case.  Inductor's
-    cold compile in one rank can keep the other waiting for minutes (the collective timeout)."""
-    return run_on_ranks(run_cases, 2, selected_cases(request, _TWO_RANKS), timeout_s=900, collective_timeout_s=600)
