@@ -111,31 +111,32 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, group: dist.ProcessGroup
     disjoint piece of its parameter, so the squares of its gradient are summed over ``group`` (torch's function,
     called on the shards, would clip each rank by its own piece's norm); whole parameters' gradients are the same on
     every rank and counted once.  A collective: every rank must call it."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    sharded = torch.zeros((), dtype=torch.float64, device=device)
-    whole = torch.zeros((), dtype=torch.float64, device=device)
-    for p in module.parameters():
-        if p.grad is not None:
-            square = p.grad.detach().double().pow(2).sum()
-            if id(p) in shard_ids:
-                sharded += square
-            else:
-                whole += square
-    dist.all_reduce(sharded, group=group)
-    total = (sharded + whole).sqrt()
+    with_grads = [p for p in module.parameters() if p.grad is not None]
+    device = with_grads[0].grad.device if with_grads else torch.device("cpu")
+    squares = {True: torch.zeros((), dtype=torch.float64, device=device),
+               False: torch.zeros((), dtype=torch.float64, device=device)}
+    for p in with_grads:
+        squares[id(p) in shard_ids] += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(squares[True], group=group)
+    total = (squares[True] + squares[False]).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.dtype))
-    return total.to(grads[0].dtype if grads else torch.float32)
+    for p in with_grads:
+        p.grad.mul_(scale.to(p.grad.dtype))
+    return total.to(with_grads[0].grad.dtype if with_grads else torch.float32)
+
+
+def _parametrized(name: str) -> tuple[str, str] | None:
+    """``layers.0.q.parametrizations.weight.original`` -> (``layers.0.q``, ``weight``); None for a plain name."""
+    owner, marker, rest = name.rpartition("parametrizations.")
+    if not marker or (owner and not owner.endswith(".")):
+        return None
+    return owner.removesuffix("."), rest.removesuffix(".original")
 
 
 def original_name(name: str) -> str:
     """``layers.0.q.parametrizations.weight.original`` -> ``layers.0.q.weight`` (any other name as it is)."""
-    if ".parametrizations." not in name and not name.startswith("parametrizations."):
-        return name
-    owner, _, rest = name.rpartition("parametrizations.")
-    return owner + rest.removesuffix(".original")
+    split = _parametrized(name)
+    return name if split is None else ".".join(filter(None, split))
 
 
 def full_parameters(module: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -146,10 +147,10 @@ def full_parameters(module: nn.Module, *, grads: bool = False) -> dict[str, torc
         value = tensor.grad if grads else tensor.detach()
         if value is None:
             continue
-        owner_path, _, rest = name.rpartition("parametrizations.")
-        if owner_path or rest != name:
-            owner = module.get_submodule(owner_path.rstrip(".")) if owner_path.rstrip(".") else module
-            gathered = owner.parametrizations[rest.removesuffix(".original")][0]
+        split = _parametrized(name)
+        if split is not None:
+            owner_path, tensor_name = split
+            gathered = module.get_submodule(owner_path).parametrizations[tensor_name][0]
             pieces = [torch.empty_like(value) for _ in range(dist.get_world_size(gathered.group))]
             dist.all_gather(pieces, value.contiguous(), group=gathered.group)
             value = torch.cat(pieces)[: gathered.numel].view(gathered.shape)
