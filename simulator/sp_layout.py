@@ -44,7 +44,7 @@ class SPKind(str, Enum):
 
     ULYSSES = ("ulysses", True, False, True)
     RING = ("ring", False, True, True)
-    HYBRID = ("hybrid", True, True, False)  # the memory planner does not plan the hybrid yet
+    HYBRID = ("hybrid", True, True, True)
 
     __str__ = str.__str__
     __format__ = str.__format__
@@ -68,7 +68,8 @@ workload is exported from (``metadata["strategy"]``): the names of :class:`SPKin
 :mod:`simulator.workload`)."""
 MEMORY_PLANNED_STRATEGIES = tuple(kind.value for kind in SPKind if kind.memory_planned)
 """The compiled strategies the memory planner plans (``memory_plan="auto"``, and the default wherever a plan can be
-made: Note [The default memory plan] in autosp/plan/auto.py); the hybrid is not planned yet."""
+made: Note [The default memory plan] in autosp/plan/auto.py): every kind (the hybrid at the Ulysses degree it is
+compiled with)."""
 ZIGZAG_STRATEGIES = tuple(kind.value for kind in SPKind if kind.zigzag)
 """The compiled strategies whose tokens follow the zig-zag layout (the ring and the hybrid)."""
 CHOSEN_STRATEGIES = ("auto",)

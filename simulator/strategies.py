@@ -265,7 +265,8 @@ def _hybrid(ulysses_size: int, ring_size: int, *, tables: tuple[str, ...] = ()) 
     return Strategy(name=f"autosp-hybrid-{ulysses_size}x{ring_size}",
                     description=f"AutoSP (this pass): Ulysses over {ulysses_size} ranks x ring over {ring_size}",
                     implementation="autosp", sequence_parallel="hybrid", zero_stage=_ZERO1, workload=_SP,
-                    options=_options(strategy="hybrid", ulysses_size=ulysses_size, ring_size=ring_size),
+                    options=_options(strategy="hybrid", ulysses_size=ulysses_size, ring_size=ring_size,
+                                     memory_plan="off"),
                     ulysses_size=ulysses_size, ring_size=ring_size, tables=tables)
 
 

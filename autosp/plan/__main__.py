@@ -18,6 +18,7 @@ from pathlib import Path
 from autosp.config import ACTIVATION_OFFLOAD, MEMORY_PLAN, AutoSPConfig
 from autosp.errors import AutoSPError
 from autosp.plan.cluster_file import cluster_names
+from autosp.plan.model_source import ModelSource
 from autosp.plan.planner import OBJECTIVES
 from autosp.plan.setup import (
     COMPILERS,
@@ -30,7 +31,7 @@ from autosp.plan.setup import (
 )
 from autosp.plan.strategy_choice import STRATEGY_CHOICES
 from autosp.presets import model_argument
-from simulator.workload import MEMORY_PLANNED_STRATEGIES
+from simulator.workload import MEMORY_PLANNED_STRATEGIES, SPLayout, SPLayoutError
 
 log = logging.getLogger("autosp.plan")
 
@@ -203,9 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-probes", type=_positive, default=8,
                    help="lengths the --max-length search may simulate (default: %(default)s)")
     p.add_argument("--strategy", default=None, choices=STRATEGY_CHOICES,
-                   help="how the sequence is split: the strategy autosp.compile traces with, or auto: trace and "
-                        "simulate each, print each one's step time and peak, choose the fastest that fits "
-                        f"(default: {LIBRARY_STRATEGY}, autosp.compile's)")
+                   help="how the sequence is split: the strategy autosp.compile traces with (hybrid: with "
+                        "--ulysses-size), or auto: trace and simulate each, print each one's step time and peak, "
+                        f"choose the fastest that fits (default: {LIBRARY_STRATEGY}, autosp.compile's)")
+    p.add_argument("--ulysses-size", type=_positive, default=None,
+                   help="--strategy hybrid: the ranks of one Ulysses group (a divisor of --sp-size that divides the "
+                        "attention heads); the ring runs over --sp-size / --ulysses-size of them, as "
+                        "autosp.compile(strategy='hybrid', ulysses_size=...)")
     p.add_argument("--memory-plan", type=_memory_plan, default=None, choices=MEMORY_PLAN,
                    help="auto: choose checkpointing (per-layer among them), SAC budget, tiled loss and tiled MLP by "
                         "predicting every candidate plan, print the candidate table and the chosen autosp.compile "
@@ -396,6 +401,9 @@ class Resolved:
     assumed: tuple[Assumption, ...]
     strategy: str = LIBRARY_STRATEGY
     """``--strategy``, or autosp.compile's (`LIBRARY_STRATEGY`) where not given."""
+    strategy_options: dict = dataclasses.field(default_factory=dict)
+    """The ``autosp.compile`` options of a strategy other than the library's: ``strategy``, and the hybrid's
+    ``ulysses_size``; empty for the library's own."""
 
 
 def _memory_plan_default(args: argparse.Namespace, strategy: str) -> tuple[str, str]:
@@ -418,6 +426,7 @@ def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Reso
     ranks = resolve_ranks(shape or cluster_shape(args.cluster), sp_size=args.sp_size, dp_size=args.dp_size,
                           world_size=args.world_size, allow_cross_node_sp=args.allow_cross_node_sp)
     strategy = LIBRARY_STRATEGY if args.strategy is None else args.strategy
+    strategy_options = _strategy_options(args, strategy, ranks.sp_size)
     if args.memory_plan is None:
         memory_plan, plan_why = _memory_plan_default(args, strategy)
     else:
@@ -448,14 +457,44 @@ def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Reso
         Assumption("offload", "auto" if zero_auto and args.offload is None else fields["offload"],
                    args.offload is not None,
                    "" if args.offload else "chosen with the ZeRO stage" if zero_auto else plain),
-        Assumption("strategy", strategy, args.strategy is not None,
+        Assumption("strategy", strategy + (f" (Ulysses {args.ulysses_size} x ring {ranks.sp_size // args.ulysses_size})"
+                                           if args.ulysses_size else ""), args.strategy is not None,
                    "" if args.strategy is not None else "autosp.compile's"),
         Assumption("memory_plan", memory_plan, args.memory_plan is not None, plan_why),
         Assumption("dtype", fields["dtype"], args.dtype is not None,
                    "" if args.dtype else "a compiled model plans at its parameters' dtype; give --dtype for "
                                          "another"),
     )
-    return Resolved(setup=setup, memory_plan=memory_plan, zero_auto=zero_auto, assumed=assumed, strategy=strategy)
+    return Resolved(setup=setup, memory_plan=memory_plan, zero_auto=zero_auto, assumed=assumed, strategy=strategy,
+                    strategy_options=strategy_options)
+
+
+def _strategy_options(args: argparse.Namespace, strategy: str, sp_size: int) -> dict:
+    """The ``autosp.compile`` strategy options of the flags (`Resolved.strategy_options`), refused before any work
+    where the compile would refuse them: degrees that do not divide ``sp_size``, and attention heads the Ulysses
+    groups cannot split (the binding limit named with what to give instead)."""
+    if args.ulysses_size is not None and strategy != "hybrid":
+        raise AutoSPError(f"--ulysses-size is the hybrid's Ulysses degree, and the strategy is {strategy}: give "
+                          "--strategy hybrid too, or leave --ulysses-size out")
+    if strategy == "auto":
+        return {}
+    if strategy == "hybrid" and args.ulysses_size is None:
+        raise AutoSPError(f"--strategy hybrid needs its Ulysses degree: give --ulysses-size, a divisor of --sp-size "
+                          f"{sp_size} (the ring then runs over --sp-size / --ulysses-size ranks)")
+    try:
+        layout = SPLayout.from_options(strategy, sp_size, ulysses_size=args.ulysses_size)
+    except SPLayoutError as err:
+        raise AutoSPError(f"--ulysses-size {args.ulysses_size}: {err}") from None
+    heads = ModelSource(args.model).attention_heads(seq_len=args.seq_len)
+    if heads is not None and layout.heads_rule(heads) is not None:
+        divisors = [d for d in range(2, sp_size) if sp_size % d == 0 and heads % d == 0]
+        hybrid = (f"--strategy hybrid --ulysses-size {divisors[-1]} (Ulysses over {divisors[-1]} ranks, a ring over "
+                  f"{sp_size // divisors[-1]}), " if divisors and strategy != "hybrid" or len(divisors) > 1 else "")
+        raise AutoSPError(f"{args.model} has {heads} attention heads, which Ulysses groups of {layout.ulysses_size} "
+                          f"ranks cannot split (--sp-size {sp_size}): give {hybrid}--strategy ring (any number of "
+                          f"heads), or an --sp-size whose Ulysses degree divides {heads}")
+    return {} if strategy == LIBRARY_STRATEGY else \
+        {"strategy": strategy, **({"ulysses_size": layout.ulysses_size} if layout.kind.grouped else {})}
 
 
 def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
@@ -506,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             plans = candidates_for(
                 args.model, setup, cluster.device.memory_bytes if target is None else target,
                 activation_offload=("off", "on") if offload in (None, "auto") else (offload,),
-                fixed={} if strategy == LIBRARY_STRATEGY else {"strategy": strategy})
+                fixed=resolved.strategy_options)
             planning = dict(objective=args.objective, target_memory=target, plans=plans,
                             max_length_high=args.max_length_high, granularity=args.granularity,
                             max_probes=args.max_probes, workers=args.workers)
@@ -518,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from autosp.plan.traces import TraceReuse
 
-            options = {**options, **({} if strategy == LIBRARY_STRATEGY else {"strategy": strategy})}
+            options = {**options, **resolved.strategy_options}
             answer = predict(args.model, setup, cluster, capacity_bytes=target, max_length=args.max_length,
                              max_length_high=args.max_length_high, granularity=args.granularity,
                              max_probes=args.max_probes, progress=lambda s: log.info("step at %s", s),

@@ -115,8 +115,8 @@ def check_plannable(module: torch.nn.Module, config: AutoSPConfig) -> None:
 # the planner's choice (it recomputes less than per-layer checkpointing where memory allows, and tiles and offloads
 # where it does not; docs/design.md, "Memory planner").  A plan needs a Hugging Face causal LM in fp32 or bf16
 # (the planner rebuilds it from its config), a memory size (a GPU's, or ``target_memory``), a strategy the planner
-# plans under (Ulysses or the ring) and, on a GPU, a hardware preset for it: what `check_plannable` asks of
-# ``memory_plan="auto"``.  Where one is missing the model compiles with the options as given ("off", SAC by
+# plans under (every compiled one: Ulysses, the ring, the hybrid at its Ulysses degree) and, on a GPU, a hardware
+# preset for it: what `check_plannable` asks of ``memory_plan="auto"``.  Where one is missing the model compiles with the options as given ("off", SAC by
 # default, as before) and the log says which was missing.  Asking for a plan (``target_memory``, ``plan_seq_len``,
 # ``plan_cluster`` or ``activation_offload="auto"``) on a compile that cannot be planned is refused, as with
 # ``memory_plan="auto"``; ``strategy="auto"`` decides the strategy and leaves the memory options as given.
@@ -184,6 +184,14 @@ def _setup(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int, micro
             **({"zero_stage": 3} if config.shard_parameters else {}), **(config.plan_setup or {})}
 
 
+def compiled_strategy(config: AutoSPConfig) -> dict:
+    """The strategy options every candidate of a planned compile keeps: none for Ulysses (the candidates' own), the
+    strategy otherwise, with the hybrid's Ulysses degree (the degree decides the program as the strategy does)."""
+    if config.strategy == "ulysses":
+        return {}
+    return {"strategy": config.strategy, **({"ulysses_size": config.ulysses_size} if config.layout.kind.grouped else {})}
+
+
 def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int, micro_batch: int, world_size: int,
                  explicit: Mapping) -> dict:
     """What the planner process needs: the model's config, the training setup, the cluster, the target and the
@@ -200,7 +208,7 @@ def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int,
     hf = hf_config_of(module)
     plans = sized_candidate_plans(
         hf, itemsize=torch.empty((), dtype=dtype).element_size(), target_memory=target,
-        fixed={**explicit, **({"strategy": config.strategy} if config.strategy != "ulysses" else {})})
+        fixed={**explicit, **compiled_strategy(config)})
     return {"decide": "memory", "model": f"{type(module).__name__}", "model_config": hf, "setup": setup,
             "cluster": config.plan_cluster or default_cluster(device), "target_memory": int(target),
             "plans": [[p.name, dict(p.options)] for p in plans]}
@@ -365,7 +373,10 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
     report, request = memory_plan_on_ranks(group, lambda: plan_request(
         module, config, seq_len=seq_len, micro_batch=micro_batch, world_size=dist.get_world_size(group),
         explicit=explicit), device, planner, config.plan_timeout_s)
-    refused = [c["refused"] for c in report["candidates"] if c["refused"] is not None]
+    from autosp.plan.planner import NOT_PREDICTED
+
+    refused = [c["refused"] for c in report["candidates"]
+               if c["refused"] is not None and not c["refused"].startswith(NOT_PREDICTED)]
     if report["chosen"] is None and len(refused) == len(report["candidates"]):
         raise AutoSPError(f"memory_plan='auto': the planner could not trace {request['model']} rebuilt from its "
                           f"config under any candidate (first: {refused[0]}); choose the options yourself and pass "

@@ -37,6 +37,12 @@ class ModelSource:
             raise AutoSPError(f"--model {self.spec}: transformers cannot build a config from it ({exc}); give a "
                               "Hugging Face config.json with its model_type") from None
 
+    def attention_heads(self, *, seq_len: int) -> int | None:
+        """The query heads of each attention layer (None where the config names none)."""
+        config = self.config(seq_len=seq_len)
+        return next((int(value) for name in ("num_attention_heads", "n_head", "num_heads")
+                     if isinstance(value := getattr(config, name, None), int)), None)
+
     def build(self, config, dtype: torch.dtype) -> torch.nn.Module:
         """The causal LM of ``config`` on the current device context (``meta``, or fake tensors when traced)."""
         from autosp.presets import build_model

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from autosp.errors import AutoSPError
 from autosp.plan.candidates import MemoryPlan, candidates_for
-from autosp.plan.prediction import Prediction, predict
+from autosp.plan.prediction import Prediction, held_before_activations, predict
 from autosp.plan.setup import DECIDING_DEPTH, TrainingSetup
 from autosp.plan.traces import OFFLOAD_OPTION, TraceReuse, checkpointing_variant, rank_share
 from simulator.cluster import Cluster
@@ -120,7 +120,8 @@ class PlanReport:
                f"{self.target_memory_bytes / gib:.3f} GiB per rank; {len(self.candidates)} candidates, "
                f"{self.traces} traces, {self.partitions} partitions, {self.seconds:.1f} s",
                "  peak by category (GiB per rank, the ledger inside backward with the simulated activations):", head]
-        for i, c in enumerate(self.candidates):
+        shared = shared_refusal([c.to_dict() for c in self.candidates])
+        for i, c in enumerate(() if shared else self.candidates):
             mark = "*" if i == self.chosen else " "
             if c.prediction is None:
                 out.append(f"{mark} {c.plan.name:44s} "
@@ -136,6 +137,8 @@ class PlanReport:
             if c.same_program_as:
                 row += f"  (same program as {c.same_program_as})"
             out.append(row)
+        if shared:
+            out[1:] = [f"  every candidate ({len(self.candidates)}) is refused for the reason below"]
         out.append(f"  chosen: {self.candidates[self.chosen].plan.name if self.chosen is not None else 'none'}")
         out.append(f"  why:    {self.reason}")
         if self.chosen is not None:
@@ -170,7 +173,9 @@ class PlanReport:
 # model never moves 17 GiB a rank to host memory for a predicted 0.1 %, and the decision skips the deeper traces
 # and unrolled steps of such candidates (the larger part of a decision's time at 8B, docs/design.md).
 
-NEEDLESS_OFFLOAD = ("not predicted: the same plan fits without activation offload, which only adds copies (Note "
+NOT_PREDICTED = "not predicted: "
+"""How a candidate's refusal begins when the planner chose not to predict it (it may well trace)."""
+NEEDLESS_OFFLOAD = (f"{NOT_PREDICTED}the same plan fits without activation offload, which only adds copies (Note "
                     "[Offload only where it is needed] in autosp/plan/planner.py)")
 """Why a candidate with activation offload is not predicted when the fastest plan is asked for."""
 
@@ -234,7 +239,17 @@ def choose_plan(rows: Sequence[Mapping], objective: str, *, seq_len: int, target
     there."""
     if objective not in OBJECTIVES:
         raise AutoSPError(f"objective {objective!r}: choose one of {OBJECTIVES}")
+    shared = shared_refusal(rows)
+    if shared is not None:
+        return None, f"every candidate is refused for one reason: {shared}"
     return _choose_fastest(rows, seq_len, target) if objective == "fastest" else _choose_longest(rows, target)
+
+
+def shared_refusal(rows: Sequence[Mapping]) -> str | None:
+    """The refusal every row shares (the binding limit of the whole decision: a head count, the model states), or
+    None."""
+    refusals = {row["refused"] for row in rows}
+    return next(iter(refusals)) if rows and len(refusals) == 1 and None not in refusals else None
 
 
 def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
@@ -299,6 +314,17 @@ def in_plan_order(shares: Sequence[Sequence[int]], found: Sequence[Sequence], co
     return merged
 
 
+def states_over_target(held: Mapping[str, int], target: int, setup: TrainingSetup) -> str:
+    """Why no plan is predicted when ``held`` (`held_before_activations`) fills ``target``: the binding limit named
+    with what changes it."""
+    gib, largest = 2**30, sorted(held.items(), key=lambda item: -item[1])[:3]
+    under = f"ZeRO {setup.zero_stage}" + (" with optimizer offload" if setup.offload != "none" else "")
+    return (f"{NOT_PREDICTED}before any activation every plan holds {sum(held.values()) / gib:.2f} GiB per rank "
+            f"under {under} ({', '.join(f'{cat} {b / gib:.2f}' for cat, b in largest)} GiB), and the target is "
+            f"{target / gib:.2f} GiB; the model states bind, not the activations: partition them (a higher ZeRO "
+            "stage or optimizer offload; python -m autosp.plan --zero-stage auto chooses), or use more ranks")
+
+
 def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",
                 target_memory: int | None = None, plans: Sequence[MemoryPlan] | None = None,
                 max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
@@ -341,10 +367,14 @@ def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequen
     reuse = TraceReuse([p.options for p in plans], resize_lengths=resize_lengths and objective == "longest") \
         if reuse_traces else None
     found, traces = {}, 0
+    held = held_before_activations(model, setup, cluster)
+    if sum(held.values()) >= target:  # no plan fits: nothing is traced
+        found = {i: Candidate(plan=plan, prediction=None, refused=states_over_target(held, target, setup))
+                 for i, plan in enumerate(plans)}
     # Note [Offload only where it is needed]: for the fastest plan, the plans without offload are predicted first.
     order = sorted(range(len(plans)), key=lambda i: objective == "fastest"
                    and plans[i].options.get("activation_offload") == "on")
-    for index in order:
+    for index in (i for i in order if i not in found):
         plan, candidates = plans[index], list(found.values())
         if objective == "fastest" and _offload_twin_fits(plan, candidates):
             found[index] = Candidate(plan=plan, prediction=None, refused=NEEDLESS_OFFLOAD)
@@ -476,15 +506,8 @@ def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mappi
     jobs = job_setups(setup, fixed)
     if not jobs:
         raise AutoSPError(f"no DeepSpeed setup of {JOB_SETUPS} with {dict(fixed or {})} can train this setup")
-    from autosp.plan.model_source import ModelSource
-    from simulator.ledger import memory_ledger
-
-    source = ModelSource(model)
-    numels = source.parameter_numels(source.config(seq_len=setup.seq_len))
-
     def states(job: Mapping) -> int:  # the ledger inside backward but the activations: what the setup holds
-        config = dataclasses.replace(setup, **job).training_config(numels)
-        return sum(line.bytes for line in memory_ledger(config, at="backward") if line.pool == "device")
+        return sum(held_before_activations(model, dataclasses.replace(setup, **job), cluster).values())
 
     tried, without, least = [], [], None
     for job in jobs:

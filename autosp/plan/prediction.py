@@ -171,6 +171,27 @@ class Prediction:
         return "\n".join(out)
 
 
+def ledger_config(source: ModelSource, hf, setup: TrainingSetup, cluster: Cluster):
+    """The `simulator.training_config.TrainingConfig` the memory ledger prices ``setup`` of ``source`` (Hugging Face
+    config ``hf``) at on ``cluster``."""
+    # a node without a GPU architecture (cpu-gloo) runs CPU processes: the ledger counts their tensors only
+    return dataclasses.replace(setup.training_config(source.parameter_numels(hf)),
+                               gpu_process=bool(cluster.preset.architecture))
+
+
+def held_before_activations(model: str, setup: TrainingSetup, cluster: Cluster) -> dict[str, int]:
+    """Device bytes per rank by ledger category that every plan of ``setup`` holds inside backward before any
+    activation (the ledger without the simulated lines: model states, buffers, runtime) for ``model`` on
+    ``cluster``: a lower bound of every plan's peak, so no plan fits a target at or below their sum."""
+    source = ModelSource(model)
+    held: dict[str, int] = {}
+    for line in memory_ledger(ledger_config(source, source.config(seq_len=setup.seq_len), setup, cluster),
+                              at="backward"):
+        if line.pool == "device":
+            held[line.category] = held.get(line.category, 0) + line.bytes
+    return held
+
+
 def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: bool = False,
             max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
             progress: Callable[[str], None] | None = None, options: Mapping | None = None,
@@ -183,9 +204,7 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     setup.check()
     source = ModelSource(model) if reuse is None else reuse.source(model)
     hf = source.config(seq_len=setup.seq_len)
-    numels = source.parameter_numels(hf)
-    # a node without a GPU architecture (cpu-gloo) runs CPU processes: the ledger counts their tensors only
-    config = dataclasses.replace(setup.training_config(numels), gpu_process=bool(cluster.preset.architecture))
+    config = ledger_config(source, hf, setup, cluster)
     capacity = int(cluster.device.memory_bytes if capacity_bytes is None else capacity_bytes)
     offloading = [what for what, on in (
         (f"--offload {setup.offload}", config.offload_optimizer),
@@ -245,7 +264,7 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
     if config.offload_optimizer:
         notes.append(f"optimizer step on the CPU: {host_optimizer_time_s(config) * 1e3:.1f} ms per step (assumption "
                      "host_cpu.adam_elements_per_s in simulator/gpu_constants.py), included in the step time")
-    return Prediction(model=model, parameters=sum(numels), layers=hf.num_hidden_layers, setup=setup,
+    return Prediction(model=model, parameters=sum(source.parameter_numels(hf)), layers=hf.num_hidden_layers, setup=setup,
                       cluster=cluster.describe(), wrapper=config.wrapper, capacity_bytes=capacity, step=at,
                       lines=lines, peak_band=band, max_length=found,
                       max_length_step=longest,

@@ -17,17 +17,16 @@ from autosp.plan.setup import DECIDING_DEPTH, TrainingSetup
 from autosp.plan.traces import TraceReuse, strategy_options
 from simulator.cluster import Cluster
 from simulator.strategies import SEQUENCE_PARALLEL, STRATEGIES, Strategy, sp_candidates
-from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES, SPKind
+from simulator.workload import CHOSEN_STRATEGIES, COMPILED_STRATEGIES
 
 log = logging.getLogger(__name__)
 
 AUTO_STRATEGIES = COMPILED_STRATEGIES
 """The compiled strategies ``strategy="auto"`` simulates (``simulator.workload``'s ``COMPILED_STRATEGIES``): Ulysses,
 the ring and every hybrid Ulysses degree that runs (`strategy_candidates`)."""
-STRATEGY_CHOICES = tuple(kind for kind in SEQUENCE_PARALLEL
-                         if kind in AUTO_STRATEGIES and not SPKind(kind).grouped or kind in CHOSEN_STRATEGIES)
-"""``--strategy``: a strategy of `AUTO_STRATEGIES` that needs no degree (the hybrid needs its Ulysses degree, which
-the CLI has no flag for), or ``auto`` (`choose_strategy`); read from the registry."""
+STRATEGY_CHOICES = tuple(kind for kind in SEQUENCE_PARALLEL if kind in AUTO_STRATEGIES or kind in CHOSEN_STRATEGIES)
+"""``--strategy``: a strategy of `AUTO_STRATEGIES` (the hybrid with its Ulysses degree, ``--ulysses-size``), or
+``auto`` (`choose_strategy`); read from the registry."""
 
 
 @dataclass(frozen=True, kw_only=True)

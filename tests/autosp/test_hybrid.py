@@ -142,6 +142,11 @@ def hybrid_four_rank_cases(rank, world):
          "options": HYBRID},  # 8 heads, 2 kv heads: 4 and 1 a rank
         {"model": "hf-qwen2", "sp_size": 4, "seq_len": 30, "overrides": {"layers": 1, "heads": 2, "kv_heads": 1},
          "options": HYBRID},  # more ranks than heads; the kv head replicated for the 2 Ulysses ranks; padded
+        # every memory technique the planner may choose for the hybrid at once (it plans the hybrid as the other
+        # kinds): SAC, the tiled loss and MLP in several chunks, activation offload
+        {"model": "hf-llama", "sp_size": 4, "seq_len": 64, "overrides": {"layers": 2}, "options": {
+            **HYBRID, "memory_plan": "off", "checkpointing": "sac", "tiled_loss": "on", "return_logits": False,
+            "loss_chunk_tokens": 6, "tiled_mlp": "on", "mlp_chunk_tokens": 6, "activation_offload": "on"}},
     ]
     results = [_run_case(rank, world, **case) for case in cases]
     try:  # 2 heads cannot be split over a Ulysses group of 4
@@ -160,6 +165,7 @@ def check_hybrid_four_ranks(out: list[dict]) -> None:
     _check([r["cases"] for r in out], FP32_TOL)
     assert out[0]["cases"][0]["sites"] == [(8, 2, 1)]  # 2 kv heads over 2 Ulysses ranks: none replicated
     assert out[0]["cases"][1]["sites"] == [(2, 1, 2)]  # 1 kv head copied for the 2 Ulysses ranks
+    assert out[0]["cases"][2]["sites"] == [(8, 2, 1)] * 2  # the memory techniques' case: both layers sequence-parallel
     for r in out:
         assert "not divisible by ulysses_size=4" in r["refused"] and "one of [1, 2]" in r["refused"], r["refused"]
         gather = r["gather"]

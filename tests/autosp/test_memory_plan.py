@@ -178,7 +178,8 @@ def test_default_memory_plan_plans_where_a_plan_can_be_made(caplog, monkeypatch)
               "no Hugging Face config")
     unplanned(hf, dataclasses.replace(default, plan_setup={"zero_stage": 3}), "ZeRO 3")  # DeepSpeed's ZeRO 3
     unplanned(build_model("hf-qwen2", **SIZES).half(), default, "fp32 or bf16 parameters")
-    unplanned(hf, dataclasses.replace(default, sp_size=4, strategy="hybrid", ulysses_size=2), "strategy='hybrid'")
+    hybrid = dataclasses.replace(default, sp_size=4, strategy="hybrid", ulysses_size=2)
+    assert resolve_memory_plan(hf, hybrid).memory_plan == "auto"  # every compiled strategy is planned
     gpu["name"] = "Tesla T4"
     unplanned(hf, default, "no hardware preset for the GPU 'Tesla T4'")
     monkeypatch.undo()
@@ -191,6 +192,27 @@ def test_default_memory_plan_plans_where_a_plan_can_be_made(caplog, monkeypatch)
     for explicit in ("off", "auto"):
         config = dataclasses.replace(default, memory_plan=explicit)
         assert resolve_memory_plan(hf, config) is config
+
+
+@pytest.mark.parametrize("strategy, degrees, fixed", [
+    ("ulysses", {}, {}),  # the candidates' own strategy: no option fixed
+    ("ring", {}, {"strategy": "ring"}),
+    ("hybrid", {"ulysses_size": 2}, {"strategy": "hybrid", "ulysses_size": 2}),
+    ("hybrid", {"ring_size": 4}, {"strategy": "hybrid", "ulysses_size": 2}),
+])
+def test_every_candidate_of_a_planned_compile_keeps_its_strategy_and_degrees(strategy, degrees, fixed):
+    """The planner process predicts the program the ranks will compile: the strategy, and the hybrid's Ulysses degree
+    however it was given, fixed in every candidate (`autosp.plan.auto.plan_request`)."""
+    from autosp.config import AutoSPConfig
+    from autosp.plan.auto import plan_request
+    from experiments.models import build_model
+
+    config = AutoSPConfig(sp_size=8, strategy=strategy, target_memory=2**30, **degrees)
+    request = plan_request(build_model("hf-llama", **SIZES), config, seq_len=SEQ_LEN, micro_batch=1, world_size=8,
+                           explicit={})
+    assert len(request["plans"]) == 6 * 2 * 2 * 2  # checkpointing x tiled loss x tiled MLP x offload
+    for _, options in request["plans"]:
+        assert {k: options[k] for k in ("strategy", "ulysses_size", "ring_size") if k in options} == fixed, options
 
 
 def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
@@ -289,9 +311,8 @@ def test_memory_plan_refusals_name_what_to_change():
         autosp.compile(plain, sp_size=2, target_memory=2**20)
     with pytest.raises(AutoSPError, match=r"activation_offload='auto' ask\(s\) for a memory plan.*target_memory="):
         autosp.compile(model, sp_size=2, activation_offload="auto")
-    with pytest.raises(AutoSPError, match=r"plan_cluster= ask\(s\) for a memory plan.*strategy='hybrid'"):
-        autosp.compile(model, sp_size=4, strategy="hybrid", ulysses_size=2, target_memory=2**20,
-                       plan_cluster="cpu-gloo")
+    with pytest.raises(AutoSPError, match=r"plan_cluster= ask\(s\) for a memory plan.*cpu model has no memory size"):
+        autosp.compile(model, sp_size=4, strategy="hybrid", ulysses_size=2, plan_cluster="cpu-gloo")
     with pytest.raises(AutoSPError, match="memory_plan must be one of"):
         autosp.compile(model, sp_size=2, memory_plan="on")
     with pytest.raises(AutoSPError, match="plan_seq_len=63 is not a multiple of sp_size=2"):

@@ -90,9 +90,9 @@ def test_memory_plan_defaults_to_off_where_the_compile_or_this_command_does_not_
 def test_memory_plan_defaults_to_auto_under_every_strategy_the_planner_plans():
     from simulator.workload import MEMORY_PLANNED_STRATEGIES
 
-    assert "ring" in MEMORY_PLANNED_STRATEGIES
+    assert {"ring", "hybrid"} <= set(MEMORY_PLANNED_STRATEGIES)
     for strategy in MEMORY_PLANNED_STRATEGIES:
-        resolved = resolve(_args("--strategy", strategy))
+        resolved = resolve(_args("--strategy", strategy, *(("--ulysses-size", "2") if strategy == "hybrid" else ())))
         plan = next(a for a in resolved.assumed if a.key == "memory_plan")
         assert resolved.memory_plan == "auto" and not plan.given and "as autosp.compile plans" in plan.why
 
@@ -133,7 +133,7 @@ def test_an_sp_group_across_nodes_is_refused_unless_allowed(cluster, argv):
     with pytest.raises(AutoSPError, match="--allow-cross-node-sp") as exc:
         resolve(_args(*argv, cluster=cluster))
     assert "\n" not in str(exc.value) and "more than a node's" in str(exc.value)
-    allowed = resolve(_args(*argv, "--allow-cross-node-sp", cluster=cluster))
+    allowed = resolve(_args(*argv, "--allow-cross-node-sp", "--strategy", "ring", cluster=cluster))  # 8 heads
     assert (allowed.setup.sp_size, allowed.setup.dp_size) == (int(argv[1]), 1)
     assert "across nodes" in next(a for a in allowed.assumed if a.key == "sp_size").why
     # a group straddling a node boundary is refused too (3 + 3 ranks on nodes of 4)
@@ -190,6 +190,83 @@ def test_ring_is_planned_with_its_strategy_in_every_candidate_and_searched_for_i
     out = capsys.readouterr().out
     assert "strategy     ring (given)" in out and "memory plan  off" in out
     assert "max length  ≥ 512 tokens (ceiling)" in out  # a tiny model fits an A100 at any length here
+
+
+def test_hybrid_is_planned_at_its_ulysses_degree_in_every_candidate(monkeypatch):
+    """``--strategy hybrid --ulysses-size U`` is what ``autosp.compile(strategy="hybrid", ulysses_size=U)`` plans:
+    every candidate the CLI asks the planner for is that program (the planner stubbed: no prediction)."""
+    from autosp.plan import planner
+
+    resolved = resolve(_args("--strategy", "hybrid", "--ulysses-size", "2", "--sp-size", "4"))
+    assert resolved.memory_plan == "auto" and resolved.strategy_options == {"strategy": "hybrid", "ulysses_size": 2}
+    strategy = next(a for a in resolved.assumed if a.key == "strategy")
+    assert (strategy.value, strategy.given) == ("hybrid (Ulysses 2 x ring 2)", True)
+    asked = {}
+
+    def planned(*args, plans, **kwargs):
+        asked["plans"] = plans
+        raise AutoSPError("stopped by the test")
+
+    monkeypatch.setattr(planner, "plan_memory", planned)
+    assert main(["--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "256", "--sp-size", "4",
+                 "--strategy", "hybrid", "--ulysses-size", "2", "-q"]) == 2
+    assert len(asked["plans"]) > 1
+    assert all((p.options["strategy"], p.options["ulysses_size"]) == ("hybrid", 2) for p in asked["plans"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--strategy", "hybrid"), "--strategy hybrid needs its Ulysses degree: give --ulysses-size, a divisor of "
+                               "--sp-size 8"),
+    (("--strategy", "ring", "--ulysses-size", "2"), "--ulysses-size is the hybrid's Ulysses degree, and the "
+                                                    "strategy is ring"),
+    (("--strategy", "auto", "--ulysses-size", "2"), "and the strategy is auto"),
+    (("--strategy", "hybrid", "--ulysses-size", "3"), "ulysses_size=3 does not divide sp_size=8"),
+])
+def test_strategy_degrees_are_refused_before_any_work_naming_the_fix(argv, message):
+    with pytest.raises(AutoSPError) as refused:
+        resolve(_args(*argv))
+    assert message in str(refused.value), str(refused.value)
+
+
+def _heads_config(tmp_path, heads: int) -> str:
+    """tiny-llama's config with ``heads`` query heads (2 kv heads, 16 dims a head)."""
+    from autosp.presets import hf_config
+
+    config = hf_config("tiny-llama", seq_len=1024).to_dict()
+    config.update(num_attention_heads=heads, num_key_value_heads=2, hidden_size=16 * heads, head_dim=16)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("heads, strategy, fix", [
+    (28, (), "give --strategy hybrid --ulysses-size 4 (Ulysses over 4 ranks, a ring over 2), --strategy ring"),
+    (28, ("--strategy", "hybrid", "--ulysses-size", "8"), "give --strategy hybrid --ulysses-size 4"),
+    (14, (), "give --strategy hybrid --ulysses-size 2 (Ulysses over 2 ranks, a ring over 4), --strategy ring"),
+    (7, (), "give --strategy ring (any number of heads)"),  # no Ulysses degree above 1 divides 7
+])
+def test_heads_the_ulysses_groups_cannot_split_are_the_answer_before_any_work(tmp_path, heads, strategy, fix):
+    """The binding limit of a model whose heads the SP degree does not divide is named at once, with the strategies
+    that run it (as ``autosp.compile`` refuses the same compile), instead of a refusal per candidate."""
+    model = _heads_config(tmp_path, heads)
+    argv = ["--model", model, "--cluster", "h100-sxm", "--seq-len", "1024", *strategy]
+    with pytest.raises(AutoSPError) as refused:
+        resolve(build_parser().parse_args(argv))
+    assert f"has {heads} attention heads" in str(refused.value) and fix in str(refused.value), str(refused.value)
+    for runs in [("--strategy", "ring")] + [("--strategy", "hybrid", "--ulysses-size", "2")] * (heads % 2 == 0):
+        assert resolve(build_parser().parse_args([*argv[:6], *runs])).memory_plan == "auto"
+
+
+def test_model_states_over_the_memory_are_the_answer_without_a_trace(tmp_path):
+    """Under ZeRO 0 (the library's plain loop) an 8B model's states alone exceed an H100: no candidate is traced,
+    and the answer names what binds and what to change."""
+    out = tmp_path / "plan.json"
+    assert main(["--model", "llama-3.1-8b", "--cluster", "h100-sxm", "--seq-len", "65536", "--json", str(out),
+                 "-q"]) == 0
+    report = json.loads(out.read_text())
+    assert report["traces"] == 0 and report["chosen"] is None and len(report["candidates"]) > 1
+    assert {c["refused"] for c in report["candidates"]} == {report["reason"].split("one reason: ", 1)[1]}
+    assert "under ZeRO 0" in report["reason"] and "--zero-stage auto" in report["reason"], report["reason"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -298,8 +298,8 @@ def test_cli_memory_plan_flags_and_refusals(model, caplog):
     args = build_parser().parse_args(["--model", model, "--cluster", "h100-sxm", "--seq-len", "128",
                                       "--memory-plan", "auto", "--objective", "longest", "--target-memory", "1.5"])
     assert (args.memory_plan, args.objective, args.target_memory) == ("auto", "longest", 1.5)
-    assert main(["--model", model, "--cluster", "h100-sxm", "--seq-len", "128", "--memory-plan", "auto",
-                 "--target-memory", "0", "-q"]) == 2
+    assert main(["--model", model, "--cluster", "h100-sxm", "--seq-len", "128", "--sp-size", "2",
+                 "--memory-plan", "auto", "--target-memory", "0", "-q"]) == 2
     assert "--target-memory 0" in caplog.text
     with pytest.raises(AutoSPError, match="objective"):
         plan_memory(model, SETUP, load_cluster("h100-sxm", world_size=2), objective="cheapest", plans=PLANS)

@@ -45,7 +45,7 @@ def test_sp_layout_is_what_build_groups_and_the_registry_make(sp, u, world):
     from simulator.strategies import hybrid
 
     layout = SPLayout.from_options("hybrid", sp, ulysses_size=u)
-    assert (layout.ulysses_size, layout.ring_size, layout.zigzag, layout.memory_planned) == (u, sp // u, True, False)
+    assert (layout.ulysses_size, layout.ring_size, layout.zigzag, layout.memory_planned) == (u, sp // u, True, True)
     ulysses, ring = layout.ulysses_groups(world), layout.ring_groups(world)
     assert ulysses == tuple(tuple(range(s, s + u)) for s in range(0, world, u))  # Note [Hybrid rank layout]
     assert ring == tuple(tuple(range(b + i, b + sp, u)) for b in range(0, world, sp) for i in range(u))
@@ -73,7 +73,7 @@ def test_sp_layout_declares_the_kinds_and_their_sets_once():
     import autosp.config
 
     assert COMPILED_STRATEGIES == ("ulysses", "ring", "hybrid") == tuple(SPKind)
-    assert (ZIGZAG_STRATEGIES, MEMORY_PLANNED_STRATEGIES) == (("ring", "hybrid"), ("ulysses", "ring"))
+    assert (ZIGZAG_STRATEGIES, MEMORY_PLANNED_STRATEGIES) == (("ring", "hybrid"), ("ulysses", "ring", "hybrid"))
     assert autosp.config.ZIGZAG_STRATEGIES is ZIGZAG_STRATEGIES
     config = autosp.config.AutoSPConfig(sp_size=8, strategy="hybrid", ring_size=2)
     assert config.layout == SPLayout(SPKind.HYBRID, 8, 4) and config.layout_ulysses_size == 4

@@ -54,7 +54,7 @@ def decided(llama_config):
 
 
 def test_strategy_auto_choices_are_the_registrys():
-    assert AUTO_STRATEGIES is COMPILED_STRATEGIES and STRATEGY_CHOICES == ("ulysses", "ring", "auto")
+    assert AUTO_STRATEGIES is COMPILED_STRATEGIES and STRATEGY_CHOICES == ("ulysses", "ring", "hybrid", "auto")
     assert set(STRATEGY_CHOICES) <= set(SEQUENCE_PARALLEL)
     assert build_parser().parse_args(["--model", "tiny-llama", "--cluster", CLUSTER, "--seq-len", "64",
                                       "--strategy", "ring"]).strategy == "ring"

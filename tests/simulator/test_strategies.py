@@ -81,7 +81,8 @@ def test_strategies_hybrid_family_degrees_and_rank_layout(u, r):
         assert ug == list(range(ug[0], ug[0] + u))
         for rg in groups["ring"]:
             assert len(set(ug) & set(rg)) == 1
-    assert strategy.compile_options == {"strategy": "hybrid", "ulysses_size": u, "ring_size": r}
+    assert strategy.compile_options == {"strategy": "hybrid", "ulysses_size": u, "ring_size": r,
+                                        "memory_plan": "off"}
     with pytest.raises(ValueError, match="sp_size"):
         strategy.degrees(sp + 1)
 
