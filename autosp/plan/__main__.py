@@ -540,20 +540,26 @@ def main(argv: list[str] | None = None) -> int:
         elif memory_plan == "auto":
             from autosp.plan import planner
             from autosp.plan.candidates import candidates_for
+            from autosp.plan.progress import DecisionProgress
 
             # the candidates autosp.compile(memory_plan="auto") tries, chunks sized for the same target
             plans = candidates_for(
                 args.model, setup, cluster.device.memory_bytes if target is None else target,
                 activation_offload=("off", "on") if offload in (None, "auto") else (offload,),
                 fixed=resolved.strategy_options)
+            shown = None if args.quiet else DecisionProgress()
             planning = dict(objective=args.objective, target_memory=target, plans=plans,
                             max_length_high=args.max_length_high, granularity=args.granularity,
-                            max_probes=args.max_probes, workers=args.workers)
-            if resolved.zero_auto:  # the planner chooses the DeepSpeed setup too
-                fixed = {} if args.offload is None else {"offload": args.offload}
-                answer = planner.plan_job(args.model, setup, cluster, fixed=fixed, **planning)
-            else:
-                answer = planner.plan_memory(args.model, setup, cluster, **planning)
+                            max_probes=args.max_probes, workers=args.workers, progress=shown)
+            try:
+                if resolved.zero_auto:  # the planner chooses the DeepSpeed setup too
+                    fixed = {} if args.offload is None else {"offload": args.offload}
+                    answer = planner.plan_job(args.model, setup, cluster, fixed=fixed, **planning)
+                else:
+                    answer = planner.plan_memory(args.model, setup, cluster, **planning)
+            finally:
+                if shown is not None:
+                    shown.close()
         else:
             from autosp.plan.traces import TraceReuse
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autosp.errors import AutoSPError
@@ -28,6 +28,10 @@ from simulator.cluster import Cluster
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("fastest", "longest")
+
+Progress = Callable[[int, int, str], None]
+"""Told ``(decided, total, plan name)`` as a decision's candidates are decided (first ``(0 or the candidates
+decided at once, total, "")``): what a command shows as a progress bar."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,7 +332,8 @@ def states_over_target(held: Mapping[str, int], target: int, setup: TrainingSetu
 def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",
                 target_memory: int | None = None, plans: Sequence[MemoryPlan] | None = None,
                 max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
-                reuse_traces: bool = True, resize_lengths: bool = True, workers: int = 1) -> PlanReport:
+                reuse_traces: bool = True, resize_lengths: bool = True, workers: int = 1,
+                progress: Progress | None = None) -> PlanReport:
     """Predict every plan of ``plans`` (default: `candidates_for` the model and target) for ``setup`` on
     ``cluster`` and choose one: ``"fastest"``: the fastest step at ``setup.seq_len`` whose peak fits ``target_memory`` (bytes per rank; default:
     the device's memory), ties by the lower peak; ``"longest"``: the longest length that fits (the max-length search
@@ -338,7 +343,7 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     ``objective="longest"``, a group's program at a length inside its traced range is built from a re-sized joint
     graph (`TraceReuse`).  ``workers``: processes predicting the plans' trace groups side by side (`plan_groups`;
     Note [Candidates spread over the ranks] in autosp/plan/auto.py), with the same predictions and choice as one
-    process; 1: this process alone."""
+    process; 1: this process alone.  ``progress``: called as each candidate of this process is decided (`Progress`)."""
     if objective not in OBJECTIVES:
         raise AutoSPError(f"objective {objective!r}: choose one of {OBJECTIVES}")
     setup.check()
@@ -354,14 +359,14 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     else:
         report = _plan_here(model, setup, cluster, plans, start=start, target=target, objective=objective,
                             max_length_high=max_length_high, granularity=granularity, max_probes=max_probes,
-                            reuse_traces=reuse_traces, resize_lengths=resize_lengths)
+                            reuse_traces=reuse_traces, resize_lengths=resize_lengths, progress=progress)
     log.info("%s", report.format())
     return report
 
 
 def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequence[MemoryPlan], *, start: float,
                target: int, objective: str, max_length_high: int | None, granularity: int, max_probes: int,
-               reuse_traces: bool, resize_lengths: bool) -> PlanReport:
+               reuse_traces: bool, resize_lengths: bool, progress: Progress | None = None) -> PlanReport:
     """`plan_memory` in this process (its arguments checked and defaulted), unlogged."""
     # Only the max-length search asks for several lengths.
     reuse = TraceReuse([p.options for p in plans], resize_lengths=resize_lengths and objective == "longest") \
@@ -374,29 +379,16 @@ def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequen
     # Note [Offload only where it is needed]: for the fastest plan, the plans without offload are predicted first.
     order = sorted(range(len(plans)), key=lambda i: objective == "fastest"
                    and plans[i].options.get("activation_offload") == "on")
+    if progress:
+        progress(len(found), len(plans), "")
     for index in (i for i in order if i not in found):
         plan, candidates = plans[index], list(found.values())
-        if objective == "fastest" and _offload_twin_fits(plan, candidates):
-            found[index] = Candidate(plan=plan, prediction=None, refused=NEEDLESS_OFFLOAD)
-            continue
-        before = reuse.traces if reuse else 0
-        try:
-            p = predict(model, setup, cluster, options=plan.options, capacity_bytes=target,
-                        max_length=objective == "longest", max_length_high=max_length_high,
-                        granularity=granularity, max_probes=max_probes, reuse=reuse)
-        except AutoSPError as err:  # the plan does not apply to this model (e.g. a loss the tiling cannot take)
-            log.info("memory plan %s refused: %s", plan.name, err)
-            found[index] = Candidate(plan=plan, prediction=None, refused=str(err))
-            continue
-        if reuse:
-            taken = reuse.traces - before
-            same = next((c.plan.name for c in candidates
-                         if c.prediction and reuse.same_program(plan.options, c.plan.options)), None)
-        else:
-            lengths = len(p.max_length["lengths_simulated"]) if p.max_length else 1
-            taken, same = lengths * (1 if p.step.extrapolated_from is None else 2), None
+        found[index], taken = _decided(plan, candidates, reuse, objective=objective, model=model, setup=setup,
+                                       cluster=cluster, target=target, max_length_high=max_length_high,
+                                       granularity=granularity, max_probes=max_probes)
         traces += taken
-        found[index] = Candidate(plan=plan, prediction=p, traces=taken, same_program_as=same)
+        if progress:
+            progress(len(found), len(plans), plan.name)
     candidates = [found[i] for i in range(len(plans))]  # in the plans' order
     traces = reuse.traces if reuse else traces  # with a refused group's traces
     chosen, reason = choose_plan([c.to_dict() for c in candidates], objective, seq_len=setup.seq_len, target=target)
@@ -406,6 +398,28 @@ def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequen
                         traces=traces, partitions=reuse.partitions if reuse else traces,
                         seconds=time.perf_counter() - start, notes=tuple(notes))
     return report
+
+
+def _decided(plan: MemoryPlan, candidates: Sequence[Candidate], reuse: TraceReuse | None, *, objective: str,
+             model: str, setup: TrainingSetup, cluster: Cluster, target: int, **search) -> tuple[Candidate, int]:
+    """``plan``'s candidate (``candidates``: those decided before it) and the traces its prediction took."""
+    if objective == "fastest" and _offload_twin_fits(plan, candidates):
+        return Candidate(plan=plan, prediction=None, refused=NEEDLESS_OFFLOAD), 0
+    before = reuse.traces if reuse else 0
+    try:
+        p = predict(model, setup, cluster, options=plan.options, capacity_bytes=target,
+                    max_length=objective == "longest", reuse=reuse, **search)
+    except AutoSPError as err:  # the plan does not apply to this model (e.g. a loss the tiling cannot take)
+        log.info("memory plan %s refused: %s", plan.name, err)
+        return Candidate(plan=plan, prediction=None, refused=str(err)), 0
+    if reuse:
+        taken = reuse.traces - before
+        same = next((c.plan.name for c in candidates
+                     if c.prediction and reuse.same_program(plan.options, c.plan.options)), None)
+    else:
+        lengths = len(p.max_length["lengths_simulated"]) if p.max_length else 1
+        taken, same = lengths * (1 if p.step.extrapolated_from is None else 2), None
+    return Candidate(plan=plan, prediction=p, traces=taken, same_program_as=same), taken
 
 
 def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, units: list[list[int]],

@@ -269,6 +269,27 @@ def test_model_states_over_the_memory_are_the_answer_without_a_trace(tmp_path):
     assert "under ZeRO 0" in report["reason"] and "--zero-stage auto" in report["reason"], report["reason"]
 
 
+def test_decision_progress_logs_each_candidate_with_the_time_left_off_a_terminal(caplog, monkeypatch):
+    """Off a terminal (tqdm's bar disabled) each decided candidate is a log line with the time left at the mean
+    rate; a decision that starts again (the next DeepSpeed setup) starts its count again."""
+    from autosp.plan import progress
+
+    clock = iter([0.0, 2.0, 4.0, 10.0, 11.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    shown = progress.DecisionProgress()
+    with caplog.at_level("INFO", logger="autosp.plan"):
+        shown(0, 4, "")
+        shown(1, 4, "none")
+        shown(2, 4, "sac")
+        shown(0, 3, "")  # the next setup's decision
+        shown(1, 3, "layer")
+    shown.close()
+    lines = [r.getMessage() for r in caplog.records if "candidates decided" in r.getMessage()]
+    assert lines == ["memory plan: 1 of 4 candidates decided (none), 2 s, about 6 s left",
+                     "memory plan: 2 of 4 candidates decided (sac), 4 s, about 4 s left",
+                     "memory plan: 1 of 3 candidates decided (layer), 1 s, about 2 s left"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--strategy", "auto", "--max-length"), "--strategy auto chooses the fastest strategy at --seq-len"),
     (("--strategy", "auto", "--memory-plan", "auto"), "--strategy auto is not combined with --memory-plan auto"),

@@ -275,7 +275,10 @@ def test_tight_target_makes_the_planner_offload_activations_on_the_trace_of_the_
     plans = candidate_plans(checkpointing=("none",), tiled_loss=("off",), tiled_mlp=("off",))
     assert [p.options.get("activation_offload") for p in plans] == [None, "on"]
     alone = predict(str(path), setup, cluster, options=plans[1].options)
-    report = plan_memory(str(path), setup, cluster, plans=plans, target_memory=alone.peak_bytes)
+    told = []
+    report = plan_memory(str(path), setup, cluster, plans=plans, target_memory=alone.peak_bytes,
+                         progress=lambda *state: told.append(state))
+    assert told == [(0, 2, ""), (1, 2, plans[0].name), (2, 2, plans[1].name)]  # what a progress bar shows
     plain, offload = (c.prediction for c in report.candidates)
     assert report.traces == 1 and report.partitions == 1
     assert (alone.peak_bytes, alone.host_peak_bytes, alone.step.step_time_s) == (
