@@ -442,6 +442,9 @@ def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Reso
     chosen = {name: getattr(args, name) for name in ("dtype", "optimizer", "offload", "compiler")}
     fields = {name: lib[name] if value is None else value for name, value in chosen.items()}
     zero = lib["zero_stage"] if args.zero_stage is None or zero_auto else args.zero_stage
+    if zero == 3 and strategy != "ulysses":  # as autosp.compile refuses shard_parameters=True there
+        raise AutoSPError(f"--zero-stage 3 is AutoSP's sharded parameters, priced under --strategy ulysses only, not "
+                          f"{strategy}: give --strategy ulysses, or a ZeRO stage 0-2 (--zero-stage auto chooses one)")
     setup = TrainingSetup(seq_len=args.seq_len, sp_size=ranks.sp_size, dp_size=ranks.dp_size, zero_stage=zero,
                           micro_batch=args.micro_batch, grad_accum=args.grad_accum, depth=args.depth, **fields)
     # under --zero-stage auto each setup the planner tries is checked (autosp.plan.planner.job_setups); ZeRO 2

@@ -221,6 +221,9 @@ def test_hybrid_is_planned_at_its_ulysses_degree_in_every_candidate(monkeypatch)
                                                     "strategy is ring"),
     (("--strategy", "auto", "--ulysses-size", "2"), "and the strategy is auto"),
     (("--strategy", "hybrid", "--ulysses-size", "3"), "ulysses_size=3 does not divide sp_size=8"),
+    (("--strategy", "hybrid", "--ulysses-size", "2", "--zero-stage", "3"), "priced under --strategy ulysses only, "
+                                                                          "not hybrid"),
+    (("--strategy", "ring", "--zero-stage", "3"), "priced under --strategy ulysses only, not ring"),
 ])
 def test_strategy_degrees_are_refused_before_any_work_naming_the_fix(argv, message):
     with pytest.raises(AutoSPError) as refused:
