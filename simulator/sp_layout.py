@@ -214,6 +214,10 @@ class SPLayout:
         if not self.kind.grouped:
             return (f"{heads} attention heads, not divisible by sp_size={u}; choose an sp_size that divides the "
                     "number of heads, or strategy='ring' or 'hybrid' (any number of heads)")
-        divisors = [d for d in range(1, sp + 1) if sp % d == 0 and heads % d == 0]
         return (f"{heads} attention heads, not divisible by ulysses_size={u}; pass a ulysses_size that divides "
-                f"both the heads and sp_size={sp} (one of {divisors}; 1 is the ring alone)")
+                f"both the heads and sp_size={sp} (one of {list(self.ulysses_degrees(heads))}; 1 is the ring alone)")
+
+    def ulysses_degrees(self, heads: int) -> tuple[int, ...]:
+        """The Ulysses degrees that split ``heads`` attention heads within this layout's SP groups, ascending:
+        the divisors of both ``heads`` and ``sp_size`` (1 is the ring alone, ``sp_size`` Ulysses alone)."""
+        return tuple(d for d in range(1, self.sp_size + 1) if self.sp_size % d == 0 and heads % d == 0)

@@ -490,9 +490,9 @@ def _strategy_options(args: argparse.Namespace, strategy: str, sp_size: int) -> 
         raise AutoSPError(f"--ulysses-size {args.ulysses_size}: {err}") from None
     heads = ModelSource(args.model).attention_heads(seq_len=args.seq_len)
     if heads is not None and layout.heads_rule(heads) is not None:
-        divisors = [d for d in range(2, sp_size) if sp_size % d == 0 and heads % d == 0]
-        hybrid = (f"--strategy hybrid --ulysses-size {divisors[-1]} (Ulysses over {divisors[-1]} ranks, a ring over "
-                  f"{sp_size // divisors[-1]}), " if divisors and strategy != "hybrid" or len(divisors) > 1 else "")
+        hybrid_degrees = [d for d in layout.ulysses_degrees(heads) if 1 < d < sp_size]
+        hybrid = (f"--strategy hybrid --ulysses-size {hybrid_degrees[-1]} (Ulysses over {hybrid_degrees[-1]} ranks, "
+                  f"a ring over {sp_size // hybrid_degrees[-1]}), " if hybrid_degrees else "")
         raise AutoSPError(f"{args.model} has {heads} attention heads, which Ulysses groups of {layout.ulysses_size} "
                           f"ranks cannot split (--sp-size {sp_size}): give {hybrid}--strategy ring (any number of "
                           f"heads), or an --sp-size whose Ulysses degree divides {heads}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from autosp.errors import AutoSPError
 from autosp.plan.candidates import MemoryPlan, candidates_for
+from autosp.plan.model_source import ModelSource
 from autosp.plan.prediction import Prediction, held_before_activations, predict
 from autosp.plan.setup import DECIDING_DEPTH, TrainingSetup
 from autosp.plan.traces import OFFLOAD_OPTION, TraceReuse, checkpointing_variant, rank_share
@@ -372,7 +373,7 @@ def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequen
     reuse = TraceReuse([p.options for p in plans], resize_lengths=resize_lengths and objective == "longest") \
         if reuse_traces else None
     found, traces = {}, 0
-    held = held_before_activations(model, setup, cluster)
+    held = held_before_activations(model, setup, cluster, source=reuse.source(model) if reuse else None)
     if sum(held.values()) >= target:  # no plan fits: nothing is traced
         found = {i: Candidate(plan=plan, prediction=None, refused=states_over_target(held, target, setup))
                  for i, plan in enumerate(plans)}
@@ -520,8 +521,11 @@ def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mappi
     jobs = job_setups(setup, fixed)
     if not jobs:
         raise AutoSPError(f"no DeepSpeed setup of {JOB_SETUPS} with {dict(fixed or {})} can train this setup")
+    source = ModelSource(model)
+
     def states(job: Mapping) -> int:  # the ledger inside backward but the activations: what the setup holds
-        return sum(held_before_activations(model, dataclasses.replace(setup, **job), cluster).values())
+        return sum(held_before_activations(model, dataclasses.replace(setup, **job), cluster,
+                                           source=source).values())
 
     tried, without, least = [], [], None
     for job in jobs:

@@ -179,11 +179,13 @@ def ledger_config(source: ModelSource, hf, setup: TrainingSetup, cluster: Cluste
                                gpu_process=bool(cluster.preset.architecture))
 
 
-def held_before_activations(model: str, setup: TrainingSetup, cluster: Cluster) -> dict[str, int]:
+def held_before_activations(model: str, setup: TrainingSetup, cluster: Cluster, *,
+                            source: ModelSource | None = None) -> dict[str, int]:
     """Device bytes per rank by ledger category that every plan of ``setup`` holds inside backward before any
     activation (the ledger without the simulated lines: model states, buffers, runtime) for ``model`` on
-    ``cluster``: a lower bound of every plan's peak, so no plan fits a target at or below their sum."""
-    source = ModelSource(model)
+    ``cluster``: a lower bound of every plan's peak, so no plan fits a target at or below their sum.  ``source``:
+    ``model``'s `ModelSource` where the caller holds one (its meta model is built once)."""
+    source = ModelSource(model) if source is None else source
     held: dict[str, int] = {}
     for line in memory_ledger(ledger_config(source, source.config(seq_len=setup.seq_len), setup, cluster),
                               at="backward"):

@@ -246,6 +246,7 @@ def _heads_config(tmp_path, heads: int) -> str:
     (28, (), "give --strategy hybrid --ulysses-size 4 (Ulysses over 4 ranks, a ring over 2), --strategy ring"),
     (28, ("--strategy", "hybrid", "--ulysses-size", "8"), "give --strategy hybrid --ulysses-size 4"),
     (14, (), "give --strategy hybrid --ulysses-size 2 (Ulysses over 2 ranks, a ring over 4), --strategy ring"),
+    (14, ("--strategy", "hybrid", "--ulysses-size", "4"), "give --strategy hybrid --ulysses-size 2"),
     (7, (), "give --strategy ring (any number of heads)"),  # no Ulysses degree above 1 divides 7
 ])
 def test_heads_the_ulysses_groups_cannot_split_are_the_answer_before_any_work(tmp_path, heads, strategy, fix):

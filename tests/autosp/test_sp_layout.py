@@ -80,6 +80,9 @@ def test_sp_layout_declares_the_kinds_and_their_sets_once():
     assert autosp.config.AutoSPConfig(sp_size=8, strategy="auto", plan_seq_len=64).layout is None
     assert SPLayout(SPKind.HYBRID, 8, 2).heads_rule(6) is None
     assert "not divisible by ulysses_size=4" in SPLayout(SPKind.HYBRID, 8, 4).heads_rule(6)
+    assert SPLayout(SPKind.HYBRID, 8, 4).ulysses_degrees(6) == (1, 2) and "(one of [1, 2];" in \
+        SPLayout(SPKind.HYBRID, 8, 4).heads_rule(6)
+    assert SPLayout(SPKind.ULYSSES, 8, 8).ulysses_degrees(28) == (1, 2, 4)
     for bad, message in [(("hybrid", 8, 3), "ulysses_size=3 does not divide sp_size=8"),
                          (("ring", 8, 2), "strategy='ring' has ulysses_size=1")]:
         with pytest.raises(SPLayoutError, match=message):
