@@ -2,10 +2,10 @@
 
 A :class:`Workload` (written by ``autosp.export`` or built by hand with :class:`ProgramBuilder`) lists every
 rank's ops - kernels with FLOPs and bytes, collectives with their groups, dependencies and tensor lifetimes. A
-:class:`Cluster` instantiates a hardware preset (A100, H100, H200, GH200, MI250 or the calibrated ``cpu-gloo``)
-with its topology. :func:`simulate` runs one step in SimPy - a compute stream and per-group comm streams on each
-rank, collectives that rendezvous across ranks and share link bandwidth, a memory timeline with OOM reporting -
-and returns a :class:`Result` (step time, overlap, peak memory). :func:`max_sequence_length` (and the general
+:class:`Cluster` instantiates a hardware preset (A100, H100, H200, GH200, B200, MI250, MI300X or the calibrated
+``cpu-gloo``) with its topology. :func:`simulate` runs one step in SimPy - a compute stream and per-group comm
+streams on each rank, collectives that rendezvous across ranks and share link bandwidth, a memory timeline with
+OOM reporting - and returns a :class:`Result` (step time, overlap, peak memory). :func:`max_sequence_length` (and the general
 :func:`search_max_length`) searches the longest sequence that fits; :func:`memory_ledger` lists a DeepSpeed
 configuration's per-rank static memory; :mod:`simulator.trace` and :mod:`simulator.plots` render Perfetto traces
 and PNGs. The package never imports torch.

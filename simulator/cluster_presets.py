@@ -1,4 +1,4 @@
-"""Named multi-node clusters (2, 4 and 8 nodes of 8 H100 or A100 GPUs) and the provenance of every link figure.
+"""Named multi-node clusters (2, 4 and 8 nodes of 8 H100, B200 or A100 GPUs) and the provenance of every link figure.
 
 A :class:`ClusterPreset` names a GPU node preset of :mod:`simulator.hardware`, a node count, an inter-node network
 and the all-to-all algorithm; :meth:`simulator.cluster.Cluster.from_cluster_preset` builds it. The presets of
@@ -94,13 +94,18 @@ _PCIE_BOUND = ("the A100's PCIe Gen4 x16 (32 GB/s per direction) sits between th
                "inter-node bandwidth is PCIe-bound (a DGX A100 ships 200 Gb/s HDR NICs; pass network='ib-hdr-200' "
                "to Cluster.from_preset for that machine)")
 
+_B200_RAILS = ("DGX B200 nodes: the NVIDIA DGX SuperPOD reference architecture for DGX B200 builds the same "
+               "rail-optimised NDR 400 Gb/s compute fabric, one ConnectX-7 per GPU (DGX B200 user guide: 8 single-port "
+               "ConnectX-7 cards)")
+_NODE_NOTES = {"a100-80gb-sxm": _PCIE_BOUND, "b200": _B200_RAILS}
+
 CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     f"{node}-{nodes}x8": ClusterPreset(
         name=f"{node}-{nodes}x8", node=node, nodes=nodes, network="ib-ndr-400-rail",
         notes="NVLink/NVSwitch inside a node; one 400 Gb/s NIC per GPU on a rail-optimised non-blocking fabric"
-              + ("; " + _PCIE_BOUND if node == "a100-80gb-sxm" else ""))
-    for node in ("h100-sxm", "a100-80gb-sxm") for nodes in (2, 4, 8)}
-"""Multi-node clusters of 2, 4 and 8 nodes of 8 GPUs: ``h100-sxm-2x8`` ... ``a100-80gb-sxm-8x8``."""
+              + (f"; {_NODE_NOTES[node]}" if node in _NODE_NOTES else ""))
+    for node in ("h100-sxm", "b200", "a100-80gb-sxm") for nodes in (2, 4, 8)}
+"""Multi-node clusters of 2, 4 and 8 nodes of 8 GPUs: ``h100-sxm-2x8`` ... ``b200-8x8`` ... ``a100-80gb-sxm-8x8``."""
 
 
 def get_cluster_preset(name: str) -> ClusterPreset:

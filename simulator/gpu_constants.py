@@ -1,16 +1,16 @@
 """Every efficiency and latency constant of the GPU presets, in one table, each with its band and provenance.
 
-The datasheet figures of a preset (peak FLOP/s, HBM bandwidth, capacity, link bandwidths) live beside the preset
-in :mod:`simulator.hardware`; what a datasheet does not give - the fraction of those peaks real kernels and NCCL
-reach, and the fixed latencies - lives here, as :class:`simulator.device_reserve.Uncertain` entries (value, low,
+The datasheet figures of a preset (peak FLOP/s, HBM bandwidth, capacity, link bandwidths) live, each with its
+source, in :mod:`simulator.datasheets`; what a datasheet does not give - the fraction of those peaks real kernels
+and NCCL reach, and the fixed latencies - lives here, as :class:`simulator.device_reserve.Uncertain` entries (value, low,
 high, unit, provenance, ``assumption``). ``assumption=True`` marks a value no public measurement we can cite pins
 down: an engineering estimate with a deliberately wide band. Nothing here is fitted to the AutoSP paper's
 published figures. :func:`simulator.hardware.build_preset` reads the nominal values; ``python -m simulator
 --sensitivity`` moves each constant to its low and high end and re-simulates (:func:`constants_for`).
 
 Names are ``<scope>.<quantity>``; the scope is an architecture (``ampere``: A100; ``hopper``: H100, H200, GH200;
-``cdna2``: MI250), ``gpu`` (shared by all of them), or a fabric (``nvlink``, ``xgmi``, ``pcie``, ``ib``, ``rail``:
-the leaf switches of a rail-optimised network).
+``blackwell``: B200; ``cdna2``: MI250; ``cdna3``: MI300X), ``gpu`` (shared by all of them), or a fabric (``nvlink``,
+``xgmi``, ``pcie``, ``ib``, ``rail``: the leaf switches of a rail-optimised network).
 
 Note [Attention efficiency is the kernel PyTorch runs]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -19,7 +19,10 @@ So the nominal attention efficiency is FA-2's measured causal forward+backward t
 (FLOPs counted as in the FA papers: 4·S²·D·H per forward, halved under causal masking, backward 2.5x), and the
 band's high end on Hopper is FlashAttention-3 (a different kernel, reachable through flash-attn 3 or cuDNN).
 On Hopper FA-2 reaches a much smaller fraction of the peak than on Ampere (35 % vs 50-73 %), which is why the
-constant is per architecture.
+constant is per architecture. Recent PyTorch puts its cuDNN backend first on sm90 and sm100 when the runtime cuDNN
+is newer than 9.15 (``check_prefer_cudnn_attention`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp); the
+Hopper figures above are FA-2's and predate that, while the Blackwell constant is bracketed by cuDNN's and
+FlashAttention-4's kernels. On ROCm the flash backend is AOTriton's (or composable_kernel's) FlashAttention-2 port.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ from simulator.device_reserve import Uncertain
 _FA2 = "Dao, 'FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning' (arXiv 2307.08691)"
 _FA3 = ("Shah et al., 'FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision' "
         "(arXiv 2407.08608)")
+_FA4 = ("Zadouri et al., 'FlashAttention-4: Algorithm and Kernel Pipelining Co-Design for Asymmetric Hardware "
+        "Scaling' (abstract)")
+_MAMF = ("S. Bekman, 'Machine Learning Engineering Open Book' (github.com/stas00/ml-engineering), "
+         "compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS comparison table' (BF16 matmul, best shape "
+         "of a search, mean of 100 iterations)")
 _VECTOR = ("datasheet ratio: elementwise and reduction kernels run on the non-tensor FP32 units, ~6 % of the dense "
            "BF16 tensor peak (A100 datasheet 19.5 vs 312 TFLOP/s, H100 SXM 67 vs 989); they are memory-bound in "
            "practice, so only the memory fraction matters")
@@ -61,6 +69,18 @@ GPU_CONSTANTS: dict[str, Uncertain] = {u.name: u for u in (
     _u("cdna2.matmul.flops", 0.50, 0.70, 0.80, "fraction of BF16 peak",
        "assumption: no public rocBLAS BF16 GEMM figure at these shapes was found; same nominal as Ampere's low end",
        assumption=True),
+    _u("blackwell.matmul.flops", 0.55, 0.68, 0.78, "fraction of BF16 peak",
+       f"{_MAMF}: B200 SXM 1,745 of 2,250 TFLOP/s (77.6 %) at its best shape (torch 2.7.1, CUDA 12.8), against "
+       "80.3 % on H100 SXM, so the high end; LLM shapes reach less (tile and wave quantization, power-limited "
+       "clocks under sustained load), so the nominal sits below it as Hopper's (0.70) sits below the H100's 80 %. "
+       "Assumption within that range", assumption=True),
+    _u("cdna3.matmul.flops", 0.35, 0.45, 0.60, "fraction of BF16 peak",
+       f"{_MAMF}: MI300X 668.4 of 1,300 TFLOP/s (51.4 %) at its best shape (torch 2.5.1, ROCm 6.3, TunableOp on); "
+       "an earlier revision of the table gave 781.9 (60 %) on ROCm 6.2 and its notes ~450 (35 %) on ROCm 6.1: "
+       "hipBLASLt reaches a smaller fraction of the datasheet peak than cuBLAS does of NVIDIA's (the datasheet peak "
+       "assumes the boost clock, held in lightly loaded phases: AMD ROCm blog 'Understanding Peak, Max-Achievable "
+       "& Delivered FLOPs, Part 1'), and LLM shapes less than the best one. Assumption within that range",
+       assumption=True),
     _u("ampere.attention.flops", 0.50, 0.60, 0.73, "fraction of BF16 peak",
        f"{_FA2}, sec. 4.1 and Fig. 4-5: on A100 FA-2 reaches 50-73 % of peak in the forward and up to 63 % in the "
        "backward; causal forward+backward at head dim 128 and 8K tokens lands near 60 % (see Note [Attention "
@@ -73,6 +93,19 @@ GPU_CONSTANTS: dict[str, Uncertain] = {u.name: u for u in (
     _u("cdna2.attention.flops", 0.25, 0.40, 0.55, "fraction of BF16 peak",
        "assumption: ROCm's FlashAttention-2 port (composable_kernel) on MI250 reports no causal head-dim-128 "
        "figure we can cite; set between Hopper's FA-2 and Ampere's", assumption=True),
+    _u("blackwell.attention.flops", 0.25, 0.45, 0.65, "fraction of BF16 peak",
+       f"{_FA4}: on B200 in BF16 FA-4 reaches up to 1,613 TFLOP/s (71 %) in the forward, up to 1.3x faster than "
+       "cuDNN 9.13 and 2.7x faster than Triton. PyTorch runs cuDNN's kernel on sm100 (see Note [Attention "
+       "efficiency is the kernel PyTorch runs]); no causal forward+backward figure at head dim 128 for it we can "
+       "cite, and backward kernels run below the forward. Assumption: nominal below cuDNN's forward (at least "
+       "71 %/1.3 = 55 % where FA-4 peaks) for the slower backward; low end a kernel not written for Blackwell "
+       "(Triton, FA-2), high end FA-4 forward+backward", assumption=True),
+    _u("cdna3.attention.flops", 0.20, 0.35, 0.50, "fraction of BF16 peak",
+       "assumption: PyTorch's flash backend on ROCm is AOTriton's FlashAttention-2 port (composable_kernel's with "
+       "torch.backends.cuda.preferred_rocm_fa_library); no causal forward+backward figure at head dim 128 on MI300X "
+       "we can cite. Set below cdna3.matmul.flops, as FA-2 sits below GEMM wherever both are measured "
+       f"({_FA2}, abstract: 50-73 % of the A100 peak, 'close to the efficiency of GEMM operations')",
+       assumption=True),
     # --- vector-unit and memory-bound kernels, shared ---------------------------------------------------------
     _u("gpu.vector.flops", 0.04, 0.06, 0.08, "fraction of BF16 tensor peak", _VECTOR, assumption=False),
     _u("gpu.elementwise.memory", 0.60, 0.80, 0.90, "fraction of HBM bandwidth", _STREAM, assumption=True),
@@ -96,13 +129,14 @@ GPU_CONSTANTS: dict[str, Uncertain] = {u.name: u for u in (
     _u("nvlink.efficiency", 0.70, 0.80, 0.90, "fraction of NVLink peak per direction",
        "NVIDIA nccl-tests (doc/PERFORMANCE.md defines bus bandwidth): all_reduce_perf on 8x A100 SXM reports "
        "~230-240 GB/s busbw of 300 GB/s, on 8x H100 SXM ~360-380 of 450 without NVLink SHARP, as commonly "
-       "published for DGX systems; assumption within that range", assumption=True),
+       "published for DGX systems; assumption within that range, taken for B200's NVLink 5 too (no B200 figure "
+       "cited)", assumption=True),
     _u("nvlink.latency_s", 0.5e-6, 1.0e-6, 3.0e-6, "seconds per algorithm step",
        "NCCL's small-message all-reduce latency on one NVSwitch node is ~10-20 us for 14 ring steps (nccl-tests, "
        "8 GPUs), i.e. ~1 us per step; assumption", assumption=True),
     _u("xgmi.efficiency", 0.55, 0.70, 0.85, "fraction of Infinity Fabric peak per direction",
-       "assumption: RCCL on MI250 reaches a smaller fraction of the link peak than NCCL on NVSwitch (partial mesh)",
-       assumption=True),
+       "assumption: RCCL on MI250 reaches a smaller fraction of the link peak than NCCL on NVSwitch (partial mesh); "
+       "taken for MI300X's full mesh too (no MI300X figure cited)", assumption=True),
     _u("xgmi.latency_s", 1.0e-6, 1.5e-6, 4.0e-6, "seconds per algorithm step", "assumption: RCCL's per-step latency over Infinity Fabric, taken above NCCL's over NVSwitch",
        assumption=True),
     _u("pcie.latency_s", 0.3e-6, 0.5e-6, 1.0e-6, "seconds per hop",
@@ -150,7 +184,7 @@ GPU_CONSTANTS: dict[str, Uncertain] = {u.name: u for u in (
 )}
 """Every efficiency and latency constant of the GPU presets, by name."""
 
-ARCHITECTURES = ("ampere", "hopper", "cdna2")
+ARCHITECTURES = ("ampere", "hopper", "blackwell", "cdna2", "cdna3")
 HOST_SCOPES = {"pcie": "pcie_host", "nvlink-c2c": "c2c"}
 """Host-memory link kind (``HardwarePreset.host_memory_kind``) -> scope of its constants."""
 

@@ -6,8 +6,9 @@ the host link on the path to the NIC (PCIe), the host memory of a node and the d
 NVLink-C2C, :attr:`HardwarePreset.host_memory_link`: what optimizer offload moves over) and a default inter-node
 :class:`NetworkSpec`. Bandwidths are per
 direction (a "600 GB/s bidirectional" NVLink figure becomes 300 GB/s). Presets: ``a100-80gb-sxm``, ``h100-sxm``,
-``h200-sxm``, ``gh200``, ``mi250`` and ``cpu-gloo``, the last loaded from ``presets/cpu_gloo.json`` as written by
-``python -m experiments.calibrate_cpu``. The datasheet figures sit beside each preset; every efficiency and latency
+``h200-sxm``, ``gh200``, ``b200``, ``mi250``, ``mi300x`` and ``cpu-gloo``, the last loaded from
+``presets/cpu_gloo.json`` as written by ``python -m experiments.calibrate_cpu``. The GPU presets' datasheet figures,
+each beside its source, are :data:`simulator.datasheets.DATASHEETS`; every efficiency and latency
 constant of the GPU presets comes from :data:`simulator.gpu_constants.GPU_CONSTANTS` (value, band, provenance), and
 :func:`build_preset` rebuilds a preset with any of them moved (what ``--sensitivity`` does). GPU presets price
 pointwise/reduction chains as Inductor's fused kernels (:mod:`simulator.fusion`); ``cpu-gloo`` does not.
@@ -25,12 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from simulator.datasheets import DATASHEETS, GB, Datasheet
 from simulator.device_reserve import Uncertain
 from simulator.gpu_constants import GPU_CONSTANTS, HOST_SCOPES
 
-GB = 1e9
-GIB = 2**30
-TIB = 2**40
 CPU_GLOO_JSON = Path(__file__).resolve().parent / "presets" / "cpu_gloo.json"
 
 
@@ -177,7 +176,8 @@ class HardwarePreset:
     worker threads (2 by default, ``ProcessGroupGloo.Options.threads``), so two collectives started back to back
     are in flight together (their latencies overlap, their bytes share the links)."""
     architecture: str = ""
-    """GPU architecture whose constants the preset reads (``ampere``, ``hopper``, ``cdna2``; empty for CPU)."""
+    """GPU architecture whose constants the preset reads (``ampere``, ``hopper``, ``blackwell``, ``cdna2``,
+    ``cdna3``; empty for CPU)."""
     host_memory_bytes: int | None = None
     """Host (CPU) memory of one node that its training processes may use, bytes (``None``: unknown; the
     devices of a node share it equally, :meth:`simulator.cluster.Cluster.host_memory_per_rank_bytes`)."""
@@ -189,87 +189,6 @@ class HardwarePreset:
     """``"pcie"`` or ``"nvlink-c2c"`` (GPU presets: selects the link's constants), ``"memory"`` (``cpu-gloo``: a
     copy within RAM, measured)."""
 
-
-@dataclass(frozen=True, kw_only=True)
-class _Datasheet:
-    """The datasheet figures of one GPU preset (everything a datasheet gives)."""
-
-    arch: str
-    flops: float
-    hbm: float
-    mem: int
-    fabric_bidir: float
-    pcie_bidir: float
-    per_node: int
-    network: str
-    sources: tuple[str, ...]
-    fabric: str = "nvswitch"
-    device_name: str = ""
-    notes: str = ""
-    host_mem: int = 0
-    """Host memory per node, bytes (DRAM sizes are binary: a "2 TB" node is 2 TiB)."""
-    host_bidir: float = 0.0
-    """Device <-> host memory link, both directions together (0: the PCIe figure ``pcie_bidir``)."""
-    host_kind: str = "pcie"
-    host_source: str = ""
-    """Where the host-memory figures come from (assumptions say so)."""
-
-    @property
-    def fabric_key(self) -> str:
-        """Scope of the fabric's constants in ``GPU_CONSTANTS``."""
-        return "nvlink" if self.fabric == "nvswitch" else self.fabric
-
-
-DATASHEETS: dict[str, _Datasheet] = {
-    # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): BF16 tensor 312 TFLOP/s dense, HBM2e 2,039 GB/s, 80 GB,
-    # NVLink 3 600 GB/s bidirectional, PCIe Gen4 64 GB/s. DGX A100 datasheet: 8 GPUs on NVSwitch, 8x ConnectX-6 HDR.
-    "a100-80gb-sxm": _Datasheet(arch="ampere", flops=312e12, hbm=2039 * GB, mem=80 * GIB, fabric_bidir=600 * GB,
-                                pcie_bidir=64 * GB, per_node=8, network="ib-hdr-200", host_mem=2 * TIB,
-                                sources=("NVIDIA A100 Tensor Core GPU datasheet", "NVIDIA DGX A100 datasheet"),
-                                host_source="NVIDIA DGX A100 datasheet (DGX A100 640GB): 2 TB system memory; each GPU "
-                                            "reaches it over its PCIe Gen4 x16 link (A100 datasheet: 64 GB/s)"),
-    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 1,979 TFLOP/s with sparsity = 989 dense, HBM3 3.35 TB/s,
-    # 80 GB, NVLink 4 900 GB/s, PCIe Gen5 128 GB/s. DGX H100 datasheet: 8 GPUs, 4 NVSwitch, 8x ConnectX-7 NDR.
-    "h100-sxm": _Datasheet(arch="hopper", flops=989e12, hbm=3350 * GB, mem=80 * GIB, fabric_bidir=900 * GB,
-                           pcie_bidir=128 * GB, per_node=8, network="ib-ndr-400", host_mem=2 * TIB,
-                           sources=("NVIDIA H100 Tensor Core GPU datasheet", "NVIDIA DGX H100 datasheet"),
-                           host_source="NVIDIA DGX H100 datasheet: 2 TB system memory; PCIe Gen5 x16 per GPU "
-                                       "(H100 datasheet: 128 GB/s)"),
-    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 989 TFLOP/s dense, HBM3e 4.8 TB/s, 141 GB, NVLink 900 GB/s,
-    # PCIe Gen5 128 GB/s; HGX H200: 8 GPUs on NVSwitch.
-    "h200-sxm": _Datasheet(arch="hopper", flops=989e12, hbm=4800 * GB, mem=141 * GIB, fabric_bidir=900 * GB,
-                           pcie_bidir=128 * GB, per_node=8, network="ib-ndr-400", host_mem=2 * TIB,
-                           sources=("NVIDIA H200 Tensor Core GPU datasheet",),
-                           host_source="NVIDIA DGX H200 datasheet: 2 TB system memory; PCIe Gen5 x16 per GPU (H200 "
-                                       "datasheet: 128 GB/s)"),
-    # NVIDIA GH200 Grace Hopper Superchip datasheet: H100 GPU, BF16 989 TFLOP/s dense, 96 GB HBM3 at 4 TB/s, NVLink-C2C
-    # 900 GB/s to Grace. Quad-GH200 nodes (e.g. HPE Cray EX254n) join the four GPUs all-to-all with NVLink 4
-    # (18 links, 900 GB/s bidirectional per GPU), modelled as a switch.
-    "gh200": _Datasheet(arch="hopper", flops=989e12, hbm=4000 * GB, mem=96 * GIB, fabric_bidir=900 * GB,
-                        pcie_bidir=128 * GB, per_node=4, network="ib-ndr-400", host_mem=4 * 480 * GIB,
-                        host_bidir=900 * GB, host_kind="nvlink-c2c",
-                        sources=("NVIDIA GH200 Grace Hopper Superchip datasheet",),
-                        host_source="NVIDIA GH200 Grace Hopper Superchip datasheet: NVLink-C2C 900 GB/s between "
-                                    "Hopper and Grace, up to 480 GB of LPDDR5X memory per superchip; assumption: every "
-                                    "superchip of the node has the largest (480 GB) configuration (systems also "
-                                    "ship with less)",
-                        notes="4 superchips per node; the all-to-all NVLink mesh is modelled as a non-blocking switch"),
-    # AMD Instinct MI250 datasheet (OAM): BF16 362.1 TFLOP/s, 128 GB HBM2e at 3.2768 TB/s, two GCDs per module, each
-    # seen by ROCm as one device. ROCm "MI250 microarchitecture": each Infinity Fabric link carries 50 GB/s per
-    # direction. One device here is one GCD (half the module): 181 TFLOP/s, 1.6384 TB/s, 64 GB; 8 GCDs per node,
-    # 2 links (100 GB/s per direction) per GCD.
-    "mi250": _Datasheet(arch="cdna2", flops=181.05e12, hbm=1638.4 * GB, mem=64 * GIB, fabric_bidir=200 * GB,
-                        pcie_bidir=64 * GB, per_node=8, network="ib-hdr-200", fabric="xgmi", host_mem=512 * GIB,
-                        host_bidir=32 * GB,
-                        host_source="assumption: 512 GB DDR4 per node of 8 GCDs as on OLCF Frontier (HPE Cray "
-                                    "EX235a, 4 MI250X); the module's PCIe Gen4 x16 host interface (64 GB/s, AMD "
-                                    "MI250 datasheet) shared by its two GCDs: 32 GB/s per GCD",
-                        device_name="mi250 (one GCD)",
-                        sources=("AMD Instinct MI250 accelerator datasheet",
-                                 "ROCm documentation: AMD Instinct MI250 microarchitecture"),
-                        notes="the partial Infinity Fabric mesh is modelled as a switch with 2 links (100 GB/s) per GCD"),
-}
-"""Datasheet figures of every GPU preset; the efficiencies and latencies come from ``GPU_CONSTANTS``."""
 
 _CX6_HDR = "NVIDIA ConnectX-6 VPI product brief (HDR 200 Gb/s)"
 _CX7_NDR = "NVIDIA ConnectX-7 product brief (NDR 400 Gb/s InfiniBand, 400GbE RoCE)"
@@ -328,7 +247,7 @@ def build_preset(name: str, constants: Mapping[str, Uncertain] | None = None) ->
     )
 
 
-def _host_memory_link(ds: _Datasheet, c: Mapping[str, float]) -> LinkSpec:
+def _host_memory_link(ds: Datasheet, c: Mapping[str, float]) -> LinkSpec:
     """Device <-> host memory, per direction, with the efficiency and latency constants of its kind."""
     scope = HOST_SCOPES[ds.host_kind]
     return LinkSpec(bandwidth_bytes_per_s=(ds.host_bidir or ds.pcie_bidir) / 2, latency_s=c[f"{scope}.latency_s"],

@@ -152,7 +152,7 @@ def test_gpu_cases_fit_one_gpu_and_add_nccl_cases_with_two():
     assert set(gv.CASE_NAMES) == {c.name for c in two} | {c.name for c in gv.cases("cpu")}
 
 
-@pytest.mark.parametrize("name", ["h100-sxm", "h200-sxm", "a100-80gb-sxm", "gh200"])
+@pytest.mark.parametrize("name", ["h100-sxm", "h200-sxm", "a100-80gb-sxm", "gh200", "b200", "mi300x"])
 def test_gpu_preset_document_reads_back_as_the_preset(name):
     from autosp.plan.cluster_file import cluster_from_dict
     from simulator.hardware import get_preset, preset_from_dict

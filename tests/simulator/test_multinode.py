@@ -42,7 +42,7 @@ def _planner(name: str, algorithm: str = "pairwise") -> CollectivePlanner:
     return CollectivePlanner(Cluster.from_cluster_preset(name).topology, all_to_all=algorithm)
 
 
-@pytest.mark.parametrize("node", ["h100-sxm", "a100-80gb-sxm"])
+@pytest.mark.parametrize("node", ["h100-sxm", "b200", "a100-80gb-sxm"])
 @pytest.mark.parametrize("nodes", [2, 4, 8])
 def test_multinode_presets_are_nodes_of_eight_gpus_on_a_rail_optimised_400g_network(node, nodes):
     cluster = Cluster.from_cluster_preset(f"{node}-{nodes}x8")

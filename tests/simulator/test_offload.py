@@ -28,6 +28,8 @@ CLUSTER = Cluster.from_preset(dataclasses.replace(toy_preset(), host_memory_link
     ("h100-sxm", 64 * GB, "pcie", 2 * 2**40),  # PCIe Gen5 x16; DGX H100: 2 TB
     ("h200-sxm", 64 * GB, "pcie", 2 * 2**40),
     ("gh200", 450 * GB, "nvlink-c2c", 4 * 480 * 2**30),  # NVLink-C2C 900 GB/s bidirectional
+    ("b200", 64 * GB, "pcie", 2 * 2**40),  # PCIe Gen5 x16; DGX B200: 2 TB
+    ("mi300x", 64 * GB, "pcie", 2 * 2**40),  # PCIe Gen5 x16; 2 TB per 8-GPU server, an assumption
 ])
 def test_presets_have_host_memory_and_its_link_with_a_source(name, per_direction, kind, node_bytes):
     preset = get_preset(name)
