@@ -18,7 +18,13 @@ from autosp.config import MEMORY_PLAN_OPTIONS, PLANNING_OPTIONS, AutoSPConfig
 from autosp.errors import AutoSPError
 from autosp.groups import build_groups
 from autosp.model import MemoryMeter, SequenceParallelModel, sync_gradients
-from autosp.plan.auto import PlanAtFirstBatch, check_plannable, decide_strategy, resolve_memory_plan
+from autosp.plan.auto import (
+    PlanAtFirstBatch,
+    check_plannable,
+    decide_strategy,
+    resolve_memory_plan,
+    strategy_with_memory,
+)
 from autosp.plan.process import PlannerProcess
 
 __all__ = ["SequenceParallelModel", "compile", "sync_gradients"]
@@ -60,8 +66,12 @@ def compile(  # noqa: A001 - mirrors torch.compile
         explicit = {k: v for k, v in options.items() if k in MEMORY_PLAN_OPTIONS}
         if config.memory_plan == "auto" or config.strategy == "auto":
             check_plannable(model, config)
-        strategy_plan = None
-        if config.strategy == "auto":  # the planner chooses; every rank compiles its choice (autosp.plan.auto)
+        strategy_plan, first_batch_plan = None, None
+        if config.strategy == "auto" and config.memory_plan == "auto":  # one decision, before compiling
+            strategy_plan, first_batch_plan = strategy_with_memory(model, config, process_group, explicit=explicit,
+                                                                   planner=planner)
+            config = dataclasses.replace(config, **strategy_plan["options"])
+        elif config.strategy == "auto":  # the planner chooses; every rank compiles its choice (autosp.plan.auto)
             strategy_plan = decide_strategy(model, config, process_group, explicit=explicit, planner=planner)
             planned = {f.name: f.default for f in dataclasses.fields(config) if f.name in PLANNING_OPTIONS}
             config = dataclasses.replace(config, **strategy_plan["options"], **planned)
@@ -70,13 +80,13 @@ def compile(  # noqa: A001 - mirrors torch.compile
         if sp_size == 1:
             warnings.warn("autosp.compile with sp_size=1 compiles the model without sequence parallelism "
                           "(the checkpointing, tiled_loss and tiled_mlp options still apply)", stacklevel=2)
-        if config.memory_plan != "auto":  # strategy="auto" never plans the memory too
+        if config.memory_plan != "auto":
             return SequenceParallelModel(model, config, groups, strategy_plan=strategy_plan)
-        first_batch_plan = PlanAtFirstBatch(groups.group, explicit, planner)
+        first_batch_plan = first_batch_plan or PlanAtFirstBatch(groups.group, explicit, planner)
         owned = None
         try:
-            return SequenceParallelModel(model, config, groups, first_batch_plan=first_batch_plan,
-                                         memory_meter=memory_meter)
+            return SequenceParallelModel(model, config, groups, strategy_plan=strategy_plan,
+                                         first_batch_plan=first_batch_plan, memory_meter=memory_meter)
         except BaseException:
             first_batch_plan.close()  # else the compiled model closes it after its plan
             raise

@@ -318,10 +318,6 @@ class AutoSPConfig:
         if self.memory_plan == "off" and self.strategy != "auto" and given:
             raise AutoSPError(f"{', '.join(given)} take(s) effect only with the planner: pass memory_plan='auto' or "
                               "strategy='auto' too (or leave them out)")
-        if self.strategy == "auto" and self.memory_plan == "auto":
-            raise AutoSPError("strategy='auto' and memory_plan='auto' are not planned together yet: choose the "
-                              "strategy with strategy='auto' and pass the memory options yourself, or plan the memory "
-                              "under a fixed strategy")
         if self.strategy == "auto" and self.sp_size < 2:
             raise AutoSPError("strategy='auto' chooses how a sequence is split over ranks: give sp_size >= 2")
         if self.strategy == "auto" and self.plan_seq_len is None:

@@ -31,7 +31,7 @@ from autosp.plan.setup import (
 )
 from autosp.plan.strategy_choice import STRATEGY_CHOICES
 from autosp.presets import model_argument
-from simulator.workload import MEMORY_PLANNED_STRATEGIES, SPLayout, SPLayoutError
+from simulator.workload import CHOSEN_STRATEGIES, MEMORY_PLANNED_STRATEGIES, SPLayout, SPLayoutError
 
 log = logging.getLogger("autosp.plan")
 
@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default=None, choices=STRATEGY_CHOICES,
                    help="how the sequence is split: the strategy autosp.compile traces with (hybrid: with "
                         "--ulysses-size), or auto: trace and simulate each, print each one's step time and peak, "
-                        f"choose the fastest that fits (default: {LIBRARY_STRATEGY}, autosp.compile's)")
+                        "choose the fastest that fits; with --memory-plan auto or --max-length, one decision over "
+                        "every strategy and memory plan (default: "
+                        f"{LIBRARY_STRATEGY}, autosp.compile's)")
     p.add_argument("--ulysses-size", type=_positive, default=None,
                    help="--strategy hybrid: the ranks of one Ulysses group (a divisor of --sp-size that divides the "
                         "attention heads); the ring runs over --sp-size / --ulysses-size of them, as "
@@ -216,9 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "predicting every candidate plan, print the candidate table and the chosen autosp.compile "
                         "options, as autosp.compile plans by default; off: predict the options as given, what "
                         "memory_plan='off' compiles (none, the old spelling of off, is accepted with a warning) "
-                        "(default: auto, as autosp.compile, under --strategy ulysses or ring; off with --strategy "
-                        "auto, which leaves the memory options as given, and with --max-length, which searches the "
-                        "options as given)")
+                        "(default: auto, as autosp.compile, under --strategy ulysses, ring or hybrid; off with "
+                        "--strategy auto, which leaves the memory options as given unless --memory-plan auto plans "
+                        "them with the strategy, and with --max-length, which searches the options as given)")
     p.add_argument("--objective", default="fastest", choices=OBJECTIVES,
                    help="with the memory plan: the fastest step that fits at --seq-len, or the longest length "
                         "that fits (ties by speed) (default: %(default)s)")
@@ -526,32 +528,41 @@ def main(argv: list[str] | None = None) -> int:
                               f"planned here (--memory-plan {memory_plan}); add --memory-plan auto, or choose on or "
                               "off")
         options = {"activation_offload": "on"} if offload == "on" else {}
-        if strategy == "auto" and args.max_length:
-            raise AutoSPError("--strategy auto chooses the fastest strategy at --seq-len and searches no longest "
-                              "length; give the strategy (--strategy ulysses or ring) with --max-length")
-        if memory_plan == "auto" and strategy not in MEMORY_PLANNED_STRATEGIES:
+        if memory_plan == "auto" and strategy not in (*MEMORY_PLANNED_STRATEGIES, *CHOSEN_STRATEGIES):
             raise AutoSPError(f"--strategy {strategy} is not combined with --memory-plan auto (the memory "
                               f"planner plans {' and '.join(MEMORY_PLANNED_STRATEGIES)}); add --memory-plan off")
         if memory_plan == "auto" and args.max_length:
             raise AutoSPError("--max-length searches the longest length of the options as given: add --memory-plan "
                               "off; the memory planner's own search is --objective longest")
-        if strategy == "auto":
+        if strategy == "auto" and memory_plan != "auto" and not args.max_length:
             from autosp.plan.strategy_choice import choose_strategy
 
             answer = choose_strategy(args.model, setup, cluster, capacity_bytes=target, options=options,
                                      progress=lambda s: log.info("step at %s", s))
-        elif memory_plan == "auto":
+        elif memory_plan == "auto" or strategy == "auto":
             from autosp.plan import planner
-            from autosp.plan.candidates import candidates_for
+            from autosp.plan.candidates import MemoryPlan, candidates_for, plan_name
             from autosp.plan.progress import DecisionProgress
 
-            # the candidates autosp.compile(memory_plan="auto") tries, chunks sized for the same target
-            plans = candidates_for(
-                args.model, setup, cluster.device.memory_bytes if target is None else target,
-                activation_offload=("off", "on") if offload in (None, "auto") else (offload,),
-                fixed=resolved.strategy_options)
+            def memory_candidates(fixed: dict) -> tuple[MemoryPlan, ...]:
+                if memory_plan != "auto":  # --max-length: the options as given
+                    given = {**options, **fixed}
+                    return (MemoryPlan(plan_name(given) or "options as given", given),)
+                # the candidates autosp.compile(memory_plan="auto") tries, chunks sized for the same target
+                return candidates_for(
+                    args.model, setup, cluster.device.memory_bytes if target is None else target,
+                    activation_offload=("off", "on") if offload in (None, "auto") else (offload,), fixed=fixed)
+
+            if strategy == "auto":  # Note [The strategy and the memory in one decision]
+                from autosp.plan.strategy_choice import every_strategy_plans
+
+                hf = ModelSource(args.model).config(seq_len=setup.seq_len).to_dict()
+                plans = every_strategy_plans(hf, setup, memory_candidates)
+            else:
+                plans = memory_candidates(resolved.strategy_options)
+            objective = "longest" if args.max_length else args.objective
             shown = None if args.quiet else DecisionProgress()
-            planning = dict(objective=args.objective, target_memory=target, plans=plans,
+            planning = dict(objective=objective, target_memory=target, plans=plans,
                             max_length_high=args.max_length_high, granularity=args.granularity,
                             max_probes=args.max_probes, workers=args.workers, progress=shown)
             try:

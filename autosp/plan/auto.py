@@ -41,9 +41,15 @@ from simulator.workload import CHOSEN_STRATEGIES, MEMORY_PLANNED_STRATEGIES
 
 log = logging.getLogger(__name__)
 
-GPU_PRESETS = (("GH200", "gh200"), ("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-80gb-sxm"),
-               ("MI250", "mi250"))
-"""A GPU's name (a substring of ``torch.cuda.get_device_name``) -> the hardware preset the plan is predicted on."""
+# Matching is by substring, first entry wins, so a name that contains another comes first: "GH200" before "H200";
+# "GB200" before "B200", mapped to no preset: a GB200 superchip's B200 runs at another power limit, reaches its Grace
+# host over NVLink-C2C and sits 4 to a tray in an NVLink domain of up to 72, so pricing it as the 8-GPU, PCIe-hosted
+# b200 would be silently wrong; it is refused like any GPU without a preset. "MI300X" is matched as such ("AMD
+# Instinct MI300X", also with a " VF" suffix in VMs); an MI300A or MI325X has no preset.
+GPU_PRESETS = (("GH200", "gh200"), ("GB200", None), ("B200", "b200"), ("H200", "h200-sxm"), ("H100", "h100-sxm"),
+               ("A100", "a100-80gb-sxm"), ("MI300X", "mi300x"), ("MI250", "mi250"))
+"""A GPU's name (a substring of ``torch.cuda.get_device_name``) -> the hardware preset the plan is predicted on
+(``None``: a GPU recognised as having no preset)."""
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 def hf_config_of(module: torch.nn.Module, planning: str = "memory_plan='auto'") -> dict:
     """The Hugging Face config of ``module`` as config.json fields; refused for a module the planner would not
@@ -167,9 +173,9 @@ def default_cluster(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu-gloo"
     name = torch.cuda.get_device_name(device)
-    for part, preset in GPU_PRESETS:
-        if part in name:
-            return preset
+    preset = next((preset for part, preset in GPU_PRESETS if part in name), None)
+    if preset is not None:
+        return preset
     raise AutoSPError(f"memory_plan='auto': no hardware preset for the GPU {name!r}; pass plan_cluster= a preset "
                       "or a cluster file (python -m autosp.plan --help lists them)")
 
@@ -196,7 +202,7 @@ def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int,
                  explicit: Mapping) -> dict:
     """What the planner process needs: the model's config, the training setup, the cluster, the target and the
     candidates (`autosp.plan.candidate_plans`, with the explicitly passed options and the model's strategy
-    fixed)."""
+    fixed; under ``strategy="auto"`` every strategy's, `autosp.plan.strategy_choice.every_strategy_plans`)."""
     from autosp.plan.candidates import sized_candidate_plans
 
     device = _device_of(module)
@@ -206,9 +212,18 @@ def plan_request(module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int,
         target = torch.cuda.get_device_properties(device).total_memory
     setup = _setup(module, config, seq_len=seq_len, micro_batch=micro_batch, world_size=world_size)
     hf = hf_config_of(module)
-    plans = sized_candidate_plans(
-        hf, itemsize=torch.empty((), dtype=dtype).element_size(), target_memory=target,
-        fixed={**explicit, **compiled_strategy(config)})
+    itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def candidates(strategy: Mapping) -> tuple:
+        return sized_candidate_plans(hf, itemsize=itemsize, target_memory=target, fixed={**explicit, **strategy})
+
+    if config.strategy == "auto":  # Note [The strategy and the memory in one decision]
+        from autosp.plan.setup import TrainingSetup
+        from autosp.plan.strategy_choice import every_strategy_plans
+
+        plans = every_strategy_plans(hf, TrainingSetup(**setup), candidates)
+    else:
+        plans = candidates(compiled_strategy(config))
     return {"decide": "memory", "model": f"{type(module).__name__}", "model_config": hf, "setup": setup,
             "cluster": config.plan_cluster or default_cluster(device), "target_memory": int(target),
             "plans": [[p.name, dict(p.options)] for p in plans]}
@@ -388,8 +403,8 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
             f"{request['target_memory']:,} bytes), use more SP ranks or a shorter plan_seq_len, or free device memory "
             f"in the job's DeepSpeed setup (now ZeRO {setup.get('zero_stage')}, optimizer offload "
             f"{setup.get('offload', 'none')}): python -m autosp.plan --model CONFIG_JSON --cluster "
-            f"{request['cluster']} --seq-len {setup['seq_len']} --sp-size {setup['sp_size']} --memory-plan auto "
-            "--zero-stage auto chooses the plan and the setup it needs (autosp.plan.plan_job)")
+            f"{request['cluster']} --seq-len {setup['seq_len']} --sp-size {setup['sp_size']}{_strategy_flags(config)} "
+            "--memory-plan auto --zero-stage auto chooses the plan and the setup it needs (autosp.plan.plan_job)")
     options = dict(report["options"])
     decision = {**report, "model": request["model"], "cluster": request["cluster"], "setup": request["setup"],
                 "explicit": dict(explicit), "options": options, "seconds": time.perf_counter() - start}
@@ -397,6 +412,14 @@ def decide(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGro
              report["candidates"][report["chosen"]]["plan"], report["reason"],
              f"; explicit options win over the plan: {dict(explicit)}" if explicit else "")
     return decision
+
+
+def _strategy_flags(config: AutoSPConfig) -> str:
+    """``python -m autosp.plan``'s flags for ``config``'s strategy ("" for Ulysses, its default)."""
+    if config.strategy == "ulysses":
+        return ""
+    hybrid = config.strategy == "hybrid"
+    return f" --strategy {config.strategy}" + (f" --ulysses-size {config.layout.ulysses_size}" if hybrid else "")
 
 
 class PlanAtFirstBatch:
@@ -420,6 +443,57 @@ class PlanAtFirstBatch:
         planner, self.planner = self.planner, None
         if planner is not None:
             planner.close()  # a no-op once it answered; ends one that did not (another rank's, a failure)
+
+
+def strategy_with_memory(module: torch.nn.Module, config: AutoSPConfig, group: dist.ProcessGroup | None, *,
+                         explicit: Mapping, planner: PlannerProcess | None = None) -> tuple[dict, DecidedAtCompile]:
+    """``strategy="auto"`` with ``memory_plan="auto"``: one decision over every strategy and its memory candidates
+    (Note [The strategy and the memory in one decision] in autosp/plan/strategy_choice.py), taken in
+    ``autosp.compile`` (a collective; the strategy decides the process groups) at ``plan_seq_len`` tokens and
+    ``plan_setup``'s micro-batch (default 1): (the strategy's options, what ``report.strategy_plan`` shows, the
+    memory decision's first-batch plan, which gives the compiled model the rest of the options and
+    ``report.memory_plan``)."""
+    group = group or dist.group.WORLD
+    if group is None:
+        raise AutoSPError("strategy='auto' decides with the process group: call torch.distributed."
+                          "init_process_group before autosp.compile")
+    micro_batch = int((config.plan_setup or {}).get("micro_batch", 1))
+    decision = decide(module, config, group, seq_len=config.plan_seq_len, micro_batch=micro_batch,
+                      explicit=explicit, device=_device_of(module), planner=planner)
+    from autosp.plan.traces import strategy_options
+
+    chosen = decision["candidates"][decision["chosen"]]
+    strategy_plan = {"strategy": "auto", "chosen": chosen["plan"].split(": ", 1)[0],
+                     "options": strategy_options(decision["options"]), "reason": decision["reason"],
+                     "setup": decision["setup"], "cluster": decision["cluster"], "seconds": decision["seconds"],
+                     "with_memory_plan": True}
+    return strategy_plan, DecidedAtCompile(decision, seq_len=config.plan_seq_len, micro_batch=micro_batch,
+                                           group=group)
+
+
+class DecidedAtCompile:
+    """The `autosp.model.FirstBatchPlan` of a memory plan decided before compiling (`strategy_with_memory`): its
+    decision, once the first batch is checked to be within what was planned (a longer or wider one would void the
+    strategy chosen for it)."""
+
+    def __init__(self, decision: dict, *, seq_len: int, micro_batch: int, group: dist.ProcessGroup):
+        self.decision, self.seq_len, self.micro_batch, self.group = decision, seq_len, micro_batch, group
+
+    def decide(self, module: torch.nn.Module, config: AutoSPConfig, *, seq_len: int, micro_batch: int,
+               device: torch.device) -> dict:
+        sizes = torch.tensor([seq_len, micro_batch], device=device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)  # every rank refuses together
+        seq_len, micro_batch = (int(v) for v in sizes.tolist())
+        if seq_len > self.seq_len or micro_batch > self.micro_batch:
+            raise AutoSPError(
+                f"strategy='auto' with memory_plan='auto' planned {self.micro_batch} x {self.seq_len} tokens "
+                f"(plan_setup's micro_batch x plan_seq_len) and the first batch is {micro_batch} x {seq_len}: pass "
+                f"plan_seq_len={seq_len} and plan_setup={{'micro_batch': {micro_batch}}} (the longest batch the "
+                "job trains on)")
+        return self.decision
+
+    def close(self) -> None:
+        """Nothing held: the planner process answered at compile."""
 
 
 def strategy_on_ranks(group: dist.ProcessGroup, request, model_config, device: torch.device,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autosp.errors import AutoSPError
+from autosp.plan.candidates import MemoryPlan
 from autosp.plan.model_source import ModelSource
 from autosp.plan.prediction import Prediction, predict
 from autosp.plan.setup import DECIDING_DEPTH, TrainingSetup
@@ -118,15 +119,50 @@ def strategy_candidates(model, setup: TrainingSetup) -> list[tuple[Strategy, str
     heads do not divide over ``setup.sp_size``), then the registry's `simulator.strategies.sp_candidates` for the
     model's heads and ``setup.sp_size`` (every hybrid ``U x R`` whose Ulysses degree divides the heads, then the
     ring).  ``model``: a preset or config.json (`ModelSource`), or a Hugging Face config object (what the job's
-    ranks hold: `autosp.plan.auto.decide_strategy`)."""
+    ranks hold: `autosp.plan.auto.decide_strategy`) or its dict (config.json's fields)."""
     hf = ModelSource(model).config(seq_len=setup.seq_len) if isinstance(model, str) else model
-    heads = int(hf.num_attention_heads)
-    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+    read = hf.get if isinstance(hf, Mapping) else lambda name, default=None: getattr(hf, name, default)
+    heads = int(read("num_attention_heads"))
+    kv_heads = int(read("num_key_value_heads", None) or heads)
     runnable = sp_candidates(setup.sp_size, heads=heads, kv_heads=kv_heads)
     ulysses = STRATEGIES["autosp"]
     found = [] if ulysses in runnable else [
         (ulysses, f"{heads} attention heads are not divisible by sp_size {setup.sp_size}")]
     return found + [(s, None) for s in runnable if s.sequence_parallel in AUTO_STRATEGIES]
+
+
+def every_strategy_plans(model_config: Mapping, setup: TrainingSetup, plans: Callable[[Mapping], Sequence[MemoryPlan]]
+                         ) -> tuple[MemoryPlan, ...]:
+    """``strategy="auto"`` with the memory planned, or with the longest length searched: one decision over every
+    strategy that runs (`strategy_candidates`) crossed with its memory candidates, ``plans(strategy_options)``
+    (the candidates with the strategy's ``autosp.compile`` options fixed), each named ``"<system>: <plan>"`` and
+    keeping the strategy in its options (Ulysses too), so the planner's choice is the strategy and the memory
+    options together (Note [The strategy and the memory in one decision]).  ``model_config``: the Hugging Face
+    config as a dict."""
+    found = []
+    for strategy, why in strategy_candidates(model_config, setup):
+        if why is not None:
+            log.info("strategy auto: %s not planned: %s", strategy.name, why)
+            continue
+        fixed = {"strategy": strategy.sequence_parallel, **strategy_options(strategy.compile_options)}
+        found += [MemoryPlan(f"{strategy.name}: {p.name}", {**p.options, **fixed}) for p in plans(fixed)]
+    if not found:
+        raise AutoSPError(f"no strategy runs {model_config.get('num_attention_heads')} attention heads over "
+                          f"sp_size {setup.sp_size}")
+    return tuple(found)
+
+
+# Note [The strategy and the memory in one decision]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Which strategy is fastest can depend on the memory options (a ring's KV blocks and a hybrid's smaller all-to-alls
+# leave different room for recomputation), and which memory options fit can depend on the strategy.  Choosing one
+# after the other could refuse a job that fits or pick a slower pair, so ``strategy="auto"`` with the memory planned
+# (``autosp.compile(strategy="auto", memory_plan="auto")``, ``python -m autosp.plan --strategy auto --memory-plan
+# auto``) and the longest-length search under ``--strategy auto`` are one planner decision (`plan_memory`) over the
+# product: each runnable strategy's memory candidates, named by strategy.  Its objective is the planner's (the
+# fastest plan within the target, or the longest length), its cost about the number of strategies times one
+# strategy's decision (candidates differing only in checkpointing still share a trace).  The ring of Ulysses
+# degree 1 is always among them; Ulysses and every hybrid whose Ulysses degree divides the heads join it.
 
 
 def strategy_choice(candidates: Sequence[Mapping], capacity_bytes: int) -> dict:

@@ -114,10 +114,13 @@ def trained(tmp_path_factory):
                                   "target_memory": peak - 1, **case["explicit"]}})
     # The planner process runs while the other rank waits in a collective: the collective's timeout is above the
     # planner's default plan_timeout_s, so a stuck planner is every rank's error with its stacks.
-    results = run_on_ranks(_auto_cases, 2, [*cases, STRATEGY_CASE, STUCK_CASE], timeout_s=900,
+    # strategy="auto" with the memory planned: under the Llama case's target, so the plan must use a technique
+    both = {"model": "hf-llama", "compile": {**STRATEGY_CASE["compile"], "memory_plan": "auto",
+                                             "target_memory": cases[0]["target"], "plan_setup": {"micro_batch": ROWS}}}
+    results = run_on_ranks(_auto_cases, 2, [*cases, STRATEGY_CASE, both, STUCK_CASE], timeout_s=900,
                            collective_timeout_s=600)
-    return (cases, [per_rank[:-2] for per_rank in results], [per_rank[-2] for per_rank in results],
-            [per_rank[-1] for per_rank in results])
+    return (cases, [per_rank[:-3] for per_rank in results], [per_rank[-3] for per_rank in results],
+            [per_rank[-1] for per_rank in results], [per_rank[-2] for per_rank in results])
 
 
 def test_auto_strategy_trains_exactly_with_the_planners_choice(trained):
@@ -137,6 +140,33 @@ def test_auto_strategy_trains_exactly_with_the_planners_choice(trained):
     assert any(m.startswith(f"strategy auto at {SEQ_LEN} tokens on cpu-gloo: {plan['chosen']}")
                for m in first["log"]), first["log"]
     assert first["plan"] is None  # no memory plan: the memory options as given
+
+
+def test_auto_strategy_with_the_memory_planned_trains_exactly_with_one_decision_over_both(trained):
+    """``strategy="auto", memory_plan="auto"``: one planner decision over every strategy's memory candidates (Note
+    [The strategy and the memory in one decision] in autosp/plan/strategy_choice.py), taken at compile; both ranks
+    compile the candidate it names, the fastest that fits by the candidates' own predictions, and train exactly."""
+    _check([[r] for r in trained[4]], FP32_TOL)
+    first, other = trained[4]
+    plan, strategy = first["plan"], first["strategy_plan"]
+    assert {k: plan[k] for k in ("chosen", "options", "candidates")} == \
+        {k: other["plan"][k] for k in ("chosen", "options", "candidates")}, "the ranks differ"
+    systems = {c["plan"].split(": ", 1)[0] for c in plan["candidates"]}
+    assert systems == {"autosp", "autosp-ring"}, systems  # Ulysses and the ring over 2 ranks, each planned
+    ulysses_alone = trained[1][0][0]["plan"]["candidates"]  # the Llama case: Ulysses under the same target
+    assert [c["plan"] for c in plan["candidates"]] == [f"{s}: {c['plan']}" for s in ("autosp", "autosp-ring")
+                                                       for c in ulysses_alone]
+    fitting = [c for c in plan["candidates"] if c["fits"]]
+    fastest = min(fitting, key=lambda c: (c["step_time_s"], c["peak_bytes"]))
+    chosen = plan["candidates"][plan["chosen"]]
+    assert chosen["step_time_s"] == fastest["step_time_s"] and chosen["fits"]
+    assert any(c["refused"] is None and not c["fits"] for c in plan["candidates"])  # the target binds
+    assert strategy["with_memory_plan"] and strategy["chosen"] == chosen["plan"].split(": ", 1)[0]
+    assert first["config"]["strategy"] == strategy["options"]["strategy"] == chosen["options"]["strategy"]
+    assert first["config"]["memory_plan"] == "auto" and plan["setup"]["micro_batch"] == ROWS
+    for name, value in chosen["options"].items():
+        if name in first["config"]:
+            assert first["config"][name] == value, (name, first["config"][name], value)
 
 
 def test_auto_plan_trains_exactly(trained):
@@ -330,8 +360,6 @@ def test_memory_plan_refusals_name_what_to_change():
         autosp.compile(model, sp_size=2, strategy="auto")
     with pytest.raises(AutoSPError, match="give sp_size >= 2"):
         autosp.compile(model, sp_size=1, strategy="auto", plan_seq_len=64)
-    with pytest.raises(AutoSPError, match="not planned together yet"):
-        autosp.compile(model, sp_size=2, strategy="auto", plan_seq_len=64, memory_plan="auto", target_memory=2**20)
     with pytest.raises(AutoSPError, match=r"take\(s\) effect only with strategy='hybrid'"):
         autosp.compile(model, sp_size=2, strategy="auto", plan_seq_len=64, ulysses_size=2)
     with pytest.raises(AutoSPError, match="strategy='auto' plans for a Hugging Face model"):

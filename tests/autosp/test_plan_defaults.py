@@ -294,16 +294,52 @@ def test_decision_progress_logs_each_candidate_with_the_time_left_off_a_terminal
                      "memory plan: 1 of 3 candidates decided (layer), 1 s, about 2 s left"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--strategy", "auto", "--max-length"), "--strategy auto chooses the fastest strategy at --seq-len"),
-    (("--strategy", "auto", "--memory-plan", "auto"), "--strategy auto is not combined with --memory-plan auto"),
-])
-def test_strategy_auto_refuses_what_it_does_not_answer_in_one_line(argv, message, caplog):
-    with caplog.at_level("ERROR", logger="autosp.plan"):
+def test_strategy_auto_with_the_memory_plan_is_one_decision_over_every_strategys_candidates(tmp_path, monkeypatch):
+    """``--strategy auto --memory-plan auto`` asks the planner once, for every runnable strategy's memory candidates
+    (Note [The strategy and the memory in one decision]): for 28 heads over 8 ranks the hybrids 4x2 and 2x4 and the
+    ring, each with the candidates ``--strategy <it>`` plans, named by the strategy (the planner stubbed)."""
+    from autosp.plan import planner
+
+    model = _heads_config(tmp_path, 28)
+    asked = []
+
+    def planned(*args, plans, objective, **kwargs):
+        asked.append((objective, plans))
+        raise AutoSPError("stopped by the test")
+
+    monkeypatch.setattr(planner, "plan_memory", planned)
+    argv = ["--model", model, "--cluster", "h100-sxm", "--seq-len", "1024", "-q"]
+    assert main([*argv, "--strategy", "auto", "--memory-plan", "auto", "--objective", "longest"]) == 2
+    objective, plans = asked[0]
+    by_system = {}
+    for p in plans:
+        system, name = p.name.split(": ", 1)
+        by_system.setdefault(system, []).append((name, p.options))
+    assert objective == "longest" and list(by_system) == ["autosp-hybrid-2x4", "autosp-hybrid-4x2", "autosp-ring"]
+    for system, runs in [("autosp-hybrid-4x2", ("--strategy", "hybrid", "--ulysses-size", "4")),
+                         ("autosp-hybrid-2x4", ("--strategy", "hybrid", "--ulysses-size", "2")),
+                         ("autosp-ring", ("--strategy", "ring"))]:
+        assert main([*argv, *runs]) == 2
+        alone = asked[-1][1]
+        assert [n for n, _ in by_system[system]] == [p.name for p in alone]
+        for (_, options), own in zip(by_system[system], alone, strict=True):
+            assert {k: v for k, v in options.items() if k != "ring_size"} == {**own.options,
+                                                                              "strategy": options["strategy"]}
+
+
+def test_strategy_auto_searches_the_longest_length_of_each_strategy():
+    """``--strategy auto --max-length``: each strategy's longest length with the options as given, the one that
+    trains longest chosen (a real search: tiny-llama on 2 ranks, up to 1,024 tokens)."""
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    with redirect_stdout(out):
         assert main(["--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "256", "--sp-size", "2",
-                     *argv, "-q"]) == 2
-    errors = [r for r in caplog.records if r.name == "autosp.plan" and r.levelname == "ERROR"]
-    assert len(errors) == 1 and message in errors[0].getMessage() and "\n" not in errors[0].getMessage()
+                     "--strategy", "auto", "--max-length", "--max-length-high", "1024", "-q"]) == 0
+    text = out.getvalue()
+    assert "autosp: " in text and "autosp-ring: " in text and "objective longest" in text, text
+    assert "chosen: autosp" in text, text
 
 
 @pytest.mark.parametrize("argv, line", [
