@@ -32,6 +32,14 @@ class LlamaSize:
     vocab: int
     tie_embeddings: bool = False
     rope_theta: float = 500000.0
+    head_dim: int | None = None
+    """Width of one attention head where the model card gives one (Qwen3, Gemma); None: ``hidden // heads``.  The
+    query and output projections are ``heads * head_dim`` wide, the key and value ones ``kv_heads * head_dim``."""
+
+    @property
+    def effective_head_dim(self) -> int:
+        """The width of one attention head: `head_dim`, else ``hidden // heads`` (Hugging Face's default)."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
 
 
 PRESETS: dict[str, LlamaSize] = {
@@ -43,6 +51,11 @@ PRESETS: dict[str, LlamaSize] = {
     "llama-3.1-8b": LlamaSize(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256),
     "llama-2-13b": LlamaSize(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40, vocab=32000,
                              rope_theta=10000.0),
+    # Qwen3-4B's numbers (heads of 128 where hidden / heads is 80: the query projection is 2560 -> 4096) on a Llama:
+    # Qwen3 also normalises every query and key head (q_norm, k_norm: 2 * head_dim weights a layer), which a Llama
+    # has not, hence "-shaped".  The real Qwen3 is its config.json (`hf_config` takes any).
+    "qwen3-4b-shaped": LlamaSize(hidden=2560, intermediate=9728, layers=36, heads=32, kv_heads=8, vocab=151936,
+                                 tie_embeddings=True, rope_theta=1000000.0, head_dim=128),
 }
 
 
@@ -67,8 +80,9 @@ def hf_config(model: str, *, seq_len: int, num_layers: int | None = None):
         s = PRESETS[model]
         config = transformers.LlamaConfig(
             vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
-            num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, tie_word_embeddings=s.tie_embeddings,
-            rope_theta=s.rope_theta, max_position_embeddings=max(seq_len, 8192), use_cache=False,
+            num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.effective_head_dim,
+            tie_word_embeddings=s.tie_embeddings, rope_theta=s.rope_theta, max_position_embeddings=max(seq_len, 8192),
+            use_cache=False,
         )
     else:
         path = os.path.join(model, "config.json") if os.path.isdir(model) else model

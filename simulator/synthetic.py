@@ -35,17 +35,19 @@ class LlamaShape:
     """MLP inner width."""
     vocab: int = 128256
     """Vocabulary size."""
+    head_dim: int | None = None
+    """Width of one head where the model sets one (Qwen3, Gemma); None: ``hidden // heads``."""
 
     @property
-    def head_dim(self) -> int:
-        """Width of one head."""
-        return self.hidden // self.heads
+    def effective_head_dim(self) -> int:
+        """Width of one head: `head_dim`, else ``hidden // heads``."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
 
     @property
     def layer_params(self) -> int:
         """Parameters of one block (attention, MLP, two norms)."""
-        kv = self.kv_heads * self.head_dim
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.ffn_hidden + 2 * self.hidden
+        q, kv = self.heads * self.effective_head_dim, self.kv_heads * self.effective_head_dim
+        return 2 * self.hidden * q + 2 * self.hidden * kv + 3 * self.hidden * self.ffn_hidden + 2 * self.hidden
 
     @property
     def params(self) -> int:
@@ -97,10 +99,11 @@ def llama_ulysses_workload(*, seq_len: int, sp_degree: int = 8, shape: LlamaShap
     p, s = sp_degree, seq_len
     if s % p or shape.heads % p:
         raise ValueError(f"seq_len ({s}) and heads ({shape.heads}) must be divisible by sp_degree ({p})")
-    b, h, f, hd = dtype_bytes, shape.hidden, shape.ffn_hidden, shape.head_dim
+    b, h, f, hd = dtype_bytes, shape.hidden, shape.ffn_hidden, shape.effective_head_dim
     s_l = s // p  # local tokens                                             # x: [S/P, h]
+    qw = shape.heads * hd  # query (and attention output) width: h unless the model sets its head_dim
     kv = max(shape.kv_heads, p) * hd  # GQA kv heads are replicated up to P
-    act, kv_act = s_l * h * b, s_l * kv * b
+    act, q_act, kv_act = s_l * h * b, s_l * qw * b, s_l * kv * b
     heads_l = shape.heads // p
     attn_flops = 4 * s * s * heads_l * hd // 2  # causal: half of QK^T and PV
     layer_bytes = shape.layer_params * b
@@ -155,9 +158,9 @@ def llama_ulysses_workload(*, seq_len: int, sp_degree: int = 8, shape: LlamaShap
         arrived = g.wait(ag)
         if layer + 1 < shape.layers:
             prefetched = gather(layer + 1, fwd, arrived)
-        q = matmul(f"{pre}.q_proj", fwd, s_l, h, h)
-        rope(f"{pre}.rope_q", fwd, h, None)
-        hq = a2a(f"{pre}.a2a_q", act, fwd, [g.num_ops - 1], layer)
+        q = matmul(f"{pre}.q_proj", fwd, s_l, h, qw)
+        rope(f"{pre}.rope_q", fwd, qw, None)
+        hq = a2a(f"{pre}.a2a_q", q_act, fwd, [g.num_ops - 1], layer)
         matmul(f"{pre}.k_proj", fwd, s_l, h, kv, deps=[q])
         rope(f"{pre}.rope_k", fwd, kv, None)
         hk = a2a(f"{pre}.a2a_k", kv_act, fwd, [g.num_ops - 1], layer)
@@ -165,11 +168,11 @@ def llama_ulysses_workload(*, seq_len: int, sp_degree: int = 8, shape: LlamaShap
         hv = a2a(f"{pre}.a2a_v", kv_act, fwd, [g.num_ops - 1], layer)
         for handle in (hq, hk, hv):
             wait(handle)
-        e.kernel(f"{pre}.attention", "attention", fwd, flops=attn_flops, read=(act + 2 * kv_act), write=act,
+        e.kernel(f"{pre}.attention", "attention", fwd, flops=attn_flops, read=(q_act + 2 * kv_act), write=q_act,
                  save_for=layer)
-        ho = a2a(f"{pre}.a2a_out", act, fwd, [g.num_ops - 1], layer)
+        ho = a2a(f"{pre}.a2a_out", q_act, fwd, [g.num_ops - 1], layer)
         wait(ho)
-        matmul(f"{pre}.o_proj", fwd, s_l, h, h)
+        matmul(f"{pre}.o_proj", fwd, s_l, qw, h)
         e.kernel(f"{pre}.residual1", "elementwise", fwd, flops=s_l * h, read=2 * act, write=act, save_for=layer)
         norm(f"{pre}.norm2", fwd, layer)
         matmul(f"{pre}.gate_proj", fwd, s_l, h, f, save_for=layer)
@@ -211,14 +214,14 @@ def llama_ulysses_workload(*, seq_len: int, sp_degree: int = 8, shape: LlamaShap
                     e.kernel(f"{pre}.{op}", "elementwise", bwd, flops=s_l * f, read=2 * s_l * f * b,
                              write=s_l * f * b)
         norm(f"{pre}.norm2", bwd, None, scale=2)
-        matmul(f"{pre}.o_dgrad", bwd, s_l, h, h)
-        e.kernel(f"{pre}.o_wgrad", "matmul", bwd, flops=2 * s_l * h * h, read=2 * act, write=h * h * b)
-        wait(a2a(f"{pre}.a2a_dout", act, bwd, [g.num_ops - 1], None))
-        e.kernel(f"{pre}.attention_bwd", "attention", bwd, flops=5 * attn_flops // 2, read=4 * act + 2 * kv_act,
-                 write=act + 2 * kv_act)
+        matmul(f"{pre}.o_dgrad", bwd, s_l, h, qw)
+        e.kernel(f"{pre}.o_wgrad", "matmul", bwd, flops=2 * s_l * h * qw, read=act + q_act, write=h * qw * b)
+        wait(a2a(f"{pre}.a2a_dout", q_act, bwd, [g.num_ops - 1], None))
+        e.kernel(f"{pre}.attention_bwd", "attention", bwd, flops=5 * attn_flops // 2, read=4 * q_act + 2 * kv_act,
+                 write=q_act + 2 * kv_act)
         handles = [a2a(f"{pre}.a2a_d{x}", nbytes, bwd, [g.num_ops - 1], None)
-                   for x, nbytes in (("q", act), ("k", kv_act), ("v", kv_act))]
-        for x, width, handle in (("q", h, handles[0]), ("k", kv, handles[1]), ("v", kv, handles[2])):
+                   for x, nbytes in (("q", q_act), ("k", kv_act), ("v", kv_act))]
+        for x, width, handle in (("q", qw, handles[0]), ("k", kv, handles[1]), ("v", kv, handles[2])):
             wait(handle)
             if x != "v":
                 rope(f"{pre}.rope_{x}", bwd, width, None)

@@ -113,11 +113,14 @@ class TrainingConfig:
 
     @classmethod
     def for_llama(cls, *, hidden: int, ffn_hidden: int, layers: int, heads: int, kv_heads: int, vocab: int,
-                  tied_embeddings: bool = False, **kwargs) -> TrainingConfig:
+                  tied_embeddings: bool = False, head_dim: int | None = None, **kwargs) -> TrainingConfig:
         """A config with a Llama decoder's parameter tensors in Hugging Face's module order (embedding; per
-        layer q, k, v, o, gate, up, down projections and two RMSNorm weights; final norm; LM head)."""
-        kv = hidden // heads * kv_heads
-        layer = (hidden * hidden, kv * hidden, kv * hidden, hidden * hidden, ffn_hidden * hidden,
+        layer q, k, v, o, gate, up, down projections and two RMSNorm weights; final norm; LM head).  ``head_dim``:
+        the width of one attention head where the model sets one (Qwen3, Gemma), else ``hidden // heads`` (Hugging
+        Face's default); q and o are ``heads * head_dim`` by ``hidden``, k and v ``kv_heads * head_dim`` by it."""
+        d = head_dim if head_dim is not None else hidden // heads
+        q, kv = heads * d, kv_heads * d
+        layer = (q * hidden, kv * hidden, kv * hidden, hidden * q, ffn_hidden * hidden,
                  ffn_hidden * hidden, hidden * ffn_hidden, hidden, hidden)
         numels = (vocab * hidden, *layer * layers, hidden) + (() if tied_embeddings else (vocab * hidden,))
         return cls(parameter_numels=numels, **kwargs)

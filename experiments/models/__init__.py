@@ -17,12 +17,14 @@ from torch import nn
 
 from autosp.presets import PRESETS as MODEL_PRESETS
 from experiments.models.plain_llama import PlainLlama, PlainLlamaConfig
+from simulator.training_config import TrainingConfig
 
 
 def _hf_decoder(family: str, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int,
                 intermediate: int | None = None, **extra):
     """A Llama-shaped Hugging Face decoder (``family``: "Llama", "Qwen2", "Mistral") with SDPA attention; its MLP
-    is ``intermediate`` wide (twice ``hidden`` when None)."""
+    is ``intermediate`` wide (twice ``hidden`` when None); ``extra``: more config fields (``head_dim`` among
+    them)."""
     import transformers
 
     config = getattr(transformers, f"{family}Config")(
@@ -80,6 +82,15 @@ class PaperModel:
     num_kv_heads: int
     vocab_size: int
     tie_word_embeddings: bool = False
+    head_dim: int | None = None
+    """Width of one attention head where the model card sets one (Qwen3, Gemma); None: ``hidden_size //
+    num_heads``.  The query and output projections are ``num_heads * head_dim`` wide."""
+
+    @property
+    def effective_head_dim(self) -> int:
+        """The width of one attention head: `head_dim`, else ``hidden_size // num_heads`` (Hugging Face's
+        default)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
     def hf_config(self, *, num_layers: int | None = None, max_positions: int = 262144):
         import transformers
@@ -87,24 +98,29 @@ class PaperModel:
         return transformers.LlamaConfig(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=num_layers or self.num_layers, num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads, max_position_embeddings=max_positions,
-            tie_word_embeddings=self.tie_word_embeddings, attn_implementation="sdpa",
+            num_key_value_heads=self.num_kv_heads, head_dim=self.effective_head_dim,
+            max_position_embeddings=max_positions, tie_word_embeddings=self.tie_word_embeddings,
+            attn_implementation="sdpa",
         )
+
+    def training_config(self, *, layers: int | None = None, **kwargs) -> TrainingConfig:
+        """The memory ledger's `TrainingConfig` with this model's parameter tensors (``layers`` decoder layers;
+        None: all) and the setup ``kwargs`` name (`TrainingConfig`'s fields)."""
+        return TrainingConfig.for_llama(
+            hidden=self.hidden_size, ffn_hidden=self.intermediate_size, layers=layers or self.num_layers,
+            heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.effective_head_dim,
+            vocab=self.vocab_size, tied_embeddings=self.tie_word_embeddings, **kwargs)
 
     def parameter_count(self) -> int:
         """Parameters of the full model (embedding, layers, final norm, output head)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        kv = h // self.num_heads * self.num_kv_heads
-        per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
-        head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        return self.training_config().parameter_count
 
 
 def _paper_model(name: str) -> PaperModel:
     size = MODEL_PRESETS[name]
     return PaperModel(name=name, hidden_size=size.hidden, intermediate_size=size.intermediate, num_layers=size.layers,
                       num_heads=size.heads, num_kv_heads=size.kv_heads, vocab_size=size.vocab,
-                      tie_word_embeddings=size.tie_embeddings)
+                      tie_word_embeddings=size.tie_embeddings, head_dim=size.head_dim)
 
 
 PAPER_MODELS: dict[str, PaperModel] = {name: _paper_model(name) for name in ("llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")}
@@ -119,7 +135,10 @@ PAPER_MODELS: dict[str, PaperModel] = {name: _paper_model(name) for name in ("ll
 # the hidden size; Llama-3.1-8B's is 31 times.  `miniature` keeps a paper model's proportions at a tiny hidden
 # size: vocabulary and MLP width divided by the same factor as the hidden size (128,256 / 64 = 2,004 and 14,336 / 64
 # = 224 for Llama-3.1-8B at hidden 64), 8 query heads or the fewest above that keep the paper model's ratio of
-# query to key-value heads (32:8 -> 8:2, head dimension 8).  Nothing is fitted: every number is the model card's divided by one factor.
+# query to key-value heads (32:8 -> 8:2, head dimension 8).  A model whose card sets its head width (Qwen3: heads of
+# 128 where hidden / heads is 80) keeps its attention width against the hidden size instead: heads * head_dim divided
+# by the same factor, shared by the miniature's query heads, rounded to an even head width (RoPE rotates pairs).
+# Nothing is fitted: every number is the model card's divided by one factor.
 # Depth is the caller's (2 layers in the CPU tables): fewer layers than the paper model's keep fewer per-layer
 # checkpoints, which helps a checkpointing baseline more than a plan that offloads them, so a comparison against
 # per-layer checkpointing made on the miniature understates what the depth would add.
@@ -128,7 +147,8 @@ PAPER_MODELS: dict[str, PaperModel] = {name: _paper_model(name) for name in ("ll
 def miniature(paper: str, *, layers: int = 2, hidden: int = 64, heads: int | None = None) -> nn.Module:
     """Paper model ``paper`` (`PAPER_MODELS`) at hidden size ``hidden`` with its proportions kept (Note [Paper
     models in miniature]): a Hugging Face Llama of ``layers`` layers.  ``heads``: query heads (None: the fewest
-    from 8 up that keep the paper model's ratio of query to key-value heads and divide ``hidden``)."""
+    from 8 up that keep the paper model's ratio of query to key-value heads and divide ``hidden``, as Hugging Face's
+    LlamaConfig requires even of a model that sets its head width)."""
     model = PAPER_MODELS[paper]
     group = model.num_heads // math.gcd(model.num_heads, model.num_kv_heads)  # query heads per key-value head, reduced
     if heads is None:
@@ -137,10 +157,13 @@ def miniature(paper: str, *, layers: int = 2, hidden: int = 64, heads: int | Non
         raise ValueError(f"{paper} at hidden {hidden}: {heads or 'no number of'} query heads cannot keep its "
                          f"{model.num_heads}:{model.num_kv_heads} query:key-value heads and divide the hidden size")
     scale = model.hidden_size / hidden
+    extra = {}
+    if model.head_dim is not None:
+        extra["head_dim"] = max(2, 2 * round(model.num_heads * model.effective_head_dim / scale / heads / 2))
     return _hf_decoder("Llama", layers=layers, hidden=hidden, heads=heads,
                        kv_heads=heads * model.num_kv_heads // model.num_heads, vocab=round(model.vocab_size / scale),
                        intermediate=round(model.intermediate_size / scale),
-                       tie_word_embeddings=model.tie_word_embeddings)
+                       tie_word_embeddings=model.tie_word_embeddings, **extra)
 
 
 TINY_MODELS: dict[str, Callable[..., nn.Module]] = {

@@ -142,12 +142,9 @@ def compile_options(row: BreakdownRow, seq_len: int, model: PaperModel) -> dict:
 def training_config(row: BreakdownRow, model: PaperModel, layers: int | None = None) -> TrainingConfig:
     """The ledger's configuration of ``row`` (``layers``: the depth of a traced step; None: the whole model): bf16,
     Adam, ZeRO over all 8 ranks, the optimizer offloaded to the CPU where the row says so."""
-    return TrainingConfig.for_llama(
-        hidden=model.hidden_size, ffn_hidden=model.intermediate_size, layers=layers or model.num_layers,
-        heads=model.num_heads, kv_heads=model.num_kv_heads, vocab=model.vocab_size,
-        tied_embeddings=model.tie_word_embeddings, optimizer="adam", precision="bf16", zero_stage=row.zero_stage,
-        dp_world_size=RANKS, nccl_communicators=2 if row.sp_size > 1 else 1,
-        offload_optimizer=row.offload_optimizer)
+    return model.training_config(
+        layers=layers, optimizer="adam", precision="bf16", zero_stage=row.zero_stage, dp_world_size=RANKS,
+        nccl_communicators=2 if row.sp_size > 1 else 1, offload_optimizer=row.offload_optimizer)
 
 
 def liger_loss_workload(workload: Workload, *, chunk_tokens: int, vocab: int) -> Workload:

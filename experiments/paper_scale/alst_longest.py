@@ -78,7 +78,7 @@ def miss_items(row: BreakdownRow, cfg: TrainingConfig, model: PaperModel, capaci
     items = [("fragmentation", sum(ln.bytes for ln in lines if ln.name == "fragmentation"))]
     if row.attention == "sdpa":
         local_heads = (model.num_heads - model.num_kv_heads) // row.sp_size
-        head_dim = model.hidden_size // model.num_heads
+        head_dim = model.effective_head_dim
         items.append(("attention-kernel", -2 * row.published_tokens * local_heads * head_dim * 2))
     if eager_dynamic is not None:
         items.append(("eager-non-liger", ledger_peak(cfg, dynamic) - ledger_peak(cfg, eager_dynamic)))

@@ -166,14 +166,10 @@ SCRIPT_DEFAULT = "fork-z0-sp2xdp4"
 
 def training_config(model, system: str, config: PaperConfig = PAPER_CONFIG):
     """The ledger's :class:`~simulator.ledger.TrainingConfig` for ``model`` (a ``PaperModel``) under ``system``."""
-    from simulator.ledger import TrainingConfig
-
-    return TrainingConfig.for_llama(
-        hidden=model.hidden_size, ffn_hidden=model.intermediate_size, layers=model.num_layers,
-        heads=model.num_heads, kv_heads=model.num_kv_heads, vocab=model.vocab_size,
-        tied_embeddings=model.tie_word_embeddings, optimizer=config.optimizer, precision=config.precision,
-        grad_accum_dtype=config.grad_accum_dtype, zero_stage=config.zero_stage(system),
-        dp_world_size=config.world_size, micro_batch_size=config.micro_batch_size, deepspeed=config.deepspeed)
+    return model.training_config(
+        optimizer=config.optimizer, precision=config.precision, grad_accum_dtype=config.grad_accum_dtype,
+        zero_stage=config.zero_stage(system), dp_world_size=config.world_size,
+        micro_batch_size=config.micro_batch_size, deepspeed=config.deepspeed)
 
 
 def static_memory_bytes(model, system: str, which: str = "nominal", config: PaperConfig = PAPER_CONFIG) -> int:

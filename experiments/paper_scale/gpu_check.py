@@ -121,7 +121,7 @@ class GpuCheck:
 def model_flops_per_token(model: PaperModel, seq_len: int, *, causal_halved: bool = False) -> float:
     """torchtitan's ``6·N + 12·L·H·D·S`` per token (N without the input embedding table)."""
     params = model.parameter_count() - model.vocab_size * model.hidden_size
-    head_dim = model.hidden_size // model.num_heads
+    head_dim = model.effective_head_dim
     attention = 12 * model.num_layers * model.num_heads * head_dim * seq_len
     return 6 * params + (attention / 2 if causal_halved else attention)
 
