@@ -269,6 +269,20 @@ def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
     return list(groups.values())
 
 
+# Note [The longest plan bounds the others' searches]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``objective="longest"`` chooses the longest length any plan fits, ties by the faster step there.  A plan that
+# does not fit at the longest length L another plan already fits cannot be chosen, and a plan's fit is monotone in
+# the length (every tensor the step holds grows with it), so its own search need not go below L: `_plan_here`
+# searches each plan from the longest length found so far (`predict`'s ``max_length_low``), and a plan that does not
+# fit there is answered in one probe, ``< L``, instead of a search of up to ``max_probes`` lengths.  A plan that
+# fits at L is searched upward as before, so the choice and its reason are those of a full search of every plan;
+# what changes is the table, which shows ``< L`` for the plans ruled out that way.  The plans are taken in the
+# reverse of the candidates' order (activation offload, the tiled ops and per-layer checkpointing first: those that
+# save the most memory), so that L is long early.  In a decision spread over processes each process bounds its own
+# share.
+
+
 # Note [Trace groups halved for spare processes]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A decision spreads over processes by trace groups (`plan_groups`), the units inside which a prediction and the
@@ -377,16 +391,21 @@ def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequen
     if sum(held.values()) >= target:  # no plan fits: nothing is traced
         found = {i: Candidate(plan=plan, prediction=None, refused=states_over_target(held, target, setup))
                  for i, plan in enumerate(plans)}
-    # Note [Offload only where it is needed]: for the fastest plan, the plans without offload are predicted first.
-    order = sorted(range(len(plans)), key=lambda i: objective == "fastest"
-                   and plans[i].options.get("activation_offload") == "on")
+    if objective == "fastest":  # Note [Offload only where it is needed]: the plans without offload first
+        order = sorted(range(len(plans)), key=lambda i: plans[i].options.get("activation_offload") == "on")
+    else:  # Note [The longest plan bounds the others' searches]: the plans saving the most memory first
+        order = list(reversed(range(len(plans))))
+    longest = None  # the longest length a plan decided so far fits
     if progress:
         progress(len(found), len(plans), "")
     for index in (i for i in order if i not in found):
         plan, candidates = plans[index], list(found.values())
         found[index], taken = _decided(plan, candidates, reuse, objective=objective, model=model, setup=setup,
                                        cluster=cluster, target=target, max_length_high=max_length_high,
-                                       granularity=granularity, max_probes=max_probes)
+                                       granularity=granularity, max_probes=max_probes, max_length_low=longest)
+        reached = found[index].prediction and found[index].prediction.max_length
+        if reached and reached["max_seq_len"] is not None:
+            longest = max(longest or 0, reached["max_seq_len"])
         traces += taken
         if progress:
             progress(len(found), len(plans), plan.name)

@@ -197,11 +197,15 @@ def held_before_activations(model: str, setup: TrainingSetup, cluster: Cluster, 
 def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: bool = False,
             max_length_high: int | None = None, granularity: int = 1024, max_probes: int = 8,
             progress: Callable[[str], None] | None = None, options: Mapping | None = None,
-            capacity_bytes: int | None = None, reuse: TraceReuse | None = None) -> Prediction:
+            capacity_bytes: int | None = None, reuse: TraceReuse | None = None,
+            max_length_low: int | None = None) -> Prediction:
     """Predict ``setup`` for ``model`` (a preset of `autosp.presets` or a config.json) on ``cluster``; with
     ``max_length`` also search the longest length that fits (each probe is one more trace).  ``options``: the
     `autosp.compile` options the step is traced with; ``capacity_bytes``: the memory a rank may use (default: the
-    cluster's device memory); ``reuse``: traces shared with other plans' predictions (`TraceReuse`)."""
+    cluster's device memory); ``reuse``: traces shared with other plans' predictions (`TraceReuse`);
+    ``max_length_low``: the search's floor, where it starts (lengths below it are not searched: the answer is
+    then ``< max_length_low`` when that does not fit; Note [The longest plan bounds the others' searches] in
+    autosp/plan/planner.py)."""
     start = time.perf_counter()
     setup.check()
     source = ModelSource(model) if reuse is None else reuse.source(model)
@@ -237,9 +241,10 @@ def predict(model: str, setup: TrainingSetup, cluster: Cluster, *, max_length: b
             # The search's ceiling as the second anchor: the probes above the start then lie inside the traced
             # range and are re-sized, not traced (docs/design.md, "Trace reuse across lengths").
             step(high // grain * grain)
-        found_ml = search_max_length(step, config, capacity_bytes=capacity, low=grain, high=high, granularity=grain,
-                                     start=setup.seq_len - setup.seq_len % grain or grain, max_probes=max_probes,
-                                     host_capacity_bytes=cluster.host_memory_per_rank_bytes)
+        low = max(grain, -(-(max_length_low or 0) // grain) * grain)
+        found_ml = search_max_length(step, config, capacity_bytes=capacity, low=low, high=max(high, low),
+                                     granularity=grain, start=max(low, setup.seq_len - setup.seq_len % grain),
+                                     max_probes=max_probes, host_capacity_bytes=cluster.host_memory_per_rank_bytes)
         longest = found_ml.nominal.result
         found = {"max_seq_len": found_ml.nominal.max_seq_len, "display": found_ml.nominal.display(),
                  "stopped": found_ml.nominal.stopped,

@@ -187,6 +187,33 @@ def test_longest_plan_reaches_every_single_plan_length(model, cluster, table):
     assert report.traces == sum(c.traces for c in report.candidates) >= len(plans)
 
 
+def test_the_longest_plan_bounds_the_others_searches_and_the_choice_is_a_full_searchs(model, cluster, table):
+    """Note [The longest plan bounds the others' searches]: each plan is searched from the longest length a plan
+    decided before it fits; the choice and its length are those of every plan searched on its own from the start,
+    a plan ruled out shows ``< L`` after fewer probes than its own search, and one that reaches L is searched as
+    before."""
+    grid = dict(max_length_high=512, granularity=128, max_probes=4)
+    target = table[PLANS[0].name].peak_bytes + 1  # the plain plan fits at 128 tokens; the others longer
+    report = plan_memory(model, SETUP, cluster, objective="longest", target_memory=target, plans=PLANS, **grid)
+    alone = [predict(model, SETUP, cluster, options=p.options, max_length=True, capacity_bytes=target, **grid)
+             for p in PLANS]
+    lengths = [a.max_length["max_seq_len"] or 0 for a in alone]
+    assert len(set(lengths)) > 1, lengths  # the plans differ, so a bound can rule one out
+    chosen = report.candidates[report.chosen]
+    assert chosen.max_seq_len == max(lengths) and lengths[report.chosen] == max(lengths)
+    ruled_out = 0
+    for candidate, own in zip(report.candidates, alone, strict=True):
+        found = candidate.prediction.max_length
+        if found["max_seq_len"] is None:  # searched from a longer plan's length and not fitting there
+            ruled_out += 1
+            floor = int(found["display"].removeprefix("< ").replace(",", ""))
+            assert (own.max_length["max_seq_len"] or 0) < floor <= max(lengths)
+            assert len(found["probes"]) < len(own.max_length["probes"])
+        else:
+            assert found["max_seq_len"] == own.max_length["max_seq_len"]
+    assert ruled_out >= 1
+
+
 def test_trace_reuse_gives_every_checkpointing_plan_its_own_program(tmp_path, cluster):
     """One trace partitioned under every checkpointing variant builds, for each, the very training step (exported
     forward and backward, gradient reduction, optimizer) a separate trace of that plan builds; variants with equal
