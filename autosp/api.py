@@ -99,7 +99,10 @@ def check_heads(model: nn.Module, config: AutoSPConfig) -> None:
     """The strategy's heads rule (`simulator.workload.SPLayout.heads_rule`) on the model's own config, at compile:
     a Hugging Face model whose ``num_attention_heads`` its layout cannot split is refused here, before any rank
     traces (the attention rule refuses the same at trace time for a model without such a config)."""
-    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    try:
+        heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    except Exception:  # noqa: BLE001 - a config whose heads vary by layer refuses the global read (transformers'
+        heads = None  # AmbiguousGlobalPerLayerAttributeError); the attention rule checks each layer when traced
     layout = config.layout
     if not isinstance(heads, int) or isinstance(heads, bool) or layout is None:
         return

@@ -488,8 +488,8 @@ class DecidedAtCompile:
             raise AutoSPError(
                 f"strategy='auto' with memory_plan='auto' planned {self.micro_batch} x {self.seq_len} tokens "
                 f"(plan_setup's micro_batch x plan_seq_len) and the first batch is {micro_batch} x {seq_len}: pass "
-                f"plan_seq_len={seq_len} and plan_setup={{'micro_batch': {micro_batch}}} (the longest batch the "
-                "job trains on)")
+                f"plan_seq_len={max(seq_len, self.seq_len)} and plan_setup={{'micro_batch': "
+                f"{max(micro_batch, self.micro_batch)}}} (the longest and widest batch the job trains on)")
         return self.decision
 
     def close(self) -> None:

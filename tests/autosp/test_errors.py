@@ -214,6 +214,22 @@ def test_errors_heads_the_layout_cannot_split_are_refused_at_compile(heads, worl
         autosp.compile(model, sp_size=world, compiler="aot_eager", strategy="ring")
 
 
+def test_a_config_whose_heads_vary_by_layer_is_left_to_the_attention_rule():
+    """A config that refuses the global ``num_attention_heads`` read (transformers raises for per-layer attributes,
+    e.g. dots3) is not a raw crash at compile: the heads are checked per attention call when traced."""
+    from autosp.api import check_heads
+    from autosp.config import AutoSPConfig
+
+    class PerLayerConfig:
+        @property
+        def num_attention_heads(self):
+            raise RuntimeError("'num_attention_heads' is a per-layer attribute and may vary across layers")
+
+    model = nn.Linear(2, 2)
+    model.config = PerLayerConfig()
+    check_heads(model, AutoSPConfig(sp_size=8))  # no error: nothing global to check
+
+
 class _Unshifted(nn.Module):
     """Computes a loss that does not shift labels (a token-classification loss)."""
 

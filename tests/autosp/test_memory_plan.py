@@ -364,3 +364,30 @@ def test_memory_plan_refusals_name_what_to_change():
         autosp.compile(model, sp_size=2, strategy="auto", plan_seq_len=64, ulysses_size=2)
     with pytest.raises(AutoSPError, match="strategy='auto' plans for a Hugging Face model"):
         autosp.compile(build_model("plain-llama", layers=1), sp_size=2, strategy="auto", plan_seq_len=64)
+
+
+def _first_batches(rank, world):
+    import torch.distributed as dist
+
+    from autosp.plan.auto import DecidedAtCompile
+
+    plan = DecidedAtCompile({"options": {"checkpointing": "sac"}}, seq_len=64, micro_batch=2, group=dist.group.WORLD)
+    answers = []
+    # rank 1's batch is longer than planned in the second call: every rank refuses, none waits in the collective
+    for seq_len, rows in ((64, 2), (64 if rank == 0 else 128, 1), (32, 3)):
+        try:
+            answers.append(plan.decide(None, None, seq_len=seq_len, micro_batch=rows, device=torch.device("cpu")))
+        except AutoSPError as err:
+            answers.append(str(err))
+    return answers
+
+
+def test_a_strategy_decided_with_the_memory_refuses_a_first_batch_beyond_what_was_planned():
+    """`DecidedAtCompile`: the decision taken at compile for ``plan_seq_len`` tokens x ``plan_setup``'s rows is the
+    first batch's when the batch is within it on every rank, and every rank's one-line refusal naming what to pass
+    when any rank's batch is longer or wider."""
+    for answers in run_on_ranks(_first_batches, 2, timeout_s=120):
+        assert answers[0] == {"options": {"checkpointing": "sac"}}
+        assert "planned 2 x 64 tokens" in answers[1] and "first batch is 1 x 128" in answers[1]
+        assert "pass plan_seq_len=128 and plan_setup={'micro_batch': 2}" in answers[1]
+        assert "first batch is 3 x 32" in answers[2] and "plan_seq_len=64 and plan_setup={'micro_batch': 3}" in answers[2]
