@@ -74,6 +74,7 @@ CLIS = (
                ("--model", "llama-3.1-8b", "--layers", "ful"))),
     Cli("experiments.paper_scale.analysis_cost", typos=(("--model", "llama-9b"),)),
     Cli("experiments.fuzz_analysis"),
+    Cli("experiments.architecture_sweep"),
     Cli("experiments.notebooks.build"),
     Cli("simulator", typos=(("--cluster", "a100"), ("--all-to-all", "pairwize"), ("--network", "ib-hdr-100"),
                             ("--precision", "bf32"),
