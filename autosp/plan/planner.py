@@ -338,10 +338,17 @@ def states_over_target(held: Mapping[str, int], target: int, setup: TrainingSetu
     with what changes it."""
     gib, largest = 2**30, sorted(held.items(), key=lambda item: -item[1])[:3]
     under = f"ZeRO {setup.zero_stage}" + (" with optimizer offload" if setup.offload != "none" else "")
+    if setup.zero_stage == 3:
+        change = "use more ranks (every rank holds 1/N of the states)"
+    elif setup.zero_stage == 2 and setup.offload != "none":  # the last DeepSpeed setup --zero-stage auto tries
+        change = ("shard the parameters too (--zero-stage 3: AutoSP's sharded parameters, autosp.compile(..., "
+                  "shard_parameters=True), under --strategy ulysses), or use more ranks")
+    else:
+        change = ("partition them (a higher ZeRO stage or optimizer offload; python -m autosp.plan --zero-stage auto "
+                  "chooses among ZeRO 1-2, --zero-stage 3 shards the parameters too), or use more ranks")
     return (f"{NOT_PREDICTED}before any activation every plan holds {sum(held.values()) / gib:.2f} GiB per rank "
             f"under {under} ({', '.join(f'{cat} {b / gib:.2f}' for cat, b in largest)} GiB), and the target is "
-            f"{target / gib:.2f} GiB; the model states bind, not the activations: partition them (a higher ZeRO "
-            "stage or optimizer offload; python -m autosp.plan --zero-stage auto chooses), or use more ranks")
+            f"{target / gib:.2f} GiB; the model states bind, not the activations: {change}")
 
 
 def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective: str = "fastest",

@@ -273,6 +273,22 @@ def test_model_states_over_the_memory_are_the_answer_without_a_trace(tmp_path):
     assert "under ZeRO 0" in report["reason"] and "--zero-stage auto" in report["reason"], report["reason"]
 
 
+@pytest.mark.parametrize("zero, offload, change", [
+    (1, "none", "--zero-stage auto chooses among ZeRO 1-2, --zero-stage 3 shards the parameters too"),
+    (2, "optimizer", "shard the parameters too (--zero-stage 3"),  # where --zero-stage auto ends (a 70B on 32 H100s)
+    (3, "none", "use more ranks (every rank holds 1/N of the states)"),
+])
+def test_states_over_the_target_name_the_change_the_setup_leaves(zero, offload, change):
+    """What to change follows the setup whose states fill the target: beyond the last DeepSpeed setup that
+    ``--zero-stage auto`` tries, only ZeRO 3 or more ranks help, and it says so instead of ``--zero-stage auto``."""
+    from autosp.plan.planner import states_over_target
+
+    setup = TrainingSetup(seq_len=65536, sp_size=8, zero_stage=zero, offload=offload)
+    why = states_over_target({"parameters": 131 * 2**30, "gradients": 2 * 2**30}, 80 * 2**30, setup)
+    assert change in why and f"under ZeRO {zero}" in why, why
+    assert ("--zero-stage auto" in why) == (zero == 1), why
+
+
 def test_decision_progress_logs_each_candidate_with_the_time_left_off_a_terminal(caplog, monkeypatch):
     """Off a terminal (tqdm's bar disabled) each decided candidate is a log line with the time left at the mean
     rate; a decision that starts again (the next DeepSpeed setup) starts its count again."""
