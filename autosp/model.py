@@ -245,6 +245,15 @@ class SequenceParallelModel(nn.Module):
         [Parameters gathered in the graph] in autosp/parameter_sharding.py)."""
         return full_parameters(self.module, grads=grads)
 
+    @property
+    def parameter_shards(self) -> tuple[nn.Parameter, ...]:
+        """The parameters that are this rank's shards (``shard_parameters=True``: each holds a disjoint piece of a
+        parameter, its gradient already reduced over the group); empty when the parameters are whole."""
+        shards = self._shards
+        if shards is None:
+            return ()
+        return tuple(p for p in self.module.parameters() if id(p) in shards.shard_ids)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` as on one device, also where the
         parameters are shards (``shard_parameters=True``: the norm is summed over the ranks, a collective every rank
@@ -458,6 +467,7 @@ def refuse_outer_wrappers(model: SequenceParallelModel) -> None:
     if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.module.parameters()):
         raise AutoSPError(
             "the AutoSP model (or a module inside it) is sharded with FSDP, whose gradient reduction averages over "
-            "the SP ranks of one sequence too; AutoSP composes with DeepSpeed ZeRO 0-2 "
-            "(autosp.deepspeed_initialize) or reduces its own gradients (use it unwrapped)"
+            "the SP ranks of one sequence too; AutoSP composes with DeepSpeed ZeRO 0-3 "
+            "(autosp.deepspeed_initialize; ZeRO 3 is shard_parameters=True) or reduces its own gradients (use it "
+            "unwrapped, with shard_parameters=True for FSDP's memory)"
         )

@@ -48,7 +48,7 @@ def _json_file(value: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = entry.ArgumentParser(
         prog="python -m autosp.train", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train a causal LM on random tokens with AutoSP (sequence parallelism) and DeepSpeed ZeRO 0-2.\n"
+        description="Train a causal LM on random tokens with AutoSP (sequence parallelism) and DeepSpeed ZeRO 0-3.\n"
                     "Run it under torchrun or the deepspeed launcher (or plainly, as one rank): NCCL on GPUs, gloo on\n"
                     "CPU. The model is a Hugging Face model built from a preset or a config.json with random weights\n"
                     "(nothing is downloaded). Logs progress, tokens/s and per-rank peak memory; rank 0 prints a JSON\n"
@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     entry.add_model_arguments(p)
     p.add_argument("--seq-len", type=int, default=1024,
                    help="tokens per sample, the full sequence before sharding (default: %(default)s)")
-    p.add_argument("--zero-stage", type=int, metavar="{0,1,2}",
-                   help=f"DeepSpeed ZeRO stage: 0, 1 or 2; 3 does not compose with AutoSP "
+    p.add_argument("--zero-stage", type=int, metavar="{0,1,2,3}",
+                   help="DeepSpeed ZeRO stage: 0, 1, 2, or 3 (AutoSP's parameter shards, gathered layer by layer inside "
+                        "the compiled step, under DeepSpeed's engine) "
                         f"(default: {FLAG_DEFAULTS['zero_stage']})")
     p.add_argument("--steps", type=int, default=10, help="training steps (default: %(default)s)")
     p.add_argument("--warmup-steps", type=int, default=1,
@@ -104,9 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--steps ({args.steps}) must exceed --warmup-steps ({args.warmup_steps}) to measure tokens/s")
     entry.require_at_least(p, args, ("seq_len", "steps", "log_interval", "sp_size", "micro_batch_size", "num_layers",
                                      "ulysses_size"), 1)
-    if args.zero_stage is not None and args.zero_stage not in (0, 1, 2):
-        p.error(f"--zero-stage {args.zero_stage}: ZeRO stage {args.zero_stage} does not compose with AutoSP; "
-                "use 0, 1 or 2 (ZeRO 2 already partitions gradients and optimizer state)")
+    if args.zero_stage is not None and args.zero_stage not in (0, 1, 2, 3):
+        p.error(f"--zero-stage {args.zero_stage}: ZeRO stage {args.zero_stage} does not exist; use 0, 1, 2 or 3")
     # Which of FLAG_DEFAULTS were typed (they win over --deepspeed-config); the rest take their defaults.
     args.explicit = {name for name in (*FLAG_DEFAULTS, "dtype", "sp_size", "ulysses_size")
                      if getattr(args, name) is not None}

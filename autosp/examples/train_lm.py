@@ -323,8 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens per packed sample, the full sequence before sharding (default: %(default)s)")
     model = p.add_argument_group("model and parallelism")
     entry.add_model_arguments(model)
-    model.add_argument("--zero-stage", type=int, choices=(0, 1, 2),
-                       help="train through DeepSpeed with this ZeRO stage (default: plain PyTorch, no DeepSpeed)")
+    model.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3),
+                       help="train through DeepSpeed with this ZeRO stage; 3: AutoSP's parameter shards, gathered "
+                            "inside the compiled step, under DeepSpeed's engine (default: plain PyTorch, no DeepSpeed)")
     model.add_argument("--compiler", choices=("aot_eager", "inductor"), default="aot_eager",
                        help="backend AutoSP hands its graphs to; a packed sample runs under aot_eager either "
                             "way (AutoSP chooses it per batch: Inductor does not compile document masks yet), "

@@ -11,9 +11,10 @@ with ``"sequence_parallel_size": P`` in the DeepSpeed config (and, optionally,
 DeepSpeed's own spelling of the compile settings, ``"compile": {"deepcompile":
 true, "passes": ["autosp"]}``, which this project's pass then serves).  The
 engine's module is the `SequenceParallelModel`; DeepSpeed's ZeRO stages 0, 1 and 2
-reduce its gradients.
+reduce its gradients, and ZeRO stage 3 is AutoSP's own parameter sharding under the
+same engine.
 
-See Note [DeepSpeed gradient reduction under AutoSP].
+See Note [DeepSpeed gradient reduction under AutoSP] and Note [ZeRO 3 through DeepSpeed].
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ from autosp.api import compile as compile_model
 from autosp.config import AutoSPConfig, with_job_setup
 from autosp.errors import AutoSPError
 from autosp.model import SequenceParallelModel
+from autosp.parameter_sharding import original_name
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ZERO_STAGES = (0, 1, 2)
-"""ZeRO stages whose gradient reduction composes exactly with AutoSP."""
+SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
+"""ZeRO stages that compose exactly with AutoSP: 0-2 reduced by DeepSpeed, 3 by AutoSP's sharded parameters (Note
+[ZeRO 3 through DeepSpeed])."""
 
 AUTOSP_SECTION = "autosp"
 """Optional DeepSpeed-config section with `AutoSPConfig` options (``compiler``, ``pad_to_multiple``, ...)."""
@@ -69,9 +72,33 @@ _TORCH_ADAM_OPTIMIZERS = ("adam", "adamw")
 # rank over all ranks, which leaves them unchanged (tests/autosp/test_deepspeed.py).  Gradient-norm clipping also counts each SP group once: the "model
 # parallel" group is aliased to the SP group (as DeepSpeed's Ulysses mpu does), and the
 # ZeRO 0 norm counts only model-parallel rank 0's (identical, already reduced) copy.
-# ZeRO 3 gathers parameters with per-module hooks that run inside the compiled forward;
-# AutoSP compiles the model as one graph (fullgraph), which those hooks break, and the
-# combination is refused before anything is built (tests/autosp/test_deepspeed.py).
+
+# Note [ZeRO 3 through DeepSpeed]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# DeepSpeed's ZeRO 3 gathers parameters in per-module hooks that Dynamo cannot trace, so they
+# would cut the one graph AutoSP analyses.  A config with "stage": 3 is served instead by
+# AutoSP's own sharding (``shard_parameters=True``, Note [Parameters gathered in the graph]
+# in autosp/parameter_sharding.py): every rank keeps 1/N of each parameter, N the whole
+# DP x SP world as ZeRO 3 and ALST partition them, gathered layer by layer inside the compiled
+# program and released after use; the gather's backward reduce-scatters the gradients.
+# DeepSpeed's engine keeps everything else it does (optimizer step over the shards, gradient
+# clipping, accumulation, the learning-rate schedule, optimizer offload, checkpoints, the data
+# loader), and must reduce nothing, since every gradient arrives reduced.  So it is given a
+# Megatron-style mpu (`ShardedParametersMPU`) in which
+#   - the "data-parallel" group for reduction and partitioning is the rank alone (DeepSpeed's
+#     all-reduce and its ZeRO 1/2 partitions span one rank; its broadcast of the model at start
+#     leaves each rank's shards alone), while the data-parallel size and rank it reports for
+#     batch arithmetic and the data loader are the replicas' (SP groups training different samples);
+#   - the "model-parallel" group is the whole group and every shard is marked as a model-parallel
+#     parameter, so DeepSpeed's gradient norm sums each shard's squares over the ranks once and
+#     counts a parameter left whole (tied embeddings, reduced by the model) on rank 0 only;
+#   - no sequence parallelism is reported: AutoSP's program already is the SP program.
+# The engine runs ZeRO 0, or ZeRO 2 over its one-rank group when the config offloads the optimizer
+# (its states then live in host memory, as under ZeRO 3's offload).  Parameter offload
+# ("offload_param") is refused: the shards stay on the device and are gathered in the program.
+# Options that tune DeepSpeed's ZeRO 3 hooks ("stage3_*", "sub_group_size", ...) do not apply and
+# are logged and dropped.  tests/autosp/test_deepspeed.py trains HF Llama, Qwen2 and a MoE model
+# this way against a single device, on 2 and 4 ranks.
 
 
 class SequenceParallelMPU:
@@ -134,6 +161,65 @@ class SequenceParallelMPU:
     get_model_parallel_rank = get_sequence_parallel_rank
 
 
+class ShardedParametersMPU:
+    """AutoSP's groups as DeepSpeed's engine sees them when AutoSP shards the parameters (ZeRO 3): a Megatron-style
+    mpu whose "model-parallel" group is the whole group, each shard marked as a model-parallel parameter, and whose
+    "data-parallel" group is the rank alone, so that DeepSpeed reduces and partitions nothing (Note [ZeRO 3 through
+    DeepSpeed]).  Built by `deepspeed_initialize` from the model of ``autosp.compile(..., shard_parameters=True)``;
+    every rank of the group builds it (each makes its one-rank group)."""
+
+    def __init__(self, model: SequenceParallelModel):
+        if not isinstance(model, SequenceParallelModel) or not model.parameter_shards:
+            raise AutoSPError("ShardedParametersMPU takes the model of autosp.compile(..., shard_parameters=True)")
+        self.groups = model.groups
+        for shard in model.parameter_shards:  # DeepSpeed's norms sum a model-parallel parameter over the group
+            shard.tensor_model_parallel = True
+        self._alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups.group
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.groups.group)
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self.groups.group)
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        """The rank alone: the gradients arrive reduced, and the optimizer state is the rank's own shards'."""
+        return self._alone
+
+    def get_data_parallel_world_size(self) -> int:
+        """Replicas (SP groups that train different samples), for DeepSpeed's batch sizes and data loader."""
+        return self.groups.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.dp_rank
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+
+def _optimizer_over_shards(optimizer: Any, names_before: dict[int, str], sp_model: SequenceParallelModel) -> None:
+    """Point a torch optimizer built over the model's whole parameters at the shards that replaced them
+    (``shard_parameters=True`` swaps each parameter for this rank's shard), in place: its parameter groups and
+    settings stay, and so does a learning-rate schedule bound to it.  Anything else (None, a callable DeepSpeed
+    calls with the parameters) is left alone."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if optimizer.state:
+        raise AutoSPError("the optimizer has stepped already; under ZeRO stage 3 AutoSP points it at the parameter "
+                          "shards, so pass a fresh optimizer (or none, with an \"optimizer\" entry)")
+    now = {original_name(name): p for name, p in sp_model.module.named_parameters()}
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [now[names_before[id(p)]] for p in group["params"]]
+        except KeyError:
+            raise AutoSPError("the optimizer holds a tensor that is not a parameter of the model; under ZeRO stage 3 "
+                              "build it over model.parameters() only") from None
+
+
 def _load_config(config: dict | str | os.PathLike) -> dict:
     if isinstance(config, dict):
         return copy.deepcopy(config)
@@ -174,14 +260,41 @@ def _check_optimizer_entry(ds_config: dict, optimizer: Any) -> None:
 def _zero_stage(ds_config: dict) -> int:
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     if stage not in SUPPORTED_ZERO_STAGES:
-        raise AutoSPError(
-            f"ZeRO stage {stage} does not compose with AutoSP: ZeRO 3 gathers parameters with per-module hooks "
-            "inside the forward, which AutoSP's one-graph compile cannot hold.  Use "
-            f"\"zero_optimization\": {{\"stage\": 0, 1 or 2}} (supported: {list(SUPPORTED_ZERO_STAGES)}); "
-            "ZeRO 2 already partitions gradients and optimizer state; for ZeRO 3's parameter partitioning compile "
-            "with autosp.compile(model, ..., shard_parameters=True) and train with a torch optimizer (no engine)"
-        )
+        raise AutoSPError(f"ZeRO stage {stage} does not exist: use \"zero_optimization\": {{\"stage\": S}} with S in "
+                          f"{list(SUPPORTED_ZERO_STAGES)} (3: AutoSP's sharded parameters, Note [ZeRO 3 through DeepSpeed])")
     return stage
+
+
+_HOOK_ONLY_ZERO_OPTIONS = ("sub_group_size", "zero_hpz_partition_size", "zero_quantized_weights", "mics_shard_size",
+                           "mics_hierarchical_params_gather", "memory_efficient_linear", "module_granularity_threshold")
+"""ZeRO 3 options that tune DeepSpeed's parameter hooks (besides every "stage3_*" one), which AutoSP's gather in
+the program replaces: dropped with a log line."""
+
+
+def _offload_device(section: dict | None) -> str:
+    return str((section or {}).get("device", "none")).lower()
+
+
+def _engine_config_for_shards(ds_config: dict) -> dict:
+    """The config DeepSpeed's engine gets when AutoSP shards the parameters (Note [ZeRO 3 through DeepSpeed]):
+    ZeRO 0, or ZeRO 2 over one rank where the optimizer is offloaded; no sequence parallelism."""
+    zero = dict(ds_config.get("zero_optimization") or {})
+    if _offload_device(zero.get("offload_param")) != "none":
+        raise AutoSPError(
+            "\"offload_param\" does not compose with AutoSP's ZeRO 3: its parameter shards stay on the device and are "
+            "gathered inside the compiled program; drop \"offload_param\" (keep \"offload_optimizer\" to hold the "
+            "optimizer states in host memory)")
+    dropped = sorted(k for k in zero if k.startswith("stage3_") or k in (*_HOOK_ONLY_ZERO_OPTIONS, "offload_param"))
+    if dropped:
+        log.info("ZeRO 3 through AutoSP: %s tune DeepSpeed's parameter hooks, which AutoSP's gathers in the compiled "
+                 "program replace; dropped", ", ".join(dropped))
+    kept = {k: v for k, v in zero.items() if k not in dropped}
+    offload = _offload_device(zero.get("offload_optimizer")) != "none"
+    engine = {k: v for k, v in ds_config.items() if k != "sequence_parallel_size"}
+    engine["zero_optimization"] = {**kept, "stage": 2 if offload else 0}
+    if not offload:
+        engine["zero_optimization"].pop("offload_optimizer", None)
+    return engine
 
 
 def _planned_setup(ds_config: dict, optimizer: Any) -> dict:
@@ -296,13 +409,18 @@ def deepspeed_initialize(
         raise AutoSPError("deepspeed_initialize builds the mpu from AutoSP's SP groups; do not pass mpu")
     ds_config = _load_config(config)
     size = _sp_size(ds_config, sp_size)
-    _zero_stage(ds_config)
+    sharded = _zero_stage(ds_config) == 3
     _check_optimizer_entry(ds_config, optimizer)
     _take_compile_section(ds_config)
     options = dict(ds_config.pop(AUTOSP_SECTION, None) or {})
     if compiler is not None:
         options["compiler"] = compiler
     compiler = options.pop("compiler", "inductor")
+    if sharded:  # Note [ZeRO 3 through DeepSpeed]
+        if options.get("shard_parameters") is False:
+            raise AutoSPError("ZeRO stage 3 is AutoSP's shard_parameters=True: drop \"shard_parameters\": false from "
+                              "the \"autosp\" section, or choose ZeRO stage 0-2")
+        options["shard_parameters"] = True
     options = with_job_setup(options, lambda: _planned_setup(ds_config, optimizer))  # what is priced is what runs
     AutoSPConfig.from_options(sp_size=size, compiler=compiler, options=options)  # a bad option refused early
 
@@ -322,12 +440,17 @@ def deepspeed_initialize(
     # Ulysses and ring groups too) as autosp.compile does; it checks that sequence_parallel_size divides the world.
     if dist.get_world_size() % size == 0:  # else autosp.compile says what to change
         _check_data_parallel_size(ds_config, dist.get_world_size() // size)
+    names_before = {id(p): name for name, p in model.named_parameters()}
     sp_model = compile_model(model, sp_size=size, compiler=compiler, planner=planner, **options)
     groups = sp_model.groups
     log.info(
         "AutoSP + DeepSpeed: sp_size=%d x data-parallel replicas=%d, ZeRO stage %d, strategy=%s, compiler=%s",
         groups.sp_size, groups.dp_size, _zero_stage(ds_config), sp_model.config.strategy, sp_model.config.compiler,
     )
+    if sharded:
+        _optimizer_over_shards(optimizer, names_before, sp_model)
+        return deepspeed.initialize(model=sp_model, optimizer=optimizer, config=_engine_config_for_shards(ds_config),
+                                    mpu=ShardedParametersMPU(sp_model), **kwargs)
     return deepspeed.initialize(
         model=sp_model, optimizer=optimizer, config=ds_config, mpu=SequenceParallelMPU(sp_model), **kwargs
     )

@@ -92,10 +92,10 @@ def check_plannable(module: torch.nn.Module, config: AutoSPConfig) -> None:
     stage = (config.plan_setup or {}).get("zero_stage")
     if config.shard_parameters and stage not in (None, 3):
         raise AutoSPError(f"shard_parameters=True is priced as ZeRO 3, and plan_setup says zero_stage={stage}: drop "
-                          "one (AutoSP's sharded parameters do not compose with DeepSpeed's ZeRO 0-2)")
+                          "one (AutoSP's sharded parameters are ZeRO 3, under DeepSpeed or alone)")
     if stage == 3 and not config.shard_parameters:
         raise AutoSPError("plan_setup zero_stage=3 prices AutoSP's own sharded parameters: pass shard_parameters=True "
-                          "too (DeepSpeed's ZeRO 3 does not compose with AutoSP's one-graph compile)")
+                          "too (autosp.deepspeed_initialize does for a config with \"stage\": 3)")
     if config.shard_parameters and config.strategy != "ulysses":
         raise AutoSPError(f"{planning} prices shard_parameters=True (ZeRO 3) for strategy='ulysses' only: pass the "
                           "strategy and memory options yourself (memory_plan='off')")

@@ -1,4 +1,4 @@
-"""AutoSP through deepspeed.initialize: ZeRO 0/1/2 training equals single-device training.
+"""AutoSP through deepspeed.initialize: ZeRO 0/1/2/3 training equals single-device training.
 
 Each rank builds the same model twice from one seed: a single-device reference
 (trained on every data-parallel replica's sample, gradients averaged over the
@@ -7,7 +7,9 @@ steps the loss, every gradient (DeepSpeed's reduced gradient, read before the
 step) and every parameter after the steps equal the reference (fp32: rtol 1e-4 /
 atol 1e-6).  Gradient clipping is on in some cases, with a limit the reference
 gradient norm exceeds, so a gradient norm counted once too often would show; the
-ZeRO 2 case also accumulates gradients over two micro-batches.
+ZeRO 2 case also accumulates gradients over two micro-batches.  ZeRO 3 (AutoSP's sharded parameters under
+DeepSpeed's engine, Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py) is read whole:
+gradients and parameters gathered from the shards.
 """
 
 from __future__ import annotations
@@ -40,12 +42,32 @@ def _make_optimizer(kind: str, params):
     raise ValueError(kind)
 
 
-def _ds_config(*, zero_stage: int, sp_size: int, clip: float | None, gas: int = 1, strategy: dict | None = None) -> dict:
+TILED = {"tiled_loss": "on", "return_logits": False, "tiled_mlp": "on", "activation_offload": "on"}
+"""AutoSP's memory techniques all on (SAC is the default checkpointing)."""
+ZERO3_AS_ALST = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "stage3_prefetch_bucket_size": 10**6,
+                 "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 10**9,
+                 "sub_group_size": 10**9}
+"""A ZeRO 3 section as ALST's recipes write it (optimizer offloaded; the hook options are dropped under AutoSP)."""
+
+
+def _build(model: str) -> torch.nn.Module:
+    if model == "mixtral":
+        from tests.autosp.test_moe import build_moe
+
+        return build_moe("mixtral")
+    from experiments.models import build_model
+
+    return build_model(model)
+
+
+def _ds_config(*, zero_stage: int, sp_size: int, clip: float | None, gas: int = 1, strategy: dict | None = None,
+               zero: dict | None = None) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": gas,
         "sequence_parallel_size": sp_size,
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": zero or {"stage": zero_stage},
+        "zero_force_ds_cpu_optimizer": False,  # a torch optimizer with the optimizer offloaded
         "zero_allow_untested_optimizer": True,  # torch SGD under ZeRO
         "gradient_clipping": clip or 0.0,
         "compile": {"deepcompile": True, "passes": ["autosp"]},  # DeepSpeed's spelling, served by AutoSP
@@ -59,6 +81,20 @@ def _full_grad(param):
 
     grad = safe_get_full_grad(param)  # ZeRO 1/2: the reduced partitions, gathered
     return None if grad is None else grad.detach().clone().reshape(param.shape)
+
+
+def _whole_grads(engine) -> dict:
+    """The whole gradients of a sharded model (ZeRO 3): each shard's as DeepSpeed holds it (under the optimizer
+    offload's ZeRO 2, in the optimizer's partitions), gathered over the group by the model."""
+    params = list(engine.module.parameters())
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = _full_grad(p)
+    try:
+        return engine.module.full_parameters(grads=True)
+    finally:
+        for p, grad in zip(params, held, strict=True):
+            p.grad = grad
 
 
 def _plain_deepspeed(model, sp_size, optimizer, config):
@@ -76,20 +112,20 @@ def _plain_deepspeed(model, sp_size, optimizer, config):
 
 
 def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model="hf-llama", data=False, gas=1,
-                plain=False, strategy=None):
+                plain=False, strategy=None, zero=None):
     import autosp
-    from experiments.models import build_model, vocab_size
+    from experiments.models import vocab_size
 
     os.environ["LOCAL_RANK"] = str(rank)  # one node: what torchrun sets
     torch.manual_seed(0)
-    reference = build_model(model)
+    reference = _build(model)
     candidate = copy.deepcopy(reference)
     dp_size, dp_rank = world // sp_size, rank // sp_size
     vocab = vocab_size(reference)
 
     ref_opt = _make_optimizer(optimizer, reference.parameters())
     dataset = torch.utils.data.TensorDataset(torch.arange(16)) if data else None
-    config = _ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip, gas=gas, strategy=strategy)
+    config = _ds_config(zero_stage=zero_stage, sp_size=sp_size, clip=clip, gas=gas, strategy=strategy, zero=zero)
     if plain:
         engine, _, loader, _ = _plain_deepspeed(candidate, sp_size, _make_optimizer(optimizer, candidate.parameters()),
                                                 config)
@@ -100,7 +136,10 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
         )
     assert engine.module.groups.sp_size == sp_size and engine.module.module is candidate
     assert engine.module.config.strategy == (strategy or {}).get("strategy", "ulysses")
-    assert engine.module.reduces_gradients == plain  # reduced exactly once: by the model or by the engine
+    sharded = zero_stage == 3
+    # reduced exactly once: by the model (its own reduction, or the shards' reduce-scatter) or by the engine
+    assert engine.module.reduces_gradients == (plain or sharded)
+    assert bool(engine.module.parameter_shards) == sharded
 
     out = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": [], "ref_norm": []}
     if data:  # DeepSpeed's loader and AutoSP's sampler: the same samples within an SP group
@@ -128,13 +167,15 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
             engine.backward(loss)
             if m == gas - 1:  # the accumulation boundary: gradients reduced
                 out["loss"].append(loss.detach())
-                out["grads"].append({n: _full_grad(p) for n, p in candidate.named_parameters()})
+                out["grads"].append(_whole_grads(engine) if sharded else
+                                    {n: _full_grad(p) for n, p in candidate.named_parameters()})
             engine.step()  # steps the optimizer at the boundary only
 
     plan = engine.module.report.memory_plan
     if plan is not None:
         out["plan_setup"] = {k: plan["setup"][k] for k in ("zero_stage", "micro_batch", "grad_accum", "optimizer")}
-    out["params"] = {n: p.detach().clone() for n, p in candidate.named_parameters()}
+    out["params"] = (engine.module.full_parameters() if sharded else
+                     {n: p.detach().clone() for n, p in candidate.named_parameters()})
     out["ref_params"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
     return out
 
@@ -190,24 +231,32 @@ HYBRID_CASE = {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP, "sp_size": 4,
                "strategy": {"strategy": "hybrid", "ulysses_size": 2}}
 
 
+ZERO3_CASES = [  # AutoSP's sharded parameters under DeepSpeed's engine (Note [ZeRO 3 through DeepSpeed])
+    {"zero_stage": 3, "optimizer": "adam", "clip": CLIP, "strategy": TILED},
+    {"zero_stage": 3, "optimizer": "sgd", "clip": CLIP, "gas": 2, "model": "hf-qwen2", "zero": ZERO3_AS_ALST},
+]
+ZERO3_MOE_CASE = {"zero_stage": 3, "optimizer": "adam", "clip": CLIP, "model": "mixtral"}
+
+
 PLAIN_CASES = [  # deepspeed.initialize without AutoSP's mpu
     {"zero_stage": 0, "optimizer": "sgd", "clip": CLIP, "plain": True},
     {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP, "gas": 2, "plain": True},
 ]
 
 
-def test_deepspeed_zero_0_1_2_two_ranks_match_single_device():
+def test_deepspeed_zero_0_to_3_two_ranks_match_single_device():
     # The plain engines first: an engine given an mpu records it in DeepSpeed's process-wide groups, which a
     # later engine in the same process would read.
-    cases = [{**c, "sp_size": 2} for c in PLAIN_CASES + ZERO_CASES + STRATEGY_CASES]
+    cases = [{**c, "sp_size": 2} for c in PLAIN_CASES + ZERO_CASES + STRATEGY_CASES + ZERO3_CASES + [ZERO3_MOE_CASE]]
     results = run_on_ranks(_cases_on_rank, 2, cases, timeout_s=500)
     _check(results, cases)
     _check_data(results, 2)
 
 
 @pytest.mark.slow
-def test_deepspeed_zero_0_1_2_sequence_times_data_parallel_match_single_device():
-    cases = [{**c, "sp_size": 2} for c in ZERO_CASES] + [HYBRID_CASE]  # the hybrid: Ulysses 2 x ring 2, SP 4
+def test_deepspeed_zero_0_to_3_sequence_times_data_parallel_match_single_device():
+    # SP 2 x DP 2, then the hybrid (Ulysses 2 x ring 2, SP 4) and the MoE model sharded over SP 4
+    cases = [{**c, "sp_size": 2} for c in ZERO_CASES + ZERO3_CASES] + [HYBRID_CASE, {**ZERO3_MOE_CASE, "sp_size": 4}]
     results = run_on_ranks(_cases_on_rank, 4, cases, timeout_s=600)
     _check(results, cases)
     _check_data(results, 2)
@@ -244,11 +293,23 @@ def test_deepspeed_config_is_what_the_planner_prices(entry, optimizer, expected)
     assert _planned_setup(_config(**entry), torch_optimizer) == expected
 
 
-def test_deepspeed_zero_3_is_refused_naming_the_stages_that_work():
+def test_deepspeed_zero_stage_that_does_not_exist_is_refused_naming_the_stages():
     import autosp
 
-    with pytest.raises(autosp.AutoSPError, match=r"ZeRO stage 3 does not compose.*\[0, 1, 2\]"):
-        autosp.deepspeed_initialize(model=_model(), config=_config(zero_optimization={"stage": 3}))
+    with pytest.raises(autosp.AutoSPError, match=r"ZeRO stage 4 does not exist.*\[0, 1, 2, 3\]"):
+        autosp.deepspeed_initialize(model=_model(), config=_config(zero_optimization={"stage": 4}))
+
+
+def test_deepspeed_zero_3_engine_config_keeps_the_optimizer_offload_and_refuses_parameter_offload():
+    from autosp.errors import AutoSPError
+    from autosp.integrations.deepspeed_engine import _engine_config_for_shards
+
+    engine = _engine_config_for_shards(_config(zero_optimization=ZERO3_AS_ALST))
+    assert engine["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}  # hook options dropped
+    assert "sequence_parallel_size" not in engine  # the compiled program is the SP program; DeepSpeed adds none
+    assert _engine_config_for_shards(_config(zero_optimization={"stage": 3}))["zero_optimization"] == {"stage": 0}
+    with pytest.raises(AutoSPError, match="offload_param.*gathered inside the compiled program"):
+        _engine_config_for_shards(_config(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}}))
 
 
 def test_deepspeed_jit_building_config_optimizer_is_refused_on_cpu():

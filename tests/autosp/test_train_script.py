@@ -10,8 +10,9 @@
   optimizer and learning-rate state, bit for bit (fp32, one thread per rank: the same operations on the same
   values).  The data set is smaller than the run (9 samples, 2 per micro-batch), so the resumed run continues
   mid-epoch and then crosses into the next shuffled epoch at the right sample.  Each rank's RNG state is saved
-  and restoring it gives that state back.  The same through DeepSpeed ZeRO 2 with gradient accumulation
-  (``--zero-stage 2 --grad-accum 2``).
+  and restoring it gives that state back.  The same through DeepSpeed's engine under ZeRO 3 (AutoSP's parameter
+  shards: each rank saves its own, as a model-parallel rank) with gradient accumulation and the ring
+  (``--zero-stage 3 --grad-accum 2 --strategy ring``).
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ STEPS, SAVE_AT = 6, 3
 
 def _params(output_dir: Path, step: int, zero: bool) -> dict[str, torch.Tensor]:
     tag = output_dir / "checkpoints" / f"step-{step:08d}"
-    if zero:
-        return torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    if zero:  # one file per rank, each holding its shards
+        files = sorted(tag.glob("mp_rank_*_model_states.pt"))
+        assert len(files) == 2, files
+        return {f"{f.name}:{k}": v for f in files for k, v in torch.load(f, weights_only=False)["module"].items()}
     return torch.load(tag / "state.pt", weights_only=False)["model"]
 
 
@@ -131,7 +134,7 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
     data = _corpus(tmp_path / "corpus.txt")
     assert len(pack(read_documents([str(data)], ByteTokenizer()), 64)) == 9  # fewer than the 12 the run reads
     # --strategy reaches the compile on both paths: the DeepSpeed one trains with the ring here.
-    variants = {"plain": [], "zero2": ["--zero-stage", "2", "--grad-accum", "2", "--strategy", "ring"]}
+    variants = {"plain": [], "zero3": ["--zero-stage", "3", "--grad-accum", "2", "--strategy", "ring"]}
     results = run_on_ranks(_runs_on_rank, 2, str(data), str(tmp_path), variants, timeout_s=400)
     for name, extra in variants.items():
         zero = bool(extra)
