@@ -80,7 +80,7 @@ CLIS = (
                             ("--precision", "bf32"),
                             ("--grad-accum-dtype", "fp64"), ("--optimizer", "adamm"), ("--zero-stage", "4"))),
     Cli("autosp.train", typos=(("--model", "tiny-lama"), ("--compiler", "inductr"), ("--dtype", "fp16"),
-                               ("--zero-stage", "3"), ("--deepspeed-config", "no-such-config.json"),
+                               ("--zero-stage", "4"), ("--deepspeed-config", "no-such-config.json"),
                                ("--strategy", "ulyses"))),
     Cli("autosp.plan", required=("--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "1024"),
         typos=(("--model", "tiny-lama"), ("--cluster", "h100"), ("--dtype", "fp16"), ("--optimizer", "adamm"), ("--offload", "cpu"), ("--zero-stage", "4"),
@@ -88,7 +88,7 @@ CLIS = (
                ("--objective", "fastes"), ("--strategy", "ulyses"), ("--activation-offload", "yes"))),
     Cli("autosp.plan.worker"),
     Cli("autosp.examples.train_lm", required=("--data", "corpus.txt", "--output-dir", "out"),
-        typos=(("--model", "tiny-lama"), ("--compiler", "inductr"), ("--dtype", "fp16"), ("--zero-stage", "3"),
+        typos=(("--model", "tiny-lama"), ("--compiler", "inductr"), ("--dtype", "fp16"), ("--zero-stage", "4"),
                ("--text-split", "paragraf"), ("--strategy", "rign"))),
     Cli("scripts/gpu_smoke.py"),
 )

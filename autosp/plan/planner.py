@@ -107,7 +107,8 @@ class PlanReport:
         """The `autosp.compile` options of the chosen plan."""
         if self.chosen is None:
             raise AutoSPError(f"no memory plan fits {self.target_memory_bytes / 2**30:.2f} GiB per rank: {self.reason}")
-        return dict(self.candidates[self.chosen].plan.options)
+        sharded = {"shard_parameters": True} if (self.job or {}).get("zero_stage") == 3 else {}
+        return {**self.candidates[self.chosen].plan.options, **sharded}  # ZeRO 3 is AutoSP's sharded parameters
 
     def format(self) -> str:
         gib = 2**30
@@ -149,7 +150,10 @@ class PlanReport:
         if self.chosen is not None:
             out.append(f"  autosp.compile options: {self.options}")
         if self.job is not None:
-            out.append(f"  DeepSpeed setup: {job_name(self.job)} (DeepSpeed config: {deepspeed_config(self.job)})")
+            sharded = (" through autosp.deepspeed_initialize, or shard_parameters=True under a plain optimizer"
+                       if self.job["zero_stage"] == 3 else "")
+            out.append(f"  DeepSpeed setup: {job_name(self.job)} (DeepSpeed config: {deepspeed_config(self.job)}"
+                       f"{sharded})")
         out += [f"  note:   {n}" for n in self.notes]
         return "\n".join(out)
 
@@ -340,12 +344,12 @@ def states_over_target(held: Mapping[str, int], target: int, setup: TrainingSetu
     under = f"ZeRO {setup.zero_stage}" + (" with optimizer offload" if setup.offload != "none" else "")
     if setup.zero_stage == 3:
         change = "use more ranks (every rank holds 1/N of the states)"
-    elif setup.zero_stage == 2 and setup.offload != "none":  # the last DeepSpeed setup --zero-stage auto tries
+    elif setup.zero_stage == 2 and setup.offload != "none":  # the last --zero-stage auto tries for a ring plan
         change = ("shard the parameters too (--zero-stage 3: AutoSP's sharded parameters, autosp.compile(..., "
                   "shard_parameters=True), under --strategy ulysses), or use more ranks")
     else:
         change = ("partition them (a higher ZeRO stage or optimizer offload; python -m autosp.plan --zero-stage auto "
-                  "chooses among ZeRO 1-2, --zero-stage 3 shards the parameters too), or use more ranks")
+                  "chooses among ZeRO 1-3), or use more ranks")
     return (f"{NOT_PREDICTED}before any activation every plan holds {sum(held.values()) / gib:.2f} GiB per rank "
             f"under {under} ({', '.join(f'{cat} {b / gib:.2f}' for cat, b in largest)} GiB), and the target is "
             f"{target / gib:.2f} GiB; the model states bind, not the activations: {change}")
@@ -503,10 +507,13 @@ def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
 # there either.  At one micro-step per optimizer step the ledger of ZeRO 2 equals ZeRO 1's (both reduce the
 # gradients in backward and keep their partition, as the DeepSpeed engines the ledger is checked against do:
 # tests/simulator/test_ledger_deepspeed.py), so ZeRO 2 is skipped there.  What the user fixed (``--zero-stage``, ``--offload``) is kept in every setup
-# (`job_setups`).  ZeRO 3 is not among them: AutoSP does not compose with it.
+# (`job_setups`).  Last comes ZeRO 3, AutoSP's sharded parameters (each rank holds 1/N of the parameters too;
+# each layer gathered inside the step, a DeepSpeed config with "stage": 3 under `autosp.deepspeed_initialize`,
+# Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py).  It is priced for Ulysses programs
+# without activation offload, so only those plans are planned under it (`plans_for_job`).
 
 JOB_SETUPS = ({"zero_stage": 1, "offload": "none"}, {"zero_stage": 2, "offload": "none"},
-              {"zero_stage": 2, "offload": "optimizer"})
+              {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 3, "offload": "none"})
 """The DeepSpeed setups `plan_job` tries, in order (Note [The DeepSpeed setup only as far as memory needs])."""
 
 
@@ -538,6 +545,16 @@ def job_setups(setup: TrainingSetup, fixed: Mapping | None = None) -> list[dict]
     return found
 
 
+def plans_for_job(plans: Sequence[MemoryPlan] | None, job: Mapping) -> tuple[MemoryPlan, ...] | None:
+    """The plans of ``plans`` priced under the DeepSpeed setup ``job``: under ZeRO 3 (AutoSP's sharded parameters)
+    the Ulysses plans without activation offload (Note [The DeepSpeed setup only as far as memory needs]); None
+    (`plan_memory`'s default candidates) stays None."""
+    if plans is None or job["zero_stage"] != 3:
+        return None if plans is None else tuple(plans)
+    return tuple(p for p in plans if p.options.get("strategy", "ulysses") == "ulysses"
+                 and p.options.get(OFFLOAD_OPTION, "off") != "on")
+
+
 def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mapping | None = None,
              **planning) -> PlanReport:
     """`plan_memory` (``planning``: its keyword arguments) under the first setup of `job_setups` (``setup`` with
@@ -554,13 +571,16 @@ def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mappi
                                            source=source).values())
 
     tried, without, least = [], [], None
+    given = planning.pop("plans", None)
+    jobs = [job for job in jobs if plans_for_job(given, job) != ()]  # a setup with no plan priced under it
     for job in jobs:
         held = states(job)
         if least is not None and held >= least and job is not jobs[-1]:
             tried.append(f"{job_name(job)}: not planned, its ledger holds no less than one without a plan")
             without.append(job)
             continue
-        report = plan_memory(model, dataclasses.replace(setup, **job), cluster, **planning)
+        report = plan_memory(model, dataclasses.replace(setup, **job), cluster, plans=plans_for_job(given, job),
+                             **planning)
         if report.chosen is not None or job is jobs[-1]:
             break
         least = held if least is None else min(least, held)

@@ -48,8 +48,8 @@ def _over(fitting: Sequence, narrowed: Sequence, fit_at: int) -> str:
 
 
 PLANNER_ROW = "planner: memory_plan='auto', DeepSpeed setup chosen"
-"""The planner row: no AutoSP setting, and the DeepSpeed setup (ZeRO 1 or 2, optimizer offload) chosen by the
-planner as well (`autosp.plan.plan_job`); AutoSP composes with ZeRO 2, not with ALST's ZeRO 3."""
+"""The planner row: no AutoSP setting, and the DeepSpeed setup (ZeRO 1, 2, 2 with optimizer offload, or 3: AutoSP's
+sharded parameters) chosen by the planner as well (`autosp.plan.plan_job`)."""
 
 
 def _tried(report) -> str:
@@ -75,7 +75,7 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, search: Search | N
     the row is what ``autosp.compile`` decides, and the technique row with the same options checks its choice at the
     table's depth.  The model is traced as ALST
     calls it (no KV cache) from ``model``'s config; the DeepSpeed setup the first decision chose (`plan_job`: the
-    first of ZeRO 1, ZeRO 2, ZeRO 2 with optimizer offload under which a plan fits), kept for the second."""
+    first of ZeRO 1, ZeRO 2, ZeRO 2 with optimizer offload, ZeRO 3 under which a plan fits), kept for the second."""
     import json
     import tempfile
 

@@ -274,7 +274,7 @@ def test_model_states_over_the_memory_are_the_answer_without_a_trace(tmp_path):
 
 
 @pytest.mark.parametrize("zero, offload, change", [
-    (1, "none", "--zero-stage auto chooses among ZeRO 1-2, --zero-stage 3 shards the parameters too"),
+    (1, "none", "--zero-stage auto chooses among ZeRO 1-3"),
     (2, "optimizer", "shard the parameters too (--zero-stage 3"),  # where --zero-stage auto ends (a 70B on 32 H100s)
     (3, "none", "use more ranks (every rank holds 1/N of the states)"),
 ])
