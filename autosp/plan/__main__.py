@@ -164,9 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "group that would is refused")
     p.add_argument("--zero-stage", type=_zero_stage, default=None, choices=(0, 1, 2, 3, "auto"),
                    help="DeepSpeed ZeRO stage 0-2, or 3: AutoSP's own sharded parameters (autosp.compile(..., "
-                        "shard_parameters=True) under a plain optimizer; Ulysses, no offload); auto (with the "
-                        "memory plan): the planner chooses ZeRO 1, 2, 2 with optimizer offload or 3, the first under "
-                        "which a plan fits, keeping --offload if given (default: "
+                        "shard_parameters=True), or \"stage\": 3 under autosp.deepspeed_initialize, where --offload "
+                        "optimizer offloads its optimizer; Ulysses, no activation offload); auto (with the "
+                        "memory plan): the planner chooses ZeRO 1, 2, 2 with optimizer offload, 3 or 3 with "
+                        "optimizer offload, the first under which a plan fits, keeping --offload if given (default: "
                         f"{lib['zero_stage']}, what a compiled model's own plan assumes of a plain training loop)")
     p.add_argument("--micro-batch", type=_positive, default=1,
                    help="samples per SP group per micro-step (default: %(default)s)")
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                    help=f"optimizer whose state the ledger counts (default: {lib['optimizer']})")
     p.add_argument("--offload", default=None, choices=OFFLOADS,
-                   help="optimizer: DeepSpeed's offload_optimizer (device cpu; ZeRO 1 or 2): fp32 master weights, "
+                   help="optimizer: DeepSpeed's offload_optimizer (device cpu; ZeRO 1, 2 or 3): fp32 master weights, "
                         "gradient partitions and optimizer state in host memory, CPU Adam; reports the host peak "
                         f"beside the device peak (default: {lib['offload']}; with --zero-stage auto, the planner's "
                         "choice)")

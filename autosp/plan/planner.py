@@ -507,13 +507,15 @@ def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
 # there either.  At one micro-step per optimizer step the ledger of ZeRO 2 equals ZeRO 1's (both reduce the
 # gradients in backward and keep their partition, as the DeepSpeed engines the ledger is checked against do:
 # tests/simulator/test_ledger_deepspeed.py), so ZeRO 2 is skipped there.  What the user fixed (``--zero-stage``, ``--offload``) is kept in every setup
-# (`job_setups`).  Last comes ZeRO 3, AutoSP's sharded parameters (each rank holds 1/N of the parameters too;
+# (`job_setups`).  Last come ZeRO 3, AutoSP's sharded parameters (each rank holds 1/N of the parameters too;
 # each layer gathered inside the step, a DeepSpeed config with "stage": 3 under `autosp.deepspeed_initialize`,
-# Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py).  It is priced for Ulysses programs
-# without activation offload, so only those plans are planned under it (`plans_for_job`).
+# Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py), then ZeRO 3 with the optimizer
+# offloaded (ALST's setup).  ZeRO 3 is priced for Ulysses programs without activation offload, so only those
+# plans are planned under it (`plans_for_job`).
 
 JOB_SETUPS = ({"zero_stage": 1, "offload": "none"}, {"zero_stage": 2, "offload": "none"},
-              {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 3, "offload": "none"})
+              {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 3, "offload": "none"},
+              {"zero_stage": 3, "offload": "optimizer"})
 """The DeepSpeed setups `plan_job` tries, in order (Note [The DeepSpeed setup only as far as memory needs])."""
 
 

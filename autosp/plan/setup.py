@@ -41,7 +41,9 @@ class TrainingSetup:
     zero_stage: int = 1
     """DeepSpeed's ZeRO stage (0-2), or 3: AutoSP's own sharded parameters (``shard_parameters=True``: each rank holds
     1/N of the parameters, gradients and optimizer state, layers gathered inside the step; priced by the ZeRO-3
-    rewrite, Note [ZeRO-3 as a rewrite of the single-device trace] in simulator/workload_rewrites.py)."""
+    rewrite, Note [ZeRO-3 as a rewrite of the single-device trace] in simulator/workload_rewrites.py); with
+    ``offload="optimizer"`` the shards under DeepSpeed's engine, its optimizer states in host memory (a DeepSpeed
+    config with ``"stage": 3`` and ``"offload_optimizer"`` under `autosp.deepspeed_initialize`)."""
     micro_batch: int = 1
     """Samples per SP group per micro-step."""
     grad_accum: int = 1
@@ -80,10 +82,6 @@ class TrainingSetup:
         if self.seq_len % self.sp_size:
             raise AutoSPError(f"--seq-len {self.seq_len} is not divisible by --sp-size {self.sp_size}; give a "
                               "multiple of the SP degree")
-        if self.zero_stage == 3 and self.offload != "none":
-            raise AutoSPError(f"--offload {self.offload} with --zero-stage 3: ZeRO 3 is AutoSP's own parameter "
-                              "sharding (autosp.compile(..., shard_parameters=True)), whose optimizer steps the shards "
-                              "on the device; use --offload none, or ZeRO 2 with optimizer offload")
         if self.offload != "none" and self.zero_stage == 0:
             raise AutoSPError(f"--offload {self.offload} with --zero-stage 0: DeepSpeed's offload_optimizer is a "
                               "ZeRO feature; use --zero-stage 1 or 2")
@@ -101,6 +99,14 @@ class TrainingSetup:
     def training_config(self, parameter_numels: tuple[int, ...]) -> TrainingConfig:
         """The ledger's configuration (ZeRO partitions over all ``world_size`` ranks: the sequence-data-parallel
         group)."""
+        if self.zero_stage == 3 and self.offload == "optimizer":
+            # AutoSP's shards under DeepSpeed's engine with the optimizer offloaded: ZeRO 2 over each rank alone, of
+            # its shards (Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py)
+            shards = tuple(-(-n // self.world_size) for n in parameter_numels)
+            return TrainingConfig(parameter_numels=shards, optimizer=self.optimizer, precision=self.dtype,
+                                  zero_stage=2, dp_world_size=1, gradient_accumulation_steps=self.grad_accum,
+                                  micro_batch_size=self.micro_batch, nccl_communicators=2 if self.sp_size > 1 else 1,
+                                  offload_optimizer=True)
         sharded = self.zero_stage == 3  # AutoSP's shard_parameters=True under a plain optimizer
         return TrainingConfig(parameter_numels=parameter_numels, optimizer=self.optimizer, precision=self.dtype,
                               zero_stage=0 if sharded else self.zero_stage, sharded_parameters=sharded,

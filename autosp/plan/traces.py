@@ -343,7 +343,8 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts:
     modules = module_parameters(graphs, facts.forward_graph)
     world = setup.world_size
     # A shallower trace (depth extrapolation) reduces and updates only its own layers' parameters.
-    step_config = config if layers is None else dataclasses.replace(config, parameter_numels=source.parameter_numels(hf))
+    step_config = config if layers is None else dataclasses.replace(
+        config, parameter_numels=setup.training_config(source.parameter_numels(hf)).parameter_numels)
     if setup.zero_stage == 3:  # AutoSP's sharded parameters: each module gathered before its reads, forward and
         # backward, its gradients reduce-scattered (Note [Parameters gathered in the graph] in
         # autosp/parameter_sharding.py, priced as Note [ZeRO-3 as a rewrite of the single-device trace])
@@ -354,7 +355,11 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts:
                                       prefetch=False)  # the compiled program gathers each weight at its use
         except ValueError as err:
             raise AutoSPError(f"ZeRO 3 (shard_parameters=True) is priced for Ulysses programs only: {err}") from None
-        step = add_training_step(backward, [], step_config, group="dp_reduce")
+        if step_config.dp_world_size == 1:  # under DeepSpeed's engine with optimizer offload: each rank alone
+            step = add_training_step(backward, [], step_config, group="optimizer_rank",
+                                     group_instances=[[r] for r in range(world)])
+        else:
+            step = add_training_step(backward, [], step_config, group="dp_reduce")
         return Traced(layers=depth, backward=backward, step=step)
     names = [n for m in modules for n in m.gradients]
     released = dataclasses.replace(exported, ranks={r: release_gradients(p, names) for r, p in exported.ranks.items()})

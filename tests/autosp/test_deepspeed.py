@@ -22,6 +22,7 @@ import torch
 
 from tests.autosp.cases import loss_of, make_sample
 from tests.harness import run_on_ranks
+from tests.simulator.test_ledger_deepspeed import _host_bytes
 
 FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 STEPS = 2
@@ -95,6 +96,19 @@ def _whole_grads(engine) -> dict:
     finally:
         for p, grad in zip(params, held, strict=True):
             p.grad = grad
+
+
+def _priced_host_bytes(reference, *, world: int, sp_size: int, optimizer: str, gas: int) -> int:
+    """The host bytes the memory ledger prices for ZeRO 3 with optimizer offload of ``reference``'s parameters (the
+    planner's `TrainingSetup`, fp32), after a step."""
+    from autosp.plan import TrainingSetup
+    from simulator.ledger import memory_ledger, summarize
+
+    setup = TrainingSetup(seq_len=SEQ_LEN, sp_size=sp_size, dp_size=world // sp_size, zero_stage=3, offload="optimizer",
+                          dtype="fp32", optimizer={"sgd": "sgd_momentum", "adam": "adam"}[optimizer], grad_accum=1,
+                          micro_batch=2)
+    config = setup.training_config(tuple(p.numel() for p in reference.parameters()))
+    return summarize(memory_ledger(config, at="step", device=False), "host").nominal
 
 
 def _plain_deepspeed(model, sp_size, optimizer, config):
@@ -171,6 +185,9 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
                                     {n: _full_grad(p) for n, p in candidate.named_parameters()})
             engine.step()  # steps the optimizer at the boundary only
 
+    if sharded and (zero or {}).get("offload_optimizer"):  # what the planner prices this engine's host memory at
+        out["host_bytes"], out["ledger_host_bytes"] = _host_bytes(engine), _priced_host_bytes(
+            reference, world=world, sp_size=sp_size, optimizer=optimizer, gas=gas)
     plan = engine.module.report.memory_plan
     if plan is not None:
         out["plan_setup"] = {k: plan["setup"][k] for k in ("zero_stage", "micro_batch", "grad_accum", "optimizer")}
@@ -201,6 +218,8 @@ def _check(results, cases):
             for name, param in r["params"].items():
                 torch.testing.assert_close(param, r["ref_params"][name], **FP32_TOL,
                                            msg=lambda m, w=f"{where} param {name}": f"{w}: {m}")
+            if "host_bytes" in r:  # the ledger prices the offloaded buffers byte for byte (Note [Optimizer offload])
+                assert r["host_bytes"] == r["ledger_host_bytes"] > 0, (where, r["host_bytes"], r["ledger_host_bytes"])
             if (case.get("strategy") or {}).get("memory_plan") == "auto":  # planned for the job DeepSpeed runs
                 assert r["plan_setup"] == {"zero_stage": case["zero_stage"], "micro_batch": 2,
                                            "grad_accum": case.get("gas", 1), "optimizer": case["optimizer"]}, where
@@ -232,8 +251,8 @@ HYBRID_CASE = {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP, "sp_size": 4,
 
 
 ZERO3_CASES = [  # AutoSP's sharded parameters under DeepSpeed's engine (Note [ZeRO 3 through DeepSpeed])
-    {"zero_stage": 3, "optimizer": "adam", "clip": CLIP, "strategy": TILED},
-    {"zero_stage": 3, "optimizer": "sgd", "clip": CLIP, "gas": 2, "model": "hf-qwen2", "zero": ZERO3_AS_ALST},
+    {"zero_stage": 3, "optimizer": "adam", "clip": CLIP, "gas": 2, "strategy": TILED},
+    {"zero_stage": 3, "optimizer": "sgd", "clip": CLIP, "model": "hf-qwen2", "zero": ZERO3_AS_ALST},
 ]
 ZERO3_MOE_CASE = {"zero_stage": 3, "optimizer": "adam", "clip": CLIP, "model": "mixtral"}
 

@@ -173,7 +173,7 @@ def _numels(model: str, seq_len: int) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--zero-stage", "3", "--offload", "optimizer"], "with --zero-stage 3"),
+    (["--zero-stage", "3", "--strategy", "ring"], "priced under --strategy ulysses only"),
     (["--offload", "optimizer", "--zero-stage", "0"], "ZeRO feature"),
     (["--offload", "optimizer", "--zero-stage", "2", "--grad-accum", "2"], "through host memory"),
     (["--zero-stage", "1", "--grad-accum", "4"], "unreduced gradient"),

@@ -140,7 +140,7 @@ def test_trace_groups_halved_for_spare_processes_predict_what_one_process_does(m
 
 def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model, cluster):
     """`plan_job` plans under ZeRO 1, then ZeRO 2, then ZeRO 2 with optimizer offload, then ZeRO 3 (AutoSP's sharded
-    parameters), and keeps the first setup
+    parameters) and ZeRO 3 with optimizer offload, and keeps the first setup
     under which a plan fits (Note [The DeepSpeed setup only as far as memory needs] in autosp/plan/planner.py):
     with a target between two setups' predicted peaks (predicted here, one by one) it names the leaner one and the
     setups it passed over; under no target it stops at the last with no plan.  Fixed fields are kept."""
@@ -156,8 +156,8 @@ def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model,
              for job in JOB_SETUPS]
     # Each setup frees device memory the one before holds (ZeRO 2's gradient partitions only beyond one reduce
     # bucket of gradients: not for this small model, which ZeRO 2 does not help).
-    # ZeRO 3 shards the parameters and their gradients too.
-    assert peaks[0] >= peaks[1] >= peaks[2] > peaks[3] and peaks[0] > peaks[2], peaks
+    # ZeRO 3 shards the parameters and their gradients too; with offload its optimizer states go to host memory.
+    assert peaks[0] >= peaks[1] >= peaks[2] > peaks[3] > peaks[4] and peaks[0] > peaks[2], peaks
     for target in sorted(set(peaks), reverse=True):
         expected = peaks.index(target)  # the first setup whose peak is within the target
         report = plan_job(model, setup, cluster, target_memory=target, plans=plans)
@@ -165,13 +165,14 @@ def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model,
         assert report.candidates[report.chosen].prediction.peak_bytes == peaks[expected]
         assert report.to_dict()["job"] == JOB_SETUPS[expected]
         assert f"DeepSpeed config: {deepspeed_config(JOB_SETUPS[expected])}" in report.format()
-        assert report.options.get("shard_parameters", False) == (expected == 3)  # what autosp.compile is given
-    nothing = plan_job(model, setup, cluster, target_memory=peaks[3] - 1, plans=plans)
-    assert nothing.chosen is None and nothing.job == JOB_SETUPS[3] and nothing.jobs_without_plan == JOB_SETUPS[:3]
+        assert report.options.get("shard_parameters", False) == (expected >= 3)  # what autosp.compile is given
+    nothing = plan_job(model, setup, cluster, target_memory=peaks[4] - 1, plans=plans)
+    assert nothing.chosen is None and nothing.job == JOB_SETUPS[4] and nothing.jobs_without_plan == JOB_SETUPS[:4]
     assert "no plan under any" in nothing.notes[-1]
     # ZeRO 2 holds what ZeRO 1 holds at one micro-step per optimizer step: not planned once ZeRO 1 has no plan
     assert "ZeRO 2: not planned, its ledger holds no less than one without a plan" in nothing.notes[-1]
     assert deepspeed_config(JOB_SETUPS[2]) == {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert deepspeed_config(JOB_SETUPS[4]) == {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     assert job_setups(setup, {"zero_stage": 1}) == [{"zero_stage": 1, "offload": "none"},
                                                     {"zero_stage": 1, "offload": "optimizer"}]
     assert job_setups(setup, {"offload": "none"}) == [JOB_SETUPS[0], JOB_SETUPS[1], JOB_SETUPS[3]]
