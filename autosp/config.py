@@ -91,7 +91,7 @@ sequence in seconds (Note [Mask programs probed on shorter blocks] in autosp/pas
 PLANNING_OPTIONS = ("target_memory", "plan_seq_len", "plan_cluster", "plan_setup", "plan_timeout_s")
 """The options only the planner reads (``memory_plan="auto"``, ``strategy="auto"``): refused where nothing is
 planned, and reset to their defaults once ``strategy="auto"`` has decided."""
-PLAN_SETUP = ("zero_stage", "optimizer", "grad_accum", "offload", "depth", "micro_batch")
+PLAN_SETUP = ("zero_stage", "optimizer", "grad_accum", "offload", "depth", "micro_batch", "engine")
 """The `autosp.plan.TrainingSetup` fields ``plan_setup`` may set (the rest come from the job itself; ``micro_batch``,
 the rows per batch, from the first batch under memory_plan="auto", else 1 under strategy="auto", which decides
 before any batch)."""

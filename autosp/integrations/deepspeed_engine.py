@@ -304,6 +304,8 @@ def _planned_setup(ds_config: dict, optimizer: Any) -> dict:
     zero = ds_config.get("zero_optimization") or {}
     offload = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
     setup = {"zero_stage": _zero_stage(ds_config), "offload": "optimizer" if offload in ("cpu", "nvme") else "none"}
+    if setup["zero_stage"] == 3:  # the shards stepped by DeepSpeed's engine (Note [ZeRO 3 through DeepSpeed])
+        setup["engine"] = "deepspeed"
     for field, key in (("micro_batch", "train_micro_batch_size_per_gpu"), ("grad_accum", "gradient_accumulation_steps")):
         if isinstance(ds_config.get(key), int):  # not an unresolved "auto"
             setup[field] = ds_config[key]

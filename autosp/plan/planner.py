@@ -150,8 +150,7 @@ class PlanReport:
         if self.chosen is not None:
             out.append(f"  autosp.compile options: {self.options}")
         if self.job is not None:
-            sharded = (" through autosp.deepspeed_initialize, or shard_parameters=True under a plain optimizer"
-                       if self.job["zero_stage"] == 3 else "")
+            sharded = " through autosp.deepspeed_initialize" if self.job["zero_stage"] == 3 else ""
             out.append(f"  DeepSpeed setup: {job_name(self.job)} (DeepSpeed config: {deepspeed_config(self.job)}"
                        f"{sharded})")
         out += [f"  note:   {n}" for n in self.notes]
@@ -510,12 +509,12 @@ def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
 # (`job_setups`).  Last come ZeRO 3, AutoSP's sharded parameters (each rank holds 1/N of the parameters too;
 # each layer gathered inside the step, a DeepSpeed config with "stage": 3 under `autosp.deepspeed_initialize`,
 # Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py), then ZeRO 3 with the optimizer
-# offloaded (ALST's setup).  ZeRO 3 is priced for Ulysses programs without activation offload, so only those
+# offloaded (ALST's setup), both priced as DeepSpeed's engine steps the shards.  ZeRO 3 is priced for Ulysses programs without activation offload, so only those
 # plans are planned under it (`plans_for_job`).
 
 JOB_SETUPS = ({"zero_stage": 1, "offload": "none"}, {"zero_stage": 2, "offload": "none"},
-              {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 3, "offload": "none"},
-              {"zero_stage": 3, "offload": "optimizer"})
+              {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 3, "offload": "none", "engine": "deepspeed"},
+              {"zero_stage": 3, "offload": "optimizer", "engine": "deepspeed"})
 """The DeepSpeed setups `plan_job` tries, in order (Note [The DeepSpeed setup only as far as memory needs])."""
 
 

@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 DTYPES = ("bf16", "fp32")
 OPTIMIZERS = tuple(OPTIMIZER_STATES)
 OFFLOADS = ("none", "optimizer")
+ENGINES = ("torch", "deepspeed")
 COMPILERS = ("inductor", "aot_eager")
 DEPTHS = ("full", "extrapolated")
 PLAIN_TRAINING_LOOP = {"zero_stage": 0}
@@ -51,6 +52,12 @@ class TrainingSetup:
     dtype: str = "bf16"
     optimizer: str = "adamw"
     offload: str = "none"
+    engine: str | None = None
+    """What steps the optimizer over the shards of ``zero_stage`` 3: "torch" (a plain optimizer over
+    ``compiled.parameters()``) or "deepspeed" (`autosp.deepspeed_initialize` with ``"stage": 3``: DeepSpeed's ZeRO 0 over
+    each rank's shards alone, with its mixed-precision wrapper, or its ZeRO 2 with the optimizer offloaded; Note [ZeRO
+    3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py); None: "deepspeed" with optimizer offload, else
+    "torch".  Stages 0-2 are DeepSpeed's engine always."""
     compiler: str = "inductor"
     """The backend the graphs run under: Inductor frees each saved activation after its last backward use,
     ``aot_eager`` holds them to the end of backward (see Note [Tensor lifetimes in the export])."""
@@ -75,13 +82,20 @@ class TrainingSetup:
             if getattr(self, name) < 1:
                 raise AutoSPError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive number")
         choices = {"dtype": DTYPES, "optimizer": OPTIMIZERS, "offload": OFFLOADS, "compiler": COMPILERS,
-                   "depth": (*DEPTHS, None), "zero_stage": (0, 1, 2, 3)}
+                   "depth": (*DEPTHS, None), "zero_stage": (0, 1, 2, 3), "engine": (*ENGINES, None)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise AutoSPError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose one of {allowed}")
         if self.seq_len % self.sp_size:
             raise AutoSPError(f"--seq-len {self.seq_len} is not divisible by --sp-size {self.sp_size}; give a "
                               "multiple of the SP degree")
+        if self.engine is not None and self.zero_stage != 3:
+            raise AutoSPError(f"engine={self.engine!r} says what steps the shards of ZeRO 3; ZeRO {self.zero_stage} is "
+                              "DeepSpeed's engine: drop engine, or use zero_stage 3")
+        if self.engine == "torch" and self.offload != "none":
+            raise AutoSPError("optimizer offload under ZeRO 3 is DeepSpeed's (autosp.deepspeed_initialize with "
+                              "\"offload_optimizer\"); a plain torch optimizer steps the shards on the device: drop "
+                              "the offload, or use engine='deepspeed'")
         if self.offload != "none" and self.zero_stage == 0:
             raise AutoSPError(f"--offload {self.offload} with --zero-stage 0: DeepSpeed's offload_optimizer is a "
                               "ZeRO feature; use --zero-stage 1 or 2")
@@ -99,14 +113,15 @@ class TrainingSetup:
     def training_config(self, parameter_numels: tuple[int, ...]) -> TrainingConfig:
         """The ledger's configuration (ZeRO partitions over all ``world_size`` ranks: the sequence-data-parallel
         group)."""
-        if self.zero_stage == 3 and self.offload == "optimizer":
-            # AutoSP's shards under DeepSpeed's engine with the optimizer offloaded: ZeRO 2 over each rank alone, of
-            # its shards (Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py)
+        if self.zero_stage == 3 and (self.engine or ("deepspeed" if self.offload != "none" else "torch")) == "deepspeed":
+            # AutoSP's shards under DeepSpeed's engine: its ZeRO 0 over each rank alone, of its shards, or ZeRO 2 with
+            # the optimizer offloaded (Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py)
             shards = tuple(-(-n // self.world_size) for n in parameter_numels)
+            offload = self.offload == "optimizer"
             return TrainingConfig(parameter_numels=shards, optimizer=self.optimizer, precision=self.dtype,
-                                  zero_stage=2, dp_world_size=1, gradient_accumulation_steps=self.grad_accum,
-                                  micro_batch_size=self.micro_batch, nccl_communicators=2 if self.sp_size > 1 else 1,
-                                  offload_optimizer=True)
+                                  zero_stage=2 if offload else 0, dp_world_size=1,
+                                  gradient_accumulation_steps=self.grad_accum, micro_batch_size=self.micro_batch,
+                                  nccl_communicators=2 if self.sp_size > 1 else 1, offload_optimizer=offload)
         sharded = self.zero_stage == 3  # AutoSP's shard_parameters=True under a plain optimizer
         return TrainingConfig(parameter_numels=parameter_numels, optimizer=self.optimizer, precision=self.dtype,
                               zero_stage=0 if sharded else self.zero_stage, sharded_parameters=sharded,

@@ -15,6 +15,7 @@ gradients and parameters gathered from the shards.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -302,6 +303,9 @@ def _model():
     ({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": "auto"}, "sgd",
      {"zero_stage": 1, "offload": "none", "micro_batch": 2, "optimizer": "sgd"}),  # an unresolved "auto" is left out
     ({}, "lbfgs", {"zero_stage": 0, "offload": "none", "micro_batch": 2, "grad_accum": 1}),  # unknown: the default
+    ({"zero_optimization": ZERO3_AS_ALST}, "adamw",  # the shards stepped by DeepSpeed's engine
+     {"zero_stage": 3, "offload": "optimizer", "engine": "deepspeed", "micro_batch": 2, "grad_accum": 1,
+      "optimizer": "adamw"}),
 ])
 def test_deepspeed_config_is_what_the_planner_prices(entry, optimizer, expected):
     from autosp.integrations.deepspeed_engine import _planned_setup
@@ -310,6 +314,29 @@ def test_deepspeed_config_is_what_the_planner_prices(entry, optimizer, expected)
     torch_optimizer = {"adamw": lambda: torch.optim.AdamW(params), "sgd": lambda: torch.optim.SGD(params, lr=0.1),
                        "lbfgs": lambda: torch.optim.LBFGS(params), None: lambda: None}[optimizer]()
     assert _planned_setup(_config(**entry), torch_optimizer) == expected
+
+
+def test_deepspeed_zero_3_is_priced_as_the_engine_that_steps_the_shards():
+    """Note [ZeRO 3 through DeepSpeed]: under DeepSpeed's engine the shards are priced as its ZeRO 0 over each rank
+    (bf16: its mixed-precision wrapper and fp32 master copies), or its ZeRO 2 with the optimizer offloaded; under a
+    plain torch optimizer as the shards alone."""
+    from autosp.errors import AutoSPError
+    from autosp.plan import TrainingSetup
+
+    numels = (1000, 10, 333)
+    shards = (250, 3, 84)  # each padded to a multiple of the 4 ranks
+    setup = TrainingSetup(seq_len=64, sp_size=2, dp_size=2, zero_stage=3, dtype="bf16")
+    by_engine = {engine: dataclasses.replace(setup, engine=engine).training_config(numels)
+                 for engine in ("torch", "deepspeed")}
+    assert by_engine["torch"].wrapper == "torch, sharded" and by_engine["torch"].dp_world_size == 4
+    assert by_engine["deepspeed"].wrapper == "FP16_UnfusedOptimizer"  # DeepSpeed's ZeRO 0 with bf16
+    assert by_engine["deepspeed"].parameter_numels == shards and by_engine["deepspeed"].dp_world_size == 1
+    offloaded = TrainingSetup(seq_len=64, sp_size=2, dp_size=2, zero_stage=3, dtype="bf16", offload="optimizer")
+    assert offloaded.training_config(numels).wrapper == "DeepSpeedZeroOptimizer"  # ZeRO 2 over the rank
+    with pytest.raises(AutoSPError, match="optimizer offload under ZeRO 3 is DeepSpeed's"):
+        TrainingSetup(seq_len=64, zero_stage=3, offload="optimizer", engine="torch").check()
+    with pytest.raises(AutoSPError, match="engine='deepspeed' says what steps the shards of ZeRO 3"):
+        TrainingSetup(seq_len=64, zero_stage=2, engine="deepspeed").check()
 
 
 def test_deepspeed_zero_stage_that_does_not_exist_is_refused_naming_the_stages():
