@@ -55,9 +55,9 @@ class TrainingSetup:
     engine: str | None = None
     """What steps the optimizer over the shards of ``zero_stage`` 3: "torch" (a plain optimizer over
     ``compiled.parameters()``) or "deepspeed" (`autosp.deepspeed_initialize` with ``"stage": 3``: DeepSpeed's ZeRO 0 over
-    each rank's shards alone, with its mixed-precision wrapper, or its ZeRO 2 with the optimizer offloaded; Note [ZeRO
-    3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py); None: "deepspeed" with optimizer offload, else
-    "torch".  Stages 0-2 are DeepSpeed's engine always."""
+    each rank's shards alone in fp32, its ZeRO 2 over them in bf16 (fp32 master copies) or with the optimizer
+    offloaded; Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py); None: "deepspeed" with
+    optimizer offload, else "torch".  Stages 0-2 are DeepSpeed's engine always."""
     compiler: str = "inductor"
     """The backend the graphs run under: Inductor frees each saved activation after its last backward use,
     ``aot_eager`` holds them to the end of backward (see Note [Tensor lifetimes in the export])."""
@@ -119,7 +119,7 @@ class TrainingSetup:
             shards = tuple(-(-n // self.world_size) for n in parameter_numels)
             offload = self.offload == "optimizer"
             return TrainingConfig(parameter_numels=shards, optimizer=self.optimizer, precision=self.dtype,
-                                  zero_stage=2 if offload else 0, dp_world_size=1,
+                                  zero_stage=2 if offload or self.dtype != "fp32" else 0, dp_world_size=1,
                                   gradient_accumulation_steps=self.grad_accum, micro_batch_size=self.micro_batch,
                                   nccl_communicators=2 if self.sp_size > 1 else 1, offload_optimizer=offload)
         sharded = self.zero_stage == 3  # AutoSP's shard_parameters=True under a plain optimizer

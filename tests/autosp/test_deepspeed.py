@@ -282,6 +282,70 @@ def test_deepspeed_zero_0_to_3_sequence_times_data_parallel_match_single_device(
     _check_data(results, 2)
 
 
+def _bf16_updates_on_rank(rank, world):
+    """Under bf16 (Note [ZeRO 3 through DeepSpeed]): DeepSpeed's ZeRO 0 wrapper as released, and each update of
+    ZeRO 3 through AutoSP (with and without optimizer offload) against AdamW stepped by hand on the engine's own fp32
+    master weights and gradients."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    import autosp
+    from experiments.models import build_model, vocab_size
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    adamw = {"lr": 1e-3, "weight_decay": 0.01}
+    out = {}
+    # The fault as released (first in the process: no AutoSP mpu recorded yet): built, the wrapper has stepped.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    deepspeed.init_distributed(dist_backend="gloo")
+    plain, *_ = deepspeed.initialize(model=linear, optimizer=torch.optim.AdamW(linear.parameters(), **adamw), config={
+        "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9})
+    out["plain"] = (type(plain.optimizer).__name__, [float(s["step"]) for s in plain.optimizer.optimizer.state.values()])
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = build_model("hf-llama").to(torch.bfloat16)
+        zero = {"stage": 3, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+        config = {**_ds_config(zero_stage=3, sp_size=2, clip=CLIP, zero=zero), "bf16": {"enabled": True}}
+        engine, *_ = autosp.deepspeed_initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw),
+                                                 config=config)
+        shards = engine.module.parameter_shards
+        by_hand = [safe_get_full_fp32_param(p).clone() for p in shards]
+        reference = torch.optim.AdamW(by_hand, **adamw)
+        worst, rounded = 0.0, True
+        for step in range(STEPS):
+            ids, labels = make_sample(SEQ_LEN, vocab_size(model), seed=step)
+            engine.backward(loss_of(engine(**autosp.prepare_inputs(ids, labels=labels))))
+            grads = [safe_get_full_grad(p).float().clone() for p in shards]  # clipped by the step, as DeepSpeed does
+            norm = torch.stack([g.pow(2).sum() for g in grads]).sum()
+            torch.distributed.all_reduce(norm)
+            scale = min(1.0, CLIP / (float(norm.sqrt()) + 1e-6))
+            engine.step()
+            for master, grad in zip(by_hand, grads, strict=True):
+                master.grad = grad * scale
+            reference.step()
+            for p, master in zip(shards, by_hand, strict=True):
+                worst = max(worst, float((safe_get_full_fp32_param(p) - master).abs().max()))
+                rounded &= torch.equal(p.detach(), safe_get_full_fp32_param(p).to(torch.bfloat16))
+        out[offload] = {"worst": worst, "rounded": rounded, "wrapper": type(engine.optimizer).__name__}
+    return out
+
+
+def test_deepspeed_zero_3_in_bf16_steps_adamw_exactly_on_its_fp32_masters():
+    results = run_on_ranks(_bf16_updates_on_rank, 2, timeout_s=400)
+    for rank, r in enumerate(results):
+        # DeepSpeed 0.19.8's ZeRO 0 wrapper for bf16 took an optimizer step when it was built (Note [ZeRO 3 through
+        # DeepSpeed]): Adam's step count is 1 before training.  Should DeepSpeed fix it, the Note and the engine
+        # choice can be revisited.
+        assert r["plain"] == ("FP16_UnfusedOptimizer", [1.0, 1.0]), r["plain"]
+        for offload in (False, True):
+            got = r[offload]
+            assert got["wrapper"] == "DeepSpeedZeroOptimizer", (rank, offload, got)
+            # fp32 masters equal AdamW by hand to rounding (the fault above moves them by about 3e-4)
+            assert got["worst"] <= 1e-7 and got["rounded"], (rank, offload, got)
+
+
 # --- errors and the sampler: no training, no ranks ---------------------------------------------------
 
 
@@ -318,8 +382,8 @@ def test_deepspeed_config_is_what_the_planner_prices(entry, optimizer, expected)
 
 def test_deepspeed_zero_3_is_priced_as_the_engine_that_steps_the_shards():
     """Note [ZeRO 3 through DeepSpeed]: under DeepSpeed's engine the shards are priced as its ZeRO 0 over each rank
-    (bf16: its mixed-precision wrapper and fp32 master copies), or its ZeRO 2 with the optimizer offloaded; under a
-    plain torch optimizer as the shards alone."""
+    in fp32, its ZeRO 2 over them in bf16 (fp32 master copies) or with the optimizer offloaded; under a plain torch
+    optimizer as the shards alone."""
     from autosp.errors import AutoSPError
     from autosp.plan import TrainingSetup
 
@@ -329,7 +393,8 @@ def test_deepspeed_zero_3_is_priced_as_the_engine_that_steps_the_shards():
     by_engine = {engine: dataclasses.replace(setup, engine=engine).training_config(numels)
                  for engine in ("torch", "deepspeed")}
     assert by_engine["torch"].wrapper == "torch, sharded" and by_engine["torch"].dp_world_size == 4
-    assert by_engine["deepspeed"].wrapper == "FP16_UnfusedOptimizer"  # DeepSpeed's ZeRO 0 with bf16
+    assert by_engine["deepspeed"].wrapper == "DeepSpeedZeroOptimizer"  # its ZeRO 2 over the rank with bf16
+    assert dataclasses.replace(setup, engine="deepspeed", dtype="fp32").training_config(numels).wrapper == "torch"
     assert by_engine["deepspeed"].parameter_numels == shards and by_engine["deepspeed"].dp_world_size == 1
     offloaded = TrainingSetup(seq_len=64, sp_size=2, dp_size=2, zero_stage=3, dtype="bf16", offload="optimizer")
     assert offloaded.training_config(numels).wrapper == "DeepSpeedZeroOptimizer"  # ZeRO 2 over the rank
@@ -354,6 +419,8 @@ def test_deepspeed_zero_3_engine_config_keeps_the_optimizer_offload_and_refuses_
     assert engine["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}  # hook options dropped
     assert "sequence_parallel_size" not in engine  # the compiled program is the SP program; DeepSpeed adds none
     assert _engine_config_for_shards(_config(zero_optimization={"stage": 3}))["zero_optimization"] == {"stage": 0}
+    low = _engine_config_for_shards(_config(zero_optimization={"stage": 3}, bf16={"enabled": True}))
+    assert low["zero_optimization"] == {"stage": 2}  # not ZeRO 0's low-precision wrapper (the Note)
     with pytest.raises(AutoSPError, match="offload_param.*gathered inside the compiled program"):
         _engine_config_for_shards(_config(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}}))
 
