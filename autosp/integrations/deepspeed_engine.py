@@ -418,6 +418,11 @@ def deepspeed_initialize(
     ds_config = _load_config(config)
     size = _sp_size(ds_config, sp_size)
     sharded = _zero_stage(ds_config) == 3
+    if _zero_stage(ds_config) == 0 and any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")):
+        log.warning("ZeRO stage 0 in bf16/fp16: DeepSpeed's wrapper for it (FP16_UnfusedOptimizer) steps the "
+                    "optimizer once with zero gradients when it is built, so AdamW decays every weight once and "
+                    "Adam's bias correction runs a step ahead (Note [ZeRO 3 through DeepSpeed]); ZeRO 1 or 2 step "
+                    "exactly")
     _check_optimizer_entry(ds_config, optimizer)
     _take_compile_section(ds_config)
     options = dict(ds_config.pop(AUTOSP_SECTION, None) or {})
