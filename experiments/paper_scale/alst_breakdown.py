@@ -151,12 +151,13 @@ AUTOSP_ROWS: tuple[BreakdownRow, ...] = (
                  tiled_loss=True, tiled_mlp=True, offload=True, chunks="autosp", overlap=True),
 )
 """AutoSP's techniques added in turn on ALST's machine and ZeRO setting (ZeRO 3, optimizer offload): Ulysses SP 8
-with overlapped all-to-alls and AutoSP's own chunk sizes. AutoSP does not compose with ZeRO 3 today (DeepSpeed's
-AutoSP backend refuses it): these rows price the AutoSP program under ALST's ZeRO setting, so that only the
-techniques differ; `autosp_zero2_row` is what AutoSP runs today."""
+with overlapped all-to-alls and AutoSP's own chunk sizes. These rows price the AutoSP program under ALST's ZeRO
+setting as DeepSpeed's ZeRO 3 hooks run it (prefetch one module ahead), so that only the techniques differ; AutoSP's
+own ZeRO 3 (its shards gathered at their use inside the compiled step, Note [ZeRO 3 through DeepSpeed] in
+autosp/integrations/deepspeed_engine.py) is what the planner row prices; `autosp_zero2_row` is ZeRO 2."""
 
 
 def autosp_zero2_row() -> BreakdownRow:
-    """Every AutoSP technique under ZeRO 2 with optimizer offload, the configuration AutoSP composes with today."""
+    """Every AutoSP technique under ZeRO 2 with optimizer offload."""
     return replace(AUTOSP_ROWS[3], name="all, ZeRO 2 + optimizer offload", zero_stage=2)
 
