@@ -23,6 +23,7 @@ from autosp.plan.traces import (
     TraceReuse,
     checkpointing_variant,
     partitioned_steps,
+    sharded_training_step,
     trace_step,
 )
 from simulator.cluster import Cluster
@@ -237,8 +238,11 @@ def _unrolled_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, 
         backward, gradients = unroll_depth(traced.backward, traced_layers=UNROLL_LAYERS, layers=model_layers,
                                            gradients=traced.gradients, static_memory=static,
                                            name=f"{source.spec}/L={model_layers}/S={seq_len}")
-        step = add_training_step(backward, gradients, config, group="dp",
-                                 group_instances=[list(range(setup.world_size))])
+        if setup.zero_stage == 3:  # gathered and reduce-scattered in the program (`zero3_workload`)
+            step = sharded_training_step(backward, config)
+        else:
+            step = add_training_step(backward, gradients, config, group="dp",
+                                     group_instances=[list(range(setup.world_size))])
         values[pattern] = _simulated(Traced(layers=model_layers, backward=backward, step=step), setup, cluster,
                                      reuse)
     mixed = [sum((share if p == SOME else 1 - share if len(values) > 1 else 1) * v[i] for p, v in values.items())
@@ -260,9 +264,10 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
         raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
     shallow = setup.depth == "extrapolated" and model_layers > 3  # 1 + 2 traced layers: no fewer than the model's
-    if setup.zero_stage == 3 and (options or {}).get(OFFLOAD_OPTION) == "on":
-        raise AutoSPError("activation offload is not priced with ZeRO 3 (shard_parameters=True) yet: its unrolled "
-                          "trace carries no module map for the parameter gathers")
+    if shallow and setup.zero_stage == 3 and (options or {}).get(OFFLOAD_OPTION) == "on":
+        raise AutoSPError("activation offload under ZeRO 3 is priced at full depth only (--depth full): the unrolled "
+                          "trace has no layer template for the parameter gathers (Note [Unrolling a traced workload "
+                          "to the model's depth] in simulator/depth_unroll.py)")
     if shallow and (options or {}).get(OFFLOAD_OPTION) == "on":
         # Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py: activation offload is
         # unrolled, not extrapolated (a model no deeper than the unrolled trace is traced whole)

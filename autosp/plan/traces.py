@@ -330,6 +330,16 @@ def partitioned_steps(source: ModelSource, setup: TrainingSetup, report, facts: 
     return found
 
 
+def sharded_training_step(backward: Workload, config: TrainingConfig) -> Workload:
+    """The optimizer step after a ZeRO-3 backward (`zero3_workload`: every gradient reduce-scattered in it, none
+    left to reduce): over the ``dp_reduce`` group of all ranks, or, under DeepSpeed's engine, over each rank alone
+    (``config.dp_world_size`` 1: Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py)."""
+    if config.dp_world_size == 1 and backward.world_size > 1:
+        return add_training_step(backward, [], config, group="optimizer_rank",
+                                 group_instances=[[r] for r in range(backward.world_size)])
+    return add_training_step(backward, [], config, group="dp_reduce")
+
+
 def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts: TraceFacts,
                 config: TrainingConfig, layers: int | None, seq_len: int, dtype) -> Traced:
     """Export one traced program (forward and backward ``graphs``) and build its whole training step."""
@@ -355,12 +365,7 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts:
                                       prefetch=False)  # the compiled program gathers each weight at its use
         except ValueError as err:
             raise AutoSPError(f"ZeRO 3 (shard_parameters=True) is priced for Ulysses programs only: {err}") from None
-        if step_config.dp_world_size == 1:  # under DeepSpeed's engine with optimizer offload: each rank alone
-            step = add_training_step(backward, [], step_config, group="optimizer_rank",
-                                     group_instances=[[r] for r in range(world)])
-        else:
-            step = add_training_step(backward, [], step_config, group="dp_reduce")
-        return Traced(layers=depth, backward=backward, step=step)
+        return Traced(layers=depth, backward=backward, step=sharded_training_step(backward, step_config))
     names = [n for m in modules for n in m.gradients]
     released = dataclasses.replace(exported, ranks={r: release_gradients(p, names) for r, p in exported.ranks.items()})
     backward = data_parallel_replicas(released, setup.dp_size)  # a ring program: one program per rank
