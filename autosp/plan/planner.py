@@ -509,12 +509,8 @@ def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
 # (`job_setups`).  Last come ZeRO 3, AutoSP's sharded parameters (each rank holds 1/N of the parameters too;
 # each layer gathered inside the step, a DeepSpeed config with "stage": 3 under `autosp.deepspeed_initialize`,
 # Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py), then ZeRO 3 with the optimizer
-# offloaded (ALST's setup), both priced as DeepSpeed's engine steps the shards.  ZeRO 3 is priced for Ulysses
-# programs without activation offload, so only those plans are planned under it (`plans_for_job`).
-# Objective longest asks how far memory can reach, so the setups are tried the other way round, the leanest
-# (the last) first: the first with a plan reaches furthest on the device (host memory, which offload fills, can
-# bind instead; the setups before it are tried then).  A setup before it may train as long, faster: objective
-# fastest at the length found says which.
+# offloaded (ALST's setup), both priced as DeepSpeed's engine steps the shards.  ZeRO 3 is priced for Ulysses programs without activation offload, so only those
+# plans are planned under it (`plans_for_job`).
 
 JOB_SETUPS = ({"zero_stage": 1, "offload": "none"}, {"zero_stage": 2, "offload": "none"},
               {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 3, "offload": "none", "engine": "deepspeed"},
@@ -565,8 +561,7 @@ def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mappi
     """`plan_memory` (``planning``: its keyword arguments) under the first setup of `job_setups` (``setup`` with
     each DeepSpeed setup laid over it, ``fixed`` kept) with which a plan is chosen, or under the last when none
     is: the plan and the DeepSpeed setup the job needs (Note [The DeepSpeed setup only as far as memory
-    needs]); the report's ``job`` names it and its notes the setups tried before.  Objective longest tries the
-    setups leanest first."""
+    needs]); the report's ``job`` names it and its notes the setups tried before."""
     jobs = job_setups(setup, fixed)
     if not jobs:
         raise AutoSPError(f"no DeepSpeed setup of {JOB_SETUPS} with {dict(fixed or {})} can train this setup")
@@ -579,30 +574,25 @@ def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mappi
     tried, without, least = [], [], None
     given = planning.pop("plans", None)
     jobs = [job for job in jobs if plans_for_job(given, job) != ()]  # a setup with no plan priced under it
-    longest = planning.get("objective") == "longest"
-    order = jobs[::-1] if longest else jobs  # the leanest setup reaches furthest (see the Note)
-    for job in order:
+    for job in jobs:
         held = states(job)
-        if not longest and least is not None and held >= least and job is not jobs[-1]:
+        if least is not None and held >= least and job is not jobs[-1]:
             tried.append(f"{job_name(job)}: not planned, its ledger holds no less than one without a plan")
             without.append(job)
             continue
         report = plan_memory(model, dataclasses.replace(setup, **job), cluster, plans=plans_for_job(given, job),
                              **planning)
-        if report.chosen is not None or job is order[-1]:
+        if report.chosen is not None or job is jobs[-1]:
             break
         least = held if least is None else min(least, held)
         tried.append(f"{job_name(job)}: {report.reason}")
         without.append(job)
         log.info("memory plan under %s: %s", job_name(job), report.reason)
     names = ", ".join(job_name(j) for j in jobs)
-    first = ("the leanest of {names} under which a plan is chosen (objective longest; a setup before it may train "
-             "as long, faster: ask objective fastest at that length)" if longest else
-             "the first of {names} under which a plan is chosen").format(names=names)
     note = (f"DeepSpeed setup {job_name(job)}: "
-            + (first if report.chosen is not None else f"the {'first' if longest else 'last'} of {names}, no plan "
-               "under any") + " (Note [The DeepSpeed setup only as far as memory needs] in autosp/plan/planner.py)"
-            + (f"; {'; '.join(tried)}" if tried else ""))
+            + (f"the first of {names} under which a plan is chosen" if report.chosen is not None else
+               f"the last of {names}, no plan under any") + " (Note [The DeepSpeed setup only as far as memory "
+            "needs] in autosp/plan/planner.py)" + (f"; {'; '.join(tried)}" if tried else ""))
     return dataclasses.replace(report, job=job, notes=(*report.notes, note),
                                jobs_without_plan=tuple(without))
 
