@@ -94,8 +94,8 @@ def check_plannable(module: torch.nn.Module, config: AutoSPConfig) -> None:
         raise AutoSPError(f"shard_parameters=True is priced as ZeRO 3, and plan_setup says zero_stage={stage}: drop "
                           "one (AutoSP's sharded parameters are ZeRO 3, under DeepSpeed or alone)")
     if stage == 3 and not config.shard_parameters:
-        raise AutoSPError("plan_setup zero_stage=3 prices AutoSP's own sharded parameters: pass shard_parameters=True "
-                          "too (autosp.deepspeed_initialize does for a config with \"stage\": 3)")
+        raise AutoSPError("plan_setup zero_stage=3 prices ZeRO 3 as AutoSP's own sharded parameters: pass "
+                          "shard_parameters=True too (autosp.deepspeed_initialize does for a config with \"stage\": 3)")
     if config.shard_parameters and config.strategy != "ulysses":
         raise AutoSPError(f"{planning} prices shard_parameters=True (ZeRO 3) for strategy='ulysses' only: pass the "
                           "strategy and memory options yourself (memory_plan='off')")
