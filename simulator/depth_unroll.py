@@ -63,6 +63,9 @@ _UNITS = (FORWARD, BACKWARD)
 _SOURCE = 1
 """The position of the units that are replicated (Note [Unrolling a traced workload to the model's depth])."""
 _COUNTER = re.compile(r"_\d+$")
+_LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+"""A module index inside an op's name (``forward.all_gather.model.layers.3``: the ZeRO-3 rewrite names its
+gathers by module), which corresponding units differ in."""
 
 
 def _refuse(why: str):
@@ -103,7 +106,7 @@ def _signature(op: Op, program: RankProgram, counts: bool = True) -> tuple:
     """What two ops of corresponding units must share (everything but ids, names' counters and keys; ``counts``:
     also how many deps and frees)."""
     c = op.collective
-    return (_COUNTER.sub("", op.name), op.kind, op.op_class, op.phase, op.flops, op.bytes_read, op.bytes_written,
+    return (_LAYER_INDEX.sub(".#", _COUNTER.sub("", op.name)), op.kind, op.op_class, op.phase, op.flops, op.bytes_read, op.bytes_written,
             op.attention_scores, None if c is None else (c.kind, c.group, c.message_bytes, c.peer),
             tuple((program.tensors[t], t in program.host_tensors) for t in op.allocates),
             (len(op.frees), len(op.deps)) if counts else None)

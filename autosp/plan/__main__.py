@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=_zero_stage, default=None, choices=(0, 1, 2, 3, "auto"),
                    help="DeepSpeed ZeRO stage 0-2, or 3: AutoSP's own sharded parameters (autosp.compile(..., "
                         "shard_parameters=True), or \"stage\": 3 under autosp.deepspeed_initialize, where --offload "
-                        "optimizer offloads its optimizer; Ulysses, no activation offload); auto (with the "
+                        "optimizer offloads its optimizer; Ulysses); auto (with the "
                         "memory plan): the planner chooses ZeRO 1, 2, 2 with optimizer offload, 3 or 3 with "
                         "optimizer offload, the first under which a plan fits, keeping --offload if given (default: "
                         f"{lib['zero_stage']}, what a compiled model's own plan assumes of a plain training loop)")

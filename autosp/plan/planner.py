@@ -509,8 +509,8 @@ def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
 # (`job_setups`).  Last come ZeRO 3, AutoSP's sharded parameters (each rank holds 1/N of the parameters too;
 # each layer gathered inside the step, a DeepSpeed config with "stage": 3 under `autosp.deepspeed_initialize`,
 # Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py), then ZeRO 3 with the optimizer
-# offloaded (ALST's setup), both priced as DeepSpeed's engine steps the shards.  ZeRO 3 is priced for Ulysses programs without activation offload, so only those
-# plans are planned under it (`plans_for_job`).
+# offloaded (ALST's setup), both priced as DeepSpeed's engine steps the shards.  ZeRO 3 is priced for Ulysses
+# programs, so only those plans are planned under it (`plans_for_job`).
 
 JOB_SETUPS = ({"zero_stage": 1, "offload": "none"}, {"zero_stage": 2, "offload": "none"},
               {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 3, "offload": "none", "engine": "deepspeed"},
@@ -548,12 +548,11 @@ def job_setups(setup: TrainingSetup, fixed: Mapping | None = None) -> list[dict]
 
 def plans_for_job(plans: Sequence[MemoryPlan] | None, job: Mapping) -> tuple[MemoryPlan, ...] | None:
     """The plans of ``plans`` priced under the DeepSpeed setup ``job``: under ZeRO 3 (AutoSP's sharded parameters)
-    the Ulysses plans without activation offload (Note [The DeepSpeed setup only as far as memory needs]); None
+    the Ulysses plans (Note [The DeepSpeed setup only as far as memory needs]); None
     (`plan_memory`'s default candidates) stays None."""
     if plans is None or job["zero_stage"] != 3:
         return None if plans is None else tuple(plans)
-    return tuple(p for p in plans if p.options.get("strategy", "ulysses") == "ulysses"
-                 and p.options.get(OFFLOAD_OPTION, "off") != "on")
+    return tuple(p for p in plans if p.options.get("strategy", "ulysses") == "ulysses")
 
 
 def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mapping | None = None,

@@ -264,10 +264,6 @@ def simulate_step(source: ModelSource, setup: TrainingSetup, cluster: Cluster, c
         raise AutoSPError(f"the cluster has {cluster.world_size} devices but SP {setup.sp_size} x DP "
                           f"{setup.dp_size} needs {setup.world_size}; give a bigger cluster or fewer ranks")
     shallow = setup.depth == "extrapolated" and model_layers > 3  # 1 + 2 traced layers: no fewer than the model's
-    if shallow and setup.zero_stage == 3 and (options or {}).get(OFFLOAD_OPTION) == "on":
-        raise AutoSPError("activation offload under ZeRO 3 is priced at full depth only (--depth full): the unrolled "
-                          "trace has no layer template for the parameter gathers (Note [Unrolling a traced workload "
-                          "to the model's depth] in simulator/depth_unroll.py)")
     if shallow and (options or {}).get(OFFLOAD_OPTION) == "on":
         # Note [Shallow traces checkpointed for the full depth] in autosp/plan/depth.py: activation offload is
         # unrolled, not extrapolated (a model no deeper than the unrolled trace is traced whole)

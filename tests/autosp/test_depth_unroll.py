@@ -16,7 +16,6 @@ import warnings
 
 import pytest
 
-from autosp.errors import AutoSPError
 from autosp.plan import TrainingSetup, load_cluster
 from autosp.plan.model_source import ModelSource
 from autosp.plan.step import _simulated, simulate_step
@@ -163,22 +162,26 @@ def test_sac_tagged_as_the_full_model_unrolls_to_the_traced_full_depth(tmp_path)
 
 
 
+
 @pytest.mark.parametrize("zero3", [{"zero_stage": 3}, {"zero_stage": 3, "engine": "deepspeed", "offload": "optimizer"}],
                          ids=["shards", "deepspeed-offload"])
-def test_activation_offload_under_zero_3_is_priced_at_full_depth(tmp_path_factory, zero3):
-    """ZeRO 3 (each layer's parameters gathered at their use, gradients reduce-scattered in the program) with
-    activation offload, under a plain optimizer and under DeepSpeed's engine with the optimizer offloaded: at full
-    depth the activations move to host memory (less on the device than without offload, the same step's ops
-    otherwise); extrapolated, it is refused naming --depth full (the unroller has no template for the gathers)."""
+def test_activation_offload_under_zero_3_unrolls_to_the_traced_full_depth(tmp_path_factory, zero3):
+    """ZeRO 3 (each layer's parameters gathered at their use, gradients reduce-scattered in the program: ops named
+    by their module, ``model.layers.K``) with activation offload, under a plain optimizer and under DeepSpeed's
+    engine with the optimizer offloaded: unrolled from six layers, the same step time and device and host
+    activations as the eight-layer trace simulated, and less on the device than without offload."""
     source = ModelSource(_model(tmp_path_factory.mktemp("zero3"), LLAMA))
-    setup = dataclasses.replace(SETUP, **zero3, depth="full")
+    setup = dataclasses.replace(SETUP, **zero3)
     training = setup.training_config(source.parameter_numels(source.config(seq_len=setup.seq_len)))
+    options = {"activation_offload": "on", "checkpointing": "none"}
+    full = trace_step(source, setup, seq_len=setup.seq_len, layers=None, config=training, options=options)
     cluster = load_cluster("h100-sxm", world_size=setup.world_size)
-    found = {offload: simulate_step(source, setup, cluster, training, LAYERS, setup.seq_len,
-                                    {"activation_offload": offload, "checkpointing": "none"})
-             for offload in ("off", "on")}
-    assert found["on"].host_dynamic_memory_bytes > 0 == found["off"].host_dynamic_memory_bytes
-    assert found["on"].dynamic_memory_bytes < found["off"].dynamic_memory_bytes
-    with pytest.raises(AutoSPError, match="priced at full depth only"):
-        simulate_step(source, dataclasses.replace(setup, depth="extrapolated"), cluster, training, LAYERS,
-                      setup.seq_len, {"activation_offload": "on", "checkpointing": "none"})
+    fast = simulate_step(source, dataclasses.replace(setup, depth="extrapolated"), cluster, training, LAYERS,
+                         setup.seq_len, options)
+    step_s, _, dynamic, _, host = _simulated(full, setup, cluster, None)
+    assert fast.unrolled_from == UNROLL_LAYERS
+    assert (fast.step_time_s, fast.dynamic_memory_bytes, fast.host_dynamic_memory_bytes) == (step_s, dynamic, host)
+    assert host > 0
+    kept = simulate_step(source, dataclasses.replace(setup, depth="full"), cluster, training, LAYERS, setup.seq_len,
+                         {**options, "activation_offload": "off"})
+    assert dynamic < kept.dynamic_memory_bytes
