@@ -510,7 +510,9 @@ def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
 # each layer gathered inside the step, a DeepSpeed config with "stage": 3 under `autosp.deepspeed_initialize`,
 # Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py), then ZeRO 3 with the optimizer
 # offloaded (ALST's setup), both priced as DeepSpeed's engine steps the shards.  ZeRO 3 is priced for Ulysses
-# programs, so only those plans are planned under it (`plans_for_job`).
+# programs, so only those plans are planned under it (`plans_for_job`).  Under objective longest a setup counts as
+# having a plan when its plan reaches the length asked; one that stops short is passed over for the next (leaner)
+# setup, and where none reaches it the one that reaches furthest is the job's.
 
 JOB_SETUPS = ({"zero_stage": 1, "offload": "none"}, {"zero_stage": 2, "offload": "none"},
               {"zero_stage": 2, "offload": "optimizer"}, {"zero_stage": 3, "offload": "none", "engine": "deepspeed"},
@@ -558,7 +560,8 @@ def plans_for_job(plans: Sequence[MemoryPlan] | None, job: Mapping) -> tuple[Mem
 def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mapping | None = None,
              **planning) -> PlanReport:
     """`plan_memory` (``planning``: its keyword arguments) under the first setup of `job_setups` (``setup`` with
-    each DeepSpeed setup laid over it, ``fixed`` kept) with which a plan is chosen, or under the last when none
+    each DeepSpeed setup laid over it, ``fixed`` kept) with which a plan is chosen (objective longest: a plan that
+    reaches ``setup.seq_len``; where none does, the setup that reaches furthest), or under the last when none
     is: the plan and the DeepSpeed setup the job needs (Note [The DeepSpeed setup only as far as memory
     needs]); the report's ``job`` names it and its notes the setups tried before."""
     jobs = job_setups(setup, fixed)
@@ -573,6 +576,9 @@ def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mappi
     tried, without, least = [], [], None
     given = planning.pop("plans", None)
     jobs = [job for job in jobs if plans_for_job(given, job) != ()]  # a setup with no plan priced under it
+    longest = planning.get("objective") == "longest"
+    short: list[tuple[int, Mapping, PlanReport]] = []  # objective longest: setups whose plans stop short
+    chosen = None
     for job in jobs:
         held = states(job)
         if least is not None and held >= least and job is not jobs[-1]:
@@ -581,19 +587,32 @@ def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mappi
             continue
         report = plan_memory(model, dataclasses.replace(setup, **job), cluster, plans=plans_for_job(given, job),
                              **planning)
-        if report.chosen is not None or job is jobs[-1]:
+        reach = report.candidates[report.chosen].max_seq_len or 0 if longest and report.chosen is not None else None
+        if report.chosen is not None and (reach is None or reach >= setup.seq_len):
+            chosen = (job, report)
             break
-        least = held if least is None else min(least, held)
-        tried.append(f"{job_name(job)}: {report.reason}")
+        if report.chosen is not None:  # a plan, short of the length asked: a leaner setup may reach further
+            short.append((reach, job, report))
+            tried.append(f"{job_name(job)}: reaches {reach:,} tokens, short of the {setup.seq_len:,} asked")
+        else:
+            least = held if least is None else min(least, held)
+            tried.append(f"{job_name(job)}: {report.reason}")
         without.append(job)
-        log.info("memory plan under %s: %s", job_name(job), report.reason)
+        log.info("memory plan under %s: %s", job_name(job), tried[-1])
     names = ", ".join(job_name(j) for j in jobs)
-    note = (f"DeepSpeed setup {job_name(job)}: "
-            + (f"the first of {names} under which a plan is chosen" if report.chosen is not None else
-               f"the last of {names}, no plan under any") + " (Note [The DeepSpeed setup only as far as memory "
-            "needs] in autosp/plan/planner.py)" + (f"; {'; '.join(tried)}" if tried else ""))
-    return dataclasses.replace(report, job=job, notes=(*report.notes, note),
-                               jobs_without_plan=tuple(without))
+    if chosen is not None:
+        why = f"the first of {names} under which a plan is chosen"
+    elif short:  # none reaches the length asked: the one that reaches furthest
+        reach, *chosen = max(short, key=lambda found: found[0])
+        without.remove(chosen[0])
+        why = f"of {names}, the one that reaches furthest ({reach:,} tokens; none reaches the {setup.seq_len:,} asked)"
+    else:
+        chosen, why = (without.pop(), report), f"the last of {names}, no plan under any"
+    job, report = chosen
+    before = [t for t in tried if not t.startswith(f"{job_name(job)}:")]  # the setups passed over
+    note = (f"DeepSpeed setup {job_name(job)}: {why} (Note [The DeepSpeed setup only as far as memory needs] in "
+            "autosp/plan/planner.py)" + (f"; {'; '.join(before)}" if before else ""))
+    return dataclasses.replace(report, job=job, notes=(*report.notes, note), jobs_without_plan=tuple(without))
 
 
 def choose_options(model: str, sp_size: int, seq_len: int, target_memory: int | None = None, *,

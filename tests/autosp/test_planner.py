@@ -169,6 +169,13 @@ def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model,
     nothing = plan_job(model, setup, cluster, target_memory=peaks[4] - 1, plans=plans)
     assert nothing.chosen is None and nothing.job == JOB_SETUPS[4] and nothing.jobs_without_plan == JOB_SETUPS[:4]
     assert "no plan under any" in nothing.notes[-1]
+    # Objective longest: a setup whose plans stop short of the length asked is passed over for a leaner one
+    grid = dict(max_length_high=2 * setup.seq_len, granularity=setup.seq_len // 4, max_probes=3)
+    furthest = plan_job(model, setup, cluster, objective="longest", target_memory=peaks[3], plans=plans, **grid)
+    assert furthest.job == JOB_SETUPS[3] and furthest.jobs_without_plan == JOB_SETUPS[:3], furthest.notes[-1]
+    assert furthest.candidates[furthest.chosen].max_seq_len >= setup.seq_len
+    assert "ZeRO 2 with optimizer offload: reaches " in furthest.notes[-1]  # a plan, shorter: passed over
+    assert f"short of the {setup.seq_len:,} asked" in furthest.notes[-1]
     # ZeRO 2 holds what ZeRO 1 holds at one micro-step per optimizer step: not planned once ZeRO 1 has no plan
     assert "ZeRO 2: not planned, its ledger holds no less than one without a plan" in nothing.notes[-1]
     assert deepspeed_config(JOB_SETUPS[2]) == {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
