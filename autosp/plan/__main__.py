@@ -450,7 +450,7 @@ def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Reso
                           f"{strategy}: give --strategy ulysses, or a ZeRO stage 0-2 (--zero-stage auto chooses one)")
     setup = TrainingSetup(seq_len=args.seq_len, sp_size=ranks.sp_size, dp_size=ranks.dp_size, zero_stage=zero,
                           micro_batch=args.micro_batch, grad_accum=args.grad_accum, depth=args.depth, **fields)
-    # under --zero-stage auto each setup the planner tries is checked (autosp.plan.planner.job_setups); ZeRO 2
+    # under --zero-stage auto each setup the planner tries is checked (autosp.plan.deepspeed_setups.job_setups); ZeRO 2
     # takes all of them here
     (dataclasses.replace(setup, zero_stage=2) if zero_auto else setup).check()
     plain = "as autosp.compile assumes of a plain training loop"

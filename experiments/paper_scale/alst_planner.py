@@ -54,7 +54,7 @@ sharded parameters) chosen by the planner as well (`autosp.plan.plan_job`)."""
 
 def _tried(report) -> str:
     """", with no plan under ZeRO 1 and ZeRO 2" when `plan_job` passed over setups before the one it chose."""
-    from autosp.plan.planner import job_name
+    from autosp.plan.deepspeed_setups import job_name
 
     before = [job_name(j) for j in report.jobs_without_plan]
     return f", with no plan under {' and '.join(before)}" if before else ""
@@ -80,7 +80,7 @@ def planner_row(*, model: PaperModel, cluster: str = CLUSTER, search: Search | N
     import tempfile
 
     from autosp.plan import TrainingSetup, load_cluster, plan_job, plan_memory
-    from autosp.plan.planner import job_name
+    from autosp.plan.deepspeed_setups import job_name
     from autosp.plan.setup import DECIDING_DEPTH
 
     everything = beside or ALST_ROWS[-1]

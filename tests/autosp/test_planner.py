@@ -141,13 +141,14 @@ def test_trace_groups_halved_for_spare_processes_predict_what_one_process_does(m
 def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model, cluster):
     """`plan_job` plans under ZeRO 1, then ZeRO 2, then ZeRO 2 with optimizer offload, then ZeRO 3 (AutoSP's sharded
     parameters) and ZeRO 3 with optimizer offload, and keeps the first setup
-    under which a plan fits (Note [The DeepSpeed setup only as far as memory needs] in autosp/plan/planner.py):
+    under which a plan fits (Note [The DeepSpeed setup only as far as memory needs] in autosp/plan/deepspeed_setups.py):
     with a target between two setups' predicted peaks (predicted here, one by one) it names the leaner one and the
     setups it passed over; under no target it stops at the last with no plan.  Fixed fields are kept."""
     import dataclasses
 
     from autosp.plan.candidates import MemoryPlan
-    from autosp.plan.planner import JOB_SETUPS, deepspeed_config, job_setups, plan_job, plans_for_job
+    from autosp.plan.deepspeed_setups import JOB_SETUPS, deepspeed_config, job_setups, plans_for_job
+    from autosp.plan.planner import plan_job
 
     plans = candidate_plans(checkpointing=("sac",), tiled_loss=("off",), tiled_mlp=("off",),
                             activation_offload=("off",))
