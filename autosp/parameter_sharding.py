@@ -64,9 +64,15 @@ class GatheredParameter(nn.Module):
     def right_inverse(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``whole`` (called once, when the parametrization is registered)."""
         ranks, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        per_rank = -(-self.numel // ranks)
+        per_rank = shard_numel(self.numel, ranks)
         flat = nn.functional.pad(whole.detach().reshape(-1), (0, per_rank * ranks - self.numel))
         return flat[rank * per_rank:(rank + 1) * per_rank].clone()
+
+
+def shard_numel(numel: int, ranks: int) -> int:
+    """Elements of each rank's shard of a parameter of ``numel`` elements split over ``ranks`` (the last padded):
+    what `GatheredParameter` keeps and what the planner's ledger prices for ZeRO 3."""
+    return -(-numel // ranks)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from torch import nn
 from autosp.api import compile as compile_model
 from autosp.config import AutoSPConfig, with_job_setup
 from autosp.errors import AutoSPError
+from autosp.groups import SequenceParallelGroups
 from autosp.model import SequenceParallelModel
 from autosp.parameter_sharding import original_name
 
@@ -105,7 +106,21 @@ _TORCH_ADAM_OPTIMIZERS = ("adam", "adamw")
 # this way against a single device, on 2 and 4 ranks.
 
 
-class SequenceParallelMPU:
+class _ReplicasMPU:
+    """What both of AutoSP's mpus tell DeepSpeed's batch arithmetic and data loader: the replicas (SP groups that
+    train different samples)."""
+
+    groups: SequenceParallelGroups  # the model's, set by each subclass
+
+    def get_data_parallel_world_size(self) -> int:
+        """Replicas: SP groups that train different samples."""
+        return self.groups.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.dp_rank
+
+
+class SequenceParallelMPU(_ReplicasMPU):
     """AutoSP's groups in the "mpu" interface DeepSpeed uses for Ulysses sequence parallelism.
 
     Built from the model of `autosp.compile` and handed to
@@ -152,20 +167,13 @@ class SequenceParallelMPU:
     def get_sequence_data_parallel_rank(self) -> int:
         return dist.get_rank(self.groups.group)
 
-    def get_data_parallel_world_size(self) -> int:
-        """Replicas: SP groups that train different samples."""
-        return self.groups.dp_size
-
-    def get_data_parallel_rank(self) -> int:
-        return self.groups.dp_rank
-
     # As in DeepSpeed's Ulysses mpu: "model parallel" is the SP group.
     get_model_parallel_group = get_sequence_parallel_group
     get_model_parallel_world_size = get_sequence_parallel_world_size
     get_model_parallel_rank = get_sequence_parallel_rank
 
 
-class ShardedParametersMPU:
+class ShardedParametersMPU(_ReplicasMPU):
     """AutoSP's groups as DeepSpeed's engine sees them when AutoSP shards the parameters (ZeRO 3): a Megatron-style
     mpu whose "model-parallel" group is the whole group, each shard marked as a model-parallel parameter, and whose
     "data-parallel" group is the rank alone, so that DeepSpeed reduces and partitions nothing (Note [ZeRO 3 through
@@ -192,13 +200,6 @@ class ShardedParametersMPU:
     def get_data_parallel_group(self) -> dist.ProcessGroup:
         """The rank alone: the gradients arrive reduced, and the optimizer state is the rank's own shards'."""
         return self._alone
-
-    def get_data_parallel_world_size(self) -> int:
-        """Replicas (SP groups that train different samples), for DeepSpeed's batch sizes and data loader."""
-        return self.groups.dp_size
-
-    def get_data_parallel_rank(self) -> int:
-        return self.groups.dp_rank
 
     get_tensor_model_parallel_group = get_model_parallel_group
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
@@ -279,6 +280,11 @@ def _offload_device(section: dict | None) -> str:
     return str((section or {}).get("device", "none")).lower()
 
 
+def _low_precision(ds_config: dict) -> bool:
+    """Whether the config trains in bf16 or fp16 (DeepSpeed's ``"bf16"`` / ``"fp16"`` sections)."""
+    return any((ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16"))
+
+
 def _engine_config_for_shards(ds_config: dict) -> dict:
     """The config DeepSpeed's engine gets when AutoSP shards the parameters (Note [ZeRO 3 through DeepSpeed]):
     ZeRO 0 in fp32, ZeRO 2 over one rank in bf16 or fp16 or where the optimizer is offloaded; no sequence
@@ -296,8 +302,7 @@ def _engine_config_for_shards(ds_config: dict) -> dict:
     kept = {k: v for k, v in zero.items() if k not in dropped}
     offload = _offload_device(zero.get("offload_optimizer")) != "none"
     engine = {k: v for k, v in ds_config.items() if k != "sequence_parallel_size"}
-    low_precision = any((ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16"))
-    engine["zero_optimization"] = {**kept, "stage": 2 if offload or low_precision else 0}
+    engine["zero_optimization"] = {**kept, "stage": 2 if offload or _low_precision(ds_config) else 0}
     if not offload:
         engine["zero_optimization"].pop("offload_optimizer", None)
     return engine
@@ -308,7 +313,7 @@ def _planned_setup(ds_config: dict, optimizer: Any) -> dict:
     are left to the planner's defaults): the ZeRO stage, the micro-batch, the accumulation steps, optimizer offload
     and the optimizer's kind (from the config's ``"optimizer"`` entry, else the torch optimizer passed)."""
     zero = ds_config.get("zero_optimization") or {}
-    offload = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+    offload = _offload_device(zero.get("offload_optimizer"))
     setup = {"zero_stage": _zero_stage(ds_config), "offload": "optimizer" if offload in ("cpu", "nvme") else "none"}
     if setup["zero_stage"] == 3:  # the shards stepped by DeepSpeed's engine (Note [ZeRO 3 through DeepSpeed])
         setup["engine"] = "deepspeed"
@@ -417,8 +422,9 @@ def deepspeed_initialize(
         raise AutoSPError("deepspeed_initialize builds the mpu from AutoSP's SP groups; do not pass mpu")
     ds_config = _load_config(config)
     size = _sp_size(ds_config, sp_size)
-    sharded = _zero_stage(ds_config) == 3
-    if _zero_stage(ds_config) == 0 and any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")):
+    stage = _zero_stage(ds_config)
+    sharded = stage == 3
+    if stage == 0 and _low_precision(ds_config):
         log.warning("ZeRO stage 0 in bf16/fp16: DeepSpeed's wrapper for it (FP16_UnfusedOptimizer) steps the "
                     "optimizer once with zero gradients when it is built, so AdamW decays every weight once and "
                     "Adam's bias correction runs a step ahead (Note [ZeRO 3 through DeepSpeed]); ZeRO 1 or 2 step "
@@ -458,7 +464,7 @@ def deepspeed_initialize(
     groups = sp_model.groups
     log.info(
         "AutoSP + DeepSpeed: sp_size=%d x data-parallel replicas=%d, ZeRO stage %d, strategy=%s, compiler=%s",
-        groups.sp_size, groups.dp_size, _zero_stage(ds_config), sp_model.config.strategy, sp_model.config.compiler,
+        groups.sp_size, groups.dp_size, stage, sp_model.config.strategy, sp_model.config.compiler,
     )
     if sharded:
         _optimizer_over_shards(optimizer, names_before, sp_model)

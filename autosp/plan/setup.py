@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from autosp.errors import AutoSPError
+from autosp.parameter_sharding import shard_numel
 from simulator.ledger import OPTIMIZER_STATES, TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class TrainingSetup:
         if self.zero_stage == 3 and (self.engine or ("deepspeed" if self.offload != "none" else "torch")) == "deepspeed":
             # AutoSP's shards under DeepSpeed's engine: its ZeRO 0 over each rank alone, of its shards, or ZeRO 2 with
             # the optimizer offloaded (Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py)
-            shards = tuple(-(-n // self.world_size) for n in parameter_numels)
+            shards = tuple(shard_numel(n, self.world_size) for n in parameter_numels)
             offload = self.offload == "optimizer"
             return TrainingConfig(parameter_numels=shards, optimizer=self.optimizer, precision=self.dtype,
                                   zero_stage=2 if offload or self.dtype != "fp32" else 0, dp_world_size=1,

@@ -23,7 +23,7 @@ import torch
 
 from tests.autosp.cases import loss_of, make_sample
 from tests.harness import run_on_ranks
-from tests.simulator.test_ledger_deepspeed import _host_bytes
+from tests.harness.deepspeed_memory import deepspeed_host_bytes
 
 FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 STEPS = 2
@@ -187,7 +187,7 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
             engine.step()  # steps the optimizer at the boundary only
 
     if sharded and (zero or {}).get("offload_optimizer"):  # what the planner prices this engine's host memory at
-        out["host_bytes"], out["ledger_host_bytes"] = _host_bytes(engine), _priced_host_bytes(
+        out["host_bytes"], out["ledger_host_bytes"] = deepspeed_host_bytes(engine), _priced_host_bytes(
             reference, world=world, sp_size=sp_size, optimizer=optimizer, gas=gas)
     plan = engine.module.report.memory_plan
     if plan is not None:

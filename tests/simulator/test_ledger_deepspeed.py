@@ -33,6 +33,7 @@ import pytest
 
 from simulator.ledger import TrainingConfig, memory_ledger, summarize
 from tests.harness import run_on_ranks
+from tests.harness.deepspeed_memory import deepspeed_host_bytes
 
 pytestmark = pytest.mark.slow  # about 90 s on 2 cores: three spawns of two ranks, nine engines
 
@@ -77,30 +78,6 @@ def _settled_bytes(readings: int = 4, pause_s: float = 0.25) -> int:
     return min(values)
 
 
-def _host_bytes(engine) -> int:
-    """Bytes of the buffers DeepSpeed allocates on its offload device (Note [Optimizer offload]): measured as
-    host memory."""
-    import torch
-
-    opt = engine.optimizer
-    if not getattr(opt, "cpu_offload", False) and not getattr(opt, "offload_optimizer", False):
-        return 0
-    if hasattr(opt, "single_partition_of_fp32_groups"):  # ZeRO 1/2
-        tensors = [*opt.single_partition_of_fp32_groups, *(t.grad for t in opt.single_partition_of_fp32_groups),
-                   *opt.param_buffer_of_bit16_for_cpu_offload_groups, opt.temp_grad_buffer_for_cpu_offload,
-                   *opt.accumulated_grads_in_cpu.values()]
-    else:  # ZeRO 3
-        tensors = [*opt.fp32_partitioned_groups_flat, *(t.grad for t in opt.fp32_partitioned_groups_flat),
-                   opt.grad_partitions_flat_buffer]
-    tensors += [v for state in opt.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    storages: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
-    return sum(storages.values())
-
-
 def _micro_step(engine, dtype, *, step: bool) -> None:
     import torch
 
@@ -140,11 +117,11 @@ def _measure(rank: int, world: int, cases: tuple) -> list[dict]:
         del model, layers
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         record = {"case": case, "wrapper": type(engine.optimizer).__name__,
-                  "initialize": _settled_bytes() - base, "host_initialize": _host_bytes(engine)}
+                  "initialize": _settled_bytes() - base, "host_initialize": deepspeed_host_bytes(engine)}
         _micro_step(engine, dtype, step=True)
-        record["step"], record["host_step"] = _live_bytes() - base, _host_bytes(engine)
+        record["step"], record["host_step"] = _live_bytes() - base, deepspeed_host_bytes(engine)
         _micro_step(engine, dtype, step=False)
-        record["backward"], record["host_backward"] = _live_bytes() - base, _host_bytes(engine)
+        record["backward"], record["host_backward"] = _live_bytes() - base, deepspeed_host_bytes(engine)
         out.append(record)
         engine.step()  # a backward left without its step keeps the engine referenced
         if case == cases[-1]:
