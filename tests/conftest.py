@@ -9,6 +9,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_ROOT / ".torch_extensions"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # bin/test runs a worker per core: one thread each, as the gloo ranks
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import pytest  # noqa: E402
