@@ -46,6 +46,22 @@ fp32 too).  Dynamo traces the model under the ambient autocast, so the compiled 
 its casts, as the plain model's eager forward does; backward runs outside it, as in the plain
 Trainer, and fp16's loss scaling stays the Trainer's (``accelerator.backward``).
 
+Note [FSDP under the Trainer]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A Trainer job asks for FSDP with ``fsdp=True`` (or ``fsdp="full_shard"``) and an ``fsdp_config`` (FSDP2 or 1): each rank is to
+hold 1/N of every parameter, its gradient and its optimizer state.  Accelerate's FSDP would wrap the model in
+hooks that Dynamo cannot trace into AutoSP's one graph and would shard it over the ranks of one sequence as if they
+were replicas.  AutoSP has the same layout of its own, ``shard_parameters=True`` (each parameter split over the
+whole group, gathered layer by layer inside the compiled step, its gradient reduce-scattered there: Note
+[Parameters gathered in the graph] in autosp/parameter_sharding.py), so `AutoSPTrainer` serves the FSDP settings
+with it: the accelerator is built without the FSDP plugin (``create_accelerator_and_postprocess``), the compile
+gets ``shard_parameters=True``, the planner prices ZeRO 3's layout (`planned_setup`), and the Trainer's optimizer
+steps the shards as under a plain Trainer.  Options that tune FSDP's wrapping and state dicts (the wrap policy and
+classes, ``reshard_after_forward``, ``state_dict_type``, ``cpu_ram_efficient_loading``, FSDP's activation
+checkpointing: AutoSP's ``checkpointing`` decides that) do not apply and are logged; ``cpu_offload`` (parameters in
+host memory) is refused, as AutoSP's shards stay on the device.  The Trainer's saved model is the plain model's
+state dict, each parameter whole.
+
 Note [The planned length under the Trainer]
 A memory plan (the default on a GPU, or ``memory_plan="auto"``) and ``strategy="auto"`` are made
 for ``plan_seq_len`` tokens; left out, the first batch's length, which under dynamic padding is
@@ -91,15 +107,45 @@ _OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd
 
 def planned_setup(args: transformers.TrainingArguments) -> dict:
     """The `autosp.plan.TrainingSetup` fields a Trainer job fixes, for ``plan_setup`` under ``memory_plan="auto"``
-    or ``strategy="auto"``: no ZeRO (`AutoSPTrainer` refuses the Trainer's DeepSpeed and FSDP, so every rank holds
-    its optimizer's whole state), the per-device batch, the accumulation steps and the optimizer where known."""
+    or ``strategy="auto"``: no ZeRO (every rank holds its optimizer's whole state), or ZeRO 3's layout where the
+    job asks for FSDP (Note [FSDP under the Trainer]), the per-device batch, the accumulation steps and the
+    optimizer where known."""
     optim = getattr(args.optim, "value", args.optim)
     kind = _OPTIMIZERS.get(optim)
     if kind == "sgd":  # the Trainer passes optim_args "momentum=0.9,..." to torch's SGD
         given = dict(m.split("=", 1) for m in (args.optim_args or "").replace(" ", "").split(",") if "=" in m)
         kind = "sgd_momentum" if float(given.get("momentum", 0)) else "sgd"
-    return {"zero_stage": 0, "micro_batch": args.per_device_train_batch_size,
+    return {"zero_stage": 3 if asks_fsdp(args) else 0, "micro_batch": args.per_device_train_batch_size,
             "grad_accum": args.gradient_accumulation_steps, **({"optimizer": kind} if kind else {})}
+
+
+def asks_fsdp(args: transformers.TrainingArguments) -> bool:
+    """Whether the Trainer's arguments ask for FSDP (``fsdp=...``), served by AutoSP's sharded parameters."""
+    return getattr(args, "fsdp_plugin_args", None) is not None
+
+
+_FSDP_OPTIONS_NOT_APPLIED = ("auto_wrap_policy", "transformer_cls_names_to_wrap", "min_num_params",
+                             "reshard_after_forward", "state_dict_type", "cpu_ram_efficient_loading",
+                             "activation_checkpointing", "sync_module_states", "use_orig_params", "forward_prefetch",
+                             "backward_prefetch", "limit_all_gathers")
+"""FSDP plugin options that tune FSDP's own wrapping, prefetching and state dicts: logged, not applied (Note [FSDP
+under the Trainer])."""
+
+
+def _check_fsdp_settings(plugin_args: Mapping) -> None:
+    """Refuse what AutoSP's sharded parameters cannot serve of the Trainer's FSDP settings (Note [FSDP under the
+    Trainer]); log the options that do not apply."""
+    if plugin_args.get("cpu_offload"):
+        raise AutoSPError("AutoSPTrainer serves FSDP with AutoSP's sharded parameters, which stay on the device: drop "
+                          "\"cpu_offload\" from fsdp_config (or \"offload\" from fsdp)")
+    sharding = plugin_args.get("reshard_after_forward", True)  # FSDP2: a bool; FSDP1: the sharding strategy's name
+    if not isinstance(sharding, bool) and str(sharding).lower() not in ("full_shard", "shard_grad_op"):
+        raise AutoSPError(f"FSDP {sharding}: AutoSPTrainer serves sharding over every rank (AutoSP's "
+                          "shard_parameters=True); use fsdp=True with the default fsdp_config (full sharding), or "
+                          "drop fsdp to keep every parameter whole on each rank")
+    ignored = sorted(k for k in plugin_args if k in _FSDP_OPTIONS_NOT_APPLIED)
+    log.info("AutoSPTrainer: FSDP served by AutoSP's sharded parameters (each rank 1/N of every parameter, gathered "
+             "inside the compiled step)%s", f"; {', '.join(ignored)} do not apply" if ignored else "")
 
 
 def longest_sample(dataset, length_column: str | None = "length", input_name: str = "input_ids") -> int | None:
@@ -169,12 +215,31 @@ class AutoSPTrainer(transformers.Trainer):
             raise AutoSPError("AutoSPTrainer takes the loss the model returns (the exact causal-LM loss AutoSP makes "
                               "of it); drop compute_loss_func / label_smoothing_factor")
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise AutoSPError("AutoSPTrainer reduces gradients itself; drop the Trainer's DeepSpeed/FSDP settings "
-                              "(for DeepSpeed ZeRO use autosp.deepspeed_initialize)")
+            raise AutoSPError("AutoSPTrainer reduces gradients itself; drop the Trainer's DeepSpeed settings (for "
+                              "DeepSpeed ZeRO use autosp.deepspeed_initialize) or accelerate's FSDP launch config "
+                              "(pass fsdp=True in TrainingArguments instead)")
+        if asks_fsdp(self.args):  # Note [FSDP under the Trainer]
+            if self._autosp_options.get("shard_parameters") is False:
+                raise AutoSPError("the Trainer's fsdp setting is AutoSP's shard_parameters=True: drop "
+                                  "\"shard_parameters\": False from autosp_options, or drop fsdp")
+            self._autosp_options["shard_parameters"] = True
         self._sp_model: SequenceParallelModel | None = None
         if getattr(getattr(self.model, "config", None), "use_cache", False):
             self.model.config.use_cache = False  # a KV cache serves generation, not training
             log.info("AutoSPTrainer: set model.config.use_cache = False for training")
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator, built without the FSDP plugin its arguments ask for: AutoSP's sharded
+        parameters serve FSDP (Note [FSDP under the Trainer])."""
+        plugin_args = getattr(self.args, "fsdp_plugin_args", None)
+        if plugin_args is None:
+            return super().create_accelerator_and_postprocess()
+        _check_fsdp_settings(plugin_args)
+        self.args.fsdp_plugin_args = None
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            self.args.fsdp_plugin_args = plugin_args
 
     # -- the model -----------------------------------------------------------------------------
     @property

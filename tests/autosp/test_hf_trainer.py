@@ -46,7 +46,7 @@ def _dataset(replicas: int):
     return [{"input_ids": torch.randint(2, VOCAB, (n,), generator=g).tolist()} for n in lengths]
 
 
-def _train(rank, world, out_dir, sp_size, options=None):
+def _train(rank, world, out_dir, sp_size, options=None, arguments=None):
     import transformers
 
     from autosp.integrations.hf import AutoSPTrainer
@@ -67,7 +67,7 @@ def _train(rank, world, out_dir, sp_size, options=None):
         output_dir=out_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION,
         max_steps=STEPS, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=CLIP, gradient_checkpointing=True, report_to=[], save_strategy="no", logging_steps=1,
-        seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, **(arguments or {}),
     )
     trainer = AutoSPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator, sp_size=sp_size,
                             autosp_options={"compiler": "aot_eager", **(options or {})})
@@ -96,6 +96,7 @@ def _train(rank, world, out_dir, sp_size, options=None):
         optimizer.step()
         optimizer.zero_grad()
     return {"order": order, "params": trainer.sp_model.full_parameters(),
+            "sharded": bool(trainer.sp_model.parameter_shards) and not trainer.is_fsdp_enabled,
             "ref_params": {n: p.detach().clone() for n, p in reference.named_parameters()},
             "initial": initial,
             "padded": padded, "ref_norms": norms}
@@ -124,6 +125,32 @@ def test_hf_trainer_with_sharded_parameters_trains_like_single_device(tmp_path):
     _check(run_on_ranks(_train, 2, str(tmp_path), 2, {"shard_parameters": True}, timeout_s=300), sp_size=2)
 
 
+def test_hf_trainer_with_fsdp_settings_trains_like_single_device(tmp_path):
+    """The Trainer's FSDP settings (``fsdp=True``, FSDP2 wrapping each decoder layer) served by AutoSP's sharded
+    parameters (Note [FSDP under the Trainer] in autosp/integrations/hf.py): accelerate wraps nothing, each rank
+    holds 1/N of every parameter, and training reaches the single-device parameters."""
+    fsdp = {"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+    results = run_on_ranks(_train, 2, str(tmp_path), 2, None, fsdp, timeout_s=300)
+    assert all(r["sharded"] for r in results), "the parameters were not sharded by AutoSP"
+    _check(results, sp_size=2)
+
+
+@pytest.mark.parametrize(("fsdp", "refused"), [
+    ({"fsdp": True, "fsdp_config": {"cpu_offload": True}}, "cpu_offload"),
+    ({"fsdp": "hybrid_shard", "fsdp_config": {"version": 1}}, "hybrid_shard"),
+])
+def test_hf_trainer_refuses_fsdp_settings_its_sharding_cannot_serve(tmp_path, fsdp, refused):
+    import transformers
+
+    from autosp.errors import AutoSPError
+    from autosp.integrations.hf import AutoSPTrainer
+    from experiments.models import build_model
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **fsdp)
+    with pytest.raises(AutoSPError, match=refused):
+        AutoSPTrainer(model=build_model("hf-llama"), args=args)
+
+
 @pytest.mark.slow
 def test_hf_trainer_sequence_times_data_parallel_trains_like_single_device(tmp_path):
     results = run_on_ranks(_train, 4, str(tmp_path), 2, timeout_s=600)
@@ -138,10 +165,11 @@ def test_hf_trainer_sequence_times_data_parallel_trains_like_single_device(tmp_p
     ({"optim": "sgd", "optim_args": "momentum=0.9, nesterov=true"},
      {"zero_stage": 0, "micro_batch": 8, "grad_accum": 1, "optimizer": "sgd_momentum"}),
     ({"optim": "adafactor"}, {"zero_stage": 0, "micro_batch": 8, "grad_accum": 1}),  # the planner's default
+    ({"fsdp": True}, {"zero_stage": 3, "micro_batch": 8, "grad_accum": 1, "optimizer": "adamw"}),  # sharded
 ])
 def test_hf_trainer_job_is_what_the_planner_prices(tmp_path, arguments, expected):
     """Under memory_plan or strategy "auto" the Trainer's own settings fill plan_setup (no ZeRO: every rank holds
-    its optimizer's whole state)."""
+    its optimizer's whole state; with FSDP, ZeRO 3's layout: AutoSP's sharded parameters)."""
     import transformers
 
     from autosp.integrations.hf import planned_setup
