@@ -469,5 +469,6 @@ def refuse_outer_wrappers(model: SequenceParallelModel) -> None:
             "the AutoSP model (or a module inside it) is sharded with FSDP, whose gradient reduction averages over "
             "the SP ranks of one sequence too; AutoSP composes with DeepSpeed ZeRO 0-3 "
             "(autosp.deepspeed_initialize; ZeRO 3 is shard_parameters=True) or reduces its own gradients (use it "
-            "unwrapped, with shard_parameters=True for FSDP's memory)"
+            "unwrapped, with shard_parameters=True for FSDP's memory; under the Hugging Face Trainer, fsdp=True is "
+            "served that way)"
         )
