@@ -68,6 +68,17 @@ REFUSAL_WAIT_S = 10.0
 DEBUG_ENV = "AUTOSP_DEBUG"
 
 
+def positive_int(value: str) -> int:
+    """An argparse type: a positive integer, else a message naming the value."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number}: give a positive number")
+    return number
+
+
 def debug_requested(flag: bool = False) -> bool:
     """``--debug`` given, or ``AUTOSP_DEBUG`` set to anything but "", "0", "false" or "no"."""
     return flag or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")

@@ -83,7 +83,7 @@ CLIS = (
                                ("--zero-stage", "4"), ("--deepspeed-config", "no-such-config.json"),
                                ("--strategy", "ulyses"))),
     Cli("autosp.plan", required=("--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "1024"),
-        typos=(("--model", "tiny-lama"), ("--cluster", "h100"), ("--dtype", "fp16"), ("--optimizer", "adamm"), ("--offload", "cpu"), ("--zero-stage", "4"),
+        typos=(("--model", "tiny-lama"), ("--cluster", "h100"), ("--dtype", "fp16"), ("--optimizer", "adamm"), ("--offload", "cpu"), ("--engine", "megatron"), ("--zero-stage", "4"),
                ("--compiler", "inductr"), ("--depth", "ful"), ("--memory-plan", "automatic"),
                ("--objective", "fastes"), ("--strategy", "ulyses"), ("--activation-offload", "yes"))),
     Cli("autosp.plan.worker"),

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from autosp.config import ACTIVATION_OFFLOAD, MEMORY_PLAN, AutoSPConfig
+from autosp.entry import positive_int
 from autosp.errors import AutoSPError
 from autosp.plan.cluster_file import cluster_names
 from autosp.plan.model_source import ModelSource
@@ -24,6 +25,7 @@ from autosp.plan.setup import (
     COMPILERS,
     DEPTHS,
     DTYPES,
+    ENGINES,
     OFFLOADS,
     OPTIMIZERS,
     PLAIN_TRAINING_LOOP,
@@ -106,16 +108,6 @@ def _cluster(value: str) -> str:
                                      "cluster file")
 
 
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{number}: give a positive number")
-    return number
-
-
 def _memory_plan(value: str) -> str:
     """``--memory-plan``: the library's spelling; an old one (`DEPRECATED_MEMORY_PLAN`) mapped, with a warning."""
     if value in DEPRECATED_MEMORY_PLAN:
@@ -148,15 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "Hugging Face causal-LM config.json (or its folder)")
     p.add_argument("--cluster", required=True, type=_cluster, metavar="PRESET_OR_FILE",
                    help=f"a hardware or cluster preset ({', '.join(cluster_names())}) or a cluster file (JSON)")
-    p.add_argument("--seq-len", required=True, type=_positive, help="tokens per sample (the full sequence)")
-    p.add_argument("--sp-size", type=_positive, default=None,
+    p.add_argument("--seq-len", required=True, type=positive_int, help="tokens per sample (the full sequence)")
+    p.add_argument("--sp-size", type=positive_int, default=None,
                    help="ranks sharing one sequence, inside one node unless --allow-cross-node-sp (default: a "
                         "node's GPUs, or fewer where the ranks given need: every rank of the cluster in SP groups "
                         "inside nodes, the other ranks data-parallel replicas)")
-    p.add_argument("--dp-size", type=_positive, default=None,
+    p.add_argument("--dp-size", type=positive_int, default=None,
                    help="data-parallel replicas (default: as many SP groups as the ranks hold: --world-size / "
                         "--sp-size, else every rank of the cluster)")
-    p.add_argument("--world-size", type=_positive, default=None,
+    p.add_argument("--world-size", type=positive_int, default=None,
                    help="ranks in all, SP x DP (default: --sp-size x --dp-size where both are given, else every "
                         "rank of the cluster: a cluster preset's or file's, one node of a hardware preset)")
     p.add_argument("--allow-cross-node-sp", action="store_true",
@@ -169,9 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory plan): the planner chooses ZeRO 1, 2, 2 with optimizer offload, 3 or 3 with "
                         "optimizer offload, the first under which a plan fits, keeping --offload if given (default: "
                         f"{lib['zero_stage']}, what a compiled model's own plan assumes of a plain training loop)")
-    p.add_argument("--micro-batch", type=_positive, default=1,
+    p.add_argument("--micro-batch", type=positive_int, default=1,
                    help="samples per SP group per micro-step (default: %(default)s)")
-    p.add_argument("--grad-accum", type=_positive, default=1,
+    p.add_argument("--grad-accum", type=positive_int, default=1,
                    help="micro-steps per optimizer step (default: %(default)s)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help=f"parameter and compute dtype (default: {lib['dtype']})")
@@ -182,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradient partitions and optimizer state in host memory, CPU Adam; reports the host peak "
                         f"beside the device peak (default: {lib['offload']}; with --zero-stage auto, the planner's "
                         "choice)")
+    p.add_argument("--engine", default=None, choices=ENGINES,
+                   help="what steps --zero-stage 3's shards: torch (an optimizer over compiled.parameters()) or "
+                        "deepspeed (autosp.deepspeed_initialize) (default: deepspeed with --offload optimizer, else torch)")
     p.add_argument("--activation-offload", default=None, choices=ACTIVATION_OFFLOAD,
                    help="AutoSP's activation offload (autosp.compile's activation_offload): on moves the tensors saved "
                         "for backward to host memory and back, asynchronously, and reports the host peak beside the "
@@ -197,12 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", action="store_true",
                    help="also search the longest sequence that fits the options as given (one trace per length "
                         "probed; the memory planner's own search is --objective longest)")
-    p.add_argument("--max-length-high", type=_positive, default=None,
+    p.add_argument("--max-length-high", type=positive_int, default=None,
                    help="ceiling of the --max-length search (default: 8 x --seq-len)")
-    p.add_argument("--granularity", type=_positive, default=1024,
+    p.add_argument("--granularity", type=positive_int, default=1024,
                    help="length grid of the --max-length search, rounded up to a multiple of --sp-size "
                         "(default: %(default)s)")
-    p.add_argument("--max-probes", type=_positive, default=8,
+    p.add_argument("--max-probes", type=positive_int, default=8,
                    help="lengths the --max-length search may simulate (default: %(default)s)")
     p.add_argument("--strategy", default=None, choices=STRATEGY_CHOICES,
                    help="how the sequence is split: the strategy autosp.compile traces with (hybrid: with "
@@ -210,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "choose the fastest that fits; with --memory-plan auto or --max-length, one decision over "
                         "every strategy and memory plan (default: "
                         f"{LIBRARY_STRATEGY}, autosp.compile's)")
-    p.add_argument("--ulysses-size", type=_positive, default=None,
+    p.add_argument("--ulysses-size", type=positive_int, default=None,
                    help="--strategy hybrid: the ranks of one Ulysses group (a divisor of --sp-size that divides the "
                         "attention heads); the ring runs over --sp-size / --ulysses-size of them, as "
                         "autosp.compile(strategy='hybrid', ulysses_size=...)")
@@ -225,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", default="fastest", choices=OBJECTIVES,
                    help="with the memory plan: the fastest step that fits at --seq-len, or the longest length "
                         "that fits (ties by speed) (default: %(default)s)")
-    p.add_argument("--workers", type=_positive, default=1,
+    p.add_argument("--workers", type=positive_int, default=1,
                    help="with the memory plan: processes predicting the candidates side by side, one trace group "
                         "(tiled loss x tiled MLP) each at a time, with the same predictions and choice; on a "
                         "machine with that many free cores up to that many times faster for a large model "
@@ -435,6 +430,9 @@ def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Reso
     else:
         memory_plan, plan_why = args.memory_plan, ""
     zero_auto = args.zero_stage == "auto"
+    if args.engine is not None and args.zero_stage != 3:
+        raise AutoSPError(f"--engine says what steps the shards of --zero-stage 3 (given: {args.zero_stage}; "
+                          "--zero-stage auto prices them under DeepSpeed's engine): drop --engine, or give --zero-stage 3")
     if zero_auto and memory_plan != "auto":
         raise AutoSPError("--zero-stage auto chooses the DeepSpeed setup with the memory plan, and the memory is not "
                           f"planned here (--memory-plan {memory_plan}" + (f": {plan_why}" if plan_why else "")
@@ -448,8 +446,8 @@ def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Reso
     if zero == 3 and strategy != "ulysses":  # as autosp.compile refuses shard_parameters=True there
         raise AutoSPError(f"--zero-stage 3 is AutoSP's sharded parameters, priced under --strategy ulysses only, not "
                           f"{strategy}: give --strategy ulysses, or a ZeRO stage 0-2 (--zero-stage auto chooses one)")
-    setup = TrainingSetup(seq_len=args.seq_len, sp_size=ranks.sp_size, dp_size=ranks.dp_size, zero_stage=zero,
-                          micro_batch=args.micro_batch, grad_accum=args.grad_accum, depth=args.depth, **fields)
+    setup = TrainingSetup(seq_len=args.seq_len, sp_size=ranks.sp_size, dp_size=ranks.dp_size, zero_stage=zero, **fields,
+                          micro_batch=args.micro_batch, grad_accum=args.grad_accum, depth=args.depth, engine=args.engine)
     # under --zero-stage auto each setup the planner tries is checked (autosp.plan.deepspeed_setups.job_setups); ZeRO 2
     # takes all of them here
     (dataclasses.replace(setup, zero_stage=2) if zero_auto else setup).check()
@@ -459,6 +457,8 @@ def resolve(args: argparse.Namespace, shape: ClusterShape | None = None) -> Reso
         Assumption("zero_stage", "auto" if zero_auto else zero, args.zero_stage is not None,
                    "" if args.zero_stage is not None else
                    f"{plain}; --zero-stage auto lets the planner choose"),
+        *([Assumption("engine", setup.shard_engine, args.engine is not None, "" if args.engine else
+                      "deepspeed with --offload optimizer, else torch")] if zero == 3 else []),
         Assumption("optimizer", fields["optimizer"], args.optimizer is not None, "" if args.optimizer else plain),
         Assumption("offload", "auto" if zero_auto and args.offload is None else fields["offload"],
                    args.offload is not None,

@@ -111,10 +111,15 @@ class TrainingSetup:
                               "only), which the memory ledger does not list; use --grad-accum 1, or ZeRO 2 (it "
                               "reduces each micro-step)")
 
+    @property
+    def shard_engine(self) -> str:
+        """What steps the shards of ZeRO 3: ``engine``, else "deepspeed" with optimizer offload, else "torch"."""
+        return self.engine or ("deepspeed" if self.offload != "none" else "torch")
+
     def training_config(self, parameter_numels: tuple[int, ...]) -> TrainingConfig:
         """The ledger's configuration (ZeRO partitions over all ``world_size`` ranks: the sequence-data-parallel
         group)."""
-        if self.zero_stage == 3 and (self.engine or ("deepspeed" if self.offload != "none" else "torch")) == "deepspeed":
+        if self.zero_stage == 3 and self.shard_engine == "deepspeed":
             # AutoSP's shards under DeepSpeed's engine: its ZeRO 0 over each rank alone, of its shards, or ZeRO 2 with
             # the optimizer offloaded (Note [ZeRO 3 through DeepSpeed] in autosp/integrations/deepspeed_engine.py)
             shards = tuple(shard_numel(n, self.world_size) for n in parameter_numels)

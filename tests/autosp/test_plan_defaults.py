@@ -104,6 +104,31 @@ def test_zero_stage_auto_lets_the_planner_choose_and_needs_the_memory_plan():
         resolve(_args("--zero-stage", "auto", "--memory-plan", "off"))
 
 
+def test_engine_says_what_steps_zero_3s_shards_and_is_priced_so():
+    """--engine with --zero-stage 3: the setup priced is the engine's (DeepSpeed's fp32 master copies of the bf16
+    shards hold more than a plain optimizer over them), the answer says which engine it assumed, and --engine
+    anywhere else is refused naming the fix."""
+    from autosp.plan import ModelSource, load_cluster
+    from autosp.plan.prediction import held_before_activations
+
+    held = {}
+    for engine in ("torch", "deepspeed"):
+        resolved = resolve(_args("--zero-stage", "3", "--engine", engine, "--sp-size", "2"))
+        assumed = next(a for a in resolved.assumed if a.key == "engine")
+        assert resolved.setup.engine == engine and assumed.value == engine and assumed.given
+        held[engine] = sum(held_before_activations("tiny-llama", resolved.setup, load_cluster("h100-sxm", world_size=2),
+                                                   source=ModelSource("tiny-llama")).values())
+    assert held["deepspeed"] > held["torch"], held
+    default = next(a for a in resolve(_args("--zero-stage", "3")).assumed if a.key == "engine")
+    assert (default.value, default.given) == ("torch", False) and "else torch" in default.why
+    offloaded = resolve(_args("--zero-stage", "3", "--offload", "optimizer"))
+    assert next(a for a in offloaded.assumed if a.key == "engine").value == "deepspeed"
+    assert not any(a.key == "engine" for a in resolve(_args("--zero-stage", "2")).assumed)
+    for stage in ("2", "auto"):
+        with pytest.raises(AutoSPError, match="drop --engine, or give --zero-stage 3"):
+            resolve(_args("--zero-stage", stage, "--engine", "deepspeed"))
+
+
 def test_sp_defaults_to_one_nodes_ranks_and_the_rest_are_dp_replicas_on_a_two_node_cluster_file():
     shape = cluster_shape(TWO_NODES)
     assert (shape.devices_per_node, shape.ranks) == (4, 8)
