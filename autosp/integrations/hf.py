@@ -124,14 +124,6 @@ def asks_fsdp(args: transformers.TrainingArguments) -> bool:
     return getattr(args, "fsdp_plugin_args", None) is not None
 
 
-_FSDP_OPTIONS_NOT_APPLIED = ("auto_wrap_policy", "transformer_cls_names_to_wrap", "min_num_params",
-                             "reshard_after_forward", "state_dict_type", "cpu_ram_efficient_loading",
-                             "activation_checkpointing", "sync_module_states", "use_orig_params", "forward_prefetch",
-                             "backward_prefetch", "limit_all_gathers")
-"""FSDP plugin options that tune FSDP's own wrapping, prefetching and state dicts: logged, not applied (Note [FSDP
-under the Trainer])."""
-
-
 def _check_fsdp_settings(plugin_args: Mapping) -> None:
     """Refuse what AutoSP's sharded parameters cannot serve of the Trainer's FSDP settings (Note [FSDP under the
     Trainer]); log the options that do not apply."""
@@ -143,7 +135,7 @@ def _check_fsdp_settings(plugin_args: Mapping) -> None:
         raise AutoSPError(f"FSDP {sharding}: AutoSPTrainer serves sharding over every rank (AutoSP's "
                           "shard_parameters=True); use fsdp=True with the default fsdp_config (full sharding), or "
                           "drop fsdp to keep every parameter whole on each rank")
-    ignored = sorted(k for k in plugin_args if k in _FSDP_OPTIONS_NOT_APPLIED)
+    ignored = sorted(k for k in plugin_args if k not in ("fsdp_version", "cpu_offload"))  # FSDP's own tuning
     log.info("AutoSPTrainer: FSDP served by AutoSP's sharded parameters (each rank 1/N of every parameter, gathered "
              "inside the compiled step)%s", f"; {', '.join(ignored)} do not apply" if ignored else "")
 
@@ -231,9 +223,9 @@ class AutoSPTrainer(transformers.Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's accelerator, built without the FSDP plugin its arguments ask for: AutoSP's sharded
         parameters serve FSDP (Note [FSDP under the Trainer])."""
-        plugin_args = getattr(self.args, "fsdp_plugin_args", None)
-        if plugin_args is None:
+        if not asks_fsdp(self.args):
             return super().create_accelerator_and_postprocess()
+        plugin_args = self.args.fsdp_plugin_args
         _check_fsdp_settings(plugin_args)
         self.args.fsdp_plugin_args = None
         try:

@@ -12,6 +12,8 @@ import torch
 from tests.harness import run_on_ranks
 
 IGNORE = -100
+FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
+"""The fp32 equivalence tolerance of the AutoSP tests."""
 
 
 def config_json(folder, config: dict) -> str:

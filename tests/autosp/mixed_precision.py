@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.autosp.cases import FP32_TOL
+
 # Note [The bf16 comparison]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
 # An AutoSP step under autocast (bf16, or fp16) against the same single-device step under the same autocast: same
@@ -37,7 +39,6 @@ import torch
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 LINEAR_GRAD_FACTOR = 3  # x u x S, Note [The bf16 comparison]
 LOSS_RTOL = 4 * 2.0 ** -24  # fp32 round-off of the loss's sum over shards, Note [The bf16 comparison]
-FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 
 def linear_term_sums(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -59,6 +60,13 @@ def linear_term_sums(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, to
             module.register_forward_hook(forward_hook)
             module.register_full_backward_hook(backward_hook)
     return sums
+
+
+def computed_in(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value (e.g. a compiled model's logits, upcast) is a ``dtype`` value and not all zero: a witness
+    that the program ran in that precision, as an fp32 matmul's output essentially never is one."""
+    values = values.detach().float()
+    return bool((values == values.to(dtype).float()).all() and values.abs().max() > 0)
 
 
 def check_loss(loss: torch.Tensor | float, expected: torch.Tensor | float, fp32_loss: float, where: str) -> None:

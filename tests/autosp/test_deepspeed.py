@@ -21,11 +21,10 @@ import os
 import pytest
 import torch
 
-from tests.autosp.cases import loss_of, make_sample
+from tests.autosp.cases import FP32_TOL, loss_of, make_sample
 from tests.harness import run_on_ranks
 from tests.harness.deepspeed_memory import deepspeed_host_bytes
 
-FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 STEPS = 2
 SEQ_LEN = 24
 CLIP = 0.5

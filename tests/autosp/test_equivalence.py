@@ -14,11 +14,9 @@ import copy
 import pytest
 import torch
 
-from tests.autosp.cases import loss_of, make_sample, named_grads
-from tests.autosp.mixed_precision import check_gradients, check_loss, linear_term_sums
+from tests.autosp.cases import FP32_TOL, loss_of, make_sample, named_grads
+from tests.autosp.mixed_precision import check_gradients, check_loss, computed_in, linear_term_sums
 from tests.harness import run_on_ranks
-
-FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 
 def _run_case(rank, world, *, model, sp_size, seq_len, autocast=None, overrides=None, compiler="aot_eager",
@@ -64,8 +62,7 @@ def _run_case(rank, world, *, model, sp_size, seq_len, autocast=None, overrides=
     loss.backward()
     autosp.sync_gradients(compiled)
     if low:  # the compiled program ran in the low precision: every logit is a value of it
-        logits = output.logits.detach().float()
-        precision["logits_in_precision"] = bool((logits == logits.to(low).float()).all() and logits.abs().max() > 0)
+        precision["logits_in_precision"] = computed_in(output.logits, low)
     return {
         **precision,
         "loss": loss.detach(), "ref_loss": ref_losses[dp_rank],

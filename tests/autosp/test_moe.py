@@ -16,10 +16,9 @@ import torch
 
 import autosp
 from autosp.errors import AutoSPError
-from tests.autosp.cases import make_sample, named_grads
+from tests.autosp.cases import FP32_TOL, make_sample, named_grads
 from tests.harness import fake_process_group, run_on_ranks
 
-FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 VOCAB = 128
 
 

@@ -25,10 +25,9 @@ import torch
 from autosp.costs import VIEWS, packet_name
 from autosp.errors import AutoSPError
 from autosp.passes.joint.checkpointing import gathers_parameter
-from tests.autosp.cases import loss_of, make_sample
+from tests.autosp.cases import FP32_TOL, loss_of, make_sample
 from tests.harness import run_on_ranks
 
-FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 SEQ_LEN = 64
 CLIP = 0.05
 """The gradient norm clipped to in the first step (the models' are larger: the test checks that it clips)."""

@@ -18,10 +18,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from tests.autosp.cases import loss_of, make_sample, named_grads
+from tests.autosp.cases import FP32_TOL, loss_of, make_sample, named_grads
 from tests.harness import run_on_ranks
-
-FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 
 def _assert_same(where, got_loss, ref_loss, got_model, ref_model):
