@@ -24,7 +24,6 @@ import copy
 import functools
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 
 from torch import fx
@@ -35,6 +34,7 @@ from autosp.context import CompiledProgram, CompileReport, TraceContext
 from autosp.errors import AutoSPError
 from autosp.guards import ProgramGuard
 from autosp.joint_capture import capture_joint
+from autosp.passes.graph_utils import graph_copy, lazy_graph_modules
 from autosp.passes.joint.checkpointing import make_recompute_tagger, tag_recomputation
 from autosp.passes.partitioned.offload import offload_saved_activations
 from autosp.passes.partitioned.overlap import overlap_all_to_alls_pass
@@ -89,9 +89,7 @@ def _partition_variants(joint: fx.GraphModule, joint_inputs, partition_kwargs: d
     compile's own setting's) has the same partition: it gets that one's graphs and is named in
     ``report.variant_same_as``.  The copies are taken before ``joint`` is tagged."""
     own = (config.checkpointing, config.sac_memory_budget)
-    with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-        copies = {v: fx.GraphModule(joint, copy.deepcopy(joint.graph)) for v in variants if v != own}
+    copies = {v: graph_copy(joint) for v in variants if v != own}
     own_plan = tag_recomputation(joint.graph, setting=own[0],  # the same tags the compile's own pass sets next
                                  recompute_limit=config.sac_recompute_limit, memory_budget=own[1])
     decided = {(own_plan.saved, own_plan.recomputed): own}
@@ -278,7 +276,8 @@ def autosp_backend(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext, con
                                      joint_only=ctx.capture_joint and ctx.joint_only)
     else:
         generate = CODE_GENERATORS[config.compiler]
-    program = generate(gm, example_inputs, config=config, report=ctx.report, tag_joint=tag_joint)
+    with lazy_graph_modules():  # Note [Graph modules generate their code when first called] in graph_utils
+        program = generate(gm, example_inputs, config=config, report=ctx.report, tag_joint=tag_joint)
     _record_program(ctx, config.compiler, time.perf_counter() - start, documents)
     return ProgramGuard(program, ctx)  # its assumptions checked on every call (autosp.guards)
 

@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import copy
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +12,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
+
+from autosp.passes.graph_utils import graph_copy
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,7 @@ def capture_joint(joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *
                   copy_graph: bool = True) -> JointCapture:
     """A copy of ``joint`` (before it is tagged) and the specs of its inputs; ``copy_graph=False``: ``joint``
     itself, for a compile that stops at the capture (``TraceContext.joint_only``: nothing tags it after)."""
-    graph = joint
-    if copy_graph:
-        with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-            graph = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+    graph = graph_copy(joint) if copy_graph else joint
     tensors = [t for t in pytree.tree_leaves(joint_inputs) if isinstance(t, torch.Tensor)]
     specs = tuple(InputSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors)
     traced = _trace_fake_tensors(graph, tensors)

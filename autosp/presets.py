@@ -49,6 +49,7 @@ PRESETS: dict[str, LlamaSize] = {
     "llama-3.2-3b": LlamaSize(hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8, vocab=128256,
                               tie_embeddings=True),
     "llama-3.1-8b": LlamaSize(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256),
+    "llama-3.1-70b": LlamaSize(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256),
     "llama-2-13b": LlamaSize(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40, vocab=32000,
                              rope_theta=10000.0),
     # Qwen3-4B's numbers (heads of 128 where hidden / heads is 80: the query projection is 2560 -> 4096) on a Llama:

@@ -62,6 +62,7 @@ CLIS = (
     Cli("experiments.bench_sac_overlap", aliases=("experiments.cpu.bench_sac_overlap",),
         typos=(("--model", "hf-lama"), ("--paper-scale", "llama-9b"))),
     Cli("experiments.bench_planner", typos=(("--only", "longst"), ("--depth", "ful"))),
+    Cli("experiments.bench_answers", typos=(("--only", "llama-9b"), ("--workers", "two"))),
     Cli("experiments.cpu.bench_packed", typos=(("--compiler", "inductr"),)),
     Cli("experiments.cpu.bench_mask_probes", typos=(("--sp-sise", "8"),)),
     Cli("experiments.cpu.bench_same_sample", typos=(("--compiler", "inductr"),)),

@@ -1,10 +1,13 @@
-"""Small helpers shared by the passes: naming nodes' modules, binding call arguments, fake values."""
+"""Small helpers shared by the passes: naming nodes' modules, binding call arguments, fake values, copying a
+graph module."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 import re
+import warnings
 from collections import Counter
 
 import torch
@@ -12,6 +15,38 @@ from torch import fx
 
 EXAMPLE_VALUE = "example_value"
 """Dynamo's node.meta key for a node's fake tensor."""
+
+
+# Note [Graph modules generate their code when first called]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A torch.fx ``GraphModule`` generates and compiles the Python code of its graph when it is built and at every
+# ``recompile()``; torch's lazy graph modules (``torch.fx._lazy_graph_module``, what Inductor compiles under) do it
+# at the first call or the first read of ``.code`` instead.  Most graph modules AutoSP makes are never called: the
+# checkpointing variants' partitions, the copies the planner partitions and rewrites, the recorded graphs the
+# export reads, a partition rewritten by two passes (each ending in ``recompile()``) before it runs once.  Measured
+# on a 2-core machine, generating that code was about a fifth of a memory-plan decision (Llama-3.1-8B, 8 ranks,
+# 48 candidates).  So the backend compiles under lazy graph modules (`lazy_graph_modules`), and copies are made
+# lazy (`graph_copy`); a module that is called generates its code then, once, so nothing that runs changes.
+
+
+def lazy_graph_modules():
+    """A context inside which the graph modules torch and AutoSP build (torch's ``_make_graph_module``: its
+    partitioner's, `graph_copy`'s) generate their Python code when first called, not when built (Note [Graph
+    modules generate their code when first called])."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
+
+
+def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A graph module over a deep copy of ``gm``'s graph (its submodules and attributes shared with ``gm``), whose
+    Python code is generated when first called (Note [Graph modules generate their code when first called])."""
+    from torch.fx._lazy_graph_module import _make_graph_module
+
+    with warnings.catch_warnings(), lazy_graph_modules():
+        # deep-copying the graph's pytree codegen warns about a deprecated spelling
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        return _make_graph_module(gm, copy.deepcopy(gm.graph))
 
 
 def module_name(node: fx.Node) -> str:

@@ -64,6 +64,19 @@ class Candidate:
         found = self.prediction.max_length if self.prediction is not None else None
         return found["step_time_s"] if found else None
 
+    @property
+    def max_length_display(self) -> str | None:
+        """The search's answer as shown: ``131,072``, ``≥ 131,072`` (a lower bound: the search stopped at its
+        ceiling or probe budget) or ``< 131,072`` (nothing fitted from where the search started)."""
+        found = self.prediction.max_length if self.prediction is not None else None
+        return found["display"] if found else None
+
+    @property
+    def max_length_stopped(self) -> str | None:
+        """Why the search stopped (`simulator.search.STOP_REASONS`)."""
+        found = self.prediction.max_length if self.prediction is not None else None
+        return found["stopped"] if found else None
+
     def to_dict(self) -> dict:
         """The candidate's row: what `choose_plan` reads, and the report's table (JSON)."""
         p = self.prediction
@@ -74,7 +87,8 @@ class Candidate:
                 "host_peak_bytes": p.host_peak_bytes if p else None,
                 "host_fits": p.host_fits if p else None,
                 "step_time_s": p.step.step_time_s if p else None,
-                "max_seq_len": self.max_seq_len, "max_length_step_time_s": self.max_length_step_time_s}
+                "max_seq_len": self.max_seq_len, "max_length_step_time_s": self.max_length_step_time_s,
+                "max_length_display": self.max_length_display, "max_length_stopped": self.max_length_stopped}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +136,7 @@ class PlanReport:
         host = any(c.prediction and c.prediction.host_peak_bytes for c in self.candidates)
         head = f"  {'plan':44s} {'fits':4s} {'peak GiB':>9s} " + " ".join(f"{c[:12]:>12s}" for c in categories) \
             + (f" {'host GiB':>9s}" if host else "") + f" {'step s':>9s}" \
-            + (f" {'max len':>9s} {'step s@max':>10s}" if longest else "")
+            + (f" {'max len':>11s} {'step s@max':>10s}" if longest else "")
         out = [f"memory plan for {self.model}: objective {self.objective}, {self.seq_len:,} tokens, target "
                f"{self.target_memory_bytes / gib:.3f} GiB per rank; {len(self.candidates)} candidates, "
                f"{self.traces} traces, {self.partitions} partitions, {self.seconds:.1f} s",
@@ -140,7 +154,7 @@ class PlanReport:
                 + (f" {p.host_peak_bytes / gib:9.4f}" if host else "") + f" {p.step.step_time_s:9.4g}"
             if longest:
                 t = c.max_length_step_time_s
-                row += f" {c.max_seq_len or 0:9,d} {t if t is not None else float('nan'):10.4g}"
+                row += f" {c.max_length_display or '-':>11s} {t if t is not None else float('nan'):10.4g}"
             if c.same_program_as:
                 row += f"  (same program as {c.same_program_as})"
             out.append(row)
@@ -236,8 +250,17 @@ def _choose_longest(rows: Sequence[Mapping], target: int) -> tuple[int | None, s
     c = rows[best]
     tied = [rows[i]["plan"] for i in found if i != best and rows[i]["max_seq_len"] == c["max_seq_len"]]
     return best, (f"longest length that fits {target / 2**30:.3f} GiB: {c['max_seq_len']:,} tokens "
-                  f"(step {c['max_length_step_time_s']:.4g} s there)"
-                  + (f"; fastest of those reaching it (also: {', '.join(tied)})" if tied else ""))
+                  f"(step {c['max_length_step_time_s']:.4g} s there); {BINDS[c.get('max_length_stopped')]}"
+                  + (f"; fastest of those reaching it (also: {_listed(tied)})" if tied else ""))
+
+
+BINDS = {"converged": "memory binds: the next length of the search's grid does not fit",
+         "ceiling": "a lower bound: the search's ceiling fits (--max-length-high, default 8 x --seq-len, searches "
+                    "further)",
+         "probe_budget": "a lower bound: the search spent its probes first (--max-probes searches further)",
+         None: "memory binds"}
+"""What bounds a longest length, by the search's stop reason (`simulator.search.STOP_REASONS`; None: a row
+without one)."""
 
 
 def choose_plan(rows: Sequence[Mapping], objective: str, *, seq_len: int, target: int) -> tuple[int | None, str]:
@@ -378,7 +401,10 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     target = int(cluster.device.memory_bytes if target_memory is None else target_memory)
     plans = tuple(plans or candidates_for(model, setup, target))
     units = plan_units(plans, workers)
-    if workers > 1 and reuse_traces and len(units) > 1:
+    # a setup whose model states alone exceed the target is refused at once, here: no worker is started for it
+    spread = workers > 1 and reuse_traces and len(units) > 1 and \
+        sum(held_before_activations(model, setup, cluster).values()) < target
+    if spread:
         report = _plan_in_workers(model, setup, cluster, units, plans, workers=workers, start=start, target=target,
                                   objective=objective, max_length_high=max_length_high, granularity=granularity,
                                   max_probes=max_probes, resize_lengths=resize_lengths)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -99,17 +98,10 @@ def _partition_copy(capture, facts: TraceFacts, propagated: tuple, *, checkpoint
     ``budget`` with ``tag_joint``'s recomputation tags, so that each pattern partitions its own copy.
     ``propagated``: `propagate_fake` of ``capture``, taken before any copy: the copy takes its nodes' metadata, which
     a capture re-sized to this length (not traced at it) has only once propagated."""
-    import copy
-
-    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
-
     from autosp.joint_template import partition_at
+    from autosp.passes.graph_utils import graph_copy
 
-    # the copy is partitioned, never called, so its Python code is not generated (torch's lazy graph modules);
-    # deep-copying the graph's pytree codegen warns about a deprecated spelling
-    with warnings.catch_warnings(), _use_lazy_graph_module(True):
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-        graph = _make_graph_module(capture.graph, copy.deepcopy(capture.graph.graph))
+    graph = graph_copy(capture.graph)  # partitioned, never called
     sac = dataclasses.replace(facts.compiled_with, checkpointing=checkpointing, sac_memory_budget=budget)
     return partition_at(dataclasses.replace(capture, graph=graph), sac, tag_joint=tag_joint, propagated=propagated)
 

@@ -64,17 +64,13 @@ def partitioned_rewrites(graphs: Sequence, *, config, num_fwd_outputs: int) -> l
     the backend rewrites a partition compiled with ``config`` (`autosp.backend.rewrite_pair`; ``num_fwd_outputs``:
     the partitioner's, `autosp.context.CompileReport.num_fwd_outputs` of the trace).  For traces taken without
     those rewrites (`trace_step`'s ``rewrites_here``)."""
-    import copy
-
-    from torch import fx
-
     from autosp.backend import rewrite_pair
+    from autosp.passes.graph_utils import graph_copy, lazy_graph_modules
 
     graphs = dict(graphs)
-    with warnings.catch_warnings():  # deep-copying the graph's pytree codegen warns about a deprecated spelling
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-        fw, bw = (fx.GraphModule(graphs[k], copy.deepcopy(graphs[k].graph)) for k in ("forward", "backward"))
-    fw, bw = rewrite_pair(fw, bw, config=config, num_fwd_outputs=num_fwd_outputs)
+    with lazy_graph_modules():  # the copies are exported, never called
+        fw, bw = rewrite_pair(graph_copy(graphs["forward"]), graph_copy(graphs["backward"]), config=config,
+                              num_fwd_outputs=num_fwd_outputs)
     return [("forward", fw), ("backward", bw)]
 
 
@@ -196,14 +192,12 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
     `TraceFacts`) of ``layers`` layers at ``seq_len`` tokens from one Dynamo capture (Note [One Dynamo capture for
     every strategy]), or the `AutoSPError` that refused it.  ``mask_rules``: the decision's shared mask rules
     (`TraceReuse.mask_rules`; a strategy changes no rule of a shape-only trace, only the check of a real batch)."""
-    import copy
-
     import torch
     from torch import fx
-    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
     from autosp.backend import JointCaptured, make_backend
     from autosp.model import TraceHooks
+    from autosp.passes.graph_utils import graph_copy, lazy_graph_modules
     from autosp.pipeline import passes_for
     from autosp.tracing import compile_for_trace, fake_training_sample
 
@@ -226,13 +220,11 @@ def trace_strategies(source: ModelSource, setup: TrainingSetup, *, seq_len: int,
             shard = [local[r] if r else x for r, x in zip(roles, example_inputs, strict=True)]
             if [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in shard] != shapes:
                 raise AutoSPError("its shard has other shapes than the shared Dynamo capture's")
-            # Lazy graph modules (torch's own switch, scoped to this block): nothing compiled here is
-            # called, so no graph's Python code is generated.
-            with warnings.catch_warnings(), _use_lazy_graph_module(True):
-                warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-                graph = _make_graph_module(gm, copy.deepcopy(gm.graph))
+            # nothing compiled here is called (Note [Graph modules generate their code when first called] in
+            # autosp/passes/graph_utils.py)
+            with lazy_graph_modules():
                 try:
-                    make_backend(m._ctx, m.config, passes=passes_for(m.config))(graph, shard)
+                    make_backend(m._ctx, m.config, passes=passes_for(m.config))(graph_copy(gm), shard)
                 except JointCaptured:
                     pass
 

@@ -9,7 +9,6 @@ six-layer graph itself, and the extrapolated prediction is within a stated toler
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 
@@ -19,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from autosp.export import export_workload
 from autosp.joint_template import partition_at, propagate_fake
+from autosp.passes.graph_utils import graph_copy
 from autosp.passes.joint.checkpointing import choose_recomputation, tag_recomputation
 from autosp.plan import TrainingSetup, load_cluster, predict
 from autosp.plan.depth import FullDepthTagger, _matmuls, _split
@@ -84,8 +84,7 @@ def test_a_traced_joint_graph_partitions_on_its_traces_fake_tensors_as_on_propag
     assert capture.traced is not None and propagate_fake(capture) is capture.traced
 
     def copied():  # node metadata copied per node (shallow), as the planner's per-pattern copies are
-        return dataclasses.replace(capture, graph=torch.fx.GraphModule(capture.graph,
-                                                                       copy.deepcopy(capture.graph.graph)))
+        return dataclasses.replace(capture, graph=graph_copy(capture.graph))
 
     fresh = dataclasses.replace(copied(), traced=None)
     propagate_fake(fresh)

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from autosp.plan import TrainingSetup, candidate_plans, load_cluster, plan_memory, predict
+from autosp.plan.planner import BINDS
 from tests.autosp.cases import config_json
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import run_on_ranks
@@ -228,6 +229,9 @@ def test_the_longest_plan_bounds_the_others_searches_and_the_choice_is_a_full_se
         else:
             assert found["max_seq_len"] == own.max_length["max_seq_len"]
     assert ruled_out >= 1
+    shown = report.format()  # each plan's answer as the search gave it: "< L" for a plan ruled out, not 0
+    assert all(f" {c.max_length_display:>11s} " in shown for c in report.candidates)
+    assert BINDS[chosen.max_length_stopped] in report.reason  # what bounds the answer: memory, or the search
 
 
 def test_trace_reuse_gives_every_checkpointing_plan_its_own_program(tmp_path, cluster):
