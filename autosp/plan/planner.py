@@ -54,28 +54,29 @@ class Candidate:
     def fits(self) -> bool:
         return self.prediction is not None and self.prediction.fits
 
+    def _searched(self, field: str):
+        """``field`` of the max-length search's answer (`predict`'s ``max_length``); None without a search."""
+        found = self.prediction.max_length if self.prediction is not None else None
+        return found[field] if found else None
+
     @property
     def max_seq_len(self) -> int | None:
-        found = self.prediction.max_length if self.prediction is not None else None
-        return found["max_seq_len"] if found else None
+        return self._searched("max_seq_len")
 
     @property
     def max_length_step_time_s(self) -> float | None:
-        found = self.prediction.max_length if self.prediction is not None else None
-        return found["step_time_s"] if found else None
+        return self._searched("step_time_s")
 
     @property
     def max_length_display(self) -> str | None:
         """The search's answer as shown: ``131,072``, ``≥ 131,072`` (a lower bound: the search stopped at its
         ceiling or probe budget) or ``< 131,072`` (nothing fitted from where the search started)."""
-        found = self.prediction.max_length if self.prediction is not None else None
-        return found["display"] if found else None
+        return self._searched("display")
 
     @property
     def max_length_stopped(self) -> str | None:
         """Why the search stopped (`simulator.search.STOP_REASONS`)."""
-        found = self.prediction.max_length if self.prediction is not None else None
-        return found["stopped"] if found else None
+        return self._searched("stopped")
 
     def to_dict(self) -> dict:
         """The candidate's row: what `choose_plan` reads, and the report's table (JSON)."""
