@@ -44,11 +44,12 @@ JOBS = (
 
 
 def _answer(found: dict) -> str:
-    """The decision's one line: the length reached, the plan and the DeepSpeed setup."""
+    """The decision's one line: the length reached as the search gave it (``≥ L`` where its ceiling bound it),
+    the plan and the DeepSpeed setup."""
     if found.get("chosen") is None:
         return f"no plan: {found.get('reason', '?')}"
     row = found["candidates"][found["chosen"]]
-    return f"{row.get('max_seq_len') or 0:,} tokens, plan {row['plan']!r}, setup {found.get('job')}"
+    return f"{row['max_length_display']} tokens, plan {row['plan']!r}, setup {found.get('job')}"
 
 
 def time_job(job: Job, workers: int | None) -> dict:
