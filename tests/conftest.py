@@ -30,10 +30,44 @@ def _fresh_dynamo_caches():
 
 
 # Where the suite's time goes, by file: setup, call and teardown of every test summed per test file, the slowest
-# files printed after pytest's own slowest tests and every file written to .test-times.json (ignored by git), so
-# that a slower file shows up in each run rather than in an occasional profile (docs/reproduction.md).
+# files printed after pytest's own slowest tests and every file's latest seconds kept in .test-times.json (ignored by
+# git, updated by each run, so a run of a few files keeps the others' times), so that a slower file shows up in
+# each run rather than in an occasional profile (docs/reproduction.md).
 _FILE_SECONDS: dict[str, float] = {}
 _SLOWEST_FILES_SHOWN = 15
+_TIMES = _ROOT / ".test-times.json"
+_STARTED_FIRST = (
+    "tests/experiments/test_reproduce.py",
+    "tests/autosp/test_planner.py",
+    "tests/autosp/test_deepspeed.py",
+    "tests/autosp/test_equivalence.py",
+)
+"""Files that take minutes, started first where no .test-times.json says better (a fresh clone): pytest-xdist's
+workers (bin/test) take whole files in collection order, so the longest going first lets the workers end together."""
+
+
+def _recorded_file_seconds() -> dict[str, float]:
+    import json
+
+    try:
+        return {str(k): float(v) for k, v in json.loads(_TIMES.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def pytest_collection_modifyitems(items):
+    """Longest test files first (`_STARTED_FIRST`, then the times of earlier runs), each file's tests kept together
+    and in their own order; the same order in every worker, which pytest-xdist requires."""
+    recorded = _recorded_file_seconds()
+    first = {path: rank for rank, path in enumerate(_STARTED_FIRST)}
+    order = {}
+    for item in items:
+        order.setdefault(item.nodeid.split("::", 1)[0], len(order))
+
+    def file_key(path: str) -> tuple:
+        return (first.get(path, len(first)), -recorded.get(path, 0.0), order[path])
+
+    items.sort(key=lambda item: file_key(item.nodeid.split("::", 1)[0]))
 
 
 def pytest_runtest_logreport(report):
@@ -52,4 +86,5 @@ def pytest_terminal_summary(terminalreporter):
                                     f"(of {len(ranked)}, {total:.0f} s in tests)")
     for path, seconds in ranked[:_SLOWEST_FILES_SHOWN]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {100 * seconds / total:4.1f}%  {path}")
-    (_ROOT / ".test-times.json").write_text(json.dumps(dict(ranked), indent=1) + "\n")
+    kept = {**_recorded_file_seconds(), **_FILE_SECONDS}
+    _TIMES.write_text(json.dumps(dict(sorted(kept.items(), key=lambda item: -item[1])), indent=1) + "\n")
