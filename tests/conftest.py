@@ -9,14 +9,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_ROOT / ".torch_extensions"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-if os.environ.get("PYTEST_XDIST_WORKER"):  # AUTOSP_TEST_WORKERS (bin/test): a worker per core, one thread each
+if os.environ.get("PYTEST_XDIST_WORKER"):  # bin/test's pytest-xdist workers: a worker per core, one thread each
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # DeepSpeed's first op build imports setuptools, whose distutils shim refuses to load after the standard
-    # library's distutils was imported, which a worker's earlier test files may have done
-    os.environ.setdefault("SETUPTOOLS_USE_DISTUTILS", "stdlib")
-
 
 import pytest  # noqa: E402
+
+# setuptools before any test file: its distutils (which DeepSpeed's op builder loads) refuses to load once the
+# standard library's distutils was imported, as the warning setuptools prints then advises
+import setuptools  # noqa: E402, F401
 
 
 @pytest.fixture(autouse=True)
