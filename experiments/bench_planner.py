@@ -138,7 +138,7 @@ def _ranks_table(what: str, world: int, results: list[dict], one_process) -> str
     report = results[0]["report"]
     name = "system" if what == "strategy-auto" else "plan"
     by_rank = {r: [c[name] for c in report["candidates"] if c["rank"] == r] for r in range(world)}
-    if what != "strategy-auto":  # a rank's share: its units (autosp.plan.planner.plan_units)
+    if what != "strategy-auto":  # a rank's share: its units (autosp.plan.shares.plan_units)
         by_rank = {r: [f"{len(names)} candidates"] if names else [] for r, names in by_rank.items()}
     ahead = results[0]["ready_s"] is not None
     how = ("planner process per rank started ahead, timed once its imports were made (slowest: "

@@ -280,12 +280,12 @@ def _answered(what: str, where: str, answer) -> dict:
 # decision anyway, and their candidates fall into independent units.  So rank 0 builds the request and broadcasts
 # it, every rank lists the units from it, and rank r predicts units r, r + P, ... (`autosp.plan.traces.rank_share`)
 # in its own planner process (`run_planner`; a rank without a share starts none).  The units:
-# - ``memory_plan="auto"`` (`memory_plan_on_ranks`): the candidates' trace groups (`autosp.plan.planner.plan_groups`:
+# - ``memory_plan="auto"`` (`memory_plan_on_ranks`): the candidates' trace groups (`autosp.plan.shares.plan_groups`:
 #   tiled loss x tiled MLP, the plans one trace serves).  A group's checkpointing variants share its traces and
 #   partitions, and its offload candidates are skipped by their twins' predictions (Note [Offload only where it is
 #   needed] in autosp/plan/planner.py), both inside the group, so a rank predicts each candidate as one process
 #   does.  With more ranks than groups, groups are halved by checkpointing variant, each half with its offload
-#   twins, for the otherwise idle ranks (`autosp.plan.planner.plan_units`, Note [Trace groups halved for spare
+#   twins, for the otherwise idle ranks (`autosp.plan.shares.plan_units`, Note [Trace groups halved for spare
 #   processes] there).  The mask rules a decision learns once (Note [Mask rules shared between a decision's traces] in
 #   autosp/passes/dynamo/mask_learner.py) are learnt once per rank.
 # - ``strategy="auto"`` (`strategy_on_ranks`): the runnable candidates, each its own prediction; each rank's process
@@ -324,7 +324,7 @@ def _gathered(group: dist.ProcessGroup, answer: dict) -> list[dict]:
 def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device,
                          planner: PlannerProcess | None = None, timeout_s: float | None = None) -> tuple[dict, dict]:
     """The collective of `decide` (Note [Candidates spread over the ranks]): rank 0's ``request()`` (a
-    `plan_request`) broadcast, each rank's share of the candidates' trace groups (`autosp.plan.planner.plan_groups`)
+    `plan_request`) broadcast, each rank's share of the candidates' trace groups (`autosp.plan.shares.plan_groups`)
     predicted in its planner process (``planner`` where it was started ahead; the caller closes it, a no-op once it
     answered), the rows all-gathered in candidate order and `autosp.plan.planner.choose_plan` applied; (the report,
     the request).  The report is a `PlanReport.to_dict` of the whole decision: each candidate's row names the
@@ -335,7 +335,8 @@ def memory_plan_on_ranks(group: dist.ProcessGroup, request, device: torch.device
     ``planner_started_before_s_by_rank`` how long before the request its process was started (None: at the
     request, or no share).  ``timeout_s``: each rank's longest wait for its planner process (`run_planner`)."""
     from autosp.plan.candidates import MemoryPlan
-    from autosp.plan.planner import choose_plan, in_plan_order, plan_shares, plan_units
+    from autosp.plan.planner import choose_plan
+    from autosp.plan.shares import in_plan_order, plan_shares, plan_units
 
     what = OPTION["memory"]
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)

@@ -23,8 +23,10 @@ from autosp.plan.candidates import MemoryPlan, candidates_for
 from autosp.plan.deepspeed_setups import JOB_SETUPS, deepspeed_config, job_name, job_setups, plans_for_job
 from autosp.plan.model_source import ModelSource
 from autosp.plan.prediction import Prediction, held_before_activations, predict
+from autosp.plan.process import COMPILE_IMPORTS, import_ahead
 from autosp.plan.setup import DECIDING_DEPTH, TrainingSetup
-from autosp.plan.traces import OFFLOAD_OPTION, TraceReuse, checkpointing_variant, rank_share
+from autosp.plan.shares import in_plan_order, plan_shares, plan_units
+from autosp.plan.traces import OFFLOAD_OPTION, TraceReuse
 from simulator.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -285,18 +287,6 @@ def shared_refusal(rows: Sequence[Mapping]) -> str | None:
     return next(iter(refusals)) if rows and len(refusals) == 1 and None not in refusals else None
 
 
-def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
-    """The indices of ``plans`` by trace group (`autosp.plan.traces.trace_group`: the plans that share traces, and
-    whose offload candidates `plan_memory` skips by their twins' predictions), groups in the order of their first
-    plan: the units a decision can spread over processes without changing a prediction or a skip."""
-    from autosp.plan.traces import trace_group
-
-    groups: dict[tuple, list[int]] = {}
-    for i, plan in enumerate(plans):
-        groups.setdefault(trace_group(plan.options), []).append(i)
-    return list(groups.values())
-
-
 # Note [The longest plan bounds the others' searches]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``objective="longest"`` chooses the longest length any plan fits, ties by the faster step there.  A plan that
@@ -307,58 +297,10 @@ def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
 # fits at L is searched upward as before, so the choice and its reason are those of a full search of every plan;
 # what changes is the table, which shows ``< L`` for the plans ruled out that way.  The plans are taken in the
 # reverse of the candidates' order (activation offload, the tiled ops and per-layer checkpointing first: those that
-# save the most memory), so that L is long early.  In a decision spread over processes each process bounds its own
-# share.
-
-
-# Note [Trace groups halved for spare processes]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A decision spreads over processes by trace groups (`plan_groups`), the units inside which a prediction and the
-# offload skip (Note [Offload only where it is needed]) are the same as in one process.  With more processes than
-# groups (8 ranks, 4 groups of tiled loss x tiled MLP at 8B) the spare ones would wait.  So where there are spare
-# processes, `plan_units` halves that many groups by checkpointing variant, each half with its plans' offload twins:
-# both halves trace the group's shallow program (a duplicated trace), each partitions and simulates its own
-# variants, and only the half whose offload candidate memory needs traces the deeper program the offload plans are
-# unrolled from.  A twin and its offload candidate stay in one unit, so the skip is decided as in one process, and
-# each candidate's prediction, fit and refusal, the choice and its reason are the one process's; the trace and
-# partition counts (summed over the processes) include the duplicated traces, and ``same_program_as`` names only a
-# candidate of the same unit.  Measured on Llama-3.1-8B's first group at 65,536 tokens on h100-sxm, SP 8 (one
-# warmed process each, 2-core machine): the whole group 23.6 s of CPU, its halves 17.8 and 14.2 s
-# (`experiments/bench_planner.py --ranks` takes the whole decision).
-
-
-def plan_units(plans: Sequence[MemoryPlan], ranks: int) -> list[list[int]]:
-    """The units of ``plans`` that ``ranks`` processes share (`plan_shares`): the trace groups (`plan_groups`),
-    the first of them halved by checkpointing variant (each half with its offload twins) while there are more
-    processes than units (Note [Trace groups halved for spare processes])."""
-    units, spare = [], ranks - len(groups := plan_groups(plans))
-    for group in groups:
-        variants = list(dict.fromkeys(checkpointing_variant(plans[i].options) for i in group))
-        if spare > 0 and len(variants) > 1:
-            first = set(variants[:(len(variants) + 1) // 2])
-            units += [[i for i in group if checkpointing_variant(plans[i].options) in first],
-                      [i for i in group if checkpointing_variant(plans[i].options) not in first]]
-            spare -= 1
-        else:
-            units.append(group)
-    return units
-
-
-def plan_shares(units: Sequence[Sequence[int]], ranks: int) -> list[list[int]]:
-    """The plan indices each of ``ranks`` processes predicts, given the units ``units`` (`plan_units`, or the
-    trace groups of `plan_groups`): whole units, spread by `autosp.plan.traces.rank_share`, each share in the
-    plans' order of its units."""
-    return [[i for unit in rank_share(units, rank, ranks) for i in unit] for rank in range(ranks)]
-
-
-def in_plan_order(shares: Sequence[Sequence[int]], found: Sequence[Sequence], count: int) -> list:
-    """The ``count`` plans' results in the plans' order, given each share's plan indices (`plan_shares`) and its
-    results (``found[k]`` for ``shares[k]``, in the same order); None where no share held the plan."""
-    merged: list = [None] * count
-    for share, results in zip(shares, found, strict=True):
-        for i, result in zip(share, results, strict=True):
-            merged[i] = result
-    return merged
+# save the most memory), so that L is long early.  In a decision spread over processes (`_plan_in_workers`) the
+# calling process holds the plan saving the most and decides it first; the other processes start on their shares
+# once it is decided, bounded by its length (a process of its own would search each of its plans from scratch),
+# and each bounds its share further as it goes.
 
 
 def states_over_target(held: Mapping[str, int], target: int, setup: TrainingSetup) -> str:
@@ -419,8 +361,13 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
 
 def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequence[MemoryPlan], *, start: float,
                target: int, objective: str, max_length_high: int | None, granularity: int, max_probes: int,
-               reuse_traces: bool, resize_lengths: bool, progress: Progress | None = None) -> PlanReport:
-    """`plan_memory` in this process (its arguments checked and defaulted), unlogged."""
+               reuse_traces: bool, resize_lengths: bool, progress: Progress | None = None,
+               longest_elsewhere: int | None = None,
+               after_first: Callable[[int | None], None] | None = None) -> PlanReport:
+    """`plan_memory` in this process (its arguments checked and defaulted), unlogged.  ``longest_elsewhere``: a
+    length another process's plan fits, which bounds the searches here as this process's own plans do;
+    ``after_first``: called with the longest length found once the first plan is decided (Note [The longest plan
+    bounds the others' searches])."""
     # Only the max-length search asks for several lengths.
     reuse = TraceReuse([p.options for p in plans], resize_lengths=resize_lengths and objective == "longest") \
         if reuse_traces else None
@@ -433,7 +380,7 @@ def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequen
         order = sorted(range(len(plans)), key=lambda i: plans[i].options.get("activation_offload") == "on")
     else:  # Note [The longest plan bounds the others' searches]: the plans saving the most memory first
         order = list(reversed(range(len(plans))))
-    longest = None  # the longest length a plan decided so far fits
+    longest = longest_elsewhere  # the longest length a plan decided so far fits
     if progress:
         progress(len(found), len(plans), "")
     for index in (i for i in order if i not in found):
@@ -447,6 +394,11 @@ def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequen
         traces += taken
         if progress:
             progress(len(found), len(plans), plan.name)
+        if after_first is not None:
+            after_first(longest)
+            after_first = None
+    if after_first is not None:  # nothing was left to decide here
+        after_first(longest)
     candidates = [found[i] for i in range(len(plans))]  # in the plans' order
     traces = reuse.traces if reuse else traces  # with a refused group's traces
     chosen, reason = choose_plan([c.to_dict() for c in candidates], objective, seq_len=setup.seq_len, target=target)
@@ -492,14 +444,27 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, units: 
     from concurrent.futures import ProcessPoolExecutor
 
     workers = min(workers, len(units))
-    shares = plan_shares(units, workers)
+    longest = objective == "longest"
+    if longest:  # the unit of the plan saving the most to this process, which decides it first
+        units = sorted(units, key=lambda unit: len(plans) - 1 not in unit)
+    shares = [sorted(share) for share in plan_shares(units, workers)]  # each decided in the plans' order
     log.info("memory plan for %s: %d candidates in %d units, predicted by %d worker processes", model,
              len(plans), len(units), workers)
     # Fresh processes (spawn): a planner resets Dynamo between traces and must not share a forked torch's state.
     asked = [(model, setup, cluster, [plans[i] for i in share], objective, target, choices) for share in shares]
     with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        others = pool.map(_plan_share, asked[1:])  # submitted now, collected after this process's own share
-        reports = [_plan_share(asked[0], here=True), *others]
+        others = []
+
+        def start_others(bound: int | None) -> None:  # collected after this process's own share
+            others.extend(pool.submit(_plan_share, share, longest_elsewhere=bound) for share in asked[1:])
+
+        if longest:  # Note [The longest plan bounds the others' searches]: the others wait for its length
+            for _ in asked[1:]:
+                pool.submit(import_ahead, COMPILE_IMPORTS)  # each process's imports meanwhile
+        else:
+            start_others(None)
+        reports = [_plan_share(asked[0], here=True, after_first=start_others if longest else None)]
+        reports += [future.result() for future in others]
     candidates = in_plan_order(shares, [r.candidates for r in reports], len(plans))
     chosen, reason = choose_plan([c.to_dict() for c in candidates], objective, seq_len=setup.seq_len, target=target)
     report = PlanReport(model=model, objective=objective, seq_len=setup.seq_len, target_memory_bytes=target,
@@ -509,14 +474,15 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, units: 
     return report
 
 
-def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
+def _plan_share(asked: tuple, here: bool = False, **bounds) -> PlanReport:
     """One worker of `_plan_in_workers`: its share planned in this process (``here``: the calling one, which logs
-    the merged report; a worker process logs warnings only)."""
+    the merged report; a worker process logs warnings only); ``bounds``: `_plan_here`'s ``longest_elsewhere`` or
+    ``after_first``."""
     model, setup, cluster, plans, objective, target, choices = asked
     if not here:
         logging.basicConfig(level=logging.WARNING)
     return _plan_here(model, setup, cluster, plans, start=time.perf_counter(), target=target, objective=objective,
-                      reuse_traces=True, **choices)
+                      reuse_traces=True, **choices, **bounds)
 
 
 def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mapping | None = None,

@@ -295,7 +295,8 @@ def test_the_candidates_spread_over_the_ranks_are_predicted_as_one_process_predi
     the counts equal those of one process planning every candidate (`plan_memory`) for the same request."""
     from autosp.plan import TrainingSetup, load_cluster
     from autosp.plan.candidates import MemoryPlan
-    from autosp.plan.planner import plan_groups, plan_memory
+    from autosp.plan.planner import plan_memory
+    from autosp.plan.shares import plan_groups
     from experiments.models import build_model
 
     cases, results = trained[:2]

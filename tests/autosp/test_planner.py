@@ -14,6 +14,7 @@ import pytest
 
 from autosp.plan import TrainingSetup, candidate_plans, load_cluster, plan_memory, predict
 from autosp.plan.planner import BINDS
+from autosp.plan.shares import plan_groups
 from tests.autosp.cases import config_json
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import run_on_ranks
@@ -90,7 +91,7 @@ def test_shares_hold_whole_trace_groups_and_merge_back_in_the_plans_order():
     """`plan_shares` gives each process whole trace groups, every ``ranks``-th from its own, the plans of a share in
     their order; `in_plan_order` puts each share's results back at their plans' indices (None where no share held
     one): the merge of ``workers`` processes and of the ranks of ``memory_plan="auto"``."""
-    from autosp.plan.planner import in_plan_order, plan_shares
+    from autosp.plan.shares import in_plan_order, plan_shares
 
     groups = [[0, 3], [1], [2, 4, 5], [6]]
     assert plan_shares(groups, 2) == [[0, 3, 2, 4, 5], [1, 6]]
@@ -111,7 +112,8 @@ def test_trace_groups_halved_for_spare_processes_predict_what_one_process_does(m
     checkpointing variant, each half with its offload twins; every row, the choice and its reason equal one
     process's, for a target the plain plans fit (their offload twins not predicted) and one they do not."""
     from autosp.plan.candidates import MemoryPlan
-    from autosp.plan.planner import NEEDLESS_OFFLOAD, plan_groups, plan_shares, plan_units
+    from autosp.plan.planner import NEEDLESS_OFFLOAD
+    from autosp.plan.shares import plan_groups, plan_shares, plan_units
 
     plans = candidate_plans(loss_chunk_tokens=16, checkpointing=("none", "full"), tiled_loss=("on",),
                             tiled_mlp=("off",), activation_offload=("off", "on"))
@@ -208,7 +210,8 @@ def test_the_longest_plan_bounds_the_others_searches_and_the_choice_is_a_full_se
     """Note [The longest plan bounds the others' searches]: each plan is searched from the longest length a plan
     decided before it fits; the choice and its length are those of every plan searched on its own from the start,
     a plan ruled out shows ``< L`` after fewer probes than its own search, and one that reaches L is searched as
-    before."""
+    before.  Spread over two processes, the plan saving the most is decided first and its length bounds the other
+    process's share too: the same choice and reason, every plan shorter than that length ruled out in fewer probes."""
     grid = dict(max_length_high=512, granularity=128, max_probes=4)
     target = table[PLANS[0].name].peak_bytes + 1  # the plain plan fits at 128 tokens; the others longer
     report = plan_memory(model, SETUP, cluster, objective="longest", target_memory=target, plans=PLANS, **grid)
@@ -232,6 +235,20 @@ def test_the_longest_plan_bounds_the_others_searches_and_the_choice_is_a_full_se
     shown = report.format()  # each plan's answer as the search gave it: "< L" for a plan ruled out, not 0
     assert all(f" {c.max_length_display:>11s} " in shown for c in report.candidates)
     assert BINDS[chosen.max_length_stopped] in report.reason  # what bounds the answer: memory, or the search
+
+    spread = plan_memory(model, SETUP, cluster, objective="longest", target_memory=target, plans=PLANS, workers=2,
+                         **grid)
+    assert (spread.chosen, spread.reason) == (report.chosen, report.reason)
+    first = lengths[-1]  # the last plan saves the most: this process decides it before the other process starts
+    shorter = [i for i, length in enumerate(lengths) if length < first]
+    assert shorter and any(i not in plan_groups(PLANS)[-1] for i in shorter), "no plan of the other share to bound"
+    for i, (candidate, own) in enumerate(zip(spread.candidates, alone, strict=True)):
+        found = candidate.prediction.max_length
+        if i in shorter:
+            assert found["max_seq_len"] is None and int(found["display"].removeprefix("< ").replace(",", "")) >= first
+            assert len(found["probes"]) < len(own.max_length["probes"])
+        else:
+            assert found["max_seq_len"] == own.max_length["max_seq_len"]
 
 
 def test_trace_reuse_gives_every_checkpointing_plan_its_own_program(tmp_path, cluster):

@@ -1,0 +1,71 @@
+"""How one memory-plan decision's candidates are spread over processes: by trace group (`plan_groups`), halved
+where processes are spare (`plan_units`), a share to each process (`plan_shares`) and the answers put back in the
+candidates' order (`in_plan_order`).  Used by `autosp.plan.planner` (its ``workers``) and `autosp.plan.auto` (the
+ranks of a job)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autosp.plan.candidates import MemoryPlan
+from autosp.plan.traces import checkpointing_variant, rank_share, trace_group
+
+
+def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:
+    """The indices of ``plans`` by trace group (`autosp.plan.traces.trace_group`: the plans that share traces, and
+    whose offload candidates `plan_memory` skips by their twins' predictions), groups in the order of their first
+    plan: the units a decision can spread over processes without changing a prediction or a skip."""
+    groups: dict[tuple, list[int]] = {}
+    for i, plan in enumerate(plans):
+        groups.setdefault(trace_group(plan.options), []).append(i)
+    return list(groups.values())
+
+
+# Note [Trace groups halved for spare processes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A decision spreads over processes by trace groups (`plan_groups`), the units inside which a prediction and the
+# offload skip (Note [Offload only where it is needed] in autosp/plan/planner.py) are the same as in one process.  With more processes than
+# groups (8 ranks, 4 groups of tiled loss x tiled MLP at 8B) the spare ones would wait.  So where there are spare
+# processes, `plan_units` halves that many groups by checkpointing variant, each half with its plans' offload twins:
+# both halves trace the group's shallow program (a duplicated trace), each partitions and simulates its own
+# variants, and only the half whose offload candidate memory needs traces the deeper program the offload plans are
+# unrolled from.  A twin and its offload candidate stay in one unit, so the skip is decided as in one process, and
+# each candidate's prediction, fit and refusal, the choice and its reason are the one process's; the trace and
+# partition counts (summed over the processes) include the duplicated traces, and ``same_program_as`` names only a
+# candidate of the same unit.  Measured on Llama-3.1-8B's first group at 65,536 tokens on h100-sxm, SP 8 (one
+# warmed process each, 2-core machine): the whole group 23.6 s of CPU, its halves 17.8 and 14.2 s
+# (`experiments/bench_planner.py --ranks` takes the whole decision).
+
+
+def plan_units(plans: Sequence[MemoryPlan], ranks: int) -> list[list[int]]:
+    """The units of ``plans`` that ``ranks`` processes share (`plan_shares`): the trace groups (`plan_groups`),
+    the first of them halved by checkpointing variant (each half with its offload twins) while there are more
+    processes than units (Note [Trace groups halved for spare processes])."""
+    units, spare = [], ranks - len(groups := plan_groups(plans))
+    for group in groups:
+        variants = list(dict.fromkeys(checkpointing_variant(plans[i].options) for i in group))
+        if spare > 0 and len(variants) > 1:
+            first = set(variants[:(len(variants) + 1) // 2])
+            units += [[i for i in group if checkpointing_variant(plans[i].options) in first],
+                      [i for i in group if checkpointing_variant(plans[i].options) not in first]]
+            spare -= 1
+        else:
+            units.append(group)
+    return units
+
+
+def plan_shares(units: Sequence[Sequence[int]], ranks: int) -> list[list[int]]:
+    """The plan indices each of ``ranks`` processes predicts, given the units ``units`` (`plan_units`, or the
+    trace groups of `plan_groups`): whole units, spread by `autosp.plan.traces.rank_share`, each share in the
+    plans' order of its units."""
+    return [[i for unit in rank_share(units, rank, ranks) for i in unit] for rank in range(ranks)]
+
+
+def in_plan_order(shares: Sequence[Sequence[int]], found: Sequence[Sequence], count: int) -> list:
+    """The ``count`` plans' results in the plans' order, given each share's plan indices (`plan_shares`) and its
+    results (``found[k]`` for ``shares[k]``, in the same order); None where no share held the plan."""
+    merged: list = [None] * count
+    for share, results in zip(shares, found, strict=True):
+        for i, result in zip(share, results, strict=True):
+            merged[i] = result
+    return merged
