@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,9 +24,8 @@ from autosp.plan.candidates import MemoryPlan, candidates_for
 from autosp.plan.deepspeed_setups import JOB_SETUPS, deepspeed_config, job_name, job_setups, plans_for_job
 from autosp.plan.model_source import ModelSource
 from autosp.plan.prediction import Prediction, held_before_activations, predict
-from autosp.plan.process import COMPILE_IMPORTS, import_ahead
 from autosp.plan.setup import DECIDING_DEPTH, TrainingSetup
-from autosp.plan.shares import in_plan_order, plan_shares, plan_units
+from autosp.plan.shares import LengthBoard, in_plan_order, plan_shares, plan_units
 from autosp.plan.traces import OFFLOAD_OPTION, TraceReuse
 from simulator.cluster import Cluster
 
@@ -297,10 +297,11 @@ def shared_refusal(rows: Sequence[Mapping]) -> str | None:
 # fits at L is searched upward as before, so the choice and its reason are those of a full search of every plan;
 # what changes is the table, which shows ``< L`` for the plans ruled out that way.  The plans are taken in the
 # reverse of the candidates' order (activation offload, the tiled ops and per-layer checkpointing first: those that
-# save the most memory), so that L is long early.  In a decision spread over processes (`_plan_in_workers`) the
-# calling process holds the plan saving the most and decides it first; the other processes start on their shares
-# once it is decided, bounded by its length (a process of its own would search each of its plans from scratch),
-# and each bounds its share further as it goes.
+# save the most memory), so that L is long early.  In a decision spread over processes (`_plan_in_workers`) every
+# process keeps its longest L on a board the others read before each plan (`autosp.plan.shares.LengthBoard`), and
+# the calling process, which starts first, holds the plan saving the most: a process searches from the longest
+# length any process has found, not only its own.  Which plans are ruled out that way (their rows) then depends on
+# the order in which the processes' answers arrive; the choice and its reason do not.
 
 
 def states_over_target(held: Mapping[str, int], target: int, setup: TrainingSetup) -> str:
@@ -362,12 +363,10 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
 def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequence[MemoryPlan], *, start: float,
                target: int, objective: str, max_length_high: int | None, granularity: int, max_probes: int,
                reuse_traces: bool, resize_lengths: bool, progress: Progress | None = None,
-               longest_elsewhere: int | None = None,
-               after_first: Callable[[int | None], None] | None = None) -> PlanReport:
-    """`plan_memory` in this process (its arguments checked and defaulted), unlogged.  ``longest_elsewhere``: a
-    length another process's plan fits, which bounds the searches here as this process's own plans do;
-    ``after_first``: called with the longest length found once the first plan is decided (Note [The longest plan
-    bounds the others' searches])."""
+               lengths: tuple[LengthBoard, str] | None = None) -> PlanReport:
+    """`plan_memory` in this process (its arguments checked and defaulted), unlogged.  ``lengths``: the board of a
+    decision spread over processes and this process's name on it, where the longest length each process's plans fit
+    so far is kept and read before every plan (Note [The longest plan bounds the others' searches])."""
     # Only the max-length search asks for several lengths.
     reuse = TraceReuse([p.options for p in plans], resize_lengths=resize_lengths and objective == "longest") \
         if reuse_traces else None
@@ -380,25 +379,24 @@ def _plan_here(model: str, setup: TrainingSetup, cluster: Cluster, plans: Sequen
         order = sorted(range(len(plans)), key=lambda i: plans[i].options.get("activation_offload") == "on")
     else:  # Note [The longest plan bounds the others' searches]: the plans saving the most memory first
         order = list(reversed(range(len(plans))))
-    longest = longest_elsewhere  # the longest length a plan decided so far fits
+    longest = None  # the longest length a plan decided so far fits
     if progress:
         progress(len(found), len(plans), "")
     for index in (i for i in order if i not in found):
         plan, candidates = plans[index], list(found.values())
+        if lengths is not None:
+            longest = max(longest or 0, lengths[0].longest() or 0) or None
         found[index], taken = _decided(plan, candidates, reuse, objective=objective, model=model, setup=setup,
                                        cluster=cluster, target=target, max_length_high=max_length_high,
                                        granularity=granularity, max_probes=max_probes, max_length_low=longest)
         reached = found[index].prediction and found[index].prediction.max_length
         if reached and reached["max_seq_len"] is not None:
             longest = max(longest or 0, reached["max_seq_len"])
+            if lengths is not None:
+                lengths[0].keep(lengths[1], longest)
         traces += taken
         if progress:
             progress(len(found), len(plans), plan.name)
-        if after_first is not None:
-            after_first(longest)
-            after_first = None
-    if after_first is not None:  # nothing was left to decide here
-        after_first(longest)
     candidates = [found[i] for i in range(len(plans))]  # in the plans' order
     traces = reuse.traces if reuse else traces  # with a refused group's traces
     chosen, reason = choose_plan([c.to_dict() for c in candidates], objective, seq_len=setup.seq_len, target=target)
@@ -444,27 +442,19 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, units: 
     from concurrent.futures import ProcessPoolExecutor
 
     workers = min(workers, len(units))
-    longest = objective == "longest"
-    if longest:  # the unit of the plan saving the most to this process, which decides it first
-        units = sorted(units, key=lambda unit: len(plans) - 1 not in unit)
+    # the unit of the plan saving the most to this process, whose imports are made: the others start after theirs
+    units = sorted(units, key=lambda unit: len(plans) - 1 not in unit)
     shares = [sorted(share) for share in plan_shares(units, workers)]  # each decided in the plans' order
     log.info("memory plan for %s: %d candidates in %d units, predicted by %d worker processes", model,
              len(plans), len(units), workers)
-    # Fresh processes (spawn): a planner resets Dynamo between traces and must not share a forked torch's state.
-    asked = [(model, setup, cluster, [plans[i] for i in share], objective, target, choices) for share in shares]
-    with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        others = []
-
-        def start_others(bound: int | None) -> None:  # collected after this process's own share
-            others.extend(pool.submit(_plan_share, share, longest_elsewhere=bound) for share in asked[1:])
-
-        if longest:  # Note [The longest plan bounds the others' searches]: the others wait for its length
-            for _ in asked[1:]:
-                pool.submit(import_ahead, COMPILE_IMPORTS)  # each process's imports meanwhile
-        else:
-            start_others(None)
-        reports = [_plan_share(asked[0], here=True, after_first=start_others if longest else None)]
-        reports += [future.result() for future in others]
+    with tempfile.TemporaryDirectory(prefix="autosp-plan-lengths-") as folder:
+        board = LengthBoard(folder) if objective == "longest" else None
+        asked = [(model, setup, cluster, [plans[i] for i in share], objective, target, choices, board, f"share{k}")
+                 for k, share in enumerate(shares)]
+        # Fresh processes (spawn): a planner resets Dynamo between traces and must not share a forked torch's state.
+        with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            others = pool.map(_plan_share, asked[1:])  # submitted now, collected after this process's own share
+            reports = [_plan_share(asked[0], here=True), *others]
     candidates = in_plan_order(shares, [r.candidates for r in reports], len(plans))
     chosen, reason = choose_plan([c.to_dict() for c in candidates], objective, seq_len=setup.seq_len, target=target)
     report = PlanReport(model=model, objective=objective, seq_len=setup.seq_len, target_memory_bytes=target,
@@ -474,15 +464,14 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, units: 
     return report
 
 
-def _plan_share(asked: tuple, here: bool = False, **bounds) -> PlanReport:
+def _plan_share(asked: tuple, here: bool = False) -> PlanReport:
     """One worker of `_plan_in_workers`: its share planned in this process (``here``: the calling one, which logs
-    the merged report; a worker process logs warnings only); ``bounds``: `_plan_here`'s ``longest_elsewhere`` or
-    ``after_first``."""
-    model, setup, cluster, plans, objective, target, choices = asked
+    the merged report; a worker process logs warnings only)."""
+    model, setup, cluster, plans, objective, target, choices, board, name = asked
     if not here:
         logging.basicConfig(level=logging.WARNING)
     return _plan_here(model, setup, cluster, plans, start=time.perf_counter(), target=target, objective=objective,
-                      reuse_traces=True, **choices, **bounds)
+                      reuse_traces=True, lengths=(board, name) if board else None, **choices)
 
 
 def plan_job(model: str, setup: TrainingSetup, cluster: Cluster, *, fixed: Mapping | None = None,

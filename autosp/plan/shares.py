@@ -1,11 +1,15 @@
 """How one memory-plan decision's candidates are spread over processes: by trace group (`plan_groups`), halved
 where processes are spare (`plan_units`), a share to each process (`plan_shares`) and the answers put back in the
-candidates' order (`in_plan_order`).  Used by `autosp.plan.planner` (its ``workers``) and `autosp.plan.auto` (the
+candidates' order (`in_plan_order`), the longest length found so far kept where every process reads it
+(`LengthBoard`).  Used by `autosp.plan.planner` (its ``workers``) and `autosp.plan.auto` (the
 ranks of a job)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from autosp.plan.candidates import MemoryPlan
 from autosp.plan.traces import checkpointing_variant, rank_share, trace_group
@@ -69,3 +73,23 @@ def in_plan_order(shares: Sequence[Sequence[int]], found: Sequence[Sequence], co
         for i, result in zip(share, results, strict=True):
             merged[i] = result
     return merged
+
+
+@dataclass(frozen=True)
+class LengthBoard:
+    """The longest length a plan of any process of one decision fits so far (Note [The longest plan bounds the
+    others' searches] in autosp/plan/planner.py): a folder in which each process keeps its own longest in a file of
+    its own, replaced whole, so that a reader sees every process's last value and no write is lost."""
+
+    folder: str
+
+    def keep(self, name: str, length: int) -> None:
+        """Record ``length`` as process ``name``'s longest."""
+        staged = Path(self.folder, f".{name}")
+        staged.write_text(str(length))
+        os.replace(staged, Path(self.folder, name))
+
+    def longest(self) -> int | None:
+        """The longest length any process has recorded (None: none yet)."""
+        return max((int(path.read_text()) for path in Path(self.folder).iterdir() if not path.name.startswith(".")),
+                   default=None)

@@ -8,13 +8,16 @@ it on; 16-token chunks).  The 8B decision time is measured outside the tests (do
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import tempfile
 
 import pytest
 
 from autosp.plan import TrainingSetup, candidate_plans, load_cluster, plan_memory, predict
-from autosp.plan.planner import BINDS
-from autosp.plan.shares import plan_groups
+from autosp.plan.planner import BINDS, _plan_here
+from autosp.plan.setup import DECIDING_DEPTH
+from autosp.plan.shares import LengthBoard
 from tests.autosp.cases import config_json
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import run_on_ranks
@@ -210,8 +213,8 @@ def test_the_longest_plan_bounds_the_others_searches_and_the_choice_is_a_full_se
     """Note [The longest plan bounds the others' searches]: each plan is searched from the longest length a plan
     decided before it fits; the choice and its length are those of every plan searched on its own from the start,
     a plan ruled out shows ``< L`` after fewer probes than its own search, and one that reaches L is searched as
-    before.  Spread over two processes, the plan saving the most is decided first and its length bounds the other
-    process's share too: the same choice and reason, every plan shorter than that length ruled out in fewer probes."""
+    before.  Spread over two processes, which read each other's lengths: the same choice and reason, every row one
+    that process's bound allows; a process given another's length first rules out every plan shorter than it."""
     grid = dict(max_length_high=512, granularity=128, max_probes=4)
     target = table[PLANS[0].name].peak_bytes + 1  # the plain plan fits at 128 tokens; the others longer
     report = plan_memory(model, SETUP, cluster, objective="longest", target_memory=target, plans=PLANS, **grid)
@@ -239,16 +242,34 @@ def test_the_longest_plan_bounds_the_others_searches_and_the_choice_is_a_full_se
     spread = plan_memory(model, SETUP, cluster, objective="longest", target_memory=target, plans=PLANS, workers=2,
                          **grid)
     assert (spread.chosen, spread.reason) == (report.chosen, report.reason)
-    first = lengths[-1]  # the last plan saves the most: this process decides it before the other process starts
-    shorter = [i for i, length in enumerate(lengths) if length < first]
-    assert shorter and any(i not in plan_groups(PLANS)[-1] for i in shorter), "no plan of the other share to bound"
-    for i, (candidate, own) in enumerate(zip(spread.candidates, alone, strict=True)):
+    for candidate, own in zip(spread.candidates, alone, strict=True):
+        _found_within_its_bound(candidate.prediction.max_length, own.max_length, max(lengths))
+    # A process that reads a longer length from the board before its first plan: every shorter plan ruled out.
+    with tempfile.TemporaryDirectory() as folder:
+        board = LengthBoard(folder)
+        board.keep("another process", max(lengths))
+        bounded = _plan_here(model, dataclasses.replace(SETUP, depth=DECIDING_DEPTH), cluster, PLANS, start=0.0,
+                             target=target, objective="longest", reuse_traces=True, resize_lengths=True,
+                             lengths=(board, "this process"), **grid)
+        assert board.longest() == max(lengths)
+    probes = [[len(c.prediction.max_length["probes"]) for c in r.candidates] for r in (report, bounded)]
+    assert all(b <= a for a, b in zip(*probes, strict=True)) and sum(probes[1]) < sum(probes[0]), probes  # the board was read
+    assert (bounded.chosen, bounded.reason) == (report.chosen, report.reason)
+    for candidate, own in zip(bounded.candidates, alone, strict=True):
         found = candidate.prediction.max_length
-        if i in shorter:
-            assert found["max_seq_len"] is None and int(found["display"].removeprefix("< ").replace(",", "")) >= first
-            assert len(found["probes"]) < len(own.max_length["probes"])
-        else:
-            assert found["max_seq_len"] == own.max_length["max_seq_len"]
+        _found_within_its_bound(found, own.max_length, max(lengths))
+        assert (found["max_seq_len"] is None) == ((own.max_length["max_seq_len"] or 0) < max(lengths))
+
+
+def _found_within_its_bound(found: dict, own: dict, longest: int) -> None:
+    """A plan's max-length answer in a bounded search: its own search's length, or ``< L`` (fewer probes) for an L
+    above that length and at most the longest any plan fits."""
+    if found["max_seq_len"] is None:
+        floor = int(found["display"].removeprefix("< ").replace(",", ""))
+        assert (own["max_seq_len"] or 0) < floor <= longest
+        assert len(found["probes"]) < len(own["probes"])
+    else:
+        assert found["max_seq_len"] == own["max_seq_len"]
 
 
 def test_trace_reuse_gives_every_checkpointing_plan_its_own_program(tmp_path, cluster):
