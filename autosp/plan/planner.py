@@ -437,7 +437,7 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, units: 
     share of worker w: `plan_shares`): this one, whose imports are made, predicts share 0 while ``workers``
     - 1 fresh processes predict the others; their candidates are merged in the plans' order and chosen among by
     `choose_plan`: the one-process report but for ``seconds`` (this call's) and, where a group was halved, the
-    counts (Note [Trace groups halved for spare processes])."""
+    counts (Note [Trace groups halved for spare processes] in autosp/plan/shares.py)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 

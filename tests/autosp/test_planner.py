@@ -111,7 +111,7 @@ def test_shares_hold_whole_trace_groups_and_merge_back_in_the_plans_order():
 
 
 def test_trace_groups_halved_for_spare_processes_predict_what_one_process_does(model, cluster, table):
-    """Note [Trace groups halved for spare processes]: with more processes than trace groups, a group is halved by
+    """Note [Trace groups halved for spare processes] (autosp/plan/shares.py): with more processes than trace groups, a group is halved by
     checkpointing variant, each half with its offload twins; every row, the choice and its reason equal one
     process's, for a target the plain plans fit (their offload twins not predicted) and one they do not."""
     from autosp.plan.candidates import MemoryPlan
