@@ -44,3 +44,20 @@ def graph_break_error(err: Exception, model: str) -> AutoSPError:
         "graph break would split attention from its all-to-alls and hide token-mixing ops from its analysis; "
         "change that code so torch.compile can trace it (or move it out of the model's forward)"
     )
+
+
+def with_attention_hint(err: AutoSPError, module: nn.Module) -> AutoSPError:
+    """``err``, where ``module`` is a Hugging Face model that runs its eager attention (matmul and softmax, which
+    AutoSP does not split over the sequence), with a sentence saying so and what to change: the refusal may name an
+    op of the mask its eager attention builds, and that attention would be refused next in any case."""
+    config = getattr(module, "config", None)
+    if type(err) is not AutoSPError or getattr(config, "_attn_implementation", None) != "eager":
+        return err  # a subclass is caught by what it names (e.g. `DocumentAttentionUnavailable`)
+    name = type(module).__name__
+    fix = ("load it with attn_implementation='sdpa'" if getattr(type(module), "_supports_sdpa", False) else
+           f"{name} has no SDPA attention in Hugging Face transformers, and AutoSP does not yet recognise attention "
+           "written as matmul and softmax")
+    hinted = AutoSPError(f"{err}.  Note: {name} runs eager attention, which AutoSP cannot split over the sequence "
+                         f"(it rewrites scaled_dot_product_attention): {fix}")
+    hinted.__cause__ = err.__cause__
+    return hinted

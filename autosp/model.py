@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from autosp.backend import make_backend
 from autosp.config import AutoSPConfig
 from autosp.context import CompiledProgram, CompileReport, TraceContext
-from autosp.diagnostics import graph_break_error, install_output_capture_hooks
+from autosp.diagnostics import graph_break_error, install_output_capture_hooks, with_attention_hint
 from autosp.errors import AutoSPError, DocumentAttentionUnavailable
 from autosp.gradients import GradientReduction
 from autosp.groups import SequenceParallelGroups
@@ -408,7 +408,7 @@ class SequenceParallelModel(nn.Module):
                 return compiled(**local)  # Note [One program per length]
         except torch._dynamo.exc.BackendCompilerFailed as err:
             if isinstance(err.inner_exception, AutoSPError):
-                raise err.inner_exception from None
+                raise with_attention_hint(err.inner_exception, self.module) from None
             raise
         except torch._dynamo.exc.FailOnRecompileLimitHit as err:
             raise AutoSPError(

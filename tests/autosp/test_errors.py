@@ -338,3 +338,42 @@ def test_errors_model_dynamo_cannot_capture_whole_is_refused_naming_the_construc
     ids, labels = make_sample(16, 256, seed=0)
     with pytest.raises(AutoSPError, match=r"Logs.forward does not trace as one graph: .*test_errors.py:\d+ in forward\(\)"):
         _call(Logs(), ids, labels)
+
+
+@pytest.mark.parametrize("family", ["gpt_neo", "llama"])
+def test_errors_of_a_model_with_eager_attention_say_so_and_what_to_change(family):
+    """A Hugging Face model that runs eager attention is refused wherever its mask or attention is first met, and
+    the refusal adds why and what to change: GPT-Neo has no SDPA attention (its refusal is at the mask's slice of
+    the token axis), Llama loaded with attn_implementation='eager' has."""
+    import transformers
+
+    if family == "gpt_neo":
+        config = transformers.GPTNeoConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4,
+                                           attention_types=[[["global", "local"], 1]], window_size=8,
+                                           max_position_embeddings=64)
+        model, fix = transformers.GPTNeoForCausalLM(config), "GPTNeoForCausalLM has no SDPA attention"
+    else:
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=4, attn_implementation="eager")
+        model, fix = transformers.LlamaForCausalLM(config), "load it with attn_implementation='sdpa'"
+    assert model.config._attn_implementation == "eager"
+    ids, labels = make_sample(16, 256, seed=0)
+    with pytest.raises(AutoSPError) as refused:
+        _call(model, ids, labels)
+    message = str(refused.value)
+    assert "runs eager attention, which AutoSP cannot split over the sequence" in message and fix in message
+    assert "\n" not in message
+
+
+def test_errors_of_a_model_with_sdpa_attention_add_no_eager_note():
+    """The note is added only where the model runs eager attention (here: a refusal of attention dropout)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, attn_implementation="sdpa",
+                                      attention_dropout=0.1)
+    model = transformers.LlamaForCausalLM(config)
+    ids, labels = make_sample(16, 256, seed=0)
+    with pytest.raises(AutoSPError, match="attention dropout") as refused:
+        _call(model, ids, labels)
+    assert "eager attention" not in str(refused.value)
