@@ -57,7 +57,5 @@ def with_attention_hint(err: AutoSPError, module: nn.Module) -> AutoSPError:
     fix = ("load it with attn_implementation='sdpa'" if getattr(type(module), "_supports_sdpa", False) else
            f"{name} has no SDPA attention in Hugging Face transformers, and AutoSP does not yet recognise attention "
            "written as matmul and softmax")
-    hinted = AutoSPError(f"{err}.  Note: {name} runs eager attention, which AutoSP cannot split over the sequence "
-                         f"(it rewrites scaled_dot_product_attention): {fix}")
-    hinted.__cause__ = err.__cause__
-    return hinted
+    return AutoSPError(f"{err}.  Note: {name} runs eager attention, which AutoSP cannot split over the sequence "
+                       f"(it rewrites scaled_dot_product_attention): {fix}")

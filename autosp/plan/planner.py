@@ -335,8 +335,8 @@ def plan_memory(model: str, setup: TrainingSetup, cluster: Cluster, *, objective
     False traces every plan on its own (the same predictions, slower).  ``resize_lengths``: with trace reuse and
     ``objective="longest"``, a group's program at a length inside its traced range is built from a re-sized joint
     graph (`TraceReuse`).  ``workers``: processes predicting the plans' trace groups side by side (`plan_groups`;
-    Note [Candidates spread over the ranks] in autosp/plan/auto.py), with the same predictions and choice as one
-    process; 1: this process alone.  ``progress``: called as each candidate of this process is decided (`Progress`)."""
+    Note [Candidates spread over the ranks] in autosp/plan/auto.py), with the same choice as one process (and the
+    same rows, but for which show ``< L`` under objective longest); 1: this process alone.  ``progress``: called as each candidate of this process is decided (`Progress`)."""
     if objective not in OBJECTIVES:
         raise AutoSPError(f"objective {objective!r}: choose one of {OBJECTIVES}")
     setup.check()
@@ -436,8 +436,9 @@ def _plan_in_workers(model: str, setup: TrainingSetup, cluster: Cluster, units: 
     """`plan_memory` with the units ``units`` of ``plans`` (`plan_units`) spread over ``workers`` processes (the
     share of worker w: `plan_shares`): this one, whose imports are made, predicts share 0 while ``workers``
     - 1 fresh processes predict the others; their candidates are merged in the plans' order and chosen among by
-    `choose_plan`: the one-process report but for ``seconds`` (this call's) and, where a group was halved, the
-    counts (Note [Trace groups halved for spare processes] in autosp/plan/shares.py)."""
+    `choose_plan`: the one-process report but for ``seconds`` (this call's), where a group was halved the counts
+    (Note [Trace groups halved for spare processes] in autosp/plan/shares.py), and under objective longest which
+    rows show ``< L`` (Note [The longest plan bounds the others' searches])."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
