@@ -1,8 +1,10 @@
 """Every command line of the project, listed once (`CLIS`), keeps the rules of ``experiments/cli.py``.
 
-One subprocess per command line (in parallel, each in an empty working folder) runs ``--help``, then each
-typo of `Cli.typos`, in-process one after another (``runpy``, as ``python -m`` runs it), then reports its
-parser (``build_parser()``).  Checked:
+Two subprocesses (in parallel, each given half the command lines, so that the imports they share are paid twice,
+not once per command line) run, for each command line in an empty working folder of its own, ``--help``, then
+each typo of `Cli.typos`, in-process one after another (``runpy``, as ``python -m`` runs it), then report its
+parser (``build_parser()``).  A file written by an import shows in the folder of the first command line of its
+batch that imports the module.  Checked:
 
 - ``--help`` exits 0 and changes nothing: the tracked and untracked-but-not-ignored files of the checkout keep
   their size and modification time, and the working folder stays empty;
@@ -20,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,45 +102,55 @@ HELP_BUDGET_S = 120.0  # --help, imports included, on a loaded 2-core machine
 TYPO_BUDGET_S = 5.0  # a typo after the imports: the parser's error, nothing else
 MARKUP = re.compile(r"`|:(mod|class|func|meth|data|attr|ref|doc):|^\s*\.\. \w+::|::\s*$", re.MULTILINE)
 
-# Run inside the subprocess: --help, then each typo (as `python -m` runs the module), then the parser's details.
+# Run inside a subprocess, for each (command, runs, working folder) of its batch: --help, then each typo (as
+# `python -m` runs the module) in the command line's own working folder, then the parser's details.
 RUNNER = r"""
-import contextlib, importlib, importlib.util, io, json, runpy, sys, time
+import contextlib, importlib, importlib.util, io, json, os, runpy, sys, time
 
-command, runs = sys.argv[1], json.loads(sys.argv[2])
-results = []
-for argv in runs:
-    sys.argv = [command, *argv]
-    out, err = io.StringIO(), io.StringIO()
-    start = time.perf_counter()
-    code = None
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            if command.endswith(".py"):
-                runpy.run_path(command, run_name="__main__")
-            else:
-                runpy.run_module(command, run_name="__main__", alter_sys=True)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    results.append({"argv": argv, "code": code, "seconds": time.perf_counter() - start,
-                    "stdout": out.getvalue(), "stderr": err.getvalue()})
-if command.endswith(".py"):
-    spec = importlib.util.spec_from_file_location("cli_under_test", command)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-else:
-    package = importlib.util.find_spec(command).submodule_search_locations is not None
-    module = importlib.import_module(command + ".__main__" if package else command)
-parser = module.build_parser()
-actions = []
-for action in parser._actions:
-    formatter = parser._get_formatter()
-    formatter.add_argument(action)
-    actions.append({"flags": action.option_strings, "dest": action.dest, "default": repr(action.default),
-                    "meaningful_default": action.default not in (None, False, "==SUPPRESS==") and action.help != "==SUPPRESS==",
-                    "choices": None if action.choices is None else [str(c) for c in action.choices],
-                    "has_help": bool(action.help),
-                    "help": formatter.format_help()})
-print(json.dumps({"runs": results, "prog": parser.prog, "actions": actions}))
+
+def report(command, runs):
+    results = []
+    for argv in runs:
+        sys.argv = [command, *argv]
+        out, err = io.StringIO(), io.StringIO()
+        start = time.perf_counter()
+        code = None
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                if command.endswith(".py"):
+                    runpy.run_path(command, run_name="__main__")
+                else:
+                    runpy.run_module(command, run_name="__main__", alter_sys=True)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        results.append({"argv": argv, "code": code, "seconds": time.perf_counter() - start,
+                        "stdout": out.getvalue(), "stderr": err.getvalue()})
+    if command.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("cli_under_test", command)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        package = importlib.util.find_spec(command).submodule_search_locations is not None
+        module = importlib.import_module(command + ".__main__" if package else command)
+    parser = module.build_parser()
+    actions = []
+    for action in parser._actions:
+        formatter = parser._get_formatter()
+        formatter.add_argument(action)
+        actions.append({"flags": action.option_strings, "dest": action.dest, "default": repr(action.default),
+                        "meaningful_default": action.default not in (None, False, "==SUPPRESS==")
+                                              and action.help != "==SUPPRESS==",
+                        "choices": None if action.choices is None else [str(c) for c in action.choices],
+                        "has_help": bool(action.help),
+                        "help": formatter.format_help()})
+    return {"runs": results, "prog": parser.prog, "actions": actions}
+
+
+reports = {}
+for command, runs, workdir in json.loads(sys.argv[1]):
+    os.chdir(workdir)
+    reports[command] = report(command, runs)
+print(json.dumps(reports))
 """
 
 
@@ -158,18 +171,28 @@ def _tree_state() -> dict[str, tuple[int, int]] | None:
     return state
 
 
-def _run(cli: Cli, workdir: Path) -> dict:
-    workdir.mkdir()
-    runs = [["--help"], *([*cli.required, *typo] for typo in cli.typos)]
+BATCHES = 2
+"""Subprocesses running the command lines, each a share of `CLIS` (the imports are paid once per subprocess)."""
+
+
+def _run_batch(clis: Sequence[Cli], workdirs: Sequence[Path]) -> dict[str, dict]:
+    jobs = []
+    for cli, workdir in zip(clis, workdirs, strict=True):
+        workdir.mkdir()
+        command = str(ROOT / cli.command) if cli.is_script else cli.command
+        jobs.append((command, [["--help"], *([*cli.required, *typo] for typo in cli.typos)], str(workdir)))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    command = str(ROOT / cli.command) if cli.is_script else cli.command
-    proc = subprocess.run([sys.executable, "-c", RUNNER, command, json.dumps(runs)], cwd=workdir, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{cli.prog}: the runner failed\n{proc.stderr[-4000:]}"
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    report["leftovers"] = sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
-    return report
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(jobs)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, f"the runner of {[c.prog for c in clis]} failed\n{proc.stderr[-4000:]}"
+    by_command = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {}
+    for cli, (command, _, _), workdir in zip(clis, jobs, workdirs, strict=True):
+        report = by_command[command]
+        report["leftovers"] = sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
+        out[cli.command] = report
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +200,10 @@ def reports(tmp_path_factory) -> dict[str, dict]:
     """The runner's report of every CLI; the checkout is unchanged by all of them together."""
     before = _tree_state()
     base = tmp_path_factory.mktemp("cli")
-    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
-        futures = {cli.command: pool.submit(_run, cli, base / f"cwd{i}") for i, cli in enumerate(CLIS)}
-        out = {command: future.result() for command, future in futures.items()}
+    workdirs = [base / f"cwd{i}" for i in range(len(CLIS))]
+    with ThreadPoolExecutor(max_workers=BATCHES) as pool:
+        futures = [pool.submit(_run_batch, CLIS[i::BATCHES], workdirs[i::BATCHES]) for i in range(BATCHES)]
+        out = {command: report for future in futures for command, report in future.result().items()}
     for command, report in out.items():  # shown with -s: where the time goes
         print(f"{command}: --help {report['runs'][0]['seconds']:.1f} s")
     after = _tree_state()
