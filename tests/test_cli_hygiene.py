@@ -72,6 +72,7 @@ CLIS = (
     Cli("experiments.cpu.bench_lengths", typos=(("--compiler", "inductr"), ("--model", "hf-lama"))),
     Cli("experiments.cpu.bench_strategies", typos=(("--compiler", "inductr"), ("--systems", "autosp-rng"))),
     Cli("experiments.cpu.bench_alst", typos=(("--models", "hf-lama"), ("--steps", "three"))),
+    Cli("experiments.cpu.bench_plan_accuracy", typos=(("--models", "hf-lama"), ("--compiler", "inductr"))),
     Cli("experiments.cpu.bench_sharding", typos=(("--model", "hf-lama"), ("--compiler", "inductr"))),
     Cli("experiments.paper_scale.export_steps", required=("--lengths", "1024", "--out", "steps"),
         typos=(("--model", "llama-9b"), ("--model", "llama-3.1-8b", "--systems", "autosp", "ulyses"),

@@ -164,20 +164,32 @@ def row_note(result: dict) -> str:
     return "; ".join(said)
 
 
-def _planned(system) -> str | None:
-    """The memory plan the planner chose for ``system`` and the peak it predicted for it, which the probe's
-    measured peak stands beside in the table (None: it did not plan)."""
+def chosen_plan(system) -> dict | None:
+    """The memory plan the planner chose for ``system``: its name (``plan``) and the peak it predicted for it
+    (``peak_bytes``), which the probe's measured peak stands beside (None: it did not plan)."""
     compiled = getattr(system, "compiled", None)
     plan = compiled.report.memory_plan if compiled is not None else None
     if not plan:
         return None
     chosen = plan["candidates"][plan["chosen"]]
+    return {"plan": chosen["plan"], "peak_bytes": int(chosen["peak_bytes"])}
+
+
+NO_PLAN = {"plan": "no plan fits"}
+"""What `probe` gives as the chosen plan where the planner found none."""
+
+
+def plan_text(chosen: dict | None) -> str | None:
+    """A `chosen_plan` as the table's note says it."""
+    if chosen is None or "peak_bytes" not in chosen:
+        return None if chosen is None else chosen["plan"]
     return f"{chosen['plan']} (predicted {chosen['peak_bytes'] / 2**20:.2f} MiB)"
 
 
-def _probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> tuple[float, str | None]:
-    """Largest peak bytes over the ranks of one step of row ``name`` at ``seq_len``, and the memory plan the
-    planner chose (`PLANNER_ROW`; else None)."""
+def probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> tuple[float, dict | None]:
+    """Largest peak bytes over the ranks of one step (after the compiling one) of row ``name`` at ``seq_len``, and
+    the memory plan the planner chose (`chosen_plan`; `NO_PLAN` with `NO_PLAN_PEAK` where it found none; None for
+    a row it does not plan)."""
     from autosp.errors import AutoSPError
     from experiments.baselines import build_system
     from experiments.models import vocab_size
@@ -191,13 +203,13 @@ def _probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> tu
     except AutoSPError as err:  # every rank raises it (the decision is broadcast)
         if STRATEGIES[name].memory_planned and "found no plan" in str(err):
             log.info("memory cap %s at %d tokens: %s", name, seq_len, err)
-            return NO_PLAN_PEAK, "no plan fits"
+            return NO_PLAN_PEAK, NO_PLAN
         raise
     peak = torch.tensor([_measured_step(system, ids, labels)], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    plan = _planned(system)
+    chosen = chosen_plan(system)
     del system
-    return int(peak.item()), plan
+    return int(peak.item()), chosen
 
 
 def max_seq_len_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
@@ -218,10 +230,10 @@ def max_seq_len_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
         try:
             length = spec.start
             while length is not None and len(probes) < spec.max_probes:
-                peak, plan = _probe(name, base, length, world, spec)
+                peak, chosen = probe(name, base, length, world, spec)
                 probes.append((length, peak))
-                if plan is not None:
-                    plans[length] = plan
+                if chosen is not None:
+                    plans[length] = plan_text(chosen)
                 length = next_probe(probes, spec.cap_bytes, granularity=spec.granularity, max_len=spec.max_len)
         except BaselineUnsupported as err:
             results[name] = {"unsupported": str(err), "probes": probes}
@@ -256,7 +268,7 @@ def step_times_on_rank(rank: int, world: int, spec_dict: dict, seq_len: int, ste
         systems[name].step(ids, labels)
         peak = torch.tensor([_measured_step(systems[name], ids, labels)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        out[name] = {"peak_bytes": int(peak.item()), "plan": _planned(systems[name])}
+        out[name] = {"peak_bytes": int(peak.item()), "plan": plan_text(chosen_plan(systems[name]))}
     time_interleaved(systems, ids, labels, steps=1)  # a later build may make an earlier system recompile
     for name, seconds in time_interleaved(systems, ids, labels, steps=steps).items():
         slowest = torch.tensor(seconds, dtype=torch.float64)
