@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from autosp.entry import positive_int
 from experiments.models import TINY_MODELS
 
 log = logging.getLogger(__name__)
@@ -112,17 +113,36 @@ def summary_line(summary: dict) -> str:
             + (f" ({', '.join(summary['over_target'])})" if summary["over_target"] else ""))
 
 
+def _fraction(value: str) -> float:
+    """An argparse type: a positive share of the unplanned peak."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"{number}: give a positive fraction")
+    return number
+
+
+def _ranks(value: str) -> int:
+    """An argparse type: 2 or more gloo ranks."""
+    number = positive_int(value)
+    if number < 2:
+        raise argparse.ArgumentTypeError(f"{number}: give 2 or more")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     from experiments import cli
 
     parser = cli.parser("experiments.cpu.bench_plan_accuracy", __doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=sorted(TINY_MODELS),
                         help="tiny models (default: %(default)s)")
-    parser.add_argument("--lengths", nargs="+", type=int, default=list(DEFAULT_LENGTHS), metavar="TOKENS",
+    parser.add_argument("--lengths", nargs="+", type=positive_int, default=list(DEFAULT_LENGTHS), metavar="TOKENS",
                         help="sequence lengths, multiples of 2 x ranks (default: %(default)s)")
-    parser.add_argument("--fractions", nargs="+", type=float, default=list(DEFAULT_FRACTIONS),
+    parser.add_argument("--fractions", nargs="+", type=_fraction, default=list(DEFAULT_FRACTIONS),
                         help="targets, as fractions of the unplanned step's measured peak (default: %(default)s)")
-    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (the SP degree) (default: %(default)s)")
+    parser.add_argument("--ranks", type=_ranks, default=2, help="gloo ranks (the SP degree) (default: %(default)s)")
     parser.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"),
                         help="the compiler of every step (default: %(default)s)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_plan_accuracy.json"),
@@ -133,10 +153,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.ranks < 2:
-        parser.error(f"--ranks {args.ranks}: give 2 or more")
-    if min(args.lengths) <= 0 or not all(0 < f for f in args.fractions):
-        parser.error("--lengths and --fractions must be positive")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from experiments.launch import run_on_ranks
     from experiments.reproduction.common import COLLECTIVE_TIMEOUT_S, MEASUREMENT_TIMEOUT_S
