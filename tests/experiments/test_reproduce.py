@@ -193,6 +193,11 @@ def test_reproduce_memory_cap_table_finds_a_length_for_every_system_asked_for(qu
         cap = float(r["cap_mib"])
         fits = [int(s) for s, mib in probes if float(mib) <= cap]
         assert int(r["max_seq_len"]) == max(fits, default=0), r
+    # The planner's promise: every length at which it chose a plan measured within the cap (a length with no plan
+    # is a failed probe of infinite peak).  The table gives the peaks in MiB to one decimal: within 0.05 MiB.
+    chosen = [float(mib) for _, mib in (p.split(":") for p in planned["probes_tokens_mib"].split(", "))
+              if float(mib) != float("inf")]
+    assert chosen and max(chosen) <= float(planned["cap_mib"]), planned
     assert (quick_results / "memory-cap.png").read_bytes()[:4] == b"\x89PNG"
 
 
