@@ -31,6 +31,7 @@ from autosp.plan.setup import (
     PLAIN_TRAINING_LOOP,
     TrainingSetup,
 )
+from autosp.plan.shares import AUTO_WORKERS_MAX, WORKERS_AUTO, workers_argument, workers_for
 from autosp.plan.strategy_choice import STRATEGY_CHOICES
 from autosp.presets import model_argument
 from simulator.workload import CHOSEN_STRATEGIES, MEMORY_PLANNED_STRATEGIES, SPLayout, SPLayoutError
@@ -220,11 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", default="fastest", choices=OBJECTIVES,
                    help="with the memory plan: the fastest step that fits at --seq-len, or the longest length "
                         "that fits (ties by speed) (default: %(default)s)")
-    p.add_argument("--workers", type=positive_int, default=1,
-                   help="with the memory plan: processes predicting the candidates side by side, one trace group "
-                        "(tiled loss x tiled MLP) each at a time, with the same predictions and choice; on a "
-                        "machine with that many free cores up to that many times faster for a large model "
-                        "(default: %(default)s)")
+    p.add_argument("--workers", type=workers_argument, default=WORKERS_AUTO,
+                   help="with the memory plan: processes predicting the candidates side by side, the same predictions "
+                        f"and choice (default: {WORKERS_AUTO}: for the longest length, --objective longest or "
+                        f"--max-length, the cores this process may run on, at most {AUTO_WORKERS_MAX}; else 1)")
     p.add_argument("--target-memory", type=float, default=None, metavar="GiB",
                    help="memory per rank a plan must fit (default: the device's memory)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT",
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             shown = None if args.quiet else DecisionProgress()
             planning = dict(objective=objective, target_memory=target, plans=plans,
                             max_length_high=args.max_length_high, granularity=args.granularity,
-                            max_probes=args.max_probes, workers=args.workers, progress=shown)
+                            max_probes=args.max_probes, workers=workers_for(args.workers, objective), progress=shown)
             try:
                 if resolved.zero_auto:  # the planner chooses the DeepSpeed setup too
                     fixed = {} if args.offload is None else {"offload": args.offload}

@@ -1,18 +1,50 @@
 """How one memory-plan decision's candidates are spread over processes: by trace group (`plan_groups`), halved
 where processes are spare (`plan_units`), a share to each process (`plan_shares`) and the answers put back in the
 candidates' order (`in_plan_order`), the longest length found so far kept where every process reads it
-(`LengthBoard`).  Used by `autosp.plan.planner` (its ``workers``) and `autosp.plan.auto` (the
+(`LengthBoard`), and how many processes the planner CLI starts by default (`auto_workers`).  Used by `autosp.plan.planner` (its ``workers``) and `autosp.plan.auto` (the
 ranks of a job)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from autosp.entry import positive_int
 from autosp.plan.candidates import MemoryPlan
 from autosp.plan.traces import checkpointing_variant, rank_share, trace_group
+
+WORKERS_AUTO = "auto"
+"""``python -m autosp.plan --workers auto`` (the default): `auto_workers`."""
+AUTO_WORKERS_MAX = 4
+"""The most processes `auto_workers` gives (each traces and simulates on a core of its own)."""
+
+
+def auto_workers(objective: str, cores: int | None = None) -> int:
+    """The planner CLI's default ``--workers`` for a decision of ``objective`` where this process may run on
+    ``cores`` cores (None: those of its CPU affinity): the longest-length search (the slow question: a search per
+    candidate) spreads over the cores, at most `AUTO_WORKERS_MAX`; a decision at one length stays in this process,
+    where a worker's start (its imports) would cost more than it shares."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(AUTO_WORKERS_MAX, cores)) if objective == "longest" else 1
+
+
+def workers_argument(value: str) -> int | str:
+    """An argparse type for ``--workers``: a positive number, or `WORKERS_AUTO`."""
+    if value == WORKERS_AUTO:
+        return WORKERS_AUTO
+    try:
+        return positive_int(value)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err}; give a positive number of processes or {WORKERS_AUTO}") from None
+
+
+def workers_for(requested: int | str, objective: str) -> int:
+    """The processes a decision of ``objective`` runs in, for ``--workers`` ``requested``."""
+    return auto_workers(objective) if requested == WORKERS_AUTO else int(requested)
 
 
 def plan_groups(plans: Sequence[MemoryPlan]) -> list[list[int]]:

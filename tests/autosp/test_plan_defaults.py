@@ -418,3 +418,17 @@ def test_strategy_is_marked_given_when_named_even_as_the_librarys_default(argv, 
     assert "stub answer" in block
     # the same candidates either way: the library's strategy is not fixed in them
     assert asked["plans"] and all("strategy" not in p.options for p in asked["plans"])
+
+
+def test_workers_default_spreads_only_the_longest_length_search_over_the_usable_cores():
+    """``--workers auto`` (the default): the longest-length search over the cores the process may run on, at most
+    `AUTO_WORKERS_MAX`; a decision at one length in this process; a number given is kept."""
+    from autosp.plan.shares import AUTO_WORKERS_MAX, WORKERS_AUTO, auto_workers, workers_for
+
+    assert build_parser().parse_args(["--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "64"]).workers == WORKERS_AUTO
+    assert [auto_workers("longest", cores) for cores in (1, 2, 3, 64)] == [1, 2, 3, AUTO_WORKERS_MAX]
+    assert auto_workers("fastest", 64) == 1 and workers_for(WORKERS_AUTO, "fastest") == 1
+    assert 1 <= workers_for(WORKERS_AUTO, "longest") <= AUTO_WORKERS_MAX
+    assert workers_for(3, "fastest") == 3 and workers_for(1, "longest") == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "tiny-llama", "--cluster", "h100-sxm", "--seq-len", "64", "--workers", "0"])
