@@ -101,8 +101,7 @@ def _backward_by_tokens(hidden, weight, bias, target, lse, row_scale, chunk_toke
         grad_logits = _grad_logits(F.linear(h, weight, bias), lse[start:stop], target[start:stop],
                                    row_scale[start:stop], 0).to(hidden.dtype)
         grad_hidden[start:stop] = torch.mm(grad_logits, weight)
-        if grad_weight is not None:
-            grad_weight += torch.mm(grad_logits.t(), h).float()
+        _accumulate(grad_weight, grad_logits.t(), h)  # in place: no [vocab, hidden] product per chunk
         if grad_bias is not None:
             grad_bias += grad_logits.float().sum(0)
     return grad_hidden, grad_weight, grad_bias

@@ -244,3 +244,35 @@ def test_export_prices_the_tiled_mlp_backward_as_the_memory_its_kernel_holds():
     with PeakMemory(keep_breakdown=False) as pm:
         node.target(*args)
     assert pm.peak_bytes == nbytes_of(node.meta["val"]) + workspace_bytes(node)
+
+
+def test_export_prices_the_tiled_loss_backward_as_the_memory_its_kernel_holds():
+    """The tiled loss's backward over token chunks (fp32 weight: 96 rows, 16 per chunk), run on real tensors:
+    PeakMemory's peak inside the kernel is its outputs plus the two [chunk, vocab] fp32 buffers the export allocates
+    and frees with the op (`autosp.costs.workspace_bytes`), and at most 64 bytes per chunk row more: the targets'
+    index and mask temporaries of `autosp.tiled_ops._grad_logits` (a few int64 and bool values per row: 784 bytes
+    here), which the export leaves unpriced.  A [vocab, hidden] product made per chunk before it is added to the
+    weight's gradient (81,920 bytes here; the kernel used to make one) would be measured far above."""
+    from autosp.costs import TILED_LOSS, nbytes_of, workspace_bytes
+    from autosp.tracing import trace_fake_step
+    from experiments.cpu.peak_memory import PeakMemory
+
+    torch._dynamo.reset()
+    compiled, _ = trace_fake_step(lambda: build_model("hf-llama", layers=1, vocab=320), seq_len=192, sp_size=2,
+                                  vocab_size=320, dtype=torch.float32, tiled_loss="on", loss_chunk_tokens=16,
+                                  return_logits=False)
+    node = next(n for n in dict(compiled.report.aot_graphs)["backward"].graph.nodes if n.target is TILED_LOSS[1])
+    torch.manual_seed(0)
+    args = []
+    for a in node.args:
+        val = a.meta["val"] if isinstance(a, torch.fx.Node) else None
+        if val is None:
+            args.append(a)
+        elif val.dtype in (torch.int64, torch.int32):  # the targets: classes of the vocabulary
+            args.append(torch.randint(0, 320, val.shape, dtype=val.dtype))
+        else:
+            args.append(torch.randn(val.shape, dtype=val.dtype))
+    with PeakMemory(keep_breakdown=False) as pm:
+        node.target(*args)
+    priced = nbytes_of(node.meta["val"]) + workspace_bytes(node)
+    assert priced <= pm.peak_bytes <= priced + 64 * 16, (pm.peak_bytes, priced)
