@@ -1,8 +1,8 @@
 """How one memory-plan decision's candidates are spread over processes: by trace group (`plan_groups`), halved
 where processes are spare (`plan_units`), a share to each process (`plan_shares`) and the answers put back in the
 candidates' order (`in_plan_order`), the longest length found so far kept where every process reads it
-(`LengthBoard`), and how many processes the planner CLI starts by default (`auto_workers`).  Used by `autosp.plan.planner` (its ``workers``) and `autosp.plan.auto` (the
-ranks of a job)."""
+(`LengthBoard`), and how many processes the planner CLI starts by default (`auto_workers`).  Used by
+`autosp.plan.planner` (its ``workers``), `autosp.plan.auto` (the ranks of a job) and the planner CLI."""
 
 from __future__ import annotations
 

@@ -181,8 +181,10 @@ NO_PLAN = {"plan": "no plan fits"}
 
 def plan_text(chosen: dict | None) -> str | None:
     """A `chosen_plan` as the table's note says it."""
-    if chosen is None or "peak_bytes" not in chosen:
-        return None if chosen is None else chosen["plan"]
+    if chosen is None:
+        return None
+    if "peak_bytes" not in chosen:  # `NO_PLAN`
+        return chosen["plan"]
     return f"{chosen['plan']} (predicted {chosen['peak_bytes'] / 2**20:.2f} MiB)"
 
 
