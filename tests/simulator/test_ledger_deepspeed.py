@@ -94,11 +94,6 @@ def _measure(rank: int, world: int, cases: tuple) -> list[dict]:
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     os.environ["LOCAL_RANK"] = str(rank)
-    # What the imports made stays for the life of the process: frozen, the collector no longer scans it, so each
-    # reading collects and lists only what this process made since (a reading took ~0.5 s, most of it in
-    # gc.collect over the imported modules).  Every reading is a difference from one taken after the freeze.
-    gc.collect()
-    gc.freeze()
     out = []
     for case in cases:
         stage, precision, accum = case[:3]
