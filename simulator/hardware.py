@@ -92,6 +92,11 @@ class DeviceSpec:
     fuses_pointwise: bool = False
     """Price maximal chains of elementwise/reduction/copy ops as one fused kernel each, as Inductor generates
     them (:mod:`simulator.fusion`): True on the GPU presets; False on ``cpu-gloo``, calibrated on eager graphs."""
+    host_copies_inline: bool = False
+    """Copies to and from host memory (``HOST_GROUP`` collectives: activation and optimizer offload) run on the
+    compute stream, which waits for each, so a tensor copied out is freed before the next op: True on
+    ``cpu-gloo``, whose ranks are CPU processes that copy themselves (a clone); False on a GPU, whose copy engines
+    overlap them with kernels."""
 
     def efficiency_for(self, op_class: str) -> OpClassEfficiency:
         """The efficiency of ``op_class`` (falling back to ``"other"``)."""
@@ -271,6 +276,7 @@ def preset_from_dict(data: Mapping[str, Any]) -> HardwarePreset:
             view_op_overhead_s=float(dev.get("view_op_overhead_s", 0.0)),
             attention_score_time_s=float(dev.get("attention_score_time_s", 0.0)),
             fuses_pointwise=bool(dev.get("fuses_pointwise", False)),
+            host_copies_inline=bool(dev.get("host_copies_inline", False)),
             efficiency={k: OpClassEfficiency(flops=float(v["flops"]), memory=float(v["memory"]))
                         for k, v in dev["efficiency"].items()},
         )

@@ -119,6 +119,9 @@ class LedgerLine:
     """Sizes of the individual allocations (for allocator rounding); empty for non-tensor memory."""
     pool: str = "device"
     """``device`` (accelerator memory) or ``host`` (CPU memory: Note [Optimizer offload])."""
+    in_workload: bool = False
+    """Held over time by a simulated workload's program when there is one (Note [Gradients the program holds] in
+    simulator/training_step.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,10 +144,10 @@ class LedgerSummary:
 
 
 def _line(category: str, name: str, tensors: Sequence[int], provenance: str, when: str = "initialize",
-          pool: str = "device") -> LedgerLine:
+          pool: str = "device", in_workload: bool = False) -> LedgerLine:
     total = int(sum(tensors))
     return LedgerLine(category=category, name=name, bytes=total, low=total, high=total, provenance=provenance,
-                      when=when, tensor_bytes=tuple(int(t) for t in tensors), pool=pool)
+                      when=when, tensor_bytes=tuple(int(t) for t in tensors), pool=pool, in_workload=in_workload)
 
 
 def _ceil_to(value: int, multiple: int) -> int:
@@ -190,7 +193,8 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
         lines.append(_line("parameters", "fp32 parameters", [4 * e for e in numels], "the module's parameters"))
         lines.append(_line("gradients", "fp32 param.grad", [4 * e for e in numels],
                            DS + "runtime/engine.py DeepSpeedEngine.allreduce_gradients reduces param.grad in place; "
-                           "_take_model_step -> DeepSpeedEngine.zero_grad sets it to None", "backward"))
+                           "_take_model_step -> DeepSpeedEngine.zero_grad sets it to None", "backward",
+                           in_workload=cfg.gradients_in_program))
         optimizer_state(numels, "each parameter")
     elif wrapper == "FP16_UnfusedOptimizer":
         lines.append(_line("parameters", f"{cfg.precision} parameters", [lp * e for e in numels],
@@ -202,7 +206,7 @@ def _framework_lines(cfg: TrainingConfig) -> list[LedgerLine]:
                         "initialize")
         lines.append(_line("gradients", f"{cfg.precision} param.grad", [lp * e for e in numels],
                            DS + "runtime/fp16/unfused_optimizer.py FP16_UnfusedOptimizer.step: fp16 grads set to None "
-                           "after the update", "backward"))
+                           "after the update", "backward", in_workload=cfg.gradients_in_program))
         lines.append(_line("gradients", "fp32 copies of the gradients (optimizer step)", [4 * e for e in numels],
                            DS + "runtime/fp16/unfused_optimizer.py FP16_UnfusedOptimizer.step: fp32_param.grad = "
                            "fp16_param.grad.to(fp32) for every parameter before optimizer.step, set to None after "
@@ -324,36 +328,37 @@ def _zero12_offload_lines(cfg: TrainingConfig) -> list[LedgerLine]:
     return lines
 
 
-def _band_line(category: str, name: str, u: Uncertain, count: float, when: str = "initialize") -> LedgerLine:
+def _band_line(category: str, name: str, u: Uncertain, count: float, when: str = "initialize",
+               pool: str = "device") -> LedgerLine:
     return LedgerLine(category=category, name=name, bytes=int(u.nominal * count), low=int(u.low * count),
-                      high=int(u.high * count), provenance=u.provenance, when=when)
+                      high=int(u.high * count), provenance=u.provenance, when=when, pool=pool)
 
 
-def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True, activation_bytes: int = 0,
-                  logits_bytes: int = 0, uncertain: Mapping[str, Uncertain] | None = None,
-                  host_activation_bytes: int = 0) -> list[LedgerLine]:
-    """Every buffer one rank holds at instant ``at`` (``initialize``, ``step``, ``backward`` or ``optimizer_step``
-    (inside the optimizer step, with the gradients), see Note [Which
-    DeepSpeed path holds what]).
+def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
+                  activation_bytes: int | None = None, logits_bytes: int = 0,
+                  uncertain: Mapping[str, Uncertain] | None = None, host_activation_bytes: int = 0) -> list[LedgerLine]:
+    """Every buffer one rank holds at instant ``at`` (``initialize``, ``step``, ``backward`` or ``optimizer_step``,
+    inside the optimizer step with the gradients; Note [Which DeepSpeed path holds what]).
 
     ``device=False`` (or ``cfg.gpu_process=False``: a CPU process) leaves out what only a GPU process holds (CUDA
-    context, NCCL, workspaces, allocator, the host process allowance);
-    ``activation_bytes`` / ``logits_bytes`` (e.g. a simulated workload's peak above static memory) add lines of
-    their own and are what the fragmentation band applies to; ``host_activation_bytes`` (a simulated workload's
-    host peak: offloaded activations, Note [Host tensors] in simulator/workload_types.py) a host line. Under optimizer offload some lines are in host memory
-    (``pool="host"``, Note [Optimizer offload]); :func:`summarize` sums one pool (the device by default), and the
-    allocator lines count device tensors only. ``uncertain`` replaces
-    :data:`simulator.device_reserve.UNCERTAIN` (sensitivity studies).
+    context, NCCL, workspaces, allocator, the host process allowance). ``activation_bytes`` / ``logits_bytes`` (a
+    simulated workload's peak above static memory) add lines the fragmentation band applies to; given
+    ``activation_bytes`` (0 included), lines such a workload holds itself are left out (``LedgerLine.in_workload``).
+    ``host_activation_bytes`` (a simulated workload's host peak: Note [Host tensors] in
+    simulator/workload_types.py) adds a host line; under optimizer offload some lines are in host memory too
+    (Note [Optimizer offload]). :func:`summarize` sums one pool; the allocator lines count device tensors only.
+    ``uncertain`` replaces :data:`simulator.device_reserve.UNCERTAIN` (sensitivity studies).
     """
     if at not in _AT:
         raise ValueError(f"at must be one of {_AT}, got {at!r}")
-    keep = {"initialize": ("initialize",), "step": ("initialize", "step"),
-            "backward": ("initialize", "step", "backward", "in_backward"),
-            "optimizer_step": ("initialize", "step", "backward", "in_step")}[at]
-    lines = [ln for ln in _framework_lines(cfg) if ln.when in keep]
+    keep = {"initialize": ("initialize",), "step": ("initialize", "step"), "backward": ("initialize", "step",
+            "backward", "in_backward"), "optimizer_step": ("initialize", "step", "backward", "in_step")}[at]
+    framework = [ln for ln in _framework_lines(cfg) if ln.when in keep]
+    lines = [ln for ln in framework if activation_bytes is None or not ln.in_workload]
     if activation_bytes:
-        lines.append(_line("activations", "activations (simulated workload)", [activation_bytes],
-                           "simulated workload: peak live tensors above static memory", "backward"))
+        held = " and parameter gradients" if len(lines) < len(framework) else ""
+        lines.append(_line("activations", f"activations{held} (simulated workload)", [activation_bytes],
+                           f"simulated workload: peak live tensors above static memory{held}", "backward"))
     if logits_bytes:
         lines.append(_line("logits/loss", "logits and loss (simulated workload)", [logits_bytes],
                            "simulated workload", "backward"))
@@ -372,15 +377,10 @@ def memory_ledger(cfg: TrainingConfig, *, at: str = "step", device: bool = True,
     lines.append(LedgerLine(category="allocator", name="caching-allocator rounding", bytes=rounding, low=rounding,
                             high=rounding, provenance=ALLOCATOR_PROVENANCE, when="initialize"))
     churn = sum(ln.bytes for ln in lines if ln.when in ("backward", "in_backward") and ln.pool == "device")
-    frag = table["fragmentation_fraction"]
-    lines.append(LedgerLine(category="allocator", name="fragmentation", bytes=int(frag.nominal * churn),
-                            low=int(frag.low * churn), high=int(frag.high * churn), provenance=frag.provenance,
-                            when="backward"))
+    lines.append(_band_line("allocator", "fragmentation", table["fragmentation_fraction"], churn, "backward"))
     if cfg.offload_optimizer or host_activation_bytes:
-        u = table["host_process_bytes"]
-        lines.append(LedgerLine(category="runtime", name="host process (Python, PyTorch, CUDA libraries)",
-                                bytes=int(u.nominal), low=int(u.low), high=int(u.high), provenance=u.provenance,
-                                pool="host"))
+        lines.append(_band_line("runtime", "host process (Python, PyTorch, CUDA libraries)",
+                                table["host_process_bytes"], 1, pool="host"))
     return lines
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from simulator.cost_model import compute_times_s
 from simulator.fusion import fuse_program
 from simulator.hardware import DeviceSpec
-from simulator.workload import RankProgram
+from simulator.workload import HOST_GROUP, RankProgram
 
 COMPUTE, START, WAIT, BLOCKING = 0, 1, 2, 3
 KIND_CODES = {"compute": COMPUTE, "collective_start": START, "collective_wait": WAIT, "collective": BLOCKING}
@@ -73,6 +73,9 @@ def compile_program(program: RankProgram, device: DeviceSpec) -> CompiledProgram
     ops = program.ops
     n = len(ops)
     kinds = [KIND_CODES[op.kind] for op in ops]
+    if device.host_copies_inline:  # the compute stream makes its host copies itself (DeviceSpec)
+        kinds = [BLOCKING if k == START and op.collective.group == HOST_GROUP else k
+                 for op, k in zip(ops, kinds, strict=True)]
     durations = compute_times_s([op.flops for op in ops], [op.bytes_read + op.bytes_written for op in ops],
                                 [op.op_class for op in ops], device, [op.attention_scores for op in ops])
     durations[[k != COMPUTE for k in kinds]] = 0.0

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from simulator.training_step import add_training_step, gradients_from_modules, release_gradients
+from simulator.training_step import add_training_step, gradients_from_modules, place_gradients
 from simulator.workload import (
     CHOSEN_STRATEGIES,
     COMPILED_STRATEGIES,
@@ -116,9 +116,7 @@ class WorkloadRecipe:
             workload = ring_workload(traced, element_bytes=element_bytes)
         if self.gradient_step == "in-rewrite":  # ZeRO-3's reduce-scatters run on the rewrite's dp_reduce group
             return add_training_step(workload, [], cfg, group="dp_reduce")
-        # DeepSpeed's hooks move each gradient into its buckets: the ledger holds them, not the traced tensors.
-        names = [n for m in modules for n in m.gradients]
-        workload = replace(workload, ranks={r: release_gradients(p, names) for r, p in workload.ranks.items()})
+        workload = place_gradients(workload, [n for m in modules for n in m.gradients], cfg)
         sizes = [(m.gradients, m.parameter_bytes // element_bytes) for m in modules]
         gradients = {r: gradients_from_modules(p, sizes) for r, p in workload.ranks.items()}
         return add_training_step(workload, gradients, cfg, group="dp",

@@ -154,3 +154,12 @@ class TrainingConfig:
         if self.deepspeed == "0.16.3":  # checked in __post_init__: bf16 with fp32 accumulation
             return "BF16_Optimizer"
         return "torch" if self.precision == "fp32" else "FP16_UnfusedOptimizer"
+
+    @property
+    def gradients_in_program(self) -> bool:
+        """Whether the parameters' gradients are the backward's own output tensors from the op that makes each one
+        to the optimizer step, so a simulated program holds them over time rather than the ledger whole (Note
+        [Gradients the program holds] in simulator/training_step.py): ZeRO 0 under the torch optimizer or
+        ``FP16_UnfusedOptimizer`` (``param.grad`` is autograd's tensor, reduced in place after backward), one
+        micro-step per step (with accumulation the previous micro-steps' gradients are held through the forward)."""
+        return self.wrapper in ("torch", "FP16_UnfusedOptimizer") and self.gradient_accumulation_steps == 1

@@ -43,6 +43,20 @@ back (``from_host``, blocking: ZeRO 1/2 copy ``param_buffer_of_bit16_for_cpu_off
 partition; ZeRO 3 ``_reassign_or_swap_out_partitioned_parameters``, a blocking copy that converts on the CPU),
 before ZeRO 1/2's all-gather. A workload that reduces its own gradients (no :class:`GradientReady` given: the
 ZeRO-3 rewrite) sends its whole partition down after its last op.
+
+Note [Gradients the program holds]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under ZeRO 0 with the torch optimizer or ``FP16_UnfusedOptimizer`` and one micro-step per step
+(``TrainingConfig.gradients_in_program``), ``param.grad`` is the tensor the backward op returns: it exists from that
+op on, is reduced in place after backward and freed after the step. A simulated program built from an exported trace
+(`place_gradients`) keeps those tensors where they are made, so its activation peak holds the gradients made by the
+peak's instant and no more. Such a line is marked ``in_workload``: ``simulator.ledger.memory_ledger`` counts it
+whole when no simulated workload is given and leaves it out when ``activation_bytes`` is (the workload line then
+says it holds the gradients). Counting it whole beside the workload's peak, which lies early in backward when few
+gradients exist, over-predicted the planner's measured peaks by up to the gradients' bytes (the benchmark ``python
+-m experiments.cpu.bench_plan_accuracy``). Every other wrapper copies each gradient into its own buffers at once
+(ipg buckets, partitions) or keeps them across steps, and the program releases them at their op
+(`release_gradients`).
 """
 
 from __future__ import annotations
@@ -141,6 +155,17 @@ def release_gradients(program: RankProgram, gradient_ops: Iterable[str]) -> Rank
     ops = tuple(dataclasses.replace(op, frees=tuple(sorted(set(op.frees) | {t for t in op.allocates if t not in freed})))
                 if op.name in names else op for op in program.ops)
     return dataclasses.replace(program, ops=ops)
+
+
+def place_gradients(workload: Workload, gradient_ops: Iterable[str], cfg: TrainingConfig) -> Workload:
+    """``workload`` with its parameters' gradients (the tensors the ``gradient_ops`` allocate) where DeepSpeed
+    keeps them under ``cfg``: in the program, from their op to the step, when ``cfg.gradients_in_program``, else
+    released at their op (`release_gradients`), the ledger pricing DeepSpeed's own buffers (Note [Gradients the
+    program holds] in simulator/ledger.py)."""
+    if cfg.gradients_in_program:
+        return workload
+    names = list(gradient_ops)
+    return dataclasses.replace(workload, ranks={r: release_gradients(p, names) for r, p in workload.ranks.items()})
 
 
 def bucket_gradients(gradients: Sequence[GradientReady], bucket_elements: int) -> list[list[GradientReady]]:

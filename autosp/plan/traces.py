@@ -28,7 +28,7 @@ from simulator.training_step import (
     GradientReady,
     add_training_step,
     gradients_from_modules,
-    release_gradients,
+    place_gradients,
 )
 from simulator.workload import Workload
 
@@ -358,9 +358,8 @@ def _build_step(source: ModelSource, setup: TrainingSetup, hf, graphs, *, facts:
         except ValueError as err:
             raise AutoSPError(f"ZeRO 3 (shard_parameters=True) is priced for Ulysses programs only: {err}") from None
         return Traced(layers=depth, backward=backward, step=sharded_training_step(backward, step_config))
-    names = [n for m in modules for n in m.gradients]
-    released = dataclasses.replace(exported, ranks={r: release_gradients(p, names) for r, p in exported.ranks.items()})
-    backward = data_parallel_replicas(released, setup.dp_size)  # a ring program: one program per rank
+    placed = place_gradients(exported, [n for m in modules for n in m.gradients], step_config)
+    backward = data_parallel_replicas(placed, setup.dp_size)  # a ring program: one program per rank
     element = dtype.itemsize
     sizes = [(m.gradients, m.parameter_bytes // element) for m in modules]
     gradients = {r: gradients_from_modules(p, sizes) for r, p in backward.ranks.items()}

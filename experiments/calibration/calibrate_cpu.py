@@ -396,6 +396,7 @@ def build_preset(compute: dict, a2a: dict[int, dict[int, float]],
             "graph_call_overhead_s": compute.get("graph_call_overhead_s", 0.0),
             "view_op_overhead_s": compute.get("view_op_overhead_s", 0.0),
             "attention_score_time_s": compute.get("attention_score_time_s", 0.0),
+            "host_copies_inline": True,  # a rank's offload copies are clones on its own thread
             "efficiency": {
                 "matmul": eff(1.0, 1.0),
                 "attention": eff(compute["attention_flops_per_s"] / peak, 1.0),

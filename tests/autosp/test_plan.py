@@ -141,9 +141,10 @@ def _measure(rank: int, world: int, seq_len: int, micro_batch: int) -> dict:
 def test_plan_prediction_matches_a_cpu_measurement():
     """The predicted peak without the GPU-only lines (CUDA context, NCCL, allocator) against a real step on 2
     gloo ranks (ZeRO 0, fp32, AdamW: DeepSpeed's path is the torch optimizer's): the ledger's static lines
-    (parameters, param.grad, two moments, step counters) exactly; the whole peak from above, by less than the
-    gradients' bytes (the ledger holds param.grad through the whole backward, the real step from the end of its
-    backward on, where the compiled backward returns them)."""
+    (parameters, param.grad, two moments, step counters) exactly; the whole peak, with the gradients held by the
+    simulated program from the op that makes each (Note [Gradients the program holds] in
+    simulator/training_step.py), to within the bytes of the batch's integer tensors (ids, labels, positions: the
+    one thing a step holds that the prediction does not price)."""
     from simulator.cluster import Cluster
     from simulator.hardware import get_preset
     from tests.harness import run_on_ranks
@@ -161,7 +162,8 @@ def test_plan_prediction_matches_a_cpu_measurement():
     peak = max(m["peak"] for m in measured)
     logging.getLogger(__name__).info("predicted %d (activations %d), measured %d: %+.1f %%", predicted_cpu,
                                      got.step.dynamic_memory_bytes, peak, 100 * (predicted_cpu - peak) / peak)
-    assert peak <= predicted_cpu <= peak + max(m["gradients"] for m in measured)
+    batch_bytes = 3 * 8 * micro_batch * seq_len  # int64 input_ids, labels and position_ids of the full sample
+    assert abs(predicted_cpu - peak) <= batch_bytes < max(m["gradients"] for m in measured) // 10
     assert got.peak_bytes == sum(ln.bytes for ln in got.lines) == predicted_cpu  # a CPU process: no device reserve
 
 

@@ -20,10 +20,12 @@ MB = 10**6
 HOST = LinkSpec(bandwidth_bytes_per_s=1e9, latency_s=0.0)
 
 
-def _cluster(host_per_rank: int | None = 2**30) -> Cluster:
+def _cluster(host_per_rank: int | None = 2**30, *, inline: bool = False) -> Cluster:
     preset = toy_preset()
     host = None if host_per_rank is None else host_per_rank * preset.devices_per_node
-    return Cluster.from_preset(dataclasses.replace(preset, host_memory_link=HOST, host_memory_bytes=host))
+    device = dataclasses.replace(preset.device, host_copies_inline=inline)
+    return Cluster.from_preset(dataclasses.replace(preset, host_memory_link=HOST, host_memory_bytes=host,
+                                                   device=device))
 
 
 def _offloaded(*, prefetch: bool = True) -> Workload:
@@ -75,6 +77,18 @@ def test_a_copy_hidden_behind_compute_costs_no_step_time_and_a_late_one_stalls()
     assert late.step_time_s == pytest.approx(9 * MS)  # the reload issued after B1 is waited for: 2 ms exposed
     assert late.ranks[0].compute_stall_s == pytest.approx(2 * MS)
     assert "comm:host" in late.ranks[0].stream_busy_s
+
+
+def test_a_device_that_copies_inline_frees_the_source_before_its_next_op_and_pays_each_copy():
+    # cpu-gloo: a CPU process makes its host copies itself, so the compute stream waits for each copy
+    inline = simulate(_offloaded(), _cluster(inline=True))
+    tl = inline.timelines[0]
+    device = dict(zip(np.round(tl.memory.times_s / MS, 9), tl.memory.total_bytes / MB, strict=True))
+    # x's copy runs 1-3 ms and F2 starts after it: y is made at 3 ms, when x is already freed (2.5 MB when
+    # overlapped); the reload runs 6-8 ms, d from 6 ms beside y until B1 frees y at 10 ms.
+    assert device == pytest.approx({0.0: 2.0, 3.0: 0.5, 6.0: 2.5, 10.0: 2.0, 11.0: 0.0})
+    assert inline.step_time_s == pytest.approx(11 * MS)  # 7 ms of compute and both 2 ms copies, none hidden
+    assert inline.ranks[0].compute_stall_s == pytest.approx(4 * MS)
 
 
 def test_host_memory_runs_out_against_the_host_memory_per_rank():
