@@ -27,7 +27,7 @@ import torch
 
 from autosp.config import MEMORY_PLAN_OPTIONS
 from autosp.errors import AutoSPError
-from autosp.plan.planner import NEEDLESS_OFFLOAD
+from autosp.plan.planner import NEEDLESS_OFFLOAD, planning_capacity
 from tests.autosp.cases import loss_of, make_sample, named_grads
 from tests.autosp.test_equivalence import FP32_TOL, _check
 from tests.harness import run_on_ranks
@@ -261,8 +261,8 @@ def test_auto_plan_is_the_fastest_candidate_that_fits(trained):
             assert (c["refused"] == NEEDLESS_OFFLOAD) == needless, (where, c["plan"], c["refused"])
         assert any(c["refused"] == NEEDLESS_OFFLOAD for c in offload), where
         candidates = [c for c in plan["candidates"] if c["refused"] is None]
-        for c in candidates:  # fits means: the predicted peak within the target
-            assert c["fits"] == (c["peak_bytes"] <= case["target"]), (where, c["plan"])
+        for c in candidates:  # fits means: the predicted peak within the target less the planner's margin
+            assert c["fits"] == (c["peak_bytes"] <= planning_capacity(case["target"])), (where, c["plan"])
         best = min((c for c in candidates if c["fits"]), key=lambda c: (c["step_time_s"], c["peak_bytes"]))
         chosen = plan["candidates"][plan["chosen"]]
         assert chosen["plan"] == best["plan"], f"{where}: chose {chosen['plan']}, the fastest that fits is {best['plan']}"

@@ -198,8 +198,10 @@ def test_original_names_of_sharded_parameters():
 
 PRICE_MODEL, PRICE_LAYERS, PRICE_SEQ = "mini-llama-3.1-8b", 2, 1024
 PLANNER_ACCURACY = 0.15
-"""How far above a measured peak the planner's prediction may be on CPU: it is conservative by 1-15 % on these
-models (the memory-cap table's probes, docs/reproduction.md); below the measurement it may never be."""
+"""How far above a measured peak the planner's prediction may be on CPU: sharded parameters are priced
+conservatively, by up to 15 % on these models (the memory-cap table's probes, docs/reproduction.md); below the
+measurement by no more than the planner's margin (Note [The planner's margin] in autosp/plan/planner.py), which a
+chosen plan keeps free."""
 
 
 def _measured_peaks(rank: int, world: int) -> dict:
@@ -233,9 +235,11 @@ def _measured_peaks(rank: int, world: int) -> dict:
 def test_the_planner_prices_sharded_parameters_as_zero_3_above_and_near_what_they_measure(tmp_path):
     """``python -m autosp.plan --zero-stage 3`` (and memory_plan="auto" with shard_parameters=True) prices AutoSP's
     sharded parameters: the ledger's 1/N shards, the simulated step with each layer gathered forward and backward.
-    Its peak bounds the measured one from above, as closely as the whole-parameter price bounds its own."""
+    Its peak bounds the measured one from above (within the planner's margin below), as the whole-parameter price
+    bounds its own."""
     from autosp.plan.cluster_file import load_cluster
-    from autosp.plan.prediction import predict
+    from autosp.plan.planner import PREDICTION_MARGIN
+    from autosp.plan.prediction import held_before_activations, predict
     from autosp.plan.setup import TrainingSetup
     from experiments.models import build_model
     from tests.autosp.cases import config_json
@@ -249,9 +253,10 @@ def test_the_planner_prices_sharded_parameters_as_zero_3_above_and_near_what_the
                               optimizer="adamw", compiler="aot_eager", depth="full")
         predicted = predict(config, setup, cluster)
         peak = max(r[sharded] for r in measured)
-        assert peak <= predicted.peak_bytes <= (1 + PLANNER_ACCURACY) * peak, (stage, peak, predicted.peak_bytes)
+        assert (1 - PREDICTION_MARGIN) * peak <= predicted.peak_bytes <= (1 + PLANNER_ACCURACY) * peak, \
+            (stage, peak, predicted.peak_bytes)
         assert ("sharded" in predicted.wrapper) == sharded
-        states[sharded] = sum(v for k, v in predicted.by_category.items()
-                              if k in ("parameters", "gradients", "optimizer"))
+        held = held_before_activations(config, setup, cluster)  # the gradients whole, as at the step
+        states[sharded] = sum(v for k, v in held.items() if k in ("parameters", "gradients", "optimizer"))
     assert states[True] * 2 <= states[False] + 4 * 2**10  # half of each on 2 ranks (padding: a few elements)
     assert max(r[True] for r in measured) < max(r[False] for r in measured)

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from autosp.plan import TrainingSetup, candidate_plans, load_cluster, plan_memory, predict
-from autosp.plan.planner import BINDS, _plan_here
+from autosp.plan.planner import BINDS, _plan_here, planning_capacity, target_for
 from autosp.plan.setup import DECIDING_DEPTH
 from autosp.plan.shares import LengthBoard
 from tests.autosp.cases import config_json
@@ -55,12 +55,13 @@ def table(model, cluster):
 def fastest(model, cluster, table):
     peaks = sorted({p.peak_bytes for p in table.values()})
     assert len(peaks) >= 2, f"the candidates' peaks do not differ: {peaks}"
-    target = (peaks[0] + peaks[1]) // 2  # between the two lowest peaks: only the leanest plans fit
+    # between the two lowest peaks, less the planner's margin (Note [The planner's margin]): the leanest plans fit
+    target = target_for((peaks[0] + peaks[1]) // 2)
     return plan_memory(model, SETUP, cluster, objective="fastest", target_memory=target, plans=PLANS)
 
 
 def test_fastest_plan_is_the_fastest_candidate_that_fits(fastest, table):
-    target = fastest.target_memory_bytes
+    target = planning_capacity(fastest.target_memory_bytes)  # what a plan's predicted peak may reach
     # Trace reuse: one trace per tiled-loss setting (none and full with it on share one), one partition per plan.
     assert fastest.chosen is not None and (fastest.traces, fastest.partitions) == (2, len(PLANS))
     chosen = fastest.candidates[fastest.chosen]
@@ -129,8 +130,8 @@ def test_trace_groups_halved_for_spare_processes_predict_what_one_process_does(m
     assert plan_units(many, 3) == [[0, 1], [2], [3, 4]]  # one spare process: the first group halved
     assert plan_shares(plan_units(many, 3), 3) == [[0, 1], [2], [3, 4]]
     # A target "full" fits and "none" does not: one offload candidate settled by its twin, the other predicted.
-    target = table[plans[1].name].peak_bytes
-    assert table[plans[0].name].peak_bytes > target
+    target = target_for(table[plans[1].name].peak_bytes)
+    assert table[plans[0].name].peak_bytes > planning_capacity(target)
     one, two = (plan_memory(model, SETUP, cluster, objective="fastest", target_memory=target, plans=plans,
                             workers=workers).to_dict() for workers in (1, 2))
     assert two["traces"] > one["traces"]  # both halves trace the group's program
@@ -165,20 +166,21 @@ def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model,
     # bucket of gradients: not for this small model, which ZeRO 2 does not help).
     # ZeRO 3 shards the parameters and their gradients too; with offload its optimizer states go to host memory.
     assert peaks[0] >= peaks[1] >= peaks[2] > peaks[3] > peaks[4] and peaks[0] > peaks[2], peaks
-    for target in sorted(set(peaks), reverse=True):
-        expected = peaks.index(target)  # the first setup whose peak is within the target
-        report = plan_job(model, setup, cluster, target_memory=target, plans=plans)
+    for peak in sorted(set(peaks), reverse=True):
+        expected = peaks.index(peak)  # the first setup whose peak is within the target
+        report = plan_job(model, setup, cluster, target_memory=target_for(peak), plans=plans)
         assert report.job == JOB_SETUPS[expected] and report.jobs_without_plan == JOB_SETUPS[:expected]
         assert report.candidates[report.chosen].prediction.peak_bytes == peaks[expected]
         assert report.to_dict()["job"] == JOB_SETUPS[expected]
         assert f"DeepSpeed config: {deepspeed_config(JOB_SETUPS[expected])}" in report.format()
         assert report.options.get("shard_parameters", False) == (expected >= 3)  # what autosp.compile is given
-    nothing = plan_job(model, setup, cluster, target_memory=peaks[4] - 1, plans=plans)
+    nothing = plan_job(model, setup, cluster, target_memory=target_for(peaks[4]) - 1, plans=plans)
     assert nothing.chosen is None and nothing.job == JOB_SETUPS[4] and nothing.jobs_without_plan == JOB_SETUPS[:4]
     assert "no plan under any" in nothing.notes[-1]
     # Objective longest: a setup whose plans stop short of the length asked is passed over for a leaner one
     grid = dict(max_length_high=2 * setup.seq_len, granularity=setup.seq_len // 4, max_probes=3)
-    furthest = plan_job(model, setup, cluster, objective="longest", target_memory=peaks[3], plans=plans, **grid)
+    furthest = plan_job(model, setup, cluster, objective="longest", target_memory=target_for(peaks[3]), plans=plans,
+                        **grid)
     assert furthest.job == JOB_SETUPS[3] and furthest.jobs_without_plan == JOB_SETUPS[:3], furthest.notes[-1]
     assert furthest.candidates[furthest.chosen].max_seq_len >= setup.seq_len
     assert "ZeRO 2 with optimizer offload: reaches " in furthest.notes[-1]  # a plan, shorter: passed over
@@ -199,11 +201,12 @@ def test_plan_job_changes_the_deepspeed_setup_only_as_far_as_memory_needs(model,
 def test_longest_plan_reaches_every_single_plan_length(model, cluster, table):
     plans = (PLANS[0], PLANS[-1])  # no checkpointing, tiled loss off; full recomputation, tiled loss on
     grid = dict(max_length_high=384, granularity=128, max_probes=2)
-    target = table[plans[0].name].peak_bytes + 1  # the plain plan fits at 128 tokens; what fits longer
+    target = target_for(table[plans[0].name].peak_bytes + 1)  # the plain plan fits at 128 tokens; what fits longer
     report = plan_memory(model, SETUP, cluster, objective="longest", target_memory=target, plans=plans, **grid)
     assert report.chosen is not None
     best = report.candidates[report.chosen].max_seq_len
-    alone = predict(model, SETUP, cluster, options=plans[0].options, max_length=True, capacity_bytes=target, **grid)
+    alone = predict(model, SETUP, cluster, options=plans[0].options, max_length=True,
+                    capacity_bytes=planning_capacity(target), **grid)
     assert best >= alone.max_length["max_seq_len"] >= SETUP.seq_len
     assert all(best >= (c.max_seq_len or 0) for c in report.candidates)
     assert report.traces == sum(c.traces for c in report.candidates) >= len(plans)
@@ -216,10 +219,10 @@ def test_the_longest_plan_bounds_the_others_searches_and_the_choice_is_a_full_se
     before.  Spread over two processes, which read each other's lengths: the same choice and reason, every row one
     that process's bound allows; a process given another's length first rules out every plan shorter than it."""
     grid = dict(max_length_high=512, granularity=128, max_probes=4)
-    target = table[PLANS[0].name].peak_bytes + 1  # the plain plan fits at 128 tokens; the others longer
+    target = target_for(table[PLANS[0].name].peak_bytes + 1)  # the plain plan fits at 128 tokens; the others longer
     report = plan_memory(model, SETUP, cluster, objective="longest", target_memory=target, plans=PLANS, **grid)
-    alone = [predict(model, SETUP, cluster, options=p.options, max_length=True, capacity_bytes=target, **grid)
-             for p in PLANS]
+    alone = [predict(model, SETUP, cluster, options=p.options, max_length=True,
+                     capacity_bytes=planning_capacity(target), **grid) for p in PLANS]
     lengths = [a.max_length["max_seq_len"] or 0 for a in alone]
     assert len(set(lengths)) > 1, lengths  # the plans differ, so a bound can rule one out
     chosen = report.candidates[report.chosen]
@@ -361,7 +364,7 @@ def test_tight_target_makes_the_planner_offload_activations_on_the_trace_of_the_
     assert [p.options.get("activation_offload") for p in plans] == [None, "on"]
     alone = predict(str(path), setup, cluster, options=plans[1].options)
     told = []
-    report = plan_memory(str(path), setup, cluster, plans=plans, target_memory=alone.peak_bytes,
+    report = plan_memory(str(path), setup, cluster, plans=plans, target_memory=target_for(alone.peak_bytes),
                          progress=lambda *state: told.append(state))
     assert told == [(0, 2, ""), (1, 2, plans[0].name), (2, 2, plans[1].name)]  # what a progress bar shows
     plain, offload = (c.prediction for c in report.candidates)
