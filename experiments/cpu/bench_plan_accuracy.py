@@ -37,9 +37,9 @@ DEFAULT_FRACTIONS = (0.5, 0.7, 0.9)
 
 
 def points_on_rank(rank: int, world: int, model: str, lengths: Sequence[int], fractions: Sequence[float],
-                   compiler: str) -> list[dict]:
+                   compiler: str, fixed: dict | None = None) -> list[dict]:
     """Every point of ``model`` (one gloo run): per length the unplanned peak, then per fraction the planner's
-    choice under that share of it, its predicted and measured peaks."""
+    choice under that share of it (``fixed``: compile options it keeps), its predicted and measured peaks."""
     import os
 
     import torch
@@ -59,7 +59,8 @@ def points_on_rank(rank: int, world: int, model: str, lengths: Sequence[int], fr
         unplanned, _ = probe(UNPLANNED, base, seq_len, world, spec)
         for fraction in fractions:
             target = int(unplanned * fraction)
-            spec = MemoryCapSpec(model=model, systems=(PLANNER_ROW,), cap_bytes=target, compiler=compiler)
+            spec = MemoryCapSpec(model=model, systems=(PLANNER_ROW,), cap_bytes=target, compiler=compiler,
+                                 planner_options=dict(fixed or {}))
             start = time.perf_counter()
             measured, chosen = probe(PLANNER_ROW, base, seq_len, world, spec)
             point = {"model": model, "seq_len": seq_len, "fraction": fraction, "unplanned_bytes": int(unplanned),
@@ -124,6 +125,20 @@ def _fraction(value: str) -> float:
     return number
 
 
+FIXABLE = {"activation_offload": ("on", "off"), "checkpointing": ("none", "sac", "full", "layer"),
+           "tiled_loss": ("on", "off"), "tiled_mlp": ("on", "off")}
+"""The memory options ``--fixed`` may set, and their values."""
+
+
+def _fixed(value: str) -> tuple[str, str]:
+    """An argparse type: ``OPTION=VALUE``, a memory option of `FIXABLE` and one of its values."""
+    option, sep, setting = value.partition("=")
+    if not sep or option not in FIXABLE or setting not in FIXABLE[option]:
+        raise argparse.ArgumentTypeError(f"{value!r}: give OPTION=VALUE, one of "
+                                         + ", ".join(f"{k}={'|'.join(v)}" for k, v in FIXABLE.items()))
+    return option, setting
+
+
 def _ranks(value: str) -> int:
     """An argparse type: 2 or more gloo ranks."""
     number = positive_int(value)
@@ -143,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fractions", nargs="+", type=_fraction, default=list(DEFAULT_FRACTIONS),
                         help="targets, as fractions of the unplanned step's measured peak (default: %(default)s)")
     parser.add_argument("--ranks", type=_ranks, default=2, help="gloo ranks (the SP degree) (default: %(default)s)")
+    parser.add_argument("--fixed", nargs="+", type=_fixed, default=[], metavar="OPTION=VALUE",
+                        help="memory options the planner keeps, choosing the rest (e.g. activation_offload=on, to "
+                             "measure the offload plans)")
     parser.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"),
                         help="the compiler of every step (default: %(default)s)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/bench_plan_accuracy.json"),
@@ -161,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models:
         start = time.perf_counter()
         points += run_on_ranks(points_on_rank, args.ranks, model, args.lengths, args.fractions, args.compiler,
-                               timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S)[0]
+                               dict(args.fixed), timeout_s=MEASUREMENT_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S)[0]
         log.info("%s: %d points in %.0f s", model, len(args.lengths) * len(args.fractions),
                  time.perf_counter() - start)
     for point in points:

@@ -125,6 +125,9 @@ class MemoryCapSpec:
     hidden: int = 64
     model_options: dict = field(default_factory=dict)
     """Further size overrides for the preset (e.g. ``{"kv_heads": 4}``)."""
+    planner_options: dict = field(default_factory=dict)
+    """Compile options given to `PLANNER_ROW`, which its planner keeps (e.g. ``{"activation_offload": "on"}``);
+    it chooses the rest."""
 
 
 PLANNER_ROW = next(name for name in STRATEGIES.table("memory-cap") if STRATEGIES[name].memory_planned)
@@ -140,14 +143,15 @@ NO_PLAN_PEAK = float("inf")
 """The peak recorded for a probe at which the planner finds no plan that fits."""
 
 
-def row_system(row: str, cap_bytes: int) -> tuple[str, dict]:
+def row_system(row: str, cap_bytes: int, planner_options: dict | None = None) -> tuple[str, dict]:
     """The `experiments.baselines.build_system` name and extra options of memory-cap row ``row``: a system of the
     registry as it is, for one whose memory options the planner chooses (`PLANNER_ROW`) the target
     (``cap_bytes``) and `PLANNER_SETUP`, and for ``alst`` ArcticTraining's tiled logits+loss shard scaled to the cap
     (`experiments.baselines.alst.logits_shard_bytes_for`: 1 GiB of an 80 GiB H100's memory, the same share of the
-    cap; unscaled, a few MiB of cap would get one shard, no tiling)."""
+    cap; unscaled, a few MiB of cap would get one shard, no tiling).  ``planner_options``: options the planned row is
+    compiled with besides (`MemoryCapSpec.planner_options`)."""
     if STRATEGIES[row].memory_planned:
-        return row, {"target_memory": int(cap_bytes), "plan_setup": dict(PLANNER_SETUP)}
+        return row, {**(planner_options or {}), "target_memory": int(cap_bytes), "plan_setup": dict(PLANNER_SETUP)}
     if row == "alst":
         from experiments.baselines.alst import logits_shard_bytes_for
 
@@ -198,7 +202,7 @@ def probe(name: str, base, seq_len: int, world: int, spec: MemoryCapSpec) -> tup
 
     torch._dynamo.reset()
     ids, labels = _sample(seq_len, vocab_size(base))
-    system_name, options = row_system(name, spec.cap_bytes)
+    system_name, options = row_system(name, spec.cap_bytes, spec.planner_options)
     system = build_system(system_name, copy.deepcopy(base), sp_size=world, compiler=spec.compiler, **options)
     try:
         system.step(ids, labels)
@@ -264,7 +268,7 @@ def step_times_on_rank(rank: int, world: int, spec_dict: dict, seq_len: int, ste
     ids, labels = _sample(seq_len, vocab_size(base))
     systems, out = {}, {}
     for name in spec.systems:
-        system_name, options = row_system(name, spec.cap_bytes)
+        system_name, options = row_system(name, spec.cap_bytes, spec.planner_options)
         systems[name] = build_system(system_name, copy.deepcopy(base), sp_size=world, compiler=spec.compiler,
                                      **options)
         systems[name].step(ids, labels)

@@ -34,6 +34,12 @@ from torch import nn
 VOCAB = 128
 HIDDEN = 32
 HEADS = 4
+HIDDEN_SIZES = (24, 32, 40, 56, 72)
+"""Hidden sizes `generate` draws from (head dims 6-18, each even for the rotary ops): none a multiple of every
+token count, so a count or divisor read from a shape cannot pass by a coincidence of sizes (issue: a guard keyed on
+the local token count times a small factor)."""
+BATCH_SIZES = (1, 2, 3)
+"""Rows per batch `generate` draws from."""
 MAX_POS = 128
 IGNORE = -100
 
@@ -336,12 +342,14 @@ class Program:
     """Pass an attention_mask with zeros (right padding, labels ignored there); the model reads it."""
     lengths: tuple[int, ...] = (32,)
     seed: int = 0
+    hidden: int = HIDDEN
+    batch: int = 2
 
     def describe(self) -> str:
         inputs = "ids,labels" + (",position_ids" if self.takes_positions else "") + (",attention_mask" if self.mask
                                                                                       else "")
         return (f"Program(ops={self.ops}, positions={self.positions!r}, loss={self.loss!r}, inputs={inputs}, "
-                f"lengths={self.lengths}, seed={self.seed})")
+                f"lengths={self.lengths}, hidden={self.hidden}, batch={self.batch}, seed={self.seed})")
 
     def kinds(self) -> set[str]:
         return {OPS[o].kind for o in self.ops}
@@ -355,7 +363,7 @@ class FuzzLM(nn.Module):
         self.ops = tuple(program.ops)
         self.positions_spelling = program.positions
         self.loss_spelling = program.loss
-        h = HIDDEN
+        h = program.hidden
         self.embed = nn.Embedding(VOCAB, h)
         self.pos = nn.Embedding(MAX_POS, h)
         self.qkv = nn.Linear(h, 3 * h)
@@ -398,19 +406,21 @@ def build_model(program: Program) -> FuzzLM:
 
 
 def make_batch(program: Program, seq_len: int, call: int):
-    """(input_ids, labels, attention_mask or None) for one call: ignored targets spread unevenly; with a mask,
-    row 1 is right-padded (mask 0, labels ignored) over a random tail."""
+    """(input_ids, labels, attention_mask or None) for one call of ``program.batch`` rows: ignored targets spread
+    unevenly (a prefix of row 0, a random 20 % of the last row); with a mask, the last row is right-padded (mask 0,
+    labels ignored) over a random tail."""
     g = torch.Generator().manual_seed(1000 * program.seed + 17 * call + seq_len)
-    ids = torch.randint(0, VOCAB, (2, seq_len), generator=g)
+    rows, last = program.batch, program.batch - 1
+    ids = torch.randint(0, VOCAB, (rows, seq_len), generator=g)
     labels = ids.clone()
     labels[0, : seq_len // 3] = IGNORE
-    labels[1, torch.rand(seq_len, generator=g) < 0.2] = IGNORE
+    labels[last, torch.rand(seq_len, generator=g) < 0.2] = IGNORE
     mask = None
     if program.mask:
-        mask = torch.ones(2, seq_len, dtype=torch.long)
+        mask = torch.ones(rows, seq_len, dtype=torch.long)
         pad = int(torch.randint(1, max(2, seq_len // 2), (1,), generator=g))
-        mask[1, seq_len - pad:] = 0
-        labels[1, seq_len - pad:] = IGNORE
+        mask[last, seq_len - pad:] = 0
+        labels[last, seq_len - pad:] = IGNORE
     return ids, labels, mask
 
 
@@ -429,8 +439,11 @@ def _lengths(rng: random.Random, sp_size: int, even: bool) -> tuple[int, ...]:
 
 
 def generate(count: int, seed: int, sp_size: int, *, max_ops: int = 4) -> list[Program]:
-    """``count`` random programs for ``sp_size`` ranks, from one seed (deterministic)."""
+    """``count`` random programs for ``sp_size`` ranks, from one seed (deterministic), each of a hidden size and a
+    batch drawn from `HIDDEN_SIZES` and `BATCH_SIZES` (by a generator of their own, so the ops drawn for a seed do not
+    depend on the shapes)."""
     rng = random.Random(f"{seed}-{sp_size}")
+    shapes = random.Random(f"{seed}-{sp_size}-shapes")
     by_kind: dict[str, list[str]] = {}
     for name, spec in OPS.items():
         by_kind.setdefault(spec.kind, []).append(name)
@@ -457,7 +470,8 @@ def generate(count: int, seed: int, sp_size: int, *, max_ops: int = 4) -> list[P
         positions = rng.choice(pos_choices) if rng.random() < 0.5 else "none"
         programs.append(Program(
             ops=tuple(ops), positions=positions, loss=rng.choice(sorted(LOSSES)), takes_positions=takes_positions,
-            mask=mask, lengths=_lengths(rng, sp_size, even), seed=seed * 100003 + i))
+            mask=mask, lengths=_lengths(rng, sp_size, even), seed=seed * 100003 + i,
+            hidden=shapes.choice(HIDDEN_SIZES), batch=shapes.choice(BATCH_SIZES)))
     return programs
 
 

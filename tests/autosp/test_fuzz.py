@@ -69,6 +69,27 @@ def test_fuzz_every_op_runs_on_one_device():
             assert torch.isfinite(loss), program.describe()
 
 
+def test_fuzz_draws_shapes_so_that_no_fixed_shape_hides_a_case():
+    """The generator draws each program's hidden size and batch (issue: a guard that held at one hidden size and
+    failed at another); the ops drawn for a seed stay those of the same seed without the shapes."""
+    import torch
+
+    from experiments.fuzz.programs import BATCH_SIZES, HIDDEN_SIZES
+
+    programs = generate(40, SEED, 2)
+    assert {p.hidden for p in programs} == set(HIDDEN_SIZES) and {p.batch for p in programs} == set(BATCH_SIZES)
+    assert all(f"hidden={p.hidden}, batch={p.batch}" in p.describe() for p in programs)
+    assert [p.ops for p in generate(8, SEED, 2)] == [p.ops for p in programs[:8]]
+    for program in programs[:3]:  # each builds at its own shape and trains one step on one device
+        model, n = build_model(program), program.lengths[0]
+        ids, labels, mask = make_batch(program, n, 0)
+        assert ids.shape == (program.batch, n) and model.embed.weight.shape[1] == program.hidden
+        kwargs = {"attention_mask": mask} if mask is not None else {}
+        if program.takes_positions:
+            kwargs["position_ids"] = torch.arange(n)[None].expand_as(ids)
+        assert torch.isfinite(model(input_ids=ids, labels=labels, **kwargs).loss)
+
+
 def test_fuzz_oracle_classifies_every_disagreement_as_a_finding():
     program = Program(ops=("linear",))
     exact = {"status": "exact", "length": 32}

@@ -37,3 +37,22 @@ def test_summary_takes_median_and_worst_of_the_planned_points_and_names_those_ov
     assert "OVER TARGET" in point_line(points[1]) and "OVER TARGET" not in point_line(points[0])
     assert "over their target: 1 (hf-llama 1024 @ 0.7)" in summary_line(summary)
     assert summary_line(summarize(points[3:])) == "1 points, none planned"
+
+
+def test_fixed_options_are_memory_options_the_planned_row_is_compiled_with():
+    """``--fixed activation_offload=on`` measures the offload plans: the option reaches the planned row's compile
+    beside its target, and the planner keeps it; anything but a memory option and one of its values is refused."""
+    import argparse
+
+    from experiments.cpu.bench_plan_accuracy import _fixed, build_parser
+    from experiments.cpu.memory_cap import PLANNER_ROW, row_system
+
+    args = build_parser().parse_args(["--fixed", "activation_offload=on", "checkpointing=sac"])
+    assert dict(args.fixed) == {"activation_offload": "on", "checkpointing": "sac"}
+    name, options = row_system(PLANNER_ROW, 16 * MIB, dict(args.fixed))
+    assert name == PLANNER_ROW and options["activation_offload"] == "on" and options["checkpointing"] == "sac"
+    assert options["target_memory"] == 16 * MIB
+    assert "activation_offload" not in row_system(PLANNER_ROW, 16 * MIB)[1]
+    for wrong in ("activation_offload", "activation_offload=maybe", "sp_size=4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="OPTION=VALUE"):
+            _fixed(wrong)
