@@ -205,11 +205,12 @@ class PlanReport:
 # prediction's own error, which on a GPU would be an out-of-memory crash.  The margin is taken from what the
 # prediction is measured to miss: ``python -m experiments.cpu.bench_plan_accuracy`` runs the plan the planner
 # chose at targets below the unplanned peak and compares its predicted peak with the one measured on gloo ranks
-# (docs/planning.md records the figures).  With the gradients priced over time (Note [Gradients the program
-# holds] in simulator/training_step.py) the prediction is optimistic only by the batch's integer tensors (ids,
-# labels, positions: a few tenths of a percent of a tiny model's peak, far less at real sizes); the margin is a
-# few times that.  What the margin does not cover the run-time check catches (Note [The plan's promise checked] in
-# autosp/model.py): the first steps' measured peak against the target itself.
+# (its summary line: the median and worst error, and the plans measured over their target).  With the gradients
+# priced over time (Note [Gradients the program holds] in simulator/training_step.py) the prediction is
+# optimistic only by the batch's integer tensors (ids, labels, positions: a few tenths of a percent of a tiny
+# model's peak, far less at real sizes); the margin is a few times that.  What the margin does not cover the
+# run-time check catches (Note [The plan's promise checked] in autosp/model.py): the first steps' measured peak
+# against the target itself.
 
 PREDICTION_MARGIN = 0.01
 """Share of ``target_memory`` a chosen plan's predicted peak leaves free (Note [The planner's margin])."""

@@ -170,6 +170,12 @@ def _masked_mean_aux(m, x, env):
     return x
 
 
+def _token_count(x):
+    """A count read from a shape in a helper, as training code spells it in a module of its own."""
+    batch, tokens = x.shape[:2]
+    return tokens * batch / batch
+
+
 def _aux(value_fn):
     def fn(m, x, env):
         env["aux"].append(value_fn(m, x, env))
@@ -250,6 +256,16 @@ OPS: dict[str, OpSpec] = {
         float(x.shape[1]), device=x.device)),
     "aux_sum_div_numel": OpSpec("mixing", _aux(lambda m, x, env: x.pow(2).sum() / x.numel())),
     "aux_sum_times_inverse_numel": OpSpec("mixing", _aux(lambda m, x, env: x.pow(2).sum() * (1.0 / x.numel()))),
+    # counts after arithmetic, through len and numel, and in a helper: each the global count on one device
+    "sum_div_shape_minus_one": OpSpec("mixing", lambda m, x, env: x - x.sum(1, keepdim=True) / (x.shape[1] - 1)),
+    "sum_div_len": OpSpec("mixing", lambda m, x, env: x - x.sum(1, keepdim=True) / len(x[0])),
+    "aux_sum_div_tokens_times_batch": OpSpec("mixing", _aux(lambda m, x, env: x.pow(2).sum(-1).sum()
+                                                            / (x.shape[1] * x.shape[0]))),
+    "aux_sum_div_numel_over_hidden": OpSpec("mixing", _aux(lambda m, x, env: x.pow(2).sum(-1).sum()
+                                                           / (x.numel() // x.shape[-1]))),
+    "aux_unbiased_variance_by_hand": OpSpec("mixing", _aux(lambda m, x, env: (
+        (x - x.mean(1, keepdim=True)).pow(2).sum(1) / (x.size(1) - 1)).mean())),
+    "sum_div_helper_count": OpSpec("mixing", lambda m, x, env: x - x.sum(1, keepdim=True) / _token_count(x)),
     # -- reductions over the sequence without an exact rule (or with a differently spelt argument) ---------
     "amax_sequence": OpSpec("mixing", lambda m, x, env: x - x.amax(dim=1, keepdim=True)),
     "max_sequence_values": OpSpec("mixing", lambda m, x, env: x - torch.max(x, dim=1, keepdim=True).values),

@@ -41,8 +41,8 @@ def test_fuzz_fixed_seed_two_ranks_exact_or_refused():
 
 
 def test_fuzz_generator_covers_the_pool_and_is_deterministic():
-    programs = generate(400, SEED, 2)
-    assert programs == generate(400, SEED, 2)
+    programs = generate(600, SEED, 2)
+    assert programs == generate(600, SEED, 2)
     used = {o for p in programs for o in p.ops}
     assert used == set(OPS), sorted(set(OPS) - used)
     assert {p.positions for p in programs} == set(POSITIONS)

@@ -165,6 +165,10 @@ class SchemaLM(_Core):
         elif p == "divide_by_len":
             flat = x.reshape(-1, x.shape[-1])
             extra = (flat.sum(0) / len(flat)).pow(2).sum()
+        elif p == "divide_by_shape_minus_one":  # an unbiased variance written out
+            extra = ((x - x.mean(1, keepdim=True)).pow(2).sum(1) / (x.shape[1] - 1)).mean()
+        elif p == "loss_over_shifted_count":
+            return self.lm_loss(x, labels)[0] / (labels.shape[1] - 1)
         elif p == "loss_over_shape":
             return self.lm_loss(x, labels)[0] / input_ids.shape[1]
         elif p == "function_with_scan":
@@ -193,6 +197,8 @@ REFUSED = [
     ("divide_by_numel", r"by 1024, a multiple of this rank's 16 tokens"),
     ("divide_by_len", r"by 32, a multiple of this rank's 16 tokens"),
     ("loss_over_shape", r"operator.truediv .* scales a sum over the sequence by 16"),
+    ("divide_by_shape_minus_one", r"operator.truediv .* by 15, one off of this rank's 16 tokens"),
+    ("loss_over_shifted_count", r"operator.truediv .* by 15, one off of this rank's 16 tokens"),
     ("function_with_scan", r"custom autograd.Function whose forward is not token-local: Tensor.cumsum"),
     ("function_scan_in_backward", r"custom autograd.Function whose backward is not token-local: Tensor.cumsum"),
     ("function_weight_gradient", r"custom autograd.Function whose backward mixes tokens.*move the sequence-mixing"),

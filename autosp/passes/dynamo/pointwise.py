@@ -172,14 +172,34 @@ def check_token_count_literal(an, node, *, sharded: bool = False):
                 counts |= {n for n in (fake_value(a).numel(), shape(a)[p.dim]) if type(n) is int}
         counts.discard(1)
     else:
-        counts = {an.seq_len * k for k in range(1, 65)}
+        counts = _counts_from_tokens(an.seq_len)
     for value in _literal_operands(node):
         if _is_count_or_inverse(value, counts):
+            relation = "a multiple" if sharded else _relation(value, an.seq_len)
             raise an.refuse(node, f"scales {'token-sharded values' if sharded else 'a sum over the sequence'} by "
-                            f"{value}, a multiple of this rank's {an.seq_len} tokens (probably read from a tensor's "
+                            f"{value}, {relation} of this rank's {an.seq_len} tokens (probably read from a tensor's "
                             "shape, size(), numel() or len(), which are the shard's, not the sequence's), or its reciprocal",
                             "use mean() over the tokens, or count them with a reduction "
                             "(e.g. torch.ones_like(x).sum()), so the count is global")
+
+
+_COUNT_MULTIPLES = range(1, 65)
+"""Multiples of the local token count a literal scaling a sum over the sequence is compared with (batch x tokens)."""
+
+
+def _counts_from_tokens(tokens: int) -> set[int]:
+    """Values a count computed from ``tokens`` (this rank's token count, read from a static shape) takes in
+    ordinary code: its multiples (times a batch) and the count one off (``S - 1``: an unbiased variance, a
+    shifted sequence's length).  Dynamo bakes such a count into the graph as a literal, so a sum over the sequence
+    scaled by one of them is refused (Note [Token counts] in autosp/passes/dynamo/sharding.py, which says what
+    this does not see)."""
+    return {tokens * k for k in _COUNT_MULTIPLES} | {tokens - 1, tokens + 1}
+
+
+def _relation(value: float, tokens: int) -> str:
+    """How literal ``value`` (or its reciprocal) relates to ``tokens``, for a refusal."""
+    count = round(1.0 / value) if 0 < value < 1 else int(value)
+    return "a multiple" if count % tokens == 0 else "one off"
 
 
 _SCALAR_FACTORIES = frozenset(("tensor", "as_tensor", "scalar_tensor", "full"))

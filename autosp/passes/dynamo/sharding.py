@@ -59,14 +59,20 @@ A count read from a shard's shape (``x.shape[1]``, ``x.size(1)``, ``x.numel()``,
 ``len(x)``) is the shard's.  With static shapes Dynamo bakes it into the graph as
 an integer the analysis cannot tell from a coincidental literal, so the likely
 cases are refused (autosp.passes.dynamo.pointwise.check_token_count_literal): a
-multiple of the local count scaling a value computed from a reduction over the
-sequence, and the local token or element count multiplying or dividing
+multiple of the local count, or the count one off (``S - 1``), scaling a value
+computed from a reduction over the sequence, and
+the local token or element count multiplying or dividing
 token-sharded values on a source line that reads a shape (directly or through a
 name assigned from one earlier in the function).  With a dynamic
 sequence dim the count is a symbol (``token_symbol``): a count proportional to
 it, in arithmetic on tensors, becomes ``sp_size`` times itself (exact when the
 sequence was not padded), one derived non-linearly is refused, and ``arange`` of
-it is a position table (Note [Positions built in the graph]).
+it is a position table (Note [Positions built in the graph]).  What a static
+trace cannot see: a count derived from the local one by other arithmetic
+(``S // 2``, ``B * (S - 1)``) is a literal like any other, and a sum over the
+sequence scaled by it computes with the shard's value (the fuzzer leaves such
+spellings out of its pool); tracing the sequence dim as a symbol throughout is
+what would make every derived count known.
 
 The op rules are registered by family (Note [Op rule registry] in
 autosp.passes.dynamo.registry) and read arguments bound by the ops' schemas.
