@@ -162,6 +162,9 @@ class SchemaLM(_Core):
             x = x * x.size(1)
         elif p == "divide_by_numel":
             extra = x.sum() / x.numel()
+        elif p == "divide_by_numel_of_a_wide_value":  # 2 x 16 x 96 elements: 192 times this rank's tokens
+            wide = torch.cat([x, x * 2, x * 3], dim=-1)
+            extra = wide.pow(2).sum() / wide.numel()
         elif p == "divide_by_len":
             flat = x.reshape(-1, x.shape[-1])
             extra = (flat.sum(0) / len(flat)).pow(2).sum()
@@ -196,6 +199,7 @@ REFUSED = [
     ("multiply_by_size", r"operator.mul .* by 16, a multiple of this rank's 16 tokens"),
     ("divide_by_numel", r"by 1024, a multiple of this rank's 16 tokens"),
     ("divide_by_len", r"by 32, a multiple of this rank's 16 tokens"),
+    ("divide_by_numel_of_a_wide_value", r"by 3072, a multiple of this rank's 16 tokens"),
     ("loss_over_shape", r"operator.truediv .* scales a sum over the sequence by 16"),
     ("divide_by_shape_minus_one", r"operator.truediv .* by 15, one off of this rank's 16 tokens"),
     ("loss_over_shifted_count", r"operator.truediv .* by 15, one off of this rank's 16 tokens"),

@@ -172,7 +172,7 @@ def check_token_count_literal(an, node, *, sharded: bool = False):
                 counts |= {n for n in (fake_value(a).numel(), shape(a)[p.dim]) if type(n) is int}
         counts.discard(1)
     else:
-        counts = _counts_from_tokens(an.seq_len)
+        counts = _counts_from_tokens(an.seq_len) | {n for n in an.sharded_numels if n > 1}
     for value in _literal_operands(node):
         if _is_count_or_inverse(value, counts):
             relation = "a multiple" if sharded else _relation(value, an.seq_len)

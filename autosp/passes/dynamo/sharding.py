@@ -59,7 +59,8 @@ A count read from a shard's shape (``x.shape[1]``, ``x.size(1)``, ``x.numel()``,
 ``len(x)``) is the shard's.  With static shapes Dynamo bakes it into the graph as
 an integer the analysis cannot tell from a coincidental literal, so the likely
 cases are refused (autosp.passes.dynamo.pointwise.check_token_count_literal): a
-multiple of the local count, or the count one off (``S - 1``), scaling a value
+multiple of the local count, the count one off (``S - 1``) or the element count
+of a token-sharded value (``x.numel()`` at any hidden size), scaling a value
 computed from a reduction over the sequence, and
 the local token or element count multiplying or dividing
 token-sharded values on a source line that reads a shape (directly or through a
@@ -126,6 +127,9 @@ class Analysis:
         """Replicated values computed from a reduction over the sequence (for the token-count literal check)."""
         self.token_symbol = None
         """The symbol of this rank's token count when the sequence dim is dynamic (Note [Token counts])."""
+        self.sharded_numels: set[int] = set()
+        """Element counts of the token-sharded values placed so far: what ``x.numel()`` of one bakes into the graph
+        (Note [Token counts])."""
 
     # -- placements -------------------------------------------------------------------------
     def of(self, arg):
@@ -137,6 +141,10 @@ class Analysis:
 
     def set(self, node: fx.Node, placement) -> None:
         self.result.placements[node] = placement
+        if isinstance(placement, Shard) and not placement.tentative:
+            value = fake_value(node)
+            if isinstance(value, torch.Tensor) and type(value.numel()) is int:
+                self.sharded_numels.add(value.numel())
 
     # -- decisions and refusals ----------------------------------------------------------------
     def use_positions(self, shard: Shard, how: str) -> None:
