@@ -27,7 +27,9 @@ accelerate's DeepSpeed plugin) receives gradients already equal on every rank, w
 average is the same gradient: exact, at the price of a second (redundant) reduction.
 Parameters sharded in the graph (``shard_parameters=True``) receive their gradients already summed over the whole
 group by their gather's reduce-scatter (Note [Parameters gathered in the graph] in autosp/parameter_sharding.py):
-they are only divided by the number of replicas here.  DDP and FSDP wrappers are refused (autosp.api).  The reduction is not overlapped with
+they are only divided by the number of replicas here.  DDP is refused (autosp.api); FSDP2 around the whole
+compiled model averages gradients already reduced, the engine case above (Note [FSDP2 on the AutoSP model] in
+autosp/model.py).  The reduction is not overlapped with
 the backward's compute: the compiled backward is one node, and the reduction follows it.
 """
 

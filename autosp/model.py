@@ -450,8 +450,28 @@ def sync_gradients(model: SequenceParallelModel) -> None:
     log.debug("sync_gradients: nothing to do, the compiled model reduced its gradients in backward")
 
 
+# Note [FSDP2 on the AutoSP model]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``fully_shard(compiled)`` (PyTorch FSDP2) on the model `autosp.compile` returns makes the whole model one FSDP
+# unit: between steps each rank holds 1/N of every parameter, its gradient and (the optimizer being built over the
+# sharded ``compiled.parameters()``) its optimizer state; FSDP's pre-forward hook gathers the parameters before the
+# compiled program runs, its pre-backward hook gathers them again, and its post-backward hook reduce-scatters the
+# gradients.  The hooks sit on this wrapper, outside the compiled program, so Dynamo never meets them and the SP
+# program is the one compiled without FSDP.  FSDP averages the gradients over its mesh, SP ranks included, which
+# alone would make them sp_size times too small; but the compiled model has already reduced each gradient in
+# backward (Note [Gradient reduction in backward] in autosp/gradients.py: summed over the SP group, averaged over
+# replicas), so every rank hands FSDP the same gradient, whose average over any mesh is itself (exactly where the
+# mesh's size is a power of two; else to the rounding of one sum), at the price of the redundant reduce-scatter's
+# traffic.  What stays refused, each in one line: ``fully_shard`` on a module
+# inside the model (its hooks would run inside the traced forward: a graph break, the layer-by-layer gathering
+# being ``shard_parameters=True``'s), FSDP together with ``shard_parameters=True`` (two shardings of one
+# parameter), and a memory plan made on the first batch (the planner does not price FSDP's layout yet; ZeRO 3's,
+# ``shard_parameters=True``, it does).
+
+
 def refuse_outer_wrappers(model: SequenceParallelModel) -> None:
-    """DDP or FSDP around (or inside) an AutoSP model average gradients over every rank, SP ranks included."""
+    """DDP around an AutoSP model averages gradients over every rank, SP ranks included; FSDP2 composes only as
+    one unit around the whole model (Note [FSDP2 on the AutoSP model])."""
     from torch.nn.parallel import DistributedDataParallel
 
     if DistributedDataParallel._get_active_ddp_module() is not None:
@@ -464,11 +484,23 @@ def refuse_outer_wrappers(model: SequenceParallelModel) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.module.parameters()):
+    if any(isinstance(m, FSDPModule) for m in model.module.modules()):
         raise AutoSPError(
-            "the AutoSP model (or a module inside it) is sharded with FSDP, whose gradient reduction averages over "
-            "the SP ranks of one sequence too; AutoSP composes with DeepSpeed ZeRO 0-3 "
-            "(autosp.deepspeed_initialize; ZeRO 3 is shard_parameters=True) or reduces its own gradients (use it "
-            "unwrapped, with shard_parameters=True for FSDP's memory; under the Hugging Face Trainer, fsdp=True is "
-            "served that way)"
-        )
+            "a module inside the AutoSP model is sharded with fully_shard, whose hooks would run inside the compiled "
+            "forward; apply fully_shard to the model autosp.compile returns (one FSDP unit), or compile with "
+            "shard_parameters=True, which gathers the parameters layer by layer inside the compiled step")
+    if not isinstance(model, FSDPModule):
+        if any(isinstance(p, DTensor) for p in model.module.parameters()):
+            raise AutoSPError(
+                "the AutoSP model's parameters are DTensors (tensor parallelism or a sharding AutoSP does not know): "
+                "compile a model with plain parameters; for FSDP2 apply fully_shard to the model autosp.compile "
+                "returns")
+        return
+    if model._shards is not None:
+        raise AutoSPError("fully_shard and shard_parameters=True would both shard every parameter: drop fully_shard "
+                          "(shard_parameters=True is ZeRO 3's layout inside the compiled step), or compile without "
+                          "shard_parameters")
+    if model._compiled is None:  # memory_plan="auto", about to plan on this first batch
+        raise AutoSPError("the memory planner does not price FSDP's layout on the AutoSP model yet: compile with "
+                          "memory_plan=\"off\" before fully_shard, or drop fully_shard and compile with "
+                          "shard_parameters=True (ZeRO 3's layout, which the planner prices)")
