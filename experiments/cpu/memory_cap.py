@@ -62,14 +62,21 @@ log = logging.getLogger(__name__)
 # true for every system of fixed options here, is what makes the bracket valid.  A system whose options change
 # with the length (`PLANNER_ROW`) may fail at a length below one that fits: such a failure is kept out of the
 # bracket (the search goes on above the longest fit) and the result names it (``below_fit``), so that the
-# table says the length is a lower bound.
+# table says the length is a lower bound.  Nor does such a row's peak say where the cap is: the planner fills the
+# cap at every length it plans (a fitting probe measures just under the cap, a longer one gets a leaner plan), so a
+# line through two fitting probes creeps up by a granularity per probe.  For it (``fills_cap``) the search steps by
+# length alone: after the first probe's line through the origin it doubles the longest fit until a probe fails,
+# then bisects the bracket.
 
 
-def next_probe(probes: list[tuple[int, int]], cap_bytes: int, *, granularity: int, max_len: int) -> int | None:
+def next_probe(probes: list[tuple[int, int]], cap_bytes: int, *, granularity: int, max_len: int,
+               fills_cap: bool = False) -> int | None:
     """The next length to probe given ``probes`` [(seq_len, peak_bytes)], or None when the search is done.
 
     A pure function (see Note [Memory-cap search]); lengths are multiples of ``granularity``.  Failures below the
-    longest fitting length (peaks not monotone in the length) bound nothing.
+    longest fitting length (peaks not monotone in the length) bound nothing.  ``fills_cap``: the system's options
+    are chosen per length to fit the cap (`PLANNER_ROW`), so its peaks are not extrapolated: the search doubles,
+    then bisects.
     """
     peak = dict(probes)
     fits = sorted(s for s, p in probes if p <= cap_bytes)
@@ -78,7 +85,9 @@ def next_probe(probes: list[tuple[int, int]], cap_bytes: int, *, granularity: in
     hi = min(fails, default=max_len + granularity)
     if hi - lo <= granularity or (not fails and lo >= max_len):
         return None
-    if fits and fails:  # bracketed: interpolate, but shrink the bracket by at least a quarter
+    if fills_cap and (len(probes) > 1 or fails):  # by length alone: double the longest fit, or bisect
+        guess = (lo + hi) / 2 if fails else 2 * lo
+    elif fits and fails:  # bracketed: interpolate, but shrink the bracket by at least a quarter
         slope = (peak[hi] - peak[lo]) / (hi - lo)
         guess = lo + (cap_bytes - peak[lo]) / slope if 0 < slope < math.inf else (lo + hi) / 2
         guess = min(max(guess, lo + (hi - lo) / 4), hi - (hi - lo) / 4)
@@ -240,7 +249,8 @@ def max_seq_len_on_rank(rank: int, world: int, spec_dict: dict) -> dict:
                 probes.append((length, peak))
                 if chosen is not None:
                     plans[length] = plan_text(chosen)
-                length = next_probe(probes, spec.cap_bytes, granularity=spec.granularity, max_len=spec.max_len)
+                length = next_probe(probes, spec.cap_bytes, granularity=spec.granularity, max_len=spec.max_len,
+                                    fills_cap=STRATEGIES[name].memory_planned)
         except BaselineUnsupported as err:
             results[name] = {"unsupported": str(err), "probes": probes}
             continue

@@ -633,6 +633,26 @@ def test_memory_cap_search_finds_the_longest_fitting_length_in_few_probes(peak, 
     assert min(s for s, p in probes if p > 10_000_000) == answer + 256
 
 
+@pytest.mark.parametrize("limit", [2_000, 7_900, 30_000])
+def test_memory_cap_search_of_a_row_that_fills_the_cap_steps_by_length(limit):
+    """The planner's row measures just under the cap wherever it finds a plan, and finds none past its limit: a
+    line through two fitting probes would creep up by a granularity per probe; the search doubles, then bisects,
+    and finds the limit (to the granularity) in a few probes (Note [Memory-cap search])."""
+    from experiments.cpu.memory_cap import NO_PLAN_PEAK, next_probe, search_result
+
+    cap = 10_000_000
+
+    def peak(s):  # a fast plan while the sequence is short, then plans that fill the cap, then none
+        return NO_PLAN_PEAK if s > limit else min(3_000 * s, cap - 50_000 + s)
+
+    probes, length = [], 512
+    while length is not None:
+        probes.append((length, peak(length)))
+        length = next_probe(probes, cap, granularity=256, max_len=65536, fills_cap=True)
+    assert len(probes) <= 12, probes  # log2 of (limit / first line) doublings, log2 of the bracket bisections
+    assert search_result(probes, cap)["max_seq_len"] == limit // 256 * 256
+
+
 def test_memory_cap_search_goes_on_above_a_failure_below_the_longest_fit_and_calls_it_a_lower_bound():
     """A system whose options change with the length (the planner's row) may fail below a length that fits: that
     failure bounds nothing, the search brackets above the longest fit, and the result names it (Note [Memory-cap
