@@ -49,6 +49,34 @@ def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
         return _make_graph_module(gm, copy.deepcopy(gm.graph))
 
 
+_IN_PLACE_OPERATORS = frozenset((operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                                  operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                                  operator.ilshift, operator.irshift, operator.imatmul))
+
+
+def writes_an_input(node: fx.Node) -> bool:
+    """Whether ``node`` writes into a tensor it is given: an in-place Tensor method or function (``mask.scatter_(...)``,
+    ``x.add_(1)``), an augmented assignment, ``out=`` or ``inplace=True``.  Dynamo records ``mask.scatter_(1, i, 1)``
+    written as a statement as a node nobody uses (later reads use ``mask``'s own node), so such a node is live
+    whatever uses its result (see `eliminate_dead_code`)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if getattr(node.target, "__module__", None) in ("_operator", "operator"):  # and_, or_, not_: no writes
+        return node.target in _IN_PLACE_OPERATORS
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
+        return True
+    return node.kwargs.get("out") is not None or node.kwargs.get("inplace") is True
+
+
+def eliminate_dead_code(graph: fx.Graph) -> bool:
+    """``graph.eliminate_dead_code()`` that keeps every node writing into an input (`writes_an_input`): FX's own
+    test counts a ``call_method`` as pure, so it would drop ``mask.scatter_(1, index, 1)`` written as a statement
+    and the program would read the unwritten ``mask``.  A random draw nobody reads goes, as FX's default does
+    inside a compile."""
+    return graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(False) or writes_an_input(n))
+
+
 def module_name(node: fx.Node) -> str:
     """The qualified name of the innermost module whose code produced ``node`` (best effort)."""
     stack = node.meta.get("nn_module_stack") or {}

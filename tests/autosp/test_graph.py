@@ -112,3 +112,27 @@ def test_graph_positions_built_by_the_model_start_at_the_shard_offset():
     aranges = [n for n in dynamo_graph.graph.nodes if n.target is torch.arange]
     bounds = {tuple(a.args) for a in aranges}
     assert (32, 48) in bounds  # rank 2 of 4 holds tokens 32..47
+
+
+def test_dead_code_elimination_keeps_a_write_into_an_input_and_drops_what_writes_nothing():
+    """Dynamo records ``mask.scatter_(1, index, 1)`` written as a statement as a node nobody uses (later reads use
+    ``mask``'s own node): FX's own dead-code test would drop it and the program would read the unwritten mask.
+    ``operator.and_`` only looks like an in-place name."""
+    import operator
+
+    from torch import fx
+
+    from autosp.passes.graph_utils import eliminate_dead_code
+
+    graph = fx.Graph()
+    x, index = graph.placeholder("x"), graph.placeholder("index")
+    mask = graph.call_function(torch.zeros_like, (x,))
+    graph.call_method("scatter_", (mask, 1, index, 1))
+    graph.call_function(operator.iadd, (mask, x))
+    graph.call_function(torch.add, (x, 1), {"out": mask})
+    graph.call_function(operator.and_, (x, x))
+    graph.call_function(torch.mul, (x, 3))
+    graph.output(graph.call_function(torch.mul, (mask, 2)))
+    assert eliminate_dead_code(graph)
+    assert [n.name for n in graph.nodes if n.op == "call_function" or n.op == "call_method"] == [
+        "zeros_like", "scatter_", "iadd", "add", "mul_1"]

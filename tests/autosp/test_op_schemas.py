@@ -131,6 +131,19 @@ class SchemaLM(_Core):
             x = torch.max(x, y) + torch.min(x, y) + x.max(y) + x.min(other=y)
         elif p == "mask_and_function":  # the mask is token-sharded; a token-local Function of two inputs
             x = _Gate.apply(x, self.gate(x)) * attention_mask[..., None].to(x.dtype)
+        elif p == "router_gather_scatter":  # a router's row-wise picks; the in-place scatter_ a statement
+            scores = torch.sigmoid(self.gate(x))
+            picked = scores.topk(4, dim=-1).indices
+            chosen = torch.zeros_like(scores)
+            chosen.scatter_(-1, picked, 1.0)  # recorded as a node nobody uses: it must not be dropped
+            weights = scores.gather(-1, picked) + torch.take_along_dim(scores, picked, dim=-1)
+            spread = torch.zeros_like(scores).scatter_add(2, picked, weights)
+            x = x * (chosen * scores + spread) + x * weights.sum(-1, keepdim=True)
+        elif p == "complex_rope":  # rotary embeddings through complex numbers (DeepSeek-V2's, Llama 4's)
+            b, s, h = x.shape
+            angles = torch.outer(torch.arange(s, dtype=torch.float32), torch.linspace(0.01, 1.0, h // 2))
+            rotation = torch.polar(torch.ones_like(angles), angles)
+            x = torch.view_as_real(torch.view_as_complex(x.float().reshape(b, s, h // 2, 2)) * rotation).flatten(2)
         elif p == "loss_read_by_tokens":  # the loss's all-reduce read by token-sharded values
             ce = self.lm_loss(x, labels)[0]
             return (torch.tanh(x).pow(2).mean(-1) * ce).mean()
@@ -180,6 +193,11 @@ class SchemaLM(_Core):
             x = _ScanInBackward.apply(x)
         elif p == "function_weight_gradient":
             x = _WeightGrad.apply(x, self.weight)
+        elif p == "gather_along_tokens":
+            x = x.gather(1, torch.zeros_like(x, dtype=torch.long))
+        elif p == "gather_from_a_replicated_table":  # a per-position table's rows paired with this rank's tokens
+            table = self.pos_w[0, : x.shape[1]].expand(x.shape[0], -1, -1)
+            x = x + table.gather(-1, self.gate(x).topk(2, dim=-1).indices)[..., :1]
         elif p == "cond":
             x = torch.cond(self.weight.sum() > 0, lambda y: y.cumsum(1), lambda y: y * 2, (x,))
         return self.lm_loss(x, labels)[0] + 0.1 * extra
@@ -207,6 +225,8 @@ REFUSED = [
     ("function_scan_in_backward", r"custom autograd.Function whose backward is not token-local: Tensor.cumsum"),
     ("function_weight_gradient", r"custom autograd.Function whose backward mixes tokens.*move the sequence-mixing"),
     ("cond", r"higher-order op cond with the token-sharded operand"),
+    ("gather_along_tokens", r"Tensor.gather in module .* gather along dim 1, the token axis"),
+    ("gather_from_a_replicated_table", r"Tensor.gather in module .* pairs the token-sharded rows of one operand"),
 ]
 
 
@@ -229,7 +249,8 @@ def test_op_schemas_registry_is_one_table():
 
 
 # ---- exact spellings, on two gloo ranks --------------------------------------------------------------------
-EXACT = ["norms_and_max", "rope", "mask_and_function", "loss_read_by_tokens"]
+EXACT = ["norms_and_max", "rope", "mask_and_function", "loss_read_by_tokens", "router_gather_scatter",
+         "complex_rope"]
 
 
 def _padding_mask(ids):
@@ -266,6 +287,9 @@ def test_op_schemas_accepted_spellings_are_exact_two_ranks():
     assert classes[0]["Tensor.norm"] == "reduction (over the sequence: all-reduced sums)"
     assert classes[1]["torch.outer"] == "token-local: matmul"
     assert any("custom autograd.Function" in c for c in classes[2].values())
+    assert classes[4]["Tensor.gather"] == classes[4]["Tensor.scatter_"] == "token-local: row-wise gather and scatter"
+    assert classes[5]["torch.polar"] == "token-local: elementwise"
+    assert classes[5]["torch.view_as_complex"] == classes[5]["torch.view_as_real"] == "token-local: layout"
 
 
 # ---- token counts read from a dynamic shape (Note [Token counts]) ----------------------------------------------

@@ -15,13 +15,13 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autosp.context import TraceContext
-from autosp.passes.graph_utils import EXAMPLE_VALUE
+from autosp.passes.graph_utils import EXAMPLE_VALUE, eliminate_dead_code
 
 log = logging.getLogger(__name__)
 
 
 def eliminate_dead_code_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext) -> fx.GraphModule:
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -74,7 +74,7 @@ from autosp.passes.dynamo.attention import SDPA_TARGETS, _sdpa_signature
 from autosp.passes.dynamo.mask_learner import MaskLearner, MaskRule
 from autosp.passes.dynamo.rules import higher_order_body
 from autosp.passes.dynamo.tag_inputs import ROLE
-from autosp.passes.graph_utils import bind, fake_value, infer_fake_value, module_name
+from autosp.passes.graph_utils import bind, eliminate_dead_code, fake_value, infer_fake_value, module_name
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def attention_mask_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext
     ctx.report.attention_kept_fraction = applied.pop() if len(applied) == 1 else None
     if changed:
         _drop_unused_operands(gm)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         for body in {higher_order_body(gm, n)[0] for n in gm.graph.nodes if higher_order_body(gm, n)}:
             body.recompile()
         gm.recompile()
@@ -295,7 +295,7 @@ def _drop_unused_operands(gm: fx.GraphModule) -> None:
         if body is None:
             continue
         sub, operands = body
-        sub.graph.eliminate_dead_code()
+        eliminate_dead_code(sub.graph)
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         first = len(node.args) - len(operands)
         keep = [i for i, ph in enumerate(placeholders) if ph.users]

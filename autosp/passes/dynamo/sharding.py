@@ -91,7 +91,15 @@ from autosp.context import TraceContext
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo import rules
 from autosp.passes.dynamo.placements import PARTIAL, REPLICATE, Partial, Replicate, Shard, describe
-from autosp.passes.graph_utils import fake_value, flatten, infer_fake_value, module_name, source_location
+from autosp.passes.graph_utils import (
+    eliminate_dead_code,
+    fake_value,
+    flatten,
+    infer_fake_value,
+    module_name,
+    source_location,
+    writes_an_input,
+)
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +189,26 @@ class Analysis:
             if node in self.result.placements:  # inserted by a rule, already placed
                 continue
             self.set(node, self.visit(gm, node))
+            if writes_an_input(node):
+                self._check_write(node)
             if isinstance(self.of(node), Replicate) and any(a in self.sequence_reduced for a in node.all_input_nodes):
                 self.sequence_reduced.add(node)
         return self.of(output.args[0]) if output is not None else ()
+
+    def _check_write(self, node: fx.Node) -> None:
+        """A node that writes into a tensor (``mask.scatter_(...)``, ``acc += x``, ``out=``) leaves every later read
+        of that tensor's own node with the written value, read under the tensor's placement: the result's
+        placement must be the tensor's."""
+        written = node.kwargs.get("out", node.args[0] if node.args else None)
+        if not isinstance(written, fx.Node) or not isinstance(fake_value(written), torch.Tensor):
+            return
+        before, after = self.of(written), self.of(node)
+        plain = type(before) is Shard and type(after) is Shard  # the positions they carry may differ
+        same = (before.dim, before.inner) == (after.dim, after.inner) if plain else before == after
+        if not same:
+            raise self.refuse(node, f"writes a {after} value into {written.name}, which is {before}, so later reads of "
+                              f"{written.name} would take it for {before}", "write the result into a new tensor "
+                              "(an out-of-place op) instead")
 
     def visit(self, gm: fx.GraphModule, node: fx.Node):
         return rules.apply(self, gm, node)
@@ -215,7 +240,7 @@ def analyse_sequence_sharding(gm: fx.GraphModule, ctx: TraceContext) -> Sequence
 
 def sequence_sharding_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext) -> fx.GraphModule:
     """Run the analysis and its rewrites over the whole graph; record what it found in the report."""
-    gm.graph.eliminate_dead_code()  # what earlier rewrites left behind is not part of the program
+    eliminate_dead_code(gm.graph)  # what earlier rewrites left behind is not part of the program
     for node in gm.graph.nodes:  # nodes earlier rules inserted carry no fake value yet
         if node.op.startswith("call_") and fake_value(node) is None:
             infer_fake_value(node)

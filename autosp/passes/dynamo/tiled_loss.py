@@ -50,6 +50,7 @@ from autosp.passes.dynamo.placements import PARTIAL, REPLICATE, Partial, Replica
 from autosp.passes.dynamo.tag_inputs import placeholder_with_role
 from autosp.passes.graph_utils import (
     bind,
+    eliminate_dead_code,
     emit_call,
     fake_value,
     is_full_slice,
@@ -153,7 +154,7 @@ def make_tiled_loss_pass(mode: str, loss_chunk_tokens: int | None, return_logits
     def tiled_loss_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext) -> fx.GraphModule:
         if mode == "off" or not ctx.labels_passed:
             return gm
-        gm.graph.eliminate_dead_code()  # what the loss pass left behind (the logits slice it bypassed)
+        eliminate_dead_code(gm.graph)  # what the loss pass left behind (the logits slice it bypassed)
         labels = placeholder_with_role(gm, "labels")
         losses = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is F.cross_entropy
                   and labels is not None and labels in ancestors(n)]

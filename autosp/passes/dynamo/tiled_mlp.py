@@ -45,7 +45,15 @@ from autosp import tiled_ops
 from autosp.context import TraceContext
 from autosp.passes.dynamo.placements import REPLICATE, Replicate, Shard
 from autosp.passes.dynamo.tiled_loss import refuse_or_skip
-from autosp.passes.graph_utils import emit_call, fake_value, is_linear, linear_args, module_name, shape_of
+from autosp.passes.graph_utils import (
+    eliminate_dead_code,
+    emit_call,
+    fake_value,
+    is_linear,
+    linear_args,
+    module_name,
+    shape_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +212,7 @@ def make_tiled_mlp_pass(mode: str, mlp_chunk_tokens: int | None):
     def tiled_mlp_pass(gm: fx.GraphModule, example_inputs, *, ctx: TraceContext) -> fx.GraphModule:
         if mode == "off":
             return gm
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         found = 0
         for node in list(gm.graph.nodes):  # a rewrite erases and inserts only nodes before the one matched
             match = _match(node)

@@ -71,6 +71,19 @@ def _token_axis_unchanged(an, node: fx.Node, p: Shard, what: str) -> Shard:
     return p.moved(dim)
 
 
+@rule("token-local: layout", "view_as_complex", "view_as_real")
+def complex_view(an, gm, node: fx.Node):
+    """``view_as_complex`` pairs the last dim's two entries into one complex number, ``view_as_real`` splits it
+    again (complex rotary embeddings): every other dim, the token axis among them, stays where it is."""
+    source = _input(node)
+    p = an.of(source)
+    if not isinstance(p, Shard):
+        return p if isinstance(p, Partial) else REPLICATE
+    if op_name(node) == "view_as_complex" and p.dim == ndim(source) - 1:
+        raise an.refuse(node, "pairs entries along the token axis into complex numbers", FIX_GENERIC)
+    return p
+
+
 @rule("token-local: layout", "expand", "expand_as", "broadcast_to")
 def expand(an, gm, node: fx.Node):
     p = an.of(node.args[0])
