@@ -176,6 +176,21 @@ def _token_count(x):
     return tokens * batch / batch
 
 
+def _topk_mask_in_place(m, x, env):
+    """A router's mask, scattered in place by a statement (Dynamo records it as a node nobody uses)."""
+    mask = torch.zeros_like(x)
+    mask.scatter_(-1, x.topk(2, dim=-1).indices, 1.0)
+    return x * (1 + mask) + x.gather(-1, x.argsort(-1))
+
+
+def _updated_in_place(m, x, env):
+    y = x.clone()
+    y.mul_(m.gain)
+    y.add_(x)
+    top = y.argmax(-1, keepdim=True)
+    return torch.zeros_like(y).scatter_add(-1, top, y.gather(-1, top)) + y
+
+
 def _aux(value_fn):
     def fn(m, x, env):
         env["aux"].append(value_fn(m, x, env))
@@ -198,6 +213,9 @@ OPS: dict[str, OpSpec] = {
     "logsumexp_hidden": OpSpec("local", lambda m, x, env: x - torch.logsumexp(x, -1, keepdim=True)),
     "norm_hidden": OpSpec("local", lambda m, x, env: x / (x.norm(dim=-1, keepdim=True) + 1.0)),
     "var_hidden": OpSpec("local", lambda m, x, env: x / (x.var(-1, keepdim=True, unbiased=False) + 1.0).sqrt()),
+    # row-wise gathers and scatters along the hidden axis, and writes into a tensor made as statements
+    "topk_mask_in_place": OpSpec("local", _topk_mask_in_place),
+    "updated_in_place": OpSpec("local", _updated_in_place),
     "sort_hidden": OpSpec("local", lambda m, x, env: x.sort(-1).values + 0.1 * x),
     "aux_hidden_mean": OpSpec("rule", _aux(lambda m, x, env: x.pow(2).mean(-1).mean())),
     # -- token-local: views and reshapes, spelt several ways ---------------------------------------
@@ -268,6 +286,7 @@ OPS: dict[str, OpSpec] = {
     "sum_div_helper_count": OpSpec("mixing", lambda m, x, env: x - x.sum(1, keepdim=True) / _token_count(x)),
     # -- reductions over the sequence without an exact rule (or with a differently spelt argument) ---------
     "amax_sequence": OpSpec("mixing", lambda m, x, env: x - x.amax(dim=1, keepdim=True)),
+    "gather_along_sequence": OpSpec("mixing", lambda m, x, env: x.gather(1, x.argmax(1, keepdim=True).expand_as(x))),
     "max_sequence_values": OpSpec("mixing", lambda m, x, env: x - torch.max(x, dim=1, keepdim=True).values),
     "aux_norm_positional_dim": OpSpec("mixing", _aux(lambda m, x, env: x.norm(2, 1).mean())),
     "aux_norm_keyword_dim": OpSpec("mixing", _aux(lambda m, x, env: torch.norm(x, dim=1).mean())),

@@ -144,6 +144,12 @@ class SchemaLM(_Core):
             angles = torch.outer(torch.arange(s, dtype=torch.float32), torch.linspace(0.01, 1.0, h // 2))
             rotation = torch.polar(torch.ones_like(angles), angles)
             x = torch.view_as_real(torch.view_as_complex(x.float().reshape(b, s, h // 2, 2)) * rotation).flatten(2)
+        elif p == "buffer_filled_per_token":  # keys assembled in a buffer made like x (multi-head latent attention)
+            h = x.shape[-1]
+            buffer = x.new_empty(*x.shape[:-1], 2 * h)
+            buffer[..., :h].copy_(x)
+            buffer[..., h:].copy_(torch.tanh(self.gate(x)))
+            x = buffer[..., :h] * buffer[..., h:] + x
         elif p == "loss_read_by_tokens":  # the loss's all-reduce read by token-sharded values
             ce = self.lm_loss(x, labels)[0]
             return (torch.tanh(x).pow(2).mean(-1) * ce).mean()
@@ -198,6 +204,10 @@ class SchemaLM(_Core):
         elif p == "gather_from_a_replicated_table":  # a per-position table's rows paired with this rank's tokens
             table = self.pos_w[0, : x.shape[1]].expand(x.shape[0], -1, -1)
             x = x + table.gather(-1, self.gate(x).topk(2, dim=-1).indices)[..., :1]
+        elif p == "buffer_of_another_length":  # a buffer made like x but longer: its rows are not x's tokens
+            buffer = x.new_zeros(x.shape[0], 2 * x.shape[1], x.shape[2])
+            buffer[:, : x.shape[1]].copy_(x)
+            x = buffer[:, : x.shape[1]] + x
         elif p == "cond":
             x = torch.cond(self.weight.sum() > 0, lambda y: y.cumsum(1), lambda y: y * 2, (x,))
         return self.lm_loss(x, labels)[0] + 0.1 * extra
@@ -225,6 +235,7 @@ REFUSED = [
     ("function_scan_in_backward", r"custom autograd.Function whose backward is not token-local: Tensor.cumsum"),
     ("function_weight_gradient", r"custom autograd.Function whose backward mixes tokens.*move the sequence-mixing"),
     ("cond", r"higher-order op cond with the token-sharded operand"),
+    ("buffer_of_another_length", r"Tensor.copy_ in module .* token-sharded"),
     ("gather_along_tokens", r"Tensor.gather in module .* gather along dim 1, the token axis"),
     ("gather_from_a_replicated_table", r"Tensor.gather in module .* pairs the token-sharded rows of one operand"),
 ]
@@ -250,7 +261,7 @@ def test_op_schemas_registry_is_one_table():
 
 # ---- exact spellings, on two gloo ranks --------------------------------------------------------------------
 EXACT = ["norms_and_max", "rope", "mask_and_function", "loss_read_by_tokens", "router_gather_scatter",
-         "complex_rope"]
+         "complex_rope", "buffer_filled_per_token"]
 
 
 def _padding_mask(ids):

@@ -8,9 +8,10 @@ import torch
 
 from experiments import architecture_sweep as sweep
 
-SUBSET = ("llama", "qwen2", "mixtral", "glm4_moe", "gpt2", "mamba")
+SUBSET = ("llama", "qwen2", "mixtral", "glm4_moe", "deepseek_v3", "gpt2", "mamba")
 """Dense decoders with GQA, a mixture of experts with its router loss, one with a grouped top-k router (row-wise
-gathers, and an in-place ``scatter_`` written as a statement), GPT-2 (refused today: Hugging Face logs a
+gathers, and an in-place ``scatter_`` written as a statement), DeepSeek-V3 (multi-head latent attention: keys
+assembled per token in a buffer made like another), GPT-2 (refused today: Hugging Face logs a
 warning inside its forward) and a state-space model (refused: a convolution over the sequence)."""
 
 
@@ -101,7 +102,7 @@ def test_architecture_sweep_subset_on_two_ranks_has_no_silent_wrong_and_no_crash
     counts = sweep.counts(rows)
     assert counts["silent-wrong"] == 0 and counts["crash"] == 0, sweep.table(rows)
     assert sum(counts.values()) == len(SUBSET) and set(counts) == set(sweep.OUTCOMES)
-    assert {by_name[n].outcome for n in ("llama", "qwen2", "mixtral", "glm4_moe")} == {"exact"}, sweep.table(rows)
+    assert {by_name[n].outcome for n in ("llama", "qwen2", "mixtral", "glm4_moe", "deepseek_v3")} == {"exact"}, sweep.table(rows)
     assert by_name["gpt2"].outcome in ("exact", "refused")
     assert by_name["mamba"].outcome == "refused" and "conv1d" in by_name["mamba"].reason
     assert all(r.reason for r in rows if r.outcome != "exact") and all(not r.reason for r in rows

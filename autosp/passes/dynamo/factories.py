@@ -21,11 +21,23 @@ def metadata(an, gm, node: fx.Node):
     return REPLICATE
 
 
+_LIKE_RECEIVER = frozenset(("new_ones", "new_zeros", "new_empty", "new_full"))
+"""``x.new_zeros(shape)`` and kin: a tensor made from ``x``'s properties (see `factory`)."""
+
+
 @rule("factory (replicated)", "zeros", "ones", "empty", "full", "tensor", "as_tensor", "scalar_tensor", "eye",
-      "linspace", "logspace", "rand", "randn", "randint", "tril", "triu", "new_ones", "new_zeros", "new_empty",
-      "new_full", "new_tensor", "finfo", "iinfo", "get_default_dtype")
+      "linspace", "logspace", "rand", "randn", "randint", "tril", "triu", *_LIKE_RECEIVER, "new_tensor", "finfo",
+      "iinfo", "get_default_dtype")
 def factory(an, gm, node: fx.Node):
+    """A made tensor is the same on every rank, but for one made like a token-sharded ``x`` with ``x``'s own token
+    axis (``kv.new_empty(*kv.shape[:-1], d)``, a buffer the model then fills per token, as multi-head latent
+    attention assembles its keys): that one is token-sharded as ``x`` is, as ``zeros_like(x)`` is.  Its entries
+    are a constant or unwritten, the same in every row of the sequence, so each rank's rows are the single-device
+    tensor's rows of its tokens."""
     bound = arguments(node)
+    like = _like_receiver(an, node)
+    if like is not None:
+        return like
     for key in ("data", "fill_value", "s"):
         if token_count_scale(an, fake_value(bound.get(key))) is not None:
             raise an.refuse(node, f"makes a tensor from {bound[key].name}, this rank's token count read from a "
@@ -35,6 +47,21 @@ def factory(an, gm, node: fx.Node):
         if isinstance(p, Shard) and not p.tentative and op_name(node) in ("tril", "triu"):
             raise an.refuse(node, "masks a token-sharded tensor by position within the shard", FIX_GENERIC)
     return REPLICATE
+
+
+def _like_receiver(an, node: fx.Node):
+    """The placement of ``x.new_*(shape)`` where ``x`` is token-sharded and ``shape`` keeps ``x``'s rank and its
+    token axis's local length (None otherwise: replicated, as any made tensor)."""
+    if op_name(node) not in _LIKE_RECEIVER or node.op != "call_method" or not node.args:
+        return None
+    receiver = node.args[0]
+    p = an.of(receiver) if isinstance(receiver, fx.Node) else None
+    made, like = fake_value(node), fake_value(receiver)
+    if (not isinstance(p, Shard) or p.tentative or not isinstance(made, torch.Tensor)
+            or not isinstance(like, torch.Tensor) or made.dim() != like.dim()
+            or made.shape[p.dim] != like.shape[p.dim]):
+        return None
+    return p
 
 
 def _autosp_op(name: str):
