@@ -14,6 +14,71 @@ from tests.harness import run_on_ranks
 IGNORE = -100
 FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 """The fp32 equivalence tolerance of the AutoSP tests."""
+TECHNIQUES_ON = {"tiled_loss": "on", "return_logits": False, "tiled_mlp": "on", "activation_offload": "on"}
+"""AutoSP's memory techniques all on (SAC is the default checkpointing)."""
+
+
+def replicas_step(reference: torch.nn.Module, compiled, *, step: int, seq_len: int, dp_size: int,
+                  dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One backward of a data-parallel SP job against one device: the reference trains on every replica's sample of
+    ``step`` (its gradients averaged over the replicas), the compiled model on its replica's; their two losses on
+    that sample (the compiled one's, the reference's)."""
+    import autosp
+    from experiments.models import vocab_size
+
+    samples = [make_sample(seq_len, vocab_size(reference), seed=100 + 10 * step + i) for i in range(dp_size)]
+    ref_losses = []
+    for ids, labels in samples:
+        loss = loss_of(reference(input_ids=ids, labels=labels))
+        (loss / dp_size).backward()
+        ref_losses.append(loss.detach())
+    ids, labels = samples[dp_rank]
+    loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
+    loss.backward()
+    return loss.detach(), ref_losses[dp_rank]
+
+
+def assert_named_close(actual: dict, expected: dict, where: str) -> None:
+    """Every named tensor equal to the reference's within `FP32_TOL`, none of the reference's all zero (the
+    comparison would be vacuous)."""
+    assert actual.keys() == expected.keys(), where
+    for name, value in actual.items():
+        assert expected[name].abs().max() > 0, f"{where} {name} is zero: the comparison would be vacuous"
+        torch.testing.assert_close(value, expected[name], **FP32_TOL, msg=lambda m, w=f"{where} {name}": f"{w}: {m}")
+
+
+def assert_steps_match(record: dict, where: str, *, clip: float) -> None:
+    """A run of optimizer steps against its reference: each step's loss and every gradient (``steps``: ``loss``,
+    ``grads`` and the ``ref_`` pair of each), the first step's norm clipped to ``clip`` and the clipped gradients
+    (``norm``, ``clipped``), then every parameter (``params``)."""
+    for step, s in enumerate(record["steps"]):
+        torch.testing.assert_close(s["loss"], s["ref_loss"], **FP32_TOL,
+                                   msg=lambda m, i=step: f"{where} step {i} loss: {m}")
+        assert_named_close(s["grads"], s["ref_grads"], f"{where} step {step} grad")
+        if "norm" in s:
+            assert s["ref_norm"] > clip, f"{where}: the norm {s['ref_norm']} is not clipped at {clip}"
+            torch.testing.assert_close(s["norm"], s["ref_norm"], **FP32_TOL)
+            assert_named_close(s["clipped"], s["ref_clipped"], f"{where} step {step} clipped grad")
+    assert_named_close(record["params"], record["ref_params"], f"{where} parameter")
+
+
+def case_records(results: list[list[dict]], cases: list[dict]):
+    """``(where, case, record)`` for every case of a launch on every rank (``results[rank][i]``: case i's record)."""
+    for rank, per_case in enumerate(results):
+        for case, record in zip(cases, per_case, strict=True):
+            yield f"rank {rank} {case}", case, record
+
+
+def build_case_model(model: str) -> torch.nn.Module:
+    """A model of the training-equivalence tests by name: an `experiments.models` preset, or ``"mixtral"`` (the
+    Hugging Face Mixtral of tests/autosp/test_moe.py)."""
+    if model == "mixtral":
+        from tests.autosp.test_moe import build_moe
+
+        return build_moe("mixtral")
+    from experiments.models import build_model
+
+    return build_model(model)
 
 
 def config_json(folder, config: dict) -> str:

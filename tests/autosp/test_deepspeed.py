@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from tests.autosp.cases import FP32_TOL, loss_of, make_sample
+from tests.autosp.cases import FP32_TOL, TECHNIQUES_ON, build_case_model, loss_of, make_sample
 from tests.harness import run_on_ranks
 from tests.harness.deepspeed_memory import deepspeed_host_bytes
 
@@ -43,22 +43,10 @@ def _make_optimizer(kind: str, params):
     raise ValueError(kind)
 
 
-TILED = {"tiled_loss": "on", "return_logits": False, "tiled_mlp": "on", "activation_offload": "on"}
-"""AutoSP's memory techniques all on (SAC is the default checkpointing)."""
 ZERO3_AS_ALST = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "stage3_prefetch_bucket_size": 10**6,
                  "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 10**9,
                  "sub_group_size": 10**9}
 """A ZeRO 3 section as ALST's recipes write it (optimizer offloaded; the hook options are dropped under AutoSP)."""
-
-
-def _build(model: str) -> torch.nn.Module:
-    if model == "mixtral":
-        from tests.autosp.test_moe import build_moe
-
-        return build_moe("mixtral")
-    from experiments.models import build_model
-
-    return build_model(model)
 
 
 def _ds_config(*, zero_stage: int, sp_size: int, clip: float | None, gas: int = 1, strategy: dict | None = None,
@@ -132,7 +120,7 @@ def _train_case(rank, world, *, zero_stage, sp_size, optimizer, clip=None, model
 
     os.environ["LOCAL_RANK"] = str(rank)  # one node: what torchrun sets
     torch.manual_seed(0)
-    reference = _build(model)
+    reference = build_case_model(model)
     candidate = copy.deepcopy(reference)
     dp_size, dp_rank = world // sp_size, rank // sp_size
     vocab = vocab_size(reference)
@@ -251,7 +239,7 @@ HYBRID_CASE = {"zero_stage": 2, "optimizer": "sgd", "clip": CLIP, "sp_size": 4,
 
 
 ZERO3_CASES = [  # AutoSP's sharded parameters under DeepSpeed's engine (Note [ZeRO 3 through DeepSpeed])
-    {"zero_stage": 3, "optimizer": "adam", "clip": CLIP, "gas": 2, "strategy": TILED},
+    {"zero_stage": 3, "optimizer": "adam", "clip": CLIP, "gas": 2, "strategy": TECHNIQUES_ON},
     {"zero_stage": 3, "optimizer": "sgd", "clip": CLIP, "model": "hf-qwen2", "zero": ZERO3_AS_ALST},
 ]
 ZERO3_MOE_CASE = {"zero_stage": 3, "optimizer": "adam", "clip": CLIP, "model": "mixtral"}

@@ -25,23 +25,18 @@ import torch
 from autosp.costs import VIEWS, packet_name
 from autosp.errors import AutoSPError
 from autosp.passes.joint.checkpointing import gathers_parameter
-from tests.autosp.cases import FP32_TOL, loss_of, make_sample
+from tests.autosp.cases import (
+    TECHNIQUES_ON,
+    assert_steps_match,
+    build_case_model,
+    case_records,
+    replicas_step,
+)
 from tests.harness import run_on_ranks
 
 SEQ_LEN = 64
 CLIP = 0.05
 """The gradient norm clipped to in the first step (the models' are larger: the test checks that it clips)."""
-TILED = {"tiled_loss": "on", "return_logits": False, "tiled_mlp": "on", "activation_offload": "on"}
-
-
-def _build(model: str) -> torch.nn.Module:
-    if model == "mixtral":
-        from tests.autosp.test_moe import build_moe
-
-        return build_moe("mixtral")
-    from experiments.models import build_model
-
-    return build_model(model)
 
 
 def _gathered_weights_kept(forward) -> list[str]:
@@ -58,11 +53,10 @@ def _gathered_weights_kept(forward) -> list[str]:
 def _two_steps(rank: int, world: int, *, model: str, sp_size: int, options: dict, compiler: str = "aot_eager") -> dict:
     """Two AdamW steps of ``model`` compiled with ``shard_parameters=True`` on this rank, and of the reference."""
     import autosp
-    from experiments.models import vocab_size
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    reference = _build(model)
+    reference = build_case_model(model)
     candidate = copy.deepcopy(reference)
     dp_size, dp_rank = world // sp_size, rank // sp_size
     compiled = autosp.compile(candidate, sp_size=sp_size, compiler=compiler, shard_parameters=True, **options)
@@ -71,16 +65,9 @@ def _two_steps(rank: int, world: int, *, model: str, sp_size: int, options: dict
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
     steps = []
     for step in range(2):
-        samples = [make_sample(SEQ_LEN, vocab_size(reference), seed=100 + 10 * step + i) for i in range(dp_size)]
-        ref_losses = []
-        for ids, labels in samples:
-            loss = loss_of(reference(input_ids=ids, labels=labels))
-            (loss / dp_size).backward()
-            ref_losses.append(loss.detach())
-        ids, labels = samples[dp_rank]
-        loss = loss_of(compiled(**autosp.prepare_inputs(ids, labels=labels)))
-        loss.backward()
-        record = {"loss": loss.detach(), "ref_loss": ref_losses[dp_rank], "grads": compiled.full_parameters(grads=True),
+        loss, ref_loss = replicas_step(reference, compiled, step=step, seq_len=SEQ_LEN, dp_size=dp_size,
+                                       dp_rank=dp_rank)
+        record = {"loss": loss, "ref_loss": ref_loss, "grads": compiled.full_parameters(grads=True),
                   "ref_grads": {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}}
         if step == 0:  # clipped by the whole gradients' norm, as on one device
             record["norm"] = compiled.clip_grad_norm_(CLIP)
@@ -109,48 +96,27 @@ def _cases(rank, world, cases):
     return [_two_steps(rank, world, **case) for case in cases]
 
 
-def _check_grads(grads: dict, ref_grads: dict, where: str) -> None:
-    assert grads.keys() == ref_grads.keys(), where
-    for name, grad in grads.items():
-        ref = ref_grads[name]
-        assert ref.abs().max() > 0, f"{where} grad {name} is zero: the comparison would be vacuous"
-        torch.testing.assert_close(grad, ref, **FP32_TOL, msg=lambda m, w=f"{where} grad {name}": f"{w}: {m}")
-
-
 def _check(results: list[list[dict]], cases: list[dict], world: int) -> None:
-    for rank, per_case in enumerate(results):
-        for case, r in zip(cases, per_case, strict=True):
-            where = f"rank {rank} {case}"
-            for step, s in enumerate(r["steps"]):
-                torch.testing.assert_close(s["loss"], s["ref_loss"], **FP32_TOL,
-                                           msg=lambda m, w=where, i=step: f"{w} step {i} loss: {m}")
-                _check_grads(s["grads"], s["ref_grads"], f"{where} step {step}")
-                if "norm" in s:
-                    assert s["ref_norm"] > CLIP, f"{where}: the norm {s['ref_norm']} is not clipped at {CLIP}"
-                    torch.testing.assert_close(s["norm"], s["ref_norm"], **FP32_TOL)
-                    _check_grads(s["clipped"], s["ref_clipped"], f"{where} step {step} clipped")
-            assert r["params"].keys() == r["ref_params"].keys(), where
-            for name, param in r["params"].items():
-                torch.testing.assert_close(param, r["ref_params"][name], **FP32_TOL,
-                                           msg=lambda m, w=f"{where} parameter {name}": f"{w}: {m}")
-            # Each rank holds 1/N of every parameter (padded to a multiple of N), and only that between uses.
-            assert sorted(r["shard_sizes"].values()) == sorted(-(-n // world) for n in r["whole_sizes"].values())
-            assert r["kept"] == [], f"{where}: gathered weights kept for backward: {r['kept']}"
-            if case["options"].get("memory_plan") == "auto":
-                assert r["planned_stage"] == 3, f"{where}: planned as ZeRO {r['planned_stage']}, not 3"
-            assert r["backward_gathers"] > 0, f"{where}: the backward gathers no parameter"
+    for where, case, r in case_records(results, cases):
+        assert_steps_match(r, where, clip=CLIP)
+        # Each rank holds 1/N of every parameter (padded to a multiple of N), and only that between uses.
+        assert sorted(r["shard_sizes"].values()) == sorted(-(-n // world) for n in r["whole_sizes"].values())
+        assert r["kept"] == [], f"{where}: gathered weights kept for backward: {r['kept']}"
+        if case["options"].get("memory_plan") == "auto":
+            assert r["planned_stage"] == 3, f"{where}: planned as ZeRO {r['planned_stage']}, not 3"
+        assert r["backward_gathers"] > 0, f"{where}: the backward gathers no parameter"
 
 
 TWO_RANK_CASES = [
     {"model": "hf-llama", "sp_size": 2, "options": {}},
-    {"model": "hf-qwen2", "sp_size": 2, "options": TILED},
+    {"model": "hf-qwen2", "sp_size": 2, "options": TECHNIQUES_ON},
     {"model": "hf-llama", "sp_size": 2, "options": {"strategy": "ring"}},
     {"model": "hf-llama", "sp_size": 2, "options": {}, "compiler": "inductor"},  # autosp.compile's default
     # the memory planner's plan, priced as ZeRO 3 (any plan fits this target: the fastest is chosen)
     {"model": "hf-llama", "sp_size": 2, "options": {"memory_plan": "auto", "target_memory": 2**30}},
 ]
 FOUR_RANK_CASES = [
-    {"model": "hf-llama", "sp_size": 2, "options": TILED},  # SP 2 x DP 2
+    {"model": "hf-llama", "sp_size": 2, "options": TECHNIQUES_ON},  # SP 2 x DP 2
     {"model": "mixtral", "sp_size": 4, "options": {}},
 ]
 
