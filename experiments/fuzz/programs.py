@@ -286,7 +286,7 @@ OPS: dict[str, OpSpec] = {
     "sum_div_helper_count": OpSpec("mixing", lambda m, x, env: x - x.sum(1, keepdim=True) / _token_count(x)),
     # -- reductions over the sequence without an exact rule (or with a differently spelt argument) ---------
     "amax_sequence": OpSpec("mixing", lambda m, x, env: x - x.amax(dim=1, keepdim=True)),
-    "gather_along_sequence": OpSpec("mixing", lambda m, x, env: x.gather(1, x.argmax(1, keepdim=True).expand_as(x))),
+    "gather_along_sequence": OpSpec("mixing", lambda m, x, env: x.gather(1, torch.zeros_like(x, dtype=torch.long))),
     "max_sequence_values": OpSpec("mixing", lambda m, x, env: x - torch.max(x, dim=1, keepdim=True).values),
     "aux_norm_positional_dim": OpSpec("mixing", _aux(lambda m, x, env: x.norm(2, 1).mean())),
     "aux_norm_keyword_dim": OpSpec("mixing", _aux(lambda m, x, env: torch.norm(x, dim=1).mean())),

@@ -91,6 +91,7 @@ from autosp.context import TraceContext
 from autosp.errors import AutoSPError
 from autosp.passes.dynamo import rules
 from autosp.passes.dynamo.placements import PARTIAL, REPLICATE, Partial, Replicate, Shard, describe
+from autosp.passes.dynamo.registry import op_name
 from autosp.passes.graph_utils import (
     eliminate_dead_code,
     fake_value,
@@ -202,6 +203,8 @@ class Analysis:
         written = node.kwargs.get("out", node.args[0] if node.args else None)
         if not isinstance(written, fx.Node) or not isinstance(fake_value(written), torch.Tensor):
             return
+        if op_name(written) in _FRESH and all(u is node for u in written.users):
+            return  # a tensor made for this write alone (zeros(n).scatter_add_(...)): only its result is read
         before, after = self.of(written), self.of(node)
         plain = type(before) is Shard and type(after) is Shard  # the positions they carry may differ
         same = (before.dim, before.inner) == (after.dim, after.inner) if plain else before == after
@@ -212,6 +215,12 @@ class Analysis:
 
     def visit(self, gm: fx.GraphModule, node: fx.Node):
         return rules.apply(self, gm, node)
+
+
+_FRESH = frozenset(("zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full", "zeros_like",
+                    "ones_like", "empty_like", "full_like", "clone", "tensor"))
+"""Ops that make a new tensor (not a view of another): one written by a single op and read nowhere else leaves no
+stale read behind (`Analysis._check_write`)."""
 
 
 def _local_tokens(gm: fx.GraphModule) -> int:
